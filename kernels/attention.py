@@ -1,0 +1,45 @@
+"""Paged attention API. (Interface fixed; implementation to be written.)
+
+KV cache layout, per layer: key_cache and value_cache of shape
+``[num_blocks, block_size, num_kv_heads, head_dim]``. A token at position p of a request lives in
+slot ``block_ids[p // block_size] * block_size + p % block_size``.
+
+A step's batch is flattened (no padding): the first ``num_decodes`` tokens are decodes (one query
+token each, attending over their whole cached context), followed by prefill chunks (each causal
+within the chunk and attending fully over its cached prefix).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    # [num_tokens] int64: where each new token's K/V is written.
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    # [num_decodes, max_blocks] int64 block tables (padded with 0) and [num_decodes] context
+    # lengths (including the token being decoded).
+    decode_block_tables: torch.Tensor
+    decode_context_lens: torch.Tensor
+    # Per prefill chunk: query length, total context length (cached prefix + chunk), block table.
+    prefill_query_lens: list[int]
+    prefill_context_lens: list[int]
+    prefill_block_tables: list[torch.Tensor]
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store this step's keys/values ([num_tokens, num_kv_heads, head_dim]) at their slots."""
+    raise NotImplementedError
+
+
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention for a flattened mixed batch. query [T, Hq, D]; key/value [T, Hkv, D] are this
+    step's new K/V (already written to the cache). Returns [T, Hq, D]. GQA: Hq % Hkv == 0."""
+    raise NotImplementedError

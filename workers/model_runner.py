@@ -1,0 +1,111 @@
+"""Turns a SchedulerOutput into model inputs, runs the forward pass and samples.
+
+The runner is stateless across steps apart from the KV cache contents: every scheduled request
+carries its block table and token slice, so a step that is abandoned or rolled back leaves nothing
+behind here that needs undoing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from kernels import AttentionMetadata
+from workers.kv_cache import allocate_kv_caches
+from workers.models import build_model
+from workers.sampler import Sampler
+from workers.weight_loader import load_weights
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_meta: AttentionMetadata
+    # Rows of the hidden states to sample from, and the requests they belong to.
+    logits_indices: torch.Tensor
+    sampled: list[ScheduledRequest]
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str, hf_config, dtype: torch.dtype, device: torch.device,
+                 num_blocks: int, block_size: int, seed: int = 0,
+                 tp_rank: int = 0, tp_size: int = 1, tp_group=None) -> None:
+        self.device = device
+        self.block_size = block_size
+        self.model = build_model(hf_config, dtype, device, tp_rank=tp_rank, tp_size=tp_size,
+                                 tp_group=tp_group)
+        load_weights(self.model, model_dir)
+        self.model.eval()
+        self.kv_caches = allocate_kv_caches(self.model.num_layers, num_blocks, block_size,
+                                            self.model.num_kv_heads, self.model.head_dim,
+                                            dtype, device)
+        self.sampler = Sampler(seed)
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        started = time.perf_counter()
+        inputs = self.prepare_inputs(scheduler_output.requests)
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn_meta,
+                                    self.kv_caches)
+        sampled: dict[str, int] = {}
+        if inputs.sampled:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            params: list[SamplingParams] = [r.sampling_params for r in inputs.sampled]
+            indices = [r.num_output_tokens for r in inputs.sampled]
+            tokens = self.sampler(logits, params, indices)
+            sampled = {r.req_id: t for r, t in zip(inputs.sampled, tokens)}
+        return ModelRunnerOutput(step_id=scheduler_output.step_id, sampled_token_ids=sampled,
+                                 execute_seconds=time.perf_counter() - started)
+
+    def prepare_inputs(self, requests: list[ScheduledRequest]) -> ModelInputs:
+        # The attention kernels expect decodes (one query token) first, then prefill chunks.
+        decodes = [r for r in requests if len(r.token_ids) == 1]
+        prefills = [r for r in requests if len(r.token_ids) > 1]
+        ordered = decodes + prefills
+        bs = self.block_size
+
+        input_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        logits_indices: list[int] = []
+        sampled: list[ScheduledRequest] = []
+        block_tables = [torch.tensor(r.block_ids, dtype=torch.long) for r in ordered]
+        for req, table in zip(ordered, block_tables):
+            n = len(req.token_ids)
+            pos = torch.arange(req.start_pos, req.start_pos + n)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            input_ids.extend(req.token_ids)
+            if req.sample:
+                logits_indices.append(len(input_ids) - 1)
+                sampled.append(req)
+
+        num_decodes = len(decodes)
+        max_blocks = max((len(r.block_ids) for r in decodes), default=0)
+        decode_tables = torch.zeros((num_decodes, max_blocks), dtype=torch.long)
+        for row, table in enumerate(block_tables[:num_decodes]):
+            decode_tables[row, : table.numel()] = table
+        decode_context_lens = torch.tensor([r.start_pos + 1 for r in decodes], dtype=torch.long)
+
+        device = self.device
+        attn_meta = AttentionMetadata(
+            slot_mapping=torch.cat(slots).to(device),
+            num_decodes=num_decodes,
+            decode_block_tables=decode_tables.to(device),
+            decode_context_lens=decode_context_lens.to(device),
+            prefill_query_lens=[len(r.token_ids) for r in prefills],
+            prefill_context_lens=[r.start_pos + len(r.token_ids) for r in prefills],
+            prefill_block_tables=[t.to(device) for t in block_tables[num_decodes:]],
+        )
+        return ModelInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+            positions=torch.cat(positions).to(device),
+            attn_meta=attn_meta,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
+            sampled=sampled,
+        )
