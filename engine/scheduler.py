@@ -1,0 +1,388 @@
+"""Token-budget scheduler (DESIGN.md sections 3 and 4).
+
+Every request is owed ``num_tokens - num_computed_tokens`` tokens and gets
+``min(owed, long_prefill_token_threshold, budget_left)`` of them per step; prefill, chunked prefill,
+decode and resume after preemption differ only in how much is owed. Running requests are served
+first in admission order, then waiting ones are admitted while budget, sequence slots and KV blocks
+last. When a running request cannot get blocks, the least deserving running request is preempted
+with recompute.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine.block_pool import KVBlock
+from engine.config import CacheConfig, SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.request_queue import RequestQueue, create_request_queue
+from engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepStatus
+
+
+@dataclass
+class Admission:
+    request: Request
+    # WAITING or PREEMPTED: what the request goes back to if its admission is undone.
+    prev_status: RequestStatus
+    prev_num_cached_tokens: int
+
+
+@dataclass
+class StepRecord:
+    """Everything one ``schedule()`` call changed, so an abandoned step can be rolled back.
+
+    How ``rollback`` uses each field, in this order:
+
+    - ``admitted``: remove each from ``running``, free its blocks, restore ``status`` and
+      ``num_cached_tokens``, and put the requests back at the front of the waiting queue (prepend
+      them in reverse so they keep their order).
+    - ``new_block_ids``: for each still-running request, pop that many blocks off the tail of its
+      block table and free them (fresh blocks and touched cache hits alike; none of them has a hash
+      committed by this step, since commits happen only in ``update_from_output``).
+    - ``prev_num_computed_tokens``: restore each scheduled request's counter; KV the abandoned pass
+      wrote beyond it is simply overwritten when the tokens are scheduled again.
+    - ``preempted``: stay preempted. Their blocks went back to the pool and the abandoned pass may
+      already have written into them, so the only safe state is recompute, which they are in.
+    - ``prev_scheduled_req_ids``: becomes the scheduler's previous-step set again.
+    - ``prefix_cache_queries`` / ``prefix_cache_hits``: subtracted from the KV manager's counters.
+    - ``step_id`` is never reused: step ids only grow, so a stale preempt signal cannot hit a
+      later step. Prefix hashes that ``allocate`` evicted stay evicted (their blocks may have been
+      overwritten).
+    """
+
+    step_id: int
+    prev_scheduled_req_ids: frozenset[str]
+    # Scheduled request id -> num_computed_tokens before this step (before cache hits, too).
+    prev_num_computed_tokens: dict[str, int] = field(default_factory=dict)
+    # Request id -> blocks appended to its table this step, in table order.
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    admitted: list[Admission] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        max_model_len: int,
+    ) -> None:
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        budget = scheduler_config.max_num_batched_tokens
+        if not scheduler_config.enable_chunked_prefill and budget < max_model_len:
+            # Otherwise a long prompt (or a long resume after preemption) could never be scheduled.
+            raise ValueError(
+                f"with chunked prefill disabled, max_num_batched_tokens ({budget}) must be >= "
+                f"max_model_len ({max_model_len})"
+            )
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.max_model_len = max_model_len
+        self.kv_cache_manager = KVCacheManager(cache_config, num_blocks, max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.waiting: RequestQueue = create_request_queue(scheduler_config.policy)
+        # Admission order: served first to last, preempted last to first (fcfs).
+        self.running: list[Request] = []
+        self.step_id = 0
+        self.prev_scheduled_req_ids: frozenset[str] = frozenset()
+        self.last_step_record: StepRecord | None = None
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_tokens == 0:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        limit = min(self.max_model_len, request.max_model_len or self.max_model_len)
+        if request.num_tokens > limit:
+            raise ValueError(
+                f"request {request.request_id!r} has {request.num_tokens} tokens, more than "
+                f"max_model_len={limit}"
+            )
+        if request.status is not RequestStatus.WAITING:
+            raise ValueError(f"request {request.request_id!r} is {request.status.name}, expected WAITING")
+        # Stop checks and the full-sequence admission test both read the request's own limit.
+        request.max_model_len = limit
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def abort_requests(
+        self, req_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> list[Request]:
+        """Finish requests from outside (abort, client disconnect): free their KV, drop them."""
+        if not status.is_finished:
+            raise ValueError(f"{status.name} is not a finished status")
+        finished: list[Request] = []
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+            finished.append(request)
+        return finished
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        request.finish_time = time.monotonic()
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def _chunk(self, owed: int, budget: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        n = min(owed, budget)
+        return min(n, threshold) if threshold > 0 else n
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            # Scan newest first so that among equals the most recently admitted one goes.
+            return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request, record: StepRecord) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.prepend(request)
+        record.preempted.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        self.step_id += 1
+        record = StepRecord(step_id=self.step_id, prev_scheduled_req_ids=self.prev_scheduled_req_ids)
+        # req_id -> (request, tokens scheduled); dict order is scheduling order.
+        scheduled: dict[str, tuple[Request, int]] = {}
+        budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, record)
+        if not record.preempted:
+            # Blocks just taken from a victim must not go straight to a newcomer.
+            self._admit_waiting(budget, scheduled, record)
+
+        output = SchedulerOutput(step_id=self.step_id, requests=[])
+        for request, num_new in scheduled.values():
+            start = request.num_computed_tokens
+            end = start + num_new
+            output.requests.append(
+                ScheduledRequest(
+                    req_id=request.request_id,
+                    token_ids=request.all_token_ids[start:end],
+                    start_pos=start,
+                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                    sample=end == request.num_tokens,
+                    sampling_params=request.sampling_params,
+                    num_output_tokens=request.num_output_tokens,
+                )
+            )
+            # Advanced at schedule time (as in vLLM v1) so the next step never re-schedules them.
+            request.num_computed_tokens = end
+        self.prev_scheduled_req_ids = frozenset(scheduled)
+        self.last_step_record = record
+        return output
+
+    def _schedule_running(
+        self, budget: int, scheduled: dict[str, tuple[Request, int]], record: StepRecord
+    ) -> int:
+        """Serve running requests in admission order, preempting for KV space. Returns budget left."""
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._chunk(request.num_tokens_owed, budget)
+            if num_new == 0:
+                # Its sampled token has not arrived yet; nothing to compute until it does.
+                i += 1
+                continue
+            num_blocks_before = len(self.kv_cache_manager.req_blocks.get(request.request_id, ()))
+            while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                victim = self._pick_victim()
+                if victim.request_id in scheduled:
+                    # The priority policy may pick a request already served this step.
+                    budget += scheduled.pop(victim.request_id)[1]
+                    record.new_block_ids.pop(victim.request_id, None)
+                    record.prev_num_computed_tokens.pop(victim.request_id, None)
+                self._preempt(victim, record)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                # It was its own victim: nothing left running can free blocks for anyone after it.
+                break
+            record.prev_num_computed_tokens[request.request_id] = request.num_computed_tokens
+            new_block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[num_blocks_before:]
+            record.new_block_ids[request.request_id] = new_block_ids
+            scheduled[request.request_id] = (request, num_new)
+            budget -= num_new
+            # Victims of the priority policy may have sat before it, shifting its index.
+            i = self.running.index(request) + 1
+        return budget
+
+    def _admit_waiting(
+        self, budget: int, scheduled: dict[str, tuple[Request, int]], record: StepRecord
+    ) -> None:
+        kv = self.kv_cache_manager
+        chunked = self.config.enable_chunked_prefill
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            computed_blocks: list[KVBlock] = []
+            num_cached = 0
+            if request.num_computed_tokens == 0:
+                computed_blocks, num_cached = kv.get_computed_blocks(request)
+            owed = request.num_tokens_owed - num_cached
+            if chunked:
+                num_new = self._chunk(owed, budget)
+            elif owed <= budget:
+                num_new = owed
+            else:
+                # Head-of-line: nothing behind it jumps ahead, so it cannot starve.
+                break
+            num_running = len(self.running)
+            if self.config.full_sequence_admission and not kv.can_allocate(
+                request,
+                max(request.max_total_tokens, request.num_tokens),
+                computed_blocks,
+                admission=True,
+                num_running=num_running,
+            ):
+                break
+            prev_num_computed = request.num_computed_tokens
+            num_blocks_before = len(kv.req_blocks.get(request.request_id, ()))
+            queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
+            block_ids = kv.allocate_slots(
+                request, num_new, num_cached, computed_blocks, admission=True, num_running=num_running
+            )
+            if block_ids is None:
+                break
+            self.waiting.pop()
+            record.admitted.append(Admission(request, request.status, request.num_cached_tokens))
+            record.prefix_cache_queries += kv.prefix_cache_queries - queries
+            record.prefix_cache_hits += kv.prefix_cache_hits - hits
+            record.prev_num_computed_tokens[request.request_id] = prev_num_computed
+            record.new_block_ids[request.request_id] = block_ids[num_blocks_before:]
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens += num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled[request.request_id] = (request, num_new)
+            budget -= num_new
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[Request]:
+        """Commit a completed step: cache hashes, sampled tokens, stop checks.
+
+        Returns the requests that received a token this step (finished ones included), in
+        scheduling order. Requests aborted or preempted since ``schedule()`` are skipped.
+        """
+        if runner_output.step_id != scheduler_output.step_id:
+            raise ValueError(
+                f"runner output is for step {runner_output.step_id}, scheduler output for step "
+                f"{scheduler_output.step_id}"
+            )
+        if runner_output.status is not StepStatus.OK:
+            raise ValueError(
+                f"step {runner_output.step_id} did not complete ({runner_output.status.value}: "
+                f"{runner_output.error}); roll it back instead of committing it"
+            )
+        live = [
+            sr
+            for sr in scheduler_output.requests
+            if (r := self.requests.get(sr.req_id)) is not None and r.status is RequestStatus.RUNNING
+        ]
+        missing = [sr.req_id for sr in live if sr.sample and sr.req_id not in runner_output.sampled_token_ids]
+        if missing:
+            # Checked up front so a bad output changes nothing.
+            raise ValueError(f"step {runner_output.step_id}: no sampled token for requests {missing}")
+
+        outputs: list[Request] = []
+        for sr in live:
+            request = self.requests[sr.req_id]
+            self.kv_cache_manager.commit_computed_blocks(request, sr.start_pos + len(sr.token_ids))
+            if not sr.sample:
+                continue
+            request.append_output_token(runner_output.sampled_token_ids[sr.req_id])
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+            status = self._check_stop(request)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            outputs.append(request)
+        return outputs
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        token = request.output_token_ids[-1]
+        params = request.sampling_params
+        if not params.ignore_eos and request.eos_token_id is not None and token == request.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= (request.max_model_len or self.max_model_len):
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---- introspection -------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def get_request(self, req_id: str) -> Request | None:
+        return self.requests.get(req_id)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_cache_manager.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv_cache_manager.num_free_blocks
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.kv_cache_manager.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.kv_cache_manager.prefix_cache_hits
+
+    def check_invariants(self) -> None:
+        kv = self.kv_cache_manager
+        kv.check_invariants()
+        running_ids = [r.request_id for r in self.running]
+        waiting_ids = [r.request_id for r in self.waiting]
+        assert len(set(running_ids)) == len(running_ids), "a request is running twice"
+        assert len(set(waiting_ids)) == len(waiting_ids), "a request is waiting twice"
+        assert not set(running_ids) & set(waiting_ids), "a request is both running and waiting"
+        assert set(running_ids) | set(waiting_ids) == set(self.requests), "request lost or leaked"
+        assert len(self.running) <= self.config.max_num_seqs
+        assert set(kv.req_blocks) <= set(running_ids), "a request that is not running holds KV"
+        bs = kv.block_size
+        for r in self.running:
+            assert r.status is RequestStatus.RUNNING, f"{r.request_id} in running is {r.status.name}"
+            assert 0 < r.num_computed_tokens <= r.num_tokens
+            assert len(kv.req_blocks[r.request_id]) * bs >= r.num_computed_tokens
+        for r in self.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r.status.name
+            assert r.num_computed_tokens == 0
