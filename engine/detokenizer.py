@@ -38,6 +38,17 @@ class IncrementalDetokenizer:
                 return self.stop_string
         return None
 
+    def flush(self) -> None:
+        """At the end of generation, emit the held-back tail even if it is an incomplete character."""
+        if self.stop_string is not None or self._read_offset == len(self._ids):
+            return
+        decode = self._tokenizer.decode
+        prefix = decode(self._ids[self._prefix_offset:self._read_offset],
+                        skip_special_tokens=self._skip_special)
+        full = decode(self._ids[self._prefix_offset:], skip_special_tokens=self._skip_special)
+        self.output_text += full[len(prefix):]
+        self._prefix_offset = self._read_offset = len(self._ids)
+
     def _decode_delta(self) -> str:
         decode = self._tokenizer.decode
         prefix = decode(self._ids[self._prefix_offset:self._read_offset],

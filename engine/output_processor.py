@@ -66,11 +66,13 @@ class OutputProcessor:
                 metrics.finish_time = core_out.finish_time
             if state.detokenizer is not None:
                 stop = state.detokenizer.update(core_out.new_token_ids)
-                out.text = state.detokenizer.output_text
                 if stop is not None and not out.finished:
                     out.finished, out.finish_reason, out.stop_reason = True, "stop", stop
                     metrics.finish_time = time.monotonic()
                     stopped.append(core_out.req_id)
+                if out.finished:
+                    state.detokenizer.flush()
+                out.text = state.detokenizer.output_text
             updated.append(out)
             if out.finished:
                 del self._states[core_out.req_id]

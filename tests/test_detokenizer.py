@@ -40,3 +40,13 @@ def test_stop_string_truncates(tokenizer, include):
     assert hit == "capital"
     expected = TEXT[: TEXT.index("capital") + (len("capital") if include else 0)]
     assert detok.output_text == expected
+
+
+def test_flush_emits_incomplete_tail(tokenizer):
+    ids = tokenizer.encode("🙂")
+    assert len(ids) > 1, "the emoji should span several byte-level tokens"
+    detok = IncrementalDetokenizer(tokenizer, [])
+    detok.update(ids[:-1])
+    assert detok.output_text == ""  # held back: an incomplete character
+    detok.flush()
+    assert detok.output_text == tokenizer.decode(ids[:-1])
