@@ -63,13 +63,15 @@ def resolve_max_model_len(hf_config, requested: int | None) -> int:
 
 
 def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
-    num_layers = hf_config.num_hidden_layers
+    from workers.kv_cache import kv_cache_bytes_per_block
+
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    # Fewer KV heads than ranks: each rank holds a replica of one head.
     kv_heads_per_rank = max(1, num_kv_heads // tp_size)
-    element = torch.tensor([], dtype=dtype).element_size()
-    return 2 * num_layers * block_size * kv_heads_per_rank * head_dim * element
+    return kv_cache_bytes_per_block(hf_config.num_hidden_layers, block_size, kv_heads_per_rank,
+                                    head_dim, dtype)
 
 
 def resolve(config: EngineConfig) -> ResolvedModel:

@@ -1,4 +1,4 @@
-"""Paged attention API. (Interface fixed; implementation to be written.)
+"""Paged attention API, dispatched by device to an implementation.
 
 KV cache layout, per layer: key_cache and value_cache of shape
 ``[num_blocks, block_size, num_kv_heads, head_dim]``. A token at position p of a request lives in
@@ -7,13 +7,20 @@ slot ``block_ids[p // block_size] * block_size + p % block_size``.
 A step's batch is flattened (no padding): the first ``num_decodes`` tokens are decodes (one query
 token each, attending over their whole cached context), followed by prefill chunks (each causal
 within the chunk and attending fully over its cached prefix).
+
+Only the PyTorch reference (``kernels.torch_attention``) exists today; CUDA will map to Triton
+kernels with the same signatures, so callers never import an implementation module directly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
 
 import torch
+
+from kernels import torch_attention
 
 
 @dataclass
@@ -29,12 +36,21 @@ class AttentionMetadata:
     prefill_query_lens: list[int]
     prefill_context_lens: list[int]
     prefill_block_tables: list[torch.Tensor]
+    # Per-step values the kernels derive from the fields above (gather indices, masks). Every layer
+    # of a step sees the same metadata, so they are built once on the first layer and reused by the
+    # other layers. Owned by the implementation; never set it.
+    derived: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+
+def _implementation(device: torch.device) -> ModuleType:
+    # CUDA will get Triton kernels here; until then the reference runs everywhere (slowly on GPU).
+    return torch_attention
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                    value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store this step's keys/values ([num_tokens, num_kv_heads, head_dim]) at their slots."""
-    raise NotImplementedError
+    _implementation(key.device).write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -42,4 +58,5 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Attention for a flattened mixed batch. query [T, Hq, D]; key/value [T, Hkv, D] are this
     step's new K/V (already written to the cache). Returns [T, Hq, D]. GQA: Hq % Hkv == 0."""
-    raise NotImplementedError
+    return _implementation(query.device).paged_attention(
+        query, key, value, key_cache, value_cache, meta, scale)

@@ -1,0 +1,179 @@
+"""Tensor-parallel linear layers (Megatron/vLLM sharding) and their weight loaders.
+
+Each parameter carries ``weight_loader(param, loaded_weight, shard_id=None)`` which takes the FULL
+checkpoint tensor and copies this rank's slice into place; merged layers (qkv, gate_up) take one
+checkpoint tensor per shard_id. With tp_size == 1 every slice is the whole tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+WeightLoader = Callable[..., None]
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(f"{what} ({numerator}) is not divisible by tp_size ({denominator})")
+    return numerator // denominator
+
+
+def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor,
+                          shard_id: Any = None) -> None:
+    """Copy a replicated (unsharded) weight whole; casts to the parameter's dtype."""
+    if shard_id is not None:
+        raise ValueError(f"unexpected shard_id {shard_id!r} for an unsharded parameter")
+    _copy_checked(param.data, loaded_weight)
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"weight shape mismatch: expected {tuple(dst.shape)}, "
+                         f"checkpoint slice has {tuple(src.shape)}")
+    dst.copy_(src)
+
+
+def _new_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
+               loader: WeightLoader) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows split across ranks; each rank keeps its slice of y."""
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool, dtype: torch.dtype,
+                 device: torch.device | str, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.input_size = input_size
+        self.output_size_per_partition = divide(output_size, tp_size, "output size")
+        self.weight = _new_param((self.output_size_per_partition, input_size), dtype, device,
+                                 self.weight_loader)
+        self.bias = (_new_param((self.output_size_per_partition,), dtype, device,
+                                self.weight_loader) if bias else None)
+
+    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor,
+                      shard_id: Any = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"unexpected shard_id {shard_id!r} for {type(self).__name__}")
+        size = self.output_size_per_partition
+        _copy_checked(param.data, loaded_weight.narrow(0, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.input_size}, out_per_rank={self.output_size_per_partition}, "
+                f"tp={self.tp_rank}/{self.tp_size}")
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (gate/up). Each rank's
+    weight is [shard0 slice; shard1 slice; ...]; shard_id is the index into output_sizes."""
+
+    def __init__(self, input_size: int, output_sizes: Sequence[int], *, bias: bool,
+                 dtype: torch.dtype, device: torch.device | str, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
+        self.local_sizes = [divide(s, tp_size, "merged output size") for s in output_sizes]
+        super().__init__(input_size, sum(output_sizes), bias=bias, dtype=dtype, device=device,
+                         tp_rank=tp_rank, tp_size=tp_size)
+
+    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor,
+                      shard_id: Any = None) -> None:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.local_sizes):
+            raise ValueError(f"shard_id must be an index below {len(self.local_sizes)}, "
+                             f"got {shard_id!r}")
+        size = self.local_sizes[shard_id]
+        offset = sum(self.local_sizes[:shard_id])
+        _copy_checked(param.data.narrow(0, offset, size),
+                      loaded_weight.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul, heads split across ranks. Each rank's output is
+    [its q heads | its kv heads (k) | its kv heads (v)].
+
+    With fewer KV heads than ranks, each KV head is replicated on tp_size / num_kv_heads ranks
+    (one KV head per rank), as vLLM does.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int,
+                 total_num_kv_heads: int, *, bias: bool, dtype: torch.dtype,
+                 device: torch.device | str, tp_rank: int = 0, tp_size: int = 1) -> None:
+        self.head_dim = head_dim
+        self.num_heads = divide(total_num_heads, tp_size, "number of attention heads")
+        if total_num_kv_heads >= tp_size:
+            self.num_kv_heads = divide(total_num_kv_heads, tp_size, "number of KV heads")
+            self.num_kv_head_replicas = 1
+        else:
+            if tp_size % total_num_kv_heads != 0:
+                raise ValueError(f"tp_size ({tp_size}) must be a multiple of the number of KV "
+                                 f"heads ({total_num_kv_heads}) when it exceeds it")
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = tp_size // total_num_kv_heads
+        # The output size handed to the base class is the per-rank size times tp_size, so
+        # replicated KV heads count once per rank.
+        total_out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, total_out, bias=bias, dtype=dtype, device=device,
+                         tp_rank=tp_rank, tp_size=tp_size)
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+
+    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor,
+                      shard_id: Any = None) -> None:
+        if shard_id == "q":
+            offset, size = 0, self.q_size
+            start = self.tp_rank * size
+        elif shard_id in ("k", "v"):
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            size = self.kv_size
+            start = (self.tp_rank // self.num_kv_head_replicas) * size
+        else:
+            raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        _copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, start, size))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input columns split across ranks: each rank multiplies its slice of
+    x (the column-parallel layer's output) and the partial sums are all-reduced over tp_group.
+    The bias is added once, after the reduction."""
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool, dtype: torch.dtype,
+                 device: torch.device | str, tp_rank: int = 0, tp_size: int = 1,
+                 tp_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
+        self.output_size = output_size
+        self.input_size_per_partition = divide(input_size, tp_size, "input size")
+        self.weight = _new_param((output_size, self.input_size_per_partition), dtype, device,
+                                 self.weight_loader)
+        self.bias = (_new_param((output_size,), dtype, device, default_weight_loader)
+                     if bias else None)
+
+    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor,
+                      shard_id: Any = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"unexpected shard_id {shard_id!r} for {type(self).__name__}")
+        size = self.input_size_per_partition
+        _copy_checked(param.data, loaded_weight.narrow(1, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = F.linear(x, self.weight)
+        dist.all_reduce(out, group=self.tp_group)
+        if self.bias is not None:
+            out = out + self.bias
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"in_per_rank={self.input_size_per_partition}, out={self.output_size}, "
+                f"tp={self.tp_rank}/{self.tp_size}")

@@ -1,0 +1,102 @@
+"""Rotary position embedding: a cos/sin table built once, indexed by position once per forward.
+
+The table holds cos and sin of the half-dimension frequencies; applying them as
+``(x1*cos - x2*sin, x2*cos + x1*sin)`` is bit-for-bit HF's ``x*cos + rotate_half(x)*sin`` on the
+duplicated frequencies, with half the table and no concatenated rotate.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+# Rope types whose frequencies are position-independent, so a static table is exact. "dynamic"
+# rescales with the sequence length and "longrope" switches tables at a length threshold.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The config's rope settings as one dict with at least rope_theta and rope_type.
+
+    transformers 5.x configs carry ``rope_parameters``; older ones ``rope_theta`` plus an optional
+    ``rope_scaling`` dict whose type key was sometimes spelled ``type``.
+    """
+    params = getattr(config, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    else:
+        params = dict(params)
+    params["rope_type"] = params.get("rope_type", params.get("type")) or "default"
+    return params
+
+
+def _inv_freq(config: Any, head_dim: int, params: dict[str, Any],
+              device: torch.device | str) -> tuple[torch.Tensor, float]:
+    rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: "
+                         f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
+    if rope_type == "default":
+        # Same expression as HF's default init so the frequencies match to the last bit.
+        base = float(params["rope_theta"])
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        return inv_freq.to(device), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
+    return inv_freq, float(attention_scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_position: int, *,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.rotary_dim = 2 * inv_freq.numel()
+        # HF computes position * inv_freq in float32, scales cos/sin, then casts to the model
+        # dtype; doing it for every position up front gives the same values.
+        positions = torch.arange(max_position, dtype=torch.float32, device=device)
+        freqs = positions[:, None] * inv_freq.to(device=device, dtype=torch.float32)[None, :]
+        table = torch.cat((freqs.cos() * attention_scaling, freqs.sin() * attention_scaling), -1)
+        self.cos_sin: torch.Tensor
+        self.register_buffer("cos_sin", table.to(dtype), persistent=False)
+
+    @property
+    def max_position(self) -> int:
+        return self.cos_sin.shape[0]
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for the given positions, each [T, 1, rotary_dim / 2] (broadcast over heads).
+        Computed once per forward pass and shared by every layer."""
+        cos_sin = self.cos_sin.index_select(0, positions).unsqueeze(1)
+        cos, sin = cos_sin.chunk(2, dim=-1)
+        return cos, sin
+
+
+def get_rotary_embedding(config: Any, head_dim: int, *, dtype: torch.dtype,
+                         device: torch.device | str) -> RotaryEmbedding:
+    """Build the rotary table from an HF config (ValueError for unsupported rope types)."""
+    params = rope_parameters(config)
+    inv_freq, attention_scaling = _inv_freq(config, head_dim, params, device)
+    if 2 * inv_freq.numel() != head_dim:
+        raise ValueError(f"rotary dim {2 * inv_freq.numel()} != head_dim {head_dim}")
+    return RotaryEmbedding(inv_freq, attention_scaling, config.max_position_embeddings,
+                           dtype=dtype, device=device)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] by the per-token angles (cos/sin [T, 1, D/2]); returns a new tensor.
+
+    The products are rounded separately before the add, as in HF, so bf16 results match it."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out1, out2 = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=out1)
+    out1.sub_(x2 * sin)
+    torch.mul(x2, cos, out=out2)
+    out2.add_(x1 * sin)
+    return out

@@ -1,0 +1,51 @@
+"""Model registry: HF ``architectures`` name -> our implementation, and the model constructor.
+
+Model API used by the model runner:
+- ``build_model(hf_config, dtype, device, tp_rank=0, tp_size=1, tp_group=None)`` then
+  ``workers.weight_loader.load_weights(model, model_dir)``;
+- ``model.forward(input_ids, positions, attn_meta, kv_caches) -> hidden_states [T, hidden]``;
+- ``model.compute_logits(hidden_states[N, hidden]) -> float32 [N, vocab]``;
+- ``model.attention_op(...)`` is the one place attention runs; ``model.before_attention`` is an
+  optional ``Callable[[int], None]`` called with the layer index before each attention op;
+- ``model.num_layers``, ``model.num_kv_heads`` (this rank's), ``model.head_dim``,
+  ``model.vocab_size``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from workers.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+                                  Qwen3ForCausalLM)
+
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(hf_config: Any) -> type[LlamaForCausalLM]:
+    """The implementation for the first supported name in ``hf_config.architectures``."""
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    for arch in architectures:
+        if arch in MODEL_REGISTRY:
+            return MODEL_REGISTRY[arch]
+    raise ValueError(f"unsupported model architecture(s) {architectures or '(none listed)'}; "
+                     f"supported: {', '.join(MODEL_REGISTRY)}")
+
+
+def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str,
+                tp_rank: int = 0, tp_size: int = 1,
+                tp_group: dist.ProcessGroup | None = None) -> LlamaForCausalLM:
+    """An uninitialized model (weights come from ``load_weights``) for this rank's shard."""
+    model_class = get_model_class(hf_config)
+    return model_class(hf_config, dtype=dtype, device=device, tp_rank=tp_rank, tp_size=tp_size,
+                       tp_group=tp_group).eval()
+
+
+__all__ = ["MODEL_REGISTRY", "build_model", "get_model_class"]

@@ -1,0 +1,253 @@
+"""One decoder for the Llama family: Llama, Mistral, Qwen2 and Qwen3.
+
+They differ only in where biases sit and in Qwen3's per-head q/k RMSNorm; the subclasses at the
+bottom set those switches. Module names mirror HF's (``model.layers.N.self_attn...``) except the
+fused ``qkv_proj`` and ``gate_up_proj``, so the weight loader's mapping is a short table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import AttentionMetadata, paged_attention, write_kv_cache
+from workers.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+                            RMSNorm, RowParallelLinear, VocabParallelEmbedding, apply_rotary,
+                            get_rotary_embedding)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+# attention_op(layer_idx, q, k, v, attn_meta, kv_cache) -> attention output [T, Hq, D]
+AttentionOp = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata,
+                        KVCache], torch.Tensor]
+
+
+class _Parallel:
+    """Tensor-parallel placement and tensor factory arguments shared by every layer."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, tp_rank: int, tp_size: int,
+                 tp_group: dist.ProcessGroup | None) -> None:
+        self.dtype, self.device = dtype, device
+        self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
+
+    def args(self, with_group: bool = False) -> dict[str, Any]:
+        kwargs: dict[str, Any] = dict(dtype=self.dtype, device=self.device, tp_rank=self.tp_rank,
+                                      tp_size=self.tp_size)
+        if with_group:
+            kwargs["tp_group"] = self.tp_group
+        return kwargs
+
+
+def _head_dim(config: Any) -> int:
+    # Qwen3 sets head_dim explicitly (it need not be hidden / heads); others may leave it None.
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: Any, par: _Parallel, *, qkv_bias: bool, o_bias: bool,
+                 qk_norm: bool) -> None:
+        super().__init__()
+        self.head_dim = _head_dim(config)
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({num_kv_heads})")
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, num_heads,
+                                          num_kv_heads, bias=qkv_bias, **par.args())
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size,
+                                        bias=o_bias, **par.args(with_group=True))
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=par.dtype,
+                                  device=par.device)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=par.dtype,
+                                  device=par.device)
+
+    def forward(self, layer_idx: int, hidden_states: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, attn_meta: AttentionMetadata, kv_cache: KVCache,
+                attention_op: AttentionOp) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        qkv = self.qkv_proj(hidden_states)
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None or self.k_norm is None:
+            # q and k are adjacent in qkv, so one rotary pass covers both.
+            qk = qkv[:, :q_size + kv_size].view(num_tokens, -1, self.head_dim)
+            qk = apply_rotary(qk, cos, sin)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        else:
+            q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+            q = apply_rotary(self.q_norm(q), cos, sin)
+            k = apply_rotary(self.k_norm(k), cos, sin)
+        out = attention_op(layer_idx, q, k, v, attn_meta, kv_cache)
+        return self.o_proj(out.reshape(num_tokens, q_size))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config: Any, par: _Parallel, *, bias: bool) -> None:
+        super().__init__()
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is supported")
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size],
+                                                       bias=bias, **par.args())
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias,
+                                           **par.args(with_group=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, par: _Parallel, *, qkv_bias: bool, o_bias: bool,
+                 mlp_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(config, par, qkv_bias=qkv_bias, o_bias=o_bias,
+                                          qk_norm=qk_norm)
+        self.mlp = DecoderMLP(config, par, bias=mlp_bias)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=par.dtype,
+                                       device=par.device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=par.dtype,
+                                                device=par.device)
+
+    def forward(self, layer_idx: int, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                cos: torch.Tensor, sin: torch.Tensor, attn_meta: AttentionMetadata,
+                kv_cache: KVCache, attention_op: AttentionOp
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(layer_idx, hidden_states, cos, sin, attn_meta, kv_cache,
+                                       attention_op)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: Any, par: _Parallel, *, qkv_bias: bool, o_bias: bool,
+                 mlp_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                   **par.args(with_group=True))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, par, qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
+                         qk_norm=qk_norm)
+            for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=par.dtype,
+                            device=par.device)
+        self.rotary_emb = get_rotary_embedding(config, _head_dim(config), dtype=par.dtype,
+                                               device=par.device)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM over a paged KV cache. See ``workers.models`` for the API."""
+
+    # Per-architecture switches, overridden by the subclasses below.
+    qkv_bias_always = False  # Qwen2: q/k/v always have a bias, o_proj never
+    qk_norm = False  # Qwen3: RMSNorm over head_dim on q and k before rotary
+
+    def __init__(self, config: Any, *, dtype: torch.dtype, device: torch.device | str,
+                 tp_rank: int = 0, tp_size: int = 1,
+                 tp_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        _check_no_sliding_window(config)
+        self.config = config
+        device = torch.device(device)
+        par = _Parallel(dtype, device, tp_rank, tp_size, tp_group)
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        self.model = DecoderModel(
+            config, par,
+            qkv_bias=self.qkv_bias_always or attention_bias,
+            o_bias=attention_bias and not self.qkv_bias_always,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=self.qk_norm)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
+                                      **par.args(with_group=True))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+        attn = self.model.layers[0].self_attn
+        self.num_layers: int = config.num_hidden_layers
+        self.num_kv_heads: int = attn.num_kv_heads  # local to this rank
+        self.head_dim: int = attn.head_dim
+        self.vocab_size: int = config.vocab_size
+        self.scale: float = self.head_dim ** -0.5
+        # Attention never slides here; an engine must cap max_model_len at this when it is set.
+        self.sliding_window: int | None = self._sliding_window(config)
+        self.dtype, self.device = dtype, device
+        # Called with the layer index before every attention op (the preemption vote); None is
+        # the common case and costs one attribute check per layer.
+        self.before_attention: Callable[[int], None] | None = None
+
+    @staticmethod
+    def _sliding_window(config: Any) -> int | None:
+        return None
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_meta: AttentionMetadata, kv_caches: list[KVCache]) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] for a flattened batch (see kernels.attention
+        for the token order)."""
+        hidden_states = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(positions)
+        residual: torch.Tensor | None = None
+        attention_op = self.attention_op
+        for layer_idx, layer in enumerate(self.model.layers):
+            hidden_states, residual = layer(layer_idx, hidden_states, residual, cos, sin,
+                                            attn_meta, kv_caches[layer_idx], attention_op)
+        hidden_states, _ = self.model.norm(hidden_states, residual)
+        return hidden_states
+
+    def attention_op(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     attn_meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+        """The single entry point of every attention computation: hook, cache write, attention."""
+        hook = self.before_attention
+        if hook is not None:
+            hook(layer_idx)
+        key_cache, value_cache = kv_cache
+        write_kv_cache(k, v, key_cache, value_cache, attn_meta.slot_mapping)
+        return paged_attention(q, k, v, key_cache, value_cache, attn_meta, self.scale)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab] for the rows to sample (never every prompt position)."""
+        return self.lm_head(hidden_states).float()
+
+
+def _check_no_sliding_window(config: Any) -> None:
+    # Qwen2/Qwen3 can mark layers as sliding-window; the kernels only do full attention, so such
+    # a model would silently diverge from HF past the window. (Mistral's `sliding_window` covers
+    # every layer and is usually >= the context in use; it is exposed as `model.sliding_window`.)
+    layer_types = getattr(config, "layer_types", None) or []
+    if getattr(config, "use_sliding_window", False) and "sliding_attention" in layer_types:
+        raise ValueError("sliding-window attention layers are not supported")
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def _sliding_window(config: Any) -> int | None:
+        return getattr(config, "sliding_window", None)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias_always = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True
