@@ -73,6 +73,11 @@ class EngineCore:
             return []
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
+            # With nothing running, an empty step would repeat forever: fail loudly instead.
+            if self.scheduler.num_running == 0:
+                raise EngineStepError(
+                    f"step {scheduler_output.step_id}: {self.scheduler.num_waiting} waiting "
+                    f"requests but none could be admitted (KV pool or token budget too small)")
             return []
         runner_output = self.executor.execute_model(scheduler_output)
         if runner_output.status is not StepStatus.OK:

@@ -21,16 +21,33 @@ def _generate(llm: LLM, prompts, params=None):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params)
 
 
+def _record_steps(llm: LLM) -> list:
+    """Spy on the executor: the SchedulerOutput of every step the engine runs."""
+    steps = []
+    execute = llm.engine.executor.execute_model
+
+    def spy(scheduler_output):
+        steps.append(scheduler_output)
+        return execute(scheduler_output)
+
+    llm.engine.executor.execute_model = spy
+    return steps
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_greedy_matches_hf_with_chunked_prefill(tiny_model, arch):
     model = tiny_model(arch)
     llm = LLM(model=model, dtype="float32", block_size=16, max_num_batched_tokens=128,
               enable_prefix_caching=False)
     prompts = _prompts(llm.engine.vocab_size, LENGTHS)
+    steps = _record_steps(llm)
     outs = _generate(llm, prompts)
     assert [o.token_ids for o in outs] == hf_greedy(model, prompts, MAX_NEW)
-    # Probe: the budget really forced chunking of the long prompts mixed with decodes.
-    assert max(LENGTHS) > 128
+    # Probe: the budget really split prompts into chunks, and chunks shared steps with decodes.
+    chunk_starts = [r.start_pos for s in steps for r in s.requests if len(r.token_ids) > 1]
+    assert any(start > 0 for start in chunk_starts)
+    assert any(any(len(r.token_ids) == 1 for r in s.requests)
+               and any(len(r.token_ids) > 1 for r in s.requests) for s in steps)
     assert all(o.finish_reason == "length" for o in outs)
     llm.engine.scheduler.check_invariants()
     assert llm.engine.scheduler.kv_cache_manager.num_free_blocks == llm.engine.model.num_blocks
