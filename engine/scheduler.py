@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from engine.block_pool import KVBlock
 from engine.config import CacheConfig, SchedulerConfig
@@ -20,49 +19,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.request_queue import RequestQueue, create_request_queue
 from engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepStatus
-
-
-@dataclass
-class Admission:
-    request: Request
-    # WAITING or PREEMPTED: what the request goes back to if its admission is undone.
-    prev_status: RequestStatus
-    prev_num_cached_tokens: int
-
-
-@dataclass
-class StepRecord:
-    """Everything one ``schedule()`` call changed, so an abandoned step can be rolled back.
-
-    How ``rollback`` uses each field, in this order:
-
-    - ``admitted``: remove each from ``running``, free its blocks, restore ``status`` and
-      ``num_cached_tokens``, and put the requests back at the front of the waiting queue (prepend
-      them in reverse so they keep their order).
-    - ``new_block_ids``: for each still-running request, pop that many blocks off the tail of its
-      block table and free them (fresh blocks and touched cache hits alike; none of them has a hash
-      committed by this step, since commits happen only in ``update_from_output``).
-    - ``prev_num_computed_tokens``: restore each scheduled request's counter; KV the abandoned pass
-      wrote beyond it is simply overwritten when the tokens are scheduled again.
-    - ``preempted``: stay preempted. Their blocks went back to the pool and the abandoned pass may
-      already have written into them, so the only safe state is recompute, which they are in.
-    - ``prev_scheduled_req_ids``: becomes the scheduler's previous-step set again.
-    - ``prefix_cache_queries`` / ``prefix_cache_hits``: subtracted from the KV manager's counters.
-    - ``step_id`` is never reused: step ids only grow, so a stale preempt signal cannot hit a
-      later step. Prefix hashes that ``allocate`` evicted stay evicted (their blocks may have been
-      overwritten).
-    """
-
-    step_id: int
-    prev_scheduled_req_ids: frozenset[str]
-    # Scheduled request id -> num_computed_tokens before this step (before cache hits, too).
-    prev_num_computed_tokens: dict[str, int] = field(default_factory=dict)
-    # Request id -> blocks appended to its table this step, in table order.
-    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
-    admitted: list[Admission] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
+from engine.step_record import Admission, StepRecord
 
 
 class Scheduler:
