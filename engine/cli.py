@@ -25,6 +25,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                   help="TP worker processes (default 1; under torchrun: the world size)")
+    g.add_argument("--collective-timeout-s", type=float, default=60.0,
+                   help="bound on any collective: a dead rank fails the step within this time")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -36,7 +40,30 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
                 enable_chunked_prefill=not args.no_chunked_prefill,
-                scheduling_policy=args.scheduling_policy, seed=args.seed)
+                scheduling_policy=args.scheduling_policy, seed=args.seed,
+                tensor_parallel_size=args.tensor_parallel_size or 1,
+                collective_timeout_s=args.collective_timeout_s)
+
+
+def _under_torchrun(args: argparse.Namespace, kwargs: dict) -> int | None:
+    """Under torchrun every rank runs this CLI: ranks > 0 become TP workers (returns their exit
+    code); rank 0 continues as EngineCore (returns None with kwargs set for the external
+    executor)."""
+    from engine.launch import run_follower, torchrun_launch
+
+    launch = torchrun_launch()
+    if launch is None:
+        return None
+    kwargs["tensor_parallel_size"] = args.tensor_parallel_size or launch.world_size
+    kwargs["distributed_executor"] = "external"
+    if launch.rank == 0:
+        return None
+    from engine.config import build_engine_config
+
+    from engine.default_model import model_path_or_default
+
+    model = model_path_or_default(kwargs.pop("model"))
+    return run_follower(build_engine_config(model, **kwargs), launch)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -46,7 +73,10 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.sample_seed,
                             stop=args.stop or [])
-    llm = LLM(**engine_kwargs(args))
+    kwargs = engine_kwargs(args)
+    if (code := _under_torchrun(args, kwargs)) is not None:
+        return code
+    llm = LLM(**kwargs)
     chat = not args.no_chat and getattr(llm.tokenizer, "chat_template", None)
     started = time.monotonic()
     if chat:
@@ -92,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # bad input: a clear message, not a traceback
         print(f"sloserve: error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:  # a worker failed: its error text, then a non-zero exit
+        print(f"sloserve: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 SchedulingPolicy = Literal["fcfs", "priority"]
+# auto: in-process at TP=1, spawned worker processes above; external: ranks started by torchrun.
+DistributedExecutor = Literal["auto", "mp", "external"]
 
 
 @dataclass
@@ -68,3 +70,40 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     tensor_parallel_size: int = 1
+    distributed_executor: DistributedExecutor = "auto"
+    # Bound on any collective (and on joining the group): a dead rank cannot hang the engine.
+    collective_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor not in ("auto", "mp", "external"):
+            raise ValueError(f"distributed_executor must be auto, mp or external, "
+                             f"got {self.distributed_executor!r}")
+
+
+def build_engine_config(model: str, *, dtype: str = "auto", max_model_len: int | None = None,
+                        block_size: int = 16, num_kv_blocks: int | None = None,
+                        kv_cache_memory_gb: float = 1.0, enable_prefix_caching: bool = True,
+                        watermark: float = 0.01, max_num_batched_tokens: int = 2048,
+                        max_num_seqs: int = 128, long_prefill_token_threshold: int = 0,
+                        enable_chunked_prefill: bool = True, scheduling_policy: str = "fcfs",
+                        full_sequence_admission: bool = True, seed: int = 0,
+                        tensor_parallel_size: int = 1, distributed_executor: str = "auto",
+                        collective_timeout_s: float = 60.0) -> EngineConfig:
+    """The flat engine arguments (as vLLM names them) grouped into an EngineConfig."""
+    return EngineConfig(
+        model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
+                          kv_cache_memory_gb=kv_cache_memory_gb,
+                          enable_prefix_caching=enable_prefix_caching, watermark=watermark),
+        scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                  max_num_seqs=max_num_seqs,
+                                  long_prefill_token_threshold=long_prefill_token_threshold,
+                                  enable_chunked_prefill=enable_chunked_prefill,
+                                  policy=scheduling_policy,  # type: ignore[arg-type]
+                                  full_sequence_admission=full_sequence_admission),
+        tensor_parallel_size=tensor_parallel_size,
+        distributed_executor=distributed_executor,  # type: ignore[arg-type]
+        collective_timeout_s=collective_timeout_s,
+    )

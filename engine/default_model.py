@@ -34,6 +34,11 @@ def cache_dir() -> Path:
     return Path(base) / "sloserve"
 
 
+def model_path_or_default(model: str | None) -> str:
+    """`model` as given, or the default model's folder (prepared on first use) when None."""
+    return model if model is not None else str(default_model_path())
+
+
 def default_model_path() -> Path:
     """Path of the prepared default model folder, preparing it on first use."""
     target = cache_dir() / "models" / MODEL_DIR_NAME

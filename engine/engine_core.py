@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from engine.config import EngineConfig
-from engine.executor import Executor, InProcessExecutor
+from engine.executor import Executor, ExternalExecutor, InProcessExecutor, MultiprocExecutor
+from engine.launch import check_torchrun_world, torchrun_launch
 from engine.model_setup import ResolvedModel, resolve
 from engine.outputs import EngineCoreOutput
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from engine.scheduler_output import StepStatus
+from engine.worker_messages import make_worker_config
 
 
 class EngineStepError(RuntimeError):
@@ -23,7 +25,8 @@ class EngineCore:
         self.model: ResolvedModel = resolve(config)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.model.num_blocks,
                                    self.model.max_model_len)
-        self.executor = executor if executor is not None else self._in_process_executor()
+        self.executor = executor if executor is not None else self._make_executor()
+        self.dead: str | None = None
 
     def _in_process_executor(self) -> Executor:
         from workers.model_runner import ModelRunner
@@ -32,6 +35,24 @@ class EngineCore:
         runner = ModelRunner(m.model_dir, m.hf_config, m.dtype, m.device, m.num_blocks,
                              self.config.cache.block_size, seed=self.config.model.seed)
         return InProcessExecutor(runner)
+
+    def _make_executor(self) -> Executor:
+        config = self.config
+        kind = config.distributed_executor
+        if kind == "auto":
+            kind = "inproc" if config.tensor_parallel_size == 1 else "mp"
+        if kind == "inproc":
+            return self._in_process_executor()
+        worker_config = make_worker_config(config, self.model)
+        if kind == "mp":
+            return MultiprocExecutor(worker_config)
+        launch = torchrun_launch()
+        if launch is None:
+            raise ValueError("distributed_executor 'external' needs a torchrun launch "
+                             "(RANK / WORLD_SIZE in the environment)")
+        check_torchrun_world(launch, config.tensor_parallel_size)
+        worker_config.init_method = "env://"
+        return ExternalExecutor(worker_config, launch.rank, launch.local_world_size)
 
     @property
     def max_model_len(self) -> int:
@@ -69,6 +90,8 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one engine step; returns the requests that got a new token this step."""
+        if self.dead is not None:
+            raise EngineStepError(f"the engine stopped after a worker failure:\n{self.dead}")
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
@@ -81,13 +104,17 @@ class EngineCore:
             return []
         runner_output = self.executor.execute_model(scheduler_output)
         if runner_output.status is not StepStatus.OK:
-            raise EngineStepError(f"step {scheduler_output.step_id} failed on a worker:\n"
-                                  f"{runner_output.error}")
+            # The group's collectives are out of step after a failure: shut it down rather than
+            # risk a hang, and refuse further work.
+            self.dead = f"step {scheduler_output.step_id} failed on a worker:\n{runner_output.error}"
+            self.executor.shutdown()
+            raise EngineStepError(self.dead)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         return [_core_output(r) for r in updated]
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        if self.dead is None:
+            self.executor.shutdown()
 
 
 def _core_output(request: Request) -> EngineCoreOutput:

@@ -10,7 +10,7 @@ from typing import Any, TypedDict, Union
 
 from tqdm import tqdm
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import build_engine_config
 from engine.engine_core import EngineCore
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
@@ -29,30 +29,12 @@ ChatMessages = list[dict[str, Any]]
 class LLM:
     """A model served in this process. Arguments mirror vLLM's engine arguments."""
 
-    def __init__(self, model: str | None = None, *, dtype: str = "auto",
-                 max_model_len: int | None = None, block_size: int = 16,
-                 num_kv_blocks: int | None = None, kv_cache_memory_gb: float = 1.0,
-                 enable_prefix_caching: bool = True, watermark: float = 0.01,
-                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 128,
-                 long_prefill_token_threshold: int = 0, enable_chunked_prefill: bool = True,
-                 scheduling_policy: str = "fcfs", full_sequence_admission: bool = True,
-                 seed: int = 0) -> None:
-        if model is None:
-            from engine.default_model import default_model_path
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        """engine_args: the keyword arguments of `engine.config.build_engine_config`."""
+        from engine.default_model import model_path_or_default
 
-            model = str(default_model_path())
-        config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
-            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
-                              kv_cache_memory_gb=kv_cache_memory_gb,
-                              enable_prefix_caching=enable_prefix_caching, watermark=watermark),
-            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
-                                      max_num_seqs=max_num_seqs,
-                                      long_prefill_token_threshold=long_prefill_token_threshold,
-                                      enable_chunked_prefill=enable_chunked_prefill,
-                                      policy=scheduling_policy,  # type: ignore[arg-type]
-                                      full_sequence_admission=full_sequence_admission),
-        )
+        model = model_path_or_default(model)
+        config = build_engine_config(model, **engine_args)
         self.engine = EngineCore(config)
         self.tokenizer = load_tokenizer(model)
         self.eos_token_ids = eos_token_ids(model, self.tokenizer)

@@ -74,11 +74,24 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype, tp_size: 
                                     head_dim, dtype)
 
 
+def check_tensor_parallel(hf_config, tp_size: int) -> None:
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % tp_size:
+        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's {heads} "
+                         f"attention heads; choose a divisor of {heads}")
+    # KV heads are split when there are enough, else each is replicated on tp_size/kv_heads ranks.
+    if (kv_heads >= tp_size and kv_heads % tp_size) or (kv_heads < tp_size and tp_size % kv_heads):
+        raise ValueError(f"tensor_parallel_size {tp_size} and the model's {kv_heads} KV heads: "
+                         f"one must divide the other")
+
+
 def resolve(config: EngineConfig) -> ResolvedModel:
     from workers.models import get_model_class
 
     hf_config = load_hf_config(config.model.model)
     get_model_class(hf_config)  # unsupported architectures fail here, before any weights load
+    check_tensor_parallel(hf_config, config.tensor_parallel_size)
     device = torch.device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
     max_model_len = resolve_max_model_len(hf_config, config.model.max_model_len)

@@ -34,8 +34,11 @@ class ModelInputs:
 class ModelRunner:
     def __init__(self, model_dir: str, hf_config, dtype: torch.dtype, device: torch.device,
                  num_blocks: int, block_size: int, seed: int = 0,
-                 tp_rank: int = 0, tp_size: int = 1, tp_group=None) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, tp_group=None, sample: bool = True) -> None:
         self.device = device
+        # Only the rank that reports results samples; the others still join the LM head's
+        # collective.
+        self.sample = sample
         self.block_size = block_size
         self.model = build_model(hf_config, dtype, device, tp_rank=tp_rank, tp_size=tp_size,
                                  tp_group=tp_group)
@@ -55,6 +58,7 @@ class ModelRunner:
         sampled: dict[str, int] = {}
         if inputs.sampled:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if inputs.sampled and self.sample:
             params: list[SamplingParams] = [r.sampling_params for r in inputs.sampled]
             indices = [r.num_output_tokens for r in inputs.sampled]
             tokens = self.sampler(logits, params, indices)

@@ -1,0 +1,49 @@
+"""Reading a torchrun launch from the environment."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class TorchrunLaunch:
+    rank: int
+    world_size: int
+    local_world_size: int
+
+
+def torchrun_launch() -> TorchrunLaunch | None:
+    """The launch torchrun describes in the environment, or None outside torchrun."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    world = int(os.environ["WORLD_SIZE"])
+    return TorchrunLaunch(rank=int(os.environ["RANK"]), world_size=world,
+                          local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+
+
+def check_torchrun_world(launch: TorchrunLaunch, tensor_parallel_size: int) -> None:
+    if tensor_parallel_size != launch.world_size:
+        raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs {tensor_parallel_size} "
+                         f"ranks but the torchrun world has {launch.world_size}; every torchrun "
+                         f"rank is one tensor-parallel worker")
+
+
+def run_follower(config: EngineConfig, launch: TorchrunLaunch) -> int:
+    """A torchrun rank other than 0: load this rank's shard and run the steps rank 0 broadcasts.
+
+    Every rank resolves the same configuration from the same arguments, so bad configuration
+    fails on every rank before any weights load, and no configuration has to cross the network.
+    """
+    from engine.model_setup import resolve
+    from engine.worker_messages import make_worker_config
+    from workers.worker import Worker, follower_loop
+
+    check_torchrun_world(launch, config.tensor_parallel_size)
+    worker_config = make_worker_config(config, resolve(config), init_method="env://")
+    worker = Worker(worker_config, launch.rank, launch.local_world_size)
+    return follower_loop(worker)

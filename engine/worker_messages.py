@@ -1,0 +1,69 @@
+"""Messages between EngineCore and the TP workers, msgpack-encoded with msgspec (never pickle)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Union
+
+import msgspec
+
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.model_setup import ResolvedModel
+
+
+class WorkerConfig(msgspec.Struct, kw_only=True):
+    """Everything a worker rank needs to build its shard; identical on every rank but `rank`."""
+
+    model_dir: str
+    dtype: str
+    device: str
+    num_blocks: int
+    block_size: int
+    seed: int
+    tp_size: int
+    # torch.distributed rendezvous: "tcp://host:port" or "env://" (torchrun).
+    init_method: str
+    collective_timeout_s: float = 60.0
+
+
+def make_worker_config(config: EngineConfig, model: ResolvedModel,
+                       init_method: str = "") -> WorkerConfig:
+    return WorkerConfig(
+        model_dir=model.model_dir, dtype=config.model.dtype, device=config.model.device,
+        num_blocks=model.num_blocks, block_size=config.cache.block_size, seed=config.model.seed,
+        tp_size=config.tensor_parallel_size, init_method=init_method,
+        collective_timeout_s=config.collective_timeout_s)
+
+
+class ExecuteStep(msgspec.Struct, tag="step"):
+    scheduler_output: SchedulerOutput
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+WorkerCommand = Union[ExecuteStep, Shutdown]
+
+_command_encoder = msgspec.msgpack.Encoder()
+_command_decoder = msgspec.msgpack.Decoder(WorkerCommand)
+_output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
+_config_decoder = msgspec.msgpack.Decoder(WorkerConfig)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _command_encoder.encode(message)
+
+
+def decode_command(payload: bytes) -> WorkerCommand:
+    return _command_decoder.decode(payload)
+
+
+def decode_output(payload: bytes) -> ModelRunnerOutput:
+    return _output_decoder.decode(payload)
+
+
+def decode_config(payload: bytes) -> WorkerConfig:
+    return _config_decoder.decode(payload)
