@@ -84,6 +84,10 @@ def check_tensor_parallel(hf_config, tp_size: int) -> None:
     if (kv_heads >= tp_size and kv_heads % tp_size) or (kv_heads < tp_size and tp_size % kv_heads):
         raise ValueError(f"tensor_parallel_size {tp_size} and the model's {kv_heads} KV heads: "
                          f"one must divide the other")
+    intermediate = getattr(hf_config, "intermediate_size", tp_size)
+    if intermediate % tp_size:
+        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's MLP "
+                         f"intermediate_size {intermediate}")
 
 
 def resolve(config: EngineConfig) -> ResolvedModel:

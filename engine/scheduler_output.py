@@ -56,3 +56,5 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     error: str | None = None
     # Wall time of the forward pass + sampling, for the TTFT predictor.
     execute_seconds: float = 0.0
+    # TP: time rank 0 spent handing the step to the other ranks.
+    transport_seconds: float = 0.0

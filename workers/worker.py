@@ -59,8 +59,12 @@ class DriverWorker(Worker):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         try:
+            started = time.perf_counter()
             broadcast_bytes(encode(ExecuteStep(scheduler_output)), self.groups.cpu_group)
-            return self.runner.execute(scheduler_output)
+            transport_seconds = time.perf_counter() - started
+            output = self.runner.execute(scheduler_output)
+            output.transport_seconds = transport_seconds
+            return output
         except Exception:
             return ModelRunnerOutput(step_id=scheduler_output.step_id, status=StepStatus.ERROR,
                                      error=_with_peer_errors(self.groups, traceback.format_exc()))
