@@ -178,3 +178,19 @@ def test_torchrun_world_smaller_than_tp_is_refused(tiny_model):
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode != 0
     assert "tensor_parallel_size 4 needs 4 ranks but the torchrun world has 2" in stderr
+
+
+def test_worker_that_raises_at_startup_reports_its_error(tiny_model, tmp_path):
+    import json
+    import shutil
+
+    from engine.executor import WorkerStartupError
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model("llama"), broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["num_hidden_layers"] += 1  # the checkpoint has no weights for the extra layer
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(WorkerStartupError, match=r"layers\.3"):
+        LLM(model=str(broken), dtype="float32", tensor_parallel_size=2)
+    assert not multiprocessing.active_children()
