@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from engine.config import EngineConfig
 from engine.executor import Executor, ExternalExecutor, InProcessExecutor, MultiprocExecutor
+from engine.input_processor import validate_prompt
 from engine.launch import check_torchrun_world, torchrun_launch
 from engine.model_setup import ResolvedModel, resolve
 from engine.outputs import EngineCoreOutput
@@ -64,17 +65,7 @@ class EngineCore:
 
     def validate_request(self, request: Request) -> None:
         """Raises ValueError naming what is wrong with the prompt; changes nothing."""
-        n = request.num_prompt_tokens
-        if n == 0:
-            raise ValueError("prompt is empty: it must contain at least one token")
-        if n > self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens, longer than max_model_len "
-                             f"{self.max_model_len}")
-        bad = next((t for t in request.prompt_token_ids
-                    if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids: token {bad!r} is outside the vocabulary "
-                             f"[0, {self.vocab_size})")
+        validate_prompt(request.prompt_token_ids, self.max_model_len, self.vocab_size)
 
     def add_request(self, request: Request) -> None:
         self.validate_request(request)
@@ -126,6 +117,7 @@ def _core_output(request: Request) -> EngineCoreOutput:
         stop_reason=request.stop_reason if finished else None,
         num_preemptions=request.num_preemptions,
         num_cached_tokens=max(request.num_cached_tokens, 0),
+        first_scheduled_time=request.first_scheduled_time,
         first_token_time=request.first_token_time,
         finish_time=request.finish_time,
     )

@@ -5,12 +5,12 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, TypedDict, Union
 
 from tqdm import tqdm
 
 from engine.config import build_engine_config
+from engine.input_processor import ChatMessages, InputProcessor
 from engine.engine_core import EngineCore
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
@@ -23,7 +23,6 @@ class TokensPrompt(TypedDict):
 
 
 PromptType = Union[str, TokensPrompt]
-ChatMessages = list[dict[str, Any]]
 
 
 class LLM:
@@ -36,8 +35,8 @@ class LLM:
         model = model_path_or_default(model)
         config = build_engine_config(model, **engine_args)
         self.engine = EngineCore(config)
-        self.tokenizer = load_tokenizer(model)
-        self.eos_token_ids = eos_token_ids(model, self.tokenizer)
+        self.inputs = InputProcessor(model)
+        self.tokenizer = self.inputs.tokenizer
         self._ids = itertools.count()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
@@ -59,11 +58,7 @@ class LLM:
         return self._run(encoded, sampling_params, None, use_tqdm)
 
     def apply_chat_template(self, messages: ChatMessages) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template; pass a plain prompt instead")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                 tokenize=True, return_dict=False)
-        return list(ids)
+        return self.inputs.apply_chat_template(messages)
 
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -73,17 +68,15 @@ class LLM:
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string or {{'prompt_token_ids': [...]}}, "
                              f"got {type(prompt).__name__}")
-        if self.tokenizer is None:
-            raise ValueError("this model folder has no tokenizer; pass prompt_token_ids instead")
-        return prompt, self.tokenizer.encode(prompt)
+        return prompt, self.inputs.encode(prompt)
 
     def _run(self, encoded: list[tuple[str | None, list[int]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
              priority: Sequence[int] | None, use_tqdm: bool) -> list[RequestOutput]:
         params = _per_prompt(sampling_params, len(encoded), "sampling_params", SamplingParams())
         priorities = _per_prompt(priority, len(encoded), "priority", 0)
-        requests = [self._make_request(p, ids, sp, prio)
-                    for (p, ids), sp, prio in zip(encoded, params, priorities)]
+        requests = [self._make_request(ids, sp, prio)
+                    for (_, ids), sp, prio in zip(encoded, params, priorities)]
         # Validate every request before any is queued: one bad prompt must not strand the rest.
         for request in requests:
             self.engine.validate_request(request)
@@ -110,15 +103,8 @@ class LLM:
             progress.close()
         return [finals[r.request_id] for r in requests]
 
-    def _make_request(self, prompt: str | None, ids: list[int], params: SamplingParams,
-                      priority: int) -> Request:
-        stop_ids = list(params.stop_token_ids)
-        eos = None
-        if not params.ignore_eos and self.eos_token_ids:
-            eos, *extra = self.eos_token_ids
-            stop_ids += [t for t in extra if t not in stop_ids]
-        if stop_ids != params.stop_token_ids:
-            params = _replace(params, stop_token_ids=stop_ids)
+    def _make_request(self, ids: list[int], params: SamplingParams, priority: int) -> Request:
+        params, eos = self.inputs.with_eos(params)
         return Request(request_id=str(next(self._ids)), prompt_token_ids=ids,
                        sampling_params=params, eos_token_id=eos, arrival_time=time.monotonic(),
                        priority=priority)
@@ -136,35 +122,3 @@ def _per_prompt(value, count: int, name: str, default):
     if len(value) != count:
         raise ValueError(f"{name}: got {len(value)} values for {count} prompts")
     return value
-
-
-def _replace(params: SamplingParams, **changes) -> SamplingParams:
-    import msgspec
-
-    return msgspec.structs.replace(params, **changes)
-
-
-def load_tokenizer(model_dir: str):
-    """The model folder's tokenizer, or None when the folder has none (token-id prompts only)."""
-    folder = Path(model_dir)
-    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer.model",
-                                               "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(folder))
-
-
-def eos_token_ids(model_dir: str, tokenizer) -> list[int]:
-    """EOS ids from generation_config.json (may be a list), else the tokenizer's, else config's."""
-    import json
-
-    for name in ("generation_config.json", "config.json"):
-        path = Path(model_dir) / name
-        if path.exists():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            if eos is not None:
-                return [eos] if isinstance(eos, int) else list(eos)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        return [tokenizer.eos_token_id]
-    return []

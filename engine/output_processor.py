@@ -26,7 +26,8 @@ class OutputProcessor:
         self._states: dict[str, _RequestState] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float) -> None:
+                    params: SamplingParams, arrival_time: float,
+                    ttft_slo_ms: float | None = None) -> None:
         detokenizer = None
         if self._tokenizer is not None:
             detokenizer = IncrementalDetokenizer(
@@ -34,7 +35,8 @@ class OutputProcessor:
                 stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
         output = RequestOutput(request_id=request_id, prompt=prompt,
                                prompt_token_ids=prompt_token_ids,
-                               metrics=RequestMetrics(arrival_time=arrival_time))
+                               metrics=RequestMetrics(arrival_time=arrival_time,
+                                                      ttft_slo_ms=ttft_slo_ms))
         self._states[request_id] = _RequestState(output, detokenizer)
 
     def remove(self, request_id: str) -> None:
@@ -57,6 +59,7 @@ class OutputProcessor:
             out.token_ids.extend(core_out.new_token_ids)
             metrics = out.metrics
             assert metrics is not None
+            metrics.first_scheduled_time = core_out.first_scheduled_time
             metrics.first_token_time = core_out.first_token_time
             metrics.num_preemptions = core_out.num_preemptions
             metrics.num_cached_tokens = core_out.num_cached_tokens

@@ -16,8 +16,21 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+
+
+class SchedulerStats(msgspec.Struct, kw_only=True):
+    """A snapshot of the scheduler for gauges (counters are cumulative since start)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_kv_preemptions: int = 0
 
 
 @dataclass
@@ -25,10 +38,24 @@ class RequestMetrics:
     """Timestamps are time.monotonic() seconds."""
 
     arrival_time: float
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    ttft_slo_ms: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft_slo_met(self) -> bool | None:
+        if self.ttft_slo_ms is None or self.ttft is None:
+            return None
+        return self.ttft * 1000 <= self.ttft_slo_ms
 
     @property
     def ttft(self) -> float | None:

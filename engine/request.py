@@ -50,6 +50,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
     max_model_len: int | None = None
+    # TTFT service-level objective; the deadline is arrival_time + ttft_slo_ms / 1000.
+    ttft_slo_ms: float | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -60,6 +62,7 @@ class Request:
     num_cached_tokens: int = -1
     # Chained hashes of this request's full blocks of tokens, extended as tokens are appended.
     block_hashes: list[int] = field(default_factory=list)
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     stop_reason: int | str | None = None
@@ -92,6 +95,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def deadline(self) -> float | None:
+        """time.monotonic() by which the first token is due, or None without an SLO."""
+        return None if self.ttft_slo_ms is None else self.arrival_time + self.ttft_slo_ms / 1000
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

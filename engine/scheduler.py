@@ -17,6 +17,7 @@ from engine.block_pool import KVBlock
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.outputs import SchedulerStats
 from engine.request_queue import RequestQueue, create_request_queue
 from engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepStatus
 from engine.step_record import Admission, StepRecord
@@ -50,6 +51,7 @@ class Scheduler:
         self.step_id = 0
         self.prev_scheduled_req_ids: frozenset[str] = frozenset()
         self.last_step_record: StepRecord | None = None
+        self.num_kv_preemptions = 0
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -115,6 +117,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_kv_preemptions += 1
         self.waiting.prepend(request)
         record.preempted.append(request)
 
@@ -230,6 +233,8 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             request.num_computed_tokens += num_cached
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             scheduled[request.request_id] = (request, num_new)
             budget -= num_new
@@ -323,6 +328,14 @@ class Scheduler:
     @property
     def prefix_cache_hits(self) -> int:
         return self.kv_cache_manager.prefix_cache_hits
+
+    def stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
+                              kv_cache_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
+                              prefix_cache_queries=kv.prefix_cache_queries,
+                              prefix_cache_hits=kv.prefix_cache_hits,
+                              num_kv_preemptions=self.num_kv_preemptions)
 
     def check_invariants(self) -> None:
         kv = self.kv_cache_manager

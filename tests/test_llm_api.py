@@ -52,11 +52,11 @@ def test_eos_finishes(llm, tiny_model):
     # Make the EOS the token the model greedily produces at step 3.
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     (ref,) = llm.generate("Hello", greedy)
-    llm.eos_token_ids = [ref.token_ids[3]]
+    saved, llm.inputs.eos_token_ids = llm.inputs.eos_token_ids, [ref.token_ids[3]]
     try:
         (out,) = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=10))
     finally:
-        llm.eos_token_ids = []
+        llm.inputs.eos_token_ids = saved
     assert out.finish_reason == "stop"
     assert out.token_ids == ref.token_ids[: ref.token_ids.index(ref.token_ids[3]) + 1]
 

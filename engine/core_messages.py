@@ -1,0 +1,127 @@
+"""Messages between the API server process and the EngineCore process.
+
+Frames on a local TCP stream: a 4-byte big-endian length, then a msgpack body (msgspec; never
+pickle). Each direction carries a tagged union, so a frame decodes to exactly one message type.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import select
+import socket
+import struct
+from typing import Union
+
+import msgspec
+
+from engine.config import EngineConfig
+from engine.outputs import EngineCoreOutput, SchedulerStats
+from engine.sampling_params import SamplingParams
+
+_LENGTH = struct.Struct(">I")
+
+
+# ---- API server -> EngineCore -------------------------------------------------------------------
+
+class AddRequest(msgspec.Struct, tag="add", kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float  # time.monotonic(), comparable across processes on one machine
+    priority: int = 0
+    ttft_slo_ms: float | None = None
+    eos_token_id: int | None = None
+
+
+class AbortRequests(msgspec.Struct, tag="abort", kw_only=True):
+    request_ids: list[str]
+    # "abort" (client gone) or "stop" (the API server found a stop string).
+    reason: str = "abort"
+
+
+class ShutdownCore(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+ToCore = Union[AddRequest, AbortRequests, ShutdownCore]
+
+
+# ---- EngineCore -> API server -------------------------------------------------------------------
+
+class CoreReady(msgspec.Struct, tag="ready", kw_only=True):
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+
+
+class CoreOutputs(msgspec.Struct, tag="outputs", kw_only=True):
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats
+
+
+class RequestRejected(msgspec.Struct, tag="rejected", kw_only=True):
+    request_id: str
+    error: str
+
+
+class CoreFailed(msgspec.Struct, tag="failed", kw_only=True):
+    error: str
+
+
+FromCore = Union[CoreReady, CoreOutputs, RequestRejected, CoreFailed]
+
+_encoder = msgspec.msgpack.Encoder()
+to_core_decoder = msgspec.msgpack.Decoder(ToCore)
+from_core_decoder = msgspec.msgpack.Decoder(FromCore)
+config_decoder = msgspec.msgpack.Decoder(EngineConfig)
+
+
+def frame(message: msgspec.Struct | EngineConfig) -> bytes:
+    body = _encoder.encode(message)
+    return _LENGTH.pack(len(body)) + body
+
+
+def encode_config(config: EngineConfig) -> bytes:
+    return _encoder.encode(config)
+
+
+async def read_frame(reader: asyncio.StreamReader) -> bytes:
+    (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+    return await reader.readexactly(length)
+
+
+class FrameSocket:
+    """Blocking side (EngineCore): whole frames from a socket. Once part of a frame has arrived,
+    the rest is read before returning, so a caller never sees half a message."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buffer = bytearray()
+
+    def send(self, message: msgspec.Struct) -> None:
+        self.sock.sendall(frame(message))
+
+    def receive(self, timeout: float | None) -> list[bytes] | None:
+        """Frames that arrive within `timeout` seconds (0: only what is there; None: wait).
+        Returns None when the peer closed the connection."""
+        readable, _, _ = select.select([self.sock], [], [], timeout)
+        if readable and not self._fill():
+            return None
+        frames = []
+        while True:
+            if len(self._buffer) >= _LENGTH.size:
+                (length,) = _LENGTH.unpack_from(self._buffer)
+                end = _LENGTH.size + length
+                if len(self._buffer) >= end:
+                    frames.append(bytes(self._buffer[_LENGTH.size:end]))
+                    del self._buffer[:end]
+                    continue
+            if not self._buffer:
+                return frames
+            if not self._fill():  # a partial frame: block for the rest
+                return None
+
+    def _fill(self) -> bool:
+        chunk = self.sock.recv(1 << 20)
+        self._buffer += chunk
+        return bool(chunk)

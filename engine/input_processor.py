@@ -1,0 +1,90 @@
+"""Frontend side of a new request: tokenization, chat templates, EOS handling, validation.
+
+Shared by the offline `LLM` and the API server, so both turn the same input into the same
+request and reject bad input with the same message.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from engine.sampling_params import SamplingParams
+
+ChatMessages = list[dict[str, Any]]
+
+
+def validate_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    """Raises ValueError naming what is wrong; the only prompt check, used on both sides."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise ValueError("prompt is empty: it must contain at least one token")
+    if n > max_model_len:
+        raise ValueError(f"prompt has {n} tokens, longer than max_model_len {max_model_len}")
+    bad = next((t for t in prompt_token_ids
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size),
+               None)
+    if bad is not None:
+        raise ValueError(f"prompt_token_ids: token {bad!r} is outside the vocabulary "
+                         f"[0, {vocab_size})")
+
+
+class InputProcessor:
+    def __init__(self, model_dir: str) -> None:
+        self.tokenizer = load_tokenizer(model_dir)
+        self.eos_token_ids = eos_token_ids(model_dir, self.tokenizer)
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model folder has no tokenizer; pass prompt_token_ids instead")
+        return list(self.tokenizer.encode(prompt))
+
+    def apply_chat_template(self, messages: ChatMessages) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; pass a plain prompt instead")
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False)
+        except Exception as exc:  # template errors (bad roles, missing content) are bad input
+            raise ValueError(f"messages: the chat template rejected them: {exc}") from exc
+        return list(ids)
+
+    def with_eos(self, params: SamplingParams) -> tuple[SamplingParams, int | None]:
+        """The model's EOS id for the request, with any further EOS ids (generation_config may
+        list several) added to its stop_token_ids."""
+        if params.ignore_eos or not self.eos_token_ids:
+            return params, None
+        eos, *extra = self.eos_token_ids
+        missing = [t for t in extra if t not in params.stop_token_ids]
+        if missing:
+            params = msgspec.structs.replace(params,
+                                             stop_token_ids=params.stop_token_ids + missing)
+        return params, eos
+
+
+def load_tokenizer(model_dir: str):
+    """The model folder's tokenizer, or None when the folder has none (token-id prompts only)."""
+    folder = Path(model_dir)
+    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer.model",
+                                               "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def eos_token_ids(model_dir: str, tokenizer) -> list[int]:
+    """EOS ids from generation_config.json (may be a list), else config.json, else the
+    tokenizer's."""
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.exists():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else list(eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return [tokenizer.eos_token_id]
+    return []
