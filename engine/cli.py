@@ -95,6 +95,29 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    from engine.api_server import ServerSettings, run_server, served_name
+    from engine.config import build_engine_config
+    from engine.default_model import model_path_or_default
+    from engine.model_setup import resolve
+
+    kwargs = engine_kwargs(args)
+    if (code := _under_torchrun(args, kwargs)) is not None:
+        return code
+    model = model_path_or_default(kwargs.pop("model"))
+    config = build_engine_config(model, **kwargs)
+    resolve(config)  # bad configuration fails here, before any process starts
+    settings = ServerSettings(
+        served_model_name=args.served_model_name or served_name(model),
+        api_key=args.api_key or os.environ.get("SLOSERVE_API_KEY") or None,
+        max_request_body_bytes=args.max_request_body_bytes,
+        default_ttft_slo_ms=args.default_ttft_slo_ms)
+    run_server(config, settings, args.host, args.port, args.log_level)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sloserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -112,6 +135,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", default=None, help="system message for chat models")
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 (or $SLOSERVE_API_KEY)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="model name clients use (default: the model folder's name)")
+    serve.add_argument("--max-request-body-bytes", type=int, default=1 << 20)
+    serve.add_argument("--default-ttft-slo-ms", type=float, default=None,
+                       help="TTFT objective for requests that carry none (default: none)")
+    serve.add_argument("--log-level", default="info")
+    add_engine_args(serve)
+    serve.set_defaults(func=_serve)
     return parser
 
 

@@ -1,0 +1,219 @@
+"""The API server's handle on the EngineCore process: spawns it, streams requests to it and
+fans its outputs back out to one asyncio queue per request."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from engine.config import EngineConfig
+from engine.core_messages import (AbortRequests, AddRequest, CoreFailed, CoreOutputs, CoreReady,
+                                  RequestRejected, ShutdownCore, encode_config, frame,
+                                  from_core_decoder, read_frame)
+from engine.input_processor import InputProcessor, validate_prompt
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput, SchedulerStats
+from engine.sampling_params import SamplingParams
+
+
+class OutputObserver(Protocol):
+    def on_stats(self, stats: SchedulerStats) -> None: ...
+
+    def on_request_output(self, output: RequestOutput) -> None: ...
+
+
+class EngineDeadError(RuntimeError):
+    """The EngineCore process failed or exited; no request can be served any more."""
+
+
+@dataclass
+class _Finished:
+    """Queue sentinel for a request that can no longer make progress."""
+
+    error: Exception
+
+
+class AsyncEngineClient:
+    def __init__(self, config: EngineConfig, startup_timeout_s: float = 600.0) -> None:
+        self.config = config
+        self.inputs = InputProcessor(config.model.model)
+        self.tokenizer = self.inputs.tokenizer
+        self.startup_timeout_s = startup_timeout_s
+        self.stats = SchedulerStats()
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.num_blocks = 0
+        self.dead: str | None = None
+        # Sees every stats snapshot and every request update (the Prometheus metrics).
+        self.observer: OutputObserver | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._processor = OutputProcessor(self.tokenizer)
+        self._writer: asyncio.StreamWriter | None = None
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._reader_task: asyncio.Task | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        from engine.core_process import run_core_process
+
+        self.loop = asyncio.get_running_loop()
+        connected: asyncio.Future = self.loop.create_future()
+
+        def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            if not connected.done():
+                connected.set_result((reader, writer))
+
+        server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        # Not a daemon: EngineCore spawns the TP worker processes itself.
+        self._process = multiprocessing.get_context("spawn").Process(
+            target=run_core_process, args=(encode_config(self.config), port),
+            name="sloserve-engine-core")
+        self._process.start()
+        try:
+            reader, self._writer = await self._wait_for(connected)
+            ready = from_core_decoder.decode(await self._wait_for(read_frame(reader)))
+        finally:
+            server.close()
+        if isinstance(ready, CoreFailed):
+            await self._reap()
+            raise EngineDeadError(f"EngineCore failed to start:\n{ready.error}")
+        assert isinstance(ready, CoreReady)
+        self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
+        self.num_blocks = ready.num_blocks
+        self._reader_task = asyncio.create_task(self._read_outputs(reader))
+
+    async def _wait_for(self, awaitable):
+        """Await, but give up if the EngineCore process dies or startup takes too long."""
+        task = asyncio.ensure_future(awaitable)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not task.done():
+            await asyncio.wait([task], timeout=0.2)
+            if not task.done() and (not self._process.is_alive()
+                                    or time.monotonic() > deadline):
+                task.cancel()
+                code = self._process.exitcode
+                await self._reap()
+                raise EngineDeadError(f"EngineCore exited during startup (exit code {code})"
+                                      if code is not None else "EngineCore startup timed out")
+        return task.result()
+
+    def fail_all(self, reason: str) -> None:
+        """End every in-flight request with an error (server shutdown)."""
+        self._fail_all(EngineDeadError(reason))
+
+    async def shutdown(self) -> None:
+        self._fail_all(EngineDeadError("the server is shutting down"))
+        if self._writer is not None and not self._writer.is_closing():
+            try:
+                self._writer.write(frame(ShutdownCore()))
+                await self._writer.drain()
+            except (ConnectionError, RuntimeError):
+                pass
+        await self._reap()
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+
+    async def _reap(self) -> None:
+        process = self._process
+        if process is None:
+            return
+        await asyncio.to_thread(process.join, 30)
+        if process.is_alive():
+            process.terminate()
+            await asyncio.to_thread(process.join, 10)
+        if process.is_alive():
+            process.kill()
+            await asyncio.to_thread(process.join)
+
+    def is_alive(self) -> bool:
+        return self.dead is None and self._process is not None and self._process.is_alive()
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int]) -> None:
+        validate_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
+
+    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                       params: SamplingParams, *, arrival_time: float, priority: int = 0,
+                       ttft_slo_ms: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields the request's cumulative output after every new token, the last one finished.
+        Closing the iterator early (a client that went away) aborts the request in the core."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        self.validate(prompt_token_ids)
+        params, eos = self.inputs.with_eos(params)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._processor.add_request(request_id, prompt, prompt_token_ids, params, arrival_time,
+                                    ttft_slo_ms)
+        finished = False
+        try:
+            self._send(AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                                  sampling_params=params, arrival_time=arrival_time,
+                                  priority=priority, ttft_slo_ms=ttft_slo_ms, eos_token_id=eos))
+            while True:
+                item = await queue.get()
+                if isinstance(item, _Finished):
+                    finished = True
+                    raise item.error
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._processor.remove(request_id)
+                self._send(AbortRequests(request_ids=[request_id]), quiet=True)
+
+    def _send(self, message, quiet: bool = False) -> None:
+        try:
+            assert self._writer is not None
+            self._writer.write(frame(message))
+        except (ConnectionError, RuntimeError, AssertionError):
+            if not quiet:
+                raise EngineDeadError(self.dead or "the EngineCore connection is closed")
+
+    # ---- outputs ----------------------------------------------------------------------------
+
+    async def _read_outputs(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                message = from_core_decoder.decode(await read_frame(reader))
+                if isinstance(message, CoreOutputs):
+                    self._dispatch(message)
+                elif isinstance(message, RequestRejected):
+                    self._processor.remove(message.request_id)
+                    if (queue := self._queues.get(message.request_id)) is not None:
+                        queue.put_nowait(_Finished(ValueError(message.error)))
+                elif isinstance(message, CoreFailed):
+                    self.dead = f"EngineCore failed:\n{message.error}"
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.dead = self.dead or "EngineCore exited unexpectedly"
+        self._fail_all(EngineDeadError(self.dead or "EngineCore stopped"))
+
+    def _dispatch(self, message: CoreOutputs) -> None:
+        self.stats = message.stats
+        outputs, stopped = self._processor.process(message.outputs)
+        if self.observer is not None:
+            self.observer.on_stats(message.stats)
+            for out in outputs:
+                self.observer.on_request_output(out)
+        if stopped:
+            self._send(AbortRequests(request_ids=stopped, reason="stop"), quiet=True)
+        for out in outputs:
+            if (queue := self._queues.get(out.request_id)) is not None:
+                queue.put_nowait(out)
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id, queue in list(self._queues.items()):
+            self._processor.remove(request_id)
+            queue.put_nowait(_Finished(error))

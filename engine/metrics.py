@@ -1,0 +1,99 @@
+"""Prometheus metrics of the API server, named after vLLM's under the `sloserve:` prefix."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from engine.outputs import RequestOutput, SchedulerStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class ServerMetrics:
+    """Fed by the engine client (stats snapshots, request updates); rendered at /metrics."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, {"model_name": model_name}
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"sloserve:{name}", doc, labelnames=list(labels), registry=r).labels(**labels)
+
+        def counter(name: str, doc: str, *extra: str) -> Counter:
+            return Counter(f"sloserve:{name}", doc, labelnames=[*labels, *extra], registry=r)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(f"sloserve:{name}", doc, labelnames=list(labels), registry=r,
+                             buckets=_LATENCY_BUCKETS).labels(**labels)
+
+        self._labels = labels
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running set.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use.")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up "
+                                            "in the prefix cache.").labels(**labels)
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the "
+                                         "prefix cache.").labels(**labels)
+        self.num_preemptions = counter("num_preemptions", "Preemptions, by reason.", "reason")
+        self.prompt_tokens = counter("prompt_tokens", "Prefill tokens of finished "
+                                     "requests.").labels(**labels)
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(**labels)
+        self.request_success = counter("request_success", "Finished requests, by reason.",
+                                       "finished_reason")
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
+        self.itl = histogram("inter_token_latency_seconds", "Time between two output tokens.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.")
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.")
+        self.slo_met = counter("ttft_slo_met", "Requests whose first token met their TTFT "
+                               "SLO.").labels(**labels)
+        self.slo_missed = counter("ttft_slo_missed", "Requests whose first token missed their "
+                                  "TTFT SLO.").labels(**labels)
+        self._last: SchedulerStats = SchedulerStats()
+        # request id -> (tokens seen, time the last of them arrived)
+        self._progress: dict[str, tuple[int, float]] = {}
+
+    def on_stats(self, stats: SchedulerStats) -> None:
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        # The core's counters are cumulative: add what they moved since the last snapshot.
+        last = self._last
+        self.prefix_cache_queries.inc(max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
+        self.prefix_cache_hits.inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
+        self.num_preemptions.labels(**self._labels, reason="kv").inc(
+            max(0, stats.num_kv_preemptions - last.num_kv_preemptions))
+        self._last = stats
+
+    def on_request_output(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        seen, last_time = self._progress.get(out.request_id, (0, 0.0))
+        new_tokens = len(out.token_ids) - seen
+        m = out.metrics
+        if new_tokens > 0:
+            self.generation_tokens.inc(new_tokens)
+            if seen == 0 and m is not None and m.ttft is not None:
+                self.ttft.observe(m.ttft)
+                if m.ttft_slo_met is not None:
+                    (self.slo_met if m.ttft_slo_met else self.slo_missed).inc()
+                if m.queue_time is not None:
+                    self.queue_time.observe(m.queue_time)
+            elif seen > 0:
+                self.itl.observe((now - last_time) / new_tokens)
+            self._progress[out.request_id] = (len(out.token_ids), now)
+        if out.finished:
+            self._progress.pop(out.request_id, None)
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            self.request_success.labels(**self._labels,
+                                        finished_reason=out.finish_reason or "unknown").inc()
+            if m is not None and m.e2e_latency is not None:
+                self.e2e.observe(m.e2e_latency)
+
+    def forget(self, request_id: str) -> None:
+        """A request that ended without finishing (client gone)."""
+        self._progress.pop(request_id, None)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
