@@ -15,6 +15,7 @@ from pathlib import Path
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_client import AsyncEngineClient, EngineDeadError
 from engine.config import EngineConfig
@@ -63,9 +64,18 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(error_body(exc.message, exc.status, exc.param), exc.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Unknown routes (404) and wrong methods (405) answer in the OpenAI error shape too.
+        return JSONResponse(error_body(str(exc.detail), exc.status_code), exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            reason = first.get("ctx", {}).get("error", "")
+            return JSONResponse(error_body(f"malformed JSON body: {reason}", 400), 400)
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = f"{where + ': ' if where else ''}{first.get('msg', 'invalid request')}"
         return JSONResponse(error_body(message, 400, where or None), 400)
@@ -232,20 +242,34 @@ class _BodyLimit:
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
             return await self._refuse(send)
-        seen = 0
+        seen, too_large, started = 0, False, False
 
         async def limited_receive():
-            nonlocal seen
+            nonlocal seen, too_large
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
+                    too_large = True
                     raise _TooLarge()
             return message
 
+        async def guarded_send(message) -> None:
+            # FastAPI turns an exception raised while it reads the body into its own 400
+            # ("There was an error parsing the body"): once the body is over the limit, drop
+            # whatever the app answers and send the 413 below instead.
+            nonlocal started
+            if too_large:
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await self.app(scope, limited_receive, send)
-        except _TooLarge:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not too_large:
+                raise
+        if too_large and not started:
             await self._refuse(send)
 
     async def _refuse(self, send) -> None:

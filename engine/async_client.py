@@ -87,6 +87,8 @@ class AsyncEngineClient:
         assert isinstance(ready, CoreReady)
         self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
         self.num_blocks = ready.num_blocks
+        # Until the first engine message brings a snapshot: an idle engine, every block free.
+        self.stats = SchedulerStats(num_free_blocks=ready.num_blocks)
         self._reader_task = asyncio.create_task(self._read_outputs(reader))
 
     async def _wait_for(self, awaitable):

@@ -36,7 +36,9 @@ class _GenerationRequest(BaseModel):
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """Raises ValueError naming the bad field (max_tokens < 1, temperature < 0, ...)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        max_tokens = getattr(self, "max_completion_tokens", None) or self.max_tokens
+        max_tokens = getattr(self, "max_completion_tokens", None)
+        if max_tokens is None:  # not `or`: max_completion_tokens=0 is an error, not "unset"
+            max_tokens = self.max_tokens
         return SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
