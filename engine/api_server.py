@@ -109,7 +109,7 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
         stats = client.stats
         return {"num_blocks": client.num_blocks, "num_free_blocks": stats.num_free_blocks,
                 "num_running": stats.num_running, "num_waiting": stats.num_waiting,
-                "kv_cache_usage": stats.kv_cache_usage}
+                "kv_cache_usage": stats.kv_cache_usage, "num_steps": stats.num_steps}
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict:

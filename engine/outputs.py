@@ -31,6 +31,8 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_kv_preemptions: int = 0
+    # Engine steps scheduled so far (the last step id).
+    num_steps: int = 0
 
 
 @dataclass

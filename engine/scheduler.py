@@ -335,7 +335,8 @@ class Scheduler:
                               kv_cache_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
                               prefix_cache_queries=kv.prefix_cache_queries,
                               prefix_cache_hits=kv.prefix_cache_hits,
-                              num_kv_preemptions=self.num_kv_preemptions)
+                              num_kv_preemptions=self.num_kv_preemptions,
+                              num_steps=self.step_id)
 
     def check_invariants(self) -> None:
         kv = self.kv_cache_manager
