@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.async_client import AsyncEngineClient, EngineDeadError
 from engine.config import EngineConfig
 from engine.metrics import ServerMetrics
-from engine.openai_protocol import (ChatCompletionRequest, CompletionRequest, _GenerationRequest,
+from engine.openai_protocol import (ChatCompletionRequest, CompletionRequest, GenerationRequest,
                                     error_body)
 from engine.openai_responses import (ResponseContext, full_response, stream_events)
 from engine.outputs import RequestOutput
@@ -117,12 +117,12 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
             "id": settings.served_model_name, "object": "model", "created": int(time.time()),
             "owned_by": "sloserve", "max_model_len": client.max_model_len}]}
 
-    def _check_model(body: _GenerationRequest) -> None:
+    def _check_model(body: GenerationRequest) -> None:
         if body.model is not None and body.model != settings.served_model_name:
             raise APIError(404, f"The model `{body.model}` does not exist; this server serves "
                                 f"`{settings.served_model_name}`", "model")
 
-    def _slo(body: _GenerationRequest, request: Request) -> float | None:
+    def _slo(body: GenerationRequest, request: Request) -> float | None:
         if body.ttft_slo_ms is not None:  # the body wins over the header
             return body.ttft_slo_ms
         header = request.headers.get(SLO_HEADER)
@@ -137,7 +137,7 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
                                 f"got {header!r}", SLO_HEADER)
         return value
 
-    async def _serve(body: _GenerationRequest, request: Request, prompt: str | None,
+    async def _serve(body: GenerationRequest, request: Request, prompt: str | None,
                      prompt_ids: list[int], chat: bool) -> Response:
         arrival = request.state.arrival
         _check_model(body)

@@ -13,7 +13,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _GenerationRequest(BaseModel):
+class GenerationRequest(BaseModel):
     # Unknown OpenAI fields (user, logprobs=None, ...) are accepted and ignored, as vLLM does.
     model_config = ConfigDict(extra="allow")
 
@@ -50,7 +50,7 @@ class _GenerationRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_GenerationRequest):
+class CompletionRequest(GenerationRequest):
     prompt: str | list[int]
 
 
@@ -70,7 +70,7 @@ class ChatMessage(BaseModel):
         return {"role": self.role, "content": content or ""}
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
 
