@@ -1,0 +1,94 @@
+"""Slack-EDF policy (DESIGN.md section 5): slack, priority, and the preemption gate.
+
+time_to_deadline = deadline - now; slack = time_to_deadline - predicted remaining TTFT;
+priority = sign(slack) / |time_to_deadline|: rescuable requests first, the most urgent first;
+doomed ones (slack <= 0) last. A request without a deadline has infinite time and priority 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+PreemptPolicy = Literal["conservative", "aggressive"]
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """What the policy needs of a request (read from the scheduler's snapshot)."""
+
+    request_id: str
+    # time.monotonic(); None: no TTFT objective, or its first token is already out.
+    deadline: float | None
+    remaining_prefill_tokens: int
+    # Rule 1: a request the monitor preempted once is never a victim again.
+    slo_preempted: bool = False
+
+
+@dataclass(frozen=True)
+class Urgency:
+    time_to_deadline: float
+    slack: float
+    priority: float
+
+    @property
+    def doomed(self) -> bool:
+        return self.slack <= 0
+
+
+def urgency(view: RequestView, now: float, predict: Callable[[int], float]) -> Urgency:
+    if view.deadline is None:
+        return Urgency(math.inf, math.inf, 0.0)
+    time_to_deadline = view.deadline - now
+    slack = time_to_deadline - predict(view.remaining_prefill_tokens)
+    if time_to_deadline == 0:
+        return Urgency(0.0, slack, -math.inf)
+    return Urgency(time_to_deadline, slack, math.copysign(1.0, slack) / abs(time_to_deadline))
+
+
+@dataclass(frozen=True)
+class PreemptDecision:
+    victim_id: str
+    waiter_id: str
+
+
+def should_preempt(waiter: Urgency, running: Urgency, margin: float) -> bool:
+    """The four sign cases. Branch on signs first: a multiplicative margin on a negative
+    priority would flip the inequality."""
+    if waiter.doomed:  # W doomed (whether or not the running one is): never
+        return False
+    if running.doomed:  # only the running one is doomed: it gives up its slot
+        return True
+    return waiter.priority > margin * running.priority
+
+
+def choose_preemption(waiting: Sequence[RequestView], running: Sequence[RequestView],
+                      now: float, predict: Callable[[int], float],
+                      policy: PreemptPolicy = "conservative",
+                      margin: float = 1.2) -> PreemptDecision | None:
+    """Whether the best waiter should stop the running step, and whom to preempt.
+
+    The gate compares the best waiter W with the MOST urgent eligible running request
+    (conservative: W must beat every one of them) or the LEAST urgent one (aggressive). The
+    victim is always the least urgent eligible running request: the step is unwound for all of
+    them anyway, and that is the one whose delay costs least. Rule 1: requests already preempted
+    by the monitor are not eligible.
+    """
+    if policy not in ("conservative", "aggressive"):
+        raise ValueError(f"preempt policy must be conservative or aggressive, got {policy!r}")
+    if margin < 1.0:
+        raise ValueError(f"preempt margin must be >= 1, got {margin}")
+    candidates = [w for w in waiting if w.deadline is not None]
+    eligible = [r for r in running if not r.slo_preempted]
+    if not candidates or not eligible:
+        return None
+    scored_waiting = [(urgency(w, now, predict), w) for w in candidates]
+    best_urgency, best = max(scored_waiting, key=lambda item: item[0].priority)
+    scored_running = sorted(((urgency(r, now, predict), r) for r in eligible),
+                            key=lambda item: item[0].priority)
+    reference = scored_running[-1] if policy == "conservative" else scored_running[0]
+    if not should_preempt(best_urgency, reference[0], margin):
+        return None
+    return PreemptDecision(victim_id=scored_running[0][1].request_id, waiter_id=best.request_id)

@@ -1,0 +1,136 @@
+"""Slack-EDF policy and TTFT predictor (DESIGN.md section 5)."""
+
+import math
+import random
+
+import pytest
+
+from monitor.policy import RequestView, choose_preemption, should_preempt, urgency
+from monitor.predictor import LinearTTFT, OnlineTTFT
+
+NOW = 1000.0
+# 1 ms per token, no intercept: remaining TTFT in seconds = tokens / 1000.
+PREDICT = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.0).predict
+
+
+def view(rid, deadline_in, tokens, preempted=False):
+    deadline = None if deadline_in is None else NOW + deadline_in
+    return RequestView(rid, deadline, tokens, slo_preempted=preempted)
+
+
+def test_slack_and_priority():
+    u = urgency(view("a", 0.5, 100), NOW, PREDICT)
+    assert u.time_to_deadline == pytest.approx(0.5)
+    assert u.slack == pytest.approx(0.4)
+    assert u.priority == pytest.approx(2.0)
+    doomed = urgency(view("b", 0.5, 900), NOW, PREDICT)
+    assert doomed.doomed and doomed.priority == pytest.approx(-2.0)
+    assert urgency(view("c", None, 100), NOW, PREDICT).priority == 0.0
+
+
+def test_priority_order_puts_doomed_last():
+    views = [view("relaxed", 10.0, 100), view("doomed-soon", 0.1, 500),
+             view("urgent", 0.3, 100), view("no-slo", None, 100), view("doomed-late", 2.0, 5000)]
+    order = sorted(views, key=lambda v: urgency(v, NOW, PREDICT).priority, reverse=True)
+    assert [v.request_id for v in order] == ["urgent", "relaxed", "no-slo", "doomed-late",
+                                            "doomed-soon"]
+
+
+@pytest.mark.parametrize("w_slack,r_slack,expected", [
+    (+1, +1, None),   # both positive: decided by priorities and the margin (tested below)
+    (-1, +1, False),  # waiter doomed: never
+    (+1, -1, True),   # running doomed: always gives up its slot
+    (-1, -1, False),  # both doomed: never
+])
+def test_four_sign_cases(w_slack, r_slack, expected):
+    # Waiter more urgent than the runner in every case, so only the signs decide.
+    waiter = view("w", 0.2, 100 if w_slack > 0 else 400)
+    runner = view("r", 0.8, 100 if r_slack > 0 else 1000)
+    decision = choose_preemption([waiter], [runner], NOW, PREDICT, margin=1.2)
+    if expected is None:
+        assert decision is not None  # priority 5 vs 1.25: beats it by far more than the margin
+    else:
+        assert (decision is not None) == expected
+
+
+def test_margin_on_positive_priorities():
+    runner = view("r", 1.0, 100)  # priority 1.0
+    just_better = view("w", 0.9, 100)  # priority 1.11 < 1.2 * 1.0
+    clearly_better = view("w2", 0.8, 100)  # priority 1.25 > 1.2
+    assert choose_preemption([just_better], [runner], NOW, PREDICT, margin=1.2) is None
+    assert choose_preemption([just_better], [runner], NOW, PREDICT, margin=1.0) is not None
+    assert choose_preemption([clearly_better], [runner], NOW, PREDICT, margin=1.2) is not None
+
+
+def test_margin_is_not_applied_to_negative_priorities():
+    # Running doomed with priority -10 and a positive waiter: 1.2 * -10 = -12 would also pass,
+    # but the point is that a doomed waiter never passes even against a "smaller" negative.
+    w, r = urgency(view("w", 0.1, 500), NOW, PREDICT), urgency(view("r", 0.05, 500), NOW, PREDICT)
+    assert w.doomed and r.doomed and w.priority > 1.2 * r.priority
+    assert not should_preempt(w, r, margin=1.2)
+
+
+def test_conservative_vs_aggressive_on_heterogeneous_running_set():
+    running = [view("hot", 0.25, 50), view("cold", 5.0, 100)]  # priorities 4 and 0.2
+    waiter = view("w", 0.5, 50)  # priority 2: beats cold, not hot
+    assert choose_preemption([waiter], running, NOW, PREDICT, "conservative") is None
+    decision = choose_preemption([waiter], running, NOW, PREDICT, "aggressive")
+    assert decision is not None and decision.victim_id == "cold" and decision.waiter_id == "w"
+
+
+def test_rule_one_excludes_slo_preempted_runners():
+    running = [view("victim-before", 5.0, 100, preempted=True)]
+    waiter = view("w", 0.3, 50)
+    assert choose_preemption([waiter], running, NOW, PREDICT, "aggressive") is None
+    running.append(view("fresh", 5.0, 100))
+    decision = choose_preemption([waiter], running, NOW, PREDICT, "aggressive")
+    assert decision is not None and decision.victim_id == "fresh"
+
+
+def test_best_waiter_is_chosen_and_waiters_without_slo_never_preempt():
+    running = [view("r", 5.0, 100)]
+    assert choose_preemption([view("best-effort", None, 10)], running, NOW, PREDICT) is None
+    waiters = [view("w-later", 2.0, 10), view("w-urgent", 0.3, 10)]
+    assert choose_preemption(waiters, running, NOW, PREDICT).waiter_id == "w-urgent"
+
+
+def test_bad_policy_arguments():
+    with pytest.raises(ValueError, match="policy"):
+        choose_preemption([], [], NOW, PREDICT, "reckless")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="margin"):
+        choose_preemption([], [], NOW, PREDICT, margin=0.5)
+
+
+def test_fit_recovers_a_noisy_line_and_reports_r2():
+    rng = random.Random(0)
+    points = [(n, 2e-4 * n + 0.03 + rng.gauss(0, 1e-3)) for n in range(64, 4096, 64)]
+    line = LinearTTFT.fit(points)
+    assert line.seconds_per_token == pytest.approx(2e-4, rel=0.02)
+    assert line.intercept_s == pytest.approx(0.03, abs=3e-3)
+    assert 0.99 < line.r2 <= 1.0
+    assert line.predict(0) == 0.0 and line.predict(1000) == pytest.approx(0.23, rel=0.02)
+
+
+def test_fit_needs_two_token_counts():
+    with pytest.raises(ValueError, match="two or more token counts"):
+        LinearTTFT.fit([(100, 0.1), (100, 0.11)])
+
+
+def test_save_load_roundtrip_and_bad_file(tmp_path):
+    line = LinearTTFT(seconds_per_token=3e-4, intercept_s=0.02, r2=0.98)
+    line.save(tmp_path / "ttft.json")
+    assert LinearTTFT.load(tmp_path / "ttft.json") == line
+    (tmp_path / "bad.json").write_text('{"slope": 1}')
+    with pytest.raises(ValueError, match="calibrat"):
+        LinearTTFT.load(tmp_path / "bad.json")
+
+
+def test_online_refit_replaces_the_seed():
+    online = OnlineTTFT(refit_every=4)
+    seed = online.current
+    for n in (100, 200, 400, 800):
+        online.observe(n, 5e-4 * n + 0.01)
+    assert online.current is not seed
+    assert online.current.seconds_per_token == pytest.approx(5e-4)
+    assert online.predict(1000) == pytest.approx(0.51)
+    assert not math.isnan(online.current.r2)
