@@ -46,6 +46,8 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
 class StepStatus(enum.Enum):
     OK = "ok"
     ERROR = "error"
+    # The workers unwound the forward pass between two layers (the preemption vote).
+    PREEMPTED = "preempted"
 
 
 class ModelRunnerOutput(msgspec.Struct, kw_only=True):
@@ -54,6 +56,8 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     # req_id -> sampled token, for the requests scheduled with sample=True.
     sampled_token_ids: dict[str, int] = {}
     error: str | None = None
+    # PREEMPTED: the layer before whose attention op the pass stopped.
+    preempted_layer: int | None = None
     # Wall time of the forward pass + sampling, for the TTFT predictor.
     execute_seconds: float = 0.0
     # TP: time rank 0 spent handing the step to the other ranks.

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
-from engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.scheduler_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
+                                    StepStatus)
 from kernels import AttentionMetadata
 from workers.kv_cache import allocate_kv_caches
 from workers.models import build_model
+from workers.preempt_vote import PreemptVote, StepPreempted
 from workers.sampler import Sampler
 from workers.weight_loader import load_weights
 
@@ -48,13 +50,27 @@ class ModelRunner:
                                             self.model.num_kv_heads, self.model.head_dim,
                                             dtype, device)
         self.sampler = Sampler(seed)
+        # Set by the worker when mid-forward preemption is on; consulted only on steps the
+        # scheduler marked preemptible (decode-only steps never vote).
+        self.vote: PreemptVote | None = None
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         started = time.perf_counter()
         inputs = self.prepare_inputs(scheduler_output.requests)
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn_meta,
-                                    self.kv_caches)
+        vote = self.vote if scheduler_output.preemptible else None
+        if vote is not None:
+            vote.step_id = scheduler_output.step_id
+            self.model.before_attention = vote
+        try:
+            hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn_meta,
+                                        self.kv_caches)
+        except StepPreempted as stop:
+            return ModelRunnerOutput(step_id=scheduler_output.step_id,
+                                     status=StepStatus.PREEMPTED, preempted_layer=stop.layer,
+                                     execute_seconds=time.perf_counter() - started)
+        finally:
+            self.model.before_attention = None
         sampled: dict[str, int] = {}
         if inputs.sampled:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])

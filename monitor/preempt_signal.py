@@ -1,0 +1,72 @@
+"""The shared-memory preempt signal: the id of the step to stop, plus whom the monitor chose.
+
+The monitor thread writes it; the TP rank(s) on EngineCore's node read the target step id at every
+attention-op boundary of a preemptible step. The signal is a step id, never a boolean: step ids
+only grow, so a value written for step N can never stop step N+1 (DESIGN.md section 5).
+
+Layout (little-endian): int64 target step id | uint8 len + 63 bytes victim id |
+uint8 len + 63 bytes waiter id | float64 decision time (time.monotonic()).
+"""
+
+from __future__ import annotations
+
+import struct
+from multiprocessing import shared_memory
+
+_ID_BYTES = 64
+_LAYOUT = struct.Struct(f"<q{_ID_BYTES}s{_ID_BYTES}sd")
+NO_TARGET = -1
+
+
+def _pack_id(request_id: str) -> bytes:
+    raw = request_id.encode()[: _ID_BYTES - 1]
+    return bytes([len(raw)]) + raw
+
+
+def _unpack_id(field: bytes) -> str:
+    return field[1 : 1 + field[0]].decode(errors="replace")
+
+
+class PreemptSignal:
+    def __init__(self, shm: shared_memory.SharedMemory, owner: bool) -> None:
+        self._shm = shm
+        self._owner = owner
+        # A one-element int64 view: reading the target is one memory load on the hot path.
+        self._target = shm.buf[:8].cast("q")
+
+    @classmethod
+    def create(cls) -> PreemptSignal:
+        shm = shared_memory.SharedMemory(create=True, size=_LAYOUT.size)
+        signal = cls(shm, owner=True)
+        signal.publish(NO_TARGET, "", "", 0.0)
+        return signal
+
+    @classmethod
+    def attach(cls, name: str) -> PreemptSignal:
+        return cls(shared_memory.SharedMemory(name=name), owner=False)
+
+    @property
+    def name(self) -> str:
+        return self._shm.name
+
+    @property
+    def target_step_id(self) -> int:
+        return self._target[0]
+
+    def publish(self, step_id: int, victim_id: str, waiter_id: str, decided_at: float) -> None:
+        # Ids and time first, the step id last: a reader that sees the new target sees the ids
+        # that go with it (x86 keeps stores in order; the monitor is the only writer).
+        self._shm.buf[8:_LAYOUT.size] = _LAYOUT.pack(0, _pack_id(victim_id), _pack_id(waiter_id),
+                                                     decided_at)[8:]
+        self._target[0] = step_id
+
+    def decision(self) -> tuple[int, str, str, float]:
+        """(target step id, victim id, waiter id, decision time)."""
+        step_id, victim, waiter, decided_at = _LAYOUT.unpack(bytes(self._shm.buf[:_LAYOUT.size]))
+        return step_id, _unpack_id(victim), _unpack_id(waiter), decided_at
+
+    def close(self) -> None:
+        self._target.release()
+        self._shm.close()
+        if self._owner:
+            self._shm.unlink()
