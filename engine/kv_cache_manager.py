@@ -177,6 +177,16 @@ class KVCacheManager:
             self.pool.commit_hash(blocks[i], request.block_hashes[i])
         self._num_committed[req_id] = num_full
 
+    def release_tail(self, request: Request, block_ids: Sequence[int]) -> None:
+        """Give back the blocks a rolled-back step appended to ``request``'s table (its tail)."""
+        if not block_ids:
+            return
+        blocks = self.req_blocks[request.request_id]
+        tail = blocks[len(blocks) - len(block_ids):]
+        assert [b.block_id for b in tail] == list(block_ids), "not the tail of the block table"
+        del blocks[len(blocks) - len(block_ids):]
+        self.pool.free(tail)
+
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])
         self._num_committed.pop(request.request_id, None)

@@ -239,6 +239,37 @@ class Scheduler:
             scheduled[request.request_id] = (request, num_new)
             budget -= num_new
 
+    def rollback(self, record: StepRecord) -> None:
+        """Undo the last ``schedule()`` after its forward pass was abandoned (see StepRecord).
+
+        Afterwards the scheduler is as it was before that call, except that step ids stay spent
+        and requests preempted for KV space in that step stay preempted (their blocks may already
+        be reused).
+        """
+        if record is not self.last_step_record:
+            raise ValueError(f"only the last step can be rolled back (step {record.step_id} "
+                             f"given, last is {self.step_id})")
+        kv = self.kv_cache_manager
+        admitted = {a.request.request_id for a in record.admitted}
+        for req_id, block_ids in record.new_block_ids.items():
+            request = self.requests.get(req_id)
+            if request is not None and req_id not in admitted:
+                kv.release_tail(request, block_ids)
+        for req_id, num_computed in record.prev_num_computed_tokens.items():
+            if (request := self.requests.get(req_id)) is not None:
+                request.num_computed_tokens = num_computed
+        for admission in reversed(record.admitted):
+            request = admission.request
+            self.running.remove(request)
+            kv.free(request)
+            request.status = admission.prev_status
+            request.num_cached_tokens = admission.prev_num_cached_tokens
+            self.waiting.prepend(request)
+        kv.prefix_cache_queries -= record.prefix_cache_queries
+        kv.prefix_cache_hits -= record.prefix_cache_hits
+        self.prev_scheduled_req_ids = record.prev_scheduled_req_ids
+        self.last_step_record = None
+
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[Request]:
