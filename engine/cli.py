@@ -23,7 +23,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--long-prefill-token-threshold", type=int, default=0)
     g.add_argument("--no-chunked-prefill", action="store_true")
-    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority", "slo"], default="fcfs",
+                   help="slo: slack-EDF over TTFT deadlines (step level)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="TP worker processes (default 1; under torchrun: the world size)")

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-SchedulingPolicy = Literal["fcfs", "priority"]
+# slo: slack-EDF (DESIGN.md section 5) for both the waiting queue and the running budget order.
+SchedulingPolicy = Literal["fcfs", "priority", "slo"]
 # auto: in-process at TP=1, spawned worker processes above; external: ranks started by torchrun.
 DistributedExecutor = Literal["auto", "mp", "external"]
 
@@ -49,8 +50,8 @@ class SchedulerConfig:
             raise ValueError(
                 f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}"
             )
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.policy not in ("fcfs", "priority", "slo"):
+            raise ValueError(f"policy must be 'fcfs', 'priority' or 'slo', got {self.policy!r}")
 
 
 @dataclass

@@ -58,6 +58,8 @@ class Request:
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    # Preemptions by the SLO monitor (Rule 1: once preempted, never a victim again).
+    num_slo_preemptions: int = 0
     # Tokens served from the prefix cache at the first admission (-1 until admitted).
     num_cached_tokens: int = -1
     # Chained hashes of this request's full blocks of tokens, extended as tokens are appended.

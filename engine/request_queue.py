@@ -6,7 +6,7 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from engine.request import Request
 
@@ -119,9 +119,62 @@ class PriorityQueue(RequestQueue):
         return (entry[3] for entry in sorted(self._heap, key=lambda e: e[:3]))
 
 
-def create_request_queue(policy: str) -> RequestQueue:
+class UrgencyQueue(RequestQueue):
+    """Slack-EDF (`slo` policy): highest urgency first, ties by arrival.
+
+    Urgency changes with time, so no heap can hold it: the queue is re-sorted by `refresh()`,
+    which the scheduler calls once per step, and after additions on the next peek.
+    """
+
+    def __init__(self, urgency: Callable[[Request], float]) -> None:
+        self._urgency = urgency
+        self._items: list[Request] = []
+        self._sorted = True
+
+    def refresh(self) -> None:
+        self._items.sort(key=lambda r: (-self._urgency(r), r.arrival_time))
+        self._sorted = True
+
+    def add(self, request: Request) -> None:
+        self._items.append(request)
+        self._sorted = False
+
+    def prepend(self, request: Request) -> None:
+        self._items.insert(0, request)
+        self._sorted = False
+
+    def peek(self) -> Request:
+        if not self._items:
+            raise IndexError("peek from an empty queue")
+        if not self._sorted:
+            self.refresh()
+        return self._items[0]
+
+    def pop(self) -> Request:
+        request = self.peek()
+        self._items.pop(0)
+        return request
+
+    def remove(self, request: Request) -> None:
+        self._items.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Request]:
+        if not self._sorted:
+            self.refresh()
+        return iter(list(self._items))
+
+
+def create_request_queue(policy: str,
+                         urgency: Callable[[Request], float] | None = None) -> RequestQueue:
     if policy == "fcfs":
         return FCFSQueue()
     if policy == "priority":
         return PriorityQueue()
-    raise ValueError(f"unknown scheduling policy {policy!r} (expected 'fcfs' or 'priority')")
+    if policy == "slo":
+        if urgency is None:
+            raise ValueError("the slo policy needs an urgency function")
+        return UrgencyQueue(urgency)
+    raise ValueError(f"unknown scheduling policy {policy!r} (expected fcfs, priority or slo)")

@@ -18,9 +18,11 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.outputs import SchedulerStats
-from engine.request_queue import RequestQueue, create_request_queue
+from engine.request_queue import RequestQueue, UrgencyQueue, create_request_queue
 from engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepStatus
 from engine.step_record import Admission, StepRecord
+from monitor.policy import request_urgency
+from monitor.predictor import OnlineTTFT
 
 
 class Scheduler:
@@ -45,7 +47,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.kv_cache_manager = KVCacheManager(cache_config, num_blocks, max_model_len)
         self.requests: dict[str, Request] = {}
-        self.waiting: RequestQueue = create_request_queue(scheduler_config.policy)
+        # The slo policy ranks by slack, which needs predicted prefill times.
+        self.ttft_predictor = OnlineTTFT()
+        self.waiting: RequestQueue = create_request_queue(scheduler_config.policy, self.urgency)
         # Admission order: served first to last, preempted last to first (fcfs).
         self.running: list[Request] = []
         self.step_id = 0
@@ -121,7 +125,20 @@ class Scheduler:
         self.waiting.prepend(request)
         record.preempted.append(request)
 
+    def urgency(self, request: Request) -> float:
+        """Slack-EDF priority of a request now (higher is more urgent)."""
+        return request_urgency(request, time.monotonic(), self.ttft_predictor.predict)
+
     def schedule(self) -> SchedulerOutput:
+        if self.config.policy == "slo":
+            # Urgency moves with the clock: rank once per step, running and waiting alike. The
+            # least urgent running request ends up last, which makes it the KV-pressure victim.
+            now = time.monotonic()
+            rank = {id(r): request_urgency(r, now, self.ttft_predictor.predict)
+                    for r in self.running}
+            self.running.sort(key=lambda r: -rank[id(r)])
+            assert isinstance(self.waiting, UrgencyQueue)
+            self.waiting.refresh()
         self.step_id += 1
         record = StepRecord(step_id=self.step_id, prev_scheduled_req_ids=self.prev_scheduled_req_ids)
         # req_id -> (request, tokens scheduled); dict order is scheduling order.

@@ -10,7 +10,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from engine.request import Request
 
 PreemptPolicy = Literal["conservative", "aggressive"]
 
@@ -46,6 +49,19 @@ def urgency(view: RequestView, now: float, predict: Callable[[int], float]) -> U
     if time_to_deadline == 0:
         return Urgency(0.0, slack, -math.inf)
     return Urgency(time_to_deadline, slack, math.copysign(1.0, slack) / abs(time_to_deadline))
+
+
+def view_of(request: Request) -> RequestView:
+    """The policy's view of an engine Request. A request whose first token is out has met or
+    missed its TTFT objective for good: it no longer has a deadline to protect."""
+    deadline = request.deadline if request.first_token_time is None else None
+    return RequestView(request.request_id, deadline,
+                       max(0, request.num_tokens - request.num_computed_tokens),
+                       slo_preempted=request.num_slo_preemptions > 0)
+
+
+def request_urgency(request: Request, now: float, predict: Callable[[int], float]) -> float:
+    return urgency(view_of(request), now, predict).priority
 
 
 @dataclass(frozen=True)
