@@ -288,27 +288,21 @@ def served_name(model_dir: str) -> str:
     return Path(model_dir).name
 
 
-class _Server:
-    """uvicorn with one addition: a shutdown signal first ends every in-flight stream with an
-    error event, so that uvicorn's wait for open connections does not wait on generation."""
-
-    @staticmethod
-    def run(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
-        import uvicorn
-
-        client: AsyncEngineClient = app.state.client
-
-        class Server(uvicorn.Server):
-            def handle_exit(self, sig, frame) -> None:
-                loop = client.loop
-                if loop is not None and not loop.is_closed():
-                    loop.call_soon_threadsafe(client.fail_all, "the server is shutting down")
-                super().handle_exit(sig, frame)
-
-        Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                              timeout_graceful_shutdown=30)).run()
-
-
 def run_server(config: EngineConfig, settings: ServerSettings, host: str, port: int,
                log_level: str = "info") -> None:
-    _Server.run(build_app(config, settings), host, port, log_level)
+    """Run uvicorn with one addition: a shutdown signal first ends every in-flight stream with
+    an error event, so that uvicorn's wait for open connections does not wait on generation."""
+    import uvicorn
+
+    app = build_app(config, settings)
+    client: AsyncEngineClient = app.state.client
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            loop = client.loop
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(client.fail_all, "the server is shutting down")
+            super().handle_exit(sig, frame)
+
+    Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                          timeout_graceful_shutdown=30)).run()

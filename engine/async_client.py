@@ -176,12 +176,13 @@ class AsyncEngineClient:
                 self._send(AbortRequests(request_ids=[request_id]), quiet=True)
 
     def _send(self, message, quiet: bool = False) -> None:
-        try:
-            assert self._writer is not None
-            self._writer.write(frame(message))
-        except (ConnectionError, RuntimeError, AssertionError):
-            if not quiet:
-                raise EngineDeadError(self.dead or "the EngineCore connection is closed")
+        """Queue a frame to EngineCore; `quiet` for best-effort messages (aborts) that have
+        nothing left to do once the core is gone."""
+        if self._writer is None or self._writer.is_closing():
+            if quiet:
+                return
+            raise EngineDeadError(self.dead or "the EngineCore connection is closed")
+        self._writer.write(frame(message))
 
     # ---- outputs ----------------------------------------------------------------------------
 
