@@ -51,6 +51,7 @@ def _run_rank(rank: int, model_dirs: list[str], out_dir: str) -> None:
             paged_step(model, kv_caches, [(b, 1), (a, 20)], num_decodes=1)
             torch.save({"a": torch.stack(a.logits), "b": torch.stack(b.logits)},
                        f"{model_dir}/logits_rank{rank}.pt")
+        dist.barrier()  # no rank tears its gloo pairs down while the other still reads them
     finally:
         dist.destroy_process_group()
 

@@ -84,6 +84,15 @@ def collect_errors(groups: ParallelGroups, wait_s: float = 3.0) -> dict[int, str
         time.sleep(0.05)
 
 
-def destroy() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def destroy(groups: ParallelGroups | None = None) -> None:
+    """Leave the process group. With `groups`, an orderly exit: every rank passes a barrier
+    first, so no rank tears its gloo connections down while a peer still uses them (that race
+    aborts the peer with "terminate called without an active exception")."""
+    if not dist.is_initialized():
+        return
+    if groups is not None:
+        try:
+            dist.barrier(group=groups.cpu_group)
+        except Exception:  # a peer is already gone; nothing left to order against
+            pass
+    dist.destroy_process_group()

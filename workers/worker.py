@@ -73,8 +73,9 @@ class DriverWorker(Worker):
         try:
             broadcast_bytes(encode(Shutdown()), self.groups.cpu_group)
         except Exception:  # a broken group: the followers are gone or will time out
-            pass
-        destroy()
+            destroy()
+            return
+        destroy(self.groups)
 
 
 def _with_peer_errors(groups: ParallelGroups, own: str) -> str:
@@ -94,7 +95,7 @@ def follower_loop(worker: Worker) -> int:
             print(f"sloserve worker rank {worker.rank}: lost rank 0; exiting", file=sys.stderr)
             return 1
         if isinstance(command, Shutdown):
-            destroy()
+            destroy(worker.groups)
             return 0
         try:
             worker.runner.execute(command.scheduler_output)
