@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from engine.calibrate import add_calibrate_parser
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
@@ -30,6 +32,25 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="TP worker processes (default 1; under torchrun: the world size)")
     g.add_argument("--collective-timeout-s", type=float, default=60.0,
                    help="bound on any collective: a dead rank fails the step within this time")
+    p = parser.add_argument_group("mid-forward preemption (DESIGN.md sections 4-5)")
+    p.add_argument("--mid-forward-preemption", choices=["on", "off"], default="on",
+                   help="stop a long prefill between two layers for an urgent request")
+    p.add_argument("--preempt-policy", choices=["conservative", "aggressive"],
+                   default="conservative",
+                   help="the waiter must beat the most (conservative) or least (aggressive) "
+                        "urgent running request")
+    p.add_argument("--preempt-margin", type=float, default=1.2,
+                   help="how much more urgent the waiter must be (both slacks positive)")
+    p.add_argument("--stubborn-fraction", type=float, default=0.9,
+                   help="past this fraction of the layers a step is finished, not stopped")
+    p.add_argument("--preempt-min-tokens", type=int, default=128,
+                   help="steps with fewer prefill tokens do not vote")
+    p.add_argument("--monitor-interval-ms", type=float, default=2.0,
+                   help="the monitor's poll interval (it also wakes on arrivals and finishes)")
+    p.add_argument("--slo-preempt-mode", choices=["recompute", "pause"], default="pause",
+                   help="pause keeps the victim's earlier chunks; recompute frees its KV")
+    p.add_argument("--ttft-model", default=None, metavar="FILE",
+                   help="TTFT line from `sloserve calibrate` (default: fitted online)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -43,7 +64,13 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_chunked_prefill=not args.no_chunked_prefill,
                 scheduling_policy=args.scheduling_policy, seed=args.seed,
                 tensor_parallel_size=args.tensor_parallel_size or 1,
-                collective_timeout_s=args.collective_timeout_s)
+                collective_timeout_s=args.collective_timeout_s,
+                mid_forward_preemption=args.mid_forward_preemption == "on",
+                preempt_policy=args.preempt_policy, preempt_margin=args.preempt_margin,
+                stubborn_fraction=args.stubborn_fraction,
+                preempt_min_tokens=args.preempt_min_tokens,
+                monitor_interval_ms=args.monitor_interval_ms,
+                slo_preempt_mode=args.slo_preempt_mode, ttft_model=args.ttft_model)
 
 
 def _under_torchrun(args: argparse.Namespace, kwargs: dict) -> int | None:
@@ -110,6 +137,10 @@ def _serve(args: argparse.Namespace) -> int:
     model = model_path_or_default(kwargs.pop("model"))
     config = build_engine_config(model, **kwargs)
     resolve(config)  # bad configuration fails here, before any process starts
+    if config.preemption.ttft_model:
+        from monitor.predictor import LinearTTFT
+
+        LinearTTFT.load(config.preemption.ttft_model)
     settings = ServerSettings(
         served_model_name=args.served_model_name or served_name(model),
         api_key=args.api_key or os.environ.get("SLOSERVE_API_KEY") or None,
@@ -151,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info")
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
+    add_calibrate_parser(sub)
     return parser
 
 

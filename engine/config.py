@@ -7,6 +7,9 @@ from typing import Literal
 
 # slo: slack-EDF (DESIGN.md section 5) for both the waiting queue and the running budget order.
 SchedulingPolicy = Literal["fcfs", "priority", "slo"]
+PreemptPolicy = Literal["conservative", "aggressive"]
+# What a mid-forward preemption does to its victim (DESIGN.md section 4).
+SLOPreemptMode = Literal["recompute", "pause"]
 # auto: in-process at TP=1, spawned worker processes above; external: ranks started by torchrun.
 DistributedExecutor = Literal["auto", "mp", "external"]
 
@@ -55,6 +58,44 @@ class SchedulerConfig:
 
 
 @dataclass
+class PreemptionConfig:
+    """Mid-forward-pass preemption: the slack-EDF monitor thread and the attention-op vote."""
+
+    # Off: no monitor, no vote; the slo policy still orders by slack at step level.
+    mid_forward_preemption: bool = True
+    policy: PreemptPolicy = "conservative"
+    margin: float = 1.2
+    # Rule 2: past this fraction of the layers a step is finished rather than thrown away.
+    stubborn_fraction: float = 0.9
+    # Steps with fewer prefill tokens do not vote: they end sooner than a preemption pays off.
+    min_tokens: int = 128
+    monitor_interval_ms: float = 2.0
+    mode: SLOPreemptMode = "pause"
+    # JSON line from `sloserve calibrate`; None: fit online from the engine's own steps.
+    ttft_model: str | None = None
+    # TP ranks [0, n) read the shared-memory signal; the others vote 0 and learn the outcome
+    # from the all_reduce, as ranks on another node would. None: every rank (all local).
+    signal_ranks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("conservative", "aggressive"):
+            raise ValueError(f"preempt policy must be 'conservative' or 'aggressive', "
+                             f"got {self.policy!r}")
+        if self.margin < 1.0:
+            raise ValueError(f"preempt margin must be >= 1, got {self.margin}")
+        if not 0.0 <= self.stubborn_fraction <= 1.0:
+            raise ValueError(f"stubborn_fraction must be in [0, 1], got {self.stubborn_fraction}")
+        if self.min_tokens < 0:
+            raise ValueError(f"preempt_min_tokens must be >= 0, got {self.min_tokens}")
+        if self.monitor_interval_ms <= 0:
+            raise ValueError(f"monitor_interval_ms must be > 0, got {self.monitor_interval_ms}")
+        if self.mode not in ("recompute", "pause"):
+            raise ValueError(f"slo preempt mode must be 'recompute' or 'pause', got {self.mode!r}")
+        if self.signal_ranks is not None and self.signal_ranks < 1:
+            raise ValueError(f"signal_ranks must be >= 1, got {self.signal_ranks}")
+
+
+@dataclass
 class ModelConfig:
     # Local Hugging Face model folder (config.json + safetensors [+ tokenizer files]).
     model: str
@@ -70,6 +111,7 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     tensor_parallel_size: int = 1
     distributed_executor: DistributedExecutor = "auto"
     # Bound on any collective (and on joining the group): a dead rank cannot hang the engine.
@@ -91,7 +133,12 @@ def build_engine_config(model: str, *, dtype: str = "auto", max_model_len: int |
                         enable_chunked_prefill: bool = True, scheduling_policy: str = "fcfs",
                         full_sequence_admission: bool = True, seed: int = 0,
                         tensor_parallel_size: int = 1, distributed_executor: str = "auto",
-                        collective_timeout_s: float = 60.0) -> EngineConfig:
+                        collective_timeout_s: float = 60.0,
+                        mid_forward_preemption: bool = True,
+                        preempt_policy: str = "conservative", preempt_margin: float = 1.2,
+                        stubborn_fraction: float = 0.9, preempt_min_tokens: int = 128,
+                        monitor_interval_ms: float = 2.0, slo_preempt_mode: str = "pause",
+                        ttft_model: str | None = None) -> EngineConfig:
     """The flat engine arguments (as vLLM names them) grouped into an EngineConfig."""
     return EngineConfig(
         model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
@@ -104,6 +151,13 @@ def build_engine_config(model: str, *, dtype: str = "auto", max_model_len: int |
                                   enable_chunked_prefill=enable_chunked_prefill,
                                   policy=scheduling_policy,  # type: ignore[arg-type]
                                   full_sequence_admission=full_sequence_admission),
+        preemption=PreemptionConfig(mid_forward_preemption=mid_forward_preemption,
+                                    policy=preempt_policy,  # type: ignore[arg-type]
+                                    margin=preempt_margin, stubborn_fraction=stubborn_fraction,
+                                    min_tokens=preempt_min_tokens,
+                                    monitor_interval_ms=monitor_interval_ms,
+                                    mode=slo_preempt_mode,  # type: ignore[arg-type]
+                                    ttft_model=ttft_model),
         tensor_parallel_size=tensor_parallel_size,
         distributed_executor=distributed_executor,  # type: ignore[arg-type]
         collective_timeout_s=collective_timeout_s,

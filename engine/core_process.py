@@ -1,15 +1,18 @@
 """The EngineCore process: the busy loop behind the API server.
 
-It owns the scheduler and the executor (and through it the TP workers). Between steps it drains
-the messages that arrived (new requests, aborts); while requests are in flight it never waits on
-the socket, and when idle it blocks on it. The API server never waits on a step: it keeps serving
+It owns the scheduler and the executor (and through it the TP workers). A reader thread hands new
+requests to the engine as they arrive, so the SLO monitor sees them during a step; between steps
+the main loop applies aborts; while requests are in flight it never waits, and when idle it blocks
+until a message arrives. The API server never waits on a step: it keeps serving
 HTTP while this process is inside a long forward pass.
 """
 
 from __future__ import annotations
 
+import queue
 import signal
 import socket
+import threading
 import traceback
 
 from engine.core_messages import (AbortRequests, AddRequest, CoreFailed, CoreOutputs, CoreReady,
@@ -43,31 +46,65 @@ def run_core_process(config_bytes: bytes, port: int) -> None:
         core.shutdown()
 
 
-def _serve(core: EngineCore, channel: FrameSocket) -> None:
+_CLOSED = object()  # the API server's side of the socket is gone
+_ARRIVED = object()  # a request was handed to the engine: wake the loop
+
+
+def _read_messages(core: EngineCore, channel: FrameSocket, events: queue.SimpleQueue) -> None:
+    """Reader thread: hands new requests to the engine (and so to the monitor) the moment they
+    arrive, also while the main thread is inside a forward pass; everything else is queued for
+    the main thread, which is the only one that touches the scheduler or sends."""
     while True:
-        busy = core.has_unfinished_requests()
-        frames = channel.receive(timeout=0 if busy else None)
-        if frames is None:  # the API server is gone
+        try:
+            frames = channel.receive(timeout=None)
+        except OSError:
+            frames = None
+        if frames is None:
+            events.put(_CLOSED)
             return
-        changed = False
         for payload in frames:
             message = to_core_decoder.decode(payload)
-            if isinstance(message, ShutdownCore):
-                return
             if isinstance(message, AddRequest):
                 try:
-                    core.add_request(_to_request(message))
+                    core.submit_request(_to_request(message))
+                    events.put(_ARRIVED)
                 except ValueError as exc:
-                    channel.send(RequestRejected(request_id=message.request_id, error=str(exc)))
-            elif isinstance(message, AbortRequests):
-                status = (RequestStatus.FINISHED_STOPPED if message.reason == "stop"
-                          else RequestStatus.FINISHED_ABORTED)
-                core.abort_requests(message.request_ids, status)
-            changed = True
+                    events.put(RequestRejected(request_id=message.request_id, error=str(exc)))
+            else:
+                events.put(message)
+            if isinstance(message, ShutdownCore):
+                return
+
+
+def _serve(core: EngineCore, channel: FrameSocket) -> None:
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_read_messages, args=(core, channel, events),
+                     name="sloserve-core-reader", daemon=True).start()
+    while True:
+        busy = core.has_unfinished_requests()
+        changed = False
+        try:
+            event = events.get(block=not busy)
+            while True:
+                if event is _CLOSED or isinstance(event, ShutdownCore):
+                    return
+                if isinstance(event, RequestRejected):
+                    channel.send(event)
+                elif isinstance(event, AbortRequests):
+                    status = (RequestStatus.FINISHED_STOPPED if event.reason == "stop"
+                              else RequestStatus.FINISHED_ABORTED)
+                    core.abort_requests(event.request_ids, status)
+                changed = True
+                event = events.get_nowait()
+        except queue.Empty:
+            pass
         if core.has_unfinished_requests():
-            channel.send(CoreOutputs(outputs=core.step(), stats=core.scheduler.stats()))
+            outputs = core.step()
+            for request_id, error in core.take_rejected():
+                channel.send(RequestRejected(request_id=request_id, error=error))
+            channel.send(CoreOutputs(outputs=outputs, stats=core.stats()))
         elif changed:  # aborts emptied the engine: let the gauges know
-            channel.send(CoreOutputs(outputs=[], stats=core.scheduler.stats()))
+            channel.send(CoreOutputs(outputs=[], stats=core.stats()))
 
 
 def _to_request(message: AddRequest) -> Request:

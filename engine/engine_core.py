@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import queue
+import sys
 from collections.abc import Iterable
 
 from engine.config import EngineConfig
@@ -9,11 +12,13 @@ from engine.executor import Executor, ExternalExecutor, InProcessExecutor, Multi
 from engine.input_processor import validate_prompt
 from engine.launch import check_torchrun_world, torchrun_launch
 from engine.model_setup import ResolvedModel, resolve
-from engine.outputs import EngineCoreOutput
+from engine.outputs import EngineCoreOutput, SchedulerStats
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
-from engine.scheduler_output import StepStatus
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
+from engine.slo_preemption import SLOPreemptionControl
 from engine.worker_messages import make_worker_config
+from monitor.predictor import LinearTTFT
 
 
 class EngineStepError(RuntimeError):
@@ -24,10 +29,29 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
         self.model: ResolvedModel = resolve(config)
+        preemption = config.preemption
+        ttft_seed = LinearTTFT.load(preemption.ttft_model) if preemption.ttft_model else None
         self.scheduler = Scheduler(config.scheduler, config.cache, self.model.num_blocks,
-                                   self.model.max_model_len)
-        self.executor = executor if executor is not None else self._make_executor()
+                                   self.model.max_model_len, preemption, ttft_seed)
+        self.preemption: SLOPreemptionControl | None = None
+        if preemption.mid_forward_preemption:
+            self.preemption = SLOPreemptionControl(preemption, self.scheduler)
+            # The monitor and the request reader must get the GIL within a fraction of a layer,
+            # not after CPython's default 5 ms switch interval.
+            sys.setswitchinterval(0.0005)
+        try:
+            self.executor = executor if executor is not None else self._make_executor()
+        except BaseException:
+            if self.preemption is not None:
+                self.preemption.shutdown()
+            raise
         self.dead: str | None = None
+        # Requests handed over by other threads (submit_request), with their arrival number.
+        self._inbox: queue.SimpleQueue[tuple[int, Request]] = queue.SimpleQueue()
+        self._arrival_seq = itertools.count(1)
+        self._drained_arrivals = 0
+        # (request id, error) for handed-over requests the scheduler refused.
+        self.rejected: list[tuple[str, str]] = []
 
     def _in_process_executor(self) -> Executor:
         from workers.model_runner import ModelRunner
@@ -35,6 +59,11 @@ class EngineCore:
         m = self.model
         runner = ModelRunner(m.model_dir, m.hf_config, m.dtype, m.device, m.num_blocks,
                              self.config.cache.block_size, seed=self.config.model.seed)
+        if self.preemption is not None:
+            from workers.preempt_vote import PreemptVote
+
+            runner.vote = PreemptVote(self.preemption.signal, runner.model.num_layers,
+                                      self.config.preemption.stubborn_fraction)
         return InProcessExecutor(runner)
 
     def _make_executor(self) -> Executor:
@@ -44,7 +73,8 @@ class EngineCore:
             kind = "inproc" if config.tensor_parallel_size == 1 else "mp"
         if kind == "inproc":
             return self._in_process_executor()
-        worker_config = make_worker_config(config, self.model)
+        signal_name = self.preemption.signal.name if self.preemption is not None else None
+        worker_config = make_worker_config(config, self.model, preempt_signal_name=signal_name)
         if kind == "mp":
             return MultiprocExecutor(worker_config)
         launch = torchrun_launch()
@@ -68,24 +98,54 @@ class EngineCore:
         validate_prompt(request.prompt_token_ids, self.max_model_len, self.vocab_size)
 
     def add_request(self, request: Request) -> None:
+        """From the engine loop's own thread, between steps."""
         self.validate_request(request)
         request.max_model_len = self.max_model_len
         self.scheduler.add_request(request)
 
+    def submit_request(self, request: Request) -> None:
+        """From any thread, also while a step runs: validates at once (ValueError), shows the
+        request to the monitor at once, and hands it to the engine loop for the next step."""
+        self.validate_request(request)
+        seq = next(self._arrival_seq)
+        self._inbox.put((seq, request))
+        if self.preemption is not None:
+            self.preemption.note_arrival(seq, request)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                seq, request = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self.add_request(request)
+            except ValueError as exc:
+                self.rejected.append((request.request_id, str(exc)))
+            self._drained_arrivals = seq
+
+    def take_rejected(self) -> list[tuple[str, str]]:
+        rejected, self.rejected = self.rejected, []
+        return rejected
+
     def abort_requests(self, request_ids: Iterable[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        self._drain_inbox()  # an abort may overtake its request's hand-over
         self.scheduler.abort_requests(list(request_ids), status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or not self._inbox.empty()
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one engine step; returns the requests that got a new token this step."""
         if self.dead is not None:
             raise EngineStepError(f"the engine stopped after a worker failure:\n{self.dead}")
+        self._drain_inbox()
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
+        if self.preemption is not None:
+            self.preemption.after_schedule(scheduler_output, self._drained_arrivals)
         if scheduler_output.is_empty:
             # With nothing running, an empty step would repeat forever: fail loudly instead.
             if self.scheduler.num_running == 0:
@@ -94,6 +154,9 @@ class EngineCore:
                     f"requests but none could be admitted (KV pool or token budget too small)")
             return []
         runner_output = self.executor.execute_model(scheduler_output)
+        if runner_output.status is StepStatus.PREEMPTED and self.preemption is not None:
+            self.preemption.on_preempted(scheduler_output, runner_output)
+            return []
         if runner_output.status is not StepStatus.OK:
             # The group's collectives are out of step after a failure: shut it down rather than
             # risk a hang, and refuse further work.
@@ -101,9 +164,29 @@ class EngineCore:
             self.executor.shutdown()
             raise EngineStepError(self.dead)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._observe_prefill_time(scheduler_output, runner_output)
         return [_core_output(r) for r in updated]
 
+    def _observe_prefill_time(self, scheduler_output: SchedulerOutput,
+                              runner_output: ModelRunnerOutput) -> None:
+        """Feed the online TTFT line from steps that prefilled something."""
+        if any(len(r.token_ids) > 1 for r in scheduler_output.requests):
+            self.scheduler.ttft_predictor.observe(scheduler_output.num_scheduled_tokens,
+                                                  runner_output.execute_seconds)
+
+    def stats(self) -> SchedulerStats:
+        stats = self.scheduler.stats()
+        if self.preemption is not None:
+            p = self.preemption.stats
+            stats.preempt_wasted_tokens = p.wasted_tokens
+            stats.preempt_wasted_layers = p.wasted_layers
+            stats.preempt_latencies_s = self.preemption.take_latencies()
+        return stats
+
     def shutdown(self) -> None:
+        if self.preemption is not None:
+            self.preemption.shutdown()
+            self.preemption = None
         if self.dead is None:
             self.executor.shutdown()
 

@@ -41,13 +41,15 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 priority: Sequence[int] | None = None, use_tqdm: bool = False
-                 ) -> list[RequestOutput]:
-        """Runs all prompts to completion; outputs come back in the order of the prompts."""
+                 priority: Sequence[int] | None = None,
+                 ttft_slo_ms: float | Sequence[float | None] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Runs all prompts to completion; outputs come back in the order of the prompts.
+        `ttft_slo_ms`: time-to-first-token objective(s), counted from this call."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         encoded = [self._encode(p) for p in prompts]
-        return self._run(encoded, sampling_params, priority, use_tqdm)
+        return self._run(encoded, sampling_params, priority, use_tqdm, ttft_slo_ms)
 
     def chat(self, messages: ChatMessages | Sequence[ChatMessages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -72,11 +74,16 @@ class LLM:
 
     def _run(self, encoded: list[tuple[str | None, list[int]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-             priority: Sequence[int] | None, use_tqdm: bool) -> list[RequestOutput]:
+             priority: Sequence[int] | None, use_tqdm: bool,
+             ttft_slo_ms: float | Sequence[float | None] | None = None) -> list[RequestOutput]:
         params = _per_prompt(sampling_params, len(encoded), "sampling_params", SamplingParams())
         priorities = _per_prompt(priority, len(encoded), "priority", 0)
-        requests = [self._make_request(ids, sp, prio)
-                    for (_, ids), sp, prio in zip(encoded, params, priorities)]
+        slos = _per_prompt(ttft_slo_ms, len(encoded), "ttft_slo_ms", None)
+        for slo in slos:
+            if slo is not None and not slo > 0:
+                raise ValueError(f"ttft_slo_ms must be > 0, got {slo}")
+        requests = [self._make_request(ids, sp, prio, slo)
+                    for (_, ids), sp, prio, slo in zip(encoded, params, priorities, slos)]
         # Validate every request before any is queued: one bad prompt must not strand the rest.
         for request in requests:
             self.engine.validate_request(request)
@@ -103,11 +110,12 @@ class LLM:
             progress.close()
         return [finals[r.request_id] for r in requests]
 
-    def _make_request(self, ids: list[int], params: SamplingParams, priority: int) -> Request:
+    def _make_request(self, ids: list[int], params: SamplingParams, priority: int,
+                      ttft_slo_ms: float | None = None) -> Request:
         params, eos = self.inputs.with_eos(params)
         return Request(request_id=str(next(self._ids)), prompt_token_ids=ids,
                        sampling_params=params, eos_token_id=eos, arrival_time=time.monotonic(),
-                       priority=priority)
+                       priority=priority, ttft_slo_ms=ttft_slo_ms)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -116,7 +124,7 @@ class LLM:
 def _per_prompt(value, count: int, name: str, default):
     if value is None:
         return [default] * count
-    if isinstance(value, (SamplingParams, int)):
+    if isinstance(value, (SamplingParams, int, float)):
         return [value] * count
     value = list(value)
     if len(value) != count:

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from engine.outputs import RequestOutput, SchedulerStats
 
+_PREEMPT_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 
@@ -25,9 +26,10 @@ class ServerMetrics:
         def counter(name: str, doc: str, *extra: str) -> Counter:
             return Counter(f"sloserve:{name}", doc, labelnames=[*labels, *extra], registry=r)
 
-        def histogram(name: str, doc: str) -> Histogram:
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS
+                      ) -> Histogram:
             return Histogram(f"sloserve:{name}", doc, labelnames=list(labels), registry=r,
-                             buckets=_LATENCY_BUCKETS).labels(**labels)
+                             buckets=buckets).labels(**labels)
 
         self._labels = labels
         self.num_requests_running = gauge("num_requests_running", "Requests in the running set.")
@@ -37,7 +39,16 @@ class ServerMetrics:
                                             "in the prefix cache.").labels(**labels)
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the "
                                          "prefix cache.").labels(**labels)
-        self.num_preemptions = counter("num_preemptions", "Preemptions, by reason.", "reason")
+        self.num_preemptions = counter("num_preemptions", "Preemptions, by reason: kv (no KV "
+                                       "space), slo (the monitor stopped a forward pass).",
+                                       "reason")
+        self.preempt_wasted_tokens = counter("preempt_wasted_tokens", "Scheduled tokens of "
+                                             "forward passes unwound by a preemption.").labels(
+                                                 **labels)
+        self.preempt_wasted_layers = counter("preempt_wasted_layers", "Layers unwound forward "
+                                             "passes had run.").labels(**labels)
+        self.preempt_latency = histogram("preempt_latency_seconds", "Monitor decision to "
+                                         "unwound step.", _PREEMPT_LATENCY_BUCKETS)
         self.prompt_tokens = counter("prompt_tokens", "Prefill tokens of finished "
                                      "requests.").labels(**labels)
         self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(**labels)
@@ -65,6 +76,14 @@ class ServerMetrics:
         self.prefix_cache_hits.inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
         self.num_preemptions.labels(**self._labels, reason="kv").inc(
             max(0, stats.num_kv_preemptions - last.num_kv_preemptions))
+        self.num_preemptions.labels(**self._labels, reason="slo").inc(
+            max(0, stats.num_slo_preemptions - last.num_slo_preemptions))
+        self.preempt_wasted_tokens.inc(max(0, stats.preempt_wasted_tokens
+                                           - last.preempt_wasted_tokens))
+        self.preempt_wasted_layers.inc(max(0, stats.preempt_wasted_layers
+                                           - last.preempt_wasted_layers))
+        for latency in stats.preempt_latencies_s:
+            self.preempt_latency.observe(latency)
         self._last = stats
 
     def on_request_output(self, out: RequestOutput) -> None:

@@ -31,6 +31,13 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_kv_preemptions: int = 0
+    # Mid-forward preemptions applied to a victim (the SLO monitor's).
+    num_slo_preemptions: int = 0
+    # Scheduled tokens of unwound steps, and the layers they had run: work thrown away.
+    preempt_wasted_tokens: int = 0
+    preempt_wasted_layers: int = 0
+    # Monitor decision -> unwind seen by EngineCore, for unwinds since the previous snapshot.
+    preempt_latencies_s: list[float] = []
     # Engine steps scheduled so far (the last step id).
     num_steps: int = 0
 

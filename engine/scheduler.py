@@ -10,11 +10,12 @@ with recompute.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 
 from engine.block_pool import KVBlock
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import CacheConfig, PreemptionConfig, SchedulerConfig, SLOPreemptMode
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.outputs import SchedulerStats
@@ -22,7 +23,7 @@ from engine.request_queue import RequestQueue, UrgencyQueue, create_request_queu
 from engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepStatus
 from engine.step_record import Admission, StepRecord
 from monitor.policy import request_urgency
-from monitor.predictor import OnlineTTFT
+from monitor.predictor import LinearTTFT, OnlineTTFT
 
 
 class Scheduler:
@@ -32,6 +33,8 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         max_model_len: int,
+        preemption: PreemptionConfig | None = None,
+        ttft_seed: LinearTTFT | None = None,
     ) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
@@ -48,7 +51,10 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(cache_config, num_blocks, max_model_len)
         self.requests: dict[str, Request] = {}
         # The slo policy ranks by slack, which needs predicted prefill times.
-        self.ttft_predictor = OnlineTTFT()
+        self.ttft_predictor = OnlineTTFT(ttft_seed)
+        # Steps with at least this many prefill tokens are marked preemptible (None: never).
+        self.preempt_min_tokens = (preemption.min_tokens if preemption is not None
+                                   and preemption.mid_forward_preemption else None)
         self.waiting: RequestQueue = create_request_queue(scheduler_config.policy, self.urgency)
         # Admission order: served first to last, preempted last to first (fcfs).
         self.running: list[Request] = []
@@ -56,6 +62,14 @@ class Scheduler:
         self.prev_scheduled_req_ids: frozenset[str] = frozenset()
         self.last_step_record: StepRecord | None = None
         self.num_kv_preemptions = 0
+        self.num_slo_preemptions = 0
+        # Victims of mid-forward preemptions, held back until no request with prefill left is
+        # more urgent than they are: a paused one stays running with its KV but is not
+        # scheduled; a recomputed one waits and is not admitted (else it would share the very
+        # next step with the waiter it made room for).
+        self.held: set[str] = set()
+        # The waiter a mid-forward preemption made room for: admitted first by the next step.
+        self.urgent_waiter_id: str | None = None
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -97,6 +111,7 @@ class Scheduler:
         return finished
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.held.discard(request.request_id)
         request.status = status
         request.finish_time = time.monotonic()
         self.kv_cache_manager.free(request)
@@ -110,6 +125,11 @@ class Scheduler:
         return min(n, threshold) if threshold > 0 else n
 
     def _pick_victim(self) -> Request:
+        paused = [r for r in self.running if r.request_id in self.held]
+        if paused:
+            # A paused request holds KV nobody is using: under KV pressure it goes first
+            # (pause falls back to recompute).
+            return paused[-1]
         if self.config.policy == "priority":
             # Scan newest first so that among equals the most recently admitted one goes.
             return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
@@ -139,16 +159,22 @@ class Scheduler:
             self.running.sort(key=lambda r: -rank[id(r)])
             assert isinstance(self.waiting, UrgencyQueue)
             self.waiting.refresh()
+        if self.held:
+            self._release_held()
         self.step_id += 1
         record = StepRecord(step_id=self.step_id, prev_scheduled_req_ids=self.prev_scheduled_req_ids)
         # req_id -> (request, tokens scheduled); dict order is scheduling order.
         scheduled: dict[str, tuple[Request, int]] = {}
-        budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, record)
+        budget = self.config.max_num_batched_tokens
+        if self.urgent_waiter_id is not None:
+            budget -= self._admit_urgent_waiter(budget, scheduled, record)
+        budget = self._schedule_running(budget, scheduled, record)
         if not record.preempted:
             # Blocks just taken from a victim must not go straight to a newcomer.
             self._admit_waiting(budget, scheduled, record)
 
         output = SchedulerOutput(step_id=self.step_id, requests=[])
+        num_prefill_tokens = 0
         for request, num_new in scheduled.values():
             start = request.num_computed_tokens
             end = start + num_new
@@ -163,8 +189,13 @@ class Scheduler:
                     num_output_tokens=request.num_output_tokens,
                 )
             )
+            if num_new > 1:
+                num_prefill_tokens += num_new
             # Advanced at schedule time (as in vLLM v1) so the next step never re-schedules them.
             request.num_computed_tokens = end
+        # Decode-only and small steps end sooner than a preemption would pay off: no vote.
+        output.preemptible = (self.preempt_min_tokens is not None and num_prefill_tokens > 0
+                              and num_prefill_tokens >= self.preempt_min_tokens)
         self.prev_scheduled_req_ids = frozenset(scheduled)
         self.last_step_record = record
         return output
@@ -177,7 +208,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._chunk(request.num_tokens_owed, budget)
-            if num_new == 0:
+            if num_new == 0 or request.request_id in self.held or request.request_id in scheduled:
                 # Its sampled token has not arrived yet; nothing to compute until it does.
                 i += 1
                 continue
@@ -207,54 +238,132 @@ class Scheduler:
     def _admit_waiting(
         self, budget: int, scheduled: dict[str, tuple[Request, int]], record: StepRecord
     ) -> None:
-        kv = self.kv_cache_manager
-        chunked = self.config.enable_chunked_prefill
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            computed_blocks: list[KVBlock] = []
-            num_cached = 0
-            if request.num_computed_tokens == 0:
-                computed_blocks, num_cached = kv.get_computed_blocks(request)
-            owed = request.num_tokens_owed - num_cached
-            if chunked:
-                num_new = self._chunk(owed, budget)
-            elif owed <= budget:
-                num_new = owed
-            else:
-                # Head-of-line: nothing behind it jumps ahead, so it cannot starve.
+            if request.request_id in self.held:
                 break
-            num_running = len(self.running)
-            if self.config.full_sequence_admission and not kv.can_allocate(
-                request,
-                max(request.max_total_tokens, request.num_tokens),
-                computed_blocks,
-                admission=True,
-                num_running=num_running,
-            ):
-                break
-            prev_num_computed = request.num_computed_tokens
-            num_blocks_before = len(kv.req_blocks.get(request.request_id, ()))
-            queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
-            block_ids = kv.allocate_slots(
-                request, num_new, num_cached, computed_blocks, admission=True, num_running=num_running
-            )
-            if block_ids is None:
+            num_new = self._admit(request, budget, scheduled, record)
+            if num_new is None:
                 break
             self.waiting.pop()
-            record.admitted.append(Admission(request, request.status, request.num_cached_tokens))
-            record.prefix_cache_queries += kv.prefix_cache_queries - queries
-            record.prefix_cache_hits += kv.prefix_cache_hits - hits
-            record.prev_num_computed_tokens[request.request_id] = prev_num_computed
-            record.new_block_ids[request.request_id] = block_ids[num_blocks_before:]
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_cached
-            request.num_computed_tokens += num_cached
-            request.status = RequestStatus.RUNNING
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
-            self.running.append(request)
-            scheduled[request.request_id] = (request, num_new)
             budget -= num_new
+
+    def _admit_urgent_waiter(
+        self, budget: int, scheduled: dict[str, tuple[Request, int]], record: StepRecord
+    ) -> int:
+        """Admit the waiter a mid-forward preemption made room for, ahead of the running set.
+        Returns the budget it took (0 if it is gone or still does not fit)."""
+        request = self.requests.get(self.urgent_waiter_id or "")
+        self.urgent_waiter_id = None
+        if (request is None or request.status is RequestStatus.RUNNING
+                or len(self.running) >= self.config.max_num_seqs):
+            return 0
+        num_new = self._admit(request, budget, scheduled, record)
+        if num_new is None:
+            return 0
+        self.waiting.remove(request)
+        return num_new
+
+    def _admit(
+        self, request: Request, budget: int, scheduled: dict[str, tuple[Request, int]],
+        record: StepRecord
+    ) -> int | None:
+        """Move a waiting request into the running set with its first chunk scheduled (the
+        caller takes it off the queue). Returns the tokens scheduled, or None if it cannot run
+        now (head-of-line without chunking, or no KV space)."""
+        kv = self.kv_cache_manager
+        computed_blocks: list[KVBlock] = []
+        num_cached = 0
+        if request.num_computed_tokens == 0:
+            computed_blocks, num_cached = kv.get_computed_blocks(request)
+        owed = request.num_tokens_owed - num_cached
+        if self.config.enable_chunked_prefill:
+            num_new = self._chunk(owed, budget)
+        elif owed <= budget:
+            num_new = owed
+        else:
+            # Head-of-line: nothing behind it jumps ahead, so it cannot starve.
+            return None
+        num_running = len(self.running)
+        if self.config.full_sequence_admission and not kv.can_allocate(
+            request,
+            max(request.max_total_tokens, request.num_tokens),
+            computed_blocks,
+            admission=True,
+            num_running=num_running,
+        ):
+            return None
+        prev_num_computed = request.num_computed_tokens
+        num_blocks_before = len(kv.req_blocks.get(request.request_id, ()))
+        queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
+        block_ids = kv.allocate_slots(
+            request, num_new, num_cached, computed_blocks, admission=True, num_running=num_running
+        )
+        if block_ids is None:
+            return None
+        record.admitted.append(Admission(request, request.status, request.num_cached_tokens))
+        record.prefix_cache_queries += kv.prefix_cache_queries - queries
+        record.prefix_cache_hits += kv.prefix_cache_hits - hits
+        record.prev_num_computed_tokens[request.request_id] = prev_num_computed
+        record.new_block_ids[request.request_id] = block_ids[num_blocks_before:]
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached
+        request.num_computed_tokens += num_cached
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        self.running.append(request)
+        scheduled[request.request_id] = (request, num_new)
+        return num_new
+
+    # ---- mid-forward preemption (DESIGN.md section 4) --------------------------------------
+
+    def preempt_for_slo(self, victim_id: str, waiter_id: str,
+                        mode: SLOPreemptMode) -> SLOPreemptMode | None:
+        """Apply the monitor's preemption after the step was rolled back. Returns the mode
+        applied: "pause" may fall back to "recompute" under KV pressure; None when the victim is
+        gone (or was already preempted once: Rule 1), so the step just re-runs.
+
+        A victim admitted by the rolled-back step itself is back in the waiting queue with no
+        KV: both modes come to the same thing for it, holding it back."""
+        victim = self.requests.get(victim_id)
+        if victim is None or victim.num_slo_preemptions > 0:
+            return None
+        self.urgent_waiter_id = waiter_id
+        victim.num_preemptions += 1
+        victim.num_slo_preemptions += 1
+        self.num_slo_preemptions += 1
+        self.held.add(victim_id)
+        if victim.status is not RequestStatus.RUNNING:
+            return mode
+        if mode == "pause" and self._waiter_fits_beside(waiter_id):
+            return "pause"
+        self.running.remove(victim)
+        self.kv_cache_manager.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        self.waiting.prepend(victim)
+        return "recompute"
+
+    def _waiter_fits_beside(self, waiter_id: str) -> bool:
+        waiter = self.requests.get(waiter_id)
+        if waiter is None:
+            return True
+        bs = self.kv_cache_manager.block_size
+        return self.kv_cache_manager.num_free_blocks >= -(-waiter.num_tokens // bs)
+
+    def _release_held(self) -> None:
+        """A held victim runs again once no request with prefill left (waiting or running,
+        and not held itself) is more urgent than it."""
+        now = time.monotonic()
+        predict = self.ttft_predictor.predict
+        held = self.held
+        contenders = [r for r in (*self.waiting, *self.running)
+                      if r.request_id not in held and r.first_token_time is None]
+        best = max((request_urgency(r, now, predict) for r in contenders), default=-math.inf)
+        for req_id in list(held):
+            if request_urgency(self.requests[req_id], now, predict) >= best:
+                held.discard(req_id)
 
     def rollback(self, record: StepRecord) -> None:
         """Undo the last ``schedule()`` after its forward pass was abandoned (see StepRecord).
@@ -384,6 +493,7 @@ class Scheduler:
                               prefix_cache_queries=kv.prefix_cache_queries,
                               prefix_cache_hits=kv.prefix_cache_hits,
                               num_kv_preemptions=self.num_kv_preemptions,
+                              num_slo_preemptions=self.num_slo_preemptions,
                               num_steps=self.step_id)
 
     def check_invariants(self) -> None:
@@ -397,6 +507,7 @@ class Scheduler:
         assert set(running_ids) | set(waiting_ids) == set(self.requests), "request lost or leaked"
         assert len(self.running) <= self.config.max_num_seqs
         assert set(kv.req_blocks) <= set(running_ids), "a request that is not running holds KV"
+        assert self.held <= set(self.requests), "a finished request is still held back"
         bs = kv.block_size
         for r in self.running:
             assert r.status is RequestStatus.RUNNING, f"{r.request_id} in running is {r.status.name}"

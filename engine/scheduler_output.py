@@ -58,6 +58,8 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     error: str | None = None
     # PREEMPTED: the layer before whose attention op the pass stopped.
     preempted_layer: int | None = None
+    # PREEMPTED: the layer each TP rank stopped at (rank order); they must all agree.
+    unwound_layers: list[int] = []
     # Wall time of the forward pass + sampling, for the TTFT predictor.
     execute_seconds: float = 0.0
     # TP: time rank 0 spent handing the step to the other ranks.

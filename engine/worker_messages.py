@@ -26,11 +26,24 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     # torch.distributed rendezvous: "tcp://host:port" or "env://" (torchrun).
     init_method: str
     collective_timeout_s: float = 60.0
+    # Mid-forward preemption: every rank votes at every attention op of a preemptible step.
+    mid_forward_preemption: bool = False
+    stubborn_fraction: float = 0.9
+    # Shared-memory signal EngineCore's monitor writes (None: no rank can read it, e.g. the
+    # ranks torchrun starts on their own); ranks [0, preempt_signal_ranks) attach to it.
+    preempt_signal_name: str | None = None
+    preempt_signal_ranks: int = 0
 
 
-def make_worker_config(config: EngineConfig, model: ResolvedModel,
-                       init_method: str = "") -> WorkerConfig:
+def make_worker_config(config: EngineConfig, model: ResolvedModel, init_method: str = "",
+                       preempt_signal_name: str | None = None) -> WorkerConfig:
+    preemption = config.preemption
+    signal_ranks = preemption.signal_ranks or config.tensor_parallel_size
     return WorkerConfig(
+        mid_forward_preemption=preemption.mid_forward_preemption,
+        stubborn_fraction=preemption.stubborn_fraction,
+        preempt_signal_name=preempt_signal_name,
+        preempt_signal_ranks=signal_ranks if preempt_signal_name else 0,
         model_dir=model.model_dir, dtype=config.model.dtype, device=config.model.device,
         num_blocks=model.num_blocks, block_size=config.cache.block_size, seed=config.model.seed,
         tp_size=config.tensor_parallel_size, init_method=init_method,

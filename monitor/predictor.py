@@ -47,6 +47,12 @@ class LinearTTFT:
         sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
         slope = sxy / sxx
         intercept = my - slope * mx
+        if intercept < 0:
+            # Prefill time grows faster than linearly at the top (attention is quadratic), which
+            # pulls a free intercept below zero and predicts 0 s for short prompts. A step never
+            # costs less than nothing: refit through the origin instead.
+            slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+            intercept = 0.0
         ss_tot = sum((y - my) ** 2 for y in ys)
         ss_res = sum((y - (slope * x + intercept)) ** 2 for x, y in zip(xs, ys))
         r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0

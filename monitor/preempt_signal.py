@@ -11,7 +11,8 @@ uint8 len + 63 bytes waiter id | float64 decision time (time.monotonic()).
 from __future__ import annotations
 
 import struct
-from multiprocessing import shared_memory
+import sys
+from multiprocessing import resource_tracker, shared_memory
 
 _ID_BYTES = 64
 _LAYOUT = struct.Struct(f"<q{_ID_BYTES}s{_ID_BYTES}sd")
@@ -43,7 +44,12 @@ class PreemptSignal:
 
     @classmethod
     def attach(cls, name: str) -> PreemptSignal:
-        return cls(shared_memory.SharedMemory(name=name), owner=False)
+        shm = shared_memory.SharedMemory(name=name)
+        # Before Python 3.13 attaching also registers the segment with the resource tracker,
+        # which would unlink it when this process exits, under the owner's feet.
+        if sys.version_info < (3, 13):
+            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        return cls(shm, owner=False)
 
     @property
     def name(self) -> str:

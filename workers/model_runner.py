@@ -7,6 +7,7 @@ behind here that needs undoing.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -21,6 +22,21 @@ from workers.models import build_model
 from workers.preempt_vote import PreemptVote, StepPreempted
 from workers.sampler import Sampler
 from workers.weight_loader import load_weights
+
+
+# Test hook: sleep this many microseconds per token in every decoder layer, so that a tiny model's
+# layers last long enough to observe a preemption between them (set in the environment, so that
+# spawned TP workers inherit it).
+LAYER_DELAY_ENV = "SLOSERVE_TEST_LAYER_DELAY_US_PER_TOKEN"
+
+
+def _slow_down_layers(model: torch.nn.Module, seconds_per_token: float) -> None:
+    def delay(_module: torch.nn.Module, args: tuple) -> None:
+        hidden_states = args[1]  # layer(layer_idx, hidden_states, ...)
+        time.sleep(seconds_per_token * hidden_states.shape[0])
+
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(delay)
 
 
 @dataclass
@@ -53,6 +69,9 @@ class ModelRunner:
         # Set by the worker when mid-forward preemption is on; consulted only on steps the
         # scheduler marked preemptible (decode-only steps never vote).
         self.vote: PreemptVote | None = None
+        delay = os.environ.get(LAYER_DELAY_ENV)
+        if delay:
+            _slow_down_layers(self.model, float(delay) * 1e-6)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -68,6 +87,7 @@ class ModelRunner:
         except StepPreempted as stop:
             return ModelRunnerOutput(step_id=scheduler_output.step_id,
                                      status=StepStatus.PREEMPTED, preempted_layer=stop.layer,
+                                     unwound_layers=[stop.layer],
                                      execute_seconds=time.perf_counter() - started)
         finally:
             self.model.before_attention = None

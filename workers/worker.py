@@ -47,11 +47,27 @@ class Worker:
         except Exception:
             report_error(self.groups, traceback.format_exc())
             raise
+        if config.mid_forward_preemption:
+            self._install_vote(config)
         # Nobody starts stepping before every shard is loaded (and a failed load surfaces here).
         try:
             torch.distributed.barrier(group=self.groups.cpu_group)
         except Exception as exc:
             raise RuntimeError(_with_peer_errors(self.groups, traceback.format_exc())) from exc
+
+
+    def _install_vote(self, config: WorkerConfig) -> None:
+        """Every rank votes (so every rank enters each collective); only ranks that can see
+        EngineCore's shared memory read the signal, the others vote 0, as on another node."""
+        from monitor.preempt_signal import PreemptSignal
+        from workers.preempt_vote import PreemptVote
+
+        signal = None
+        if config.preempt_signal_name and self.rank < config.preempt_signal_ranks:
+            signal = PreemptSignal.attach(config.preempt_signal_name)
+        cpu_group = self.groups.cpu_group if config.tp_size > 1 else None
+        self.runner.vote = PreemptVote(signal, self.runner.model.num_layers,
+                                       config.stubborn_fraction, cpu_group)
 
 
 class DriverWorker(Worker):
@@ -64,10 +80,26 @@ class DriverWorker(Worker):
             transport_seconds = time.perf_counter() - started
             output = self.runner.execute(scheduler_output)
             output.transport_seconds = transport_seconds
+            if output.status is StepStatus.PREEMPTED:
+                self._check_unwound_together(output)
             return output
         except Exception:
             return ModelRunnerOutput(step_id=scheduler_output.step_id, status=StepStatus.ERROR,
                                      error=_with_peer_errors(self.groups, traceback.format_exc()))
+
+    def _check_unwound_together(self, output: ModelRunnerOutput) -> None:
+        """Every rank must have stopped before the same layer (the all_reduce makes them agree;
+        a rank that did not would desynchronise every later collective): read the layer each
+        follower reported and fail the step loudly if they differ."""
+        layers = [output.preempted_layer]
+        for rank in range(1, self.groups.world_size):
+            key = _unwound_key(output.step_id, rank)
+            layers.append(int(self.groups.store.get(key)))
+            self.groups.store.delete_key(key)
+        output.unwound_layers = [layer for layer in layers if layer is not None]
+        if len(set(layers)) != 1:
+            output.status = StepStatus.ERROR
+            output.error = f"step {output.step_id}: ranks unwound at different layers {layers}"
 
     def shutdown(self) -> None:
         try:
@@ -86,6 +118,10 @@ def _with_peer_errors(groups: ParallelGroups, own: str) -> str:
     return "a worker rank failed:\n" + "\n".join(parts) + f"\n--- rank 0 ---\n{own}"
 
 
+def _unwound_key(step_id: int, rank: int) -> str:
+    return f"sloserve/unwound/{step_id}/{rank}"
+
+
 def follower_loop(worker: Worker) -> int:
     """Ranks 1..N-1: run every step rank 0 broadcasts until it says shut down."""
     while True:
@@ -98,7 +134,10 @@ def follower_loop(worker: Worker) -> int:
             destroy(worker.groups)
             return 0
         try:
-            worker.runner.execute(command.scheduler_output)
+            output = worker.runner.execute(command.scheduler_output)
+            if output.status is StepStatus.PREEMPTED:
+                worker.groups.store.set(_unwound_key(output.step_id, worker.rank),
+                                        str(output.preempted_layer))
         except Exception:
             report_error(worker.groups, traceback.format_exc())
             traceback.print_exc()

@@ -1,0 +1,131 @@
+"""Preemption latency: how long after an urgent request arrives the running long prefill is
+unwound, against the time of one layer of that prefill (DESIGN.md section 4; target: p99 under
+one layer time plus 5 ms).
+
+Each trial runs a long prefill (one step, `--prompt-tokens`) and submits an urgent request from
+another thread at a random point in the first 80% of the step's layers, as the HTTP reader
+thread would. The unwind time is when EngineCore holds the PREEMPTED step. The layer time is
+measured in the same run, from unpreempted runs of the same long step interleaved with the
+trials (the machine is shared and noisy). Prints figures as `key: value` lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import threading
+import time
+
+import torch
+
+from engine.config import build_engine_config
+from engine.engine_core import EngineCore
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def _request(req_id: str, prompt: list[int], slo_ms: float) -> Request:
+    return Request(request_id=req_id, prompt_token_ids=prompt, ttft_slo_ms=slo_ms,
+                   sampling_params=SamplingParams(max_tokens=1, temperature=0.0))
+
+
+def _drain(engine: EngineCore) -> None:
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--trials", type=int, default=30)
+    parser.add_argument("--monitor-interval-ms", type=float, default=2.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    from engine.default_model import model_path_or_default
+
+    model = model_path_or_default(args.model)
+    config = build_engine_config(model, enable_prefix_caching=False, scheduling_policy="slo",
+                                 max_num_batched_tokens=max(2048, args.prompt_tokens + 64),
+                                 monitor_interval_ms=args.monitor_interval_ms)
+    engine = EngineCore(config)
+    assert engine.preemption is not None
+    num_layers = engine.model.hf_config.num_hidden_layers
+    vocab = engine.vocab_size
+    rng = random.Random(args.seed)
+    g = torch.Generator().manual_seed(args.seed)
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(100, vocab, (n,), generator=g).tolist()
+
+    # Warm-up, then the layer time of an unpreempted long step.
+    engine.add_request(_request("warmup", prompt(args.prompt_tokens), 600_000))
+    _drain(engine)
+    step_times: list[float] = []
+    arrival_to_unwind: list[float] = []
+    decision_to_unwind: list[float] = []
+    arrival_to_decision: list[float] = []
+    missed = 0
+    for trial in range(args.trials):
+        # An unpreempted run of the long step, interleaved with the trials.
+        engine.add_request(_request(f"clean{trial}", prompt(args.prompt_tokens), 600_000))
+        started = time.monotonic()
+        engine.step()
+        step_times.append(time.monotonic() - started)
+        _drain(engine)
+
+        layer_s = statistics.median(step_times) / num_layers
+        long = _request(f"long{trial}", prompt(args.prompt_tokens), 600_000)
+        urgent = _request(f"urgent{trial}", prompt(16), 2_000)
+        engine.add_request(long)
+        delay = rng.uniform(0.0, 0.8) * num_layers * layer_s
+
+        def arrive(urgent: Request = urgent, delay: float = delay) -> None:
+            time.sleep(delay)
+            urgent.arrival_time = time.monotonic()
+            engine.submit_request(urgent)
+
+        num_events = len(engine.preemption.events)
+        arrival = threading.Thread(target=arrive, daemon=True)
+        arrival.start()
+        engine.step()
+        arrival.join()
+        if len(engine.preemption.events) == num_events:
+            missed += 1  # arrived too late for the Rule 2 window (or not at all)
+        else:
+            event = engine.preemption.events[-1]
+            arrival_to_unwind.append(event.unwound_at - urgent.arrival_time)
+            decision_to_unwind.append(event.unwound_at - event.decided_at)
+            arrival_to_decision.append(event.decided_at - urgent.arrival_time)
+        engine.abort_requests([long.request_id, urgent.request_id])
+
+    engine.shutdown()
+    layer_ms = statistics.median(step_times) / num_layers * 1000
+    ms = [x * 1000 for x in arrival_to_unwind]
+    print(f"model: {model}")
+    print(f"layers: {num_layers}, prompt_tokens: {args.prompt_tokens}, threads: "
+          f"{torch.get_num_threads()}")
+    print(f"long_step_ms_median: {statistics.median(step_times) * 1000:.1f}")
+    print(f"layer_ms: {layer_ms:.2f}")
+    print(f"trials: {args.trials}, unwound: {len(ms)}, not_unwound: {missed}")
+    if ms:
+        for q in (50, 90, 99):
+            print(f"arrival_to_unwind_p{q}_ms: {_percentile(ms, q):.2f}")
+        print(f"arrival_to_unwind_max_ms: {max(ms):.2f}")
+        print(f"arrival_to_decision_p50_ms: "
+              f"{statistics.median(arrival_to_decision) * 1000:.2f}")
+        print(f"decision_to_unwind_p50_ms: {statistics.median(decision_to_unwind) * 1000:.2f}")
+        p99 = _percentile(ms, 99)
+        print(f"target: p99 < layer + 5 ms = {layer_ms + 5:.2f} ms -> "
+              f"{'met' if p99 < layer_ms + 5 else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()

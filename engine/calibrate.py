@@ -1,0 +1,144 @@
+"""`sloserve calibrate`: fit the TTFT line `a * tokens + c` (DESIGN.md section 5) on this model
+and machine, and write it as JSON for `sloserve serve --ttft-model FILE`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from monitor.predictor import LinearTTFT
+
+DEFAULT_PROMPT_SIZES = [16, 32, 64, 128, 256, 512, 1024, 2048]
+
+
+@dataclass
+class CalibrationResult:
+    points: list[tuple[int, float]]  # every measured (prompt tokens, seconds) pair
+    medians: dict[int, float]  # prompt tokens -> median seconds
+    model: LinearTTFT
+
+
+def calibrate(llm: Any, prompt_sizes: Sequence[int], repeats: int = 3, warmup: int = 1,
+              seed: int = 0) -> CalibrationResult:
+    """Times scheduling -> first token for lone requests of each size (max_tokens=1).
+
+    Each request runs alone so that its prefill is one engine step, which is what the predictor
+    predicts for a request with nothing else in the batch."""
+    from tqdm import tqdm
+
+    from engine.sampling_params import SamplingParams
+
+    sizes = sorted(set(prompt_sizes))
+    rng = random.Random(seed)
+    vocab = llm.engine.vocab_size
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    # Warm-up passes first, then the measured passes round-robin over the sizes: a slow spell
+    # (another process on the machine) spreads over all sizes instead of bending the line.
+    plan = [(size, False) for _ in range(warmup) for size in sizes]
+    plan += [(size, True) for _ in range(repeats) for size in sizes]
+    points: list[tuple[int, float]] = []
+    for size, measured in tqdm(plan, desc="Calibrating", unit="prompt"):
+        # Fresh random tokens per request: no prefix-cache hit can shorten a prefill.
+        prompt = {"prompt_token_ids": [rng.randrange(vocab) for _ in range(size)]}
+        (out,) = llm.generate(prompt, params)
+        m = out.metrics
+        if m.num_cached_tokens:
+            raise RuntimeError(f"a {size}-token calibration prompt hit the prefix cache "
+                               f"({m.num_cached_tokens} tokens); disable prefix caching")
+        if measured:
+            points.append((size, m.first_token_time - m.first_scheduled_time))
+    medians = {s: statistics.median(t for n, t in points if n == s) for s in sizes}
+    # Fit on the medians: one slow outlier per size cannot tilt the line.
+    model = LinearTTFT.fit(medians.items())
+    if model.seconds_per_token <= 0:
+        raise ValueError(f"prefill time does not grow with prompt size (slope "
+                         f"{model.seconds_per_token:.3g} s/token over sizes {sizes}); "
+                         f"use larger --prompt-sizes")
+    return CalibrationResult(points=points, medians=medians, model=model)
+
+
+def _check_output(path: Path) -> None:
+    """Fails before minutes of measuring, not after, and without creating the file."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise ValueError(f"--output {str(path)!r} is a directory")
+    if not parent.is_dir() or not os.access(parent, os.W_OK) or (
+            path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"--output {str(path)!r} is not writable")
+
+
+def _usable_sizes(sizes: list[int], llm: Any) -> list[int]:
+    """Keeps the sizes whose prefill is one step: within max_model_len - 1 (the first token needs
+    a slot), the step token budget and the per-step prefill chunk threshold."""
+    sched = llm.engine.config.scheduler
+    limit = min(llm.engine.max_model_len - 1, sched.max_num_batched_tokens)
+    if sched.long_prefill_token_threshold > 0:
+        limit = min(limit, sched.long_prefill_token_threshold)
+    skipped = [s for s in sizes if s > limit]
+    if skipped:
+        print(f"note: skipping prompt sizes {skipped}: above {limit} tokens (max_model_len - 1, "
+              f"max_num_batched_tokens, long_prefill_token_threshold)")
+    kept = [s for s in sizes if s <= limit]
+    if len(set(kept)) < 2:
+        raise ValueError(f"need two or more distinct prompt sizes <= {limit} tokens to fit a "
+                         f"line, got {sorted(set(kept))}")
+    return kept
+
+
+def _run(args: argparse.Namespace) -> int:
+    from engine.cli import _under_torchrun, engine_kwargs
+    from engine.llm import LLM
+
+    bad = [s for s in args.prompt_sizes if s < 1]
+    if bad:
+        raise ValueError(f"--prompt-sizes must be positive, got {bad}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    output = Path(args.output)
+    _check_output(output)
+    kwargs = engine_kwargs(args)
+    kwargs["enable_prefix_caching"] = False  # a cache hit would shorten the measured prefill
+    if (code := _under_torchrun(args, kwargs)) is not None:
+        return code
+    llm = LLM(**kwargs)
+    try:
+        sizes = _usable_sizes(args.prompt_sizes, llm)
+        result = calibrate(llm, sizes, args.repeats, args.warmup, seed=args.seed)
+    finally:
+        llm.shutdown()
+    print(f"{'tokens':>8}  {'median ms':>10}")
+    for size, seconds in result.medians.items():
+        print(f"{size:>8}  {seconds * 1000:>10.2f}")
+    m = result.model
+    print(f"seconds_per_token: {m.seconds_per_token:.4g}")
+    print(f"intercept_ms: {m.intercept_s * 1000:.2f}")
+    print(f"r2: {m.r2:.4f}")
+    try:
+        m.save(output)
+    except OSError as exc:
+        raise ValueError(f"cannot write --output {str(output)!r}: {exc}") from exc
+    print(f"wrote {output}")
+    return 0
+
+
+def add_calibrate_parser(subparsers: Any) -> None:
+    from engine.cli import add_engine_args
+
+    p = subparsers.add_parser("calibrate", help="fit the TTFT predictor on this model and machine")
+    p.add_argument("--output", default="ttft_model.json",
+                   help="JSON file for `serve --ttft-model` (default: ttft_model.json)")
+    p.add_argument("--prompt-sizes", type=int, nargs="+", default=DEFAULT_PROMPT_SIZES,
+                   help="prompt lengths to time (default: 16 .. 2048, capped at max_model_len "
+                        "and max_num_batched_tokens)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per size (median is fit)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs per size first")
+    add_engine_args(p)
+    p.set_defaults(func=_run)

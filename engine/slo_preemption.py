@@ -1,0 +1,109 @@
+"""EngineCore's side of mid-forward-pass preemption (DESIGN.md sections 4 and 5).
+
+Owns the shared-memory signal and the monitor thread; after every `schedule()` it publishes the
+monitor's snapshot, and when the workers unwind a step it rolls the step back and applies the
+monitor's decision to the victim.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engine.config import PreemptionConfig, SLOPreemptMode
+from engine.request import Request
+from engine.scheduler import Scheduler
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from monitor.monitor import MonitorSnapshot, SLOMonitor
+from monitor.policy import RequestView, view_of
+from monitor.preempt_signal import PreemptSignal
+
+
+@dataclass
+class PreemptionEvent:
+    """One unwound step, as EngineCore saw it."""
+
+    step_id: int
+    layer: int
+    # The layer every TP rank stopped at, rank order.
+    unwound_layers: list[int]
+    victim_id: str
+    waiter_id: str
+    # "pause" / "recompute", or None when the victim was gone and the step just re-runs.
+    applied: SLOPreemptMode | None
+    # Monitor decision -> EngineCore holding the unwound step.
+    latency_s: float
+    wasted_tokens: int
+    # time.monotonic() of both ends of that latency.
+    decided_at: float = 0.0
+    unwound_at: float = 0.0
+
+
+@dataclass
+class PreemptionStats:
+    wasted_tokens: int = 0
+    wasted_layers: int = 0
+    # Latencies not yet handed to a stats snapshot (the API server's histogram takes them).
+    unreported_latencies_s: list[float] = field(default_factory=list)
+
+
+class SLOPreemptionControl:
+    def __init__(self, config: PreemptionConfig, scheduler: Scheduler) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.signal = PreemptSignal.create()
+        self.monitor = SLOMonitor(self.signal, config.policy, config.margin,
+                                  config.monitor_interval_ms / 1000)
+        self.stats = PreemptionStats()
+        self.events: list[PreemptionEvent] = []
+        self._num_requests_seen = 0
+        self.monitor.start()
+
+    def note_arrival(self, seq: int, request: Request) -> None:
+        self.monitor.note_arrival(seq, view_of(request))
+
+    def after_schedule(self, output: SchedulerOutput, drained_arrivals: int) -> None:
+        scheduler = self.scheduler
+        held = scheduler.held
+        waiting = tuple(view_of(r) for r in scheduler.waiting if r.request_id not in held)
+        running: list[RequestView] = []
+        for sr in output.requests:
+            request = scheduler.requests[sr.req_id]
+            if len(sr.token_ids) > 1:
+                deadline = request.deadline if request.first_token_time is None else None
+                running.append(RequestView(sr.req_id, deadline, request.num_tokens - sr.start_pos,
+                                           slo_preempted=request.num_slo_preemptions > 0))
+        # A finish (or an admission) changes who competes: worth an immediate look.
+        num_requests = len(scheduler.requests)
+        changed, self._num_requests_seen = num_requests != self._num_requests_seen, num_requests
+        self.monitor.publish(MonitorSnapshot(
+            step_id=output.step_id, preemptible=output.preemptible, waiting=waiting,
+            running=tuple(running), predictor=scheduler.ttft_predictor.current,
+            drained_arrivals=drained_arrivals), wake=changed)
+
+    def on_preempted(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+        unwound_at = time.monotonic()
+        target, victim_id, waiter_id, decided_at = self.signal.decision()
+        record = self.scheduler.last_step_record
+        assert record is not None and record.step_id == output.step_id
+        self.scheduler.rollback(record)
+        applied: SLOPreemptMode | None = None
+        if target == output.step_id:
+            applied = self.scheduler.preempt_for_slo(victim_id, waiter_id, self.config.mode)
+        latency = max(0.0, unwound_at - decided_at)
+        layer = runner_output.preempted_layer or 0
+        wasted = output.num_scheduled_tokens
+        self.stats.wasted_tokens += wasted
+        self.stats.wasted_layers += layer
+        self.stats.unreported_latencies_s.append(latency)
+        self.events.append(PreemptionEvent(output.step_id, layer, runner_output.unwound_layers,
+                                           victim_id, waiter_id, applied, latency, wasted,
+                                           decided_at, unwound_at))
+
+    def take_latencies(self) -> list[float]:
+        latencies, self.stats.unreported_latencies_s = self.stats.unreported_latencies_s, []
+        return latencies
+
+    def shutdown(self) -> None:
+        self.monitor.stop()
+        self.signal.close()

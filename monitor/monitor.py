@@ -1,0 +1,118 @@
+"""The slack-EDF monitor thread (DESIGN.md section 5).
+
+EngineCore publishes an immutable `MonitorSnapshot` after every `schedule()` by swapping one
+reference; whoever receives requests tells the monitor about each arrival at once, since a new
+request only reaches the scheduler after the running step. The monitor wakes on arrivals, on
+finishes and otherwise every `interval_s`, and when the gate fires it writes the executing step's
+id into the shared-memory signal, which the workers read at the next attention-op boundary.
+
+It takes no lock the main thread waits on: reading the snapshot and the arrivals is a reference
+read, and the only thing it writes is the signal.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from monitor.policy import PreemptDecision, PreemptPolicy, RequestView, choose_preemption
+from monitor.predictor import LinearTTFT
+from monitor.preempt_signal import PreemptSignal
+
+
+@dataclass(frozen=True)
+class MonitorSnapshot:
+    """The scheduler's state as the executing step left it."""
+
+    step_id: int
+    # Only preemptible steps vote; targeting any other step would be a wasted decision.
+    preemptible: bool
+    # Requests that are waiting for admission (paused victims are not: they resume at a step
+    # boundary by the scheduler's own rule).
+    waiting: tuple[RequestView, ...]
+    # Requests prefilling in this step: the ones whose work holds the waiters back. Their
+    # remaining tokens count this step's chunk, which a preemption would throw away.
+    running: tuple[RequestView, ...]
+    predictor: LinearTTFT
+    # Arrivals with a sequence number up to this one are in the scheduler (or were rejected).
+    drained_arrivals: int = 0
+
+
+@dataclass(frozen=True)
+class MonitorDecision:
+    step_id: int
+    decision: PreemptDecision
+    decided_at: float
+
+
+class SLOMonitor:
+    def __init__(self, signal: PreemptSignal, policy: PreemptPolicy = "conservative",
+                 margin: float = 1.2, interval_s: float = 0.002) -> None:
+        self.signal = signal
+        self.policy: PreemptPolicy = policy
+        self.margin = margin
+        self.interval_s = interval_s
+        self._snapshot: MonitorSnapshot | None = None
+        # Arrival sequence number -> view; written by the thread that receives requests.
+        self._arrivals: dict[int, RequestView] = {}
+        self._wake = threading.Event()
+        self._stopped = False
+        self._fired_step = -1
+        self.decisions: list[MonitorDecision] = []
+        self._thread = threading.Thread(target=self._run, name="sloserve-monitor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=1.0)
+
+    # ---- called by other threads (never block) -------------------------------------------
+
+    def publish(self, snapshot: MonitorSnapshot, wake: bool = False) -> None:
+        self._snapshot = snapshot
+        if wake:
+            self._wake.set()
+
+    def note_arrival(self, seq: int, view: RequestView) -> None:
+        self._arrivals[seq] = view
+        self._wake.set()
+
+    # ---- the thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            self.check()
+
+    def check(self) -> MonitorDecision | None:
+        """One evaluation of the gate against the current snapshot; publishes a decision."""
+        snapshot = self._snapshot
+        if snapshot is None or not snapshot.preemptible or snapshot.step_id <= self._fired_step:
+            return None
+        arrivals = self._pending_arrivals(snapshot.drained_arrivals)
+        now = time.monotonic()
+        decision = choose_preemption(snapshot.waiting + arrivals, snapshot.running, now,
+                                     snapshot.predictor.predict, self.policy, self.margin)
+        if decision is None:
+            return None
+        self._fired_step = snapshot.step_id
+        decided_at = time.monotonic()
+        self.signal.publish(snapshot.step_id, decision.victim_id, decision.waiter_id, decided_at)
+        made = MonitorDecision(snapshot.step_id, decision, decided_at)
+        self.decisions.append(made)
+        return made
+
+    def _pending_arrivals(self, drained: int) -> tuple[RequestView, ...]:
+        pending: list[RequestView] = []
+        for seq in list(self._arrivals):
+            if seq <= drained:
+                self._arrivals.pop(seq, None)
+            elif (view := self._arrivals.get(seq)) is not None:
+                pending.append(view)
+        return tuple(pending)

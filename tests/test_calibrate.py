@@ -1,0 +1,79 @@
+"""`sloserve calibrate`: sweep prompt sizes on the engine, fit the TTFT line, write its JSON."""
+
+import json
+import math
+
+import pytest
+
+from engine.calibrate import calibrate
+from engine.cli import main
+from engine.llm import LLM
+from monitor.predictor import LinearTTFT
+
+# Small pool and context: the tiny model needs no more, and the engine starts in a blink.
+ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "1024", "--num-kv-blocks", "80"]
+
+
+def _calibrate(model: str, *args: str) -> int:
+    return main(["calibrate", "--model", model, *ENGINE_ARGS, *args])
+
+
+def test_calibrate_writes_a_loadable_line(tiny_model, tmp_path, capsys):
+    out = tmp_path / "ttft.json"
+    # Sizes far apart, and a median of 5: the tiny model prefills in milliseconds, so the slope
+    # must beat the noise of other processes on the machine (two slow passes are absorbed).
+    code = _calibrate(tiny_model("llama"), "--prompt-sizes", "32", "256", "768",
+                      "--repeats", "5", "--output", str(out))
+    assert code == 0
+    model = LinearTTFT.load(out)
+    assert isinstance(model.r2, float) and -math.inf < model.r2 <= 1.0
+    assert model.seconds_per_token > 0
+    printed = capsys.readouterr().out
+    for word in ("768", "seconds_per_token", "intercept_ms", "r2", str(out)):
+        assert word in printed
+
+
+def test_calibrate_skips_sizes_that_do_not_fit_one_step(tiny_model, tmp_path, capsys):
+    out = tmp_path / "ttft.json"
+    code = _calibrate(tiny_model("llama"), "--prompt-sizes", "32", "768", "1000", "1024",
+                      "--max-num-batched-tokens", "800", "--repeats", "5",
+                      "--output", str(out))
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "skipping prompt sizes [1000, 1024]" in printed
+    assert json.loads(out.read_text())["seconds_per_token"] > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt-sizes", "0", "16"], "--prompt-sizes must be positive, got [0]"),
+    (["--prompt-sizes", "16", "32", "--repeats", "0"], "--repeats must be >= 1"),
+    (["--prompt-sizes", "16", "32", "--warmup", "-1"], "--warmup must be >= 0"),
+    (["--prompt-sizes", "2000", "4000"], "need two or more distinct prompt sizes"),
+])
+def test_calibrate_bad_input_exits_2_without_output(tiny_model, tmp_path, capsys, args, message):
+    out = tmp_path / "ttft.json"
+    assert _calibrate(tiny_model("llama"), *args, "--output", str(out)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sloserve: error: ") and message in err
+    assert not out.exists()
+
+
+def test_calibrate_unwritable_output_fails_before_measuring(tiny_model, tmp_path, capsys):
+    out = tmp_path / "missing-dir" / "ttft.json"
+    assert _calibrate(tiny_model("llama"), "--prompt-sizes", "16", "32",
+                      "--output", str(out)) == 2
+    assert "is not writable" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_calibrate_result_keeps_every_point_and_the_medians(tiny_model):
+    llm = LLM(model=tiny_model("llama"), dtype="float32", max_model_len=1024, num_kv_blocks=80,
+              enable_prefix_caching=False)
+    try:
+        result = calibrate(llm, [768, 32, 32], repeats=5, warmup=1)
+    finally:
+        llm.shutdown()
+    assert sorted(n for n, _ in result.points) == [32] * 5 + [768] * 5
+    assert all(t > 0 for _, t in result.points)
+    assert list(result.medians) == [32, 768]
+    assert result.model == LinearTTFT.fit(result.medians.items())

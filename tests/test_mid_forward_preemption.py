@@ -1,0 +1,254 @@
+"""Mid-forward-pass preemption end to end, in process: a long prefill runs in one big step, an
+urgent request arrives during it, the monitor targets the step, the vote unwinds it between two
+layers, the engine rolls it back and admits the urgent request first; every greedy output equals
+an unpreempted run. Layers are slowed down by the runner's test hook (time per token per layer),
+so the long step lasts long enough to be observed."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from engine.config import build_engine_config
+from engine.engine_core import EngineCore
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from workers.model_runner import LAYER_DELAY_ENV
+
+NUM_LAYERS = 8
+# 400 prompt tokens x 150 us = 60 ms per layer (480 ms for the long step); 44 tokens: 7 ms.
+DELAY_US_PER_TOKEN = 150
+LONG_PROMPT = 400
+MAX_TOKENS = 6
+
+
+@pytest.fixture
+def model(tiny_model, monkeypatch) -> str:
+    monkeypatch.setenv(LAYER_DELAY_ENV, str(DELAY_US_PER_TOKEN))
+    return tiny_model("llama", num_hidden_layers=NUM_LAYERS, max_position_embeddings=1024)
+
+
+def _prompt(n: int, seed: int, prefix: list[int] | None = None) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    tail = torch.randint(3, 250, (n - len(prefix or []),), generator=g).tolist()
+    return (prefix or []) + tail
+
+
+def _engine(model: str, **overrides) -> EngineCore:
+    args = dict(dtype="float32", num_kv_blocks=160, block_size=16, max_num_batched_tokens=1024,
+                scheduling_policy="slo", preempt_min_tokens=32, enable_prefix_caching=True)
+    args.update(overrides)
+    return EngineCore(build_engine_config(model, **args))
+
+
+def _request(req_id: str, prompt: list[int], slo_ms: float | None) -> Request:
+    return Request(request_id=req_id, prompt_token_ids=prompt, ttft_slo_ms=slo_ms,
+                   sampling_params=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                  temperature=0.0))
+
+
+def _run(engine: EngineCore, timeout_s: float = 120.0) -> list[tuple[float, float]]:
+    """Steps until every request finished; returns each step's (start, end) time."""
+    deadline = time.monotonic() + timeout_s
+    steps = []
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the engine did not finish its requests"
+        started = time.monotonic()
+        engine.step()
+        steps.append((started, time.monotonic()))
+        engine.scheduler.check_invariants()
+    return steps
+
+
+def _duration_of_step_at(steps: list[tuple[float, float]], t: float) -> float:
+    return next(end - start for start, end in steps if start <= t <= end)
+
+
+def _on_long_step(engine: EngineCore, layer: int, action: Callable[[], None],
+                  min_tokens: int = LONG_PROMPT) -> None:
+    """Run `action` on another thread once the forward pass of a long step reaches `layer`
+    (the arrival races the forward pass, as it would over HTTP)."""
+    reached = threading.Event()
+
+    def hook(_module, args) -> None:
+        if args[1].shape[0] >= min_tokens and not reached.is_set():
+            reached.set()
+
+    layers = engine.executor.runner.model.model.layers
+    layers[layer].register_forward_pre_hook(hook)
+
+    def fire() -> None:
+        if reached.wait(timeout=30):
+            action()
+
+    threading.Thread(target=fire, daemon=True).start()
+
+
+def _reference_outputs(model: str, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    engine = _engine(model, mid_forward_preemption=False)
+    try:
+        requests = {k: _request(k, p, None) for k, p in prompts.items()}
+        for r in requests.values():
+            engine.add_request(r)
+        _run(engine)
+        return {k: r.output_token_ids for k, r in requests.items()}
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "pause"])
+def test_urgent_arrival_unwinds_long_prefill(model: str, mode: str) -> None:
+    long_prompt = _prompt(LONG_PROMPT, seed=1)
+    # The urgent prompt shares the long one's first 32 tokens: the unwound step must not have
+    # committed their prefix-cache hashes, and a hit must still give the same tokens.
+    prompts = {"long": long_prompt, "urgent": _prompt(44, seed=2, prefix=long_prompt[:32])}
+    expected = _reference_outputs(model, prompts)
+
+    engine = _engine(model, slo_preempt_mode=mode)
+    try:
+        long = _request("long", prompts["long"], slo_ms=60_000)
+        engine.add_request(long)
+        arrived: list[Request] = []
+
+        def arrive() -> None:  # the urgent request's arrival time is now, mid-step
+            arrived.append(_request("urgent", prompts["urgent"], slo_ms=2_000))
+            engine.submit_request(arrived[0])
+
+        _on_long_step(engine, layer=1, action=arrive)
+        steps = _run(engine)
+        (urgent,) = arrived
+
+        assert engine.preemption is not None
+        (event,) = engine.preemption.events  # probe: the step really was unwound, once
+        assert 0 < event.layer < NUM_LAYERS
+        assert (event.victim_id, event.waiter_id, event.applied) == ("long", "urgent", mode)
+        assert event.wasted_tokens == LONG_PROMPT
+        assert long.num_preemptions == 1 and long.num_slo_preemptions == 1
+        assert urgent.num_preemptions == 0
+        # The urgent request's first token came sooner after its arrival than the long step
+        # takes as a whole (measured in this run: the step that finally prefilled it), so
+        # before that step could have finished had it not been stopped.
+        assert urgent.first_token_time is not None and long.first_token_time is not None
+        long_step_s = _duration_of_step_at(steps, long.first_token_time)
+        assert urgent.first_token_time - urgent.arrival_time < long_step_s
+        assert urgent.first_token_time < long.first_token_time
+        assert {"long": long.output_token_ids, "urgent": urgent.output_token_ids} == expected
+        assert engine.scheduler.kv_cache_manager.num_free_blocks == 160
+    finally:
+        engine.shutdown()
+
+
+def test_pause_keeps_earlier_chunks(model: str) -> None:
+    """Chunked long prefill (budget 256): preempted during its second chunk, a paused victim
+    keeps the KV of the first chunk and resumes from it instead of recomputing."""
+    prompts = {"long": _prompt(LONG_PROMPT, seed=3), "urgent": _prompt(20, seed=4)}
+    expected = _reference_outputs(model, prompts)
+    engine = _engine(model, slo_preempt_mode="pause", max_num_batched_tokens=256)
+    try:
+        long = _request("long", prompts["long"], slo_ms=60_000)
+        urgent = _request("urgent", prompts["urgent"], slo_ms=2_000)
+        engine.add_request(long)
+        engine.step()  # first chunk: 256 tokens, completes
+        assert long.num_computed_tokens == 256
+        computed_after_unwind: list[int] = []
+
+        def arrive() -> None:
+            engine.submit_request(urgent)
+
+        _on_long_step(engine, layer=1, action=arrive, min_tokens=LONG_PROMPT - 256)
+        assert engine.step() == []  # the second chunk's step, unwound
+        assert len(engine.preemption.events) == 1
+        computed_after_unwind.append(long.num_computed_tokens)
+        engine.step()  # the urgent request's prefill; the victim is held back
+        assert urgent.first_token_time is not None
+        assert long.num_computed_tokens == 256  # probe: paused, not scheduled, not recomputed
+        _run(engine)
+        (event,) = engine.preemption.events
+        assert event.applied == "pause" and event.wasted_tokens == LONG_PROMPT - 256
+        assert computed_after_unwind == [256]
+        assert {"long": long.output_token_ids, "urgent": urgent.output_token_ids} == expected
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("stubborn_fraction,unwinds", [(0.8, False), (0.9, True)])
+def test_rule2_past_stubborn_fraction_the_step_completes(model: str, stubborn_fraction: float,
+                                                         unwinds: bool) -> None:
+    """The target is written just before the last layer (index 7 of 8: 0.875 of the way).
+    Past the stubborn fraction (0.8) the step completes; the paired probe (0.9) shows the same
+    target does stop the step when the layer is still within it."""
+    engine = _engine(model, stubborn_fraction=stubborn_fraction)
+    try:
+        long = _request("long", _prompt(LONG_PROMPT, seed=5), slo_ms=None)
+        engine.add_request(long)
+        signal = engine.preemption.signal
+
+        def target_running_step(_module, args) -> None:
+            # Synchronous, from the forward pass itself: the vote of this very layer sees it.
+            signal.publish(engine.scheduler.step_id, "long", "", time.monotonic())
+
+        layers = engine.executor.runner.model.model.layers
+        handle = layers[NUM_LAYERS - 1].register_forward_pre_hook(target_running_step)
+        engine.step()
+        handle.remove()
+        assert signal.target_step_id == 1  # probe: the target named the running step
+        if unwinds:
+            (event,) = engine.preemption.events
+            assert event.layer == NUM_LAYERS - 1 and long.num_computed_tokens == 0
+        else:
+            assert engine.preemption.events == []
+            assert long.num_computed_tokens == LONG_PROMPT and long.num_output_tokens == 1
+        _run(engine)
+        assert long.num_output_tokens == MAX_TOKENS
+    finally:
+        engine.shutdown()
+
+
+def test_rule1_adversarial_urgent_stream_cannot_preempt_anyone_twice(model: str) -> None:
+    """Every long step that starts brings a new urgent request (up to 8) and the aggressive
+    gate fires whenever it can: each request is a victim at most once, the number of unwound
+    steps stays bounded by the number of requests, and everything finishes with unchanged
+    greedy outputs."""
+    longs = {f"long{i}": _prompt(300, seed=20 + i) for i in range(3)}
+    urgents = {f"urgent{i}": _prompt(30, seed=40 + i) for i in range(8)}
+    expected = _reference_outputs(model, {**longs, **urgents})
+
+    engine = _engine(model, preempt_policy="aggressive")
+    try:
+        requests = {k: _request(k, p, slo_ms=50_000 + 10_000 * i)
+                    for i, (k, p) in enumerate(longs.items())}
+        for r in requests.values():
+            engine.add_request(r)
+        pending = list(urgents.items())
+
+        def arrive_on_every_long_step(_module, args) -> None:
+            if args[1].shape[0] >= 200 and pending:
+                req_id, prompt = pending.pop(0)
+                requests[req_id] = _request(req_id, prompt, slo_ms=2_000)
+                # From another thread, as the HTTP reader would hand it over.
+                threading.Thread(target=engine.submit_request, args=(requests[req_id],)).start()
+
+        engine.executor.runner.model.model.layers[1].register_forward_pre_hook(
+            arrive_on_every_long_step)
+        _run(engine)
+
+        events = engine.preemption.events
+        num_arrivals = len(urgents) - len(pending)
+        # Probes: the stream really did preempt, more than once; and some arrivals found no
+        # victim left (the long ones were all preempted once already).
+        assert len(events) >= 2
+        assert num_arrivals > len(events)
+        assert all(requests[f"long{i}"].num_slo_preemptions == 1 for i in range(3))
+        assert all(r.num_slo_preemptions <= 1 for r in requests.values())
+        assert sum(r.num_slo_preemptions for r in requests.values()) == sum(
+            e.applied is not None for e in events)
+        assert len(events) <= len(requests)
+        assert {k: r.output_token_ids for k, r in requests.items()} == {
+            k: expected[k] for k in requests}
+        assert all(r.is_finished for r in requests.values())
+    finally:
+        engine.shutdown()
