@@ -74,8 +74,10 @@ class SLOMonitor:
     # ---- called by other threads (never block) -------------------------------------------
 
     def publish(self, snapshot: MonitorSnapshot, wake: bool = False) -> None:
+        """`wake`: something changed that deserves a look now (a finish, an admission). A
+        preemptible step always wakes the monitor, which then polls until it ends."""
         self._snapshot = snapshot
-        if wake:
+        if wake or snapshot.preemptible:
             self._wake.set()
 
     def note_arrival(self, seq: int, view: RequestView) -> None:
@@ -86,7 +88,12 @@ class SLOMonitor:
 
     def _run(self) -> None:
         while not self._stopped:
-            self._wake.wait(self.interval_s)
+            # Poll only while a preemptible step runs that has not been targeted yet; otherwise
+            # sleep until the next snapshot or arrival (an idle engine costs no CPU).
+            snapshot = self._snapshot
+            watching = (snapshot is not None and snapshot.preemptible
+                        and snapshot.step_id > self._fired_step)
+            self._wake.wait(self.interval_s if watching else None)
             self._wake.clear()
             self.check()
 
