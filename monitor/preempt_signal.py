@@ -44,11 +44,18 @@ class PreemptSignal:
 
     @classmethod
     def attach(cls, name: str) -> PreemptSignal:
-        shm = shared_memory.SharedMemory(name=name)
-        # Before Python 3.13 attaching also registers the segment with the resource tracker,
-        # which would unlink it when this process exits, under the owner's feet.
-        if sys.version_info < (3, 13):
-            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        if sys.version_info >= (3, 13):
+            return cls(shared_memory.SharedMemory(name=name, track=False), owner=False)
+        # Before 3.13 attaching registers the segment with this process's resource tracker:
+        # a tracker of its own would unlink it at exit under the owner's feet, and
+        # unregistering afterwards would drop the owner's entry from a tracker shared with it
+        # (spawned children share their parent's). So do not register at all.
+        register = resource_tracker.register
+        resource_tracker.register = lambda name, rtype: None
+        try:
+            shm = shared_memory.SharedMemory(name=name)
+        finally:
+            resource_tracker.register = register
         return cls(shm, owner=False)
 
     @property

@@ -1,15 +1,18 @@
 """The attention-op vote on a real forward pass (TP=1): stale signals, Rule 2, no vote on
 non-preemptible steps, and the structured PREEMPTED status."""
 
+import multiprocessing as mp
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from engine.model_setup import load_hf_config
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput, StepStatus
 from monitor.preempt_signal import NO_TARGET, PreemptSignal
 from workers.model_runner import ModelRunner
-from workers.preempt_vote import PreemptVote
+from workers.preempt_vote import PreemptVote, StepPreempted
 
 NUM_LAYERS = 20
 
@@ -50,6 +53,9 @@ class LayerSpy:
     @step_id.setter
     def step_id(self, value: int) -> None:
         self.vote.step_id = value
+
+    def finish(self) -> None:
+        self.vote.finish()
 
     def __call__(self, layer: int) -> None:
         self.layers.append(layer)
@@ -101,3 +107,56 @@ def test_unwound_step_output_matches_a_clean_rerun(runner, signal):
     assert stopped.status is StepStatus.PREEMPTED
     rerun, _ = _run(runner, signal, step_id=12)
     assert rerun.sampled_token_ids == clean.sampled_token_ids
+
+
+def _vote_rank(rank: int, store_dir: str, signal_name: str, results) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank,
+                            world_size=2)
+    try:
+        # Rank 1 has no view of the signal (as on another node): it votes 0 and learns the
+        # outcome from the collective.
+        signal = PreemptSignal.attach(signal_name) if rank == 0 else None
+        vote = PreemptVote(signal, num_layers=10, stubborn_fraction=0.85,
+                           cpu_group=dist.group.WORLD)
+        outcomes = []
+        for step_id in (7, 8):  # step 7 is the target; step 8 must run to its end
+            vote.step_id = step_id
+            stopped_at = None
+            try:
+                for layer in range(10):
+                    if rank == 0 and step_id == 7 and layer == 3:
+                        signal.publish(7, "victim", "waiter", 0.0)
+                    vote(layer)
+                vote.finish()
+            except StepPreempted as stop:
+                stopped_at = stop.layer
+            outcomes.append(stopped_at)
+        dist.barrier()
+        results.put((rank, outcomes, vote.stats.collectives))
+        if signal is not None:
+            signal.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp_vote_ranks_unwind_together_one_layer_after_the_ballot(tmp_path):
+    """Two gloo ranks: the ballot of layer 3 (set on rank 0 only) stops both ranks at the
+    boundary of layer 4; a later step is not stopped by the stale target; past the stubborn
+    fraction (0.85: layer 9 of 10) no ballot is started."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    owner = PreemptSignal.create()
+    try:
+        procs = [ctx.Process(target=_vote_rank, args=(r, str(tmp_path), owner.name, results))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        got = dict((rank, (outcomes, n)) for rank, outcomes, n in
+                   (results.get(timeout=60) for _ in procs))
+        for p in procs:
+            p.join(timeout=30)
+            assert p.exitcode == 0
+    finally:
+        owner.close()
+    # Step 7: ballots at layers 0..3, stop at 4. Step 8: ballots at layers 0..8 (9/10 > 0.85).
+    assert got == {0: ([4, None], 4 + 9), 1: ([4, None], 4 + 9)}

@@ -91,6 +91,8 @@ class ModelRunner:
                                      execute_seconds=time.perf_counter() - started)
         finally:
             self.model.before_attention = None
+        if vote is not None:
+            vote.finish()
         sampled: dict[str, int] = {}
         if inputs.sampled:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
