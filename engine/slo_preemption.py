@@ -8,6 +8,7 @@ monitor's decision to the victim.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from engine.config import PreemptionConfig, SLOPreemptMode
@@ -55,7 +56,9 @@ class SLOPreemptionControl:
         self.monitor = SLOMonitor(self.signal, config.policy, config.margin,
                                   config.monitor_interval_ms / 1000)
         self.stats = PreemptionStats()
-        self.events: list[PreemptionEvent] = []
+        # The most recent unwinds, for tests, benchmarks and debugging (bounded: a server runs
+        # for weeks).
+        self.events: deque[PreemptionEvent] = deque(maxlen=1024)
         self._num_requests_seen = 0
         self.monitor.start()
 

@@ -200,7 +200,7 @@ def test_rule2_past_stubborn_fraction_the_step_completes(model: str, stubborn_fr
             (event,) = engine.preemption.events
             assert event.layer == NUM_LAYERS - 1 and long.num_computed_tokens == 0
         else:
-            assert engine.preemption.events == []
+            assert not engine.preemption.events
             assert long.num_computed_tokens == LONG_PROMPT and long.num_output_tokens == 1
         _run(engine)
         assert long.num_output_tokens == MAX_TOKENS
