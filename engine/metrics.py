@@ -47,6 +47,8 @@ class ServerMetrics:
                                                  **labels)
         self.preempt_wasted_layers = counter("preempt_wasted_layers", "Layers unwound forward "
                                              "passes had run.").labels(**labels)
+        self.scheduled_tokens = counter("scheduled_tokens", "Tokens handed to the model, "
+                                        "unwound steps included.").labels(**labels)
         self.preempt_latency = histogram("preempt_latency_seconds", "Monitor decision to "
                                          "unwound step.", _PREEMPT_LATENCY_BUCKETS)
         self.prompt_tokens = counter("prompt_tokens", "Prefill tokens of finished "
@@ -82,6 +84,7 @@ class ServerMetrics:
                                            - last.preempt_wasted_tokens))
         self.preempt_wasted_layers.inc(max(0, stats.preempt_wasted_layers
                                            - last.preempt_wasted_layers))
+        self.scheduled_tokens.inc(max(0, stats.num_scheduled_tokens - last.num_scheduled_tokens))
         for latency in stats.preempt_latencies_s:
             self.preempt_latency.observe(latency)
         self._last = stats

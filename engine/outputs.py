@@ -33,6 +33,8 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     num_kv_preemptions: int = 0
     # Mid-forward preemptions applied to a victim (the SLO monitor's).
     num_slo_preemptions: int = 0
+    # Tokens handed to the model so far, unwound steps included.
+    num_scheduled_tokens: int = 0
     # Scheduled tokens of unwound steps, and the layers they had run: work thrown away.
     preempt_wasted_tokens: int = 0
     preempt_wasted_layers: int = 0

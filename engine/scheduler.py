@@ -63,6 +63,9 @@ class Scheduler:
         self.last_step_record: StepRecord | None = None
         self.num_kv_preemptions = 0
         self.num_slo_preemptions = 0
+        # Tokens handed to the model so far, unwound steps included (the denominator of the
+        # share of work that preemptions threw away).
+        self.num_scheduled_tokens_total = 0
         # Victims of mid-forward preemptions, held back until no request with prefill left is
         # more urgent than they are: a paused one stays running with its KV but is not
         # scheduled; a recomputed one waits and is not admitted (else it would share the very
@@ -193,6 +196,7 @@ class Scheduler:
                 num_prefill_tokens += num_new
             # Advanced at schedule time (as in vLLM v1) so the next step never re-schedules them.
             request.num_computed_tokens = end
+        self.num_scheduled_tokens_total += output.num_scheduled_tokens
         # Decode-only and small steps end sooner than a preemption would pay off: no vote.
         output.preemptible = (self.preempt_min_tokens is not None and num_prefill_tokens > 0
                               and num_prefill_tokens >= self.preempt_min_tokens)
@@ -494,6 +498,7 @@ class Scheduler:
                               prefix_cache_hits=kv.prefix_cache_hits,
                               num_kv_preemptions=self.num_kv_preemptions,
                               num_slo_preemptions=self.num_slo_preemptions,
+                              num_scheduled_tokens=self.num_scheduled_tokens_total,
                               num_steps=self.step_id)
 
     def check_invariants(self) -> None:
