@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from bench.cli import add_bench_parser
 from engine.calibrate import add_calibrate_parser
 
 
@@ -183,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
     add_calibrate_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

@@ -1,0 +1,312 @@
+"""`sloserve bench ...`: the TTFT-attainment benchmark suite.
+
+  trace   write a seeded trace (JSONL) of a built-in workload
+  run     replay traces against policies x budgets x rates x seeds; JSON, Markdown, plots
+  sweep   find the rate where fcfs attainment is about 50%, then run the grid at 0.5x/1x/1.5x
+  report  rebuild the Markdown table and plots from a results JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.policies import DEFAULT_SWEEP_POLICIES, resolve_policies
+
+
+@dataclass
+class BenchSetup:
+    """What every run of one invocation shares: the model, its tokenizer, the TTFT line."""
+
+    model: str
+    tokenizer: Any
+    ttft_model_path: str
+    predict_ttft_s: Any
+    max_model_len: int
+    engine_overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def _setup(args: argparse.Namespace, out_dir: Path) -> BenchSetup:
+    from transformers import AutoTokenizer
+
+    from engine.default_model import model_path_or_default
+    from monitor.predictor import LinearTTFT
+
+    model = model_path_or_default(args.model)
+    overrides: dict[str, Any] = {"dtype": args.dtype}
+    if args.num_kv_blocks:
+        overrides["num_kv_blocks"] = args.num_kv_blocks
+    if args.ttft_model:
+        path = args.ttft_model
+        line = LinearTTFT.load(path)
+    else:
+        # Isolated TTFTs set the SLOs and the clairvoyant bound's costs; every policy's engine is
+        # seeded with the same line, so none starts from a better guess than another.
+        from engine.calibrate import calibrate
+        from engine.llm import LLM
+
+        print("calibrating the TTFT line (pass --ttft-model FILE to reuse one)", file=sys.stderr)
+        llm = LLM(model=model, enable_prefix_caching=False, **overrides)
+        try:
+            limit = min(1024, llm.engine.max_model_len - 1)
+            sizes = sorted({s for s in (16, 64, 256, 512, 1024) if s <= limit} | {limit})
+            line = calibrate(llm, sizes, repeats=args.calibration_repeats).model
+        finally:
+            llm.shutdown()
+        path = str(out_dir / "ttft_model.json")
+        line.save(path)
+    overrides["ttft_model"] = path
+    from engine.model_setup import load_hf_config
+
+    hf = load_hf_config(model)
+    max_len = args.max_model_len or getattr(hf, "max_position_embeddings", 8192)
+    overrides["max_model_len"] = max_len
+    return BenchSetup(model, AutoTokenizer.from_pretrained(model), path, line.predict, max_len,
+                      overrides)
+
+
+def _trace(setup: BenchSetup, args: argparse.Namespace, rate: float, seed: int):
+    from bench.workloads import build_workload
+
+    max_output = 16 if args.workload != "uniform" else 32
+    return build_workload(args.workload, args.num_requests, rate, seed, setup.tokenizer,
+                          setup.predict_ttft_s, arrival=args.arrival,
+                          burstiness=args.burstiness,
+                          max_prompt_len=setup.max_model_len - max_output)
+
+
+def _large_budget(traces: list) -> int:
+    """A budget larger than any prompt: no chunking, as FlowPrefill runs."""
+    longest = max(len(r.prompt_token_ids) for t in traces for r in t.requests)
+    return max(2048, longest + 64)
+
+
+def _run_cell(setup: BenchSetup, args: argparse.Namespace, trace, policy, budget: int):
+    from bench.clairvoyant import clairvoyant_attainment
+    from bench.runners import run_http, run_inprocess
+
+    if args.runner == "http" and args.url:
+        run = run_http(trace, args.url, policy, budget, api_key=args.api_key)
+    elif args.runner == "http":
+        from bench.server import serve
+
+        with serve(policy, budget, setup.model, **setup.engine_overrides) as url:
+            run = run_http(trace, url, policy, budget)
+    else:
+        run = run_inprocess(trace, policy, setup.model, budget, **setup.engine_overrides)
+    run.clairvoyant = clairvoyant_attainment(trace, setup.predict_ttft_s, budget_tokens=budget)
+    return run
+
+
+def _write_outputs(runs: list, out_dir: Path) -> None:
+    from bench.report import markdown_table, plot_attainment_vs_rate, plot_ttft_cdf, write_json
+    from bench.results import aggregate
+
+    cells = aggregate(runs)
+    write_json(out_dir / "results.json", runs, cells)
+    table = markdown_table(cells)
+    (out_dir / "summary.md").write_text(table + "\n")
+    plot_attainment_vs_rate(cells, out_dir / "attainment_vs_rate.png")
+    plot_ttft_cdf(runs, out_dir / "ttft_cdf.png")
+    print(table)
+    print(f"\nwrote {out_dir}/results.json, summary.md, attainment_vs_rate.png, ttft_cdf.png")
+
+
+def _budgets(args: argparse.Namespace, traces: list) -> list[int]:
+    return [_large_budget(traces) if b == "large" else int(b) for b in args.budgets]
+
+
+def _policies(args: argparse.Namespace) -> list:
+    policies = resolve_policies(args.policies)
+    if args.runner == "http" and args.url and len(policies) > 1:
+        raise ValueError("--url names one running server, which runs one policy: pass that "
+                         "policy alone, or leave out --url to start a server per policy")
+    return policies
+
+
+def _grid(setup: BenchSetup, args: argparse.Namespace, rates: list[float]) -> list:
+    policies = _policies(args)
+    traces = {(rate, seed): _trace(setup, args, rate, seed)
+              for rate in rates for seed in args.seeds}
+    budgets = _budgets(args, list(traces.values()))
+    runs = []
+    total = len(traces) * len(policies) * len(budgets)
+    for (rate, seed), trace in traces.items():
+        for budget in budgets:
+            for policy in policies:
+                print(f"[{len(runs) + 1}/{total}] rate {rate:g} seed {seed} budget {budget} "
+                      f"{policy.name}", file=sys.stderr)
+                runs.append(_run_cell(setup, args, trace, policy, budget))
+    return runs
+
+
+# ---- subcommands ----------------------------------------------------------------------------
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    out = Path(args.output)
+    setup = _setup(args, out.parent)
+    trace = _trace(setup, args, args.rate, args.seed)
+    trace.save(out)
+    print(f"wrote {len(trace.requests)} requests of {args.workload} at {args.rate:g} req/s "
+          f"to {out}")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    setup = _setup(args, out_dir)
+    if args.trace:
+        runs = []
+        traces = [_load_trace(p, setup.tokenizer) for p in args.trace]
+        budgets = _budgets(args, traces)
+        for trace in traces:
+            for budget in budgets:
+                for policy in _policies(args):
+                    runs.append(_run_cell(setup, args, trace, policy, budget))
+    else:
+        runs = _grid(setup, args, args.rates)
+    _write_outputs(runs, out_dir)
+    return 0
+
+
+def _load_trace(path: str, tokenizer: Any):
+    """A trace written by `sloserve bench trace` (first line: its meta), or the user's own
+    requests, one per line: prompt, output_tokens, ttft_slo_ms, arrival_s."""
+    import json
+
+    from bench.traces import Trace, load_user_trace
+
+    with open(path) as f:
+        first = f.readline()
+    try:
+        is_ours = "meta" in json.loads(first)
+    except (ValueError, TypeError):
+        is_ours = False
+    return Trace.load(path) if is_ours else load_user_trace(path, tokenizer)
+
+
+def _fcfs_attainment(setup: BenchSetup, args: argparse.Namespace, rate: float) -> float:
+    from bench.policies import POLICIES
+    from bench.results import summarize
+
+    trace = _trace(setup, args, rate, args.seeds[0])
+    budget = _budgets(args, [trace])[0]
+    run = _run_cell(setup, args, trace, POLICIES["fcfs"], budget)
+    attained = summarize(run)["ttft_slo_attainment"] or 0.0
+    print(f"fcfs at {rate:.3f} req/s: attainment {attained:.2f}", file=sys.stderr)
+    return attained
+
+
+def find_half_attainment_rate(setup: BenchSetup, args: argparse.Namespace) -> float:
+    """Geometric bracketing, then bisection in log space, on fcfs attainment (first seed)."""
+    mean_prefill_s = setup.predict_ttft_s(1024)
+    low, high = None, None
+    rate = 1.0 / max(mean_prefill_s, 1e-3)
+    for _ in range(args.search_steps):
+        attained = _fcfs_attainment(setup, args, rate)
+        if attained >= args.target_attainment:
+            low = rate
+        else:
+            high = rate
+        if low is None:
+            rate /= 2
+        elif high is None:
+            rate *= 2
+        else:
+            rate = (low * high) ** 0.5
+    return rate if low is None or high is None else (low * high) ** 0.5
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    setup = _setup(args, out_dir)
+    rate = args.rate or find_half_attainment_rate(setup, args)
+    print(f"sweep around {rate:.3f} req/s (fcfs attainment about {args.target_attainment:.0%})",
+          file=sys.stderr)
+    rates = [round(rate * f, 4) for f in (0.5, 1.0, 1.5)]
+    _write_outputs(_grid(setup, args, rates), out_dir)
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from bench.report import read_json
+
+    runs, _ = read_json(args.results)
+    out_dir = Path(args.output_dir or Path(args.results).parent)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_outputs(runs, out_dir)
+    return 0
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    from bench.workloads import WORKLOADS
+
+    p.add_argument("--model", default=None, help="local HF folder (default: SmolLM2-135M)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--ttft-model", default=None, metavar="FILE",
+                   help="TTFT line from `sloserve calibrate` (default: calibrate first)")
+    p.add_argument("--calibration-repeats", type=int, default=3)
+    p.add_argument("--workload", choices=list(WORKLOADS), default="mixed")
+    p.add_argument("--num-requests", type=int, default=40)
+    p.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma arrivals: >1 is burstier (coefficient of variation^2)")
+
+
+def _add_grid(p: argparse.ArgumentParser, default_policies: list[str]) -> None:
+    p.add_argument("--policies", nargs="+", default=default_policies,
+                   help="policy names or `all` (fcfs, priority, slo, slo+mf-{conservative,"
+                        "aggressive}-{pause,recompute})")
+    p.add_argument("--budgets", nargs="+", default=["512", "large"],
+                   help="max_num_batched_tokens values; `large` = larger than any prompt")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--runner", choices=["inprocess", "http"], default="inprocess")
+    p.add_argument("--url", default=None,
+                   help="http runner: a running server's base URL (default: start a fresh "
+                        "`sloserve serve` per policy and budget)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--output-dir", default="bench_results")
+
+
+def add_bench_parser(subparsers: Any) -> None:
+    bench = subparsers.add_parser("bench", help="TTFT-attainment benchmark suite",
+                                  description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+
+    trace = sub.add_parser("trace", help="write a seeded trace of a built-in workload")
+    _add_common(trace)
+    trace.add_argument("--rate", type=float, required=True, help="requests per second")
+    trace.add_argument("--seed", type=int, default=0)
+    trace.add_argument("--output", required=True)
+    trace.set_defaults(func=_cmd_trace)
+
+    run = sub.add_parser("run", help="replay traces against policies")
+    _add_common(run)
+    _add_grid(run, ["fcfs", "slo", "slo+mf-conservative-pause"])
+    run.add_argument("--trace", nargs="+", default=None,
+                     help="JSONL traces: from `sloserve bench trace`, or your own requests "
+                          "(prompt, output_tokens, ttft_slo_ms, arrival_s per line)")
+    run.add_argument("--rates", type=float, nargs="+", default=[0.5])
+    run.set_defaults(func=_cmd_run)
+
+    sweep = sub.add_parser("sweep", help="the default sweep around fcfs' 50%% rate")
+    _add_common(sweep)
+    _add_grid(sweep, DEFAULT_SWEEP_POLICIES)
+    sweep.add_argument("--rate", type=float, default=None,
+                       help="skip the search: the 1x rate")
+    sweep.add_argument("--target-attainment", type=float, default=0.5)
+    sweep.add_argument("--search-steps", type=int, default=5)
+    sweep.set_defaults(func=_cmd_sweep)
+
+    report = sub.add_parser("report", help="tables and plots from a results JSON")
+    report.add_argument("results")
+    report.add_argument("--output-dir", default=None)
+    report.set_defaults(func=_cmd_report)

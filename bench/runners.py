@@ -1,0 +1,222 @@
+"""Replaying a trace against the engine: in process (exact engine timestamps) or over HTTP
+against a running `sloserve serve` (TTFT measured at the client). Both return a `RunResult`.
+
+Arrivals follow the trace's offsets in real time. In process, a separate thread submits each
+request at its time, as the HTTP reader thread would, so the SLO monitor sees arrivals that land
+in the middle of a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import time
+from typing import Any
+
+from tqdm import tqdm
+
+from bench.policies import PolicySpec, tier_priorities
+from bench.results import RequestResult, RunResult
+from bench.traces import Trace, TraceRequest
+
+
+def _priorities(trace: Trace, policy: PolicySpec) -> dict[str, int]:
+    if not policy.uses_tier_priority:
+        return {}
+    slos: dict[str, list[float | None]] = {}
+    for r in trace.requests:
+        slos.setdefault(r.tier, []).append(r.ttft_slo_ms)
+    return tier_priorities(slos)
+
+
+def _meta(trace: Trace) -> tuple[str, float, int]:
+    meta = trace.meta
+    return str(meta.get("workload", "custom")), float(meta.get("rate", 0.0)), int(
+        meta.get("seed", 0))
+
+
+# ---- in process -----------------------------------------------------------------------------
+
+def run_inprocess(trace: Trace, policy: PolicySpec, model: str, budget: int,
+                  progress: bool = True, **engine_overrides: Any) -> RunResult:
+    from engine.config import build_engine_config
+    from engine.engine_core import EngineCore
+    from engine.request import Request
+    from engine.sampling_params import SamplingParams
+
+    config = build_engine_config(model, max_num_batched_tokens=budget,
+                                 **{**policy.engine_kwargs(), **engine_overrides})
+    engine = EngineCore(config)
+    priorities = _priorities(trace, policy)
+
+    def make(tr: TraceRequest, req_id: str) -> Request:
+        return Request(request_id=req_id, prompt_token_ids=list(tr.prompt_token_ids),
+                       sampling_params=SamplingParams(max_tokens=tr.output_tokens,
+                                                      temperature=0.0, ignore_eos=True),
+                       ttft_slo_ms=tr.ttft_slo_ms, priority=priorities.get(tr.tier, 0))
+
+    try:
+        # Warm-up outside the measurement: first-call allocations and kernel selection.
+        engine.add_request(make(trace.requests[0], "warmup"))
+        while engine.has_unfinished_requests():
+            engine.step()
+        submitted: list[tuple[TraceRequest, Request]] = []
+        start = time.monotonic()
+
+        def submit_on_schedule() -> None:
+            for tr in trace.requests:
+                delay = start + tr.arrival_s - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                request = make(tr, tr.request_id)
+                request.arrival_time = time.monotonic()
+                engine.submit_request(request)
+                submitted.append((tr, request))
+
+        submitter = threading.Thread(target=submit_on_schedule, name="bench-arrivals",
+                                     daemon=True)
+        submitter.start()
+        bar = tqdm(total=len(trace.requests), desc=f"{policy.name} @ {budget}",
+                   disable=not progress, leave=False)
+        done = 0
+        while submitter.is_alive() or engine.has_unfinished_requests():
+            if engine.has_unfinished_requests():
+                outputs = engine.step()
+                finished = sum(1 for o in outputs if o.finish_reason is not None)
+                if finished:
+                    done += finished
+                    bar.update(finished)
+            else:
+                time.sleep(0.0005)
+        bar.close()
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+
+    results = [_inprocess_result(tr, r, start) for tr, r in submitted]
+    end = max((r.finish_time or start) for _, r in submitted)
+    workload, rate, seed = _meta(trace)
+    return RunResult(
+        runner="inprocess", policy=policy.name, budget=budget, workload=workload, rate=rate,
+        seed=seed, duration_s=end - (start + trace.requests[0].arrival_s), requests=results,
+        engine={"num_preemptions_kv": stats.num_kv_preemptions,
+                "num_preemptions_slo": stats.num_slo_preemptions,
+                "wasted_tokens": stats.preempt_wasted_tokens,
+                "computed_tokens": stats.num_scheduled_tokens})
+
+
+def _inprocess_result(tr: TraceRequest, request: Any, start: float) -> RequestResult:
+    ttft = (request.first_token_time - request.arrival_time
+            if request.first_token_time is not None else None)
+    e2e = request.finish_time - request.arrival_time if request.finish_time is not None else None
+    n = request.num_output_tokens
+    tpot = (e2e - ttft) / (n - 1) if ttft is not None and e2e is not None and n > 1 else None
+    return RequestResult(request_id=tr.request_id, tier=tr.tier,
+                         arrival_s=request.arrival_time - start,
+                         prompt_tokens=len(tr.prompt_token_ids), output_tokens=n,
+                         ttft_slo_ms=tr.ttft_slo_ms, ttft_s=ttft, e2e_s=e2e, tpot_s=tpot,
+                         num_preemptions=request.num_preemptions,
+                         error=None if ttft is not None else "no token")
+
+
+# ---- over HTTP ------------------------------------------------------------------------------
+
+_COUNTERS = {
+    "num_preemptions_kv": ("sloserve:num_preemptions_total", 'reason="kv"'),
+    "num_preemptions_slo": ("sloserve:num_preemptions_total", 'reason="slo"'),
+    "wasted_tokens": ("sloserve:preempt_wasted_tokens_total", ""),
+    "computed_tokens": ("sloserve:scheduled_tokens_total", ""),
+}
+
+
+def parse_engine_counters(metrics_text: str) -> dict[str, int]:
+    """The engine-side counters a run reports, from the server's Prometheus text."""
+    found = {key: 0 for key in _COUNTERS}
+    for line in metrics_text.splitlines():
+        for key, (name, label) in _COUNTERS.items():
+            if re.match(rf"{re.escape(name)}[{{ ]", line) and label in line:
+                found[key] = int(float(line.rsplit(" ", 1)[1]))
+    return found
+
+
+async def _one_http(client: Any, tr: TraceRequest, start: float, priority: int,
+                    model_name: str | None) -> RequestResult:
+    delay = start + tr.arrival_s - time.monotonic()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    body: dict[str, Any] = {"prompt": tr.prompt_token_ids, "max_tokens": tr.output_tokens,
+                            "temperature": 0, "ignore_eos": True, "stream": True,
+                            "stream_options": {"include_usage": True}, "priority": priority}
+    if model_name:
+        body["model"] = model_name
+    if tr.ttft_slo_ms is not None:
+        body["ttft_slo_ms"] = tr.ttft_slo_ms
+    sent = time.monotonic()
+    first: float | None = None
+    output_tokens, preemptions, error = 0, 0, None
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+            else:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        error = str(chunk["error"])
+                    if chunk.get("choices") and first is None:
+                        first = time.monotonic()
+                    if chunk.get("metrics"):
+                        preemptions = int(chunk["metrics"].get("num_preemptions") or 0)
+                    if chunk.get("usage"):
+                        output_tokens = int(chunk["usage"]["completion_tokens"])
+    except Exception as exc:  # a broken connection is a failed request, not a failed run
+        error = f"{type(exc).__name__}: {exc}"
+    finished = time.monotonic()
+    ttft = first - sent if first is not None else None
+    e2e = finished - sent if error is None else None
+    tpot = ((e2e - ttft) / (output_tokens - 1)
+            if ttft is not None and e2e is not None and output_tokens > 1 else None)
+    return RequestResult(request_id=tr.request_id, tier=tr.tier, arrival_s=sent - start,
+                         prompt_tokens=len(tr.prompt_token_ids), output_tokens=output_tokens,
+                         ttft_slo_ms=tr.ttft_slo_ms, ttft_s=ttft, e2e_s=e2e, tpot_s=tpot,
+                         num_preemptions=preemptions, error=error)
+
+
+async def run_http_async(trace: Trace, url: str, policy: PolicySpec, budget: int,
+                         api_key: str | None = None, model_name: str | None = None,
+                         progress: bool = True) -> RunResult:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    priorities = _priorities(trace, policy)
+    limits = httpx.Limits(max_connections=len(trace.requests) + 4)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=None,
+                                 limits=limits) as client:
+        before = parse_engine_counters((await client.get("/metrics")).text)
+        start = time.monotonic()
+        bar = tqdm(total=len(trace.requests), desc=f"{policy.name} @ {budget} (http)",
+                   disable=not progress, leave=False)
+
+        async def tracked(tr: TraceRequest) -> RequestResult:
+            result = await _one_http(client, tr, start, priorities.get(tr.tier, 0), model_name)
+            bar.update()
+            return result
+
+        results = await asyncio.gather(*(tracked(tr) for tr in trace.requests))
+        bar.close()
+        end = time.monotonic()
+        after = parse_engine_counters((await client.get("/metrics")).text)
+    workload, rate, seed = _meta(trace)
+    return RunResult(runner="http", policy=policy.name, budget=budget, workload=workload,
+                     rate=rate, seed=seed, duration_s=end - (start + trace.requests[0].arrival_s),
+                     requests=list(results),
+                     engine={k: after[k] - before[k] for k in _COUNTERS})
+
+
+def run_http(trace: Trace, url: str, policy: PolicySpec, budget: int, **kwargs: Any
+             ) -> RunResult:
+    return asyncio.run(run_http_async(trace, url, policy, budget, **kwargs))

@@ -1,0 +1,74 @@
+"""A `sloserve serve` subprocess per benchmark cell, so that the HTTP runner measures each policy
+on a fresh server (no prefix-cache hits carried over from the previous run)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+
+from bench.policies import PolicySpec
+
+# Engine overrides that map onto `sloserve serve` flags.
+_FLAGS = {"dtype": "--dtype", "num_kv_blocks": "--num-kv-blocks",
+          "max_model_len": "--max-model-len", "ttft_model": "--ttft-model",
+          "preempt_min_tokens": "--preempt-min-tokens"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve(policy: PolicySpec, budget: int, model: str, startup_timeout_s: float = 300.0,
+          **engine_overrides: Any) -> Iterator[str]:
+    """Yields the base URL of a server running `policy` at `budget`; stops it afterwards."""
+    port = _free_port()
+    args = [sys.executable, "-m", "engine.cli", "serve", "--model", model, "--port", str(port),
+            "--max-num-batched-tokens", str(budget), "--log-level", "warning",
+            *policy.serve_args()]
+    for key, value in engine_overrides.items():
+        if key not in _FLAGS:
+            raise ValueError(f"engine setting {key!r} has no `sloserve serve` flag")
+        if value is not None:
+            args += [_FLAGS[key], str(value)]
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"sloserve serve exited with {proc.returncode}:\n"
+                                   f"{log.read().decode(errors='replace')[-3000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sloserve serve not healthy after {startup_timeout_s} s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
