@@ -171,6 +171,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if self.urgent_waiter_id is not None:
             budget -= self._admit_urgent_waiter(budget, scheduled, record)
+        if self.config.policy == "slo":
+            budget -= self._admit_outranking_waiters(budget, scheduled, record)
+            budget = self._cap_for_deadlines(budget, scheduled)
         budget = self._schedule_running(budget, scheduled, record)
         if not record.preempted:
             # Blocks just taken from a victim must not go straight to a newcomer.
@@ -267,6 +270,56 @@ class Scheduler:
             return 0
         self.waiting.remove(request)
         return num_new
+
+    def _admit_outranking_waiters(
+        self, budget: int, scheduled: dict[str, tuple[Request, int]], record: StepRecord
+    ) -> int:
+        """slo policy: waiters with a deadline that are more urgent than every running prefill
+        go before the running set, instead of getting what budget the running set leaves.
+        Returns the budget they took."""
+        now = time.monotonic()
+        predict = self.ttft_predictor.predict
+        running_prefills = [request_urgency(r, now, predict) for r in self.running
+                            if r.first_token_time is None and r.request_id not in self.held
+                            and r.request_id not in scheduled]
+        if not running_prefills:
+            return 0  # nothing to jump over: the usual order serves them just as well
+        top = max(running_prefills)
+        used = 0
+        while self.waiting and used < budget and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            if (request.request_id in self.held or request.deadline is None
+                    or request_urgency(request, now, predict) <= top):
+                break
+            num_new = self._admit(request, budget - used, scheduled, record)
+            if num_new is None:
+                break
+            self.waiting.pop()
+            used += num_new
+        return used
+
+    def _cap_for_deadlines(self, budget: int, scheduled: dict[str, tuple[Request, int]]) -> int:
+        """slo policy: a step lasts as long as all its tokens take, and every request in it
+        gets its first token only at its end. So the requests added after the urgent ones may
+        add only as many tokens as keep the predicted step time within the tightest deadline
+        that this step can still meet (a doomed deadline constrains nothing)."""
+        if not scheduled:
+            return budget
+        now = time.monotonic()
+        line = self.ttft_predictor.current
+        used = sum(n for _, n in scheduled.values())
+        allowed = budget
+        for request, num_new in scheduled.values():
+            deadline = request.deadline
+            if (deadline is None or request.first_token_time is not None
+                    or request.num_computed_tokens + num_new < request.num_tokens):
+                continue
+            time_left = deadline - now
+            if line.predict(used) > time_left:
+                continue  # doomed in this step already: nothing left to protect
+            tokens = int((time_left - line.intercept_s) / line.seconds_per_token)
+            allowed = min(allowed, max(0, tokens - used))
+        return allowed
 
     def _admit(
         self, request: Request, budget: int, scheduled: dict[str, tuple[Request, int]],

@@ -83,3 +83,25 @@ def test_slo_policy_outputs_equal_the_reference():
                                                sched.max_model_len) for r in requests}
     assert run_to_completion(sched, runner) == expected
     assert sched.kv_cache_manager.num_free_blocks == 30
+
+
+def test_urgent_waiter_jumps_the_running_prefill_and_caps_the_step():
+    """A long prefill is running in chunks; an urgent request arrives. The next step admits the
+    urgent request before the running prefill, and lets the running one add only as many tokens
+    as keep the predicted step time (1 ms per token) within the urgent deadline."""
+    sched = _slo_scheduler(num_blocks=1200, budget=1000, max_num_seqs=4, threshold=400,
+                           max_model_len=4096)
+    runner = FakeRunner(sched)
+    sched.add_request(_request("long", 2000, 60_000))
+    out = sched.schedule()
+    sched.update_from_output(out, runner.execute(out))
+    assert [(r.req_id, len(r.token_ids)) for r in out.requests] == [("long", 400)]
+    sched.add_request(_request("urgent", 100, 300))  # 300 ms: room for about 300 tokens
+    out = sched.schedule()
+    chunks = [(r.req_id, len(r.token_ids)) for r in out.requests]
+    assert chunks[0] == ("urgent", 100)
+    assert chunks[1][0] == "long" and 100 < chunks[1][1] + 100 <= 300
+    # Probe: without the deadline, the running prefill takes its full 400-token chunk.
+    sched.update_from_output(out, runner.execute(out))
+    out = sched.schedule()
+    assert {r.req_id: len(r.token_ids) for r in out.requests}["long"] == 400
