@@ -82,7 +82,8 @@ class SLOPreemptionControl:
         self.monitor.publish(MonitorSnapshot(
             step_id=output.step_id, preemptible=output.preemptible, waiting=waiting,
             running=tuple(running), predictor=scheduler.ttft_predictor.current,
-            drained_arrivals=drained_arrivals), wake=changed)
+            drained_arrivals=drained_arrivals, started_at=time.monotonic(),
+            num_tokens=output.num_scheduled_tokens), wake=changed)
 
     def on_preempted(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
         unwound_at = time.monotonic()

@@ -83,7 +83,8 @@ def should_preempt(waiter: Urgency, running: Urgency, margin: float) -> bool:
 def choose_preemption(waiting: Sequence[RequestView], running: Sequence[RequestView],
                       now: float, predict: Callable[[int], float],
                       policy: PreemptPolicy = "conservative",
-                      margin: float = 1.2) -> PreemptDecision | None:
+                      margin: float = 1.2,
+                      step_remaining_s: float | None = None) -> PreemptDecision | None:
     """Whether the best waiter should stop the running step, and whom to preempt.
 
     The gate compares the best waiter W with the MOST urgent eligible running request
@@ -91,6 +92,10 @@ def choose_preemption(waiting: Sequence[RequestView], running: Sequence[RequestV
     victim is always the least urgent eligible running request: the step is unwound for all of
     them anyway, and that is the one whose delay costs least. Rule 1: requests already preempted
     by the monitor are not eligible.
+
+    `step_remaining_s` (the running step's predicted time left) adds a necessity test: a waiter
+    whose slack covers the rest of the step loses nothing by waiting for it, and unwinding the
+    step would only throw work away.
     """
     if policy not in ("conservative", "aggressive"):
         raise ValueError(f"preempt policy must be conservative or aggressive, got {policy!r}")
@@ -102,6 +107,8 @@ def choose_preemption(waiting: Sequence[RequestView], running: Sequence[RequestV
         return None
     scored_waiting = [(urgency(w, now, predict), w) for w in candidates]
     best_urgency, best = max(scored_waiting, key=lambda item: item[0].priority)
+    if step_remaining_s is not None and best_urgency.slack >= step_remaining_s:
+        return None
     scored_running = sorted(((urgency(r, now, predict), r) for r in eligible),
                             key=lambda item: item[0].priority)
     reference = scored_running[-1] if policy == "conservative" else scored_running[0]

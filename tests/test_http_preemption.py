@@ -11,6 +11,7 @@ import httpx
 import pytest
 import torch
 
+from monitor.predictor import LinearTTFT
 from tests.server_helpers import ServerProcess
 from workers.model_runner import LAYER_DELAY_ENV
 
@@ -35,9 +36,14 @@ def _metric(text: str, name: str, **labels: str) -> float:
 def test_slo_header_preempts_a_long_prefill(tiny_model, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv(LAYER_DELAY_ENV, str(DELAY_US_PER_TOKEN))
     model = tiny_model("llama", num_hidden_layers=NUM_LAYERS, max_position_embeddings=1024)
+    # The slowed layers' TTFT line (2.4 ms per token), so that the monitor knows how much of
+    # the long step is left when the urgent request arrives.
+    ttft = tmp_path / "ttft.json"
+    LinearTTFT(seconds_per_token=NUM_LAYERS * DELAY_US_PER_TOKEN * 1e-6, intercept_s=0.02).save(
+        ttft)
     server = ServerProcess(model, tmp_path / "server.log", "--scheduling-policy", "slo",
                            "--preempt-min-tokens", "32", "--num-kv-blocks", "160",
-                           "--max-num-batched-tokens", "1024")
+                           "--max-num-batched-tokens", "1024", "--ttft-model", str(ttft))
     try:
         with httpx.Client(base_url=server.url, timeout=120) as http:
             results: dict[str, dict] = {}
@@ -51,7 +57,7 @@ def test_slo_header_preempts_a_long_prefill(tiny_model, tmp_path, monkeypatch) -
             long = threading.Thread(target=post, args=("long", _ids(LONG_PROMPT, 1), "60000"))
             long.start()
             time.sleep(0.3)  # a few layers into the long request's one-second step
-            post("urgent", _ids(20, 2), "2000")
+            post("urgent", _ids(20, 2), "500")
             long.join()
 
             urgent_metrics, long_metrics = results["urgent"]["metrics"], results["long"]["metrics"]

@@ -17,6 +17,7 @@ from engine.config import build_engine_config
 from engine.engine_core import EngineCore
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from monitor.predictor import LinearTTFT
 from workers.model_runner import LAYER_DELAY_ENV
 
 NUM_LAYERS = 8
@@ -26,9 +27,21 @@ LONG_PROMPT = 400
 MAX_TOKENS = 6
 
 
+# The engines' TTFT line, matching the slowed layers (1.2 ms per token), so that the monitor's
+# estimate of the running step's remaining time is right: it preempts only for a waiter whose
+# slack does not cover the rest of the step.
+URGENT_SLO_MS = 300
+_TTFT_FILE: dict[str, str] = {}
+
+
 @pytest.fixture
-def model(tiny_model, monkeypatch) -> str:
+def model(tiny_model, monkeypatch, tmp_path_factory) -> str:
     monkeypatch.setenv(LAYER_DELAY_ENV, str(DELAY_US_PER_TOKEN))
+    if "path" not in _TTFT_FILE:
+        path = tmp_path_factory.mktemp("ttft") / "ttft.json"
+        LinearTTFT(seconds_per_token=NUM_LAYERS * DELAY_US_PER_TOKEN * 1e-6,
+                   intercept_s=0.02).save(path)
+        _TTFT_FILE["path"] = str(path)
     return tiny_model("llama", num_hidden_layers=NUM_LAYERS, max_position_embeddings=1024)
 
 
@@ -40,7 +53,8 @@ def _prompt(n: int, seed: int, prefix: list[int] | None = None) -> list[int]:
 
 def _engine(model: str, **overrides) -> EngineCore:
     args = dict(dtype="float32", num_kv_blocks=160, block_size=16, max_num_batched_tokens=1024,
-                scheduling_policy="slo", preempt_min_tokens=32, enable_prefix_caching=True)
+                scheduling_policy="slo", preempt_min_tokens=32, enable_prefix_caching=True,
+                ttft_model=_TTFT_FILE.get("path"))
     args.update(overrides)
     return EngineCore(build_engine_config(model, **args))
 
@@ -115,7 +129,7 @@ def test_urgent_arrival_unwinds_long_prefill(model: str, mode: str) -> None:
         arrived: list[Request] = []
 
         def arrive() -> None:  # the urgent request's arrival time is now, mid-step
-            arrived.append(_request("urgent", prompts["urgent"], slo_ms=2_000))
+            arrived.append(_request("urgent", prompts["urgent"], slo_ms=URGENT_SLO_MS))
             engine.submit_request(arrived[0])
 
         _on_long_step(engine, layer=1, action=arrive)
@@ -145,30 +159,33 @@ def test_urgent_arrival_unwinds_long_prefill(model: str, mode: str) -> None:
 def test_pause_keeps_earlier_chunks(model: str) -> None:
     """Chunked long prefill (budget 256): preempted during its second chunk, a paused victim
     keeps the KV of the first chunk and resumes from it instead of recomputing."""
-    prompts = {"long": _prompt(LONG_PROMPT, seed=3), "urgent": _prompt(20, seed=4)}
+    prompts = {"long": _prompt(700, seed=3), "urgent": _prompt(20, seed=4)}
     expected = _reference_outputs(model, prompts)
     engine = _engine(model, slo_preempt_mode="pause", max_num_batched_tokens=256)
     try:
         long = _request("long", prompts["long"], slo_ms=60_000)
-        urgent = _request("urgent", prompts["urgent"], slo_ms=2_000)
         engine.add_request(long)
         engine.step()  # first chunk: 256 tokens, completes
         assert long.num_computed_tokens == 256
         computed_after_unwind: list[int] = []
+        arrived: list[Request] = []
 
-        def arrive() -> None:
-            engine.submit_request(urgent)
+        def arrive() -> None:  # the urgent request's arrival time is now, mid-step
+            # Tighter than usual: the 256-token chunk's step is shorter than the one-step prefill.
+            arrived.append(_request("urgent", prompts["urgent"], slo_ms=200))
+            engine.submit_request(arrived[0])
 
-        _on_long_step(engine, layer=1, action=arrive, min_tokens=LONG_PROMPT - 256)
+        _on_long_step(engine, layer=1, action=arrive, min_tokens=256)
         assert engine.step() == []  # the second chunk's step, unwound
         assert len(engine.preemption.events) == 1
         computed_after_unwind.append(long.num_computed_tokens)
+        (urgent,) = arrived
         engine.step()  # the urgent request's prefill; the victim is held back
         assert urgent.first_token_time is not None
         assert long.num_computed_tokens == 256  # probe: paused, not scheduled, not recomputed
         _run(engine)
         (event,) = engine.preemption.events
-        assert event.applied == "pause" and event.wasted_tokens == LONG_PROMPT - 256
+        assert event.applied == "pause" and event.wasted_tokens == 256
         assert computed_after_unwind == [256]
         assert {"long": long.output_token_ids, "urgent": urgent.output_token_ids} == expected
     finally:
@@ -228,7 +245,7 @@ def test_rule1_adversarial_urgent_stream_cannot_preempt_anyone_twice(model: str)
         def arrive_on_every_long_step(_module, args) -> None:
             if args[1].shape[0] >= 200 and pending:
                 req_id, prompt = pending.pop(0)
-                requests[req_id] = _request(req_id, prompt, slo_ms=2_000)
+                requests[req_id] = _request(req_id, prompt, slo_ms=URGENT_SLO_MS)
                 # From another thread, as the HTTP reader would hand it over.
                 threading.Thread(target=engine.submit_request, args=(requests[req_id],)).start()
 
@@ -238,11 +255,10 @@ def test_rule1_adversarial_urgent_stream_cannot_preempt_anyone_twice(model: str)
 
         events = engine.preemption.events
         num_arrivals = len(urgents) - len(pending)
-        # Probes: the stream really did preempt, more than once; and some arrivals found no
-        # victim left (the long ones were all preempted once already).
+        # Probes: the stream really did preempt, more than once; and some arrivals did not.
         assert len(events) >= 2
         assert num_arrivals > len(events)
-        assert all(requests[f"long{i}"].num_slo_preemptions == 1 for i in range(3))
+        assert len({e.victim_id for e in events}) == len(events)  # never the same victim twice
         assert all(r.num_slo_preemptions <= 1 for r in requests.values())
         assert sum(r.num_slo_preemptions for r in requests.values()) == sum(
             e.applied is not None for e in events)

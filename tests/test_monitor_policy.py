@@ -134,3 +134,16 @@ def test_online_refit_replaces_the_seed():
     assert online.current.seconds_per_token == pytest.approx(5e-4)
     assert online.predict(1000) == pytest.approx(0.51)
     assert not math.isnan(online.current.r2)
+
+
+def test_a_waiter_whose_slack_covers_the_rest_of_the_step_does_not_preempt():
+    """Necessity: preempting only pays when the waiter would miss by waiting for the step."""
+    now = 100.0
+    waiter = RequestView("w", deadline=now + 1.0, remaining_prefill_tokens=100)  # slack 0.9 s
+    running = [RequestView("r", deadline=now + 60.0, remaining_prefill_tokens=1000)]
+    predict = lambda n: n * 1e-3  # noqa: E731
+    assert choose_preemption([waiter], running, now, predict, step_remaining_s=0.5) is None
+    decision = choose_preemption([waiter], running, now, predict, step_remaining_s=1.5)
+    assert decision is not None and decision.victim_id == "r"
+    # Without the step's remaining time the gate is the priority comparison alone.
+    assert choose_preemption([waiter], running, now, predict) is not None

@@ -12,19 +12,24 @@ import pytest
 from engine.config import build_engine_config
 from engine.engine_core import EngineCore
 from engine.request import Request
+from monitor.predictor import LinearTTFT
 from tests.test_mid_forward_preemption import (DELAY_US_PER_TOKEN, LONG_PROMPT, NUM_LAYERS,
-                                               _prompt, _request, _run)
+                                               URGENT_SLO_MS, _prompt, _request, _run)
 from workers.model_runner import LAYER_DELAY_ENV
 
 
 @pytest.mark.timeout(300)
-def test_tp2_remote_rank_unwinds_with_rank0(tiny_model, monkeypatch) -> None:
+def test_tp2_remote_rank_unwinds_with_rank0(tiny_model, monkeypatch, tmp_path) -> None:
     # Spawned workers inherit the environment: both ranks' layers are slowed alike.
     monkeypatch.setenv(LAYER_DELAY_ENV, str(DELAY_US_PER_TOKEN))
     model = tiny_model("llama", num_hidden_layers=NUM_LAYERS, max_position_embeddings=1024)
     prompts = {"long": _prompt(LONG_PROMPT, seed=11), "urgent": _prompt(30, seed=12)}
+    ttft = tmp_path / "ttft.json"  # the slowed layers' line: see test_mid_forward_preemption
+    LinearTTFT(seconds_per_token=NUM_LAYERS * DELAY_US_PER_TOKEN * 1e-6, intercept_s=0.02).save(
+        ttft)
     args = dict(dtype="float32", num_kv_blocks=160, block_size=16, max_num_batched_tokens=1024,
-                scheduling_policy="slo", preempt_min_tokens=32, collective_timeout_s=60)
+                scheduling_policy="slo", preempt_min_tokens=32, collective_timeout_s=60,
+                ttft_model=str(ttft))
 
     reference = EngineCore(build_engine_config(model, mid_forward_preemption=False, **args))
     try:
@@ -48,7 +53,7 @@ def test_tp2_remote_rank_unwinds_with_rank0(tiny_model, monkeypatch) -> None:
             while engine.scheduler.step_id < 1:
                 time.sleep(0.005)
             time.sleep(0.15)
-            arrived.append(_request("urgent", prompts["urgent"], slo_ms=2_000))
+            arrived.append(_request("urgent", prompts["urgent"], slo_ms=URGENT_SLO_MS))
             engine.submit_request(arrived[0])
 
         threading.Thread(target=arrive_mid_step, daemon=True).start()
