@@ -1,0 +1,157 @@
+"""The slack-aware parts of the scheduler (DESIGN.md sections 4 and 5), kept apart from the
+token-budget mechanics in `engine/scheduler.py`.
+
+- `slo` policy: waiters more urgent than every running prefill are admitted first, and the rest
+  of their step is capped to the tightest deadline it can still meet.
+- Mid-forward preemption: applying the monitor's decision to its victim after a rollback,
+  holding victims back until they are the most urgent again, and admitting the waiter first.
+
+A mixin of `Scheduler`: it reads and changes the scheduler's state (declared below for readers
+and type checkers) and calls its `_admit`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING
+
+from engine.config import SLOPreemptMode, SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.request_queue import RequestQueue
+from engine.step_record import StepRecord
+from monitor.policy import request_urgency
+from monitor.predictor import OnlineTTFT
+
+
+class SlackAwareScheduling:
+    config: SchedulerConfig
+    kv_cache_manager: KVCacheManager
+    requests: dict[str, Request]
+    waiting: RequestQueue
+    running: list[Request]
+    ttft_predictor: OnlineTTFT
+    held: set[str]
+    urgent_waiter_id: str | None
+    num_slo_preemptions: int
+
+    if TYPE_CHECKING:
+        def _admit(self, request: Request, budget: int,
+                   scheduled: dict[str, tuple[Request, int]], record: StepRecord) -> int | None:
+            ...
+
+    def _admit_urgent_waiter(
+        self, budget: int, scheduled: dict[str, tuple[Request, int]], record: StepRecord
+    ) -> int:
+        """Admit the waiter a mid-forward preemption made room for, ahead of the running set.
+        Returns the budget it took (0 if it is gone or still does not fit)."""
+        request = self.requests.get(self.urgent_waiter_id or "")
+        self.urgent_waiter_id = None
+        if (request is None or request.status is RequestStatus.RUNNING
+                or len(self.running) >= self.config.max_num_seqs):
+            return 0
+        num_new = self._admit(request, budget, scheduled, record)
+        if num_new is None:
+            return 0
+        self.waiting.remove(request)
+        return num_new
+
+    def _admit_outranking_waiters(
+        self, budget: int, scheduled: dict[str, tuple[Request, int]], record: StepRecord
+    ) -> int:
+        """slo policy: waiters with a deadline that are more urgent than every running prefill
+        go before the running set, instead of getting what budget the running set leaves.
+        Returns the budget they took."""
+        now = time.monotonic()
+        predict = self.ttft_predictor.predict
+        running_prefills = [request_urgency(r, now, predict) for r in self.running
+                            if r.first_token_time is None and r.request_id not in self.held
+                            and r.request_id not in scheduled]
+        if not running_prefills:
+            return 0  # nothing to jump over: the usual order serves them just as well
+        top = max(running_prefills)
+        used = 0
+        while self.waiting and used < budget and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            if (request.request_id in self.held or request.deadline is None
+                    or request_urgency(request, now, predict) <= top):
+                break
+            num_new = self._admit(request, budget - used, scheduled, record)
+            if num_new is None:
+                break
+            self.waiting.pop()
+            used += num_new
+        return used
+
+    def _cap_for_deadlines(self, budget: int, scheduled: dict[str, tuple[Request, int]]) -> int:
+        """slo policy: a step lasts as long as all its tokens take, and every request in it
+        gets its first token only at its end. So the requests added after the urgent ones may
+        add only as many tokens as keep the predicted step time within the tightest deadline
+        that this step can still meet (a doomed deadline constrains nothing)."""
+        if not scheduled:
+            return budget
+        now = time.monotonic()
+        line = self.ttft_predictor.current
+        used = sum(n for _, n in scheduled.values())
+        allowed = budget
+        for request, num_new in scheduled.values():
+            deadline = request.deadline
+            if (deadline is None or request.first_token_time is not None
+                    or request.num_computed_tokens + num_new < request.num_tokens):
+                continue
+            time_left = deadline - now
+            if line.predict(used) > time_left:
+                continue  # doomed in this step already: nothing left to protect
+            tokens = int((time_left - line.intercept_s) / line.seconds_per_token)
+            allowed = min(allowed, max(0, tokens - used))
+        return allowed
+
+    # ---- mid-forward preemption (DESIGN.md section 4) --------------------------------------
+
+    def preempt_for_slo(self, victim_id: str, waiter_id: str,
+                        mode: SLOPreemptMode) -> SLOPreemptMode | None:
+        """Apply the monitor's preemption after the step was rolled back. Returns the mode
+        applied: "pause" may fall back to "recompute" under KV pressure; None when the victim is
+        gone (or was already preempted once: Rule 1), so the step just re-runs.
+
+        A victim admitted by the rolled-back step itself is back in the waiting queue with no
+        KV: both modes come to the same thing for it, holding it back."""
+        victim = self.requests.get(victim_id)
+        if victim is None or victim.num_slo_preemptions > 0:
+            return None
+        self.urgent_waiter_id = waiter_id
+        victim.num_preemptions += 1
+        victim.num_slo_preemptions += 1
+        self.num_slo_preemptions += 1
+        self.held.add(victim_id)
+        if victim.status is not RequestStatus.RUNNING:
+            return mode
+        if mode == "pause" and self._waiter_fits_beside(waiter_id):
+            return "pause"
+        self.running.remove(victim)
+        self.kv_cache_manager.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        self.waiting.prepend(victim)
+        return "recompute"
+
+    def _waiter_fits_beside(self, waiter_id: str) -> bool:
+        waiter = self.requests.get(waiter_id)
+        if waiter is None:
+            return True
+        bs = self.kv_cache_manager.block_size
+        return self.kv_cache_manager.num_free_blocks >= -(-waiter.num_tokens // bs)
+
+    def _release_held(self) -> None:
+        """A held victim runs again once no request with prefill left (waiting or running,
+        and not held itself) is more urgent than it."""
+        now = time.monotonic()
+        predict = self.ttft_predictor.predict
+        held = self.held
+        contenders = [r for r in (*self.waiting, *self.running)
+                      if r.request_id not in held and r.first_token_time is None]
+        best = max((request_urgency(r, now, predict) for r in contenders), default=-math.inf)
+        for req_id in list(held):
+            if request_urgency(self.requests[req_id], now, predict) >= best:
+                held.discard(req_id)
