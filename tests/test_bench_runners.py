@@ -81,3 +81,17 @@ def test_user_trace_file_runs(tiny_model, tmp_path):
     (run,) = json.loads((out / "results.json").read_text())["runs"]
     assert [r["output_tokens"] for r in run["requests"]] == [4, 3]
     assert [r["tier"] for r in run["requests"]] == ["user", "batch"]
+
+
+def test_sweep_searches_a_rate_and_runs_the_three_rates(tiny_model, tmp_path):
+    ttft = tmp_path / "ttft.json"
+    LinearTTFT(seconds_per_token=2e-5, intercept_s=0.01).save(ttft)
+    out = tmp_path / "out"
+    assert main(["bench", "sweep", "--model", tiny_model("llama"), "--dtype", "float32",
+                 "--max-model-len", "512", "--ttft-model", str(ttft), "--num-requests", "6",
+                 "--seeds", "0", "--budgets", "128", "--policies", "fcfs",
+                 "--search-steps", "2", "--output-dir", str(out)]) == 0
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    rates = sorted(r["rate"] for r in runs)
+    assert len(rates) == 3 and rates[1] == pytest.approx(2 * rates[0], rel=1e-3)
+    assert rates[2] == pytest.approx(3 * rates[0], rel=1e-3)
