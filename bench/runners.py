@@ -80,14 +80,10 @@ def run_inprocess(trace: Trace, policy: PolicySpec, model: str, budget: int,
         submitter.start()
         bar = tqdm(total=len(trace.requests), desc=f"{policy.name} @ {budget}",
                    disable=not progress, leave=False)
-        done = 0
         while submitter.is_alive() or engine.has_unfinished_requests():
             if engine.has_unfinished_requests():
                 outputs = engine.step()
-                finished = sum(1 for o in outputs if o.finish_reason is not None)
-                if finished:
-                    done += finished
-                    bar.update(finished)
+                bar.update(sum(1 for o in outputs if o.finish_reason is not None))
             else:
                 time.sleep(0.0005)
         bar.close()
@@ -112,7 +108,7 @@ def _inprocess_result(tr: TraceRequest, request: Any, start: float) -> RequestRe
             if request.first_token_time is not None else None)
     e2e = request.finish_time - request.arrival_time if request.finish_time is not None else None
     n = request.num_output_tokens
-    tpot = (e2e - ttft) / (n - 1) if ttft is not None and e2e is not None and n > 1 else None
+    tpot = RequestResult.tpot_from(ttft, e2e, n)
     return RequestResult(request_id=tr.request_id, tier=tr.tier,
                          arrival_s=request.arrival_time - start,
                          prompt_tokens=len(tr.prompt_token_ids), output_tokens=n,
@@ -178,8 +174,7 @@ async def _one_http(client: Any, tr: TraceRequest, start: float, priority: int,
     finished = time.monotonic()
     ttft = first - sent if first is not None else None
     e2e = finished - sent if error is None else None
-    tpot = ((e2e - ttft) / (output_tokens - 1)
-            if ttft is not None and e2e is not None and output_tokens > 1 else None)
+    tpot = RequestResult.tpot_from(ttft, e2e, output_tokens)
     return RequestResult(request_id=tr.request_id, tier=tr.tier, arrival_s=sent - start,
                          prompt_tokens=len(tr.prompt_token_ids), output_tokens=output_tokens,
                          ttft_slo_ms=tr.ttft_slo_ms, ttft_s=ttft, e2e_s=e2e, tpot_s=tpot,

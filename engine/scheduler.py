@@ -154,13 +154,14 @@ class Scheduler(SlackAwareScheduling):
         return request_urgency(request, time.monotonic(), self.ttft_predictor.predict)
 
     def schedule(self) -> SchedulerOutput:
+        running_urgency: dict[str, float] = {}
         if self.config.policy == "slo":
             # Urgency moves with the clock: rank once per step, running and waiting alike. The
             # least urgent running request ends up last, which makes it the KV-pressure victim.
             now = time.monotonic()
-            rank = {id(r): request_urgency(r, now, self.ttft_predictor.predict)
-                    for r in self.running}
-            self.running.sort(key=lambda r: -rank[id(r)])
+            running_urgency = {r.request_id: request_urgency(r, now, self.ttft_predictor.predict)
+                               for r in self.running}
+            self.running.sort(key=lambda r: -running_urgency[r.request_id])
             assert isinstance(self.waiting, UrgencyQueue)
             self.waiting.refresh()
         if self.held:
@@ -173,7 +174,7 @@ class Scheduler(SlackAwareScheduling):
         if self.urgent_waiter_id is not None:
             budget -= self._admit_urgent_waiter(budget, scheduled, record)
         if self.config.policy == "slo":
-            budget -= self._admit_outranking_waiters(budget, scheduled, record)
+            budget -= self._admit_outranking_waiters(budget, scheduled, record, running_urgency)
             budget = self._cap_for_deadlines(budget, scheduled)
         budget = self._schedule_running(budget, scheduled, record)
         if not record.preempted:

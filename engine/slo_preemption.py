@@ -59,7 +59,6 @@ class SLOPreemptionControl:
         # The most recent unwinds, for tests, benchmarks and debugging (bounded: a server runs
         # for weeks).
         self.events: deque[PreemptionEvent] = deque(maxlen=1024)
-        self._num_requests_seen = 0
         self.monitor.start()
 
     def note_arrival(self, seq: int, request: Request) -> None:
@@ -67,6 +66,14 @@ class SLOPreemptionControl:
 
     def after_schedule(self, output: SchedulerOutput, drained_arrivals: int) -> None:
         scheduler = self.scheduler
+        if not output.preemptible:
+            # The monitor never targets such a step: views of every request would be wasted
+            # work on the step loop.
+            self.monitor.publish(MonitorSnapshot(
+                step_id=output.step_id, preemptible=False, waiting=(), running=(),
+                predictor=scheduler.ttft_predictor.current,
+                drained_arrivals=drained_arrivals))
+            return
         held = scheduler.held
         waiting = tuple(view_of(r) for r in scheduler.waiting if r.request_id not in held)
         running: list[RequestView] = []
@@ -76,14 +83,11 @@ class SLOPreemptionControl:
                 deadline = request.deadline if request.first_token_time is None else None
                 running.append(RequestView(sr.req_id, deadline, request.num_tokens - sr.start_pos,
                                            slo_preempted=request.num_slo_preemptions > 0))
-        # A finish (or an admission) changes who competes: worth an immediate look.
-        num_requests = len(scheduler.requests)
-        changed, self._num_requests_seen = num_requests != self._num_requests_seen, num_requests
         self.monitor.publish(MonitorSnapshot(
             step_id=output.step_id, preemptible=output.preemptible, waiting=waiting,
             running=tuple(running), predictor=scheduler.ttft_predictor.current,
             drained_arrivals=drained_arrivals, started_at=time.monotonic(),
-            num_tokens=output.num_scheduled_tokens), wake=changed)
+            num_tokens=output.num_scheduled_tokens))
 
     def on_preempted(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
         unwound_at = time.monotonic()

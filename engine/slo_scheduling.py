@@ -58,14 +58,15 @@ class SlackAwareScheduling:
         return num_new
 
     def _admit_outranking_waiters(
-        self, budget: int, scheduled: dict[str, tuple[Request, int]], record: StepRecord
+        self, budget: int, scheduled: dict[str, tuple[Request, int]], record: StepRecord,
+        running_urgency: dict[str, float]
     ) -> int:
         """slo policy: waiters with a deadline that are more urgent than every running prefill
         go before the running set, instead of getting what budget the running set leaves.
-        Returns the budget they took."""
+        `running_urgency`: this step's ranking of the running set. Returns the budget taken."""
         now = time.monotonic()
         predict = self.ttft_predictor.predict
-        running_prefills = [request_urgency(r, now, predict) for r in self.running
+        running_prefills = [running_urgency[r.request_id] for r in self.running
                             if r.first_token_time is None and r.request_id not in self.held
                             and r.request_id not in scheduled]
         if not running_prefills:

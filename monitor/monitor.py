@@ -2,9 +2,10 @@
 
 EngineCore publishes an immutable `MonitorSnapshot` after every `schedule()` by swapping one
 reference; whoever receives requests tells the monitor about each arrival at once, since a new
-request only reaches the scheduler after the running step. The monitor wakes on arrivals, on
-finishes and otherwise every `interval_s`, and when the gate fires it writes the executing step's
-id into the shared-memory signal, which the workers read at the next attention-op boundary.
+request only reaches the scheduler after the running step. The monitor wakes on arrivals and on
+every preemptible step, polls every `interval_s` while that step runs, and when the gate fires
+writes the executing step's id into the shared-memory signal, which the workers read at the
+next attention-op boundary.
 
 It takes no lock the main thread waits on: reading the snapshot and the arrivals is a reference
 read, and the only thing it writes is the signal.
@@ -77,11 +78,12 @@ class SLOMonitor:
 
     # ---- called by other threads (never block) -------------------------------------------
 
-    def publish(self, snapshot: MonitorSnapshot, wake: bool = False) -> None:
-        """`wake`: something changed that deserves a look now (a finish, an admission). A
-        preemptible step always wakes the monitor, which then polls until it ends."""
+    def publish(self, snapshot: MonitorSnapshot) -> None:
+        """A preemptible step wakes the monitor, which then polls until it ends; a snapshot is
+        taken after every schedule(), so finishes and admissions are in it. Other steps are
+        never targeted: no need to look."""
         self._snapshot = snapshot
-        if wake or snapshot.preemptible:
+        if snapshot.preemptible:
             self._wake.set()
 
     def note_arrival(self, seq: int, view: RequestView) -> None:
