@@ -41,8 +41,10 @@ POLICIES: dict[str, PolicySpec] = {p.name: p for p in [
     PolicySpec("slo", "slo"),  # step-level slack-EDF, mid-forward preemption off
     _mid_forward("conservative", "pause"),
     _mid_forward("conservative", "recompute"),
+    _mid_forward("conservative", "suspend"),
     _mid_forward("aggressive", "pause"),
     _mid_forward("aggressive", "recompute"),
+    _mid_forward("aggressive", "suspend"),
 ]}
 
 DEFAULT_SWEEP_POLICIES = ["fcfs", "slo", "slo+mf-conservative-pause"]

@@ -48,8 +48,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="steps with fewer prefill tokens do not vote")
     p.add_argument("--monitor-interval-ms", type=float, default=2.0,
                    help="the monitor's poll interval (it also wakes on arrivals and finishes)")
-    p.add_argument("--slo-preempt-mode", choices=["recompute", "pause"], default="pause",
-                   help="pause keeps the victim's earlier chunks; recompute frees its KV")
+    p.add_argument("--slo-preempt-mode", choices=["recompute", "pause", "suspend"],
+                   default="pause",
+                   help="recompute frees the victim's KV; pause keeps its earlier chunks; "
+                        "suspend also keeps the stopped pass's work and resumes it at its layer")
     p.add_argument("--ttft-model", default=None, metavar="FILE",
                    help="TTFT line from `sloserve calibrate` (default: fitted online)")
 

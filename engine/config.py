@@ -9,7 +9,7 @@ from typing import Literal
 SchedulingPolicy = Literal["fcfs", "priority", "slo"]
 PreemptPolicy = Literal["conservative", "aggressive"]
 # What a mid-forward preemption does to its victim (DESIGN.md section 4).
-SLOPreemptMode = Literal["recompute", "pause"]
+SLOPreemptMode = Literal["recompute", "pause", "suspend"]
 # auto: in-process at TP=1, spawned worker processes above; external: ranks started by torchrun.
 DistributedExecutor = Literal["auto", "mp", "external"]
 
@@ -89,8 +89,9 @@ class PreemptionConfig:
             raise ValueError(f"preempt_min_tokens must be >= 0, got {self.min_tokens}")
         if self.monitor_interval_ms <= 0:
             raise ValueError(f"monitor_interval_ms must be > 0, got {self.monitor_interval_ms}")
-        if self.mode not in ("recompute", "pause"):
-            raise ValueError(f"slo preempt mode must be 'recompute' or 'pause', got {self.mode!r}")
+        if self.mode not in ("recompute", "pause", "suspend"):
+            raise ValueError(f"slo preempt mode must be 'recompute', 'pause' or 'suspend', got "
+                             f"{self.mode!r}")
         if self.signal_ranks is not None and self.signal_ranks < 1:
             raise ValueError(f"signal_ranks must be >= 1, got {self.signal_ranks}")
 

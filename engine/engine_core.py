@@ -169,8 +169,10 @@ class EngineCore:
 
     def _observe_prefill_time(self, scheduler_output: SchedulerOutput,
                               runner_output: ModelRunnerOutput) -> None:
-        """Feed the online TTFT line from steps that prefilled something."""
-        if any(len(r.token_ids) > 1 for r in scheduler_output.requests):
+        """Feed the online TTFT line from steps that prefilled something (not resuming a
+        suspended pass: those skip the layers already done and would bias the line low)."""
+        requests = scheduler_output.requests
+        if any(len(r.token_ids) > 1 for r in requests) and not any(r.resume for r in requests):
             self.scheduler.ttft_predictor.observe(scheduler_output.num_scheduled_tokens,
                                                   runner_output.execute_seconds)
 

@@ -20,7 +20,8 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.outputs import SchedulerStats
 from engine.request_queue import RequestQueue, UrgencyQueue, create_request_queue
-from engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepStatus
+from engine.scheduler_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
+                                    StepStatus)
 from engine.slo_scheduling import SlackAwareScheduling
 from engine.step_record import Admission, StepRecord
 from monitor.policy import request_urgency
@@ -74,6 +75,12 @@ class Scheduler(SlackAwareScheduling):
         self.held: set[str] = set()
         # The waiter a mid-forward preemption made room for: admitted first by the next step.
         self.urgent_waiter_id: str | None = None
+        self.slo_preempt_mode = preemption.mode if preemption is not None else "pause"
+        # Suspended passes (suspend mode): request id -> (start_pos, tokens) of the chunk whose
+        # activations the workers hold; it resumes whole or not at all.
+        self.suspended: dict[str, tuple[int, int]] = {}
+        # Suspended chunks the workers can free; sent with the next step.
+        self.unneeded_suspensions: list[str] = []
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -116,6 +123,8 @@ class Scheduler(SlackAwareScheduling):
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.held.discard(request.request_id)
+        if request.request_id in self.suspended:
+            self.drop_suspensions([request.request_id])
         request.status = status
         request.finish_time = time.monotonic()
         self.kv_cache_manager.free(request)
@@ -140,6 +149,8 @@ class Scheduler(SlackAwareScheduling):
         return self.running[-1]
 
     def _preempt(self, request: Request, record: StepRecord) -> None:
+        if request.request_id in self.suspended:
+            self.drop_suspensions([request.request_id])
         self.running.remove(request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -181,11 +192,15 @@ class Scheduler(SlackAwareScheduling):
             # Blocks just taken from a victim must not go straight to a newcomer.
             self._admit_waiting(budget, scheduled, record)
 
-        output = SchedulerOutput(step_id=self.step_id, requests=[])
+        output = SchedulerOutput(step_id=self.step_id, requests=[],
+                                 free_suspended=self.unneeded_suspensions)
+        self.unneeded_suspensions = []
         num_prefill_tokens = 0
         for request, num_new in scheduled.values():
             start = request.num_computed_tokens
             end = start + num_new
+            resume = request.request_id in self.suspended
+            assert not resume or self.suspended[request.request_id] == (start, num_new)
             output.requests.append(
                 ScheduledRequest(
                     req_id=request.request_id,
@@ -195,6 +210,7 @@ class Scheduler(SlackAwareScheduling):
                     sample=end == request.num_tokens,
                     sampling_params=request.sampling_params,
                     num_output_tokens=request.num_output_tokens,
+                    resume=resume,
                 )
             )
             if num_new > 1:
@@ -205,6 +221,7 @@ class Scheduler(SlackAwareScheduling):
         # Decode-only and small steps end sooner than a preemption would pay off: no vote.
         output.preemptible = (self.preempt_min_tokens is not None and num_prefill_tokens > 0
                               and num_prefill_tokens >= self.preempt_min_tokens)
+        output.suspend_on_unwind = output.preemptible and self.slo_preempt_mode == "suspend"
         self.prev_scheduled_req_ids = frozenset(scheduled)
         self.last_step_record = record
         return output
@@ -217,6 +234,8 @@ class Scheduler(SlackAwareScheduling):
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._chunk(request.num_tokens_owed, budget)
+            if (suspended := self.suspended.get(request.request_id)) is not None:
+                num_new = suspended[1] if suspended[1] <= budget else 0
             if num_new == 0 or request.request_id in self.held or request.request_id in scheduled:
                 # Its sampled token has not arrived yet; nothing to compute until it does.
                 i += 1
@@ -294,9 +313,9 @@ class Scheduler(SlackAwareScheduling):
         )
         if block_ids is None:
             return None
-        record.admitted.append(Admission(request, request.status, request.num_cached_tokens))
-        record.prefix_cache_queries += kv.prefix_cache_queries - queries
-        record.prefix_cache_hits += kv.prefix_cache_hits - hits
+        record.admitted.append(Admission(request, request.status, request.num_cached_tokens,
+                                         prefix_cache_queries=kv.prefix_cache_queries - queries,
+                                         prefix_cache_hits=kv.prefix_cache_hits - hits))
         record.prev_num_computed_tokens[request.request_id] = prev_num_computed
         record.new_block_ids[request.request_id] = block_ids[num_blocks_before:]
         if request.num_cached_tokens < 0:
@@ -309,34 +328,40 @@ class Scheduler(SlackAwareScheduling):
         scheduled[request.request_id] = (request, num_new)
         return num_new
 
-    def rollback(self, record: StepRecord) -> None:
+    def rollback(self, record: StepRecord, keep: ScheduledRequest | None = None) -> None:
         """Undo the last ``schedule()`` after its forward pass was abandoned (see StepRecord).
 
         Afterwards the scheduler is as it was before that call, except that step ids stay spent
         and requests preempted for KV space in that step stay preempted (their blocks may already
-        be reused).
+        be reused). ``keep``: a chunk of that step whose pass is being suspended; its request
+        keeps its admission and blocks and only its chunk goes back to not computed.
         """
         if record is not self.last_step_record:
             raise ValueError(f"only the last step can be rolled back (step {record.step_id} "
                              f"given, last is {self.step_id})")
         kv = self.kv_cache_manager
+        kept_id = keep.req_id if keep is not None else None
+        undone = [a for a in record.admitted if a.request.request_id != kept_id]
         admitted = {a.request.request_id for a in record.admitted}
         for req_id, block_ids in record.new_block_ids.items():
             request = self.requests.get(req_id)
-            if request is not None and req_id not in admitted:
+            if request is not None and req_id not in admitted and req_id != kept_id:
                 kv.release_tail(request, block_ids)
         for req_id, num_computed in record.prev_num_computed_tokens.items():
             if (request := self.requests.get(req_id)) is not None:
                 request.num_computed_tokens = num_computed
-        for admission in reversed(record.admitted):
+        if keep is not None:
+            # After its prefix-cache hits, where its chunk starts.
+            self.requests[keep.req_id].num_computed_tokens = keep.start_pos
+        for admission in reversed(undone):
             request = admission.request
             self.running.remove(request)
             kv.free(request)
             request.status = admission.prev_status
             request.num_cached_tokens = admission.prev_num_cached_tokens
             self.waiting.prepend(request)
-        kv.prefix_cache_queries -= record.prefix_cache_queries
-        kv.prefix_cache_hits -= record.prefix_cache_hits
+            kv.prefix_cache_queries -= admission.prefix_cache_queries
+            kv.prefix_cache_hits -= admission.prefix_cache_hits
         self.prev_scheduled_req_ids = record.prev_scheduled_req_ids
         self.last_step_record = None
 
@@ -371,6 +396,8 @@ class Scheduler(SlackAwareScheduling):
         outputs: list[Request] = []
         for sr in live:
             request = self.requests[sr.req_id]
+            if sr.resume:
+                del self.suspended[sr.req_id]  # the workers dropped it with the step's success
             self.kv_cache_manager.commit_computed_blocks(request, sr.start_pos + len(sr.token_ids))
             if not sr.sample:
                 continue
@@ -453,10 +480,12 @@ class Scheduler(SlackAwareScheduling):
         assert len(self.running) <= self.config.max_num_seqs
         assert set(kv.req_blocks) <= set(running_ids), "a request that is not running holds KV"
         assert self.held <= set(self.requests), "a finished request is still held back"
+        assert set(self.suspended) <= set(running_ids), "a suspended chunk lost its request"
         bs = kv.block_size
         for r in self.running:
             assert r.status is RequestStatus.RUNNING, f"{r.request_id} in running is {r.status.name}"
-            assert 0 < r.num_computed_tokens <= r.num_tokens
+            # A suspended first chunk has its blocks and layers but no computed tokens yet.
+            assert 0 < r.num_computed_tokens <= r.num_tokens or r.request_id in self.suspended
             assert len(kv.req_blocks[r.request_id]) * bs >= r.num_computed_tokens
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r.status.name

@@ -26,13 +26,21 @@ class ScheduledRequest(msgspec.Struct, kw_only=True):
     sampling_params: SamplingParams
     # Index of the token to be sampled within the output (seeds per-token random draws).
     num_output_tokens: int = 0
+    # This chunk's pass was suspended (mid-forward preemption, mode suspend): the workers hold
+    # its activations at the layer it stopped at, and the layers below that are not run again.
+    resume: bool = False
 
 
 class SchedulerOutput(msgspec.Struct, kw_only=True):
     step_id: int
     requests: list[ScheduledRequest]
-    # Set by a later issue: whether workers vote on stopping this step between layers.
+    # Whether workers vote on stopping this step between layers.
     preemptible: bool = False
+    # If the step is unwound, workers keep the activations of its prefill chunks at the layer
+    # it stopped at (suspend mode); the engine keeps the victim's and frees the others.
+    suspend_on_unwind: bool = False
+    # Suspended chunks that will never resume (dropped, preempted for KV, finished): free them.
+    free_suspended: list[str] = []
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -60,6 +68,9 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     preempted_layer: int | None = None
     # PREEMPTED: the layer each TP rank stopped at (rank order); they must all agree.
     unwound_layers: list[int] = []
+    # PREEMPTED with suspend_on_unwind: the prefill chunks whose activations the workers now
+    # hold (none if the pass stopped before the first layer finished).
+    suspended_req_ids: list[str] = []
     # Wall time of the forward pass + sampling, for the TTFT predictor.
     execute_seconds: float = 0.0
     # TP: time rank 0 spent handing the step to the other ranks.

@@ -30,7 +30,8 @@ class PreemptionEvent:
     unwound_layers: list[int]
     victim_id: str
     waiter_id: str
-    # "pause" / "recompute", or None when the victim was gone and the step just re-runs.
+    # "pause" / "recompute" / "suspend", or None when the victim was gone and the step just
+    # re-runs.
     applied: SLOPreemptMode | None
     # Monitor decision -> EngineCore holding the unwound step.
     latency_s: float
@@ -92,15 +93,30 @@ class SLOPreemptionControl:
     def on_preempted(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
         unwound_at = time.monotonic()
         target, victim_id, waiter_id, decided_at = self.signal.decision()
-        record = self.scheduler.last_step_record
+        scheduler = self.scheduler
+        record = scheduler.last_step_record
         assert record is not None and record.step_id == output.step_id
-        self.scheduler.rollback(record)
+        ours = target == output.step_id
+        # Suspend mode: the victim's chunk keeps its blocks through the rollback and resumes at
+        # the stopped layer from the activations the workers kept.
+        kept = next((sr for sr in output.requests if sr.req_id == victim_id), None) if (
+            ours and victim_id in runner_output.suspended_req_ids
+            and scheduler.can_suspend(victim_id)) else None
+        scheduler.rollback(record, keep=kept)
         applied: SLOPreemptMode | None = None
-        if target == output.step_id:
-            applied = self.scheduler.preempt_for_slo(victim_id, waiter_id, self.config.mode)
+        if ours:
+            chunk = (kept.start_pos, len(kept.token_ids)) if kept is not None else None
+            applied = scheduler.preempt_for_slo(victim_id, waiter_id, self.config.mode, chunk)
+        scheduler.drop_suspensions([i for i in runner_output.suspended_req_ids
+                                    if i not in scheduler.suspended])
         latency = max(0.0, unwound_at - decided_at)
         layer = runner_output.preempted_layer or 0
         wasted = output.num_scheduled_tokens
+        if applied == "suspend" and kept is not None:
+            # Its layers below `layer` are kept, and it is scheduled (and counted) again when
+            # it resumes: count its tokens once.
+            wasted -= len(kept.token_ids)
+            scheduler.num_scheduled_tokens_total -= len(kept.token_ids)
         self.stats.wasted_tokens += wasted
         self.stats.wasted_layers += layer
         self.stats.unreported_latencies_s.append(latency)

@@ -35,6 +35,8 @@ class SlackAwareScheduling:
     held: set[str]
     urgent_waiter_id: str | None
     num_slo_preemptions: int
+    suspended: dict[str, tuple[int, int]]
+    unneeded_suspensions: list[str]
 
     if TYPE_CHECKING:
         def _admit(self, request: Request, budget: int,
@@ -110,14 +112,22 @@ class SlackAwareScheduling:
 
     # ---- mid-forward preemption (DESIGN.md section 4) --------------------------------------
 
-    def preempt_for_slo(self, victim_id: str, waiter_id: str,
-                        mode: SLOPreemptMode) -> SLOPreemptMode | None:
-        """Apply the monitor's preemption after the step was rolled back. Returns the mode
-        applied: "pause" may fall back to "recompute" under KV pressure; None when the victim is
-        gone (or was already preempted once: Rule 1), so the step just re-runs.
+    def can_suspend(self, victim_id: str) -> bool:
+        """Whether the monitor's victim may keep its stopped pass (call before the rollback,
+        which then keeps its chunk): the preemption will apply to it (Rule 1)."""
+        victim = self.requests.get(victim_id)
+        return victim is not None and victim.num_slo_preemptions == 0
 
-        A victim admitted by the rolled-back step itself is back in the waiting queue with no
-        KV: both modes come to the same thing for it, holding it back."""
+    def preempt_for_slo(self, victim_id: str, waiter_id: str, mode: SLOPreemptMode,
+                        suspended_chunk: tuple[int, int] | None = None) -> SLOPreemptMode | None:
+        """Apply the monitor's preemption after the step was rolled back. Returns the mode
+        applied: "pause" and "suspend" fall back to "recompute" under KV pressure, and
+        "suspend" to "pause" when there is no `suspended_chunk` (start, tokens) the rollback
+        kept; None when the victim is gone (or was already preempted once: Rule 1), so the step
+        just re-runs.
+
+        A victim admitted by the rolled-back step itself and not kept is back in the waiting
+        queue with no KV: every mode comes to the same thing for it, holding it back."""
         victim = self.requests.get(victim_id)
         if victim is None or victim.num_slo_preemptions > 0:
             return None
@@ -128,7 +138,10 @@ class SlackAwareScheduling:
         self.held.add(victim_id)
         if victim.status is not RequestStatus.RUNNING:
             return mode
-        if mode == "pause" and self._waiter_fits_beside(waiter_id):
+        if mode != "recompute" and self._waiter_fits_beside(waiter_id):
+            if mode == "suspend" and suspended_chunk is not None:
+                self.suspended[victim_id] = suspended_chunk
+                return "suspend"
             return "pause"
         self.running.remove(victim)
         self.kv_cache_manager.free(victim)
@@ -136,6 +149,12 @@ class SlackAwareScheduling:
         victim.num_computed_tokens = 0
         self.waiting.prepend(victim)
         return "recompute"
+
+    def drop_suspensions(self, req_ids: list[str]) -> None:
+        """These suspended chunks will not resume: the workers free them with the next step."""
+        for req_id in req_ids:
+            self.suspended.pop(req_id, None)
+        self.unneeded_suspensions.extend(req_ids)
 
     def _waiter_fits_beside(self, waiter_id: str) -> bool:
         waiter = self.requests.get(waiter_id)

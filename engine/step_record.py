@@ -13,6 +13,9 @@ class Admission:
     # WAITING or PREEMPTED: what the request goes back to if its admission is undone.
     prev_status: RequestStatus
     prev_num_cached_tokens: int
+    # What its prefix-cache lookup added to the KV manager's counters.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 @dataclass
@@ -32,7 +35,8 @@ class StepRecord:
     - ``preempted``: stay preempted. Their blocks went back to the pool and the abandoned pass may
       already have written into them, so the only safe state is recompute, which they are in.
     - ``prev_scheduled_req_ids``: becomes the scheduler's previous-step set again.
-    - ``prefix_cache_queries`` / ``prefix_cache_hits``: subtracted from the KV manager's counters.
+    - each admission's ``prefix_cache_queries`` / ``prefix_cache_hits``: subtracted from the KV
+      manager's counters.
     - ``step_id`` is never reused: step ids only grow, so a stale preempt signal cannot hit a
       later step. Prefix hashes that ``allocate`` evicted stay evicted (their blocks may have been
       overwritten).
@@ -46,5 +50,3 @@ class StepRecord:
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     admitted: list[Admission] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0

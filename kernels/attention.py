@@ -41,6 +41,23 @@ class AttentionMetadata:
     # other layers. Owned by the implementation; never set it.
     derived: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
+    def without_last_prefills(self, count: int) -> AttentionMetadata:
+        """The metadata of this batch minus its last ``count`` prefill chunks: the layers below
+        a resumed chunk's layer run without it (see ``workers.models.LayerJoin``)."""
+        if count == 0:
+            return self
+        if not 0 < count <= len(self.prefill_query_lens):
+            raise ValueError(f"cannot drop {count} of {len(self.prefill_query_lens)} prefills")
+        kept = len(self.prefill_query_lens) - count
+        num_tokens = self.num_decodes + sum(self.prefill_query_lens[:kept])
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:num_tokens], num_decodes=self.num_decodes,
+            decode_block_tables=self.decode_block_tables,
+            decode_context_lens=self.decode_context_lens,
+            prefill_query_lens=self.prefill_query_lens[:kept],
+            prefill_context_lens=self.prefill_context_lens[:kept],
+            prefill_block_tables=self.prefill_block_tables[:kept])
+
 
 def _implementation(device: torch.device) -> ModuleType:
     # CUDA will get Triton kernels here; until then the reference runs everywhere (slowly on GPU).

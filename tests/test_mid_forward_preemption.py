@@ -114,7 +114,22 @@ def _reference_outputs(model: str, prompts: dict[str, list[int]]) -> dict[str, l
         engine.shutdown()
 
 
-@pytest.mark.parametrize("mode", ["recompute", "pause"])
+def _count_tokens_per_layer(engine: EngineCore) -> list[int]:
+    """Tokens that entered each decoder layer, summed over the run."""
+    layers = engine.executor.runner.model.model.layers
+    counts = [0] * len(layers)
+
+    def counter(index: int):
+        def hook(_module, args) -> None:
+            counts[index] += args[1].shape[0]
+        return hook
+
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(counter(i))
+    return counts
+
+
+@pytest.mark.parametrize("mode", ["recompute", "pause", "suspend"])
 def test_urgent_arrival_unwinds_long_prefill(model: str, mode: str) -> None:
     long_prompt = _prompt(LONG_PROMPT, seed=1)
     # The urgent prompt shares the long one's first 32 tokens: the unwound step must not have
@@ -133,6 +148,7 @@ def test_urgent_arrival_unwinds_long_prefill(model: str, mode: str) -> None:
             engine.submit_request(arrived[0])
 
         _on_long_step(engine, layer=1, action=arrive)
+        tokens_per_layer = _count_tokens_per_layer(engine)
         steps = _run(engine)
         (urgent,) = arrived
 
@@ -140,7 +156,16 @@ def test_urgent_arrival_unwinds_long_prefill(model: str, mode: str) -> None:
         (event,) = engine.preemption.events  # probe: the step really was unwound, once
         assert 0 < event.layer < NUM_LAYERS
         assert (event.victim_id, event.waiter_id, event.applied) == ("long", "urgent", mode)
-        assert event.wasted_tokens == LONG_PROMPT
+        if mode == "suspend":
+            # The long prompt went through every layer exactly once: the resumed pass began
+            # at the layer the unwound one stopped at.
+            assert event.wasted_tokens == 0
+            assert tokens_per_layer[0] == tokens_per_layer[-1]
+            assert len(engine.executor.runner.suspended) == 0
+        else:
+            # Paired probe: the unwound pass's layers below the stop were run twice.
+            assert event.wasted_tokens == LONG_PROMPT
+            assert tokens_per_layer[0] == tokens_per_layer[-1] + LONG_PROMPT
         assert long.num_preemptions == 1 and long.num_slo_preemptions == 1
         assert urgent.num_preemptions == 0
         # The urgent request's first token came sooner after its arrival than the long step
@@ -156,12 +181,14 @@ def test_urgent_arrival_unwinds_long_prefill(model: str, mode: str) -> None:
         engine.shutdown()
 
 
-def test_pause_keeps_earlier_chunks(model: str) -> None:
+@pytest.mark.parametrize("mode", ["pause", "suspend"])
+def test_pause_keeps_earlier_chunks(model: str, mode: str) -> None:
     """Chunked long prefill (budget 256): preempted during its second chunk, a paused victim
-    keeps the KV of the first chunk and resumes from it instead of recomputing."""
+    keeps the KV of the first chunk and resumes from it instead of recomputing; a suspended
+    one also keeps the second chunk's stopped pass and resumes it over the cached prefix."""
     prompts = {"long": _prompt(700, seed=3), "urgent": _prompt(20, seed=4)}
     expected = _reference_outputs(model, prompts)
-    engine = _engine(model, slo_preempt_mode="pause", max_num_batched_tokens=256)
+    engine = _engine(model, slo_preempt_mode=mode, max_num_batched_tokens=256)
     try:
         long = _request("long", prompts["long"], slo_ms=60_000)
         engine.add_request(long)
@@ -183,11 +210,33 @@ def test_pause_keeps_earlier_chunks(model: str) -> None:
         engine.step()  # the urgent request's prefill; the victim is held back
         assert urgent.first_token_time is not None
         assert long.num_computed_tokens == 256  # probe: paused, not scheduled, not recomputed
+        held_suspended = len(engine.executor.runner.suspended)
         _run(engine)
         (event,) = engine.preemption.events
-        assert event.applied == "pause" and event.wasted_tokens == 256
+        assert event.applied == mode
+        assert event.wasted_tokens == (0 if mode == "suspend" else 256)
+        assert held_suspended == (1 if mode == "suspend" else 0)
         assert computed_after_unwind == [256]
         assert {"long": long.output_token_ids, "urgent": urgent.output_token_ids} == expected
+    finally:
+        engine.shutdown()
+
+
+def test_aborting_a_suspended_victim_frees_its_activations(model: str) -> None:
+    prompts = {"long": _prompt(LONG_PROMPT, seed=5), "urgent": _prompt(20, seed=6)}
+    engine = _engine(model, slo_preempt_mode="suspend")
+    try:
+        engine.add_request(_request("long", prompts["long"], slo_ms=60_000))
+        _on_long_step(engine, layer=1, action=lambda: engine.submit_request(
+            _request("urgent", prompts["urgent"], slo_ms=URGENT_SLO_MS)))
+        assert engine.step() == []  # unwound
+        runner = engine.executor.runner
+        assert engine.scheduler.suspended == {"long": (0, LONG_PROMPT)}  # probe: suspended
+        assert len(runner.suspended) == 1
+        engine.abort_requests(["long"])
+        _run(engine)
+        assert len(runner.suspended) == 0 and engine.scheduler.suspended == {}
+        assert engine.scheduler.kv_cache_manager.num_free_blocks == 160
     finally:
         engine.shutdown()
 

@@ -40,7 +40,9 @@ def test_tp2_remote_rank_unwinds_with_rank0(tiny_model, monkeypatch, tmp_path) -
     finally:
         reference.shutdown()
 
-    config = build_engine_config(model, tensor_parallel_size=2, **args)
+    # Suspend mode: each rank keeps its own copy of the stopped pass and both resume it.
+    config = build_engine_config(model, tensor_parallel_size=2, slo_preempt_mode="suspend",
+                                 **args)
     config.preemption.signal_ranks = 1  # rank 1 gets no view of the shared memory
     engine = EngineCore(config)
     try:
@@ -65,6 +67,7 @@ def test_tp2_remote_rank_unwinds_with_rank0(tiny_model, monkeypatch, tmp_path) -
         assert 0 < event.layer < NUM_LAYERS
         assert event.unwound_layers == [event.layer, event.layer]  # both ranks, same layer
         assert long.num_preemptions == 1
+        assert event.applied == "suspend" and event.wasted_tokens == 0
         assert urgent.first_token_time < long.first_token_time
         assert long.output_token_ids == ref["long"].output_token_ids
         assert urgent.output_token_ids == ref["urgent"].output_token_ids

@@ -19,7 +19,9 @@ from engine.scheduler_output import (ModelRunnerOutput, ScheduledRequest, Schedu
 from kernels import AttentionMetadata
 from workers.kv_cache import allocate_kv_caches
 from workers.models import build_model
+from workers.models import LayerJoin
 from workers.preempt_vote import PreemptVote, StepPreempted
+from workers.suspension import SuspendedChunks
 from workers.sampler import Sampler
 from workers.weight_loader import load_weights
 
@@ -47,6 +49,10 @@ class ModelInputs:
     # Rows of the hidden states to sample from, and the requests they belong to.
     logits_indices: torch.Tensor
     sampled: list[ScheduledRequest]
+    # Chunks resuming a suspended pass (the batch's last prefills, in order of their layer).
+    joins: list[LayerJoin]
+    # Every prefill chunk with its first row in the batch (for suspending the pass).
+    prefill_rows: list[tuple[ScheduledRequest, int]]
 
 
 class ModelRunner:
@@ -66,6 +72,7 @@ class ModelRunner:
                                             self.model.num_kv_heads, self.model.head_dim,
                                             dtype, device)
         self.sampler = Sampler(seed)
+        self.suspended = SuspendedChunks()
         # Set by the worker when mid-forward preemption is on; consulted only on steps the
         # scheduler marked preemptible (decode-only steps never vote).
         self.vote: PreemptVote | None = None
@@ -76,6 +83,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         started = time.perf_counter()
+        self.suspended.free(scheduler_output.free_suspended)
         inputs = self.prepare_inputs(scheduler_output.requests)
         vote = self.vote if scheduler_output.preemptible else None
         if vote is not None:
@@ -83,14 +91,18 @@ class ModelRunner:
             self.model.before_attention = vote
         try:
             hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn_meta,
-                                        self.kv_caches)
+                                        self.kv_caches, inputs.joins)
         except StepPreempted as stop:
+            suspended: list[str] = []
+            if scheduler_output.suspend_on_unwind:
+                suspended = self.suspended.suspend(stop, inputs.prefill_rows)
             return ModelRunnerOutput(step_id=scheduler_output.step_id,
                                      status=StepStatus.PREEMPTED, preempted_layer=stop.layer,
-                                     unwound_layers=[stop.layer],
+                                     unwound_layers=[stop.layer], suspended_req_ids=suspended,
                                      execute_seconds=time.perf_counter() - started)
         finally:
             self.model.before_attention = None
+        self.suspended.free([r.req_id for r in scheduler_output.requests if r.resume])
         if vote is not None:
             vote.finish()
         sampled: dict[str, int] = {}
@@ -105,9 +117,13 @@ class ModelRunner:
                                  execute_seconds=time.perf_counter() - started)
 
     def prepare_inputs(self, requests: list[ScheduledRequest]) -> ModelInputs:
-        # The attention kernels expect decodes (one query token) first, then prefill chunks.
-        decodes = [r for r in requests if len(r.token_ids) == 1]
-        prefills = [r for r in requests if len(r.token_ids) > 1]
+        # The attention kernels expect decodes (one query token) first, then prefill chunks;
+        # chunks resuming a suspended pass go last, in order of the layer they join at, so that
+        # the tokens active at any layer are a prefix of the batch.
+        decodes = [r for r in requests if len(r.token_ids) == 1 and not r.resume]
+        fresh = [r for r in requests if len(r.token_ids) > 1 and not r.resume]
+        resumed = sorted((r for r in requests if r.resume), key=self.suspended.layer_of)
+        prefills = fresh + resumed
         ordered = decodes + prefills
         bs = self.block_size
 
@@ -116,15 +132,21 @@ class ModelRunner:
         slots: list[torch.Tensor] = []
         logits_indices: list[int] = []
         sampled: list[ScheduledRequest] = []
+        prefill_rows: list[tuple[ScheduledRequest, int]] = []
         block_tables = [torch.tensor(r.block_ids, dtype=torch.long) for r in ordered]
+        row = 0
         for req, table in zip(ordered, block_tables):
             n = len(req.token_ids)
             pos = torch.arange(req.start_pos, req.start_pos + n)
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
-            input_ids.extend(req.token_ids)
+            if not req.resume:
+                input_ids.extend(req.token_ids)
+            if n > 1:
+                prefill_rows.append((req, row))
+            row += n
             if req.sample:
-                logits_indices.append(len(input_ids) - 1)
+                logits_indices.append(row - 1)
                 sampled.append(req)
 
         num_decodes = len(decodes)
@@ -150,4 +172,6 @@ class ModelRunner:
             attn_meta=attn_meta,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
             sampled=sampled,
+            joins=[self.suspended.join_for(r) for r in resumed],
+            prefill_rows=prefill_rows,
         )

@@ -23,6 +23,10 @@ class StepPreempted(Exception):
     def __init__(self, step_id: int, layer: int) -> None:
         super().__init__(f"step {step_id} preempted before layer {layer}")
         self.step_id, self.layer = step_id, layer
+        # Set by the model as the exception passes: the stopped layer's inputs (rows of the
+        # tokens active there; residual is None at layer 0), for suspending the pass.
+        self.hidden_states: torch.Tensor | None = None
+        self.residual: torch.Tensor | None = None
 
 
 @dataclass

@@ -3,7 +3,8 @@
 Model API used by the model runner:
 - ``build_model(hf_config, dtype, device, tp_rank=0, tp_size=1, tp_group=None)`` then
   ``workers.weight_loader.load_weights(model, model_dir)``;
-- ``model.forward(input_ids, positions, attn_meta, kv_caches) -> hidden_states [T, hidden]``;
+- ``model.forward(input_ids, positions, attn_meta, kv_caches, joins=()) -> hidden_states
+  [T, hidden]`` (``joins``: ``LayerJoin`` chunks resuming a suspended pass at their layer);
 - ``model.compute_logits(hidden_states[N, hidden]) -> float32 [N, vocab]``;
 - ``model.attention_op(...)`` is the one place attention runs; ``model.before_attention`` is an
   optional ``Callable[[int], None]`` called with the layer index before each attention op;
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from workers.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+from workers.models.llama import (LayerJoin, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                   Qwen3ForCausalLM)
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
@@ -48,4 +49,4 @@ def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str,
                        tp_group=tp_group).eval()
 
 
-__all__ = ["MODEL_REGISTRY", "build_model", "get_model_class"]
+__all__ = ["LayerJoin", "MODEL_REGISTRY", "build_model", "get_model_class"]

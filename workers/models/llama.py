@@ -7,7 +7,8 @@ fused ``qkv_proj`` and ``gate_up_proj``, so the weight loader's mapping is a sho
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import AttentionMetadata, paged_attention, write_kv_cache
+from workers.preempt_vote import StepPreempted
 from workers.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                             RMSNorm, RowParallelLinear, VocabParallelEmbedding, apply_rotary,
                             get_rotary_embedding)
@@ -154,6 +156,22 @@ class DecoderModel(nn.Module):
                                                device=par.device)
 
 
+@dataclass
+class LayerJoin:
+    """A prefill chunk resuming a suspended pass: the inputs of ``layer`` for its tokens."""
+
+    layer: int
+    hidden_states: torch.Tensor
+    residual: torch.Tensor
+
+    def append_to(self, hidden_states: torch.Tensor | None, residual: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        if hidden_states is None or residual is None:
+            return self.hidden_states, self.residual
+        return (torch.cat([hidden_states, self.hidden_states]),
+                torch.cat([residual, self.residual]))
+
+
 class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM over a paged KV cache. See ``workers.models`` for the API."""
 
@@ -201,16 +219,45 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_meta: AttentionMetadata, kv_caches: list[KVCache]) -> torch.Tensor:
+                attn_meta: AttentionMetadata, kv_caches: list[KVCache],
+                joins: Sequence[LayerJoin] = ()) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] for a flattened batch (see kernels.attention
-        for the token order)."""
-        hidden_states = self.model.embed_tokens(input_ids)
+        for the token order).
+
+        ``joins`` resume suspended passes: they are the batch's last prefill chunks, in order of
+        their layer, and ``input_ids`` covers only the tokens before them. Each enters the
+        residual stream at its layer with the activations saved when its pass stopped, so the
+        layers below it run without it. If the pass is unwound (StepPreempted), the exception
+        carries the inputs of the layer it stopped at (``hidden_states``/``residual``, the rows
+        of the tokens active there), which is what a suspended chunk resumes from.
+        """
         cos, sin = self.model.rotary_emb(positions)
+        pending = list(joins)
+        hidden_states: torch.Tensor | None = None
         residual: torch.Tensor | None = None
+        first_layer = pending[0].layer if pending else 0
+        if input_ids.numel() > 0:
+            hidden_states = self.model.embed_tokens(input_ids)
+            first_layer = 0
+        meta = attn_meta.without_last_prefills(len(pending))
         attention_op = self.attention_op
-        for layer_idx, layer in enumerate(self.model.layers):
-            hidden_states, residual = layer(layer_idx, hidden_states, residual, cos, sin,
-                                            attn_meta, kv_caches[layer_idx], attention_op)
+        layer_idx = first_layer
+        try:
+            for layer_idx in range(first_layer, self.num_layers):
+                if pending and pending[0].layer == layer_idx:
+                    while pending and pending[0].layer == layer_idx:
+                        hidden_states, residual = pending.pop(0).append_to(hidden_states,
+                                                                           residual)
+                    meta = attn_meta.without_last_prefills(len(pending))
+                assert hidden_states is not None
+                n = hidden_states.shape[0]
+                hidden_states, residual = self.model.layers[layer_idx](
+                    layer_idx, hidden_states, residual, cos[:n], sin[:n], meta,
+                    kv_caches[layer_idx], attention_op)
+        except StepPreempted as stop:
+            stop.hidden_states, stop.residual = hidden_states, residual
+            raise
+        assert hidden_states is not None and not pending
         hidden_states, _ = self.model.norm(hidden_states, residual)
         return hidden_states
 
