@@ -27,6 +27,12 @@ class BenchSetup:
     predict_ttft_s: Any
     max_model_len: int
     engine_overrides: dict[str, Any] = field(default_factory=dict)
+    # In-process runner: engines reused across the runs (bench.runners.EnginePool).
+    engines: Any = None
+
+    def close(self) -> None:
+        if self.engines is not None:
+            self.engines.close()
 
 
 def _setup(args: argparse.Namespace, out_dir: Path) -> BenchSetup:
@@ -36,7 +42,9 @@ def _setup(args: argparse.Namespace, out_dir: Path) -> BenchSetup:
     from monitor.predictor import LinearTTFT
 
     model = model_path_or_default(args.model)
-    overrides: dict[str, Any] = {"dtype": args.dtype}
+    # Prompts of different traces can share text from the corpus: no run may hit the cache an
+    # earlier one filled.
+    overrides: dict[str, Any] = {"dtype": args.dtype, "enable_prefix_caching": False}
     if args.num_kv_blocks:
         overrides["num_kv_blocks"] = args.num_kv_blocks
     if args.ttft_model:
@@ -64,8 +72,13 @@ def _setup(args: argparse.Namespace, out_dir: Path) -> BenchSetup:
     hf = load_hf_config(model)
     max_len = args.max_model_len or getattr(hf, "max_position_embeddings", 8192)
     overrides["max_model_len"] = max_len
-    return BenchSetup(model, AutoTokenizer.from_pretrained(model), path, line.predict, max_len,
-                      overrides)
+    setup = BenchSetup(model, AutoTokenizer.from_pretrained(model), path, line.predict, max_len,
+                       overrides)
+    if getattr(args, "runner", None) == "inprocess":
+        from bench.runners import EnginePool
+
+        setup.engines = EnginePool(model, **overrides)
+    return setup
 
 
 def _trace(setup: BenchSetup, args: argparse.Namespace, rate: float, seed: int):
@@ -96,7 +109,8 @@ def _run_cell(setup: BenchSetup, args: argparse.Namespace, trace, policy, budget
         with serve(policy, budget, setup.model, **setup.engine_overrides) as url:
             run = run_http(trace, url, policy, budget)
     else:
-        run = run_inprocess(trace, policy, setup.model, budget, **setup.engine_overrides)
+        run = run_inprocess(trace, policy, setup.model, budget, pool=setup.engines,
+                            **setup.engine_overrides)
     run.clairvoyant = clairvoyant_attainment(trace, setup.predict_ttft_s, budget_tokens=budget)
     return run
 
@@ -159,16 +173,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     setup = _setup(args, out_dir)
-    if args.trace:
-        runs = []
-        traces = [_load_trace(p, setup.tokenizer) for p in args.trace]
-        budgets = _budgets(args, traces)
-        for trace in traces:
-            for budget in budgets:
-                for policy in _policies(args):
-                    runs.append(_run_cell(setup, args, trace, policy, budget))
-    else:
-        runs = _grid(setup, args, args.rates)
+    try:
+        if args.trace:
+            runs = []
+            traces = [_load_trace(p, setup.tokenizer) for p in args.trace]
+            budgets = _budgets(args, traces)
+            for trace in traces:
+                for budget in budgets:
+                    for policy in _policies(args):
+                        runs.append(_run_cell(setup, args, trace, policy, budget))
+        else:
+            runs = _grid(setup, args, args.rates)
+    finally:
+        setup.close()
     _write_outputs(runs, out_dir)
     return 0
 
@@ -225,11 +242,15 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     setup = _setup(args, out_dir)
-    rate = args.rate or find_half_attainment_rate(setup, args)
-    print(f"sweep around {rate:.3f} req/s (fcfs attainment about {args.target_attainment:.0%})",
-          file=sys.stderr)
-    rates = [round(rate * f, 4) for f in (0.5, 1.0, 1.5)]
-    _write_outputs(_grid(setup, args, rates), out_dir)
+    try:
+        rate = args.rate or find_half_attainment_rate(setup, args)
+        print(f"sweep around {rate:.3f} req/s (fcfs attainment about "
+              f"{args.target_attainment:.0%})", file=sys.stderr)
+        rates = [round(rate * f, 4) for f in (0.5, 1.0, 1.5)]
+        runs = _grid(setup, args, rates)
+    finally:
+        setup.close()
+    _write_outputs(runs, out_dir)
     return 0
 
 

@@ -39,16 +39,53 @@ def _meta(trace: Trace) -> tuple[str, float, int]:
 
 # ---- in process -----------------------------------------------------------------------------
 
+class EnginePool:
+    """In-process engines kept alive across the runs of a grid, one per (policy, budget), so a
+    run pays no model load and warm-up. Between runs an engine is idle: every request of the
+    previous trace finished. Counters are read as differences over a run. Run with prefix
+    caching off (the bench does), or prompts of an earlier trace could hit the cache."""
+
+    def __init__(self, model: str, max_engines: int = 8, **engine_overrides: Any) -> None:
+        self.model, self.max_engines, self.overrides = model, max_engines, engine_overrides
+        self._engines: dict[tuple[str, int], Any] = {}
+
+    def get(self, policy: PolicySpec, budget: int) -> Any:
+        from engine.config import build_engine_config
+        from engine.engine_core import EngineCore
+
+        key = (policy.name, budget)
+        if key not in self._engines:
+            if len(self._engines) >= self.max_engines:  # memory: the oldest one goes
+                oldest = next(iter(self._engines))
+                self._engines.pop(oldest).shutdown()
+            config = build_engine_config(self.model, max_num_batched_tokens=budget,
+                                         **{**policy.engine_kwargs(), **self.overrides})
+            self._engines[key] = EngineCore(config)
+        return self._engines[key]
+
+    def close(self) -> None:
+        for engine in self._engines.values():
+            engine.shutdown()
+        self._engines.clear()
+
+    def __enter__(self) -> EnginePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def run_inprocess(trace: Trace, policy: PolicySpec, model: str, budget: int,
-                  progress: bool = True, **engine_overrides: Any) -> RunResult:
-    from engine.config import build_engine_config
-    from engine.engine_core import EngineCore
+                  progress: bool = True, pool: EnginePool | None = None,
+                  **engine_overrides: Any) -> RunResult:
+    """Replay `trace` on an engine of `pool` (or on a fresh one, shut down afterwards)."""
     from engine.request import Request
     from engine.sampling_params import SamplingParams
 
-    config = build_engine_config(model, max_num_batched_tokens=budget,
-                                 **{**policy.engine_kwargs(), **engine_overrides})
-    engine = EngineCore(config)
+    own_pool = pool is None
+    if pool is None:
+        pool = EnginePool(model, **engine_overrides)
+    engine = pool.get(policy, budget)
     priorities = _priorities(trace, policy)
 
     def make(tr: TraceRequest, req_id: str) -> Request:
@@ -58,10 +95,12 @@ def run_inprocess(trace: Trace, policy: PolicySpec, model: str, budget: int,
                        ttft_slo_ms=tr.ttft_slo_ms, priority=priorities.get(tr.tier, 0))
 
     try:
-        # Warm-up outside the measurement: first-call allocations and kernel selection.
-        engine.add_request(make(trace.requests[0], "warmup"))
-        while engine.has_unfinished_requests():
-            engine.step()
+        if engine.scheduler.step_id == 0:
+            # Warm-up outside the measurement: first-call allocations and kernel selection.
+            engine.add_request(make(trace.requests[0], "warmup"))
+            while engine.has_unfinished_requests():
+                engine.step()
+        before = engine.stats()
         submitted: list[tuple[TraceRequest, Request]] = []
         start = time.monotonic()
 
@@ -89,7 +128,8 @@ def run_inprocess(trace: Trace, policy: PolicySpec, model: str, budget: int,
         bar.close()
         stats = engine.stats()
     finally:
-        engine.shutdown()
+        if own_pool:
+            pool.close()
 
     results = [_inprocess_result(tr, r, start) for tr, r in submitted]
     end = max((r.finish_time or start) for _, r in submitted)
@@ -97,10 +137,10 @@ def run_inprocess(trace: Trace, policy: PolicySpec, model: str, budget: int,
     return RunResult(
         runner="inprocess", policy=policy.name, budget=budget, workload=workload, rate=rate,
         seed=seed, duration_s=end - (start + trace.requests[0].arrival_s), requests=results,
-        engine={"num_preemptions_kv": stats.num_kv_preemptions,
-                "num_preemptions_slo": stats.num_slo_preemptions,
-                "wasted_tokens": stats.preempt_wasted_tokens,
-                "computed_tokens": stats.num_scheduled_tokens})
+        engine={"num_preemptions_kv": stats.num_kv_preemptions - before.num_kv_preemptions,
+                "num_preemptions_slo": stats.num_slo_preemptions - before.num_slo_preemptions,
+                "wasted_tokens": stats.preempt_wasted_tokens - before.preempt_wasted_tokens,
+                "computed_tokens": stats.num_scheduled_tokens - before.num_scheduled_tokens})
 
 
 def _inprocess_result(tr: TraceRequest, request: Any, start: float) -> RequestResult:

@@ -39,6 +39,9 @@ def serve(policy: PolicySpec, budget: int, model: str, startup_timeout_s: float 
             "--max-num-batched-tokens", str(budget), "--log-level", "warning",
             *policy.serve_args()]
     for key, value in engine_overrides.items():
+        if key == "enable_prefix_caching":
+            args += [] if value else ["--no-prefix-caching"]
+            continue
         if key not in _FLAGS:
             raise ValueError(f"engine setting {key!r} has no `sloserve serve` flag")
         if value is not None:

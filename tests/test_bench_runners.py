@@ -95,3 +95,28 @@ def test_sweep_searches_a_rate_and_runs_the_three_rates(tiny_model, tmp_path):
     rates = sorted(r["rate"] for r in runs)
     assert len(rates) == 3 and rates[1] == pytest.approx(2 * rates[0], rel=1e-3)
     assert rates[2] == pytest.approx(3 * rates[0], rel=1e-3)
+
+
+def test_engine_pool_reuses_one_engine_and_reports_each_runs_own_counters(tiny_model):
+    from transformers import AutoTokenizer
+
+    from bench.policies import POLICIES
+    from bench.runners import EnginePool, run_inprocess
+    from bench.workloads import build_workload
+
+    model = tiny_model("llama")
+    trace = build_workload("uniform", 8, 40.0, 0, AutoTokenizer.from_pretrained(model),
+                           lambda n: 0.01 + 2e-5 * n, max_prompt_len=480)
+    with EnginePool(model, dtype="float32", max_model_len=512, num_kv_blocks=400,
+                    enable_prefix_caching=False) as pool:
+        first = run_inprocess(trace, POLICIES["fcfs"], model, 128, progress=False, pool=pool)
+        engine = pool.get(POLICIES["fcfs"], 128)
+        steps_after_first = engine.scheduler.step_id
+        second = run_inprocess(trace, POLICIES["fcfs"], model, 128, progress=False, pool=pool)
+        assert pool.get(POLICIES["fcfs"], 128) is engine  # probe: the same engine ran both
+        assert engine.scheduler.step_id > steps_after_first
+    # Each run's counters cover that run only: every prompt and output token once (no
+    # preemptions), not the sum over the engine's life.
+    expected = sum(len(r.prompt_token_ids) + r.output_tokens - 1 for r in trace.requests)
+    assert first.engine["computed_tokens"] == second.engine["computed_tokens"] == expected
+    assert all(r.ttft_s is not None for r in second.requests)
