@@ -328,31 +328,33 @@ class Scheduler(SlackAwareScheduling):
         scheduled[request.request_id] = (request, num_new)
         return num_new
 
-    def rollback(self, record: StepRecord, keep: ScheduledRequest | None = None) -> None:
+    def rollback(self, record: StepRecord, keep: Iterable[ScheduledRequest] = ()) -> None:
         """Undo the last ``schedule()`` after its forward pass was abandoned (see StepRecord).
 
         Afterwards the scheduler is as it was before that call, except that step ids stay spent
         and requests preempted for KV space in that step stay preempted (their blocks may already
-        be reused). ``keep``: a chunk of that step whose pass is being suspended; its request
-        keeps its admission and blocks and only its chunk goes back to not computed.
+        be reused). ``keep``: chunks of that step whose pass is suspended (the workers hold its
+        activations); their requests keep their admissions and blocks, and each chunk goes back
+        to not computed, to be resumed whole (``self.suspended``).
         """
         if record is not self.last_step_record:
             raise ValueError(f"only the last step can be rolled back (step {record.step_id} "
                              f"given, last is {self.step_id})")
         kv = self.kv_cache_manager
-        kept_id = keep.req_id if keep is not None else None
-        undone = [a for a in record.admitted if a.request.request_id != kept_id]
+        kept = {sr.req_id: sr for sr in keep}
+        undone = [a for a in record.admitted if a.request.request_id not in kept]
         admitted = {a.request.request_id for a in record.admitted}
         for req_id, block_ids in record.new_block_ids.items():
             request = self.requests.get(req_id)
-            if request is not None and req_id not in admitted and req_id != kept_id:
+            if request is not None and req_id not in admitted and req_id not in kept:
                 kv.release_tail(request, block_ids)
         for req_id, num_computed in record.prev_num_computed_tokens.items():
             if (request := self.requests.get(req_id)) is not None:
                 request.num_computed_tokens = num_computed
-        if keep is not None:
+        for req_id, sr in kept.items():
             # After its prefix-cache hits, where its chunk starts.
-            self.requests[keep.req_id].num_computed_tokens = keep.start_pos
+            self.requests[req_id].num_computed_tokens = sr.start_pos
+            self.suspended[req_id] = (sr.start_pos, len(sr.token_ids))
         for admission in reversed(undone):
             request = admission.request
             self.running.remove(request)
@@ -437,6 +439,10 @@ class Scheduler(SlackAwareScheduling):
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    def is_running(self, req_id: str) -> bool:
+        request = self.requests.get(req_id)
+        return request is not None and request.status is RequestStatus.RUNNING
 
     def get_request(self, req_id: str) -> Request | None:
         return self.requests.get(req_id)

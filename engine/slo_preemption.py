@@ -96,27 +96,24 @@ class SLOPreemptionControl:
         scheduler = self.scheduler
         record = scheduler.last_step_record
         assert record is not None and record.step_id == output.step_id
-        ours = target == output.step_id
-        # Suspend mode: the victim's chunk keeps its blocks through the rollback and resumes at
-        # the stopped layer from the activations the workers kept.
-        kept = next((sr for sr in output.requests if sr.req_id == victim_id), None) if (
-            ours and victim_id in runner_output.suspended_req_ids
-            and scheduler.can_suspend(victim_id)) else None
+        # Suspend mode: every prefill chunk of the step whose activations the workers kept
+        # keeps its blocks through the rollback and resumes at the stopped layer, the victim's
+        # once it is released, the others' as soon as the budget has room for them.
+        suspended = set(runner_output.suspended_req_ids)
+        kept = [sr for sr in output.requests
+                if sr.req_id in suspended and scheduler.is_running(sr.req_id)]
         scheduler.rollback(record, keep=kept)
         applied: SLOPreemptMode | None = None
-        if ours:
-            chunk = (kept.start_pos, len(kept.token_ids)) if kept is not None else None
-            applied = scheduler.preempt_for_slo(victim_id, waiter_id, self.config.mode, chunk)
-        scheduler.drop_suspensions([i for i in runner_output.suspended_req_ids
-                                    if i not in scheduler.suspended])
+        if target == output.step_id:
+            applied = scheduler.preempt_for_slo(victim_id, waiter_id, self.config.mode)
+        scheduler.drop_suspensions([i for i in suspended if i not in scheduler.suspended])
         latency = max(0.0, unwound_at - decided_at)
         layer = runner_output.preempted_layer or 0
-        wasted = output.num_scheduled_tokens
-        if applied == "suspend" and kept is not None:
-            # Its layers below `layer` are kept, and it is scheduled (and counted) again when
-            # it resumes: count its tokens once.
-            wasted -= len(kept.token_ids)
-            scheduler.num_scheduled_tokens_total -= len(kept.token_ids)
+        # Kept chunks lose nothing, and are scheduled (and counted) again when they resume:
+        # count their tokens once.
+        kept_tokens = sum(len(sr.token_ids) for sr in kept if sr.req_id in scheduler.suspended)
+        wasted = output.num_scheduled_tokens - kept_tokens
+        scheduler.num_scheduled_tokens_total -= kept_tokens
         self.stats.wasted_tokens += wasted
         self.stats.wasted_layers += layer
         self.stats.unreported_latencies_s.append(latency)

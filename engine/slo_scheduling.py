@@ -112,19 +112,13 @@ class SlackAwareScheduling:
 
     # ---- mid-forward preemption (DESIGN.md section 4) --------------------------------------
 
-    def can_suspend(self, victim_id: str) -> bool:
-        """Whether the monitor's victim may keep its stopped pass (call before the rollback,
-        which then keeps its chunk): the preemption will apply to it (Rule 1)."""
-        victim = self.requests.get(victim_id)
-        return victim is not None and victim.num_slo_preemptions == 0
-
-    def preempt_for_slo(self, victim_id: str, waiter_id: str, mode: SLOPreemptMode,
-                        suspended_chunk: tuple[int, int] | None = None) -> SLOPreemptMode | None:
+    def preempt_for_slo(self, victim_id: str, waiter_id: str,
+                        mode: SLOPreemptMode) -> SLOPreemptMode | None:
         """Apply the monitor's preemption after the step was rolled back. Returns the mode
         applied: "pause" and "suspend" fall back to "recompute" under KV pressure, and
-        "suspend" to "pause" when there is no `suspended_chunk` (start, tokens) the rollback
-        kept; None when the victim is gone (or was already preempted once: Rule 1), so the step
-        just re-runs.
+        "suspend" to "pause" when the rollback kept no suspended chunk of the victim (its pass
+        stopped before the first layer finished); None when the victim is gone (or was already
+        preempted once: Rule 1), so the step just re-runs.
 
         A victim admitted by the rolled-back step itself and not kept is back in the waiting
         queue with no KV: every mode comes to the same thing for it, holding it back."""
@@ -139,10 +133,9 @@ class SlackAwareScheduling:
         if victim.status is not RequestStatus.RUNNING:
             return mode
         if mode != "recompute" and self._waiter_fits_beside(waiter_id):
-            if mode == "suspend" and suspended_chunk is not None:
-                self.suspended[victim_id] = suspended_chunk
-                return "suspend"
-            return "pause"
+            return "suspend" if victim_id in self.suspended else "pause"
+        if victim_id in self.suspended:
+            self.drop_suspensions([victim_id])
         self.running.remove(victim)
         self.kv_cache_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED

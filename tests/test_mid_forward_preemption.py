@@ -222,6 +222,37 @@ def test_pause_keeps_earlier_chunks(model: str, mode: str) -> None:
         engine.shutdown()
 
 
+def test_suspend_keeps_every_chunk_of_the_unwound_step(model: str) -> None:
+    """Two prefills share the step the urgent arrival unwinds: the victim's chunk and the other
+    one are both kept; the other resumes beside the urgent request, the victim after it."""
+    prompts = {"long": _prompt(LONG_PROMPT, seed=7), "mid": _prompt(200, seed=8),
+               "urgent": _prompt(20, seed=9)}
+    expected = _reference_outputs(model, prompts)
+    engine = _engine(model, slo_preempt_mode="suspend")
+    try:
+        requests = {k: _request(k, prompts[k], slo_ms=60_000) for k in ("long", "mid")}
+        for r in requests.values():
+            engine.add_request(r)
+
+        def arrive() -> None:
+            requests["urgent"] = _request("urgent", prompts["urgent"], slo_ms=URGENT_SLO_MS)
+            engine.submit_request(requests["urgent"])
+
+        _on_long_step(engine, layer=1, action=arrive, min_tokens=LONG_PROMPT + 200)
+        tokens_per_layer = _count_tokens_per_layer(engine)
+        engine.step()
+        assert engine.scheduler.suspended == {"long": (0, LONG_PROMPT), "mid": (0, 200)}
+        _run(engine)
+        (event,) = engine.preemption.events
+        assert event.applied == "suspend" and event.wasted_tokens == 0
+        assert tokens_per_layer[0] == tokens_per_layer[-1]  # nothing ran through a layer twice
+        assert {k: r.output_token_ids for k, r in requests.items()} == expected
+        assert len(engine.executor.runner.suspended) == 0
+        assert engine.scheduler.kv_cache_manager.num_free_blocks == 160
+    finally:
+        engine.shutdown()
+
+
 def test_aborting_a_suspended_victim_frees_its_activations(model: str) -> None:
     prompts = {"long": _prompt(LONG_PROMPT, seed=5), "urgent": _prompt(20, seed=6)}
     engine = _engine(model, slo_preempt_mode="suspend")
