@@ -80,7 +80,11 @@ class SlackAwareScheduling:
             if (request.request_id in self.held or request.deadline is None
                     or request_urgency(request, now, predict) <= top):
                 break
-            num_new = self._admit(request, budget - used, scheduled, record)
+            # Each admission may take only what keeps the ones before it (more urgent) in time.
+            allowed = self._cap_for_deadlines(budget - used, scheduled)
+            if allowed <= 0:
+                break
+            num_new = self._admit(request, allowed, scheduled, record)
             if num_new is None:
                 break
             self.waiting.pop()

@@ -105,3 +105,24 @@ def test_urgent_waiter_jumps_the_running_prefill_and_caps_the_step():
     sched.update_from_output(out, runner.execute(out))
     out = sched.schedule()
     assert {r.req_id: len(r.token_ids) for r in out.requests}["long"] == 400
+
+
+def test_each_outranking_admission_keeps_the_earlier_ones_in_time():
+    """Two waiters outrank the running prefill: the urgent one (300 ms) and a relaxed one with a
+    nearer deadline than the running request. The relaxed one is admitted second and may take
+    only what keeps the urgent one's step within 300 ms; before, it took its whole prompt, the
+    step's predicted time passed the urgent deadline, and the cap then saw the urgent request
+    as doomed and let the running prefill take the rest of the budget too."""
+    sched = _slo_scheduler(num_blocks=4000, budget=4000, max_num_seqs=4, max_model_len=8192)
+    runner = FakeRunner(sched)
+    sched.add_request(_request("long", 6000, 600_000))
+    out = sched.schedule()
+    sched.update_from_output(out, runner.execute(out))
+    sched.add_request(_request("urgent", 100, 300))
+    sched.add_request(_request("relaxed", 1500, 20_000))
+    out = sched.schedule()
+    chunks = {r.req_id: len(r.token_ids) for r in out.requests}
+    assert list(chunks)[:2] == ["urgent", "relaxed"]
+    assert chunks["urgent"] == 100
+    assert sum(chunks.values()) <= 300  # the step's predicted time fits the urgent deadline
+    assert "long" not in chunks
