@@ -57,10 +57,12 @@ def _setup(args: argparse.Namespace, out_dir: Path) -> BenchSetup:
         from engine.llm import LLM
 
         print("calibrating the TTFT line (pass --ttft-model FILE to reuse one)", file=sys.stderr)
-        llm = LLM(model=model, enable_prefix_caching=False, **overrides)
+        # A budget above the largest size, so that each prompt is one step.
+        llm = LLM(model=model, max_num_batched_tokens=4096, **overrides)
         try:
-            limit = min(1024, llm.engine.max_model_len - 1)
-            sizes = sorted({s for s in (16, 64, 256, 512, 1024) if s <= limit} | {limit})
+            limit = min(3072, llm.engine.max_model_len - 1)
+            sizes = sorted({s for s in (16, 64, 256, 512, 1024, 2048, 3072) if s <= limit}
+                           | {limit})
             line = calibrate(llm, sizes, repeats=args.calibration_repeats).model
         finally:
             llm.shutdown()

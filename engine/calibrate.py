@@ -1,5 +1,9 @@
-"""`sloserve calibrate`: fit the TTFT line `a * tokens + c` (DESIGN.md section 5) on this model
-and machine, and write it as JSON for `sloserve serve --ttft-model FILE`."""
+"""`sloserve calibrate`: fit the TTFT predictor (DESIGN.md section 5) on this model and machine,
+and write it as JSON for `sloserve serve --ttft-model FILE`.
+
+Two candidates are fitted on the per-size medians: the line `a * tokens + c`, and the line plus
+an attention term `b * tokens**2`. The quadratic one is kept only if it predicts held-out sizes
+better (leave one size out); otherwise the line is written."""
 
 from __future__ import annotations
 
@@ -14,10 +18,9 @@ from typing import Any
 
 from monitor.predictor import LinearTTFT
 
-# Up to 1024: beyond it prefill time grows visibly faster than linearly (attention), and the
-# largest points would tilt the line so that it underestimates every short prompt. Longer
-# prompts can still be swept with --prompt-sizes.
-DEFAULT_PROMPT_SIZES = [16, 32, 64, 128, 256, 512, 768, 1024]
+# Up to 3072: above about 1024 tokens prefill grows visibly faster than linearly (attention),
+# which only the quadratic term can follow.
+DEFAULT_PROMPT_SIZES = [16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072]
 
 
 @dataclass
@@ -25,6 +28,36 @@ class CalibrationResult:
     points: list[tuple[int, float]]  # every measured (prompt tokens, seconds) pair
     medians: dict[int, float]  # prompt tokens -> median seconds
     model: LinearTTFT
+    # Leave-one-size-out error of each candidate (root mean square of relative errors); the
+    # quadratic one is None with fewer than four sizes.
+    held_out_error: dict[str, float | None]
+
+
+def _fit(medians: dict[int, float], quadratic: bool) -> LinearTTFT:
+    if quadratic:
+        return LinearTTFT.fit_quadratic((n, n * n, s) for n, s in medians.items())
+    return LinearTTFT.fit(medians.items())
+
+
+def held_out_error(medians: dict[int, float], quadratic: bool) -> float | None:
+    """RMS relative error predicting each size from a fit on the others."""
+    if len(medians) < (4 if quadratic else 3):
+        return None
+    errors = []
+    for size, seconds in medians.items():
+        rest = {n: s for n, s in medians.items() if n != size}
+        errors.append((_fit(rest, quadratic).predict(size) - seconds) / seconds)
+    return (sum(e * e for e in errors) / len(errors)) ** 0.5
+
+
+def choose_model(medians: dict[int, float]) -> tuple[LinearTTFT, dict[str, float | None]]:
+    """The line, or the line plus the attention term when that predicts held-out sizes better
+    (DESIGN.md section 5: a richer model must beat the line on held-out data)."""
+    errors = {"line": held_out_error(medians, False),
+              "quadratic": held_out_error(medians, True)}
+    line, quad = errors["line"], errors["quadratic"]
+    use_quadratic = line is not None and quad is not None and quad < line
+    return _fit(medians, use_quadratic), errors
 
 
 def calibrate(llm: Any, prompt_sizes: Sequence[int], repeats: int = 3, warmup: int = 1,
@@ -58,12 +91,12 @@ def calibrate(llm: Any, prompt_sizes: Sequence[int], repeats: int = 3, warmup: i
             points.append((size, m.first_token_time - m.first_scheduled_time))
     medians = {s: statistics.median(t for n, t in points if n == s) for s in sizes}
     # Fit on the medians: one slow outlier per size cannot tilt the line.
-    model = LinearTTFT.fit(medians.items())
+    model, errors = choose_model(medians)
     if model.seconds_per_token <= 0:
         raise ValueError(f"prefill time does not grow with prompt size (slope "
                          f"{model.seconds_per_token:.3g} s/token over sizes {sizes}); "
                          f"use larger --prompt-sizes")
-    return CalibrationResult(points=points, medians=medians, model=model)
+    return CalibrationResult(points=points, medians=medians, model=model, held_out_error=errors)
 
 
 def _check_output(path: Path) -> None:
@@ -121,7 +154,11 @@ def _run(args: argparse.Namespace) -> int:
     for size, seconds in result.medians.items():
         print(f"{size:>8}  {seconds * 1000:>10.2f}")
     m = result.model
+    for name, error in result.held_out_error.items():
+        shown = "n/a (too few sizes)" if error is None else f"{error * 100:.1f}%"
+        print(f"held-out error ({name}): {shown}")
     print(f"seconds_per_token: {m.seconds_per_token:.4g}")
+    print(f"seconds_per_token_sq: {m.seconds_per_token_sq:.4g}")
     print(f"intercept_ms: {m.intercept_s * 1000:.2f}")
     print(f"r2: {m.r2:.4f}")
     try:
@@ -139,7 +176,7 @@ def add_calibrate_parser(subparsers: Any) -> None:
     p.add_argument("--output", default="ttft_model.json",
                    help="JSON file for `serve --ttft-model` (default: ttft_model.json)")
     p.add_argument("--prompt-sizes", type=int, nargs="+", default=DEFAULT_PROMPT_SIZES,
-                   help="prompt lengths to time (default: 16 .. 2048, capped at max_model_len "
+                   help="prompt lengths to time (default: 16 .. 3072, capped at max_model_len "
                         "and max_num_batched_tokens)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per size (median is fit)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per size first")

@@ -174,7 +174,8 @@ class EngineCore:
         requests = scheduler_output.requests
         if any(len(r.token_ids) > 1 for r in requests) and not any(r.resume for r in requests):
             self.scheduler.ttft_predictor.observe(scheduler_output.num_scheduled_tokens,
-                                                  runner_output.execute_seconds)
+                                                  runner_output.execute_seconds,
+                                                  scheduler_output.attention_work)
 
     def stats(self) -> SchedulerStats:
         stats = self.scheduler.stats()

@@ -47,6 +47,12 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
         return sum(len(r.token_ids) for r in self.requests)
 
     @property
+    def attention_work(self) -> int:
+        """The step's quadratic cost feature (see monitor.predictor.attention_work)."""
+        return sum(len(r.token_ids) * (2 * r.start_pos + len(r.token_ids))
+                   for r in self.requests)
+
+    @property
     def is_empty(self) -> bool:
         return not self.requests
 

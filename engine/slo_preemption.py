@@ -88,7 +88,8 @@ class SLOPreemptionControl:
             step_id=output.step_id, preemptible=output.preemptible, waiting=waiting,
             running=tuple(running), predictor=scheduler.ttft_predictor.current,
             drained_arrivals=drained_arrivals, started_at=time.monotonic(),
-            num_tokens=output.num_scheduled_tokens))
+            predicted_step_s=scheduler.ttft_predictor.current.predict_step(
+                output.num_scheduled_tokens, output.attention_work)))
 
     def on_preempted(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
         unwound_at = time.monotonic()

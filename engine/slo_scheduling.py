@@ -95,7 +95,8 @@ class SlackAwareScheduling:
         """slo policy: a step lasts as long as all its tokens take, and every request in it
         gets its first token only at its end. So the requests added after the urgent ones may
         add only as many tokens as keep the predicted step time within the tightest deadline
-        that this step can still meet (a doomed deadline constrains nothing)."""
+        that this step can still meet (a deadline that its own chunk alone would miss
+        constrains nothing)."""
         if not scheduled:
             return budget
         now = time.monotonic()
@@ -108,10 +109,11 @@ class SlackAwareScheduling:
                     or request.num_computed_tokens + num_new < request.num_tokens):
                 continue
             time_left = deadline - now
-            if line.predict(used) > time_left:
-                continue  # doomed in this step already: nothing left to protect
-            tokens = int((time_left - line.intercept_s) / line.seconds_per_token)
-            allowed = min(allowed, max(0, tokens - used))
+            if line.predict(num_new) > time_left:
+                continue  # doomed even alone: nothing left to protect
+            # As if the step were one prompt: overestimates a mixed step's attention, so the
+            # cap errs on the side of the deadline.
+            allowed = min(allowed, max(0, line.max_tokens_within(time_left) - used))
         return allowed
 
     # ---- mid-forward preemption (DESIGN.md section 4) --------------------------------------

@@ -38,10 +38,10 @@ class MonitorSnapshot:
     predictor: LinearTTFT
     # Arrivals with a sequence number up to this one are in the scheduler (or were rejected).
     drained_arrivals: int = 0
-    # When the step was handed to the workers (time.monotonic()) and how many tokens it runs:
-    # with the predictor, how much of it is left.
+    # When the step was handed to the workers (time.monotonic()) and its predicted duration:
+    # how much of it is left.
     started_at: float = 0.0
-    num_tokens: int = 0
+    predicted_step_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -110,8 +110,7 @@ class SLOMonitor:
             return None
         arrivals = self._pending_arrivals(snapshot.drained_arrivals)
         now = time.monotonic()
-        step_remaining = max(0.0, snapshot.predictor.predict(snapshot.num_tokens)
-                             - (now - snapshot.started_at))
+        step_remaining = max(0.0, snapshot.predicted_step_s - (now - snapshot.started_at))
         decision = choose_preemption(snapshot.waiting + arrivals, snapshot.running, now,
                                      snapshot.predictor.predict, self.policy, self.margin,
                                      step_remaining_s=step_remaining)

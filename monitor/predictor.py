@@ -1,13 +1,20 @@
-"""TTFT predictor: time to prefill `tokens` tokens on this model and machine, `a * tokens + c`.
+"""TTFT predictor: time to prefill `tokens` tokens on this model and machine, `a * tokens + c`,
+plus `b * tokens**2` where attention makes long prompts grow faster than linearly.
 
-The line is fitted by least squares on (tokens, seconds) points: from `sloserve calibrate`
-(saved as JSON), or online from the engine's own prefill step timings. A request's remaining TTFT
-counts only the tokens it still has to prefill.
+Fitted by least squares (linear in the coefficients) on measured points: from `sloserve
+calibrate` (saved as JSON; it keeps the quadratic term only if it beats the plain line on
+held-out prompt sizes, DESIGN.md section 5), or online from the engine's own prefill step
+timings. A request's remaining TTFT counts only the tokens it still has to prefill.
+
+A step of several chunks costs `c + a * tokens + b * attention`, where `attention` sums
+`n * (2 * prefix + n)` over its chunks (n new tokens over a cached prefix): for one fresh prompt
+that is `n**2`, so one model predicts lone prompts and mixed steps alike.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -19,18 +26,40 @@ DEFAULT_SECONDS_PER_TOKEN = 1e-3
 DEFAULT_INTERCEPT_S = 0.05
 
 
+def attention_work(chunks: Iterable[tuple[int, int]]) -> int:
+    """The quadratic feature of a step: sum of n * (2 * prefix + n) over its (prefix, n) chunks."""
+    return sum(n * (2 * prefix + n) for prefix, n in chunks)
+
+
 @dataclass(frozen=True)
 class LinearTTFT:
     seconds_per_token: float = DEFAULT_SECONDS_PER_TOKEN
     intercept_s: float = DEFAULT_INTERCEPT_S
     # Coefficient of determination of the fit that produced it (None: not fitted).
     r2: float | None = None
+    # Seconds per unit of attention work (0: a plain line).
+    seconds_per_token_sq: float = 0.0
 
     def predict(self, tokens: int) -> float:
         """Seconds to prefill `tokens` more tokens (0 when none are left)."""
         if tokens <= 0:
             return 0.0
-        return max(0.0, self.seconds_per_token * tokens + self.intercept_s)
+        return self.predict_step(tokens, tokens * tokens)
+
+    def predict_step(self, tokens: int, attention: int) -> float:
+        """Seconds for a step of `tokens` tokens with `attention` work (see attention_work)."""
+        return max(0.0, self.seconds_per_token * tokens + self.seconds_per_token_sq * attention
+                   + self.intercept_s)
+
+    def max_tokens_within(self, seconds: float) -> int:
+        """The most tokens of one fresh prompt that `predict` keeps within `seconds`."""
+        budget = seconds - self.intercept_s
+        if budget <= 0:
+            return 0
+        a, b = self.seconds_per_token, self.seconds_per_token_sq
+        if b <= 0:
+            return int(budget / a)
+        return int((-a + math.sqrt(a * a + 4 * b * budget)) / (2 * b))
 
     @classmethod
     def fit(cls, points: Iterable[tuple[int, float]]) -> LinearTTFT:
@@ -58,6 +87,29 @@ class LinearTTFT:
         r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
         return cls(seconds_per_token=slope, intercept_s=intercept, r2=r2)
 
+    @classmethod
+    def fit_quadratic(cls, points: Iterable[tuple[int, int, float]]) -> LinearTTFT:
+        """Least squares on (tokens, attention work, seconds); a negative attention term falls
+        back to the plain line, a negative intercept to a fit through the origin."""
+        import numpy as np
+
+        pts = list(points)
+        if len({x for x, _, _ in pts}) < 3:
+            raise ValueError(f"fitting the quadratic term needs points at three or more token "
+                             f"counts, got {sorted({x for x, _, _ in pts})}")
+        x = np.array([[1.0, float(n), float(q)] for n, q, _ in pts])
+        y = np.array([s for _, _, s in pts])
+        coef = np.linalg.lstsq(x, y, rcond=None)[0]
+        if coef[2] <= 0 or coef[1] <= 0:
+            return cls.fit((n, s) for n, _, s in pts)
+        if coef[0] < 0:
+            coef = np.concatenate([[0.0], np.linalg.lstsq(x[:, 1:], y, rcond=None)[0]])
+        residual = y - x @ coef
+        ss_tot = float(((y - y.mean()) ** 2).sum())
+        r2 = 1.0 - float((residual ** 2).sum()) / ss_tot if ss_tot > 0 else 1.0
+        return cls(seconds_per_token=float(coef[1]), intercept_s=float(coef[0]), r2=r2,
+                   seconds_per_token_sq=float(coef[2]))
+
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
 
@@ -66,39 +118,47 @@ class LinearTTFT:
         try:
             data = json.loads(Path(path).read_text())
             model = cls(seconds_per_token=float(data["seconds_per_token"]),
-                        intercept_s=float(data["intercept_s"]), r2=data.get("r2"))
+                        intercept_s=float(data["intercept_s"]), r2=data.get("r2"),
+                        seconds_per_token_sq=float(data.get("seconds_per_token_sq", 0.0)))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"ttft model {str(path)!r} is not a calibration file written by "
                              f"`sloserve calibrate`: {exc}") from exc
-        if model.seconds_per_token <= 0:
-            raise ValueError(f"ttft model {str(path)!r}: seconds_per_token must be > 0, "
-                             f"got {model.seconds_per_token}")
+        if model.seconds_per_token <= 0 or model.seconds_per_token_sq < 0:
+            raise ValueError(f"ttft model {str(path)!r}: seconds_per_token must be > 0 and "
+                             f"seconds_per_token_sq >= 0, got {model.seconds_per_token} and "
+                             f"{model.seconds_per_token_sq}")
         return model
 
 
 class OnlineTTFT:
-    """Refits the line from the engine's observed prefill steps (a sliding window), starting
-    from a seed line until enough distinct step sizes were seen. Readers get the current line by
-    reference; `observe` replaces it, never mutates it."""
+    """Refits the model from the engine's observed prefill steps (a sliding window), starting
+    from a seed until enough distinct step sizes were seen; the quadratic term is refitted only
+    when the seed has one (calibration found it beats the line). Readers get the current model
+    by reference; `observe` replaces it, never mutates it."""
 
     def __init__(self, seed: LinearTTFT | None = None, window: int = 256,
                  refit_every: int = 8) -> None:
         self.current = seed or LinearTTFT()
-        self._points: deque[tuple[int, float]] = deque(maxlen=window)
+        self._quadratic = self.current.seconds_per_token_sq > 0
+        self._points: deque[tuple[int, int, float]] = deque(maxlen=window)
         self._refit_every = refit_every
         self._since_fit = 0
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, tokens: int, seconds: float, attention: int | None = None) -> None:
+        """One completed step: its tokens, wall time and attention work (default: one fresh
+        prompt of `tokens`)."""
         if tokens <= 0 or seconds <= 0:
             return
-        self._points.append((tokens, seconds))
+        self._points.append((tokens, tokens * tokens if attention is None else attention,
+                             seconds))
         self._since_fit += 1
         if self._since_fit < self._refit_every:
             return
         self._since_fit = 0
         try:
-            fitted = LinearTTFT.fit(self._points)
-        except ValueError:  # all steps the same size so far
+            fitted = (LinearTTFT.fit_quadratic(self._points) if self._quadratic
+                      else LinearTTFT.fit((n, s) for n, _, s in self._points))
+        except ValueError:  # too few distinct step sizes so far
             return
         if fitted.seconds_per_token > 0:
             self.current = fitted

@@ -85,3 +85,17 @@ def test_calibrate_result_keeps_every_point_and_the_medians(tiny_model):
     assert all(t > 0 for _, t in result.points)
     assert list(result.medians) == [32, 768]
     assert result.model == LinearTTFT.fit(result.medians.items())
+
+
+def test_the_attention_term_is_kept_only_if_it_predicts_held_out_sizes_better():
+    from engine.calibrate import choose_model
+
+    sizes = [16, 64, 256, 512, 1024, 2048, 3072]
+    curved = {n: 0.02 + 1e-3 * n + 3e-7 * n * n for n in sizes}
+    model, errors = choose_model(curved)
+    assert errors["quadratic"] < errors["line"]
+    assert model.seconds_per_token_sq == pytest.approx(3e-7, rel=1e-3)
+    # Probe: on straight data (with a little bumpiness) the line is kept.
+    straight = {n: (0.02 + 1e-3 * n) * (1.01 if i % 2 else 0.99) for i, n in enumerate(sizes)}
+    model, errors = choose_model(straight)
+    assert model.seconds_per_token_sq == 0.0 and errors["line"] is not None

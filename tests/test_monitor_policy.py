@@ -136,6 +136,44 @@ def test_online_refit_replaces_the_seed():
     assert not math.isnan(online.current.r2)
 
 
+def test_quadratic_fit_recovers_the_attention_term_and_inverts():
+    rng = random.Random(1)
+    truth = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.02, seconds_per_token_sq=2e-7)
+    points = [(n, n * n, truth.predict(n) * (1 + rng.gauss(0, 0.01)))
+              for n in range(64, 4096, 128)]
+    fitted = LinearTTFT.fit_quadratic(points)
+    assert fitted.seconds_per_token_sq == pytest.approx(2e-7, rel=0.1)
+    assert fitted.predict(3000) == pytest.approx(truth.predict(3000), rel=0.02)
+    # Inverse of predict: the most tokens within a time.
+    n = fitted.max_tokens_within(fitted.predict(1500))
+    assert n in (1499, 1500)
+    assert fitted.max_tokens_within(fitted.intercept_s / 2) == 0
+    # A step of two 1000-token prompts costs less attention than one 2000-token prompt.
+    assert truth.predict_step(2000, 2 * 1000 ** 2) < truth.predict(2000)
+
+
+def test_quadratic_fit_without_curvature_is_the_line():
+    points = [(n, n * n, 5e-4 * n + 0.01) for n in (100, 200, 400, 800)]
+    fitted = LinearTTFT.fit_quadratic(points)
+    assert fitted.seconds_per_token_sq == 0.0
+    assert fitted.seconds_per_token == pytest.approx(5e-4)
+
+
+def test_online_refit_keeps_the_attention_term_of_a_quadratic_seed(tmp_path):
+    seed = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.02, seconds_per_token_sq=1e-7)
+    seed.save(tmp_path / "q.json")
+    assert LinearTTFT.load(tmp_path / "q.json") == seed
+    online = OnlineTTFT(LinearTTFT.load(tmp_path / "q.json"), refit_every=6)
+    truth = LinearTTFT(seconds_per_token=2e-3, intercept_s=0.01, seconds_per_token_sq=3e-7)
+    # Mixed steps: (tokens, attention work) of several chunks each.
+    steps = [(300, 90_000), (1200, 700_000), (2500, 3_000_000), (800, 640_000),
+             (4000, 9_000_000), (1600, 1_300_000)]
+    for tokens, attention in steps:
+        online.observe(tokens, truth.predict_step(tokens, attention), attention)
+    assert online.current.seconds_per_token_sq == pytest.approx(3e-7, rel=1e-3)
+    assert online.predict(2000) == pytest.approx(truth.predict(2000), rel=1e-3)
+
+
 def test_a_waiter_whose_slack_covers_the_rest_of_the_step_does_not_preempt():
     """Necessity: preempting only pays when the waiter would miss by waiting for the step."""
     now = 100.0
