@@ -35,7 +35,8 @@ class EngineCore:
                                    self.model.max_model_len, preemption, ttft_seed)
         self.preemption: SLOPreemptionControl | None = None
         if preemption.mid_forward_preemption:
-            self.preemption = SLOPreemptionControl(preemption, self.scheduler)
+            self.preemption = SLOPreemptionControl(preemption, self.scheduler,
+                                                   self.model.hf_config.num_hidden_layers)
             # The monitor and the request reader must get the GIL within a fraction of a layer,
             # not after CPython's default 5 ms switch interval.
             sys.setswitchinterval(0.0005)

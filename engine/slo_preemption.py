@@ -50,9 +50,10 @@ class PreemptionStats:
 
 
 class SLOPreemptionControl:
-    def __init__(self, config: PreemptionConfig, scheduler: Scheduler) -> None:
+    def __init__(self, config: PreemptionConfig, scheduler: Scheduler, num_layers: int) -> None:
         self.config = config
         self.scheduler = scheduler
+        self.num_layers = num_layers
         self.signal = PreemptSignal.create()
         self.monitor = SLOMonitor(self.signal, config.policy, config.margin,
                                   config.monitor_interval_ms / 1000)
@@ -78,18 +79,21 @@ class SLOPreemptionControl:
         held = scheduler.held
         waiting = tuple(view_of(r) for r in scheduler.waiting if r.request_id not in held)
         running: list[RequestView] = []
+        rule1 = self.config.mode != "suspend"  # see Scheduler.preempt_for_slo
         for sr in output.requests:
             request = scheduler.requests[sr.req_id]
             if len(sr.token_ids) > 1:
                 deadline = request.deadline if request.first_token_time is None else None
                 running.append(RequestView(sr.req_id, deadline, request.num_tokens - sr.start_pos,
-                                           slo_preempted=request.num_slo_preemptions > 0))
+                                           slo_preempted=rule1
+                                           and request.num_slo_preemptions > 0))
         self.monitor.publish(MonitorSnapshot(
             step_id=output.step_id, preemptible=output.preemptible, waiting=waiting,
             running=tuple(running), predictor=scheduler.ttft_predictor.current,
             drained_arrivals=drained_arrivals, started_at=time.monotonic(),
             predicted_step_s=scheduler.ttft_predictor.current.predict_step(
-                output.num_scheduled_tokens, output.attention_work)))
+                output.num_scheduled_tokens, output.attention_work),
+            num_layers=self.num_layers))
 
     def on_preempted(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
         unwound_at = time.monotonic()

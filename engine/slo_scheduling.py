@@ -25,6 +25,12 @@ from monitor.policy import request_urgency
 from monitor.predictor import OnlineTTFT
 
 
+# Share of a protected request's time left that the deadline cap leaves unfilled: the predictor
+# errs (10% RMS on held-out prompt sizes for the default model) and a decode over a long context
+# costs far more than the one token the cap counts for it.
+DEADLINE_HEADROOM = 0.25
+
+
 class SlackAwareScheduling:
     config: SchedulerConfig
     kv_cache_manager: KVCacheManager
@@ -113,7 +119,8 @@ class SlackAwareScheduling:
                 continue  # doomed even alone: nothing left to protect
             # As if the step were one prompt: overestimates a mixed step's attention, so the
             # cap errs on the side of the deadline.
-            allowed = min(allowed, max(0, line.max_tokens_within(time_left) - used))
+            usable = time_left * (1 - DEADLINE_HEADROOM)
+            allowed = min(allowed, max(0, line.max_tokens_within(usable) - used))
         return allowed
 
     # ---- mid-forward preemption (DESIGN.md section 4) --------------------------------------
@@ -126,10 +133,15 @@ class SlackAwareScheduling:
         stopped before the first layer finished); None when the victim is gone (or was already
         preempted once: Rule 1), so the step just re-runs.
 
+        Rule 1 exists so that no arrival pattern makes the engine redo work forever. In suspend
+        mode an unwind throws no prefill work away (each chunk resumes where it stopped), so
+        there a victim may be preempted again, and a step holding only earlier victims can
+        still make room for an urgent arrival.
+
         A victim admitted by the rolled-back step itself and not kept is back in the waiting
         queue with no KV: every mode comes to the same thing for it, holding it back."""
         victim = self.requests.get(victim_id)
-        if victim is None or victim.num_slo_preemptions > 0:
+        if victim is None or (mode != "suspend" and victim.num_slo_preemptions > 0):
             return None
         self.urgent_waiter_id = waiter_id
         victim.num_preemptions += 1

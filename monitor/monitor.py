@@ -42,6 +42,9 @@ class MonitorSnapshot:
     # how much of it is left.
     started_at: float = 0.0
     predicted_step_s: float = 0.0
+    # Decoder layers of the model: with the layers done (reported through the signal), the
+    # step's own pace predicts its remaining time better than the predictor does.
+    num_layers: int = 0
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,13 @@ class SLOMonitor:
             self._wake.clear()
             self.check()
 
+    def _step_remaining(self, snapshot: MonitorSnapshot, now: float) -> float:
+        elapsed = now - snapshot.started_at
+        done = self.signal.layers_done(snapshot.step_id)
+        if done > 0 and snapshot.num_layers > done:
+            return elapsed / done * (snapshot.num_layers - done)
+        return max(0.0, snapshot.predicted_step_s - elapsed)
+
     def check(self) -> MonitorDecision | None:
         """One evaluation of the gate against the current snapshot; publishes a decision."""
         snapshot = self._snapshot
@@ -110,7 +120,7 @@ class SLOMonitor:
             return None
         arrivals = self._pending_arrivals(snapshot.drained_arrivals)
         now = time.monotonic()
-        step_remaining = max(0.0, snapshot.predicted_step_s - (now - snapshot.started_at))
+        step_remaining = self._step_remaining(snapshot, now)
         decision = choose_preemption(snapshot.waiting + arrivals, snapshot.running, now,
                                      snapshot.predictor.predict, self.policy, self.margin,
                                      step_remaining_s=step_remaining)

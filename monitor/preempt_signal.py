@@ -5,7 +5,11 @@ attention-op boundary of a preemptible step. The signal is a step id, never a bo
 only grow, so a value written for step N can never stop step N+1 (DESIGN.md section 5).
 
 Layout (little-endian): int64 target step id | uint8 len + 63 bytes victim id |
-uint8 len + 63 bytes waiter id | float64 decision time (time.monotonic()).
+uint8 len + 63 bytes waiter id | float64 decision time (time.monotonic()) | int64 progress.
+
+The progress word goes the other way: the rank running a preemptible step writes
+`step_id * 1024 + layer` at every attention-op boundary (one store, so a reader never sees a
+step id with another step's layer), and the monitor reads how far the step has got.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from multiprocessing import resource_tracker, shared_memory
 
 _ID_BYTES = 64
 _LAYOUT = struct.Struct(f"<q{_ID_BYTES}s{_ID_BYTES}sd")
+_PROGRESS_AT = -(-_LAYOUT.size // 8) * 8  # int64-aligned
+_MAX_LAYERS = 1024
 NO_TARGET = -1
 
 
@@ -34,10 +40,11 @@ class PreemptSignal:
         self._owner = owner
         # A one-element int64 view: reading the target is one memory load on the hot path.
         self._target = shm.buf[:8].cast("q")
+        self._progress = shm.buf[_PROGRESS_AT:_PROGRESS_AT + 8].cast("q")
 
     @classmethod
     def create(cls) -> PreemptSignal:
-        shm = shared_memory.SharedMemory(create=True, size=_LAYOUT.size)
+        shm = shared_memory.SharedMemory(create=True, size=_PROGRESS_AT + 8)
         signal = cls(shm, owner=True)
         signal.publish(NO_TARGET, "", "", 0.0)
         return signal
@@ -78,7 +85,18 @@ class PreemptSignal:
         step_id, victim, waiter, decided_at = _LAYOUT.unpack(bytes(self._shm.buf[:_LAYOUT.size]))
         return step_id, _unpack_id(victim), _unpack_id(waiter), decided_at
 
+    def report_progress(self, step_id: int, layer: int) -> None:
+        """The step's pass reached the attention op of `layer` (layers before it are done)."""
+        if layer < _MAX_LAYERS:
+            self._progress[0] = step_id * _MAX_LAYERS + layer
+
+    def layers_done(self, step_id: int) -> int:
+        """How many layers of `step_id` are done (0 when it has not reported yet)."""
+        word = self._progress[0]
+        return word % _MAX_LAYERS if word // _MAX_LAYERS == step_id else 0
+
     def close(self) -> None:
+        self._progress.release()
         self._target.release()
         self._shm.close()
         if self._owner:

@@ -348,3 +348,54 @@ def test_rule1_adversarial_urgent_stream_cannot_preempt_anyone_twice(model: str)
         assert all(r.is_finished for r in requests.values())
     finally:
         engine.shutdown()
+
+
+def test_suspend_lifts_rule1_and_the_same_stream_wastes_no_prefill_work(model: str) -> None:
+    """An adversarial stream in suspend mode: every long step brings a new urgent request and
+    the only long request is the only possible victim. It is preempted again and again (Rule 1
+    is lifted: its chunk resumes where it stopped), yet no prompt token goes through a layer
+    twice, every unwind answers an arrival, and everything finishes with unchanged outputs."""
+    prompts = {"long": _prompt(LONG_PROMPT, seed=20)}
+    urgents = {f"urgent{i}": _prompt(30, seed=40 + i) for i in range(4)}
+    expected = _reference_outputs(model, {**prompts, **urgents})
+
+    engine = _engine(model, preempt_policy="aggressive", slo_preempt_mode="suspend")
+    try:
+        requests = {"long": _request("long", prompts["long"], slo_ms=60_000)}
+        engine.add_request(requests["long"])
+        pending = list(urgents.items())
+        runner = engine.executor.runner
+        fired: set[int] = set()
+
+        def arrive_once_per_long_step(_module, args) -> None:
+            # The first layer of a step where the long chunk is in the batch (a resumed chunk
+            # joins at the layer its pass stopped at).
+            step = runner.vote.step_id if runner.vote is not None else -1
+            if args[1].shape[0] >= 200 and pending and step not in fired:
+                fired.add(step)
+                req_id, prompt = pending.pop(0)
+                requests[req_id] = _request(req_id, prompt, slo_ms=URGENT_SLO_MS)
+                threading.Thread(target=engine.submit_request, args=(requests[req_id],)).start()
+
+        for layer in runner.model.model.layers[1:5]:
+            layer.register_forward_pre_hook(arrive_once_per_long_step)
+        tokens_per_layer = _count_tokens_per_layer(engine)
+        _run(engine)
+
+        events = engine.preemption.events
+        num_arrivals = len(urgents) - len(pending)
+        assert 2 <= len(events) <= num_arrivals
+        # Probe: Rule 1 is lifted, the long request was the victim more than once.
+        assert requests["long"].num_slo_preemptions >= 2
+        assert all(e.applied == "suspend" for e in events)
+        # Rows that went through layer 0 more often than through the last layer are exactly
+        # the work the unwinds threw away: only decodes (one row each), no prompt tokens.
+        rerun = tokens_per_layer[0] - tokens_per_layer[-1]
+        assert rerun == sum(e.wasted_tokens for e in events)
+        assert rerun <= len(events) * len(requests)
+        assert {k: r.output_token_ids for k, r in requests.items()} == {
+            k: expected[k] for k in requests}
+        assert all(r.is_finished for r in requests.values())
+        assert len(runner.suspended) == 0
+    finally:
+        engine.shutdown()

@@ -185,3 +185,34 @@ def test_a_waiter_whose_slack_covers_the_rest_of_the_step_does_not_preempt():
     assert decision is not None and decision.victim_id == "r"
     # Without the step's remaining time the gate is the priority comparison alone.
     assert choose_preemption([waiter], running, now, predict) is not None
+
+
+def test_the_steps_own_pace_reveals_that_it_runs_longer_than_predicted():
+    """The predictor says the step is over (predicted 1 s, 2 s elapsed); the rank reports 20 of
+    30 layers done, so 1 s is left, more than the waiter's slack: the monitor fires. Paired
+    probe: without a progress report it trusts the prediction and waits."""
+    import time
+
+    from monitor.monitor import MonitorSnapshot, SLOMonitor
+    from monitor.preempt_signal import PreemptSignal
+
+    signal = PreemptSignal.create()
+    try:
+        monitor = SLOMonitor(signal)  # not started: check() is called directly
+        now = time.monotonic()
+        waiter = RequestView("w", deadline=now + 0.6, remaining_prefill_tokens=100)
+        running = RequestView("r", deadline=now + 60.0, remaining_prefill_tokens=3000)
+        line = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.0)
+        snapshot = MonitorSnapshot(step_id=7, preemptible=True, waiting=(waiter,),
+                                   running=(running,), predictor=line, started_at=now - 2.0,
+                                   predicted_step_s=1.0, num_layers=30)
+        monitor.publish(snapshot)
+        assert monitor.check() is None
+        signal.report_progress(6, 29)  # another step's progress is ignored
+        assert signal.layers_done(7) == 0 and monitor.check() is None
+        signal.report_progress(7, 20)
+        decision = monitor.check()
+        assert decision is not None and decision.decision.waiter_id == "w"
+        assert signal.target_step_id == 7
+    finally:
+        signal.close()

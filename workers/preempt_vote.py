@@ -68,6 +68,9 @@ class PreemptVote:
         return layer / self.num_layers <= self.stubborn_fraction
 
     def __call__(self, layer: int) -> None:
+        if self.signal is not None:
+            # How far the step got: the monitor's estimate of the time it has left.
+            self.signal.report_progress(self.step_id, layer)
         if self.cpu_group is None:
             if self._local_vote(layer):
                 raise StepPreempted(self.step_id, layer)
