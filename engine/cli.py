@@ -49,7 +49,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--monitor-interval-ms", type=float, default=2.0,
                    help="the monitor's poll interval (it also wakes on arrivals and finishes)")
     p.add_argument("--slo-preempt-mode", choices=["recompute", "pause", "suspend"],
-                   default="pause",
+                   default="suspend",
                    help="recompute frees the victim's KV; pause keeps its earlier chunks; "
                         "suspend also keeps the stopped pass's work and resumes it at its layer")
     p.add_argument("--ttft-model", default=None, metavar="FILE",

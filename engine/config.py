@@ -70,7 +70,9 @@ class PreemptionConfig:
     # Steps with fewer prefill tokens do not vote: they end sooner than a preemption pays off.
     min_tokens: int = 128
     monitor_interval_ms: float = 2.0
-    mode: SLOPreemptMode = "pause"
+    # suspend: zero wasted prefill work (the stopped pass resumes at its layer); pause and
+    # recompute are the simpler modes of DESIGN.md section 4.
+    mode: SLOPreemptMode = "suspend"
     # JSON line from `sloserve calibrate`; None: fit online from the engine's own steps.
     ttft_model: str | None = None
     # TP ranks [0, n) read the shared-memory signal; the others vote 0 and learn the outcome
@@ -138,7 +140,7 @@ def build_engine_config(model: str, *, dtype: str = "auto", max_model_len: int |
                         mid_forward_preemption: bool = True,
                         preempt_policy: str = "conservative", preempt_margin: float = 1.2,
                         stubborn_fraction: float = 0.9, preempt_min_tokens: int = 128,
-                        monitor_interval_ms: float = 2.0, slo_preempt_mode: str = "pause",
+                        monitor_interval_ms: float = 2.0, slo_preempt_mode: str = "suspend",
                         ttft_model: str | None = None) -> EngineConfig:
     """The flat engine arguments (as vLLM names them) grouped into an EngineConfig."""
     return EngineConfig(

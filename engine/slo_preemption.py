@@ -120,7 +120,7 @@ class SLOPreemptionControl:
         wasted = output.num_scheduled_tokens - kept_tokens
         scheduler.num_scheduled_tokens_total -= kept_tokens
         self.stats.wasted_tokens += wasted
-        self.stats.wasted_layers += layer
+        self.stats.wasted_layers += layer if wasted else 0
         self.stats.unreported_latencies_s.append(latency)
         self.events.append(PreemptionEvent(output.step_id, layer, runner_output.unwound_layers,
                                            victim_id, waiter_id, applied, latency, wasted,

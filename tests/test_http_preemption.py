@@ -3,7 +3,6 @@ response metrics show the SLO met, the victim's show one preemption, and /metric
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 
@@ -68,9 +67,10 @@ def test_slo_header_preempts_a_long_prefill(tiny_model, tmp_path, monkeypatch) -
 
             text = http.get("/metrics").text
             assert _metric(text, "sloserve:num_preemptions_total", reason="slo") == 1
-            assert _metric(text, "sloserve:preempt_wasted_tokens_total") == LONG_PROMPT
             assert _metric(text, "sloserve:preempt_latency_seconds_count") == 1
-            assert re.search(r"sloserve:preempt_wasted_layers_total\S* [1-7]\.0", text), text
+            # The default suspend mode kept the stopped pass: nothing was thrown away.
+            assert _metric(text, "sloserve:preempt_wasted_tokens_total") == 0
+            assert _metric(text, "sloserve:preempt_wasted_layers_total") == 0
         server.assert_clean_stop()
     finally:
         server.kill()

@@ -314,7 +314,7 @@ def test_rule1_adversarial_urgent_stream_cannot_preempt_anyone_twice(model: str)
     urgents = {f"urgent{i}": _prompt(30, seed=40 + i) for i in range(8)}
     expected = _reference_outputs(model, {**longs, **urgents})
 
-    engine = _engine(model, preempt_policy="aggressive")
+    engine = _engine(model, preempt_policy="aggressive", slo_preempt_mode="pause")
     try:
         requests = {k: _request(k, p, slo_ms=50_000 + 10_000 * i)
                     for i, (k, p) in enumerate(longs.items())}
