@@ -1,0 +1,56 @@
+"""Triton kernel: write a step's new keys and values into the paged KV cache by slot mapping.
+
+Same contract as `kernels.torch_attention.write_kv_cache`: key/value [T, Hkv, D], caches
+[num_blocks, block_size, Hkv, D], slot_mapping [T] int64 (a negative slot is skipped, as a
+padding token would be). One program per (token, KV head) copies one head vector; D need not be
+a power of two (head sizes 64, 80, 96, 128), so the lane mask covers the tail.
+
+Runs compiled on CUDA, and on CPU under Triton's interpreter (TRITON_INTERPRET=1) for tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
+                     stride_t, stride_h, cache_stride_slot, cache_stride_h,
+                     head_dim, BLOCK_D: tl.constexpr):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(slot_ptr + token)
+    if slot >= 0:
+        offs = tl.arange(0, BLOCK_D)
+        lanes = offs < head_dim
+        src = token * stride_t + head * stride_h + offs
+        dst = slot * cache_stride_slot + head * cache_stride_h + offs
+        tl.store(key_cache_ptr + dst, tl.load(key_ptr + src, mask=lanes), mask=lanes)
+        tl.store(value_cache_ptr + dst, tl.load(value_ptr + src, mask=lanes), mask=lanes)
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if key.shape != value.shape:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
+    if key_cache.shape[2:] != (num_kv_heads, head_dim) or key_cache.shape != value_cache.shape:
+        raise ValueError(f"caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)} do not "
+                         f"hold [*, *, {num_kv_heads}, {head_dim}] heads")
+    if key_cache.dtype != key.dtype:
+        raise ValueError(f"cache dtype {key_cache.dtype} differs from the new keys' {key.dtype}")
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping has shape {tuple(slot_mapping.shape)}, expected "
+                         f"({num_tokens},)")
+    if num_tokens == 0:
+        return
+    key, value = key.contiguous(), value.contiguous()
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("the KV caches must be contiguous")
+    grid = (num_tokens, num_kv_heads)
+    _write_kv_kernel[grid](key, value, key_cache, value_cache, slot_mapping,
+                           key.stride(0), key.stride(1),
+                           num_kv_heads * head_dim, head_dim,
+                           head_dim, BLOCK_D=triton.next_power_of_2(head_dim))
