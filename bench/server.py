@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -24,17 +24,36 @@ _FLAGS = {"dtype": "--dtype", "num_kv_blocks": "--num-kv-blocks",
           "preempt_min_tokens": "--preempt-min-tokens"}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_until_healthy(proc: subprocess.Popen, url: str, timeout_s: float,
+                       log: Callable[[], str], poll_s: float = 0.2) -> None:
+    """Returns once `url`/health answers 200; RuntimeError with the server's log if the process
+    exits first or the timeout passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"sloserve serve exited with {proc.returncode} during "
+                               f"startup:\n{log()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"sloserve serve not healthy after {timeout_s} s:\n{log()}")
+        time.sleep(poll_s)
 
 
 @contextmanager
 def serve(policy: PolicySpec, budget: int, model: str, startup_timeout_s: float = 300.0,
           **engine_overrides: Any) -> Iterator[str]:
     """Yields the base URL of a server running `policy` at `budget`; stops it afterwards."""
-    port = _free_port()
+    port = free_port()
     args = [sys.executable, "-m", "engine.cli", "serve", "--model", model, "--port", str(port),
             "--max-num-batched-tokens", str(budget), "--log-level", "warning",
             *policy.serve_args()]
@@ -50,21 +69,13 @@ def serve(policy: PolicySpec, budget: int, model: str, startup_timeout_s: float 
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     url = f"http://127.0.0.1:{port}"
+
+    def log_tail() -> str:
+        log.seek(0)
+        return log.read().decode(errors="replace")[-3000:]
+
     try:
-        deadline = time.monotonic() + startup_timeout_s
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"sloserve serve exited with {proc.returncode}:\n"
-                                   f"{log.read().decode(errors='replace')[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"sloserve serve not healthy after {startup_timeout_s} s")
-            time.sleep(0.2)
+        wait_until_healthy(proc, url, startup_timeout_s, log_tail)
         yield url
     finally:
         if proc.poll() is None:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterable
 
 from engine.block_pool import KVBlock
-from engine.config import CacheConfig, PreemptionConfig, SchedulerConfig
+from engine.config import CacheConfig, PreemptionConfig, SchedulerConfig, SLOPreemptMode
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.outputs import SchedulerStats
@@ -75,7 +75,9 @@ class Scheduler(SlackAwareScheduling):
         self.held: set[str] = set()
         # The waiter a mid-forward preemption made room for: admitted first by the next step.
         self.urgent_waiter_id: str | None = None
-        self.slo_preempt_mode = preemption.mode if preemption is not None else "pause"
+        # What a mid-forward preemption does to its victim (DESIGN.md section 4).
+        self.slo_preempt_mode: SLOPreemptMode = (preemption.mode if preemption is not None
+                                                 else "pause")
         # Suspended passes (suspend mode): request id -> (start_pos, tokens) of the chunk whose
         # activations the workers hold; it resumes whole or not at all.
         self.suspended: dict[str, tuple[int, int]] = {}

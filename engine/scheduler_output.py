@@ -12,6 +12,7 @@ import enum
 import msgspec
 
 from engine.sampling_params import SamplingParams
+from monitor.predictor import attention_work
 
 
 class ScheduledRequest(msgspec.Struct, kw_only=True):
@@ -49,8 +50,7 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     @property
     def attention_work(self) -> int:
         """The step's quadratic cost feature (see monitor.predictor.attention_work)."""
-        return sum(len(r.token_ids) * (2 * r.start_pos + len(r.token_ids))
-                   for r in self.requests)
+        return attention_work((r.start_pos, len(r.token_ids)) for r in self.requests)
 
     @property
     def is_empty(self) -> bool:

@@ -79,14 +79,12 @@ class SLOPreemptionControl:
         held = scheduler.held
         waiting = tuple(view_of(r) for r in scheduler.waiting if r.request_id not in held)
         running: list[RequestView] = []
-        rule1 = self.config.mode != "suspend"  # see Scheduler.preempt_for_slo
         for sr in output.requests:
             request = scheduler.requests[sr.req_id]
             if len(sr.token_ids) > 1:
                 deadline = request.deadline if request.first_token_time is None else None
                 running.append(RequestView(sr.req_id, deadline, request.num_tokens - sr.start_pos,
-                                           slo_preempted=rule1
-                                           and request.num_slo_preemptions > 0))
+                                           slo_preempted=scheduler.protected_by_rule1(request)))
         self.monitor.publish(MonitorSnapshot(
             step_id=output.step_id, preemptible=output.preemptible, waiting=waiting,
             running=tuple(running), predictor=scheduler.ttft_predictor.current,
@@ -110,7 +108,7 @@ class SLOPreemptionControl:
         scheduler.rollback(record, keep=kept)
         applied: SLOPreemptMode | None = None
         if target == output.step_id:
-            applied = scheduler.preempt_for_slo(victim_id, waiter_id, self.config.mode)
+            applied = scheduler.preempt_for_slo(victim_id, waiter_id)
         scheduler.drop_suspensions([i for i in suspended if i not in scheduler.suspended])
         latency = max(0.0, unwound_at - decided_at)
         layer = runner_output.preempted_layer or 0

@@ -42,6 +42,7 @@ class SlackAwareScheduling:
     urgent_waiter_id: str | None
     num_slo_preemptions: int
     suspended: dict[str, tuple[int, int]]
+    slo_preempt_mode: SLOPreemptMode
     unneeded_suspensions: list[str]
 
     if TYPE_CHECKING:
@@ -125,8 +126,7 @@ class SlackAwareScheduling:
 
     # ---- mid-forward preemption (DESIGN.md section 4) --------------------------------------
 
-    def preempt_for_slo(self, victim_id: str, waiter_id: str,
-                        mode: SLOPreemptMode) -> SLOPreemptMode | None:
+    def preempt_for_slo(self, victim_id: str, waiter_id: str) -> SLOPreemptMode | None:
         """Apply the monitor's preemption after the step was rolled back. Returns the mode
         applied: "pause" and "suspend" fall back to "recompute" under KV pressure, and
         "suspend" to "pause" when the rollback kept no suspended chunk of the victim (its pass
@@ -141,8 +141,9 @@ class SlackAwareScheduling:
         A victim admitted by the rolled-back step itself and not kept is back in the waiting
         queue with no KV: every mode comes to the same thing for it, holding it back."""
         victim = self.requests.get(victim_id)
-        if victim is None or (mode != "suspend" and victim.num_slo_preemptions > 0):
+        if victim is None or self.protected_by_rule1(victim):
             return None
+        mode = self.slo_preempt_mode
         self.urgent_waiter_id = waiter_id
         victim.num_preemptions += 1
         victim.num_slo_preemptions += 1
@@ -160,6 +161,11 @@ class SlackAwareScheduling:
         victim.num_computed_tokens = 0
         self.waiting.prepend(victim)
         return "recompute"
+
+    def protected_by_rule1(self, request: Request) -> bool:
+        """Rule 1: a request the monitor preempted once is never its victim again, except in
+        suspend mode (see preempt_for_slo)."""
+        return self.slo_preempt_mode != "suspend" and request.num_slo_preemptions > 0
 
     def drop_suspensions(self, req_ids: list[str]) -> None:
         """These suspended chunks will not resume: the workers free them with the next step."""

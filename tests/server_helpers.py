@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,13 +14,9 @@ from pathlib import Path
 
 import httpx
 
+from bench.server import free_port, wait_until_healthy
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- the process tree ---------------------------------------------------------------------------
@@ -115,18 +110,10 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")[-tail:]
 
     def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode} during "
-                                     f"startup:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"server not healthy after {timeout} s:\n{self.log()}")
+        try:
+            wait_until_healthy(self.proc, self.url, timeout, self.log, poll_s=0.1)
+        except RuntimeError as exc:
+            raise AssertionError(str(exc)) from exc
 
     def stats(self) -> dict:
         response = httpx.get(f"{self.url}/debug/stats", timeout=5.0)

@@ -30,9 +30,6 @@ class SuspendedChunks:
     def __len__(self) -> int:
         return len(self._chunks)
 
-    def __contains__(self, req_id: str) -> bool:
-        return req_id in self._chunks
-
     def free(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
             self._chunks.pop(req_id, None)
@@ -78,10 +75,6 @@ class SuspendedChunks:
                 continue
             suspended.append(request.req_id)
         return suspended
-
-    def nbytes(self) -> int:
-        return sum(c.join.hidden_states.nbytes + c.join.residual.nbytes
-                   for c in self._chunks.values())
 
 
 __all__ = ["SuspendedChunk", "SuspendedChunks"]

@@ -241,7 +241,6 @@ class LlamaForCausalLM(nn.Module):
             first_layer = 0
         meta = attn_meta.without_last_prefills(len(pending))
         attention_op = self.attention_op
-        layer_idx = first_layer
         try:
             for layer_idx in range(first_layer, self.num_layers):
                 if pending and pending[0].layer == layer_idx:
