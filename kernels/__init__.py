@@ -1,5 +1,7 @@
-"""Paged attention kernels: a PyTorch reference for the CPU; Triton kernels for CUDA (later)."""
+"""Paged attention and fused layer kernels: a PyTorch reference for the CPU, Triton for CUDA."""
 
 from kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
+from kernels.backend import KernelBackend, select_backend
 
-__all__ = ["AttentionMetadata", "paged_attention", "write_kv_cache"]
+__all__ = ["AttentionMetadata", "KernelBackend", "paged_attention", "select_backend",
+           "write_kv_cache"]

@@ -8,19 +8,19 @@ A step's batch is flattened (no padding): the first ``num_decodes`` tokens are d
 token each, attending over their whole cached context), followed by prefill chunks (each causal
 within the chunk and attending fully over its cached prefix).
 
-Only the PyTorch reference (``kernels.torch_attention``) exists today; CUDA will map to Triton
-kernels with the same signatures, so callers never import an implementation module directly.
+Implementations: the PyTorch reference (``kernels.torch_attention``, the CPU default) and Triton
+kernels (``kernels.triton_cache`` / ``kernels.triton_attention``, the CUDA default), chosen by
+``kernels.backend.select_backend``; callers never import an implementation module directly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any
 
 import torch
 
-from kernels import torch_attention
+from kernels.backend import select_backend
 
 
 @dataclass
@@ -59,15 +59,10 @@ class AttentionMetadata:
             prefill_block_tables=self.prefill_block_tables[:kept])
 
 
-def _implementation(device: torch.device) -> ModuleType:
-    # CUDA will get Triton kernels here; until then the reference runs everywhere (slowly on GPU).
-    return torch_attention
-
-
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                    value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store this step's keys/values ([num_tokens, num_kv_heads, head_dim]) at their slots."""
-    _implementation(key.device).write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    select_backend(key.device).write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -75,5 +70,5 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Attention for a flattened mixed batch. query [T, Hq, D]; key/value [T, Hkv, D] are this
     step's new K/V (already written to the cache). Returns [T, Hq, D]. GQA: Hq % Hkv == 0."""
-    return _implementation(query.device).paged_attention(
+    return select_backend(query.device).paged_attention(
         query, key, value, key_cache, value_cache, meta, scale)

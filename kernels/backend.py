@@ -1,0 +1,76 @@
+"""Which kernels run: the PyTorch reference on CPU, Triton on CUDA, or either when forced.
+
+``select_backend(device, requested)`` resolves a request ("auto", "torch" or "triton"; "auto"
+defers to the ``SLOSERVE_ATTENTION_BACKEND`` environment variable, then to the device) into the
+functions a model calls. Triton modules are imported only when chosen: importing one decorates
+its kernels, and Triton decides then whether they run compiled or in its interpreter, so a CPU
+process that forces Triton must have ``TRITON_INTERPRET=1`` set before that first import.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+BACKEND_ENV = "SLOSERVE_ATTENTION_BACKEND"
+BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    name: str
+    # See kernels.attention for the contracts.
+    write_kv_cache: Callable[..., None]
+    paged_attention: Callable[..., torch.Tensor]
+    # Fused replacements for workers.layers' RMSNorm arithmetic and apply_rotary (same
+    # contracts), or None where the PyTorch layers are used as they are.
+    rms_norm: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]] | None = None
+    apply_rotary: Callable[..., torch.Tensor] | None = None
+
+
+_CACHE: dict[str, KernelBackend] = {}
+
+
+def resolve_backend_name(device: torch.device | str, requested: str = "auto") -> str:
+    """"torch" or "triton" for this device; ValueError for an unknown name or a Triton request
+    that cannot run here."""
+    if requested not in BACKENDS:
+        raise ValueError(f"attention backend: unknown {requested!r}; choose one of "
+                         f"{', '.join(BACKENDS)}")
+    device = torch.device(device)
+    name = requested
+    if name == "auto":
+        name = os.environ.get(BACKEND_ENV, "auto") or "auto"
+        if name not in BACKENDS:
+            raise ValueError(f"{BACKEND_ENV}={name!r} is not one of {', '.join(BACKENDS)}")
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"attention backend 'triton' on device {device.type!r} needs Triton's "
+                         f"interpreter: set TRITON_INTERPRET=1 in the environment before start")
+    return name
+
+
+def select_backend(device: torch.device | str, requested: str = "auto") -> KernelBackend:
+    name = resolve_backend_name(device, requested)
+    if name not in _CACHE:
+        _CACHE[name] = _load(name)
+    return _CACHE[name]
+
+
+def _load(name: str) -> KernelBackend:
+    if name == "torch":
+        from kernels import torch_attention
+
+        return KernelBackend("torch", torch_attention.write_kv_cache,
+                             torch_attention.paged_attention)
+    cache = importlib.import_module("kernels.triton_cache")
+    attention = importlib.import_module("kernels.triton_attention")
+    norm = importlib.import_module("kernels.triton_norm")
+    rotary = importlib.import_module("kernels.triton_rotary")
+    return KernelBackend("triton", cache.write_kv_cache, attention.paged_attention,
+                         norm.rms_norm, rotary.apply_rotary)

@@ -1,0 +1,311 @@
+"""Triton paged attention for a flattened mixed batch (the CUDA implementation).
+
+Same contract as `kernels.torch_attention.paged_attention`: decodes first, then prefill chunks,
+K/V read from the paged cache through block tables (this step's new K/V are already written
+there, so the kernel never looks at ``key``/``value``).
+
+One kernel serves both kinds of query. A program owns one KV head and a tile of query rows; a row
+is a (query token, query head of that KV head's group) pair, so GQA packs the group's heads into
+the tile's rows and each K/V tile loaded feeds all of them. The program walks its sequence's
+context in tiles of keys, looking each key's block up in the block table, and keeps an online
+softmax in float32 (base 2). A query token at position p sees keys 0..p: within a prefill chunk
+that is causal, over the cached prefix it is full, and a decode sees its whole context.
+
+The batch is launched twice with different tile shapes: decodes with one query token per tile
+(the rows are just the group's heads), prefill chunks with many tokens per tile so that each K/V
+tile read is reused by many rows. Decodes over long contexts with few (sequence, KV head) pairs
+cannot fill a GPU, so their context is split across programs (flash-decoding): each split writes
+a normalized partial output and its log-sum-exp, and a second kernel merges them.
+
+Runs compiled on CUDA, and on CPU under Triton's interpreter (TRITON_INTERPRET=1) for tests.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+if TYPE_CHECKING:
+    from kernels.attention import AttentionMetadata
+
+_LOG2E = 1.4426950408889634
+# Keys per inner-loop tile. Independent of the KV block size: every key looks its block up.
+_DECODE_TILE_N = 32
+_PREFILL_TILE_N = 64
+# Query rows per prefill program (tokens x group heads, padded to a power of two).
+_PREFILL_BLOCK_M = 64
+# A decode split covers at least this many keys: shorter ones cost more to merge than they save.
+_MIN_SPLIT_KEYS = 256
+
+
+@triton.jit
+def _paged_attention_kernel(
+        out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr,
+        tile_seq_ptr, tile_query_offset_ptr, query_start_ptr, query_len_ptr, context_len_ptr,
+        partial_out_ptr, partial_lse_ptr,
+        qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+        cache_stride_block, cache_stride_slot, cache_stride_head, head_dim, split_len,
+        GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+        TILE_N: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(tile_seq_ptr + tile)
+    query_offset = tl.load(tile_query_offset_ptr + tile)
+    query_start = tl.load(query_start_ptr + seq)
+    query_len = tl.load(query_len_ptr + seq)
+    context_len = tl.load(context_len_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    token = query_offset + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < BLOCK_Q * GROUP) & (token < query_len)
+    # Absolute position of each row's token: the chunk is the last query_len of the context.
+    position = context_len - query_len + token
+    dims = tl.arange(0, HEAD_PAD)
+    dim_valid = dims < head_dim
+
+    q_offsets = (query_start + token)[:, None] * stride_qt + head[:, None] * stride_qh \
+        + dims[None, :]
+    q = tl.load(query_ptr + q_offsets, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    if DOT_UPCAST:
+        q = q.to(tl.float32)
+
+    # Keys past the tile's last token are invisible to every row of it.
+    last_token = tl.minimum(query_offset + BLOCK_Q, query_len)
+    kv_end = context_len - query_len + last_token
+    kv_lo = split * split_len
+    kv_hi = kv_end
+    if NUM_SPLITS > 1:
+        kv_hi = tl.minimum(kv_end, kv_lo + split_len)
+
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    for start in range(kv_lo, kv_hi, TILE_N):
+        keys = start + tl.arange(0, TILE_N)
+        key_valid = keys < kv_hi
+        block = tl.load(table + keys // BLOCK_SIZE, mask=key_valid, other=0)
+        kv_offsets = (block * cache_stride_block + (keys % BLOCK_SIZE) * cache_stride_slot
+                      + kv_head * cache_stride_head)[:, None] + dims[None, :]
+        kv_mask = key_valid[:, None] & dim_valid[None, :]
+        k = tl.load(key_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        if DOT_UPCAST:
+            k = k.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        visible = (keys[None, :] <= position[:, None]) & key_valid[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        # A row that has seen no visible key yet keeps -inf; shift it by 0 instead (no NaN).
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        probs = tl.exp2(scores - shift[:, None])
+        rescale = tl.exp2(row_max - shift)
+        row_sum = row_sum * rescale + tl.sum(probs, 1)
+        v = tl.load(value_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        # The probabilities are rounded to the cache dtype for the tensor cores either way.
+        probs = probs.to(v.dtype)
+        if DOT_UPCAST:
+            probs, v = probs.to(tl.float32), v.to(tl.float32)
+        acc = acc * rescale[:, None] + tl.dot(probs, v, input_precision=DOT_PRECISION)
+        row_max = new_max
+
+    safe_sum = tl.where(row_sum == 0.0, 1.0, row_sum)
+    result = acc / safe_sum[:, None]
+    if NUM_SPLITS == 1:
+        o_offsets = (query_start + token)[:, None] * stride_ot + head[:, None] * stride_oh \
+            + dims[None, :]
+        tl.store(out_ptr + o_offsets, result.to(out_ptr.dtype.element_ty),
+                 mask=row_valid[:, None] & dim_valid[None, :])
+    else:
+        # Partials are [token, head, split, HEAD_PAD] float32 and lse [token, head, split], in
+        # base 2; a split that saw no key has lse -inf and weighs nothing in the merge.
+        lse = tl.where(row_sum == 0.0, float("-inf"), row_max + tl.log2(safe_sum))
+        entry = ((query_start + token) * (tl.num_programs(1) * GROUP) + head) * NUM_SPLITS + split
+        tl.store(partial_lse_ptr + entry, lse, mask=row_valid)
+        tl.store(partial_out_ptr + entry[:, None] * HEAD_PAD + dims[None, :], result,
+                 mask=row_valid[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(out_ptr, partial_out_ptr, partial_lse_ptr, stride_ot, stride_oh,
+                         num_heads, head_dim, NUM_SPLITS: tl.constexpr,
+                         SPLITS_PAD: tl.constexpr, HEAD_PAD: tl.constexpr):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_PAD)
+    entry = (token * num_heads + head) * NUM_SPLITS + splits
+    lse = tl.load(partial_lse_ptr + entry, mask=splits < NUM_SPLITS, other=float("-inf"))
+    weights = tl.exp2(lse - tl.max(lse, 0))
+    weights = weights / tl.sum(weights, 0)
+    partial = tl.load(partial_out_ptr + entry[:, None] * HEAD_PAD + dims[None, :],
+                      mask=(splits < NUM_SPLITS)[:, None], other=0.0)
+    result = tl.sum(partial * weights[:, None], 0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, result.to(out_ptr.dtype.element_ty),
+             mask=dims < head_dim)
+
+
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, *,
+                    num_kv_splits: int | None = None) -> torch.Tensor:
+    """See `kernels.attention.paged_attention`. ``num_kv_splits`` fixes how many programs share
+    each decode's context (default: chosen from the device's size and the batch)."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    _check_inputs(query, key_cache, value_cache, meta, num_tokens, num_heads, num_kv_heads,
+                  head_dim, cache_head_dim)
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    launch = _Launch(query, key_cache, value_cache, out, scale, num_heads // num_kv_heads,
+                     block_size)
+    if meta.num_decodes > 0:
+        splits = num_kv_splits or _default_splits(meta, num_kv_heads, block_size, query.device)
+        launch.decodes(meta, splits)
+    if meta.prefill_query_lens:
+        launch.prefills(meta)
+    return out
+
+
+class _Launch:
+    """The arguments every launch of one call shares."""
+
+    def __init__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 out: torch.Tensor, scale: float, group: int, block_size: int) -> None:
+        self.query, self.key_cache, self.value_cache, self.out = query, key_cache, value_cache, out
+        self.group, self.block_size = group, block_size
+        self.num_kv_heads, self.head_dim = key_cache.shape[2], key_cache.shape[3]
+        self.head_pad = max(16, triton.next_power_of_2(self.head_dim))
+        self.scale = scale * _LOG2E
+        self.precision = "ieee" if query.dtype == torch.float32 else "tf32"
+        # Triton's interpreter multiplies bfloat16 bit patterns in tl.dot (unsupported upstream,
+        # triton-lang/triton#11584), so there the operands are upcast after the same rounding;
+        # bf16 products are exact in float32, so only the summation order can differ.
+        self.upcast = query.dtype == torch.bfloat16 and _interpreting()
+
+    def decodes(self, meta: AttentionMetadata, splits: int) -> None:
+        n = meta.num_decodes
+        device = self.query.device
+        plan = meta.derived.get("triton_decode")
+        if plan is None:
+            seqs = torch.arange(n, dtype=torch.long, device=device)
+            plan = (seqs, torch.zeros_like(seqs), torch.ones_like(seqs))
+            meta.derived["triton_decode"] = plan
+        seqs, zeros, ones = plan
+        tables = meta.decode_block_tables
+        # The padded tables bound the longest context without reading it back from the device.
+        split_len = -(-tables.shape[1] * self.block_size // splits)
+        split_len = -(-split_len // _DECODE_TILE_N) * _DECODE_TILE_N
+        block_m = max(16, triton.next_power_of_2(self.group))
+        partial_out = partial_lse = self.out  # unused unless split
+        if splits > 1:
+            heads = self.num_kv_heads * self.group
+            partial_out = torch.empty((n, heads, splits, self.head_pad), dtype=torch.float32,
+                                      device=device)
+            partial_lse = torch.empty((n, heads, splits), dtype=torch.float32, device=device)
+        self._run(tables, seqs, zeros, seqs, ones, meta.decode_context_lens, partial_out,
+                  partial_lse, split_len, block_q=1, block_m=block_m, tile_n=_DECODE_TILE_N,
+                  splits=splits)
+        if splits > 1:
+            _merge_splits_kernel[(n, self.num_kv_heads * self.group)](
+                self.out, partial_out, partial_lse, self.out.stride(0), self.out.stride(1),
+                self.num_kv_heads * self.group, self.head_dim, NUM_SPLITS=splits,
+                SPLITS_PAD=triton.next_power_of_2(splits), HEAD_PAD=self.head_pad)
+
+    def prefills(self, meta: AttentionMetadata) -> None:
+        block_m = max(_PREFILL_BLOCK_M, triton.next_power_of_2(self.group))
+        block_q = block_m // self.group
+        key = f"triton_prefill{block_q}"
+        plan = meta.derived.get(key)
+        if plan is None:
+            plan = _prefill_plan(meta, block_q, self.query.device)
+            meta.derived[key] = plan
+        self._run(*plan, self.out, self.out, 0, block_q=block_q, block_m=block_m,
+                  tile_n=_PREFILL_TILE_N, splits=1)
+
+    def _run(self, tables: torch.Tensor, tile_seq: torch.Tensor, tile_offset: torch.Tensor,
+             query_start: torch.Tensor, query_len: torch.Tensor, context_len: torch.Tensor,
+             partial_out: torch.Tensor, partial_lse: torch.Tensor, split_len: int, *,
+             block_q: int, block_m: int, tile_n: int, splits: int) -> None:
+        q, cache, out = self.query, self.key_cache, self.out
+        grid = (tile_seq.numel(), self.num_kv_heads, splits)
+        _paged_attention_kernel[grid](
+            out, q, cache, self.value_cache, tables, tile_seq, tile_offset, query_start,
+            query_len, context_len, partial_out, partial_lse,
+            self.scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            tables.stride(0), cache.stride(0), cache.stride(1), cache.stride(2), self.head_dim,
+            split_len, GROUP=self.group, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
+            HEAD_PAD=self.head_pad, BLOCK_SIZE=self.block_size, NUM_SPLITS=splits,
+            DOT_PRECISION=self.precision, DOT_UPCAST=self.upcast)
+
+
+def _prefill_plan(meta: AttentionMetadata, block_q: int,
+                  device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Block tables, the tile -> (chunk, first token) map and per-chunk offsets and lengths,
+    built once per step (every layer reuses them) from host-side lengths."""
+    starts, tile_seq, tile_offset = [], [], []
+    start = meta.num_decodes
+    for seq, query_len in enumerate(meta.prefill_query_lens):
+        starts.append(start)
+        for offset in range(0, query_len, block_q):
+            tile_seq.append(seq)
+            tile_offset.append(offset)
+        start += query_len
+    host = torch.tensor([tile_seq, tile_offset], dtype=torch.long)
+    lengths = torch.tensor([starts, meta.prefill_query_lens, meta.prefill_context_lens],
+                           dtype=torch.long)
+    if device.type == "cuda":
+        # Pinned, so the copies are queued behind the step's work instead of waiting for it.
+        host, lengths = host.pin_memory(), lengths.pin_memory()
+    host, lengths = host.to(device, non_blocking=True), lengths.to(device, non_blocking=True)
+    tables = torch.nn.utils.rnn.pad_sequence(meta.prefill_block_tables, batch_first=True)
+    return tables, host[0], host[1], lengths[0], lengths[1], lengths[2]
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _default_splits(meta: AttentionMetadata, num_kv_heads: int, block_size: int,
+                    device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    programs = meta.num_decodes * num_kv_heads
+    target = 2 * _multiprocessor_count(device)
+    max_context = meta.decode_block_tables.shape[1] * block_size
+    return max(1, min(-(-target // programs), max_context // _MIN_SPLIT_KEYS, 32))
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _multiprocessor_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+def _check_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  meta: AttentionMetadata, num_tokens: int, num_heads: int, num_kv_heads: int,
+                  head_dim: int, cache_head_dim: int) -> None:
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads "
+                         f"({num_kv_heads})")
+    if cache_head_dim != head_dim or key_cache.shape != value_cache.shape:
+        raise ValueError(f"caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)} do not "
+                         f"hold head_dim {head_dim}")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("the KV caches must be contiguous")
+    if key_cache.dtype != query.dtype:
+        raise ValueError(f"cache dtype {key_cache.dtype} differs from the query's {query.dtype}")
+    covered = meta.num_decodes + sum(meta.prefill_query_lens)
+    if covered != num_tokens:
+        raise ValueError(f"metadata covers {covered} tokens but the batch has {num_tokens}")

@@ -1,0 +1,234 @@
+"""Fused Triton RMSNorm and rotary kernels against the PyTorch layers, in Triton's interpreter.
+
+Rotary is elementwise, so it must match bit for bit in every dtype. RMSNorm matches bit for bit
+whenever its row sum is exact (inputs on a coarse grid); on arbitrary inputs only the float32 sum
+of squares may differ from torch's, whose summation order is its own (and depends on the CPU's
+vector width), so there the tests allow float32 a few ulps and 16-bit outputs one ulp.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Must be set before the kernels are decorated (on import).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from workers.layers.norm import RMSNorm  # noqa: E402
+from workers.layers.rotary import apply_rotary as reference_rotary  # noqa: E402
+
+triton_norm = pytest.importorskip("kernels.triton_norm")
+triton_rotary = pytest.importorskip("kernels.triton_rotary")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+EPS = 1e-6
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise distance in units in the last place (same dtype, finite values)."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    bits = a.element_size() * 8
+    int_dtype = {32: torch.int32, 16: torch.int16}[bits]
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        # Sign-magnitude bit patterns to a number line where adjacent floats differ by one.
+        i = t.contiguous().view(int_dtype).to(torch.int64)
+        return torch.where(i < 0, -(i & ((1 << (bits - 1)) - 1)), i)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+def _norm(hidden: int, dtype: torch.dtype, g: torch.Generator) -> RMSNorm:
+    norm = RMSNorm(hidden, EPS, dtype=dtype, device="cpu")
+    # The layer can delegate to a fused kernel; the reference must be its PyTorch arithmetic.
+    assert getattr(norm, "fused", None) is None
+    # A non-trivial weight, so the final scale-and-round step is exercised.
+    norm.weight.data = (1 + 0.25 * torch.randn(hidden, generator=g)).to(dtype)
+    return norm
+
+
+def _assert_norm_close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    if got.dtype == torch.float32:
+        # A one-ulp difference in the variance moves the output by a few ulps; 1e-6 is ~8-16.
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+    else:
+        # Only values sitting on a rounding boundary can flip, and then by one ulp (seen: ~1 in
+        # 20,000 for fp16, none for bf16); a rounding-step bug would flip far more.
+        ulps = _ulps(got, expected)
+        assert ulps.max().item() <= 1
+        assert (ulps > 0).float().mean().item() < 1e-3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [80, 576, 960, 1024])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_is_bit_exact_when_the_row_sum_is_exact(dtype, hidden, with_residual):
+    g = torch.Generator().manual_seed(hidden + 7 * with_residual)
+    # Multiples of 1/4 in [-2, 2]: squares and their sums are exact in float32 in any order, so
+    # every remaining step (divide, rsqrt, round to dtype, scale, round) must agree exactly.
+    x = (torch.randint(-8, 9, (12, hidden), generator=g) / 4).to(dtype)
+    norm = _norm(hidden, dtype, g)
+    if with_residual:
+        residual = (torch.randint(-8, 9, (12, hidden), generator=g) / 4).to(dtype)
+        got, got_sum = triton_norm.rms_norm(x, norm.weight, EPS, residual)
+        expected, expected_sum = norm(x, residual)
+        assert torch.equal(got_sum, expected_sum)
+    else:
+        got, expected = triton_norm.rms_norm(x, norm.weight, EPS), norm(x)
+    assert got.dtype == dtype and torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [80, 960, 2048])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_the_reference_on_random_inputs(dtype, hidden, with_residual):
+    g = torch.Generator().manual_seed(100 + hidden + with_residual)
+    x = (3 * torch.randn(16, hidden, generator=g)).to(dtype)
+    x_before = x.clone()
+    norm = _norm(hidden, dtype, g)
+    if with_residual:
+        residual = (3 * torch.randn(16, hidden, generator=g)).to(dtype)
+        got, got_sum = triton_norm.rms_norm(x, norm.weight, EPS, residual)
+        expected, expected_sum = norm(x, residual)
+        # The add is elementwise: rounded to the model dtype exactly as torch does.
+        assert torch.equal(got_sum, expected_sum)
+    else:
+        got, expected = triton_norm.rms_norm(x, norm.weight, EPS), norm(x)
+    _assert_norm_close(got, expected)
+    assert torch.equal(x, x_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rms_norm_per_head_on_a_strided_qkv_slice(dtype):
+    # Qwen3's q/k norm: [T, H, D] over the last dim, on a view into the fused qkv output.
+    g = torch.Generator().manual_seed(3)
+    num_tokens, num_heads, head_dim = 7, 4, 128
+    qkv = torch.randn(num_tokens, (num_heads + 4) * head_dim, generator=g).to(dtype)
+    k = qkv[:, num_heads * head_dim:(2 * num_heads) * head_dim].unflatten(-1, (num_heads, -1))
+    assert not k.is_contiguous()
+    qkv_before = qkv.clone()
+    norm = _norm(head_dim, dtype, g)
+    got = triton_norm.rms_norm(k, norm.weight, EPS)
+    _assert_norm_close(got, norm(k))
+    assert torch.equal(qkv, qkv_before)
+
+
+def test_rms_norm_promotes_a_float32_weight_like_torch():
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randint(-8, 9, (5, 96), generator=g) / 4).to(torch.bfloat16)
+    weight = 1 + 0.25 * torch.randn(96, generator=g)
+    x32 = x.float()
+    expected = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+    got = triton_norm.rms_norm(x, weight, EPS)
+    assert got.dtype == torch.float32 and torch.equal(got, expected)
+
+
+def _rotary_inputs(dtype: torch.dtype, head_dim: int, g: torch.Generator
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A strided [T, H, D] view into a wider qkv-like tensor (every other head, so both the token
+    and the head strides differ from a packed tensor's), and cos/sin views of one table."""
+    num_tokens, num_heads, total_heads = 9, 3, 8
+    big = (4 * torch.randn(num_tokens, total_heads, head_dim, generator=g)).to(dtype)
+    x = big[:, 1:1 + 2 * num_heads:2]
+    angles = 1000 * torch.rand(num_tokens, head_dim // 2, generator=g)
+    table = torch.cat((angles.cos(), angles.sin()), -1).to(dtype).unsqueeze(1)
+    cos, sin = table.chunk(2, dim=-1)
+    return big, x, cos, sin
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+def test_rotary_matches_the_reference_bit_for_bit(dtype, head_dim):
+    g = torch.Generator().manual_seed(head_dim)
+    big, x, cos, sin = _rotary_inputs(dtype, head_dim, g)
+    assert not x.is_contiguous() and not cos.is_contiguous()
+    big_before = big.clone()
+    got = triton_rotary.apply_rotary(x, cos, sin)
+    expected = reference_rotary(x, cos, sin)
+    assert got.dtype == dtype and torch.equal(got, expected)
+    assert torch.equal(big, big_before)
+    if dtype != torch.float32:
+        # Probe: rounding only once (fused products) differs from the reference, so the equality
+        # above really pins down where the kernel rounds.
+        half = head_dim // 2
+        x1, x2, c, s = x[..., :half].float(), x[..., half:].float(), cos.float(), sin.float()
+        once = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1).to(dtype)
+        assert not torch.equal(once, expected)
+
+
+def test_rotary_copies_a_head_dim_with_non_unit_stride():
+    g = torch.Generator().manual_seed(11)
+    _, _, cos, sin = _rotary_inputs(torch.bfloat16, 80, g)
+    # [T, D, H] transposed to [T, H, D]: the last stride is H, so the wrapper copies first.
+    x = torch.randn(9, 80, 5, generator=g).to(torch.bfloat16).transpose(1, 2)
+    assert x.stride(-1) != 1
+    assert torch.equal(triton_rotary.apply_rotary(x, cos, sin), reference_rotary(x, cos, sin))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_conversions_round_like_torch_casts(dtype):
+    triton = pytest.importorskip("triton")
+    tl = pytest.importorskip("triton.language")
+
+    @triton.jit
+    def convert(narrow_ptr, wide_ptr, narrowed_ptr, widened_ptr, KIND: tl.constexpr,
+                BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(widened_ptr + offs, triton_norm.to_float32(tl.load(narrow_ptr + offs), KIND))
+        tl.store(narrowed_ptr + offs, triton_norm.from_float32(tl.load(wide_ptr + offs), KIND))
+
+    g = torch.Generator().manual_seed(13)
+    # Every 16-bit pattern to widen; float32 patterns to narrow, with subnormals and exact ties
+    # (where truncation and round-half-up both differ from round-to-nearest-even).
+    narrow = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    bits = torch.randint(-2**31, 2**31, (2**16,), generator=g, dtype=torch.int64).to(torch.int32)
+    bits[:4096] &= 0x807FFFFF
+    bits[4096:8192] = (bits[4096:8192] & ~0xFFFF) | 0x8000
+    wide = bits.view(torch.float32)
+    narrowed, widened = torch.empty_like(narrow), torch.empty_like(wide)
+    convert[(1,)](narrow, wide, narrowed, widened, KIND=triton_norm.DTYPE_KIND[dtype],
+                  BLOCK=2**16)
+    expected_wide = narrow.float()
+    assert torch.equal(widened.isnan(), expected_wide.isnan())
+    assert torch.equal(widened.nan_to_num(), expected_wide.nan_to_num())
+    expected_narrow = wide.to(dtype)
+    assert torch.equal(narrowed.isnan(), expected_narrow.isnan())
+    # Bit patterns, so -0.0 and subnormals count too (NaN payloads aside).
+    keep = ~expected_narrow.isnan()
+    assert torch.equal(narrowed[keep].view(torch.int16), expected_narrow[keep].view(torch.int16))
+
+
+def test_empty_inputs_give_empty_outputs():
+    weight = torch.ones(64)
+    assert triton_norm.rms_norm(torch.zeros(0, 64), weight, EPS).shape == (0, 64)
+    out, res = triton_norm.rms_norm(torch.zeros(0, 64), weight, EPS, torch.zeros(0, 64))
+    assert out.shape == res.shape == (0, 64)
+    assert triton_rotary.apply_rotary(torch.zeros(0, 2, 64), torch.zeros(0, 1, 32),
+                                      torch.zeros(0, 1, 32)).shape == (0, 2, 64)
+
+
+def test_bad_inputs_raise_value_errors_naming_the_problem():
+    x = torch.zeros(4, 64)
+    with pytest.raises(ValueError, match="weight has shape"):
+        triton_norm.rms_norm(x, torch.ones(80), EPS)
+    with pytest.raises(ValueError, match="residual has shape"):
+        triton_norm.rms_norm(x, torch.ones(64), EPS, torch.zeros(3, 64))
+    with pytest.raises(ValueError, match="residual dtype"):
+        triton_norm.rms_norm(x, torch.ones(64), EPS, torch.zeros(4, 64, dtype=torch.float16))
+    with pytest.raises(ValueError, match="x must be"):
+        triton_norm.rms_norm(torch.zeros(64), torch.ones(64), EPS)
+    q = torch.zeros(4, 2, 64)
+    with pytest.raises(ValueError, match="cos has shape"):
+        triton_rotary.apply_rotary(q, torch.zeros(4, 1, 64), torch.zeros(4, 1, 32))
+    with pytest.raises(ValueError, match="sin has shape"):
+        triton_rotary.apply_rotary(q, torch.zeros(4, 1, 32), torch.zeros(3, 1, 32))
+    with pytest.raises(ValueError, match="sin dtype"):
+        triton_rotary.apply_rotary(q, torch.zeros(4, 1, 32),
+                                   torch.zeros(4, 1, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="x must be"):
+        triton_rotary.apply_rotary(torch.zeros(4, 64), torch.zeros(4, 1, 32),
+                                   torch.zeros(4, 1, 32))
