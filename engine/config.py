@@ -104,9 +104,21 @@ class ModelConfig:
     model: str
     # "auto" = bfloat16 on CPU (AMX makes it ~7x faster than fp32 there), else the checkpoint's dtype.
     dtype: str = "auto"
+    # "cpu" or "cuda" (each TP rank takes the GPU of its local rank).
     device: str = "cpu"
     max_model_len: int | None = None
     seed: int = 0
+    # Kernels: "auto" (Triton on CUDA, PyTorch on CPU), or force "torch" / "triton".
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        from kernels.backend import BACKENDS
+
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got "
+                             f"{self.attention_backend!r}")
 
 
 @dataclass
@@ -128,7 +140,8 @@ class EngineConfig:
                              f"got {self.distributed_executor!r}")
 
 
-def build_engine_config(model: str, *, dtype: str = "auto", max_model_len: int | None = None,
+def build_engine_config(model: str, *, dtype: str = "auto", device: str = "cpu",
+                        attention_backend: str = "auto", max_model_len: int | None = None,
                         block_size: int = 16, num_kv_blocks: int | None = None,
                         kv_cache_memory_gb: float = 1.0, enable_prefix_caching: bool = True,
                         watermark: float = 0.01, max_num_batched_tokens: int = 2048,
@@ -144,7 +157,9 @@ def build_engine_config(model: str, *, dtype: str = "auto", max_model_len: int |
                         ttft_model: str | None = None) -> EngineConfig:
     """The flat engine arguments (as vLLM names them) grouped into an EngineConfig."""
     return EngineConfig(
-        model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
+        model=ModelConfig(model=model, dtype=dtype, device=device,
+                          attention_backend=attention_backend, max_model_len=max_model_len,
+                          seed=seed),
         cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                           kv_cache_memory_gb=kv_cache_memory_gb,
                           enable_prefix_caching=enable_prefix_caching, watermark=watermark),

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
+from kernels.backend import resolve_backend_name
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
@@ -74,6 +75,18 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype, tp_size: 
                                     head_dim, dtype)
 
 
+def check_device(device: torch.device, tp_size: int, executor: str) -> None:
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError("device 'cuda': no CUDA GPU is visible to this process (torch "
+                         f"{torch.__version__} reports torch.cuda.is_available() == False)")
+    # Ranks spawned here take GPUs 0..tp_size-1; torchrun's ranks may sit on other nodes.
+    if executor != "external" and tp_size > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size {tp_size} needs {tp_size} GPUs on this machine; "
+                         f"{torch.cuda.device_count()} are visible")
+
+
 def check_tensor_parallel(hf_config, tp_size: int) -> None:
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
@@ -97,6 +110,9 @@ def resolve(config: EngineConfig) -> ResolvedModel:
     get_model_class(hf_config)  # unsupported architectures fail here, before any weights load
     check_tensor_parallel(hf_config, config.tensor_parallel_size)
     device = torch.device(config.model.device)
+    check_device(device, config.tensor_parallel_size, config.distributed_executor)
+    # A Triton request that cannot run here fails now, not in every worker after spawning.
+    resolve_backend_name(device, config.model.attention_backend)
     dtype = resolve_dtype(config.model.dtype, device)
     max_model_len = resolve_max_model_len(hf_config, config.model.max_model_len)
     cache = config.cache

@@ -20,6 +20,13 @@ from workers.model_runner import LAYER_DELAY_ENV
 
 @pytest.mark.timeout(300)
 def test_tp2_remote_rank_unwinds_with_rank0(tiny_model, monkeypatch, tmp_path) -> None:
+    check_tp2_remote_rank_unwinds_with_rank0(tiny_model, monkeypatch, tmp_path)
+
+
+def check_tp2_remote_rank_unwinds_with_rank0(tiny_model, monkeypatch, tmp_path,
+                                             **engine_args) -> None:
+    """The scenario, with the TP=2 engine built with ``engine_args`` (e.g. on GPUs); the
+    reference is always TP=1 on the CPU."""
     # Spawned workers inherit the environment: both ranks' layers are slowed alike.
     monkeypatch.setenv(LAYER_DELAY_ENV, str(DELAY_US_PER_TOKEN))
     model = tiny_model("llama", num_hidden_layers=NUM_LAYERS, max_position_embeddings=1024)
@@ -42,7 +49,7 @@ def test_tp2_remote_rank_unwinds_with_rank0(tiny_model, monkeypatch, tmp_path) -
 
     # Suspend mode: each rank keeps its own copy of the stopped pass and both resume it.
     config = build_engine_config(model, tensor_parallel_size=2, slo_preempt_mode="suspend",
-                                 **args)
+                                 **args, **engine_args)
     config.preemption.signal_ranks = 1  # rank 1 gets no view of the shared memory
     engine = EngineCore(config)
     try:

@@ -16,7 +16,7 @@ import torch
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
                                     StepStatus)
-from kernels import AttentionMetadata
+from kernels import AttentionMetadata, select_backend
 from workers.kv_cache import allocate_kv_caches
 from workers.models import build_model
 from workers.models import LayerJoin
@@ -58,7 +58,8 @@ class ModelInputs:
 class ModelRunner:
     def __init__(self, model_dir: str, hf_config, dtype: torch.dtype, device: torch.device,
                  num_blocks: int, block_size: int, seed: int = 0,
-                 tp_rank: int = 0, tp_size: int = 1, tp_group=None, sample: bool = True) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, tp_group=None, sample: bool = True,
+                 attention_backend: str = "auto") -> None:
         self.device = device
         # Only the rank that reports results samples; the others still join the LM head's
         # collective.
@@ -68,6 +69,7 @@ class ModelRunner:
                                  tp_group=tp_group)
         load_weights(self.model, model_dir)
         self.model.eval()
+        self.model.use_kernels(select_backend(device, attention_backend))
         self.kv_caches = allocate_kv_caches(self.model.num_layers, num_blocks, block_size,
                                             self.model.num_kv_heads, self.model.head_dim,
                                             dtype, device)

@@ -16,8 +16,10 @@ _SEED_STRIDE = 1_000_003  # a prime, so (seed, index) pairs map to distinct gene
 
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
-        # For unseeded random requests: one engine-wide stream.
-        self._generator = torch.Generator().manual_seed(seed)
+        # For unseeded random requests: one engine-wide stream (on the logits' device, made on
+        # first use: torch.multinomial draws from a generator on the tensor's own device).
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  output_indices: list[int]) -> list[int]:
@@ -37,10 +39,17 @@ class Sampler:
         if sp.top_p < 1.0:
             probs = _top_p_filter(probs, sp.top_p)
         if sp.seed is not None:
-            generator = torch.Generator().manual_seed((sp.seed * _SEED_STRIDE + index) % 2**63)
+            generator = torch.Generator(probs.device)
+            generator.manual_seed((sp.seed * _SEED_STRIDE + index) % 2**63)
         else:
-            generator = self._generator
+            generator = self._stream(probs.device)
         return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+    def _stream(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device).manual_seed(self._seed)
+        return self._generators[device]
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -35,6 +35,10 @@ class Worker:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
         self.rank = rank
         device = torch.device(config.device)
+        if device.type == "cuda":
+            # One GPU per rank: torchrun says which (LOCAL_RANK); spawned ranks share a machine.
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+            torch.cuda.set_device(device)
         self.groups: ParallelGroups = init_distributed(rank, config.tp_size, config.init_method,
                                                        device, config.collective_timeout_s)
         try:
@@ -43,7 +47,8 @@ class Worker:
                                       resolve_dtype(config.dtype, device), device,
                                       config.num_blocks, config.block_size, seed=config.seed,
                                       tp_rank=rank, tp_size=config.tp_size,
-                                      tp_group=self.groups.tensor_group, sample=rank == 0)
+                                      tp_group=self.groups.tensor_group, sample=rank == 0,
+                                      attention_backend=config.attention_backend)
         except Exception:
             report_error(self.groups, traceback.format_exc())
             raise

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import overload
+from collections.abc import Callable
+from typing import Any, overload
 
 import torch
 from torch import nn
@@ -23,6 +24,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device),
                                    requires_grad=False)
+        # A fused kernel with the same contract (kernels.KernelBackend.rms_norm), set by the
+        # model for its backend; None runs the PyTorch arithmetic below.
+        self.fused: Callable[..., Any] | None = None
 
     @overload
     def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
@@ -33,6 +37,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.fused is not None:
+            return self.fused(x, self.weight, self.eps, residual)
         if residual is None:
             return self._normalize(x)
         x = x + residual

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import AttentionMetadata, paged_attention, write_kv_cache
+from kernels import AttentionMetadata, KernelBackend, select_backend
 from workers.preempt_vote import StepPreempted
 from workers.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                             RMSNorm, RowParallelLinear, VocabParallelEmbedding, apply_rotary,
@@ -72,6 +72,8 @@ class DecoderAttention(nn.Module):
                                   device=par.device)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=par.dtype,
                                   device=par.device)
+        # The backend's fused rotary kernel where it has one (LlamaForCausalLM.use_kernels).
+        self.apply_rotary: Callable[..., torch.Tensor] = apply_rotary
 
     def forward(self, layer_idx: int, hidden_states: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, attn_meta: AttentionMetadata, kv_cache: KVCache,
@@ -84,13 +86,13 @@ class DecoderAttention(nn.Module):
         if self.q_norm is None or self.k_norm is None:
             # q and k are adjacent in qkv, so one rotary pass covers both.
             qk = qkv[:, :q_size + kv_size].view(num_tokens, -1, self.head_dim)
-            qk = apply_rotary(qk, cos, sin)
+            qk = self.apply_rotary(qk, cos, sin)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         else:
             q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
-            q = apply_rotary(self.q_norm(q), cos, sin)
-            k = apply_rotary(self.k_norm(k), cos, sin)
+            q = self.apply_rotary(self.q_norm(q), cos, sin)
+            k = self.apply_rotary(self.k_norm(k), cos, sin)
         out = attention_op(layer_idx, q, k, v, attn_meta, kv_cache)
         return self.o_proj(out.reshape(num_tokens, q_size))
 
@@ -212,6 +214,17 @@ class LlamaForCausalLM(nn.Module):
         # Called with the layer index before every attention op (the preemption vote); None is
         # the common case and costs one attribute check per layer.
         self.before_attention: Callable[[int], None] | None = None
+        self.kernels: KernelBackend = select_backend(device)
+        self.use_kernels(self.kernels)
+
+    def use_kernels(self, kernels: KernelBackend) -> None:
+        """Run attention, and the norms and rotary where the backend fuses them, on ``kernels``."""
+        self.kernels = kernels
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.fused = kernels.rms_norm
+            elif isinstance(module, DecoderAttention):
+                module.apply_rotary = kernels.apply_rotary or apply_rotary
 
     @staticmethod
     def _sliding_window(config: Any) -> int | None:
@@ -267,8 +280,9 @@ class LlamaForCausalLM(nn.Module):
         if hook is not None:
             hook(layer_idx)
         key_cache, value_cache = kv_cache
-        write_kv_cache(k, v, key_cache, value_cache, attn_meta.slot_mapping)
-        return paged_attention(q, k, v, key_cache, value_cache, attn_meta, self.scale)
+        kernels = self.kernels
+        kernels.write_kv_cache(k, v, key_cache, value_cache, attn_meta.slot_mapping)
+        return kernels.paged_attention(q, k, v, key_cache, value_cache, attn_meta, self.scale)
 
     @torch.inference_mode()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,54 @@
+"""Device and kernel-backend choices that cannot run here fail at engine construction, with an
+error that names the problem (before any worker is spawned or weight loaded)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM
+from kernels.backend import BACKEND_ENV, resolve_backend_name
+
+
+def test_cuda_without_a_gpu_is_a_clear_error(tiny_model, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="no CUDA GPU is visible"):
+        LLM(model=tiny_model("llama"), device="cuda")
+
+
+def test_more_ranks_than_gpus_is_a_clear_error(tiny_model, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 needs 2 GPUs on this machine; "
+                                         "1 are visible"):
+        LLM(model=tiny_model("llama"), device="cuda", tensor_parallel_size=2)
+
+
+def test_unknown_device_and_backend_names(tiny_model):
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda', got 'tpu'"):
+        LLM(model=tiny_model("llama"), device="tpu")
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        LLM(model=tiny_model("llama"), attention_backend="flash")
+
+
+def test_forcing_triton_on_the_cpu_needs_the_interpreter(tiny_model, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        LLM(model=tiny_model("llama"), attention_backend="triton")
+
+
+def test_backend_resolution(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_backend_name("cpu") == "torch"
+    assert resolve_backend_name("cuda") == "triton"
+    assert resolve_backend_name("cuda", "torch") == "torch"
+    assert resolve_backend_name("cpu", "triton") == "triton"
+    # The environment forces a backend where the caller left it to "auto" ...
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    assert resolve_backend_name("cpu") == "triton"
+    # ... but an explicit request wins, and a bad value is named.
+    assert resolve_backend_name("cpu", "torch") == "torch"
+    monkeypatch.setenv(BACKEND_ENV, "cudnn")
+    with pytest.raises(ValueError, match=f"{BACKEND_ENV}='cudnn'"):
+        resolve_backend_name("cpu")
