@@ -21,6 +21,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
                    help="kernels: auto = Triton on CUDA, PyTorch on CPU (triton on CPU needs "
                         "TRITON_INTERPRET=1)")
+    g.add_argument("--fused-ops", action="store_true",
+                   help="Triton fused RMSNorm+residual and rotary kernels (needs the triton "
+                        "backend; off by default until `python -m bench.kernels` shows they "
+                        "help on your GPU)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None,
@@ -63,7 +67,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, dtype=args.dtype, device=args.device,
-                attention_backend=args.attention_backend, max_model_len=args.max_model_len,
+                attention_backend=args.attention_backend, fused_ops=args.fused_ops,
+                max_model_len=args.max_model_len,
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory_gb=args.kv_cache_memory_gb,
                 enable_prefix_caching=not args.no_prefix_caching,

@@ -110,6 +110,8 @@ class ModelConfig:
     seed: int = 0
     # Kernels: "auto" (Triton on CUDA, PyTorch on CPU), or force "torch" / "triton".
     attention_backend: str = "auto"
+    # The Triton fused RMSNorm(+residual) and rotary kernels (opt-in until measured on a GPU).
+    fused_ops: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -141,7 +143,8 @@ class EngineConfig:
 
 
 def build_engine_config(model: str, *, dtype: str = "auto", device: str = "cpu",
-                        attention_backend: str = "auto", max_model_len: int | None = None,
+                        attention_backend: str = "auto", fused_ops: bool = False,
+                        max_model_len: int | None = None,
                         block_size: int = 16, num_kv_blocks: int | None = None,
                         kv_cache_memory_gb: float = 1.0, enable_prefix_caching: bool = True,
                         watermark: float = 0.01, max_num_batched_tokens: int = 2048,
@@ -158,7 +161,8 @@ def build_engine_config(model: str, *, dtype: str = "auto", device: str = "cpu",
     """The flat engine arguments (as vLLM names them) grouped into an EngineConfig."""
     return EngineConfig(
         model=ModelConfig(model=model, dtype=dtype, device=device,
-                          attention_backend=attention_backend, max_model_len=max_model_len,
+                          attention_backend=attention_backend, fused_ops=fused_ops,
+                          max_model_len=max_model_len,
                           seed=seed),
         cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                           kv_cache_memory_gb=kv_cache_memory_gb,

@@ -60,7 +60,8 @@ class EngineCore:
         m = self.model
         runner = ModelRunner(m.model_dir, m.hf_config, m.dtype, m.device, m.num_blocks,
                              self.config.cache.block_size, seed=self.config.model.seed,
-                             attention_backend=self.config.model.attention_backend)
+                             attention_backend=self.config.model.attention_backend,
+                             fused_ops=self.config.model.fused_ops)
         if self.preemption is not None:
             from workers.preempt_vote import PreemptVote
 

@@ -20,6 +20,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     dtype: str
     device: str
     attention_backend: str = "auto"
+    fused_ops: bool = False
     num_blocks: int
     block_size: int
     seed: int
@@ -46,7 +47,7 @@ def make_worker_config(config: EngineConfig, model: ResolvedModel, init_method: 
         preempt_signal_name=preempt_signal_name,
         preempt_signal_ranks=signal_ranks if preempt_signal_name else 0,
         model_dir=model.model_dir, dtype=config.model.dtype, device=config.model.device,
-        attention_backend=config.model.attention_backend,
+        attention_backend=config.model.attention_backend, fused_ops=config.model.fused_ops,
         num_blocks=model.num_blocks, block_size=config.cache.block_size, seed=config.model.seed,
         tp_size=config.tensor_parallel_size, init_method=init_method,
         collective_timeout_s=config.collective_timeout_s)

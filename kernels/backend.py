@@ -5,10 +5,15 @@ defers to the ``SLOSERVE_ATTENTION_BACKEND`` environment variable, then to the d
 functions a model calls. Triton modules are imported only when chosen: importing one decorates
 its kernels, and Triton decides then whether they run compiled or in its interpreter, so a CPU
 process that forces Triton must have ``TRITON_INTERPRET=1`` set before that first import.
+
+The fused RMSNorm (+ residual) and rotary kernels are opt-in (``fused_ops``): DESIGN.md admits
+fused ops only where measured to help, and no GPU has measured them yet (``bench/kernels.py``
+compares them with the PyTorch layers).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 from collections.abc import Callable
@@ -32,7 +37,7 @@ class KernelBackend:
     apply_rotary: Callable[..., torch.Tensor] | None = None
 
 
-_CACHE: dict[str, KernelBackend] = {}
+_CACHE: dict[tuple[str, bool], KernelBackend] = {}
 
 
 def resolve_backend_name(device: torch.device | str, requested: str = "auto") -> str:
@@ -55,14 +60,19 @@ def resolve_backend_name(device: torch.device | str, requested: str = "auto") ->
     return name
 
 
-def select_backend(device: torch.device | str, requested: str = "auto") -> KernelBackend:
+def select_backend(device: torch.device | str, requested: str = "auto",
+                   fused_ops: bool = False) -> KernelBackend:
     name = resolve_backend_name(device, requested)
-    if name not in _CACHE:
-        _CACHE[name] = _load(name)
-    return _CACHE[name]
+    if fused_ops and name != "triton":
+        raise ValueError(f"fused ops are Triton kernels; the attention backend here is {name!r} "
+                         f"(use attention_backend='triton', or run on CUDA)")
+    key = (name, fused_ops)
+    if key not in _CACHE:
+        _CACHE[key] = _load(name, fused_ops)
+    return _CACHE[key]
 
 
-def _load(name: str) -> KernelBackend:
+def _load(name: str, fused_ops: bool) -> KernelBackend:
     if name == "torch":
         from kernels import torch_attention
 
@@ -70,7 +80,10 @@ def _load(name: str) -> KernelBackend:
                              torch_attention.paged_attention)
     cache = importlib.import_module("kernels.triton_cache")
     attention = importlib.import_module("kernels.triton_attention")
+    backend = KernelBackend("triton", cache.write_kv_cache, attention.paged_attention)
+    if not fused_ops:
+        return backend
     norm = importlib.import_module("kernels.triton_norm")
     rotary = importlib.import_module("kernels.triton_rotary")
-    return KernelBackend("triton", cache.write_kv_cache, attention.paged_attention,
-                         norm.rms_norm, rotary.apply_rotary)
+    return dataclasses.replace(backend, rms_norm=norm.rms_norm,
+                               apply_rotary=rotary.apply_rotary)

@@ -147,8 +147,8 @@ def _merge_splits_kernel(out_ptr, partial_out_ptr, partial_lse_ptr, stride_ot, s
     partial = tl.load(partial_out_ptr + entry[:, None] * HEAD_PAD + dims[None, :],
                       mask=(splits < NUM_SPLITS)[:, None], other=0.0)
     result = tl.sum(partial * weights[:, None], 0)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, result.to(out_ptr.dtype.element_ty),
-             mask=dims < head_dim)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims,
+             result.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

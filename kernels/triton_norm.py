@@ -12,10 +12,11 @@ order depends on the CPU's vector width, and differs again on CUDA), so the floa
 be off by an ulp and a model-dtype output can land one ulp away. Every other step is elementwise
 and rounds exactly as torch does.
 
-A program normalizes one row, or several narrow ones: x is [T, hidden] or [T, H, hidden] (Qwen3's per-head q/k norm), possibly a
-strided view such as a slice of a fused qkv output; rows are addressed through the two leading
-strides, so no copy is made. The hidden size need not be a power of two (576, 960, 80): the lane
-mask covers the tail. Outputs are new contiguous tensors; the inputs are never written.
+A program normalizes one row, or several narrow ones: x is [T, hidden] or [T, H, hidden]
+(Qwen3's per-head q/k norm), possibly a strided view such as a slice of a fused qkv output; rows
+are addressed through the two leading strides, so no copy is made. The hidden size need not be a
+power of two (576, 960, 80): the lane mask covers the tail. Outputs are new contiguous tensors;
+the inputs are never written.
 
 Runs compiled on CUDA, and on CPU under Triton's interpreter (TRITON_INTERPRET=1) for tests.
 """

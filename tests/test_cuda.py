@@ -45,11 +45,12 @@ def _generate(model_dir: str, params: SamplingParams = GREEDY, **engine_args):
         llm.shutdown()
 
 
+@pytest.mark.parametrize("fused_ops", [False, True], ids=["unfused", "fused-ops"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_greedy_on_the_gpu_equals_the_cpu(tiny_model, arch):
+def test_greedy_on_the_gpu_equals_the_cpu(tiny_model, arch, fused_ops):
     model_dir = tiny_model(arch)
     want, cpu = _generate(model_dir)
-    got, gpu = _generate(model_dir, device="cuda")
+    got, gpu = _generate(model_dir, device="cuda", fused_ops=fused_ops)
     assert got == want
     # Probe: the run really was on the GPU, on the Triton kernels.
     assert cpu == ("cpu", "cpu", "torch") and gpu == ("cuda", "cuda", "triton")

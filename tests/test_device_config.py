@@ -31,6 +31,12 @@ def test_unknown_device_and_backend_names(tiny_model):
         LLM(model=tiny_model("llama"), attention_backend="flash")
 
 
+def test_fused_ops_need_the_triton_backend(tiny_model):
+    with pytest.raises(ValueError, match="fused_ops are Triton kernels; the attention backend "
+                                         "here is 'torch'"):
+        LLM(model=tiny_model("llama"), fused_ops=True)
+
+
 def test_forcing_triton_on_the_cpu_needs_the_interpreter(tiny_model, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):

@@ -25,7 +25,8 @@ LENGTHS = [5, 150, 17, 60, 1, 33]  # the 150-token prompt spans three 64-token c
 
 def _generate(model_dir: str, backend: str, **overrides) -> tuple[list[list[int]], dict[str, int]]:
     llm = LLM(model=model_dir, dtype="float32", block_size=16, max_num_batched_tokens=64,
-              enable_prefix_caching=True, attention_backend=backend, **overrides)
+              enable_prefix_caching=True, attention_backend=backend,
+              fused_ops=backend == "triton", **overrides)
     try:
         model_obj = llm.engine.executor.runner.model
         calls = {"paged_attention": 0, "rms_norm": 0, "apply_rotary": 0}

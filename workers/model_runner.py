@@ -21,6 +21,7 @@ from workers.kv_cache import allocate_kv_caches
 from workers.models import build_model
 from workers.models import LayerJoin
 from workers.preempt_vote import PreemptVote, StepPreempted
+from workers.run_ahead import RunAheadLimit
 from workers.suspension import SuspendedChunks
 from workers.sampler import Sampler
 from workers.weight_loader import load_weights
@@ -59,7 +60,7 @@ class ModelRunner:
     def __init__(self, model_dir: str, hf_config, dtype: torch.dtype, device: torch.device,
                  num_blocks: int, block_size: int, seed: int = 0,
                  tp_rank: int = 0, tp_size: int = 1, tp_group=None, sample: bool = True,
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", fused_ops: bool = False) -> None:
         self.device = device
         # Only the rank that reports results samples; the others still join the LM head's
         # collective.
@@ -69,7 +70,7 @@ class ModelRunner:
                                  tp_group=tp_group)
         load_weights(self.model, model_dir)
         self.model.eval()
-        self.model.use_kernels(select_backend(device, attention_backend))
+        self.model.use_kernels(select_backend(device, attention_backend, fused_ops))
         self.kv_caches = allocate_kv_caches(self.model.num_layers, num_blocks, block_size,
                                             self.model.num_kv_heads, self.model.head_dim,
                                             dtype, device)
@@ -78,6 +79,9 @@ class ModelRunner:
         # Set by the worker when mid-forward preemption is on; consulted only on steps the
         # scheduler marked preemptible (decode-only steps never vote).
         self.vote: PreemptVote | None = None
+        # On a GPU the host must not run ahead of the device by more than a couple of layers in
+        # a preemptible step, or its votes come too early to stop anything.
+        self.run_ahead = RunAheadLimit() if device.type == "cuda" else None
         delay = os.environ.get(LAYER_DELAY_ENV)
         if delay:
             _slow_down_layers(self.model, float(delay) * 1e-6)
@@ -90,7 +94,8 @@ class ModelRunner:
         vote = self.vote if scheduler_output.preemptible else None
         if vote is not None:
             vote.step_id = scheduler_output.step_id
-            self.model.before_attention = vote
+            self.model.before_attention = vote if self.run_ahead is None else \
+                self.run_ahead.pace(vote)
         try:
             hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn_meta,
                                         self.kv_caches, inputs.joins)

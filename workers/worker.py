@@ -48,7 +48,8 @@ class Worker:
                                       config.num_blocks, config.block_size, seed=config.seed,
                                       tp_rank=rank, tp_size=config.tp_size,
                                       tp_group=self.groups.tensor_group, sample=rank == 0,
-                                      attention_backend=config.attention_backend)
+                                      attention_backend=config.attention_backend,
+                                      fused_ops=config.fused_ops)
         except Exception:
             report_error(self.groups, traceback.format_exc())
             raise

@@ -1,0 +1,49 @@
+"""Pace the host to the GPU during a preemptible step, so that a vote can still stop it.
+
+CUDA launches are asynchronous: left alone, the host would queue every layer of a long prefill
+within milliseconds and then wait for the result, so the votes before each attention op would all
+be cast before the GPU had computed anything, and an urgent arrival during the step would find no
+vote left to stop it. The limit keeps the host at most ``window`` layers ahead of the device: before
+voting at layer L it waits for the GPU to reach the boundary of layer L - window (an event recorded
+when the host passed it). Two layers keep the GPU fed while the host votes, and bound the work a
+preempt leaves queued to those layers (it finishes and is dropped; nothing more is launched).
+
+Only preemptible steps are paced; the others run fully asynchronously (and are where CUDA graphs
+could go).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+
+class _Event(Protocol):
+    def record(self) -> None: ...
+    def synchronize(self) -> None: ...
+
+
+class RunAheadLimit:
+    def __init__(self, window: int = 2,
+                 make_event: Callable[[], _Event] = torch.cuda.Event) -> None:
+        if window < 1:
+            raise ValueError(f"run-ahead window must be >= 1 layer, got {window}")
+        self.window = window
+        self.make_event = make_event
+
+    def pace(self, hook: Callable[[int], None]) -> Callable[[int], None]:
+        """``hook`` (the vote), called once the device is within the window; one per step."""
+        boundaries: dict[int, _Event] = {}
+
+        def paced(layer: int) -> None:
+            event = self.make_event()
+            event.record()
+            boundaries[layer] = event
+            reached = boundaries.pop(layer - self.window, None)
+            if reached is not None:
+                reached.synchronize()  # releases the GIL: the monitor keeps running
+            hook(layer)
+
+        return paced
