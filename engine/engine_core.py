@@ -86,7 +86,8 @@ class EngineCore:
                              "(RANK / WORLD_SIZE in the environment)")
         check_torchrun_world(launch, config.tensor_parallel_size)
         worker_config.init_method = "env://"
-        return ExternalExecutor(worker_config, launch.rank, launch.local_world_size)
+        return ExternalExecutor(worker_config, launch.rank, launch.local_world_size,
+                                launch.local_rank)
 
     @property
     def max_model_len(self) -> int:

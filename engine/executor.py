@@ -41,10 +41,11 @@ class InProcessExecutor:
 class ExternalExecutor:
     """torchrun: this process is rank 0; the other ranks run `workers.worker.follower_loop`."""
 
-    def __init__(self, config: WorkerConfig, rank: int, local_world_size: int) -> None:
+    def __init__(self, config: WorkerConfig, rank: int, local_world_size: int,
+                 local_rank: int) -> None:
         from workers.worker import DriverWorker
 
-        self.driver = DriverWorker(config, rank, local_world_size)
+        self.driver = DriverWorker(config, rank, local_world_size, local_rank)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.driver.execute_model(scheduler_output)

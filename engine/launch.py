@@ -15,6 +15,8 @@ class TorchrunLaunch:
     rank: int
     world_size: int
     local_world_size: int
+    # This rank's index on its node: its GPU.
+    local_rank: int
 
 
 def torchrun_launch() -> TorchrunLaunch | None:
@@ -22,8 +24,10 @@ def torchrun_launch() -> TorchrunLaunch | None:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return None
     world = int(os.environ["WORLD_SIZE"])
-    return TorchrunLaunch(rank=int(os.environ["RANK"]), world_size=world,
-                          local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    rank = int(os.environ["RANK"])
+    return TorchrunLaunch(rank=rank, world_size=world,
+                          local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+                          local_rank=int(os.environ.get("LOCAL_RANK", rank)))
 
 
 def check_torchrun_world(launch: TorchrunLaunch, tensor_parallel_size: int) -> None:
@@ -45,5 +49,5 @@ def run_follower(config: EngineConfig, launch: TorchrunLaunch) -> int:
 
     check_torchrun_world(launch, config.tensor_parallel_size)
     worker_config = make_worker_config(config, resolve(config), init_method="env://")
-    worker = Worker(worker_config, launch.rank, launch.local_world_size)
+    worker = Worker(worker_config, launch.rank, launch.local_world_size, launch.local_rank)
     return follower_loop(worker)

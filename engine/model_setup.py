@@ -41,11 +41,23 @@ def load_hf_config(model_dir: str):
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        # AMX makes bf16 ~7x faster than fp32 on this CPU; GPUs run bf16 natively.
+        # AMX makes bf16 ~7x faster than fp32 on this CPU; GPUs from Ampere (sm_80) on run bf16
+        # natively, older ones get float16.
+        if device.type == "cuda" and not _supports_bf16(device):
+            return torch.float16
         return torch.bfloat16
     if name not in _DTYPES:
         raise ValueError(f"dtype: unknown {name!r}; choose one of auto, {', '.join(sorted(_DTYPES))}")
-    return _DTYPES[name]
+    dtype = _DTYPES[name]
+    if dtype == torch.bfloat16 and device.type == "cuda" and not _supports_bf16(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"dtype bfloat16 needs a GPU of compute capability 8.0 or newer; this "
+                         f"one is {major}.{minor}: use --dtype float16")
+    return dtype
+
+
+def _supports_bf16(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def resolve_max_model_len(hf_config, requested: int | None) -> int:

@@ -42,7 +42,9 @@ _PREFILL_BLOCK_M = 64
 _MIN_SPLIT_KEYS = 256
 
 
-@triton.jit
+# Arguments that can equal 1 in practice would otherwise be specialized to constants and compile a
+# new variant mid-serving (a one-block-wide table, a one-tile split).
+@triton.jit(do_not_specialize=["stride_bt", "split_len"])
 def _paged_attention_kernel(
         out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr,
         tile_seq_ptr, tile_query_offset_ptr, query_start_ptr, query_len_ptr, context_len_ptr,
@@ -258,15 +260,17 @@ def _prefill_plan(meta: AttentionMetadata, block_q: int,
             tile_seq.append(seq)
             tile_offset.append(offset)
         start += query_len
-    host = torch.tensor([tile_seq, tile_offset], dtype=torch.long)
-    lengths = torch.tensor([starts, meta.prefill_query_lens, meta.prefill_context_lens],
-                           dtype=torch.long)
+    # One allocation each: rows of one tensor would be 16-byte aligned or not depending on their
+    # length, and Triton compiles a variant per pointer alignment.
+    columns = [torch.tensor(values, dtype=torch.long)
+               for values in (tile_seq, tile_offset, starts, meta.prefill_query_lens,
+                              meta.prefill_context_lens)]
     if device.type == "cuda":
         # Pinned, so the copies are queued behind the step's work instead of waiting for it.
-        host, lengths = host.pin_memory(), lengths.pin_memory()
-    host, lengths = host.to(device, non_blocking=True), lengths.to(device, non_blocking=True)
+        columns = [c.pin_memory() for c in columns]
+    columns = [c.to(device, non_blocking=True) for c in columns]
     tables = torch.nn.utils.rnn.pad_sequence(meta.prefill_block_tables, batch_first=True)
-    return tables, host[0], host[1], lengths[0], lengths[1], lengths[2]
+    return (tables, *columns)
 
 
 def _interpreting() -> bool:
@@ -280,7 +284,9 @@ def _default_splits(meta: AttentionMetadata, num_kv_heads: int, block_size: int,
     programs = meta.num_decodes * num_kv_heads
     target = 2 * _multiprocessor_count(device)
     max_context = meta.decode_block_tables.shape[1] * block_size
-    return max(1, min(-(-target // programs), max_context // _MIN_SPLIT_KEYS, 32))
+    splits = max(1, min(-(-target // programs), max_context // _MIN_SPLIT_KEYS, 32))
+    # A power of two: NUM_SPLITS is a compile-time constant, so at most six decode variants.
+    return 1 << (splits.bit_length() - 1)
 
 
 _SM_COUNTS: dict[int, int] = {}

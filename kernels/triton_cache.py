@@ -53,4 +53,6 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     _write_kv_kernel[grid](key, value, key_cache, value_cache, slot_mapping,
                            key.stride(0), key.stride(1),
                            num_kv_heads * head_dim, head_dim,
-                           head_dim, BLOCK_D=triton.next_power_of_2(head_dim))
+                           head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+                           # One head vector per program: a single warp has a lane per element.
+                           num_warps=1)

@@ -2,9 +2,21 @@
 kernels compiled, NCCL for the tensor all-reduces and the preemption vote on the CPU (gloo).
 
 Skipped where no GPU is visible; the same scenarios run on the CPU in Triton's interpreter in
-tests/test_triton_engine.py (and the kernels alone in tests/test_triton_kernels.py)."""
+tests/test_triton_engine.py (and the kernels alone in tests/test_triton_kernels.py).
+
+Triton decides once per process, when a kernel module is first imported, whether its kernels run
+compiled or interpreted, and the interpreter tests import them with TRITON_INTERPRET=1 set. In a
+session that collected those, these tests run in a child pytest without it
+(test_the_gpu_tests_in_a_process_with_compiled_kernels)."""
 
 from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +34,40 @@ pytestmark = pytest.mark.skipif(
            "test_triton_fused.py and test_triton_engine.py")
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _kernels_interpreted() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from kernels import triton_attention
+
+    return isinstance(triton_attention._paged_attention_kernel, InterpretedFunction)
+
+
+@pytest.fixture(autouse=True)
+def compiled_kernels(request):
+    if request.node.name.startswith("test_the_gpu_tests_in_a_process"):
+        return
+    if _kernels_interpreted():
+        pytest.skip("Triton's kernels run interpreted in this process (the interpreter tests "
+                    "imported them first); test_the_gpu_tests_in_a_process_with_compiled_"
+                    "kernels runs this test compiled")
+
+
+@pytest.mark.timeout(1900)
+def test_the_gpu_tests_in_a_process_with_compiled_kernels():
+    if not _kernels_interpreted():
+        pytest.skip("the kernels are compiled in this process: the tests run here")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             str(Path(__file__)), "-k", "not in_a_process"],
+                            cwd=Path(__file__).parents[1], env=env, capture_output=True,
+                            text=True, timeout=1800)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    # Probe: the child really ran GPU tests (exit 0 would also mean "all skipped").
+    assert re.search(r"\b[1-9]\d* passed", result.stdout.splitlines()[-1]), result.stdout[-2000:]
+
+
 LENGTHS = [5, 300, 17, 120, 1, 64, 250, 33]
 
 
@@ -52,8 +98,9 @@ def test_greedy_on_the_gpu_equals_the_cpu(tiny_model, arch, fused_ops):
     want, cpu = _generate(model_dir)
     got, gpu = _generate(model_dir, device="cuda", fused_ops=fused_ops)
     assert got == want
-    # Probe: the run really was on the GPU, on the Triton kernels.
+    # Probe: the run really was on the GPU, on the compiled Triton kernels.
     assert cpu == ("cpu", "cpu", "torch") and gpu == ("cuda", "cuda", "triton")
+    assert not _kernels_interpreted()
 
 
 def test_pytorch_kernels_on_the_gpu_agree_with_triton(tiny_model):
@@ -70,8 +117,9 @@ def test_seeded_sampling_on_the_gpu_is_reproducible(tiny_model):
     first, _ = _generate(tiny_model("llama"), params, device="cuda")
     second, _ = _generate(tiny_model("llama"), params, device="cuda")
     assert first == second
-    greedy, _ = _generate(tiny_model("llama"), device="cuda")
-    assert first != greedy  # probe: it really sampled
+    greedy, _ = _generate(tiny_model("llama"), dataclasses.replace(GREEDY, max_tokens=16),
+                          device="cuda")
+    assert first != greedy  # probe: it really sampled (same length, other tokens)
 
 
 @pytest.mark.timeout(300)

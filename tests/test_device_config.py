@@ -24,6 +24,22 @@ def test_more_ranks_than_gpus_is_a_clear_error(tiny_model, monkeypatch):
         LLM(model=tiny_model("llama"), device="cuda", tensor_parallel_size=2)
 
 
+def test_bfloat16_needs_an_ampere_gpu(tiny_model, monkeypatch):
+    from engine.model_setup import resolve_dtype
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    cuda = torch.device("cuda", 0)
+    # "auto" picks float16 on a T4 ...
+    assert resolve_dtype("auto", cuda) == torch.float16
+    # ... and an explicit bfloat16 says why it cannot run.
+    with pytest.raises(ValueError, match="bfloat16 needs a GPU of compute capability 8.0 or "
+                                         "newer; this one is 7.5: use --dtype float16"):
+        resolve_dtype("bfloat16", cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert resolve_dtype("auto", cuda) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+
+
 def test_unknown_device_and_backend_names(tiny_model):
     with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda', got 'tpu'"):
         LLM(model=tiny_model("llama"), device="tpu")

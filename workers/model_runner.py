@@ -112,6 +112,10 @@ class ModelRunner:
         self.suspended.free([r.req_id for r in scheduler_output.requests if r.resume])
         if vote is not None:
             vote.finish()
+        if self.device.type == "cuda":
+            # The step's time feeds the TTFT predictor: it must include the device's work, not
+            # only the launches (a middle prefill chunk samples nothing, so nothing else waits).
+            torch.cuda.synchronize(self.device)
         sampled: dict[str, int] = {}
         if inputs.sampled:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])

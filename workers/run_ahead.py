@@ -27,11 +27,13 @@ class _Event(Protocol):
 
 class RunAheadLimit:
     def __init__(self, window: int = 2,
-                 make_event: Callable[[], _Event] = torch.cuda.Event) -> None:
+                 make_event: Callable[[], _Event] | None = None) -> None:
         if window < 1:
             raise ValueError(f"run-ahead window must be >= 1 layer, got {window}")
         self.window = window
-        self.make_event = make_event
+        # Blocking events put the waiting host thread to sleep instead of spinning a core that
+        # the monitor and the HTTP front end need.
+        self.make_event = make_event or (lambda: torch.cuda.Event(blocking=True))
 
     def pace(self, hook: Callable[[int], None]) -> Callable[[int], None]:
         """``hook`` (the vote), called once the device is within the window; one per step."""

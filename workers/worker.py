@@ -26,7 +26,11 @@ from workers.distributed import (ParallelGroups, broadcast_bytes, collect_errors
 class Worker:
     """One rank: its process-group membership and a model runner over its weight shard."""
 
-    def __init__(self, config: WorkerConfig, rank: int, local_world_size: int | None = None) -> None:
+    def __init__(self, config: WorkerConfig, rank: int, local_world_size: int | None = None,
+                 local_rank: int | None = None) -> None:
+        """``local_rank``: this rank's index on its machine (its GPU); spawned ranks all share
+        one machine, so it defaults to ``rank``. Never read from the environment here: spawned
+        ranks inherit their parent's, which may be a torchrun rank's."""
         from engine.model_setup import load_hf_config, resolve_dtype
         from workers.model_runner import ModelRunner
 
@@ -36,8 +40,7 @@ class Worker:
         self.rank = rank
         device = torch.device(config.device)
         if device.type == "cuda":
-            # One GPU per rank: torchrun says which (LOCAL_RANK); spawned ranks share a machine.
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+            device = torch.device("cuda", rank if local_rank is None else local_rank)
             torch.cuda.set_device(device)
         self.groups: ParallelGroups = init_distributed(rank, config.tp_size, config.init_method,
                                                        device, config.collective_timeout_s)
