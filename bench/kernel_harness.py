@@ -159,7 +159,7 @@ def build_batch(decode_contexts: list[int], prefills: list[tuple[int, int]], num
                 device: torch.device, seed: int) -> PagedBatch:
     """A step of decodes (context lengths including the decoded token) then prefill chunks
     ((chunk tokens, cached prefix tokens)), laid out like ModelRunner.prepare_inputs does."""
-    from kernels.attention import AttentionMetadata
+    from kernels.attention import AttentionMetadata, padded_block_tables
 
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
@@ -185,10 +185,7 @@ def build_batch(decode_contexts: list[int], prefills: list[tuple[int, int]], num
                         device=device).normal_()
 
     n = len(decode_contexts)
-    width = max(blocks[:n], default=0)
-    decode_tables = torch.zeros((n, width), dtype=torch.long)
-    for row, table in enumerate(tables[:n]):
-        decode_tables[row, :table.numel()] = table
+    decode_tables = padded_block_tables(tables[:n])
     meta = AttentionMetadata(
         slot_mapping=slot_mapping, num_decodes=n,
         decode_block_tables=decode_tables.to(device),

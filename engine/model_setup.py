@@ -124,10 +124,7 @@ def resolve(config: EngineConfig) -> ResolvedModel:
     device = torch.device(config.model.device)
     check_device(device, config.tensor_parallel_size, config.distributed_executor)
     # A Triton request that cannot run here fails now, not in every worker after spawning.
-    backend = resolve_backend_name(device, config.model.attention_backend)
-    if config.model.fused_ops and backend != "triton":
-        raise ValueError(f"fused_ops are Triton kernels; the attention backend here is "
-                         f"{backend!r} (use attention_backend='triton', or run on CUDA)")
+    resolve_backend_name(device, config.model.attention_backend, config.model.fused_ops)
     dtype = resolve_dtype(config.model.dtype, device)
     max_model_len = resolve_max_model_len(hf_config, config.model.max_model_len)
     cache = config.cache

@@ -15,6 +15,7 @@ kernels (``kernels.triton_cache`` / ``kernels.triton_attention``, the CUDA defau
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,19 @@ class AttentionMetadata:
             prefill_query_lens=self.prefill_query_lens[:kept],
             prefill_context_lens=self.prefill_context_lens[:kept],
             prefill_block_tables=self.prefill_block_tables[:kept])
+
+
+def padded_block_tables(tables: Sequence[torch.Tensor | Sequence[int]],
+                        extra_columns: int = 0) -> torch.Tensor:
+    """[len(tables), longest + extra_columns] int64 block tables, padded with block 0 (which the
+    kernels never read: a context length bounds every lookup)."""
+    rows = [torch.as_tensor(t, dtype=torch.long) for t in tables]
+    width = max((r.numel() for r in rows), default=0) + extra_columns
+    padded = torch.zeros((len(rows), width), dtype=torch.long,
+                         device=rows[0].device if rows else None)
+    for i, row in enumerate(rows):
+        padded[i, :row.numel()] = row
+    return padded
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

@@ -40,9 +40,10 @@ class KernelBackend:
 _CACHE: dict[tuple[str, bool], KernelBackend] = {}
 
 
-def resolve_backend_name(device: torch.device | str, requested: str = "auto") -> str:
-    """"torch" or "triton" for this device; ValueError for an unknown name or a Triton request
-    that cannot run here."""
+def resolve_backend_name(device: torch.device | str, requested: str = "auto",
+                         fused_ops: bool = False) -> str:
+    """"torch" or "triton" for this device; ValueError for an unknown name, a Triton request
+    that cannot run here, or fused ops without Triton."""
     if requested not in BACKENDS:
         raise ValueError(f"attention backend: unknown {requested!r}; choose one of "
                          f"{', '.join(BACKENDS)}")
@@ -57,15 +58,15 @@ def resolve_backend_name(device: torch.device | str, requested: str = "auto") ->
     if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"attention backend 'triton' on device {device.type!r} needs Triton's "
                          f"interpreter: set TRITON_INTERPRET=1 in the environment before start")
+    if fused_ops and name != "triton":
+        raise ValueError(f"fused_ops are Triton kernels; the attention backend here is {name!r} "
+                         f"(use attention_backend='triton', or run on CUDA)")
     return name
 
 
 def select_backend(device: torch.device | str, requested: str = "auto",
                    fused_ops: bool = False) -> KernelBackend:
-    name = resolve_backend_name(device, requested)
-    if fused_ops and name != "triton":
-        raise ValueError(f"fused ops are Triton kernels; the attention backend here is {name!r} "
-                         f"(use attention_backend='triton', or run on CUDA)")
+    name = resolve_backend_name(device, requested, fused_ops)
     key = (name, fused_ops)
     if key not in _CACHE:
         _CACHE[key] = _load(name, fused_ops)

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention import padded_block_tables
+
 if TYPE_CHECKING:
     from kernels.attention import AttentionMetadata
 
@@ -269,7 +271,7 @@ def _prefill_plan(meta: AttentionMetadata, block_q: int,
         # Pinned, so the copies are queued behind the step's work instead of waiting for it.
         columns = [c.pin_memory() for c in columns]
     columns = [c.to(device, non_blocking=True) for c in columns]
-    tables = torch.nn.utils.rnn.pad_sequence(meta.prefill_block_tables, batch_first=True)
+    tables = padded_block_tables(meta.prefill_block_tables)
     return (tables, *columns)
 
 

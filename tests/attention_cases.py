@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import AttentionMetadata
+from kernels import AttentionMetadata, padded_block_tables
 from kernels import torch_attention
 
 NUM_BLOCKS = 64
@@ -72,10 +72,8 @@ def build_step(requests: list[Request], num_decodes: int,
         slot_mapping += slots(req, range(req.num_cached, req.num_cached + req.num_new),
                               block_size)
     decodes, prefills = requests[:num_decodes], requests[num_decodes:]
-    max_blocks = max((len(r.blocks) for r in decodes), default=1) + 2  # extra padding columns
-    tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
-    for i, req in enumerate(decodes):
-        tables[i, :len(req.blocks)] = torch.tensor(req.blocks)
+    # Extra padding columns: the kernels must stop at each context's end.
+    tables = padded_block_tables([r.blocks for r in decodes], extra_columns=2)
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
         num_decodes=num_decodes,

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import AttentionMetadata
+from kernels import AttentionMetadata, padded_block_tables
 from workers.kv_cache import allocate_kv_caches
 from workers.models.llama import LlamaForCausalLM
 
@@ -42,10 +42,7 @@ def build_metadata(work: list[tuple[PagedSequence, int]],
         slots += [seq.slot(p) for p in span]
     decodes = [seq for seq, _ in work[:num_decodes]]
     prefills = work[num_decodes:]
-    max_blocks = max((len(s.blocks) for s in decodes), default=1)
-    tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
-    for i, seq in enumerate(decodes):
-        tables[i, :len(seq.blocks)] = torch.tensor(seq.blocks)
+    tables = padded_block_tables([s.blocks for s in decodes])
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long),
         num_decodes=num_decodes,

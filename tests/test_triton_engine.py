@@ -10,6 +10,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import dataclasses  # noqa: E402
+import random  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -31,8 +32,6 @@ def _generate(model_dir: str, backend: str, **overrides) -> tuple[list[list[int]
         model_obj = llm.engine.executor.runner.model
         calls = {"paged_attention": 0, "rms_norm": 0, "apply_rotary": 0}
         model_obj.use_kernels(_counting(model_obj.kernels, calls))
-        import random
-
         rng = random.Random(3)
         shared = [rng.randrange(1, llm.engine.vocab_size) for _ in range(40)]
         prompts = [{"prompt_token_ids": (shared if n > 40 else [])

@@ -16,7 +16,7 @@ import torch
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
                                     StepStatus)
-from kernels import AttentionMetadata, select_backend
+from kernels import AttentionMetadata, padded_block_tables, select_backend
 from workers.kv_cache import allocate_kv_caches
 from workers.models import build_model
 from workers.models import LayerJoin
@@ -74,7 +74,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(self.model.num_layers, num_blocks, block_size,
                                             self.model.num_kv_heads, self.model.head_dim,
                                             dtype, device)
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, device)
         self.suspended = SuspendedChunks()
         # Set by the worker when mid-forward preemption is on; consulted only on steps the
         # scheduler marked preemptible (decode-only steps never vote).
@@ -161,10 +161,7 @@ class ModelRunner:
                 sampled.append(req)
 
         num_decodes = len(decodes)
-        max_blocks = max((len(r.block_ids) for r in decodes), default=0)
-        decode_tables = torch.zeros((num_decodes, max_blocks), dtype=torch.long)
-        for row, table in enumerate(block_tables[:num_decodes]):
-            decode_tables[row, : table.numel()] = table
+        decode_tables = padded_block_tables(block_tables[:num_decodes])
         decode_context_lens = torch.tensor([r.start_pos + 1 for r in decodes], dtype=torch.long)
 
         device = self.device

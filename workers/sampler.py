@@ -15,11 +15,10 @@ _SEED_STRIDE = 1_000_003  # a prime, so (seed, index) pairs map to distinct gene
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
-        # For unseeded random requests: one engine-wide stream (on the logits' device, made on
-        # first use: torch.multinomial draws from a generator on the tensor's own device).
-        self._seed = seed
-        self._generators: dict[torch.device, torch.Generator] = {}
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        # For unseeded random requests: one engine-wide stream, on the logits' device
+        # (torch.multinomial draws from a generator on the tensor's own device).
+        self._generator = torch.Generator(device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  output_indices: list[int]) -> list[int]:
@@ -42,14 +41,8 @@ class Sampler:
             generator = torch.Generator(probs.device)
             generator.manual_seed((sp.seed * _SEED_STRIDE + index) % 2**63)
         else:
-            generator = self._stream(probs.device)
+            generator = self._generator
         return int(torch.multinomial(probs, 1, generator=generator).item())
-
-
-    def _stream(self, device: torch.device) -> torch.Generator:
-        if device not in self._generators:
-            self._generators[device] = torch.Generator(device).manual_seed(self._seed)
-        return self._generators[device]
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
