@@ -144,7 +144,8 @@ def start_server(model: str, dtype: str, port: int) -> subprocess.Popen:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="HF folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto",
+                        help="auto: bfloat16 where this CPU runs it natively, else float32")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=16)

