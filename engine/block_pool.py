@@ -17,7 +17,7 @@ class KVBlock:
     block_id: int
     ref_count: int = 0
     # Chained hash of the tokens this block holds; set only once the step that wrote it completed.
-    block_hash: int | None = None
+    block_hash: bytes | None = None
     # Links of the free queue; both None while the block is not in the queue.
     prev_free: KVBlock | None = field(default=None, repr=False)
     next_free: KVBlock | None = field(default=None, repr=False)
@@ -94,7 +94,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(block_id=i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached_blocks: dict[int, KVBlock] = {}
+        self.cached_blocks: dict[bytes, KVBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -105,7 +105,7 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def get_cached_block(self, block_hash: int) -> KVBlock | None:
+    def get_cached_block(self, block_hash: bytes) -> KVBlock | None:
         return self.cached_blocks.get(block_hash)
 
     def allocate(self, num_blocks: int) -> list[KVBlock]:
@@ -144,7 +144,7 @@ class BlockPool:
                 else:
                     self.free_queue.append(block)
 
-    def commit_hash(self, block: KVBlock, block_hash: int) -> bool:
+    def commit_hash(self, block: KVBlock, block_hash: bytes) -> bool:
         """Make ``block`` findable by ``block_hash``. Returns False when it is not (re)committed.
 
         Two requests that computed the same prefix in one step both try to commit it; the first wins

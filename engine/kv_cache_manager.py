@@ -2,23 +2,31 @@
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Sequence
 
 from engine.block_pool import BlockPool, KVBlock
 from engine.config import CacheConfig
 from engine.request import Request
 
-# Parent of a request's first block; any fixed int works since it only seeds the chain.
-_ROOT_HASH = 0
+# Parent of a request's first block: it only seeds the chain.
+_ROOT_HASH = bytes(32)
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
-    # Chaining makes a block's hash stand for the whole prefix up to it, not just its own tokens.
-    return hash((parent_hash, tuple(token_ids)))
+def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """SHA-256 of the parent block's hash and this block's token ids (8 bytes each).
+
+    Chaining makes a block's hash stand for the whole prefix up to it. A cryptographic hash
+    because a hit hands out another request's KV: with Python's 64-bit ``hash()`` a client could
+    craft a prompt whose blocks collide with someone else's prefix and read what follows it (vLLM
+    moved to sha256 for the same reason). Fixed-width ids keep [1, 2] and [258] apart.
+    """
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
 
 
 class KVCacheManager:

@@ -63,7 +63,7 @@ class Request:
     # Tokens served from the prefix cache at the first admission (-1 until admitted).
     num_cached_tokens: int = -1
     # Chained hashes of this request's full blocks of tokens, extended as tokens are appended.
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
