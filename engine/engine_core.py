@@ -188,6 +188,7 @@ class EngineCore:
             stats.preempt_wasted_tokens = p.wasted_tokens
             stats.preempt_wasted_layers = p.wasted_layers
             stats.preempt_latencies_s = self.preemption.take_latencies()
+            stats.monitor_errors = self.preemption.monitor.num_errors
         return stats
 
     def shutdown(self) -> None:

@@ -47,6 +47,9 @@ class ServerMetrics:
                                                  **labels)
         self.preempt_wasted_layers = counter("preempt_wasted_layers", "Layers unwound forward "
                                              "passes had run.").labels(**labels)
+        self.monitor_errors = counter("monitor_errors", "Exceptions the SLO monitor thread "
+                                      "caught (it keeps running; see the server log).").labels(
+                                          **labels)
         self.scheduled_tokens = counter("scheduled_tokens", "Tokens handed to the model, "
                                         "unwound steps included.").labels(**labels)
         self.preempt_latency = histogram("preempt_latency_seconds", "Monitor decision to "
@@ -85,6 +88,7 @@ class ServerMetrics:
         self.preempt_wasted_layers.inc(max(0, stats.preempt_wasted_layers
                                            - last.preempt_wasted_layers))
         self.scheduled_tokens.inc(max(0, stats.num_scheduled_tokens - last.num_scheduled_tokens))
+        self.monitor_errors.inc(max(0, stats.monitor_errors - last.monitor_errors))
         for latency in stats.preempt_latencies_s:
             self.preempt_latency.observe(latency)
         self._last = stats

@@ -42,6 +42,8 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     preempt_latencies_s: list[float] = []
     # Engine steps scheduled so far (the last step id).
     num_steps: int = 0
+    # Exceptions the SLO monitor thread caught and survived.
+    monitor_errors: int = 0
 
 
 @dataclass

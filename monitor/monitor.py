@@ -13,13 +13,22 @@ read, and the only thing it writes is the signal.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from monitor.policy import PreemptDecision, PreemptPolicy, RequestView, choose_preemption
 from monitor.predictor import LinearTTFT
 from monitor.preempt_signal import PreemptSignal
+
+logger = logging.getLogger(__name__)
+
+# Decisions kept for tests, benchmarks and debugging: a server runs for weeks.
+DECISION_HISTORY = 1024
+# An error that repeats on every poll is logged at most this often (it is counted every time).
+ERROR_LOG_INTERVAL_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -67,7 +76,11 @@ class SLOMonitor:
         self._wake = threading.Event()
         self._stopped = False
         self._fired_step = -1
-        self.decisions: list[MonitorDecision] = []
+        self.decisions: deque[MonitorDecision] = deque(maxlen=DECISION_HISTORY)
+        # Exceptions the thread survived (a metric): a dead monitor would turn preemption off
+        # without a word.
+        self.num_errors = 0
+        self._last_error_logged = -float("inf")
         self._thread = threading.Thread(target=self._run, name="sloserve-monitor", daemon=True)
 
     def start(self) -> None:
@@ -104,7 +117,18 @@ class SLOMonitor:
                         and snapshot.step_id > self._fired_step)
             self._wake.wait(self.interval_s if watching else None)
             self._wake.clear()
-            self.check()
+            try:
+                self.check()
+            except Exception:
+                self._note_error()
+
+    def _note_error(self) -> None:
+        self.num_errors += 1
+        now = time.monotonic()
+        if now - self._last_error_logged >= ERROR_LOG_INTERVAL_S:
+            self._last_error_logged = now
+            logger.exception("SLO monitor: check failed (%d errors so far); the monitor keeps "
+                             "running", self.num_errors)
 
     def _step_remaining(self, snapshot: MonitorSnapshot, now: float) -> float:
         elapsed = now - snapshot.started_at
@@ -116,9 +140,13 @@ class SLOMonitor:
     def check(self) -> MonitorDecision | None:
         """One evaluation of the gate against the current snapshot; publishes a decision."""
         snapshot = self._snapshot
-        if snapshot is None or not snapshot.preemptible or snapshot.step_id <= self._fired_step:
+        if snapshot is None:
             return None
+        # Pruned on every wake, targetable step or not: with only short prompts no step is
+        # preemptible, and the arrivals the scheduler has taken must not pile up.
         arrivals = self._pending_arrivals(snapshot.drained_arrivals)
+        if not snapshot.preemptible or snapshot.step_id <= self._fired_step:
+            return None
         now = time.monotonic()
         step_remaining = self._step_remaining(snapshot, now)
         decision = choose_preemption(snapshot.waiting + arrivals, snapshot.running, now,

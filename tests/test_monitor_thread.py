@@ -1,0 +1,105 @@
+"""The monitor thread's own state stays bounded and survives its own errors (finding 9 of the
+hardening issue): a server runs for weeks with mostly short, non-preemptible steps."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from monitor.monitor import DECISION_HISTORY, MonitorSnapshot, SLOMonitor
+from monitor.policy import RequestView
+from monitor.predictor import LinearTTFT
+from monitor.preempt_signal import PreemptSignal
+
+LINE = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.0)
+
+
+@pytest.fixture
+def signal():
+    s = PreemptSignal.create()
+    yield s
+    s.close()
+
+
+def _wait_until(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
+
+
+def test_arrivals_are_pruned_when_no_step_is_preemptible(signal):
+    """Only short prompts: every snapshot is non-preemptible. The arrivals the scheduler has
+    drained are dropped all the same, so the map holds only the requests not yet drained."""
+    monitor = SLOMonitor(signal)
+    monitor.start()
+    try:
+        for seq in range(1, 2001):
+            monitor.publish(MonitorSnapshot(step_id=seq, preemptible=False, waiting=(),
+                                            running=(), predictor=LINE, drained_arrivals=seq - 1))
+            monitor.note_arrival(seq, RequestView(f"r{seq}", None, 16))
+        monitor.publish(MonitorSnapshot(step_id=2001, preemptible=False, waiting=(), running=(),
+                                        predictor=LINE, drained_arrivals=2000))
+        monitor.note_arrival(2001, RequestView("last", None, 16))
+        # Probe: the thread really saw the last arrival (it is the one left pending).
+        _wait_until(lambda: list(monitor._arrivals) == [2001])
+    finally:
+        monitor.stop()
+
+
+def test_decisions_are_bounded(signal):
+    monitor = SLOMonitor(signal)  # not started: check() is called directly
+    now = time.monotonic()
+    waiter = RequestView("w", deadline=now + 60.0, remaining_prefill_tokens=10)
+    running = RequestView("r", deadline=now - 1.0, remaining_prefill_tokens=3000)  # doomed
+    for step in range(1, DECISION_HISTORY + 51):
+        monitor.publish(MonitorSnapshot(step_id=step, preemptible=True, waiting=(waiter,),
+                                        running=(running,), predictor=LINE, started_at=now,
+                                        predicted_step_s=100.0, num_layers=30))
+        assert monitor.check() is not None  # probe: every step really fired
+    assert len(monitor.decisions) == DECISION_HISTORY
+    assert monitor.decisions[-1].step_id == DECISION_HISTORY + 50
+
+
+def test_an_exception_is_logged_counted_and_the_thread_keeps_going(signal, monkeypatch, caplog):
+    monitor = SLOMonitor(signal, interval_s=0.001)
+    real_check = monitor.check
+    failures = {"left": 3}
+
+    def flaky_check():
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            raise RuntimeError("injected monitor fault")
+        return real_check()
+
+    monkeypatch.setattr(monitor, "check", flaky_check)
+    now = time.monotonic()
+    waiter = RequestView("w", deadline=now + 60.0, remaining_prefill_tokens=10)
+    running = RequestView("r", deadline=now - 1.0, remaining_prefill_tokens=3000)
+    with caplog.at_level(logging.ERROR, logger="monitor.monitor"):
+        monitor.start()
+        try:
+            monitor.publish(MonitorSnapshot(step_id=5, preemptible=True, waiting=(waiter,),
+                                            running=(running,), predictor=LINE, started_at=now,
+                                            predicted_step_s=100.0, num_layers=30))
+            # After three failed checks the thread is still alive and fires on step 5.
+            _wait_until(lambda: signal.target_step_id == 5)
+        finally:
+            monitor.stop()
+    assert monitor.num_errors == 3 and failures["left"] == 0
+    # Logged with its traceback, once (repeats within the interval are only counted).
+    logged = [r for r in caplog.records if "SLO monitor: check failed" in r.getMessage()]
+    assert len(logged) == 1 and "injected monitor fault" in caplog.text
+
+
+def test_monitor_errors_reach_prometheus():
+    from engine.metrics import ServerMetrics
+    from engine.outputs import SchedulerStats
+
+    metrics = ServerMetrics("m")
+    metrics.on_stats(SchedulerStats(monitor_errors=2))
+    metrics.on_stats(SchedulerStats(monitor_errors=5))
+    text = metrics.render().decode()
+    assert 'sloserve:monitor_errors_total{model_name="m"} 5.0' in text
