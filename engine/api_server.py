@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.api_errors import APIError, BodyLimit, InternalErrors, describe_error, error_for
 from engine.async_client import AsyncEngineClient, EngineDeadError
 from engine.config import EngineConfig
 from engine.metrics import ServerMetrics
@@ -27,6 +30,7 @@ from engine.outputs import RequestOutput
 
 VERSION = "0.1.0"
 SLO_HEADER = "x-slo-ttft-ms"
+T = TypeVar("T")
 
 
 @dataclass
@@ -35,12 +39,8 @@ class ServerSettings:
     api_key: str | None = None
     max_request_body_bytes: int = 1 << 20
     default_ttft_slo_ms: float | None = None
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+    # /metrics and /debug/stats behind the API key too (/health stays open for probes).
+    metrics_require_api_key: bool = False
 
 
 def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
@@ -48,17 +48,29 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics(settings.served_model_name)
     client.observer = metrics
     request_ids = itertools.count()
+    # Tokenization and chat templating run here, off the event loop, so that a 1 MiB prompt
+    # does not stall every open stream. One thread: it serializes use of the tokenizer (HF fast
+    # tokenizers are not safe to reconfigure from two threads) and keeps one request's
+    # tokenization from taking more than one core from the engine.
+    tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sloserve-tokenize")
+
+    async def off_loop(fn: Callable[..., T], *args) -> T:
+        return await asyncio.get_running_loop().run_in_executor(tokenize_pool, fn, *args)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await client.start()
-        yield
-        await client.shutdown()
+        try:
+            await client.start()
+            yield
+            await client.shutdown()
+        finally:
+            tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="sloserve", version=VERSION, lifespan=lifespan)
     app.state.client = client
     app.state.metrics = metrics
-    app.add_middleware(_BodyLimit, limit=settings.max_request_body_bytes)
+    app.add_middleware(BodyLimit, limit=settings.max_request_body_bytes)
+    app.add_middleware(InternalErrors)  # added last: the outermost
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -84,13 +96,20 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return JSONResponse(error_body(str(exc), 503), 503)
 
+    expected_auth = (None if settings.api_key is None
+                     else f"Bearer {settings.api_key}".encode())
+
     async def check_api_key(request: Request) -> None:
-        if settings.api_key is None:
+        if expected_auth is None:
             return
-        if request.headers.get("authorization", "") != f"Bearer {settings.api_key}":
+        # Constant time: how long a wrong key takes to refuse says nothing about the right one.
+        # Bytes: compare_digest refuses non-ASCII str, and a header may hold anything.
+        given = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given, expected_auth):
             raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
 
     auth = [Depends(check_api_key)]
+    monitoring_auth = auth if settings.metrics_require_api_key else []
 
     @app.get("/health")
     async def health() -> Response:
@@ -100,11 +119,11 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
     async def version() -> dict:
         return {"version": VERSION}
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=monitoring_auth)
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/debug/stats")
+    @app.get("/debug/stats", dependencies=monitoring_auth)
     async def debug_stats() -> dict:
         stats = client.stats
         return {"num_blocks": client.num_blocks, "num_free_blocks": stats.num_free_blocks,
@@ -158,9 +177,13 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
                               stop_holdback=max((len(s) - 1 for s in params.stop), default=0))
         if body.stream:
             events = stream_events(ctx, _forget_on_exit(outputs, metrics, request_id),
-                                   lambda message: error_body(message, 503))
+                                   lambda exc: error_for(exc, f"stream {request_id}"))
             return StreamingResponse(events, media_type="text/event-stream")
-        final = await _last_unless_disconnected(outputs, request)
+        try:
+            final = await _last_unless_disconnected(outputs, request)
+        except Exception as exc:  # what the engine said about this request (or a bug)
+            status, message, param = describe_error(exc, f"request {request_id}")
+            raise APIError(status, message, param) from exc
         if final is None:  # the client went away; generate()'s cleanup aborted the request
             metrics.forget(request_id)
             return Response(status_code=499)
@@ -169,7 +192,7 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         if isinstance(body.prompt, str):
-            prompt, ids = body.prompt, _encode(client, body.prompt)
+            prompt, ids = body.prompt, await off_loop(_encode, client, body.prompt)
         else:
             prompt, ids = None, list(body.prompt)
         return await _serve(body, request, prompt, ids, chat=False)
@@ -178,7 +201,7 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         try:
             messages = [m.as_template_input() for m in body.messages]
-            ids = client.inputs.apply_chat_template(messages)
+            ids = await off_loop(client.inputs.apply_chat_template, messages)
         except ValueError as exc:
             raise APIError(400, str(exc), "messages") from exc
         return await _serve(body, request, None, ids, chat=True)
@@ -225,63 +248,6 @@ async def _last_unless_disconnected(outputs: AsyncIterator[RequestOutput],
     finally:
         if not task.done():
             task.cancel()
-
-
-class _BodyLimit:
-    """Pure ASGI middleware: stamps the arrival time and refuses bodies over `limit` bytes with
-    413, by Content-Length up front or by counting a streamed body."""
-
-    def __init__(self, app, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        scope.setdefault("state", {})["arrival"] = time.monotonic()
-        headers = dict(scope.get("headers") or [])
-        length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.limit:
-            return await self._refuse(send)
-        seen, too_large, started = 0, False, False
-
-        async def limited_receive():
-            nonlocal seen, too_large
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    too_large = True
-                    raise _TooLarge()
-            return message
-
-        async def guarded_send(message) -> None:
-            # FastAPI turns an exception raised while it reads the body into its own 400
-            # ("There was an error parsing the body"): once the body is over the limit, drop
-            # whatever the app answers and send the 413 below instead.
-            nonlocal started
-            if too_large:
-                return
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, guarded_send)
-        except Exception:
-            if not too_large:
-                raise
-        if too_large and not started:
-            await self._refuse(send)
-
-    async def _refuse(self, send) -> None:
-        body = json.dumps(error_body(f"request body larger than {self.limit} bytes", 413)).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
-
-
-class _TooLarge(Exception):
-    pass
 
 
 def served_name(model_dir: str) -> str:

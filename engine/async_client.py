@@ -4,16 +4,21 @@ fans its outputs back out to one asyncio queue per request."""
 from __future__ import annotations
 
 import asyncio
+import hmac
+import logging
 import multiprocessing
+import secrets
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
 from engine.config import EngineConfig
-from engine.core_messages import (AbortRequests, AddRequest, CoreFailed, CoreOutputs, CoreReady,
-                                  RequestRejected, ShutdownCore, encode_config, frame,
-                                  from_core_decoder, read_frame)
+from engine.core_messages import (HELLO_MAX_BYTES, AbortRequests, AddRequest, CoreFailed,
+                                  CoreOutputs, CoreReady, RequestRejected, ShutdownCore,
+                                  encode_config, frame, from_core_decoder, hello_decoder,
+                                  read_frame)
 from engine.input_processor import InputProcessor, validate_prompt
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput, SchedulerStats
@@ -24,6 +29,14 @@ class OutputObserver(Protocol):
     def on_stats(self, stats: SchedulerStats) -> None: ...
 
     def on_request_output(self, output: RequestOutput) -> None: ...
+
+
+logger = logging.getLogger(__name__)
+
+
+def new_error_id() -> str:
+    """The id under which an error's details are logged; the client sees only the id."""
+    return f"err-{uuid.uuid4().hex[:16]}"
 
 
 class EngineDeadError(RuntimeError):
@@ -63,24 +76,35 @@ class AsyncEngineClient:
         from engine.core_process import run_core_process
 
         self.loop = asyncio.get_running_loop()
+        # Any local process may connect to the port below while it is open; only the peer that
+        # shows this token first gets the channel (and so every prompt). The token travels in
+        # the spawned process's arguments, through a pipe, never on a command line.
+        token = secrets.token_bytes(32)
         connected: asyncio.Future = self.loop.create_future()
+        peers: set[asyncio.StreamWriter] = set()
 
-        def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            if not connected.done():
+        async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            # One task per connection: a silent peer holds only its own connection, never the
+            # real EngineCore's.
+            peers.add(writer)
+            if await _shows_token(reader, token) and not connected.done():
+                peers.discard(writer)
                 connected.set_result((reader, writer))
+                return
+            logger.warning("dropped a connection to the EngineCore port from %s: it did not "
+                           "present the start-up token", writer.get_extra_info("peername"))
+            writer.close()
 
         server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        # Not a daemon: EngineCore spawns the TP worker processes itself.
-        self._process = multiprocessing.get_context("spawn").Process(
-            target=run_core_process, args=(encode_config(self.config), port),
-            name="sloserve-engine-core")
-        self._process.start()
+        self._process = self._spawn_core(run_core_process, port, token)
         try:
             reader, self._writer = await self._wait_for(connected)
             ready = from_core_decoder.decode(await self._wait_for(read_frame(reader)))
         finally:
             server.close()
+            for writer in peers:  # peers that never said anything: they get nothing either
+                writer.close()
         if isinstance(ready, CoreFailed):
             await self._reap()
             raise EngineDeadError(f"EngineCore failed to start:\n{ready.error}")
@@ -90,6 +114,14 @@ class AsyncEngineClient:
         # Until the first engine message brings a snapshot: an idle engine, every block free.
         self.stats = SchedulerStats(num_free_blocks=ready.num_blocks)
         self._reader_task = asyncio.create_task(self._read_outputs(reader))
+
+    def _spawn_core(self, target, port: int, token: bytes) -> multiprocessing.process.BaseProcess:
+        # Not a daemon: EngineCore spawns the TP worker processes itself.
+        process = multiprocessing.get_context("spawn").Process(
+            target=target, args=(encode_config(self.config), port, token),
+            name="sloserve-engine-core")
+        process.start()
+        return process
 
     async def _wait_for(self, awaitable):
         """Await, but give up if the EngineCore process dies or startup takes too long."""
@@ -197,7 +229,10 @@ class AsyncEngineClient:
                     if (queue := self._queues.get(message.request_id)) is not None:
                         queue.put_nowait(_Finished(ValueError(message.error)))
                 elif isinstance(message, CoreFailed):
-                    self.dead = f"EngineCore failed:\n{message.error}"
+                    # The core's text is a traceback: the log gets it, clients get the id.
+                    error_id = new_error_id()
+                    logger.error("EngineCore failed (%s):\n%s", error_id, message.error)
+                    self.dead = f"EngineCore failed (id {error_id}; see the server log)"
                     break
         except (asyncio.IncompleteReadError, ConnectionError):
             self.dead = self.dead or "EngineCore exited unexpectedly"
@@ -220,3 +255,13 @@ class AsyncEngineClient:
         for request_id, queue in list(self._queues.items()):
             self._processor.remove(request_id)
             queue.put_nowait(_Finished(error))
+
+
+async def _shows_token(reader: asyncio.StreamReader, token: bytes) -> bool:
+    """Whether the peer's first frame is a CoreHello carrying `token` (constant-time compare).
+    Reads at most one small frame: a peer cannot make the server buffer more."""
+    try:
+        hello = hello_decoder.decode(await read_frame(reader, HELLO_MAX_BYTES))
+    except (asyncio.IncompleteReadError, ConnectionError, ValueError):  # DecodeError included
+        return False
+    return hmac.compare_digest(hello.token, token)

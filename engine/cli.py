@@ -151,6 +151,10 @@ def _serve(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     if (code := _under_torchrun(args, kwargs)) is not None:
         return code
+    api_key = args.api_key or os.environ.get("SLOSERVE_API_KEY") or None
+    if args.metrics_require_api_key and api_key is None:  # before any model is prepared
+        raise ValueError("--metrics-require-api-key needs an API key (--api-key or "
+                         "$SLOSERVE_API_KEY)")
     model = model_path_or_default(kwargs.pop("model"))
     config = build_engine_config(model, **kwargs)
     resolve(config)  # bad configuration fails here, before any process starts
@@ -160,9 +164,10 @@ def _serve(args: argparse.Namespace) -> int:
         LinearTTFT.load(config.preemption.ttft_model)
     settings = ServerSettings(
         served_model_name=args.served_model_name or served_name(model),
-        api_key=args.api_key or os.environ.get("SLOSERVE_API_KEY") or None,
+        api_key=api_key,
         max_request_body_bytes=args.max_request_body_bytes,
-        default_ttft_slo_ms=args.default_ttft_slo_ms)
+        default_ttft_slo_ms=args.default_ttft_slo_ms,
+        metrics_require_api_key=args.metrics_require_api_key)
     run_server(config, settings, args.host, args.port, args.log_level)
     return 0
 
@@ -191,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1 (or $SLOSERVE_API_KEY)")
+    serve.add_argument("--metrics-require-api-key", action="store_true",
+                       help="require the API key on /metrics and /debug/stats too (/health "
+                            "stays open)")
     serve.add_argument("--served-model-name", default=None,
                        help="model name clients use (default: the model folder's name)")
     serve.add_argument("--max-request-body-bytes", type=int, default=1 << 20)

@@ -70,10 +70,23 @@ class CoreFailed(msgspec.Struct, tag="failed", kw_only=True):
 
 FromCore = Union[CoreReady, CoreOutputs, RequestRejected, CoreFailed]
 
+
+class CoreHello(msgspec.Struct, kw_only=True):
+    """EngineCore's first frame on the channel: the token the API server gave it when spawning
+    it. The API server's port is open to every local process during start-up; a peer that does
+    not show the token first is dropped, so an impostor never receives a prompt."""
+
+    token: bytes
+
+
+# A hello frame is a few dozen bytes: a peer announcing more is not EngineCore.
+HELLO_MAX_BYTES = 256
+
 _encoder = msgspec.msgpack.Encoder()
 to_core_decoder = msgspec.msgpack.Decoder(ToCore)
 from_core_decoder = msgspec.msgpack.Decoder(FromCore)
 config_decoder = msgspec.msgpack.Decoder(EngineConfig)
+hello_decoder = msgspec.msgpack.Decoder(CoreHello)
 
 
 def frame(message: msgspec.Struct | EngineConfig) -> bytes:
@@ -85,8 +98,12 @@ def encode_config(config: EngineConfig) -> bytes:
     return _encoder.encode(config)
 
 
-async def read_frame(reader: asyncio.StreamReader) -> bytes:
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int | None = None) -> bytes:
+    """One frame's body; ValueError when it announces more than `max_bytes` (an untrusted peer
+    must not make us buffer what it likes)."""
     (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+    if max_bytes is not None and length > max_bytes:
+        raise ValueError(f"frame of {length} bytes, more than the {max_bytes} allowed here")
     return await reader.readexactly(length)
 
 

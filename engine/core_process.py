@@ -15,20 +15,21 @@ import socket
 import threading
 import traceback
 
-from engine.core_messages import (AbortRequests, AddRequest, CoreFailed, CoreOutputs, CoreReady,
-                                  FrameSocket, RequestRejected, ShutdownCore, config_decoder,
-                                  to_core_decoder)
+from engine.core_messages import (AbortRequests, AddRequest, CoreFailed, CoreHello, CoreOutputs,
+                                  CoreReady, FrameSocket, RequestRejected, ShutdownCore,
+                                  config_decoder, to_core_decoder)
 from engine.engine_core import EngineCore
 from engine.log import configure_logging
 from engine.request import Request, RequestStatus
 
 
-def run_core_process(config_bytes: bytes, port: int) -> None:
+def run_core_process(config_bytes: bytes, port: int, token: bytes) -> None:
     # The API server decides when to stop (it forwards SIGINT/SIGTERM as a ShutdownCore message);
     # a Ctrl-C delivered to the whole process group must not kill this loop mid-step.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging()  # a spawned process starts with logging unconfigured
     channel = FrameSocket(socket.create_connection(("127.0.0.1", port)))
+    channel.send(CoreHello(token=token))  # before anything else: how the server knows us
     try:
         core = EngineCore(config_decoder.decode(config_bytes))
     except Exception as exc:

@@ -4,18 +4,53 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.sampling_params import SamplingParams
 
+# Every integer a request carries ends up in a msgpack frame to EngineCore (or a torch
+# generator's seed), and both stop at 64 bits: Python's ints do not.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
-class StreamOptions(BaseModel):
+
+def _first_out_of_int64(value: Any) -> int | None:
+    """The first integer in `value` (an int, or nested lists / dicts of them) that a signed
+    64-bit integer cannot hold, else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if not INT64_MIN <= value <= INT64_MAX else None
+    items = value.values() if isinstance(value, dict) else value
+    if isinstance(value, (list, tuple, dict)):
+        return next((bad for v in items if (bad := _first_out_of_int64(v)) is not None), None)
+    return None
+
+
+class _RequestModel(BaseModel):
+    """Base of every request body model: the checks here hold for every field, present and
+    future, so no field can smuggle in a value the engine cannot take."""
+
+    # JSON parsers accept NaN and Infinity (and 1e999 overflows to inf): no sampling or SLO
+    # field means anything with them, so every float field refuses them. Unknown OpenAI fields
+    # (user, logprobs=None, ...) are accepted and ignored, as vLLM does.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _fits_int64(cls, value: Any) -> Any:
+        bad = _first_out_of_int64(value)
+        if bad is not None:
+            # The error's location names the field; the message says what is wrong with it.
+            raise ValueError(f"{bad} is outside the signed 64-bit integer range "
+                             f"[{INT64_MIN}, {INT64_MAX}]")
+        return value
+
+
+class StreamOptions(_RequestModel):
     include_usage: bool = False
 
 
-class GenerationRequest(BaseModel):
-    # Unknown OpenAI fields (user, logprobs=None, ...) are accepted and ignored, as vLLM does.
-    model_config = ConfigDict(extra="allow")
+class GenerationRequest(_RequestModel):
 
     model: str | None = None
     max_tokens: int | None = None
@@ -30,20 +65,21 @@ class GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     # sloserve: the time-to-first-token objective, in milliseconds from arrival.
-    ttft_slo_ms: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    ttft_slo_ms: float | None = Field(default=None, ge=0)
     priority: int = 0
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """Raises ValueError naming the bad field (max_tokens < 1, temperature < 0, ...)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        max_tokens = getattr(self, "max_completion_tokens", None)
-        if max_tokens is None:  # not `or`: max_completion_tokens=0 is an error, not "unset"
-            max_tokens = self.max_tokens
+        max_tokens = self.requested_max_tokens()
         return SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
             seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos, n=self.n)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
 
     @property
     def include_usage(self) -> bool:
@@ -54,18 +90,17 @@ class CompletionRequest(GenerationRequest):
     prompt: str | list[int]
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class ChatMessage(_RequestModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):  # OpenAI content parts: only text is understood here
-            texts = [part.get("text", "") for part in content if part.get("type") == "text"]
-            if len(texts) != len(content):
-                raise ValueError("messages: only text content parts are supported")
+            texts = [part.get("text") for part in content if part.get("type") == "text"]
+            if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+                raise ValueError("messages: only text content parts (with a string `text`) "
+                                 "are supported")
             content = "".join(texts)
         return {"role": self.role, "content": content or ""}
 
@@ -74,8 +109,15 @@ class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
 
+    def requested_max_tokens(self) -> int | None:
+        # Not `or`: max_completion_tokens=0 is an error, not "unset".
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
     kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-            413: "RequestTooLargeError", 503: "ServiceUnavailableError"}.get(status, "ServerError")
+            413: "RequestTooLargeError", 500: "InternalServerError",
+            503: "ServiceUnavailableError"}.get(status, "ServerError")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}

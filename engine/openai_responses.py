@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,8 +70,9 @@ def _sse(body: dict[str, Any] | str) -> str:
 
 
 async def stream_events(ctx: ResponseContext, outputs: AsyncIterator[RequestOutput],
-                        error_body) -> AsyncIterator[str]:
-    """SSE chunks for one request; an engine failure ends the stream with an error event."""
+                        on_error: Callable[[Exception], dict[str, Any]]) -> AsyncIterator[str]:
+    """SSE chunks for one request; a failure ends the stream with the error event `on_error`
+    makes of it (a short message: the headers are sent, so this is all the client gets)."""
     kind = "chat.completion.chunk" if ctx.chat else "text_completion"
     created = ctx.created
     sent = 0
@@ -103,8 +104,8 @@ async def stream_events(ctx: ResponseContext, outputs: AsyncIterator[RequestOutp
                 yield _sse(final)
             elif delta:
                 yield _sse(chunk(delta, None))
-    except Exception as exc:  # the engine died or the server is shutting down
-        yield _sse(error_body(str(exc)))
+    except Exception as exc:  # the engine died, the server is shutting down, or a bug
+        yield _sse(on_error(exc))
         yield _sse("[DONE]")
         return
     if ctx.include_usage and last is not None:

@@ -1,0 +1,115 @@
+"""The API server app in this process (httpx's ASGI transport, the app's own lifespan), with
+either the real EngineCore process behind it or `FakeCore`: a thread that plays EngineCore over
+the real channel (handshake, CoreReady, scripted answers), so that the server's error paths can
+be driven without a model and without timing."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import httpx
+import msgspec
+
+from engine.api_server import ServerSettings, build_app
+from engine.async_client import AsyncEngineClient
+from engine.config import build_engine_config
+from engine.core_messages import (AddRequest, CoreHello, CoreOutputs, CoreReady, FrameSocket,
+                                  ShutdownCore, to_core_decoder)
+from engine.outputs import EngineCoreOutput, SchedulerStats
+
+MAX_MODEL_LEN = 64
+
+# What the fake core answers to one AddRequest: the frames to send, and whether to hang up
+# after them (as the real core does after CoreFailed).
+Script = Callable[[AddRequest], tuple[list[msgspec.Struct], bool]]
+
+
+def finish_with_one_token(message: AddRequest) -> tuple[list[msgspec.Struct], bool]:
+    out = EngineCoreOutput(req_id=message.request_id, new_token_ids=[5], finish_reason="length")
+    return [CoreOutputs(outputs=[out], stats=SchedulerStats())], False
+
+
+class FakeCore:
+    """Stands in for the EngineCore process: `spawn` replaces AsyncEngineClient._spawn_core and
+    the object itself answers the process interface the client uses (is_alive, join, ...)."""
+
+    def __init__(self, vocab_size: int, script: Script = finish_with_one_token) -> None:
+        self.vocab_size, self.script = vocab_size, script
+        self.thread: threading.Thread | None = None
+        self.sock: socket.socket | None = None
+        self.requests: list[AddRequest] = []
+
+    def spawn(self, target, port: int, token: bytes) -> FakeCore:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.thread = threading.Thread(target=self._run, args=(token,), daemon=True)
+        self.thread.start()
+        return self
+
+    def _run(self, token: bytes) -> None:
+        channel = FrameSocket(self.sock)
+        try:
+            channel.send(CoreHello(token=token))
+            channel.send(CoreReady(max_model_len=MAX_MODEL_LEN, vocab_size=self.vocab_size,
+                                   num_blocks=8))
+            while (frames := channel.receive(timeout=None)) is not None:
+                for payload in frames:
+                    message = to_core_decoder.decode(payload)
+                    if isinstance(message, ShutdownCore):
+                        return
+                    if isinstance(message, AddRequest):
+                        self.requests.append(message)
+                        replies, hang_up = self.script(message)
+                        for reply in replies:
+                            channel.send(reply)
+                        if hang_up:
+                            return
+        except OSError:
+            pass
+        finally:
+            self.sock.close()
+
+    # ---- the process interface --------------------------------------------------------------
+
+    def is_alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    @property
+    def exitcode(self) -> int | None:
+        return None if self.is_alive() else 0
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    def terminate(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+
+    kill = terminate
+
+
+@asynccontextmanager
+async def app_client(model_dir: str, settings: ServerSettings | None = None,
+                     fake: FakeCore | None = None,
+                     spawn_core: Callable | None = None
+                     ) -> AsyncIterator[tuple[httpx.AsyncClient, AsyncEngineClient]]:
+    """The app started through its own lifespan; yields an httpx client on it and the app's
+    engine client. `fake` replaces the EngineCore process; `spawn_core` wraps the real spawn."""
+    settings = settings or ServerSettings(served_model_name="tiny")
+    config = build_engine_config(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN,
+                                 num_kv_blocks=16)
+    app = build_app(config, settings)
+    engine: AsyncEngineClient = app.state.client
+    if fake is not None:
+        engine._spawn_core = fake.spawn  # type: ignore[method-assign]
+    elif spawn_core is not None:
+        original = engine._spawn_core
+        engine._spawn_core = lambda *args: spawn_core(original, *args)  # type: ignore
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://sloserve",
+                                     timeout=60) as http:
+            yield http, engine
