@@ -43,6 +43,11 @@ class EngineDeadError(RuntimeError):
     """The EngineCore process failed or exited; no request can be served any more."""
 
 
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine (its sampling, its logits, its detokenization); the
+    engine and the other requests go on. The message is one line, safe to show the client."""
+
+
 @dataclass
 class _Finished:
     """Queue sentinel for a request that can no longer make progress."""
@@ -240,16 +245,19 @@ class AsyncEngineClient:
 
     def _dispatch(self, message: CoreOutputs) -> None:
         self.stats = message.stats
-        outputs, stopped = self._processor.process(message.outputs)
+        processed = self._processor.process(message.outputs)
         if self.observer is not None:
             self.observer.on_stats(message.stats)
-            for out in outputs:
+            for out in processed.outputs:
                 self.observer.on_request_output(out)
-        if stopped:
-            self._send(AbortRequests(request_ids=stopped, reason="stop"), quiet=True)
-        for out in outputs:
+        if processed.stopped:
+            self._send(AbortRequests(request_ids=processed.stopped, reason="stop"), quiet=True)
+        if processed.failed:  # failed here, not in the core: free their KV there
+            self._send(AbortRequests(request_ids=processed.failed, reason="error"), quiet=True)
+        for out in processed.outputs:
             if (queue := self._queues.get(out.request_id)) is not None:
-                queue.put_nowait(out)
+                queue.put_nowait(_Finished(RequestFailedError(out.error or "the request failed"))
+                                 if out.finish_reason == "error" else out)
 
     def _fail_all(self, error: Exception) -> None:
         for request_id, queue in list(self._queues.items()):

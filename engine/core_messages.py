@@ -35,7 +35,8 @@ class AddRequest(msgspec.Struct, tag="add", kw_only=True):
 
 class AbortRequests(msgspec.Struct, tag="abort", kw_only=True):
     request_ids: list[str]
-    # "abort" (client gone) or "stop" (the API server found a stop string).
+    # "abort" (client gone), "stop" (the API server found a stop string) or "error" (handling
+    # the request's output failed in the API server).
     reason: str = "abort"
 
 

@@ -49,6 +49,8 @@ def run_core_process(config_bytes: bytes, port: int, token: bytes) -> None:
         core.shutdown()
 
 
+_ABORT_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "error": RequestStatus.FINISHED_ERROR}
+
 _CLOSED = object()  # the API server's side of the socket is gone
 _ARRIVED = object()  # a request was handed to the engine: wake the loop
 
@@ -94,8 +96,7 @@ def _serve(core: EngineCore, channel: FrameSocket) -> None:
                 if isinstance(event, RequestRejected):
                     channel.send(event)
                 elif isinstance(event, AbortRequests):
-                    status = (RequestStatus.FINISHED_STOPPED if event.reason == "stop"
-                              else RequestStatus.FINISHED_ABORTED)
+                    status = _ABORT_STATUS.get(event.reason, RequestStatus.FINISHED_ABORTED)
                     core.abort_requests(event.request_ids, status)
                 changed = True
                 event = events.get_nowait()

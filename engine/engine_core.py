@@ -201,11 +201,14 @@ class EngineCore:
 
 def _core_output(request: Request) -> EngineCoreOutput:
     finished = request.is_finished
+    # A request that failed this step got no token in it.
+    failed = request.status is RequestStatus.FINISHED_ERROR
     return EngineCoreOutput(
         req_id=request.request_id,
-        new_token_ids=request.output_token_ids[-1:],
+        new_token_ids=[] if failed else request.output_token_ids[-1:],
         finish_reason=request.status.finish_reason if finished else None,
         stop_reason=request.stop_reason if finished else None,
+        error=request.error,
         num_preemptions=request.num_preemptions,
         num_cached_tokens=max(request.num_cached_tokens, 0),
         first_scheduled_time=request.first_scheduled_time,

@@ -45,7 +45,13 @@ class LLM:
                  ttft_slo_ms: float | Sequence[float | None] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Runs all prompts to completion; outputs come back in the order of the prompts.
-        `ttft_slo_ms`: time-to-first-token objective(s), counted from this call."""
+        `ttft_slo_ms`: time-to-first-token objective(s), counted from this call.
+
+        Bad input (a prompt, a sampling parameter) raises ValueError before anything runs. A
+        request that fails while it runs (its sampling, its logits, its detokenization) does not
+        raise: its output comes back with ``finish_reason == "error"`` and the reason in
+        ``output.error`` (the traceback is logged), and the other prompts finish normally. Only a
+        failure of the engine itself (a worker died) raises, as EngineStepError."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         encoded = [self._encode(p) for p in prompts]
@@ -96,10 +102,12 @@ class LLM:
         progress = tqdm(total=len(requests), desc="Generating", disable=not use_tqdm)
         try:
             while processor.num_unfinished:
-                outputs, stopped = processor.process(self.engine.step())
-                if stopped:
-                    self.engine.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
-                for out in outputs:
+                processed = processor.process(self.engine.step())
+                if processed.stopped:
+                    self.engine.abort_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)
+                if processed.failed:  # frees their KV in the core
+                    self.engine.abort_requests(processed.failed, RequestStatus.FINISHED_ERROR)
+                for out in processed.outputs:
                     if out.finished:
                         finals[out.request_id] = out
                         progress.update()

@@ -2,16 +2,34 @@
 
 Stop strings are checked here, where the text is; a hit finishes the request and the caller tells
 EngineCore to drop it (the same split as vLLM v1, so the API server can own detokenization).
+
+An exception while handling one request's output (its detokenizer, its stop strings) finishes that
+request with finish_reason "error" and the caller aborts it in EngineCore; the other requests of
+the same batch are processed as usual.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import EngineCoreOutput, RequestMetrics, RequestOutput
+from engine.outputs import EngineCoreOutput, RequestMetrics, RequestOutput, error_line
 from engine.sampling_params import SamplingParams
+
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ProcessedOutputs:
+    # The updated outputs, finished ones included.
+    outputs: list[RequestOutput] = field(default_factory=list)
+    # Finished here by a stop string: the caller tells EngineCore to stop them.
+    stopped: list[str] = field(default_factory=list)
+    # Failed here (detokenization, stop strings): the caller aborts them in EngineCore.
+    failed: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -46,37 +64,58 @@ class OutputProcessor:
     def num_unfinished(self) -> int:
         return len(self._states)
 
-    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the updated outputs and the ids finished here by a stop string (to abort in the
-        core). Finished requests are forgotten."""
-        updated: list[RequestOutput] = []
-        stopped: list[str] = []
+    def process(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        """Apply one engine step's outputs. Finished requests are forgotten."""
+        result = ProcessedOutputs()
         for core_out in core_outputs:
             state = self._states.get(core_out.req_id)
             if state is None:  # finished here already (stop string) before the core heard of it
                 continue
+            try:
+                stopped = self._apply(state, core_out)
+            except Exception as exc:  # this request's failure, not the batch's
+                logger.error("request %s: processing its output failed; the request is "
+                             "finished with an error", core_out.req_id, exc_info=exc)
+                _fail(state.output, f"detokenization failed: {error_line(exc)}")
+                result.failed.append(core_out.req_id)
+                stopped = False
+            if stopped:
+                result.stopped.append(core_out.req_id)
             out = state.output
-            out.token_ids.extend(core_out.new_token_ids)
-            metrics = out.metrics
-            assert metrics is not None
-            metrics.first_scheduled_time = core_out.first_scheduled_time
-            metrics.first_token_time = core_out.first_token_time
-            metrics.num_preemptions = core_out.num_preemptions
-            metrics.num_cached_tokens = core_out.num_cached_tokens
-            if core_out.finish_reason is not None:
-                out.finished, out.finish_reason = True, core_out.finish_reason
-                out.stop_reason = core_out.stop_reason
-                metrics.finish_time = core_out.finish_time
-            if state.detokenizer is not None:
-                stop = state.detokenizer.update(core_out.new_token_ids)
-                if stop is not None and not out.finished:
-                    out.finished, out.finish_reason, out.stop_reason = True, "stop", stop
-                    metrics.finish_time = time.monotonic()
-                    stopped.append(core_out.req_id)
-                if out.finished:
-                    state.detokenizer.flush()
-                out.text = state.detokenizer.output_text
-            updated.append(out)
+            result.outputs.append(out)
             if out.finished:
                 del self._states[core_out.req_id]
-        return updated, stopped
+        return result
+
+    @staticmethod
+    def _apply(state: _RequestState, core_out: EngineCoreOutput) -> bool:
+        """Returns whether a stop string finished the request here."""
+        out = state.output
+        out.token_ids.extend(core_out.new_token_ids)
+        metrics = out.metrics
+        assert metrics is not None
+        metrics.first_scheduled_time = core_out.first_scheduled_time
+        metrics.first_token_time = core_out.first_token_time
+        metrics.num_preemptions = core_out.num_preemptions
+        metrics.num_cached_tokens = core_out.num_cached_tokens
+        if core_out.finish_reason is not None:
+            out.finished, out.finish_reason = True, core_out.finish_reason
+            out.stop_reason, out.error = core_out.stop_reason, core_out.error
+            metrics.finish_time = core_out.finish_time
+        stopped = False
+        if state.detokenizer is not None:
+            stop = state.detokenizer.update(core_out.new_token_ids)
+            if stop is not None and not out.finished:
+                out.finished, out.finish_reason, out.stop_reason = True, "stop", stop
+                metrics.finish_time = time.monotonic()
+                stopped = True
+            if out.finished:
+                state.detokenizer.flush()
+            out.text = state.detokenizer.output_text
+        return stopped
+
+
+def _fail(out: RequestOutput, error: str) -> None:
+    out.finished, out.finish_reason, out.stop_reason, out.error = True, "error", None, error
+    if out.metrics is not None:
+        out.metrics.finish_time = time.monotonic()

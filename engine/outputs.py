@@ -14,6 +14,8 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     new_token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # finish_reason "error": a one-line reason for the client (the traceback is in the log).
+    error: str | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
@@ -44,6 +46,14 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     num_steps: int = 0
     # Exceptions the SLO monitor thread caught and survived.
     monitor_errors: int = 0
+
+
+def error_line(exc: BaseException, limit: int = 200) -> str:
+    """A request's error as a client may see it: the exception's type and first line, bounded
+    (the traceback goes to the server log, never into a response)."""
+    lines = str(exc).strip().splitlines()
+    message = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return message if len(message) <= limit else message[:limit - 3] + "..."
 
 
 @dataclass
@@ -89,4 +99,6 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # finish_reason "error": why this request failed (the other requests were not affected).
+    error: str | None = None
     metrics: RequestMetrics | None = None

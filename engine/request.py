@@ -17,6 +17,9 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    # Something that belongs to this request alone failed (sampling, its logits, its stop
+    # strings or detokenization): it ends, the engine and the other requests go on.
+    FINISHED_ERROR = enum.auto()
 
     @property
     def is_finished(self) -> bool:
@@ -31,6 +34,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -68,6 +72,8 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     stop_reason: int | str | None = None
+    # FINISHED_ERROR: a one-line reason, safe to show a client (tracebacks go to the log).
+    error: str | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

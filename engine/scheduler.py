@@ -374,7 +374,8 @@ class Scheduler(SlackAwareScheduling):
     ) -> list[Request]:
         """Commit a completed step: cache hashes, sampled tokens, stop checks.
 
-        Returns the requests that received a token this step (finished ones included), in
+        Returns the requests that received a token this step (finished ones included) or failed
+        in it (``runner_output.failed``: finished with an error, nothing else changes), in
         scheduling order. Requests aborted or preempted since ``schedule()`` are skipped.
         """
         if runner_output.step_id != scheduler_output.step_id:
@@ -392,7 +393,9 @@ class Scheduler(SlackAwareScheduling):
             for sr in scheduler_output.requests
             if (r := self.requests.get(sr.req_id)) is not None and r.status is RequestStatus.RUNNING
         ]
-        missing = [sr.req_id for sr in live if sr.sample and sr.req_id not in runner_output.sampled_token_ids]
+        failed = runner_output.failed
+        missing = [sr.req_id for sr in live if sr.sample and sr.req_id not in runner_output.sampled_token_ids
+                   and sr.req_id not in failed]
         if missing:
             # Checked up front so a bad output changes nothing.
             raise ValueError(f"step {runner_output.step_id}: no sampled token for requests {missing}")
@@ -402,6 +405,10 @@ class Scheduler(SlackAwareScheduling):
             request = self.requests[sr.req_id]
             if sr.resume:
                 del self.suspended[sr.req_id]  # the workers dropped it with the step's success
+            if sr.req_id in failed:
+                self.fail_request(request, failed[sr.req_id])
+                outputs.append(request)
+                continue
             self.kv_cache_manager.commit_computed_blocks(request, sr.start_pos + len(sr.token_ids))
             if not sr.sample:
                 continue
@@ -414,6 +421,13 @@ class Scheduler(SlackAwareScheduling):
                 self._finish(request, status)
             outputs.append(request)
         return outputs
+
+    def fail_request(self, request: Request, error: str) -> None:
+        """Finish one request with an error (its sampling or its logits failed) and free its KV;
+        its blocks' hashes are not committed, since their contents may be what went wrong."""
+        self.running.remove(request)
+        request.error = error
+        self._finish(request, RequestStatus.FINISHED_ERROR)
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         token = request.output_token_ids[-1]

@@ -69,6 +69,9 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     status: StepStatus = StepStatus.OK
     # req_id -> sampled token, for the requests scheduled with sample=True.
     sampled_token_ids: dict[str, int] = {}
+    # req_id -> why no token could be sampled for it (OK steps only): that request alone is
+    # finished with an error, the rest of the step commits as usual.
+    failed: dict[str, str] = {}
     error: str | None = None
     # PREEMPTED: the layer before whose attention op the pass stopped.
     preempted_layer: int | None = None

@@ -52,8 +52,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def _decode_plan(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block ids to gather (flattened [num_decodes * n_blocks]) and an additive float32 mask
-    [num_decodes, 1, n_blocks * block_size] hiding the slots past each context."""
+    """Block ids to gather (flattened [num_decodes * n_blocks]) and a boolean mask
+    [num_decodes, n_blocks * block_size], true at the slots past each context."""
     plan = meta.derived.get("decode")
     if plan is None:
         context_lens = meta.decode_context_lens
@@ -61,10 +61,7 @@ def _decode_plan(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor
         n_blocks = -(-int(context_lens.max()) // block_size)
         block_ids = meta.decode_block_tables[:, :n_blocks].reshape(-1)
         slots = torch.arange(n_blocks * block_size, device=context_lens.device)
-        hidden = slots[None, :] >= context_lens[:, None]
-        bias = torch.zeros(hidden.shape, dtype=torch.float32, device=context_lens.device)
-        bias.masked_fill_(hidden, float("-inf"))
-        plan = (block_ids, bias.unsqueeze(1))
+        plan = (block_ids, slots[None, :] >= context_lens[:, None])
         meta.derived["decode"] = plan
     return plan
 
@@ -74,8 +71,8 @@ def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     num_decodes, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
-    block_ids, bias = _decode_plan(meta, block_size)
-    ctx = bias.shape[-1]
+    block_ids, hidden = _decode_plan(meta, block_size)
+    ctx = hidden.shape[-1]
     batch = num_decodes * num_kv_heads
 
     # [B, ctx, Hkv, D] as gathered; bmm wants one (request, kv head) pair per batch entry, so K
@@ -88,10 +85,15 @@ def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     # Query head h reads KV head h // group (HF's repeat_kv order), so the view groups them.
     q = (query.to(torch.float32) * scale).reshape(batch, group, head_dim)
     scores = torch.bmm(q, keys_f32.view(batch, ctx, head_dim).transpose(1, 2))
-    scores = scores.view(num_decodes, num_heads, ctx).add_(bias)
+    # The hidden slots hold whatever an earlier owner of the block left there, NaN included
+    # (a request that failed with NaN logits): masked_fill, unlike adding -inf, replaces a NaN
+    # score, and those slots' values are zeroed since 0 * NaN is still NaN.
+    scores = scores.view(num_decodes, num_heads, ctx).masked_fill_(hidden[:, None, :],
+                                                                    float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(query.dtype)
 
     values = value_cache.index_select(0, block_ids).view(num_decodes, ctx, num_kv_heads, head_dim)
+    values.masked_fill_(hidden[:, :, None, None], 0.0)
     values = values.transpose(1, 2).contiguous().view(batch, ctx, head_dim)
     out = torch.bmm(probs.view(batch, group, ctx), values)
     return out.view(num_decodes, num_heads, head_dim)

@@ -7,12 +7,14 @@ behind here that needs undoing.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
 
 import torch
 
+from engine.outputs import error_line
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
                                     StepStatus)
@@ -26,6 +28,7 @@ from workers.suspension import SuspendedChunks
 from workers.sampler import Sampler
 from workers.weight_loader import load_weights
 
+logger = logging.getLogger(__name__)
 
 # Test hook: sleep this many microseconds per token in every decoder layer, so that a tiny model's
 # layers last long enough to observe a preemption between them (set in the environment, so that
@@ -90,6 +93,10 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         started = time.perf_counter()
         self.suspended.free(scheduler_output.free_suspended)
+        if not scheduler_output.requests:
+            # The engine had nothing to compute but suspended chunks to free (every rank frees
+            # its own copy; no collective is entered).
+            return ModelRunnerOutput(step_id=scheduler_output.step_id)
         inputs = self.prepare_inputs(scheduler_output.requests)
         vote = self.vote if scheduler_output.preemptible else None
         if vote is not None:
@@ -117,15 +124,33 @@ class ModelRunner:
             # only the launches (a middle prefill chunk samples nothing, so nothing else waits).
             torch.cuda.synchronize(self.device)
         sampled: dict[str, int] = {}
+        failed: dict[str, str] = {}
         if inputs.sampled:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
         if inputs.sampled and self.sample:
-            params: list[SamplingParams] = [r.sampling_params for r in inputs.sampled]
-            indices = [r.num_output_tokens for r in inputs.sampled]
-            tokens = self.sampler(logits, params, indices)
-            sampled = {r.req_id: t for r, t in zip(inputs.sampled, tokens)}
+            sampled, failed = self._sample(logits, inputs.sampled)
         return ModelRunnerOutput(step_id=scheduler_output.step_id, sampled_token_ids=sampled,
-                                 execute_seconds=time.perf_counter() - started)
+                                 failed=failed, execute_seconds=time.perf_counter() - started)
+
+    def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest]
+                ) -> tuple[dict[str, int], dict[str, str]]:
+        """Tokens for the requests that could be sampled, and an error for each that could not
+        (only the rank that samples gets here, so a failure cannot desynchronise the group)."""
+        params: list[SamplingParams] = [r.sampling_params for r in requests]
+        indices = [r.num_output_tokens for r in requests]
+        result = self.sampler(logits, params, indices)
+        sampled: dict[str, int] = {}
+        failed: dict[str, str] = {}
+        for row, (req, token) in enumerate(zip(requests, result.token_ids)):
+            if token is not None:
+                sampled[req.req_id] = token
+                continue
+            exc = result.errors[row]
+            logger.error("request %s: sampling failed; the request is finished with an error",
+                         req.req_id, exc_info=exc)
+            # The client sees this line, never the traceback (which is in the log above).
+            failed[req.req_id] = f"sampling failed: {error_line(exc)}"
+        return sampled, failed
 
     def prepare_inputs(self, requests: list[ScheduledRequest]) -> ModelInputs:
         # The attention kernels expect decodes (one query token) first, then prefill chunks;
@@ -183,3 +208,4 @@ class ModelRunner:
             joins=[self.suspended.join_for(r) for r in resumed],
             prefill_rows=prefill_rows,
         )
+

@@ -3,15 +3,34 @@
 Seeded draws are derived from (seed, index of the token in the output), not from a generator that
 lives across steps: a request's tokens then do not depend on how it was batched, preempted,
 recomputed or rolled back, and no per-request state has to follow it between workers.
+
+Each row is sampled under its own guard: a row that cannot be sampled (the model produced NaN or
++inf for it, or a draw raised) fails that row only, and the other rows of the batch keep the
+tokens they would have had without it (DESIGN.md section 6: nothing one request does can fail the
+engine).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.sampling_params import SamplingParams
 
 _SEED_STRIDE = 1_000_003  # a prime, so (seed, index) pairs map to distinct generator seeds
+
+
+class NonFiniteLogits(ValueError):
+    """A request's logits row holds NaN or +inf: no token can be chosen from it."""
+
+
+@dataclass
+class SamplerOutput:
+    # One entry per row: the sampled token, or None where the row failed.
+    token_ids: list[int | None]
+    # Row -> the exception that failed it (the caller knows which request a row is, and logs).
+    errors: dict[int, Exception] = field(default_factory=dict)
 
 
 class Sampler:
@@ -21,13 +40,24 @@ class Sampler:
         self._generator = torch.Generator(device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 output_indices: list[int]) -> list[int]:
+                 output_indices: list[int]) -> SamplerOutput:
         """logits: float32 [N, vocab], one row per request to sample."""
-        tokens = logits.argmax(dim=-1).tolist()
+        # -inf is a legitimate "never this token"; NaN or +inf mean the forward pass broke down
+        # for this row (argmax would happily return the NaN's index).
+        broken = (torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1).tolist()
+        tokens: list[int | None] = logits.argmax(dim=-1).tolist()
+        out = SamplerOutput(tokens)
         for row, (sp, index) in enumerate(zip(params, output_indices)):
-            if not sp.greedy:
-                tokens[row] = self._sample_row(logits[row], sp, index)
-        return tokens
+            try:
+                if broken[row]:
+                    raise NonFiniteLogits("the model produced NaN or +inf logits for this "
+                                          "request")
+                if not sp.greedy:
+                    tokens[row] = self._sample_row(logits[row], sp, index)
+            except Exception as exc:  # one request's failure, not the batch's
+                tokens[row] = None
+                out.errors[row] = exc
+        return out
 
     def _sample_row(self, logits: torch.Tensor, sp: SamplingParams, index: int) -> int:
         logits = logits / sp.temperature
@@ -49,6 +79,9 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p (always the top one)."""
     sorted_probs, order = probs.sort(descending=True)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+    drop = mass_before >= top_p
+    # Explicitly, since a tiny top_p rounds to 0 in float32 and would drop every token.
+    drop[0] = False
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     filtered = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return filtered / filtered.sum()
