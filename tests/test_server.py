@@ -492,6 +492,11 @@ def _raw(data: bytes) -> dict:
     return {"content": data, "headers": {"Content-Type": "application/json"}}
 
 
+def _json(body: dict) -> dict:
+    """A JSON body with NaN / Infinity tokens (httpx's json= refuses to write them)."""
+    return _raw(json.dumps(body, allow_nan=True).encode())
+
+
 def _chunked(size: int) -> dict:
     """A body sent with Transfer-Encoding: chunked (no Content-Length to refuse it by)."""
     def chunks():
@@ -564,6 +569,35 @@ BAD_INPUTS = [
      "key", 400, "x-slo-ttft-ms"),
     ("slo-header-chat", CH, lambda: {"json": _chat(), "headers": {"X-SLO-TTFT-MS": "abc"}},
      "key", 400, "x-slo-ttft-ms"),
+    # Finding 1: JSON parsers accept NaN / Infinity (and 1e999 overflows to inf); every float
+    # field refuses them, naming the field.
+    ("temperature-nan", C, lambda: _json(_prompt(temperature=math.nan)), "key", 400,
+     "temperature"),
+    ("temperature-nan-chat", CH, lambda: _json(_chat(temperature=math.nan)), "key", 400,
+     "temperature"),
+    ("temperature-minus-infinity", C, lambda: _json(_prompt(temperature=-math.inf)), "key",
+     400, "temperature"),
+    ("top-p-infinity", C, lambda: _json(_prompt(top_p=math.inf)), "key", 400, "top_p"),
+    ("top-p-nan-stream", C, lambda: _json(_prompt(top_p=math.nan, stream=True)), "key", 400,
+     "top_p"),
+    ("slo-1e999", C, lambda: _raw(b'{"prompt": "Hello", "max_tokens": 2, "ttft_slo_ms": 1e999}'),
+     "key", 400, "ttft_slo_ms"),
+    # Finding 4: integers a signed 64-bit int cannot hold, wherever they are.
+    ("seed-2**64", C, lambda: {"json": _prompt(seed=2**64)}, "key", 400, "seed"),
+    ("seed-minus-2**70-chat", CH, lambda: {"json": _chat(seed=-2**70)}, "key", 400, "seed"),
+    ("priority-2**63", C, lambda: {"json": _prompt(priority=2**63)}, "key", 400, "priority"),
+    ("top-k-2**64", C, lambda: {"json": _prompt(top_k=2**64)}, "key", 400, "top_k"),
+    ("max-tokens-2**64", C, lambda: {"json": _prompt(max_tokens=2**64)}, "key", 400,
+     "max_tokens"),
+    ("max-completion-tokens-2**64", CH,
+     lambda: {"json": {"messages": MESSAGES, "max_completion_tokens": 2**64}}, "key", 400,
+     "max_completion_tokens"),
+    ("token-id-2**64", C, lambda: {"json": _prompt(prompt=[1, 2**64])}, "key", 400, "prompt"),
+    ("token-id-minus-2**70", C, lambda: {"json": _prompt(prompt=[-2**70])}, "key", 400,
+     "prompt"),
+    ("stop-token-id-2**64-stream", C,
+     lambda: {"json": _prompt(stop_token_ids=[2**64], stream=True)}, "key", 400,
+     "stop_token_ids"),
     ("unknown-model", C, lambda: {"json": _prompt(model="gpt-4o")}, "key", 404, "model"),
     ("unknown-model-chat", CH, lambda: {"json": _chat(model="gpt-4o")}, "key", 404, "model"),
     ("oversize-body", C, lambda: {"json": _prompt(prompt="a" * (BODY_LIMIT + 100))}, "key",
