@@ -237,3 +237,40 @@ def test_nan_logits_fail_only_their_requests_at_tp2(poisoned_model, poison_refer
     finally:
         llm.shutdown()
     assert not multiprocessing.active_children()
+
+
+def test_server_fails_only_the_poisoned_request(poisoned_model, poison_reference, tmp_path):
+    """End to end through `sloserve serve`: the poisoned request gets an OpenAI-shaped error
+    (streamed or not) with no traceback, the server log has the traceback under its request id,
+    and the same server then serves a clean request exactly as the offline engine did."""
+    import httpx
+
+    from tests.server_helpers import ServerProcess, collect_stream, sse_data
+
+    batch, bad = _poison_batch()
+    server = ServerProcess(poisoned_model, tmp_path / "server.log")
+    try:
+        body = {"prompt": batch[bad[0]]["prompt_token_ids"],
+                "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        plain = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert plain.status_code == 500
+        error = plain.json()["error"]
+        assert error["message"] and "Traceback" not in plain.text
+        with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True},
+                          timeout=60) as response:
+            streamed = collect_stream(sse_data(response.iter_lines()))
+        assert streamed["error"] is not None and streamed["done"]
+        assert "Traceback" not in str(streamed["error"])
+        # Probe: the failures were the sampler's, logged with their traceback in EngineCore.
+        log = server.log(tail=200_000)
+        assert log.count("sampling failed; the request is finished with an error") == 2
+        assert "NonFiniteLogits" in log and "Traceback" in log
+        clean = {**body, "prompt": batch[0]["prompt_token_ids"]}
+        ok = httpx.post(f"{server.url}/v1/completions", json=clean, timeout=60)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+        assert ok.json()["usage"]["completion_tokens"] == len(poison_reference[0])
+        stats, _ = server.wait_all_blocks_free()
+        assert stats["num_free_blocks"] == stats["num_blocks"]
+    finally:
+        code, _, left = server.stop()
+    assert code in (0, -15) and not left
