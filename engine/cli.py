@@ -38,6 +38,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--long-prefill-token-threshold", type=int, default=0)
     g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--watermark", type=float, default=0.01,
+                   help="fraction of KV blocks kept free when admitting beside running requests")
+    g.add_argument("--no-full-sequence-admission", action="store_true",
+                   help="admit once the first prefill chunk fits, not the whole input (prompt "
+                        "and tokens generated before a preemption)")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority", "slo"], default="fcfs",
                    help="slo: slack-EDF over TTFT deadlines (step level)")
     g.add_argument("--seed", type=int, default=0)
@@ -79,6 +84,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
                 enable_chunked_prefill=not args.no_chunked_prefill,
+                watermark=args.watermark,
+                full_sequence_admission=not args.no_full_sequence_admission,
                 scheduling_policy=args.scheduling_policy, seed=args.seed,
                 tensor_parallel_size=args.tensor_parallel_size or 1,
                 collective_timeout_s=args.collective_timeout_s,

@@ -136,6 +136,8 @@ class EngineCore:
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         self._drain_inbox()  # an abort may overtake its request's hand-over
         self.scheduler.abort_requests(list(request_ids), status)
+        if not self.scheduler.has_unfinished_requests():
+            self._deliver_pending_frees()  # no later step will carry them
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or not self._inbox.empty()
@@ -146,17 +148,16 @@ class EngineCore:
             raise EngineStepError(f"the engine stopped after a worker failure:\n{self.dead}")
         self._drain_inbox()
         if not self.scheduler.has_unfinished_requests():
+            self._deliver_pending_frees()
             return []
         scheduler_output = self.scheduler.schedule()
         if self.preemption is not None:
             self.preemption.after_schedule(scheduler_output, self._drained_arrivals)
         if scheduler_output.is_empty:
-            # With nothing running, an empty step would repeat forever: fail loudly instead.
-            if self.scheduler.num_running == 0:
-                raise EngineStepError(
-                    f"step {scheduler_output.step_id}: {self.scheduler.num_waiting} waiting "
-                    f"requests but none could be admitted (KV pool or token budget too small)")
-            return []
+            self._deliver_frees(scheduler_output)
+            # Nothing ran and nothing changed: the same empty step would repeat forever. That
+            # is one request's problem (it cannot be admitted), never the engine's.
+            return [_core_output(r) for r in self.scheduler.fail_stalled()]
         runner_output = self.executor.execute_model(scheduler_output)
         if runner_output.status is StepStatus.PREEMPTED and self.preemption is not None:
             self.preemption.on_preempted(scheduler_output, runner_output)
@@ -170,6 +171,23 @@ class EngineCore:
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._observe_prefill_time(scheduler_output, runner_output)
         return [_core_output(r) for r in updated]
+
+    def _deliver_frees(self, scheduler_output: SchedulerOutput) -> None:
+        """Suspended chunks dropped while no forward pass runs must still reach the workers,
+        or their activations stay allocated (GPU memory on CUDA): a step with nothing to
+        compute carries them."""
+        if not scheduler_output.free_suspended:
+            return
+        runner_output = self.executor.execute_model(scheduler_output)
+        if runner_output.status is not StepStatus.OK:
+            self.dead = (f"step {scheduler_output.step_id} (frees only) failed on a worker:\n"
+                         f"{runner_output.error}")
+            self.executor.shutdown()
+            raise EngineStepError(self.dead)
+
+    def _deliver_pending_frees(self) -> None:
+        if self.dead is None and self.scheduler.unneeded_suspensions:
+            self._deliver_frees(self.scheduler.schedule())
 
     def _observe_prefill_time(self, scheduler_output: SchedulerOutput,
                               runner_output: ModelRunnerOutput) -> None:

@@ -12,7 +12,9 @@ mid-forward preemption victims) live in `engine/slo_scheduling.py`.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 from engine.block_pool import KVBlock
 from engine.config import CacheConfig, PreemptionConfig, SchedulerConfig, SLOPreemptMode
@@ -26,6 +28,13 @@ from engine.slo_scheduling import SlackAwareScheduling
 from engine.step_record import Admission, StepRecord
 from monitor.policy import request_urgency
 from monitor.predictor import LinearTTFT, OnlineTTFT
+
+
+@dataclass(frozen=True)
+class _AdmissionPlan:
+    num_new: int  # tokens of its first chunk
+    computed_blocks: list[KVBlock]  # prefix-cache hits
+    num_cached: int  # tokens in them
 
 
 class Scheduler(SlackAwareScheduling):
@@ -139,16 +148,21 @@ class Scheduler(SlackAwareScheduling):
         n = min(owed, budget)
         return min(n, threshold) if threshold > 0 else n
 
-    def _pick_victim(self) -> Request:
-        paused = [r for r in self.running if r.request_id in self.held]
+    def _pick_victim(self, record: StepRecord) -> Request:
+        # Never one admitted by this very step: it was admitted because it fit (the urgent
+        # waiter a mid-forward preemption made room for, first of all), and taking it back
+        # would only undo that decision while the step record still lists the admission.
+        admitted = record.admitted_ids()
+        candidates = [r for r in self.running if r.request_id not in admitted]
+        paused = [r for r in candidates if r.request_id in self.held]
         if paused:
             # A paused request holds KV nobody is using: under KV pressure it goes first
             # (pause falls back to recompute).
             return paused[-1]
         if self.config.policy == "priority":
             # Scan newest first so that among equals the most recently admitted one goes.
-            return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
+            return max(reversed(candidates), key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
 
     def _preempt(self, request: Request, record: StepRecord) -> None:
         if request.request_id in self.suspended:
@@ -192,7 +206,14 @@ class Scheduler(SlackAwareScheduling):
         budget = self._schedule_running(budget, scheduled, record)
         if not record.preempted:
             # Blocks just taken from a victim must not go straight to a newcomer.
-            self._admit_waiting(budget, scheduled, record)
+            budget = self._admit_waiting(budget, scheduled, record)
+        if not scheduled and self.held and not record.preempted:
+            # Holding a victim back is for letting someone else run first; when nobody else can
+            # run, it only stalls the engine (an empty step that would repeat forever).
+            self.held.clear()
+            budget = self._schedule_running(budget, scheduled, record)
+            if not record.preempted:
+                self._admit_waiting(budget, scheduled, record)
 
         output = SchedulerOutput(step_id=self.step_id, requests=[],
                                  free_suspended=self.unneeded_suspensions)
@@ -244,12 +265,11 @@ class Scheduler(SlackAwareScheduling):
                 continue
             num_blocks_before = len(self.kv_cache_manager.req_blocks.get(request.request_id, ()))
             while self.kv_cache_manager.allocate_slots(request, num_new) is None:
-                victim = self._pick_victim()
+                victim = self._pick_victim(record)
                 if victim.request_id in scheduled:
-                    # The priority policy may pick a request already served this step.
+                    # The priority and slo policies may pick a request already served this step.
                     budget += scheduled.pop(victim.request_id)[1]
-                    record.new_block_ids.pop(victim.request_id, None)
-                    record.prev_num_computed_tokens.pop(victim.request_id, None)
+                    record.forget(victim.request_id)
                 self._preempt(victim, record)
                 if victim is request:
                     break
@@ -267,24 +287,52 @@ class Scheduler(SlackAwareScheduling):
 
     def _admit_waiting(
         self, budget: int, scheduled: dict[str, tuple[Request, int]], record: StepRecord
-    ) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting.peek()
-            if request.request_id in self.held:
-                break
-            num_new = self._admit(request, budget, scheduled, record)
-            if num_new is None:
-                break
-            self.waiting.pop()
-            budget -= num_new
+    ) -> int:
+        """Admit waiting requests in queue order while they fit. Returns the budget left."""
+        with self.waiting_past_held() as next_waiter:
+            while budget > 0 and (request := next_waiter()) is not None:
+                num_new = self._admit(request, budget, scheduled, record)
+                if num_new is None:
+                    break  # head-of-line: nothing behind it jumps ahead, so it cannot starve
+                self.waiting.pop()
+                budget -= num_new
+        return budget
 
-    def _admit(
-        self, request: Request, budget: int, scheduled: dict[str, tuple[Request, int]],
-        record: StepRecord
-    ) -> int | None:
-        """Move a waiting request into the running set with its first chunk scheduled (the
-        caller takes it off the queue). Returns the tokens scheduled, or None if it cannot run
-        now (head-of-line without chunking, or no KV space)."""
+    @contextmanager
+    def waiting_past_held(self) -> Iterator[Callable[[], Request | None]]:
+        """Yields a function that peeks at the first waiting request that is not held back.
+
+        A held victim waits for its turn without blocking anyone queued behind it: held
+        requests met at the head are lifted off the queue, and put back in their order (and
+        so at their places, ahead of everyone left) on exit.
+        """
+        lifted: list[Request] = []
+
+        def next_waiter() -> Request | None:
+            while self.waiting:
+                request = self.waiting.peek()
+                if request.request_id not in self.held:
+                    return request
+                lifted.append(self.waiting.pop())
+            return None
+
+        try:
+            yield next_waiter
+        finally:
+            for request in reversed(lifted):
+                self.waiting.prepend(request)
+
+    def _plan_admission(self, request: Request, budget: int) -> _AdmissionPlan | None:
+        """The one test of whether a waiting request can be admitted now, with ``budget``
+        tokens left in the step: a sequence slot, a first chunk within the budget (without
+        chunked prefill, all it owes), and KV blocks for it past the watermark reserve. With
+        full-sequence admission the blocks must hold its whole input (prompt and tokens
+        generated before a preemption) as vLLM's ``scheduler_reserve_full_isl`` does; decode
+        growth is what KV preemption is for. Admission and every other "would it fit"
+        question (a mid-forward preemption's pause-or-recompute choice) ask this, so the
+        answers cannot disagree. Changes nothing."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return None
         kv = self.kv_cache_manager
         computed_blocks: list[KVBlock] = []
         num_cached = 0
@@ -293,29 +341,44 @@ class Scheduler(SlackAwareScheduling):
         owed = request.num_tokens_owed - num_cached
         if self.config.enable_chunked_prefill:
             num_new = self._chunk(owed, budget)
-        elif owed <= budget:
-            num_new = owed
         else:
-            # Head-of-line: nothing behind it jumps ahead, so it cannot starve.
+            num_new = owed if owed <= budget else 0
+        if num_new == 0:
             return None
-        num_running = len(self.running)
-        if self.config.full_sequence_admission and not kv.can_allocate(
-            request,
-            max(request.max_total_tokens, request.num_tokens),
-            computed_blocks,
-            admission=True,
-            num_running=num_running,
-        ):
+        if self.config.full_sequence_admission:
+            # add_request caps num_tokens at max_model_len.
+            num_total = request.num_tokens
+        else:
+            num_total = request.num_computed_tokens + num_cached + num_new
+        if not kv.can_allocate(request, num_total, computed_blocks, admission=True,
+                               num_running=len(self.running)):
             return None
+        return _AdmissionPlan(num_new, computed_blocks, num_cached)
+
+    def can_admit(self, request: Request) -> bool:
+        """Whether ``request`` would be admitted by a step with the whole token budget."""
+        return self._plan_admission(request, self.config.max_num_batched_tokens) is not None
+
+    def _admit(
+        self, request: Request, budget: int, scheduled: dict[str, tuple[Request, int]],
+        record: StepRecord
+    ) -> int | None:
+        """Move a waiting request into the running set with its first chunk scheduled (the
+        caller takes it off the queue). Returns the tokens scheduled, or None if it cannot run
+        now (see ``_plan_admission``)."""
+        plan = self._plan_admission(request, budget)
+        if plan is None:
+            return None
+        kv = self.kv_cache_manager
+        num_new, num_cached = plan.num_new, plan.num_cached
         prev_num_computed = request.num_computed_tokens
         num_blocks_before = len(kv.req_blocks.get(request.request_id, ()))
         queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
-        block_ids = kv.allocate_slots(
-            request, num_new, num_cached, computed_blocks, admission=True, num_running=num_running
-        )
-        if block_ids is None:
-            return None
+        block_ids = kv.allocate_slots(request, num_new, num_cached, plan.computed_blocks,
+                                      admission=True, num_running=len(self.running))
+        assert block_ids is not None, "the admission plan said it fits"
         record.admitted.append(Admission(request, request.status, request.num_cached_tokens,
+                                         request.first_scheduled_time,
                                          prefix_cache_queries=kv.prefix_cache_queries - queries,
                                          prefix_cache_hits=kv.prefix_cache_hits - hits))
         record.prev_num_computed_tokens[request.request_id] = prev_num_computed
@@ -363,6 +426,7 @@ class Scheduler(SlackAwareScheduling):
             kv.free(request)
             request.status = admission.prev_status
             request.num_cached_tokens = admission.prev_num_cached_tokens
+            request.first_scheduled_time = admission.prev_first_scheduled_time
             self.waiting.prepend(request)
             kv.prefix_cache_queries -= admission.prefix_cache_queries
             kv.prefix_cache_hits -= admission.prefix_cache_hits
@@ -428,6 +492,24 @@ class Scheduler(SlackAwareScheduling):
         self.running.remove(request)
         request.error = error
         self._finish(request, RequestStatus.FINISHED_ERROR)
+
+    def fail_stalled(self) -> list[Request]:
+        """After an empty step: if nothing runs and the step preempted nobody, nothing changed
+        and the same empty step would come back forever. schedule() has already released every
+        hold, and an idle pool admits any request add_request accepts, so only a bug gets here:
+        the first waiting request finishes with an error naming what it needed, and the engine
+        goes on. Returns the requests failed (none if the step made progress)."""
+        record = self.last_step_record
+        if self.running or not self.waiting or (record is not None and record.preempted):
+            return []
+        request = self.waiting.peek()
+        kv = self.kv_cache_manager
+        request.error = (
+            f"request {request.request_id!r} could not be scheduled with nothing else running: "
+            f"{request.num_tokens} tokens ({-(-request.num_tokens // kv.block_size)} KV blocks; "
+            f"{kv.num_free_blocks} of {kv.pool.num_blocks} free), token budget "
+            f"{self.config.max_num_batched_tokens}")
+        return self.abort_requests([request.request_id], RequestStatus.FINISHED_ERROR)
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         token = request.output_token_ids[-1]

@@ -30,8 +30,9 @@ class PreemptionEvent:
     unwound_layers: list[int]
     victim_id: str
     waiter_id: str
-    # "pause" / "recompute" / "suspend", or None when the victim was gone and the step just
-    # re-runs.
+    # What really happened to the victim: "pause" / "suspend" (it kept its KV), "recompute"
+    # (it lost it; also a victim the unwound step had admitted, which the rollback sent back
+    # to the queue), or None when the victim was gone and the step just re-runs.
     applied: SLOPreemptMode | None
     # Monitor decision -> EngineCore holding the unwound step.
     latency_s: float

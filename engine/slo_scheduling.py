@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 from engine.config import SLOPreemptMode, SchedulerConfig
@@ -50,6 +52,12 @@ class SlackAwareScheduling:
                    scheduled: dict[str, tuple[Request, int]], record: StepRecord) -> int | None:
             ...
 
+        def can_admit(self, request: Request) -> bool:
+            ...
+
+        def waiting_past_held(self) -> AbstractContextManager[Callable[[], Request | None]]:
+            ...
+
     def _admit_urgent_waiter(
         self, budget: int, scheduled: dict[str, tuple[Request, int]], record: StepRecord
     ) -> int:
@@ -57,8 +65,7 @@ class SlackAwareScheduling:
         Returns the budget it took (0 if it is gone or still does not fit)."""
         request = self.requests.get(self.urgent_waiter_id or "")
         self.urgent_waiter_id = None
-        if (request is None or request.status is RequestStatus.RUNNING
-                or len(self.running) >= self.config.max_num_seqs):
+        if request is None or request.status is RequestStatus.RUNNING:
             return 0
         num_new = self._admit(request, budget, scheduled, record)
         if num_new is None:
@@ -82,20 +89,20 @@ class SlackAwareScheduling:
             return 0  # nothing to jump over: the usual order serves them just as well
         top = max(running_prefills)
         used = 0
-        while self.waiting and used < budget and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting.peek()
-            if (request.request_id in self.held or request.deadline is None
-                    or request_urgency(request, now, predict) <= top):
-                break
-            # Each admission may take only what keeps the ones before it (more urgent) in time.
-            allowed = self._cap_for_deadlines(budget - used, scheduled)
-            if allowed <= 0:
-                break
-            num_new = self._admit(request, allowed, scheduled, record)
-            if num_new is None:
-                break
-            self.waiting.pop()
-            used += num_new
+        with self.waiting_past_held() as next_waiter:
+            while used < budget and (request := next_waiter()) is not None:
+                if request.deadline is None or request_urgency(request, now, predict) <= top:
+                    break
+                # Each admission may take only what keeps the ones before it (more urgent)
+                # in time.
+                allowed = self._cap_for_deadlines(budget - used, scheduled)
+                if allowed <= 0:
+                    break
+                num_new = self._admit(request, allowed, scheduled, record)
+                if num_new is None:
+                    break
+                self.waiting.pop()
+                used += num_new
         return used
 
     def _cap_for_deadlines(self, budget: int, scheduled: dict[str, tuple[Request, int]]) -> int:
@@ -128,9 +135,10 @@ class SlackAwareScheduling:
 
     def preempt_for_slo(self, victim_id: str, waiter_id: str) -> SLOPreemptMode | None:
         """Apply the monitor's preemption after the step was rolled back. Returns the mode
-        applied: "pause" and "suspend" fall back to "recompute" under KV pressure, and
-        "suspend" to "pause" when the rollback kept no suspended chunk of the victim (its pass
-        stopped before the first layer finished); None when the victim is gone (or was already
+        applied: "pause" and "suspend" fall back to "recompute" when the waiter would not be
+        admitted beside the victim (the admission test itself decides), and "suspend" to
+        "pause" when the rollback kept no suspended chunk of the victim (its pass stopped
+        before the first layer finished); None when the victim is gone (or was already
         preempted once: Rule 1), so the step just re-runs.
 
         Rule 1 exists so that no arrival pattern makes the engine redo work forever. In suspend
@@ -139,7 +147,8 @@ class SlackAwareScheduling:
         still make room for an urgent arrival.
 
         A victim admitted by the rolled-back step itself and not kept is back in the waiting
-        queue with no KV: every mode comes to the same thing for it, holding it back."""
+        queue with no KV: whatever the mode, it is held back and computes its prompt from the
+        start, which is what "recompute" reports."""
         victim = self.requests.get(victim_id)
         if victim is None or self.protected_by_rule1(victim):
             return None
@@ -150,8 +159,13 @@ class SlackAwareScheduling:
         self.num_slo_preemptions += 1
         self.held.add(victim_id)
         if victim.status is not RequestStatus.RUNNING:
-            return mode
-        if mode != "recompute" and self._waiter_fits_beside(waiter_id):
+            return "recompute"
+        waiter = self.requests.get(waiter_id)
+        # The victim may keep its KV and its sequence slot only if the next step (which
+        # admits the waiter first, before anything else changes) admits the waiter beside it:
+        # else it would be held for a waiter that never comes in.
+        if mode != "recompute" and (waiter is None or waiter.status is RequestStatus.RUNNING
+                                    or self.can_admit(waiter)):
             return "suspend" if victim_id in self.suspended else "pause"
         if victim_id in self.suspended:
             self.drop_suspensions([victim_id])
@@ -172,13 +186,6 @@ class SlackAwareScheduling:
         for req_id in req_ids:
             self.suspended.pop(req_id, None)
         self.unneeded_suspensions.extend(req_ids)
-
-    def _waiter_fits_beside(self, waiter_id: str) -> bool:
-        waiter = self.requests.get(waiter_id)
-        if waiter is None:
-            return True
-        bs = self.kv_cache_manager.block_size
-        return self.kv_cache_manager.num_free_blocks >= -(-waiter.num_tokens // bs)
 
     def _release_held(self) -> None:
         """A held victim runs again once no request with prefill left (waiting or running,

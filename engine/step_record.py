@@ -13,6 +13,9 @@ class Admission:
     # WAITING or PREEMPTED: what the request goes back to if its admission is undone.
     prev_status: RequestStatus
     prev_num_cached_tokens: int
+    # Before this admission (None if never scheduled): the time a client sees as "first
+    # scheduled" must not point at an admission that was undone.
+    prev_first_scheduled_time: float | None
     # What its prefix-cache lookup added to the KV manager's counters.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
@@ -24,8 +27,8 @@ class StepRecord:
 
     How ``rollback`` uses each field, in this order:
 
-    - ``admitted``: remove each from ``running``, free its blocks, restore ``status`` and
-      ``num_cached_tokens``, and put the requests back at the front of the waiting queue (prepend
+    - ``admitted``: remove each from ``running``, free its blocks, restore ``status``,
+      ``num_cached_tokens`` and ``first_scheduled_time``, and put the requests back at the front of the waiting queue (prepend
       them in reverse so they keep their order).
     - ``new_block_ids``: for each still-running request, pop that many blocks off the tail of its
       block table and free them (fresh blocks and touched cache hits alike; none of them has a hash
@@ -50,3 +53,13 @@ class StepRecord:
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     admitted: list[Admission] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+
+    def forget(self, req_id: str) -> None:
+        """The request left this step's scheduled set (a KV-pressure victim): drop every entry
+        about it, so that a rollback never replays a change the step no longer holds."""
+        self.prev_num_computed_tokens.pop(req_id, None)
+        self.new_block_ids.pop(req_id, None)
+        self.admitted = [a for a in self.admitted if a.request.request_id != req_id]
+
+    def admitted_ids(self) -> set[str]:
+        return {a.request.request_id for a in self.admitted}

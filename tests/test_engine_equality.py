@@ -72,19 +72,22 @@ def test_greedy_matches_hf_with_prefix_caching(tiny_model):
 def test_cramped_pool_preempts_and_matches_roomy_pool(tiny_model):
     model = tiny_model("llama")
     roomy = LLM(model=model, dtype="float32", num_kv_blocks=512, max_model_len=256)
-    cramped = LLM(model=model, dtype="float32", num_kv_blocks=24, max_model_len=256,
-                  full_sequence_admission=False, watermark=0.0)
+    # Default admission (full-sequence check of the input, 1% watermark): decode growth is
+    # what KV preemption handles, so the cramped pool must preempt.
+    cramped = LLM(model=model, dtype="float32", num_kv_blocks=24, max_model_len=256)
     vocab = roomy.engine.vocab_size
     prompts = _prompts(vocab, [100, 90, 80, 70, 60, 50])
     greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=MAX_NEW,
                             ignore_eos=True)
     for params in (greedy, seeded):
+        kv_preemptions = cramped.engine.scheduler.num_kv_preemptions
         want = _generate(roomy, prompts, params)
         got = _generate(cramped, prompts, params)
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
-        # Probe (the smoke detector must really have been triggered): preemptions happened in
-        # the cramped run and not in the roomy one.
+        # Probe (the smoke detector must really have been triggered): KV preemptions happened
+        # in the cramped run and not in the roomy one.
+        assert cramped.engine.scheduler.num_kv_preemptions > kv_preemptions
         assert sum(o.metrics.num_preemptions for o in got) > 0
         assert sum(o.metrics.num_preemptions for o in want) == 0
     cramped.engine.scheduler.check_invariants()

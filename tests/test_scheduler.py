@@ -282,14 +282,50 @@ def test_watermark_applies_to_admissions_only() -> None:
     assert scheduled(out) == {"b": 8}
 
 
-def test_full_sequence_admission_on_waits() -> None:
+def test_full_sequence_admission_reserves_the_input_not_max_tokens() -> None:
+    """Finding 10: the check covers the input (prompt + tokens generated so far), as vLLM's
+    scheduler_reserve_full_isl does; decode growth is left to KV preemption."""
     sched = make_scheduler(num_blocks=10, full_seq=True)
     runner = FakeRunner(sched)
-    sched.add_request(make_request("a", 8, max_tokens=24))  # 32 tokens = 8 blocks
-    sched.add_request(make_request("b", 4, max_tokens=36))  # 40 tokens = 10 blocks
+    sched.add_request(make_request("a", 8, max_tokens=24, ignore_eos=True))  # grows to 8 blocks
+    sched.add_request(make_request("b", 4, max_tokens=36, ignore_eos=True))  # grows to 10 blocks
     out, _ = step(sched, runner)
-    assert scheduled(out) == {"a": 8}
-    assert sched.get_request("b").status is RequestStatus.WAITING  # type: ignore[union-attr]
+    assert scheduled(out) == {"a": 8, "b": 4}
+    outputs = run_to_completion(sched, runner)
+    assert set(outputs) == {"a", "b"}
+    # Probe: the pool really was too small for both full sequences, and preemption handled it.
+    assert sched.num_kv_preemptions > 0
+    assert sched.num_free_blocks == 10
+
+
+def test_cli_sets_the_admission_knobs() -> None:
+    from engine.cli import build_parser, engine_kwargs
+    from engine.config import build_engine_config
+
+    def config(*flags: str):
+        args = build_parser().parse_args(["generate", "hi", *flags])
+        kwargs = engine_kwargs(args)
+        kwargs.pop("model")
+        return build_engine_config("unused", **kwargs)
+
+    default = config()
+    assert default.cache.watermark == 0.01 and default.scheduler.full_sequence_admission
+    custom = config("--watermark", "0.2", "--no-full-sequence-admission")
+    assert custom.cache.watermark == 0.2 and not custom.scheduler.full_sequence_admission
+    with pytest.raises(ValueError, match=r"watermark must be in \[0, 1\), got 1.5"):
+        config("--watermark", "1.5")
+
+
+@pytest.mark.parametrize("full_seq", [True, False])
+def test_full_sequence_admission_waits_until_the_whole_input_fits(full_seq: bool) -> None:
+    # Chunks of 8 tokens: b's first chunk fits (2 blocks), its whole 36-token prompt (9 blocks)
+    # does not beside a's first 2 blocks.
+    sched = make_scheduler(num_blocks=10, budget=64, threshold=8, full_seq=full_seq)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 24, max_tokens=2))
+    sched.add_request(make_request("b", 36, max_tokens=2))
+    out, _ = step(sched, runner)
+    assert scheduled(out) == ({"a": 8} if full_seq else {"a": 8, "b": 8})
     outputs = run_to_completion(sched, runner)
     assert set(outputs) == {"a", "b"}
 
@@ -309,22 +345,23 @@ def test_full_sequence_admission_counts_cache_hits() -> None:
     sched = make_scheduler(num_blocks=10, full_seq=True)
     runner = FakeRunner(sched)
     prompt = list(range(16))
-    sched.add_request(make_request("a", prompt, max_tokens=4))  # 5 blocks
+    sched.add_request(make_request("a", prompt, max_tokens=4))  # 4 blocks, 5 after a decode
     step(sched, runner)
-    # 16 + 12 = 28 tokens = 7 blocks, 3 of them hits held by a: 4 needed, 5 free after a's decode.
-    b = make_request("b", prompt, max_tokens=12)
+    # 28 tokens = 7 blocks, 4 of them hits held by a: 3 needed, 5 free after a's decode.
+    b = make_request("b", prompt + list(range(30, 42)), max_tokens=4)
     sched.add_request(b)
     out, _ = step(sched, runner)
-    assert scheduled(out) == {"a": 1, "b": 4} and b.num_cached_tokens == 12
+    assert scheduled(out) == {"a": 1, "b": 12} and b.num_cached_tokens == 16
     run_to_completion(sched, runner)
     # A hit on a free cached block saves no free blocks: it is taken out of the free queue too.
-    c = make_request("c", prompt, max_tokens=28)  # 44 tokens capped at 40 = 10 blocks
+    c = make_request("c", prompt + list(range(30, 54)), max_tokens=1)  # 40 tokens = 10 blocks
     x = make_request("x", 4, max_tokens=8)
     sched.add_request(x)
     sched.add_request(c)
     out, _ = step(sched, runner)
     assert scheduled(out) == {"x": 4} and c.status is RequestStatus.WAITING
     run_to_completion(sched, runner)
+    assert c.num_cached_tokens > 0  # probe: c's prefix really was in the cache
 
 
 # ---- preemption -----------------------------------------------------------------------------
