@@ -190,8 +190,8 @@ def _check_poison_run(llm: LLM, want: list[list[int]]) -> None:
     for i, out in enumerate(got):
         if i in bad:
             assert out.finish_reason == "error" and out.token_ids == []
-            assert out.error == ("sampling failed: NonFiniteLogits: the model produced NaN or "
-                                 "+inf logits for this request")
+            assert out.error == ("sampling failed: NonFiniteLogits: the model produced "
+                                 "non-finite logits (NaN or inf) for this request")
     clean = [o for i, o in enumerate(got) if i not in bad]
     assert [o.token_ids for o in clean] == want
     assert all(o.finish_reason == "length" for o in clean)

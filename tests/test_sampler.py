@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
-from workers.sampler import Sampler
+from workers.sampler import NonFiniteLogits, Sampler
 
 
 def _logits(rows: int = 3, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -108,7 +108,8 @@ def test_extreme_but_valid_params_sample():
     for seed in (2**63 - 1, -(2**63)):
         edge = SamplingParams(temperature=1.0, seed=seed)
         first = Sampler(seed=1)(logits, [edge], [7])
-        assert not first.errors and first.token_ids == Sampler(seed=2)(logits, [edge], [7]).token_ids
+        again = Sampler(seed=2)(logits, [edge], [7])
+        assert not first.errors and first.token_ids == again.token_ids
     # Huge temperatures flatten the distribution without overflowing anything.
     assert not Sampler()(logits, [SamplingParams(temperature=1e30, seed=1)], [0]).errors
 
@@ -125,14 +126,19 @@ def test_bad_logit_rows_fail_alone():
     bad = logits.clone()
     bad[0, 7] = float("nan")   # greedy row: argmax alone would pick the NaN's index
     bad[3, 2] = float("inf")   # random row: softmax gives NaN
-    bad[4] = float("-inf")     # nothing left to draw from: multinomial raises inside the guard
+    bad[4] = 1e35  # finite, but not once divided by the temperature: refused inside the guard
+    params[4] = SamplingParams(temperature=1e-4, seed=9)
     bad[1, :10] = float("-inf")  # -inf is a legitimate "never": this row still samples
     out = Sampler(seed=0)(bad, params, indices)
     assert set(out.errors) == {0, 3, 4}
     assert out.token_ids[0] is None and out.token_ids[3] is None and out.token_ids[4] is None
     assert out.token_ids[2] == clean.token_ids[2]
     assert out.token_ids[1] is not None and out.token_ids[1] >= 10
-    assert "NaN" in str(out.errors[0]) and "NaN" in str(out.errors[3])
+    assert isinstance(out.errors[0], NonFiniteLogits) and isinstance(out.errors[3], NonFiniteLogits)
+    assert "sum to nan" in str(out.errors[4])
+    # A row of nothing but -inf leaves no token, even for greedy.
+    empty = torch.full((1, 50), float("-inf"))
+    assert Sampler()(empty, [SamplingParams(temperature=0)], [0]).token_ids == [None]
 
 
 def test_an_exception_in_one_row_leaves_the_others(monkeypatch):

@@ -5,7 +5,7 @@ lives across steps: a request's tokens then do not depend on how it was batched,
 recomputed or rolled back, and no per-request state has to follow it between workers.
 
 Each row is sampled under its own guard: a row that cannot be sampled (the model produced NaN or
-+inf for it, or a draw raised) fails that row only, and the other rows of the batch keep the
+inf for it, or a draw raised) fails that row only, and the other rows of the batch keep the
 tokens they would have had without it (DESIGN.md section 6: nothing one request does can fail the
 engine).
 """
@@ -22,7 +22,7 @@ _SEED_STRIDE = 1_000_003  # a prime, so (seed, index) pairs map to distinct gene
 
 
 class NonFiniteLogits(ValueError):
-    """A request's logits row holds NaN or +inf: no token can be chosen from it."""
+    """A request's logits row holds NaN or +inf, or only -inf: no token can be chosen from it."""
 
 
 @dataclass
@@ -42,16 +42,17 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  output_indices: list[int]) -> SamplerOutput:
         """logits: float32 [N, vocab], one row per request to sample."""
-        # -inf is a legitimate "never this token"; NaN or +inf mean the forward pass broke down
-        # for this row (argmax would happily return the NaN's index).
-        broken = (torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1).tolist()
+        # A row whose maximum is not finite holds NaN (amax propagates it), +inf, or nothing but
+        # -inf: the forward pass broke down for it (argmax would happily return a NaN's index).
+        # One reduction, no [N, vocab] temporaries.
+        broken = (~torch.isfinite(logits.amax(dim=-1))).tolist()
         tokens: list[int | None] = logits.argmax(dim=-1).tolist()
         out = SamplerOutput(tokens)
         for row, (sp, index) in enumerate(zip(params, output_indices)):
             try:
                 if broken[row]:
-                    raise NonFiniteLogits("the model produced NaN or +inf logits for this "
-                                          "request")
+                    raise NonFiniteLogits("the model produced non-finite logits (NaN or "
+                                          "inf) for this request")
                 if not sp.greedy:
                     tokens[row] = self._sample_row(logits[row], sp, index)
             except Exception as exc:  # one request's failure, not the batch's
@@ -67,6 +68,11 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         if sp.top_p < 1.0:
             probs = _top_p_filter(probs, sp.top_p)
+        # Checked here rather than left to multinomial: on a GPU an invalid distribution is a
+        # device-side assert that poisons the whole CUDA context, not one row's exception.
+        total = float(probs.sum())
+        if not 0.0 < total < float("inf"):
+            raise ValueError(f"no token can be sampled: the filtered probabilities sum to {total}")
         if sp.seed is not None:
             generator = torch.Generator(probs.device)
             generator.manual_seed((sp.seed * _SEED_STRIDE + index) % 2**63)
