@@ -208,4 +208,3 @@ class ModelRunner:
             joins=[self.suspended.join_for(r) for r in resumed],
             prefill_rows=prefill_rows,
         )
-
