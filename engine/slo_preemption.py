@@ -98,24 +98,12 @@ class SLOPreemptionControl:
         unwound_at = time.monotonic()
         target, victim_id, waiter_id, decided_at = self.signal.decision()
         scheduler = self.scheduler
-        record = scheduler.last_step_record
-        assert record is not None and record.step_id == output.step_id
-        # Suspend mode: every prefill chunk of the step whose activations the workers kept
-        # keeps its blocks through the rollback and resumes at the stopped layer, the victim's
-        # once it is released, the others' as soon as the budget has room for them.
-        suspended = set(runner_output.suspended_req_ids)
-        kept = [sr for sr in output.requests
-                if sr.req_id in suspended and scheduler.is_running(sr.req_id)]
-        scheduler.rollback(record, keep=kept)
-        applied: SLOPreemptMode | None = None
-        if target == output.step_id:
-            applied = scheduler.preempt_for_slo(victim_id, waiter_id)
-        scheduler.drop_suspensions([i for i in suspended if i not in scheduler.suspended])
+        applied, kept_tokens = unwind_step(scheduler, output, runner_output.suspended_req_ids,
+                                           target, victim_id, waiter_id)
         latency = max(0.0, unwound_at - decided_at)
         layer = runner_output.preempted_layer or 0
         # Kept chunks lose nothing, and are scheduled (and counted) again when they resume:
         # count their tokens once.
-        kept_tokens = sum(len(sr.token_ids) for sr in kept if sr.req_id in scheduler.suspended)
         wasted = output.num_scheduled_tokens - kept_tokens
         scheduler.num_scheduled_tokens_total -= kept_tokens
         self.stats.wasted_tokens += wasted
@@ -132,3 +120,28 @@ class SLOPreemptionControl:
     def shutdown(self) -> None:
         self.monitor.stop()
         self.signal.close()
+
+
+def unwind_step(scheduler: Scheduler, output: SchedulerOutput, suspended_req_ids: list[str],
+                target: int, victim_id: str, waiter_id: str
+                ) -> tuple[SLOPreemptMode | None, int]:
+    """The scheduler's side of a step the workers unwound: roll it back, apply the monitor's
+    decision if it was for this step (``target``), and free what nobody resumes.
+
+    Suspend mode: every prefill chunk of the step whose activations the workers kept
+    (``suspended_req_ids``) keeps its blocks through the rollback and resumes at the stopped
+    layer, the victim's once it is released, the others' as soon as the budget has room for
+    them. Returns the mode applied to the victim and the tokens of the chunks kept.
+    """
+    record = scheduler.last_step_record
+    assert record is not None and record.step_id == output.step_id
+    suspended = set(suspended_req_ids)
+    kept = [sr for sr in output.requests
+            if sr.req_id in suspended and scheduler.is_running(sr.req_id)]
+    scheduler.rollback(record, keep=kept)
+    applied: SLOPreemptMode | None = None
+    if target == output.step_id:
+        applied = scheduler.preempt_for_slo(victim_id, waiter_id)
+    scheduler.drop_suspensions([i for i in suspended if i not in scheduler.suspended])
+    kept_tokens = sum(len(sr.token_ids) for sr in kept if sr.req_id in scheduler.suspended)
+    return applied, kept_tokens

@@ -28,8 +28,8 @@ class StepRecord:
     How ``rollback`` uses each field, in this order:
 
     - ``admitted``: remove each from ``running``, free its blocks, restore ``status``,
-      ``num_cached_tokens`` and ``first_scheduled_time``, and put the requests back at the front of the waiting queue (prepend
-      them in reverse so they keep their order).
+      ``num_cached_tokens`` and ``first_scheduled_time``, and put the requests back at the front
+      of the waiting queue (prepend them in reverse so they keep their order).
     - ``new_block_ids``: for each still-running request, pop that many blocks off the tail of its
       block table and free them (fresh blocks and touched cache hits alike; none of them has a hash
       committed by this step, since commits happen only in ``update_from_output``).

@@ -71,8 +71,8 @@ def test_a_held_victim_at_the_head_of_the_queue_blocks_nobody() -> None:
 
 def test_when_only_held_requests_can_run_they_are_released() -> None:
     """Finding 5/7: V is paused and held (it keeps its KV) for W; after W is done, X (more
-    urgent than V, 10 blocks) cannot be admitted beside V's 16. The step must run V rather than come back
-    empty again and again while V 'runs'."""
+    urgent than V, 10 blocks) cannot be admitted beside V's 16. The step must run V rather than
+    come back empty again and again while V 'runs'."""
     sched = _scheduler("pause", num_blocks=24, budget=96)
     runner = FakeRunner(sched)
     v = make_request("V", 64, max_tokens=3, ignore_eos=True)
