@@ -12,12 +12,30 @@ import logging
 import time
 from typing import Any
 
-from engine.async_client import EngineDeadError, new_error_id
+from fastapi.responses import JSONResponse
+
+from engine.async_client import EngineDeadError, RequestFailedError, new_error_id
 from engine.openai_protocol import error_body
 
 logger = logging.getLogger(__name__)
 
 ASGIApp = Any  # (scope, receive, send) -> Awaitable[None]; Starlette's own alias is as loose
+
+
+def encode_json(content: Any) -> bytes:
+    """JSON as Starlette writes it, except for lone surrogates: a client may send one (as a
+    \\ud800 escape), and error messages and completions echo what the client sent, where
+    UTF-8 cannot encode it. It goes back out as the same escape, so the client reads back
+    exactly what it sent."""
+    return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None,
+                      separators=(",", ":")).encode("utf-8", "backslashreplace")
+
+
+class JSONBody(JSONResponse):
+    """The app's JSON response class (see encode_json)."""
+
+    def render(self, content: Any) -> bytes:
+        return encode_json(content)
 
 
 class APIError(Exception):
@@ -38,12 +56,15 @@ def log_internal_error(exc: BaseException, where: str) -> str:
 def describe_error(exc: Exception, where: str) -> tuple[int, str, str | None]:
     """(status, message, param) for an exception that ends a request. Messages of the known
     kinds are short by construction (EngineDeadError carries an error id, not the core's
-    traceback; ValueError is what the engine says about bad input); anything else is a bug and
-    is logged, never shown."""
+    traceback; RequestFailedError is one line, its traceback logged where it happened;
+    ValueError is what the engine says about bad input); anything else is a bug and is logged,
+    never shown."""
     if isinstance(exc, APIError):
         return exc.status, exc.message, exc.param
     if isinstance(exc, EngineDeadError):
         return 503, str(exc), None
+    if isinstance(exc, RequestFailedError):
+        return 500, str(exc), None
     if isinstance(exc, ValueError):
         return 400, str(exc), None
     return 500, log_internal_error(exc, where), None
@@ -135,7 +156,7 @@ class _TooLarge(Exception):
 
 
 async def send_json(send, status: int, body: dict[str, Any]) -> None:
-    data = json.dumps(body).encode()
+    data = encode_json(body)
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(data)).encode())]})

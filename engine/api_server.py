@@ -16,10 +16,11 @@ from typing import TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.api_errors import APIError, BodyLimit, InternalErrors, describe_error, error_for
+from engine.api_errors import (APIError, BodyLimit, InternalErrors, JSONBody, describe_error,
+                               error_for)
 from engine.async_client import AsyncEngineClient, EngineDeadError
 from engine.config import EngineConfig
 from engine.metrics import ServerMetrics
@@ -66,35 +67,36 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
         finally:
             tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="sloserve", version=VERSION, lifespan=lifespan)
+    app = FastAPI(title="sloserve", version=VERSION, lifespan=lifespan,
+                  default_response_class=JSONBody)
     app.state.client = client
     app.state.metrics = metrics
     app.add_middleware(BodyLimit, limit=settings.max_request_body_bytes)
     app.add_middleware(InternalErrors)  # added last: the outermost
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(error_body(exc.message, exc.status, exc.param), exc.status)
+    async def _api_error(_: Request, exc: APIError) -> JSONBody:
+        return JSONBody(error_body(exc.message, exc.status, exc.param), exc.status)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONBody:
         # Unknown routes (404) and wrong methods (405) answer in the OpenAI error shape too.
-        return JSONResponse(error_body(str(exc.detail), exc.status_code), exc.status_code,
+        return JSONBody(error_body(str(exc.detail), exc.status_code), exc.status_code,
                             headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONBody:
         first = exc.errors()[0] if exc.errors() else {}
         if first.get("type") == "json_invalid":
             reason = first.get("ctx", {}).get("error", "")
-            return JSONResponse(error_body(f"malformed JSON body: {reason}", 400), 400)
+            return JSONBody(error_body(f"malformed JSON body: {reason}", 400), 400)
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = f"{where + ': ' if where else ''}{first.get('msg', 'invalid request')}"
-        return JSONResponse(error_body(message, 400, where or None), 400)
+        return JSONBody(error_body(message, 400, where or None), 400)
 
     @app.exception_handler(EngineDeadError)
-    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return JSONResponse(error_body(str(exc), 503), 503)
+    async def _dead(_: Request, exc: EngineDeadError) -> JSONBody:
+        return JSONBody(error_body(str(exc), 503), 503)
 
     expected_auth = (None if settings.api_key is None
                      else f"Bearer {settings.api_key}".encode())
@@ -187,7 +189,7 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
         if final is None:  # the client went away; generate()'s cleanup aborted the request
             metrics.forget(request_id)
             return Response(status_code=499)
-        return JSONResponse(full_response(ctx, final))
+        return JSONBody(full_response(ctx, final))
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request) -> Response:

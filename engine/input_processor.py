@@ -40,6 +40,11 @@ class InputProcessor:
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this model folder has no tokenizer; pass prompt_token_ids instead")
+        try:  # a lone surrogate: HF tokenizers raise a TypeError that does not say why
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"prompt is not valid Unicode text: a lone surrogate "
+                             f"{prompt[exc.start]!r} at character {exc.start}") from exc
         return list(self.tokenizer.encode(prompt))
 
     def apply_chat_template(self, messages: ChatMessages) -> list[int]:

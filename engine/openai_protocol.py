@@ -13,16 +13,29 @@ from engine.sampling_params import SamplingParams
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
-def _first_out_of_int64(value: Any) -> int | None:
-    """The first integer in `value` (an int, or nested lists / dicts of them) that a signed
-    64-bit integer cannot hold, else None."""
+def _first_unfit(value: Any) -> str | None:
+    """What is wrong with the first value in `value` (nested lists / dicts searched) that the
+    engine cannot take: an integer beyond 64 bits, or a string that is not valid Unicode (a
+    lone surrogate, which JSON's \\ud800 escape can carry but no tokenizer or UTF-8 encoder
+    accepts). None when all is well."""
     if isinstance(value, bool):
         return None
-    if isinstance(value, int):
-        return value if not INT64_MIN <= value <= INT64_MAX else None
-    items = value.values() if isinstance(value, dict) else value
-    if isinstance(value, (list, tuple, dict)):
-        return next((bad for v in items if (bad := _first_out_of_int64(v)) is not None), None)
+    if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+        digits = len(str(abs(value)))
+        shown = str(value) if digits <= 40 else f"an integer of {digits} digits"
+        return (f"{shown} is outside the signed 64-bit integer range "
+                f"[{INT64_MIN}, {INT64_MAX}]")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return (f"not valid Unicode text: a lone surrogate "
+                    f"{value[exc.start]!r} at character {exc.start}")
+        return None
+    if isinstance(value, dict):
+        value = [*value.keys(), *value.values()]
+    if isinstance(value, (list, tuple)):
+        return next((bad for v in value if (bad := _first_unfit(v)) is not None), None)
     return None
 
 
@@ -37,12 +50,11 @@ class _RequestModel(BaseModel):
 
     @field_validator("*", mode="after")
     @classmethod
-    def _fits_int64(cls, value: Any) -> Any:
-        bad = _first_out_of_int64(value)
-        if bad is not None:
+    def _engine_can_take(cls, value: Any) -> Any:
+        problem = _first_unfit(value)
+        if problem is not None:
             # The error's location names the field; the message says what is wrong with it.
-            raise ValueError(f"{bad} is outside the signed 64-bit integer range "
-                             f"[{INT64_MIN}, {INT64_MAX}]")
+            raise ValueError(problem)
         return value
 
 

@@ -116,7 +116,7 @@ class ServerProcess:
             raise AssertionError(str(exc)) from exc
 
     def stats(self) -> dict:
-        response = httpx.get(f"{self.url}/debug/stats", timeout=5.0)
+        response = httpx.get(f"{self.url}/debug/stats", headers=self.auth, timeout=5.0)
         response.raise_for_status()
         return response.json()
 

@@ -598,6 +598,13 @@ BAD_INPUTS = [
     ("stop-token-id-2**64-stream", C,
      lambda: {"json": _prompt(stop_token_ids=[2**64], stream=True)}, "key", 400,
      "stop_token_ids"),
+    # A lone surrogate (JSON's \ud800 escape) is not text: no tokenizer or UTF-8 encoder takes it.
+    ("prompt-lone-surrogate", C, lambda: _json(_prompt(prompt="a\ud800b")), "key", 400,
+     "prompt"),
+    ("content-lone-surrogate-chat", CH,
+     lambda: _json(_chat(messages=[{"role": "user", "content": "\udfff"}])), "key", 400,
+     "messages.0.content"),
+    ("model-lone-surrogate", C, lambda: _json(_prompt(model="\ud800")), "key", 400, "model"),
     ("unknown-model", C, lambda: {"json": _prompt(model="gpt-4o")}, "key", 404, "model"),
     ("unknown-model-chat", CH, lambda: {"json": _chat(model="gpt-4o")}, "key", 404, "model"),
     ("oversize-body", C, lambda: {"json": _prompt(prompt="a" * (BODY_LIMIT + 100))}, "key",

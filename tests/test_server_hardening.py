@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import re
 import socket
@@ -291,3 +292,14 @@ def test_hello_frame_is_bounded() -> None:
     assert not asyncio.run(run(b"\x00\x00"))
     assert not asyncio.run(run(frame(CoreHello(token=b"u" * 32))))
     assert asyncio.run(run(frame(CoreHello(token=b"t" * 32))))
+
+
+def test_json_bodies_carry_lone_surrogates_back_as_escapes() -> None:
+    """A message that echoes what a client sent (a lone surrogate arrives as a \\ud800 escape)
+    still renders, and the client reads back exactly what it sent."""
+    from engine.api_errors import encode_json
+
+    body = {"error": {"message": "The model `a\ud800b` does not exist", "code": 404}}
+    data = encode_json(body)
+    assert json.loads(data) == body
+    assert "é".encode() in encode_json({"m": "é"})  # other text stays UTF-8, not escaped
