@@ -13,13 +13,12 @@ import time
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.async_client import EngineDeadError, RequestFailedError, new_error_id
 from engine.openai_protocol import error_body
 
 logger = logging.getLogger(__name__)
-
-ASGIApp = Any  # (scope, receive, send) -> Awaitable[None]; Starlette's own alias is as loose
 
 
 def encode_json(content: Any) -> bytes:
@@ -83,12 +82,12 @@ class InternalErrors:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         started = False
 
-        async def tracking_send(message) -> None:
+        async def tracking_send(message: Message) -> None:
             nonlocal started
             started = started or message["type"] == "http.response.start"
             await send(message)
@@ -108,7 +107,7 @@ class BodyLimit:
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app, self.limit = app, limit
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         scope.setdefault("state", {})["arrival"] = time.monotonic()
@@ -118,7 +117,7 @@ class BodyLimit:
             return await self._refuse(send)
         seen, too_large, started = 0, False, False
 
-        async def limited_receive():
+        async def limited_receive() -> Message:
             nonlocal seen, too_large
             message = await receive()
             if message["type"] == "http.request":
@@ -128,7 +127,7 @@ class BodyLimit:
                     raise _TooLarge()
             return message
 
-        async def guarded_send(message) -> None:
+        async def guarded_send(message: Message) -> None:
             # FastAPI turns an exception raised while it reads the body into its own 400
             # ("There was an error parsing the body"): once the body is over the limit, drop
             # whatever the app answers and send the 413 below instead.
@@ -146,7 +145,7 @@ class BodyLimit:
         if too_large and not started:
             await self._refuse(send)
 
-    async def _refuse(self, send) -> None:
+    async def _refuse(self, send: Send) -> None:
         await send_json(send, 413, error_body(f"request body larger than {self.limit} bytes",
                                               413))
 
@@ -155,7 +154,7 @@ class _TooLarge(Exception):
     pass
 
 
-async def send_json(send, status: int, body: dict[str, Any]) -> None:
+async def send_json(send: Send, status: int, body: dict[str, Any]) -> None:
     data = encode_json(body)
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),

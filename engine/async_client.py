@@ -10,7 +10,7 @@ import multiprocessing
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -120,7 +120,8 @@ class AsyncEngineClient:
         self.stats = SchedulerStats(num_free_blocks=ready.num_blocks)
         self._reader_task = asyncio.create_task(self._read_outputs(reader))
 
-    def _spawn_core(self, target, port: int, token: bytes) -> multiprocessing.process.BaseProcess:
+    def _spawn_core(self, target: Callable[[bytes, int, bytes], None], port: int,
+                    token: bytes) -> multiprocessing.process.BaseProcess:
         # Not a daemon: EngineCore spawns the TP worker processes itself.
         process = multiprocessing.get_context("spawn").Process(
             target=target, args=(encode_config(self.config), port, token),
