@@ -42,6 +42,9 @@ DRAIN_STEPS = 5_000
 # A monitor decision: (layer, victim pick, waiter pick, whether it targets this step).
 STOP = st.tuples(st.integers(0, NUM_LAYERS - 1), st.integers(0, 10_000), st.integers(0, 10_000),
                  st.booleans())
+ARRIVAL = st.tuples(st.integers(1, 64), st.integers(1, 12),
+                    st.one_of(st.none(), st.sampled_from([5.0, 30.0, 120.0, 1_000.0, 10_000.0])),
+                    st.integers(0, 2), st.integers(-1, 2), st.booleans(), st.integers(0, 2**16))
 # The modules whose time.monotonic() the simulated clock replaces.
 CLOCKED_MODULES = (engine.admission, engine.scheduler, engine.slo_scheduling)
 # Shared prompt heads, so that admissions hit the prefix cache.
@@ -81,8 +84,8 @@ class SchedulerSimulation(RuleBasedStateMachine):
     @initialize(
         policy=st.sampled_from(["fcfs", "priority", "slo"]),
         mode=st.sampled_from(["recompute", "pause", "suspend"]),
-        block_size=st.sampled_from([2, 4]),
-        num_blocks=st.integers(8, 48),
+        block_size=st.sampled_from([1, 2, 4]),
+        num_blocks=st.integers(6, 40),
         chunked=st.booleans(),
         budget_slack=st.integers(0, 48),
         threshold=st.sampled_from([0, 0, 3, 8]),
@@ -91,10 +94,15 @@ class SchedulerSimulation(RuleBasedStateMachine):
         full_seq=st.booleans(),
         prefix=st.booleans(),
         min_tokens=st.sampled_from([1, 6]),
+        tight=st.sampled_from([True, True, False]),  # tight pools two times in three
     )
     def setup(self, policy: str, mode: str, block_size: int, num_blocks: int, chunked: bool,
               budget_slack: int, threshold: int, max_num_seqs: int, watermark: float,
-              full_seq: bool, prefix: bool, min_tokens: int) -> None:
+              full_seq: bool, prefix: bool, min_tokens: int, tight: bool) -> None:
+        if tight:
+            # Every decode token needs a block and admissions may take the last one: KV
+            # pressure in most steps, also right after an urgent waiter came in.
+            block_size, num_blocks, watermark, full_seq = 1, min(num_blocks, 24), 0.0, False
         max_model_len = min(num_blocks * block_size, 64)
         # Without chunking the budget must cover max_model_len (Scheduler refuses less).
         budget = (max_model_len if not chunked else 4) + budget_slack
@@ -116,24 +124,24 @@ class SchedulerSimulation(RuleBasedStateMachine):
     # ---- what can happen between steps -------------------------------------------------------
 
     @precondition(lambda self: self.sched is not None)
-    @rule(prompt_len=st.integers(1, 64), max_tokens=st.integers(1, 12),
-          slo_ms=st.one_of(st.none(), st.sampled_from([5.0, 30.0, 120.0, 1_000.0, 10_000.0])),
-          priority=st.integers(0, 2), prefix=st.integers(-1, len(PREFIXES) - 1),
-          eos=st.booleans(), seed=st.integers(0, 2**16))
-    def arrive(self, prompt_len: int, max_tokens: int, slo_ms: float | None, priority: int,
-               prefix: int, eos: bool, seed: int) -> None:
-        rng = random.Random(seed)
-        head = PREFIXES[prefix] if prefix >= 0 else []
-        prompt = (head + [rng.randrange(VOCAB) for _ in range(prompt_len)])
-        prompt = prompt[: self.max_model_len - 1] or [1]
-        req_id = f"r{self.next_id}"
-        self.next_id += 1
-        request = Request(request_id=req_id, prompt_token_ids=prompt,
-                          sampling_params=SamplingParams(max_tokens=max_tokens),
-                          eos_token_id=rng.randrange(VOCAB) if eos else None,
-                          arrival_time=self.clock.now, priority=priority, ttft_slo_ms=slo_ms)
-        self.sched.add_request(request)  # type: ignore[union-attr]
-        self.requests[req_id] = request
+    @rule(arrivals=st.lists(ARRIVAL, min_size=1, max_size=3))
+    def arrive(self, arrivals: list[tuple[int, int, float | None, int, int, bool, int]]) -> None:
+        """Requests arrive: (prompt length, max_tokens, TTFT objective, priority, shared
+        prefix (-1: none), whether it has an EOS token, seed of its tokens)."""
+        for prompt_len, max_tokens, slo_ms, priority, prefix, eos, seed in arrivals:
+            rng = random.Random(seed)
+            head = PREFIXES[prefix] if prefix >= 0 else []
+            prompt = head + [rng.randrange(VOCAB) for _ in range(prompt_len)]
+            prompt = prompt[: self.max_model_len - 1]
+            req_id = f"r{self.next_id}"
+            self.next_id += 1
+            request = Request(request_id=req_id, prompt_token_ids=prompt,
+                              sampling_params=SamplingParams(max_tokens=max_tokens),
+                              eos_token_id=rng.randrange(VOCAB) if eos else None,
+                              arrival_time=self.clock.now, priority=priority,
+                              ttft_slo_ms=slo_ms)
+            self.sched.add_request(request)  # type: ignore[union-attr]
+            self.requests[req_id] = request
         self.last_step_empty = False  # something changed: a new step may come out empty
 
     @precondition(lambda self: self.sched is not None and self.sched.requests)
@@ -153,7 +161,9 @@ class SchedulerSimulation(RuleBasedStateMachine):
     def step(self, stops: list[tuple[int, int, int, bool] | None]) -> None:
         """A few EngineCore steps; each ``stop``: the monitor stops that step at (layer, victim
         pick, waiter pick, targeted: whether the signal names this step or a stale one)."""
-        for stop in stops:
+        for i, stop in enumerate(stops):
+            if i:
+                self.consistent()  # (the last one is checked as the rule's invariant)
             self._engine_step(stop)
 
     # ---- the engine loop (mirrors EngineCore.step) -------------------------------------------
@@ -272,7 +282,7 @@ class SchedulerSimulation(RuleBasedStateMachine):
 
 
 SchedulerSimulation.TestCase.settings = settings(
-    max_examples=300, stateful_step_count=100, derandomize=True, database=None, deadline=None,
+    max_examples=200, stateful_step_count=100, derandomize=True, database=None, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestSchedulerSimulation = SchedulerSimulation.TestCase
 
