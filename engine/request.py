@@ -95,12 +95,6 @@ class Request:
         return self.num_tokens - self.num_computed_tokens
 
     @property
-    def max_total_tokens(self) -> int:
-        """Length of the full sequence if the request runs to max_tokens."""
-        total = self.num_prompt_tokens + self.sampling_params.max_tokens
-        return min(total, self.max_model_len) if self.max_model_len else total
-
-    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 
