@@ -113,6 +113,11 @@ class FrameSocket:
     the rest is read before returning, so a caller never sees half a message."""
 
     def __init__(self, sock: socket.socket) -> None:
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            # Without it Nagle's algorithm holds a small frame (a step's outputs) until the peer
+            # ACKs the previous one, and delayed ACKs made that ~200 ms: every first token
+            # waited for it. asyncio sets this on the API server's side by itself.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         self._buffer = bytearray()
 
