@@ -298,8 +298,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="the most tokens a request asks for")
     parser.add_argument("--max-requests", type=int, default=100_000,
                         help="stop starting requests after this many")
-    parser.add_argument("--request-timeout-s", type=float, default=120.0,
-                        help="a request without its answer after this is lost")
+    parser.add_argument("--request-timeout-s", type=float, default=300.0,
+                        help="a request without its answer after this is lost (64 clients "
+                             "on a few CPU cores can take minutes per long prompt)")
     parser.add_argument("--idle-timeout-s", type=float, default=30.0,
                         help="how long the server may take to go idle after the run")
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)

@@ -155,8 +155,9 @@ class Prompts:
         self.words = CORPUS.read_text().split()
 
     def text(self, rng: random.Random, budget: int) -> str:
-        # Mostly short turns; one in five a long document, long enough to be worth preempting.
-        n = rng.randint(4, 48) if rng.random() < 0.8 else rng.randint(200, 1200)
+        # Mostly short turns; one in ten a long document, long enough to be worth preempting
+        # (and slow enough on a CPU that a bigger share would starve everything else).
+        n = rng.randint(4, 48) if rng.random() < 0.9 else rng.randint(100, 800)
         start = rng.randrange(len(self.words))
         words = (self.words * 2)[start:start + n] if n < len(self.words) else self.words
         return " ".join(words)[:max(8, budget)]
