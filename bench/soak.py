@@ -231,6 +231,8 @@ def summarize(args: argparse.Namespace, server_args: list[str], target: Target, 
         "after": after,
         "rss_mib": rss,
         "ttft": ttft_summary(target, tally.ttft_ms),
+        "slowest_requests": [{"seconds": t, "kind": k, "request": shape}
+                             for t, k, shape in tally.slowest],
         "by_kind": {k: dict(v) for k, v in sorted(tally.by_kind.items())},
         "bad_input_statuses": {k: dict(v) for k, v in sorted(tally.bad_inputs.items())},
         "lost_reasons": dict(tally.lost_reasons.most_common()),
@@ -265,6 +267,10 @@ def table(s: dict[str, Any]) -> str:
     rows += [(f"TTFT {label}", f"p50 {t['p50_ms']:.0f} ms, p99 {t['p99_ms']:.0f} ms"
               + (f", met {100 * t['met']:.1f}%" if "met" in t else ""))
              for label, t in s["ttft"].items()]
+    if s["slowest_requests"]:
+        slow = s["slowest_requests"][0]
+        rows.append(("slowest request", f"{slow['seconds']:g} s, {slow['kind']} "
+                                        f"({slow['request'] or 'bad input'})"))
     rows += [(f"lost: {reason}", n) for reason, n in s["lost_reasons"].items()]
     rows.append(("result", "OK" if s["ok"] else "FAIL: " + "; ".join(s["failures"])))
     width = max(len(name) for name, _ in rows)

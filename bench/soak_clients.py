@@ -45,6 +45,11 @@ class Tally:
     status_5xx: int = 0
     tracebacks: int = 0
     ttft_ms: dict[str, list[float]] = field(default_factory=dict)
+    # (seconds, kind, what the prompt was like) of the slowest requests: where a stall shows.
+    slowest: list[tuple[float, str, str]] = field(default_factory=list)
+
+    def timed(self, seconds: float, kind: str, shape: str) -> None:
+        self.slowest = sorted([*self.slowest, (round(seconds, 2), kind, shape)], reverse=True)[:5]
 
     def record(self, kind: str, outcome: str, reason: str = "", snippet: str = "") -> None:
         self.outcomes[outcome] += 1
@@ -299,11 +304,15 @@ async def one_request(http: httpx.AsyncClient, tally: Tally, rng: random.Random,
                       prompts: Prompts, max_tokens: int, timeout_s: float) -> None:
     kind = rng.choices(list(MIX), weights=list(MIX.values()))[0]
     tally.sent += 1
+    started, shape = time.perf_counter(), ""
     try:
         if kind == "bad_input":
             coro = send_bad(http, tally, rng, target)
         else:
             path, body = good_request(rng, target, prompts, kind, max_tokens)
+            text = body.get("prompt") or body["messages"][0]["content"]
+            shape = (f"{len(text)} prompt chars, max_tokens {body['max_tokens']}, "
+                     f"slo {body.get('ttft_slo_ms')}")
             send = send_stream if body["stream"] else send_body
             coro = send(http, tally, rng, kind, path, body, target)
         await asyncio.wait_for(coro, timeout=timeout_s)
@@ -311,6 +320,7 @@ async def one_request(http: httpx.AsyncClient, tally: Tally, rng: random.Random,
         tally.record(kind, "lost", f"no answer within {timeout_s:g} s")
     except httpx.HTTPError as exc:  # connection refused / reset, protocol errors
         tally.record(kind, "lost", f"{type(exc).__name__}", str(exc))
+    tally.timed(time.perf_counter() - started, kind, shape)
 
 
 async def client_loop(index: int, http: httpx.AsyncClient, tally: Tally, target: Target,
