@@ -103,7 +103,9 @@ def classify_stream(tally: Tally, kind: str, lines: list[str], bad: bool) -> Non
         try:
             event = json.loads(payload)
         except ValueError:
-            return tally.record(kind, "lost", "SSE event that is not JSON", payload)
+            event = None
+        if not isinstance(event, dict):
+            return tally.record(kind, "lost", "SSE event that is not a JSON object", payload)
         if "error" in event:
             error = payload
             # An error event is the streaming form of an error status: count its 5xx too.
@@ -254,6 +256,20 @@ async def send_bad(http: httpx.AsyncClient, tally: Tally, rng: random.Random,
         classify_status(tally, kind, response.status_code, response.text, bad=True)
 
 
+def carries_output(line: str) -> bool:
+    """Whether an SSE line carries generated text or the end (chat's first event carries only
+    the assistant role, sent before any token, so it says nothing about the TTFT)."""
+    try:
+        event = json.loads(line[len("data:"):])
+    except ValueError:
+        return True  # [DONE] or garbage: the stream's classification says which
+    if not isinstance(event, dict) or not event.get("choices"):
+        return True
+    choice = event["choices"][0]
+    text = choice.get("text") or (choice.get("delta") or {}).get("content")
+    return bool(text) or choice.get("finish_reason") is not None
+
+
 async def send_stream(http: httpx.AsyncClient, tally: Tally, rng: random.Random, kind: str,
                       path: str, body: dict[str, Any], target: Target) -> None:
     # A hang-up closes the connection after a few events, while the request still runs.
@@ -265,19 +281,18 @@ async def send_stream(http: httpx.AsyncClient, tally: Tally, rng: random.Random,
             tally.saw(text)
             return classify_status(tally, kind, response.status_code, text, bad=False)
         lines: list[str] = []
-        events = 0
+        events, first_token = 0, False
         async for line in response.aiter_lines():
             tally.saw(line)
             lines.append(line)
             if not line.startswith("data:"):
                 continue
-            if events == 0:
+            if not first_token and carries_output(line):
+                first_token = True
                 tally.ttft_ms.setdefault(slo_label(target, body), []).append(
                     1000 * (time.perf_counter() - started))
             events += 1
-            if line.strip() == "data: [DONE]":
-                break
-            if hang_up_after is not None and events >= hang_up_after:
+            if hang_up_after is not None and events >= hang_up_after and "[DONE]" not in line:
                 return tally.record(kind, "dropped_on_purpose")
     classify_stream(tally, kind, lines, bad=False)
 

@@ -11,7 +11,7 @@ import signal
 import pytest
 
 from bench import soak
-from bench.soak_clients import Tally, classify_status, classify_stream
+from bench.soak_clients import Tally, carries_output, classify_status, classify_stream
 from tests.server_helpers import ServerProcess, children, cmdline, wait_gone
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -56,6 +56,15 @@ def test_stream_outcomes() -> None:
     tally = Tally()
     classify_stream(tally, "bad_input:nan", done, bad=True)
     assert dict(tally.lost_reasons) == {"bad input answered with 200": 1}
+
+
+def test_ttft_is_taken_at_the_first_output_not_chat_s_role_chunk() -> None:
+    role = {"choices": [{"delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+    token = {"choices": [{"delta": {"content": "Hi"}, "finish_reason": None}]}
+    assert not carries_output(f"data: {json.dumps(role)}")
+    assert carries_output(f"data: {json.dumps(token)}")
+    assert carries_output('data: {"choices": [{"text": "", "finish_reason": "stop"}]}')
+    assert carries_output("data: [DONE]")
 
 
 def test_status_outcomes_and_tracebacks() -> None:
