@@ -49,6 +49,27 @@ def wait_until_healthy(proc: subprocess.Popen, url: str, timeout_s: float,
         time.sleep(poll_s)
 
 
+def stop_server(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """SIGTERM (the server stops its EngineCore and workers itself); past the timeout, SIGKILL
+    for it and every process under it, so that no orphan outlives a benchmark."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        import psutil
+
+        try:
+            children = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
+        for child in children:
+            child.kill()
+        proc.kill()
+        proc.wait()
+
+
 @contextmanager
 def serve(policy: PolicySpec, budget: int, model: str, startup_timeout_s: float = 300.0,
           **engine_overrides: Any) -> Iterator[str]:
@@ -78,11 +99,5 @@ def serve(policy: PolicySpec, budget: int, model: str, startup_timeout_s: float 
         wait_until_healthy(proc, url, startup_timeout_s, log_tail)
         yield url
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_server(proc)
         log.close()

@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -45,7 +44,7 @@ if __package__ in (None, ""):
 import httpx  # noqa: E402
 import psutil  # noqa: E402
 
-from bench.server import free_port, wait_until_healthy  # noqa: E402
+from bench.server import free_port, stop_server, wait_until_healthy  # noqa: E402
 from bench.soak_clients import SLOS, Tally, Target, run_clients  # noqa: E402
 
 # Every one of them is 0 on an idle server that freed what its requests held.
@@ -74,15 +73,7 @@ def started_server(args: argparse.Namespace, server_args: list[str]
                                lambda: log_path.read_text(errors="replace")[-3000:])
             yield url, proc, log_path
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    for child in psutil.Process(proc.pid).children(recursive=True):
-                        child.kill()
-                    proc.kill()
-                    proc.wait()
+            stop_server(proc)
 
 
 def listening_pid(url: str) -> int | None:

@@ -9,6 +9,7 @@ import torch
 from kernels import AttentionMetadata, padded_block_tables
 from workers.kv_cache import allocate_kv_caches
 from workers.models.llama import LlamaForCausalLM
+from workers.preempt_vote import StepPreempted
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -68,3 +69,17 @@ def paged_step(model: LlamaForCausalLM, kv_caches: KVCaches,
         seq.logits += list(logits[row:row + n])
         seq.num_computed += n
         row += n
+
+
+class StopAt:
+    """Stands in for the vote: unwinds the step before the attention op of `layer`."""
+
+    def __init__(self, layer: int | None) -> None:
+        self.layer, self.step_id = layer, 0
+
+    def __call__(self, layer: int) -> None:
+        if layer == self.layer:
+            raise StepPreempted(self.step_id, layer)
+
+    def finish(self) -> None:
+        pass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -70,6 +71,21 @@ def wait_gone(pids: Iterable[int], timeout: float) -> list[int]:
 
 
 # ---- the server ---------------------------------------------------------------------------------
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def copy_with_chat_template(model_dir: str, folder: Path) -> str:
+    """A copy of a tiny model folder whose tokenizer carries CHAT_TEMPLATE, so the server and
+    the offline LLM both read the same template."""
+    shutil.copytree(model_dir, folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return str(folder)
 
 class ServerProcess:
     """`python -m engine.cli serve ...` on a free loopback port, output to a log file."""

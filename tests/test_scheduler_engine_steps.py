@@ -11,23 +11,9 @@ from engine.config import build_engine_config
 from engine.engine_core import EngineCore
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from workers.preempt_vote import StepPreempted
+from tests.paged_helpers import StopAt
 
 NUM_LAYERS = 4
-
-
-class StopAt:
-    """Stands in for the preempt vote: unwinds every preemptible step before `layer`."""
-
-    def __init__(self, layer: int) -> None:
-        self.layer, self.step_id = layer, 0
-
-    def __call__(self, layer: int) -> None:
-        if layer == self.layer:
-            raise StepPreempted(self.step_id, layer)
-
-    def finish(self) -> None:
-        pass
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ import asyncio
 import json
 import math
 import random
-import shutil
 import socket
 import threading
 import time
@@ -25,9 +24,11 @@ import pytest
 
 from engine import LLM, SamplingParams
 from tests.server_helpers import (
+    CHAT_TEMPLATE,
     ServerProcess,
     assert_clean_exit,
     collect_stream,
+    copy_with_chat_template,
     descendants,
     sample,
     scrape,
@@ -43,8 +44,6 @@ BLOCK_SIZE = 16
 # A context long enough that a request can outlive the 1 s disconnect window by far (the tiny
 # model decodes a token in ~2 ms).
 MAX_MODEL_LEN = 8192
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 MESSAGES = [{"role": "system", "content": "Answer briefly."},
             {"role": "user", "content": "What is the capital of France?"}]
 
@@ -55,13 +54,8 @@ MESSAGES = [{"role": "system", "content": "Answer briefly."},
 def model_dir(tiny_model, tmp_path_factory) -> str:
     """A copy of the tiny Llama with a chat template, so the server and the offline LLM both
     read the same template."""
-    folder = tmp_path_factory.mktemp("server-model") / "tiny-chat"
-    shutil.copytree(tiny_model("llama", max_position_embeddings=MAX_MODEL_LEN), folder)
-    config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    config_path.write_text(json.dumps(config))
-    return str(folder)
+    return copy_with_chat_template(tiny_model("llama", max_position_embeddings=MAX_MODEL_LEN),
+                                   tmp_path_factory.mktemp("server-model") / "tiny-chat")
 
 
 @pytest.fixture(scope="module")

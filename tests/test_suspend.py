@@ -12,24 +12,10 @@ from engine.model_setup import load_hf_config
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput, StepStatus
 from workers.model_runner import ModelRunner
-from workers.preempt_vote import StepPreempted
+from tests.paged_helpers import StopAt
 
 NUM_LAYERS = 8
 BLOCK = 16
-
-
-class StopAt:
-    """Stands in for the vote: unwinds the step before the attention op of `layer`."""
-
-    def __init__(self, layer: int | None) -> None:
-        self.layer, self.step_id = layer, 0
-
-    def __call__(self, layer: int) -> None:
-        if layer == self.layer:
-            raise StepPreempted(self.step_id, layer)
-
-    def finish(self) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")
