@@ -19,7 +19,6 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from engine.model_setup import auto_dtype
 from workers.preempt_vote import PreemptVote
 
 BLOCK_SIZE = 16
@@ -55,7 +54,7 @@ def _requests(prompts: list[list[int]], start: int, blocks_per_req: int, params)
 
 def _run_rank(rank: int, tp: int, port: int, model_dir: str, signal_name: str,
               args: argparse.Namespace, results) -> None:
-    from engine.model_setup import load_hf_config
+    from engine.model_setup import auto_dtype, load_hf_config
     from engine.sampling_params import SamplingParams
     from engine.scheduler_output import SchedulerOutput, StepStatus
     from monitor.preempt_signal import PreemptSignal
@@ -194,7 +193,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from engine.default_model import model_path_or_default
-    from engine.model_setup import check_tensor_parallel, load_hf_config
+    from engine.model_setup import auto_dtype, check_tensor_parallel, load_hf_config
     from monitor.preempt_signal import PreemptSignal
 
     model_dir = model_path_or_default(args.model)
