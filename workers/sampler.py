@@ -44,9 +44,11 @@ class Sampler:
         """logits: float32 [N, vocab], one row per request to sample."""
         # A row whose maximum is not finite holds NaN (amax propagates it), +inf, or nothing but
         # -inf: the forward pass broke down for it (argmax would happily return a NaN's index).
-        # One reduction, no [N, vocab] temporaries.
-        broken = (~torch.isfinite(logits.amax(dim=-1))).tolist()
-        tokens: list[int | None] = logits.argmax(dim=-1).tolist()
+        # One reduction, no [N, vocab] temporaries; both read back in one transfer (one device
+        # sync on a GPU).
+        tokens: list[int | None]
+        broken, tokens = torch.stack([(~torch.isfinite(logits.amax(dim=-1))).long(),
+                                      logits.argmax(dim=-1)]).tolist()
         out = SamplerOutput(tokens)
         for row, (sp, index) in enumerate(zip(params, output_indices)):
             try:
