@@ -38,7 +38,7 @@ class BenchSetup:
 def _setup(args: argparse.Namespace, out_dir: Path) -> BenchSetup:
     from transformers import AutoTokenizer
 
-    from engine.default_model import model_path_or_default
+    from engine.entrypoints.default_model import model_path_or_default
     from monitor.predictor import LinearTTFT
 
     model = model_path_or_default(args.model)
@@ -53,8 +53,8 @@ def _setup(args: argparse.Namespace, out_dir: Path) -> BenchSetup:
     else:
         # Isolated TTFTs set the SLOs and the clairvoyant bound's costs; every policy's engine is
         # seeded with the same line, so none starts from a better guess than another.
-        from engine.calibrate import calibrate
-        from engine.llm import LLM
+        from engine.entrypoints.calibrate import calibrate
+        from engine.entrypoints.llm import LLM
 
         print("calibrating the TTFT line (pass --ttft-model FILE to reuse one)", file=sys.stderr)
         # A budget above the largest size, so that each prompt is one step.
@@ -69,7 +69,7 @@ def _setup(args: argparse.Namespace, out_dir: Path) -> BenchSetup:
         path = str(out_dir / "ttft_model.json")
         line.save(path)
     overrides["ttft_model"] = path
-    from engine.model_setup import load_hf_config
+    from engine.runtime.model_setup import load_hf_config
 
     hf = load_hf_config(model)
     max_len = args.max_model_len or getattr(hf, "max_position_embeddings", 8192)
@@ -302,7 +302,14 @@ def add_bench_parser(subparsers: Any) -> None:
     bench = subparsers.add_parser("bench", help="TTFT-attainment benchmark suite",
                                   description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = bench.add_subparsers(dest="bench_command", required=True)
+    sub = bench.add_subparsers(dest="bench_command", metavar="{trace,run,sweep,report}")
+
+    def show_commands(args: argparse.Namespace) -> int:
+        # A bare `sloserve bench` asks what the suite offers: show it rather than an error.
+        bench.print_help()
+        return 0
+
+    bench.set_defaults(func=show_commands)
 
     trace = sub.add_parser("trace", help="write a seeded trace of a built-in workload")
     _add_common(trace)

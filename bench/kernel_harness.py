@@ -1,4 +1,4 @@
-"""The GPU kernel benchmark's harness (bench/kernels.py): timing with CUDA events, the device's
+"""The GPU kernel benchmark's harness (bench/gpu_kernels.py): timing with CUDA events, the device's
 peak memory bandwidth, and paged attention inputs laid out as the model runner lays them out."""
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def build_batch(decode_contexts: list[int], prefills: list[tuple[int, int]], num
                 device: torch.device, seed: int) -> PagedBatch:
     """A step of decodes (context lengths including the decoded token) then prefill chunks
     ((chunk tokens, cached prefix tokens)), laid out like ModelRunner.prepare_inputs does."""
-    from kernels.attention import AttentionMetadata, padded_block_tables
+    from kernels.metadata import AttentionMetadata, padded_block_tables
 
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)

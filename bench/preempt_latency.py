@@ -20,8 +20,8 @@ import time
 import torch
 
 from engine.config import build_engine_config
-from engine.engine_core import EngineCore
-from engine.request import Request
+from engine.runtime.engine_core import EngineCore
+from engine.core.request import Request
 from engine.sampling_params import SamplingParams
 
 
@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    from engine.default_model import model_path_or_default
+    from engine.entrypoints.default_model import model_path_or_default
 
     model = model_path_or_default(args.model)
     config = build_engine_config(model, enable_prefix_caching=False, scheduling_policy="slo",

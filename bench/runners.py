@@ -51,7 +51,7 @@ class EnginePool:
 
     def get(self, policy: PolicySpec, budget: int) -> Any:
         from engine.config import build_engine_config
-        from engine.engine_core import EngineCore
+        from engine.runtime.engine_core import EngineCore
 
         key = (policy.name, budget)
         if key not in self._engines:
@@ -79,7 +79,7 @@ def run_inprocess(trace: Trace, policy: PolicySpec, model: str, budget: int,
                   progress: bool = True, pool: EnginePool | None = None,
                   **engine_overrides: Any) -> RunResult:
     """Replay `trace` on an engine of `pool` (or on a fresh one, shut down afterwards)."""
-    from engine.request import Request
+    from engine.core.request import Request
     from engine.sampling_params import SamplingParams
 
     own_pool = pool is None

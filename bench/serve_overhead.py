@@ -124,7 +124,7 @@ def measure(model: str, dtype: str, base_url: str, prompts: list[list[int]], max
 
 
 def start_server(model: str, dtype: str, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "engine.cli", "serve", "--model", model, "--dtype", dtype,
+    cmd = [sys.executable, "-m", "engine", "serve", "--model", model, "--dtype", dtype,
            "--port", str(port), "--log-level", "warning"]
     server = subprocess.Popen(cmd)
     deadline = time.monotonic() + 600
@@ -155,8 +155,8 @@ def main() -> None:
                         help="concurrent batches per path (the median is reported)")
     args = parser.parse_args()
 
-    from engine.default_model import model_path_or_default
-    from engine.model_setup import load_hf_config
+    from engine.entrypoints.default_model import model_path_or_default
+    from engine.runtime.model_setup import load_hf_config
 
     model = model_path_or_default(args.model)
     prompts = _prompts(load_hf_config(model).vocab_size, args.requests, args.prompt_len)

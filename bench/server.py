@@ -75,7 +75,7 @@ def serve(policy: PolicySpec, budget: int, model: str, startup_timeout_s: float 
           **engine_overrides: Any) -> Iterator[str]:
     """Yields the base URL of a server running `policy` at `budget`; stops it afterwards."""
     port = free_port()
-    args = [sys.executable, "-m", "engine.cli", "serve", "--model", model, "--port", str(port),
+    args = [sys.executable, "-m", "engine", "serve", "--model", model, "--port", str(port),
             "--max-num-batched-tokens", str(budget), "--log-level", "warning",
             *policy.serve_args()]
     for key, value in engine_overrides.items():

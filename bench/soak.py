@@ -36,7 +36,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):
-    # Run as a file, sys.path[0] is bench/, where bench/kernels.py would shadow the top-level
+    # Run as a file, sys.path[0] is bench/, where bench/gpu_kernels.py would shadow the top-level
     # `kernels` package for anything imported later: put the repository root there instead.
     sys.path[:] = [str(REPO), *(p for p in sys.path[1:]
                                 if Path(p or ".").resolve() != REPO / "bench")]
@@ -58,13 +58,13 @@ def started_server(args: argparse.Namespace, server_args: list[str]
                    ) -> Iterator[tuple[str, subprocess.Popen, Path]]:
     """`sloserve serve` on a free loopback port: yields (url, process, log path); SIGTERM after."""
     port = free_port()
-    cmd = [sys.executable, "-m", "engine.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "engine", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--log-level", "warning", *(["--model", args.model] if args.model else []),
            *(["--api-key", args.api_key] if args.api_key else []), *server_args]
     log_path = Path(args.server_log or tempfile.mkstemp(prefix="soak-server-", suffix=".log")[1])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     with open(log_path, "wb") as log:
-        # cwd is the repository root: from bench/, bench/kernels.py would shadow `kernels`.
+        # cwd is the repository root: from bench/, bench/gpu_kernels.py would shadow `kernels`.
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"

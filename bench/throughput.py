@@ -136,11 +136,11 @@ def main() -> None:
                              "counts (e.g. 8 2, so that TP=2 is possible)")
     args = parser.parse_args()
 
-    from engine.model_setup import load_hf_config
+    from engine.runtime.model_setup import load_hf_config
 
     model_dir = args.model
     if model_dir is None:
-        from engine.default_model import default_model_path
+        from engine.entrypoints.default_model import default_model_path
 
         model_dir = str(default_model_path())
     if args.random_heads:
@@ -152,7 +152,7 @@ def main() -> None:
     prefill = _prompts(vocab, args.prefill_prompts, args.prefill_len, seed=0)
     decode = _prompts(vocab, args.concurrency, args.decode_prompt_len, seed=1)
     if args.dtype == "auto":
-        from engine.model_setup import auto_dtype
+        from engine.runtime.model_setup import auto_dtype
 
         args.dtype = str(auto_dtype(torch.device("cpu"))[0]).removeprefix("torch.")
     torch_dtype = getattr(torch, args.dtype)

@@ -42,7 +42,7 @@ class _CountingVote(PreemptVote):
 
 
 def _requests(prompts: list[list[int]], start: int, blocks_per_req: int, params) -> list:
-    from engine.scheduler_output import ScheduledRequest
+    from engine.core.scheduler_output import ScheduledRequest
 
     # Fixed block ids and start positions: every repetition rewrites the same KV slots, so all
     # repetitions of a step do identical work.
@@ -54,9 +54,9 @@ def _requests(prompts: list[list[int]], start: int, blocks_per_req: int, params)
 
 def _run_rank(rank: int, tp: int, port: int, model_dir: str, signal_name: str,
               args: argparse.Namespace, results) -> None:
-    from engine.model_setup import auto_dtype, load_hf_config
+    from engine.runtime.model_setup import auto_dtype, load_hf_config
     from engine.sampling_params import SamplingParams
-    from engine.scheduler_output import SchedulerOutput, StepStatus
+    from engine.core.scheduler_output import SchedulerOutput, StepStatus
     from monitor.preempt_signal import PreemptSignal
     from workers.distributed import destroy, init_distributed
     from workers.model_runner import ModelRunner
@@ -192,8 +192,8 @@ def main() -> None:
                              "the model's heads cannot be split over a requested TP size)")
     args = parser.parse_args()
 
-    from engine.default_model import model_path_or_default
-    from engine.model_setup import auto_dtype, check_tensor_parallel, load_hf_config
+    from engine.entrypoints.default_model import model_path_or_default
+    from engine.runtime.model_setup import auto_dtype, check_tensor_parallel, load_hf_config
     from monitor.preempt_signal import PreemptSignal
 
     model_dir = model_path_or_default(args.model)

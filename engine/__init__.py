@@ -8,7 +8,7 @@ __all__ = ["LLM", "SamplingParams"]
 def __getattr__(name: str):
     # LLM pulls in torch and transformers; import it lazily so light users (IPC, CLI help) stay fast.
     if name == "LLM":
-        from engine.llm import LLM
+        from engine.entrypoints.llm import LLM
 
         return LLM
     raise AttributeError(name)

@@ -1,7 +1,7 @@
 """Server-side logging: one stderr handler for sloserve's own packages, in every process.
 
 Modules log through ``logging.getLogger(__name__)``; the loggers of the top-level packages carry
-the handler, so a message from ``engine.api_server`` or ``monitor.monitor`` reaches the server's
+the handler, so a message from ``engine.serving.api_server`` or ``monitor.monitor`` reaches the server's
 log without configuring the root logger (which would also let every library's INFO chatter
 through). They still propagate, so pytest's caplog sees them. Entry points call this (the CLI,
 and the spawned EngineCore and worker processes); importing a module configures nothing.

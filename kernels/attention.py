@@ -15,62 +15,12 @@ kernels (``kernels.triton_cache`` / ``kernels.triton_attention``, the CUDA defau
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 
 from kernels.backend import select_backend
+from kernels.metadata import AttentionMetadata, padded_block_tables
 
-
-@dataclass
-class AttentionMetadata:
-    # [num_tokens] int64: where each new token's K/V is written.
-    slot_mapping: torch.Tensor
-    num_decodes: int
-    # [num_decodes, max_blocks] int64 block tables (padded with 0) and [num_decodes] context
-    # lengths (including the token being decoded).
-    decode_block_tables: torch.Tensor
-    decode_context_lens: torch.Tensor
-    # Per prefill chunk: query length, total context length (cached prefix + chunk), block table.
-    prefill_query_lens: list[int]
-    prefill_context_lens: list[int]
-    prefill_block_tables: list[torch.Tensor]
-    # Per-step values the kernels derive from the fields above (gather indices, masks). Every layer
-    # of a step sees the same metadata, so they are built once on the first layer and reused by the
-    # other layers. Owned by the implementation; never set it.
-    derived: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
-
-    def without_last_prefills(self, count: int) -> AttentionMetadata:
-        """The metadata of this batch minus its last ``count`` prefill chunks: the layers below
-        a resumed chunk's layer run without it (see ``workers.models.LayerJoin``)."""
-        if count == 0:
-            return self
-        if not 0 < count <= len(self.prefill_query_lens):
-            raise ValueError(f"cannot drop {count} of {len(self.prefill_query_lens)} prefills")
-        kept = len(self.prefill_query_lens) - count
-        num_tokens = self.num_decodes + sum(self.prefill_query_lens[:kept])
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:num_tokens], num_decodes=self.num_decodes,
-            decode_block_tables=self.decode_block_tables,
-            decode_context_lens=self.decode_context_lens,
-            prefill_query_lens=self.prefill_query_lens[:kept],
-            prefill_context_lens=self.prefill_context_lens[:kept],
-            prefill_block_tables=self.prefill_block_tables[:kept])
-
-
-def padded_block_tables(tables: Sequence[torch.Tensor | Sequence[int]],
-                        extra_columns: int = 0) -> torch.Tensor:
-    """[len(tables), longest + extra_columns] int64 block tables, padded with block 0 (which the
-    kernels never read: a context length bounds every lookup)."""
-    rows = [torch.as_tensor(t, dtype=torch.long) for t in tables]
-    width = max((r.numel() for r in rows), default=0) + extra_columns
-    padded = torch.zeros((len(rows), width), dtype=torch.long,
-                         device=rows[0].device if rows else None)
-    for i, row in enumerate(rows):
-        padded[i, :row.numel()] = row
-    return padded
+__all__ = ["AttentionMetadata", "padded_block_tables", "paged_attention", "write_kv_cache"]
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

@@ -7,7 +7,7 @@ its kernels, and Triton decides then whether they run compiled or in its interpr
 process that forces Triton must have ``TRITON_INTERPRET=1`` set before that first import.
 
 The fused RMSNorm (+ residual) and rotary kernels are opt-in (``fused_ops``): DESIGN.md admits
-fused ops only where measured to help, and no GPU has measured them yet (``bench/kernels.py``
+fused ops only where measured to help, and no GPU has measured them yet (``bench/gpu_kernels.py``
 compares them with the PyTorch layers).
 """
 

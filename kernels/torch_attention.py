@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from kernels.attention import AttentionMetadata
+    from kernels.metadata import AttentionMetadata
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

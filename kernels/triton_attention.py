@@ -29,10 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import padded_block_tables
+from kernels.metadata import padded_block_tables
 
 if TYPE_CHECKING:
-    from kernels.attention import AttentionMetadata
+    from kernels.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 # Keys per inner-loop tile. Independent of the KV block size: every key looks its block up.

@@ -13,10 +13,10 @@ from contextlib import asynccontextmanager
 import httpx
 import msgspec
 
-from engine.api_server import ServerSettings, build_app
-from engine.async_client import AsyncEngineClient
+from engine.serving.api_server import ServerSettings, build_app
+from engine.ipc.async_client import AsyncEngineClient
 from engine.config import build_engine_config
-from engine.core_messages import (AddRequest, CoreHello, CoreOutputs, CoreReady, FrameSocket,
+from engine.ipc.core_messages import (AddRequest, CoreHello, CoreOutputs, CoreReady, FrameSocket,
                                   ShutdownCore, to_core_decoder)
 from engine.outputs import EngineCoreOutput, SchedulerStats
 

@@ -88,7 +88,7 @@ def copy_with_chat_template(model_dir: str, folder: Path) -> str:
     return str(folder)
 
 class ServerProcess:
-    """`python -m engine.cli serve ...` on a free loopback port, output to a log file."""
+    """`python -m engine serve ...` on a free loopback port, output to a log file."""
 
     def __init__(self, model: str, log_path: Path, *extra: str, api_key: str | None = None,
                  startup_timeout: float = 120.0) -> None:
@@ -96,7 +96,7 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = Path(log_path)
-        args = [sys.executable, "-m", "engine.cli", "serve", "--model", model,
+        args = [sys.executable, "-m", "engine", "serve", "--model", model,
                 "--dtype", "float32", "--port", str(self.port), "--log-level", "info", *extra]
         if api_key is not None:
             args += ["--api-key", api_key]

@@ -10,8 +10,8 @@ checked against KV that a completed step really wrote.
 
 from __future__ import annotations
 
-from engine.block_pool import BlockPool
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
+from engine.core.block_pool import BlockPool
+from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
 from tests.test_scheduler import next_token
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli import main
+from engine.entrypoints.cli import main
 from monitor.predictor import LinearTTFT
 
 NUM_REQUESTS = 20

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from engine.core.block_pool import BlockPool, FreeBlockQueue, KVBlock
 
 
 def free_ids(pool: BlockPool) -> list[int]:

@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from engine.calibrate import calibrate
-from engine.cli import main
-from engine.llm import LLM
+from engine.entrypoints.calibrate import calibrate
+from engine.entrypoints.cli import main
+from engine.entrypoints.llm import LLM
 from monitor.predictor import LinearTTFT
 from workers.model_runner import LAYER_DELAY_ENV
 
@@ -88,7 +88,7 @@ def test_calibrate_result_keeps_every_point_and_the_medians(tiny_model):
 
 
 def test_the_attention_term_is_kept_only_if_it_predicts_held_out_sizes_better():
-    from engine.calibrate import choose_model
+    from engine.entrypoints.calibrate import choose_model
 
     sizes = [16, 64, 256, 512, 1024, 2048, 3072]
     curved = {n: 0.02 + 1e-3 * n + 3e-7 * n * n for n in sizes}

@@ -1,6 +1,6 @@
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.processing.detokenizer import IncrementalDetokenizer
 from tests.tiny_tokenizer import save_tiny_tokenizer
 
 

@@ -25,7 +25,7 @@ def test_more_ranks_than_gpus_is_a_clear_error(tiny_model, monkeypatch):
 
 
 def test_bfloat16_needs_an_ampere_gpu(tiny_model, monkeypatch):
-    from engine.model_setup import resolve_dtype
+    from engine.runtime.model_setup import resolve_dtype
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     cuda = torch.device("cuda", 0)
@@ -50,7 +50,7 @@ AMX_CPUINFO = AVX2_CPUINFO.replace("avx512bw", "avx512bw amx_tile amx_bf16")
 def test_auto_dtype_on_a_cpu_follows_native_bf16(monkeypatch, caplog):
     """`auto` on a CPU picks bf16 only where it runs natively: on an AVX2 CPU PyTorch's bf16
     matmul is ~100x slower than fp32 (and mkldnn's own check says yes for plain AVX-512)."""
-    import engine.model_setup as setup
+    import engine.runtime.model_setup as setup
 
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
     assert setup.cpu_native_bf16(AVX2_CPUINFO) == (
@@ -64,7 +64,7 @@ def test_auto_dtype_on_a_cpu_follows_native_bf16(monkeypatch, caplog):
     for cpuinfo, expected in ((AVX2_CPUINFO, torch.float32), (AMX_CPUINFO, torch.bfloat16)):
         monkeypatch.setattr(setup, "cpu_native_bf16", lambda info=cpuinfo: read_flags(info))
         caplog.clear()
-        with caplog.at_level("INFO", logger="engine.model_setup"):
+        with caplog.at_level("INFO", logger="engine.runtime.model_setup"):
             assert setup.resolve_dtype("auto", cpu) == expected
         # The server log says which and why.
         assert f"dtype auto -> {str(expected).removeprefix('torch.')}" in caplog.text

@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
-from engine.detokenizer import IncrementalDetokenizer
+from engine.processing.detokenizer import IncrementalDetokenizer
 from engine.outputs import EngineCoreOutput
-from engine.output_processor import OutputProcessor
+from engine.processing.output_processor import OutputProcessor
 from workers.sampler import Sampler
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engine.config import CacheConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request
 from engine.sampling_params import SamplingParams
 
 BS = 4

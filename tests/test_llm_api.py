@@ -107,7 +107,7 @@ def test_pool_too_small_for_max_model_len(tiny_model):
 
 
 def test_cli_generate(tiny_model):
-    cmd = [sys.executable, "-m", "engine.cli", "generate", "The quick brown", "--model",
+    cmd = [sys.executable, "-m", "engine", "generate", "The quick brown", "--model",
            tiny_model("llama"), "--dtype", "float32", "--no-chat", "--max-tokens", "5"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
@@ -115,7 +115,7 @@ def test_cli_generate(tiny_model):
 
 
 def test_cli_bad_input_is_a_clear_error(tiny_model):
-    cmd = [sys.executable, "-m", "engine.cli", "generate", "hi", "--model", tiny_model("llama"),
+    cmd = [sys.executable, "-m", "engine", "generate", "hi", "--model", tiny_model("llama"),
            "--temperature", "-2", "--no-chat"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2

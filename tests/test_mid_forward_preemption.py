@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from engine.config import build_engine_config
-from engine.engine_core import EngineCore
-from engine.request import Request
+from engine.runtime.engine_core import EngineCore
+from engine.core.request import Request
 from engine.sampling_params import SamplingParams
 from monitor.predictor import LinearTTFT
 from workers.model_runner import LAYER_DELAY_ENV

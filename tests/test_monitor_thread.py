@@ -95,7 +95,7 @@ def test_an_exception_is_logged_counted_and_the_thread_keeps_going(signal, monke
 
 
 def test_monitor_errors_reach_prometheus():
-    from engine.metrics import ServerMetrics
+    from engine.serving.metrics import ServerMetrics
     from engine.outputs import SchedulerStats
 
     metrics = ServerMetrics("m")

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.model_setup import load_hf_config
+from engine.runtime.model_setup import load_hf_config
 from engine.sampling_params import SamplingParams
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput, StepStatus
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput, StepStatus
 from monitor.preempt_signal import NO_TARGET, PreemptSignal
 from workers.model_runner import ModelRunner
 from workers.preempt_vote import PreemptVote, StepPreempted

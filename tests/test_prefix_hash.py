@@ -9,7 +9,7 @@ import subprocess
 import sys
 from array import array
 
-from engine.kv_cache_manager import _ROOT_HASH, hash_block_tokens
+from engine.core.kv_cache_manager import _ROOT_HASH, hash_block_tokens
 
 
 def test_block_hash_is_a_sha256_chain() -> None:
@@ -34,7 +34,7 @@ def test_python_hash_of_the_old_scheme_collides_where_sha256_does_not() -> None:
 def test_block_hash_is_the_same_in_every_process() -> None:
     """Unlike str/bytes hash(), it does not depend on PYTHONHASHSEED: every process (and a
     restarted server) computes the same keys."""
-    code = ("from engine.kv_cache_manager import _ROOT_HASH, hash_block_tokens;"
+    code = ("from engine.core.kv_cache_manager import _ROOT_HASH, hash_block_tokens;"
             "print(hash_block_tokens(_ROOT_HASH, [3, 1, 4, 1, 5]).hex())")
     seen = set()
     for seed in ("1", "2"):

@@ -13,11 +13,11 @@ import random
 import pytest
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.request import Request, RequestStatus
-from engine.request_queue import FCFSQueue, PriorityQueue, create_request_queue
+from engine.core.request import Request, RequestStatus
+from engine.core.request_queue import FCFSQueue, PriorityQueue, create_request_queue
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
 
 BS = 4
 VOCAB = 50
@@ -299,7 +299,8 @@ def test_full_sequence_admission_reserves_the_input_not_max_tokens() -> None:
 
 
 def test_cli_sets_the_admission_knobs() -> None:
-    from engine.cli import build_parser, engine_kwargs
+    from engine.entrypoints.cli import build_parser
+    from engine.entrypoints.engine_args import engine_kwargs
     from engine.config import build_engine_config
 
     def config(*flags: str):

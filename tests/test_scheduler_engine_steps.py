@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine.config import build_engine_config
-from engine.engine_core import EngineCore
-from engine.request import Request, RequestStatus
+from engine.runtime.engine_core import EngineCore
+from engine.core.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from tests.paged_helpers import StopAt
 

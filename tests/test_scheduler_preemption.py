@@ -1,5 +1,5 @@
 """Mid-forward preemption at the scheduler level (rollback + preempt_for_slo, as
-engine/slo_preemption.py's on_preempted drives them): held victims, the one admission test, the
+engine/runtime/slo_preemption.py's on_preempted drives them): held victims, the one admission test, the
 step record, and what is reported. Findings 5, 6, 7 and part of 12 of issue 12."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from engine.config import CacheConfig, PreemptionConfig, SchedulerConfig, SLOPreemptMode
-from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
 from monitor.predictor import LinearTTFT
 from tests.test_scheduler import BS, FakeRunner, make_request, run_to_completion, scheduled
 

@@ -24,15 +24,15 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import time
 
-import engine.admission
-import engine.scheduler
-import engine.slo_scheduling
+import engine.core.admission
+import engine.core.scheduler
+import engine.core.slack_policy
 from engine.config import CacheConfig, PreemptionConfig, SchedulerConfig
-from engine.request import Request, RequestStatus
+from engine.core.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.scheduler_output import StepStatus
-from engine.slo_preemption import unwind_step
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import StepStatus
+from engine.runtime.slo_preemption import unwind_step
 from monitor.predictor import LinearTTFT
 from tests.sim_runner import SimWorker
 from tests.test_scheduler import VOCAB, reference_output
@@ -46,7 +46,7 @@ ARRIVAL = st.tuples(st.integers(1, 64), st.integers(1, 12),
                     st.one_of(st.none(), st.sampled_from([5.0, 30.0, 120.0, 1_000.0, 10_000.0])),
                     st.integers(0, 2), st.integers(-1, 2), st.booleans(), st.integers(0, 2**16))
 # The modules whose time.monotonic() the simulated clock replaces.
-CLOCKED_MODULES = (engine.admission, engine.scheduler, engine.slo_scheduling)
+CLOCKED_MODULES = (engine.core.admission, engine.core.scheduler, engine.core.slack_policy)
 # Shared prompt heads, so that admissions hit the prefix cache.
 PREFIXES = [[(7 * i + j) % VOCAB for j in range(n)] for i, n in enumerate((8, 13, 21))]
 

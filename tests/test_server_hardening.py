@@ -21,11 +21,11 @@ import traceback
 import httpx
 import pytest
 
-import engine.api_server
-from engine.api_server import ServerSettings
-from engine.async_client import _shows_token
-from engine.cli import main
-from engine.core_messages import CoreFailed, CoreHello, CoreReady, frame
+import engine.serving.api_server
+from engine.serving.api_server import ServerSettings
+from engine.ipc.async_client import _shows_token
+from engine.entrypoints.cli import main
+from engine.ipc.core_messages import CoreFailed, CoreHello, CoreReady, frame
 from tests.inprocess_server import FakeCore, app_client
 from tests.server_helpers import sse_data
 
@@ -163,7 +163,7 @@ def test_api_key_is_compared_in_constant_time(model_dir, vocab_size, monkeypatch
         calls.append((a, b))
         return compare_digest(a, b)
 
-    monkeypatch.setattr(engine.api_server.hmac, "compare_digest", spy)
+    monkeypatch.setattr(engine.serving.api_server.hmac, "compare_digest", spy)
     settings = ServerSettings(served_model_name="tiny", api_key="k3y")
 
     async def run() -> None:
@@ -297,7 +297,7 @@ def test_hello_frame_is_bounded() -> None:
 def test_json_bodies_carry_lone_surrogates_back_as_escapes() -> None:
     """A message that echoes what a client sent (a lone surrogate arrives as a \\ud800 escape)
     still renders, and the client reads back exactly what it sent."""
-    from engine.api_errors import encode_json
+    from engine.serving.api_errors import encode_json
 
     body = {"error": {"message": "The model `a\ud800b` does not exist", "code": 404}}
     data = encode_json(body)
@@ -311,7 +311,7 @@ def test_the_engine_core_side_of_the_channel_sends_frames_without_nagle_delay() 
     took 215 ms on an idle tiny-model server (1 ms offline)."""
     import socket
 
-    from engine.core_messages import FrameSocket
+    from engine.ipc.core_messages import FrameSocket
 
     with socket.create_server(("127.0.0.1", 0)) as server:
         client = socket.create_connection(server.getsockname())

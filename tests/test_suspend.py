@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model_setup import load_hf_config
+from engine.runtime.model_setup import load_hf_config
 from engine.sampling_params import SamplingParams
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput, StepStatus
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput, StepStatus
 from workers.model_runner import ModelRunner
 from tests.paged_helpers import StopAt
 

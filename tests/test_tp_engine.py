@@ -15,7 +15,7 @@ import time
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.engine_core import EngineStepError
+from engine.runtime.engine_core import EngineStepError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPT_LENGTHS = [150, 40, 97, 12, 70, 120]
@@ -129,7 +129,7 @@ def _cli_args(model: str) -> list[str]:
 
 
 def _in_process_text(model: str) -> str:
-    result = subprocess.run([sys.executable, "-m", "engine.cli", *_cli_args(model)],
+    result = subprocess.run([sys.executable, "-m", "engine", *_cli_args(model)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     return result.stdout
@@ -150,7 +150,7 @@ def test_torchrun_two_ranks_matches_in_process(tiny_model):
     model = tiny_model("llama")
     expected = _in_process_text(model)
     proc = _torchrun("--nproc-per-node", "2", "--master-port", str(_free_port()),
-                     "-m", "engine.cli", *_cli_args(model))
+                     "-m", "engine", *_cli_args(model))
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr
     assert stdout == expected
@@ -162,7 +162,7 @@ def test_torchrun_two_nodes_matches_in_process(tiny_model):
     endpoint = f"127.0.0.1:{_free_port()}"
     nodes = [_torchrun("--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
                        "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "t2n",
-                       "-m", "engine.cli", *_cli_args(model)) for rank in (0, 1)]
+                       "-m", "engine", *_cli_args(model)) for rank in (0, 1)]
     results = [node.communicate(timeout=300) for node in nodes]
     for node, (_, stderr) in zip(nodes, results):
         assert node.returncode == 0, stderr
@@ -173,7 +173,7 @@ def test_torchrun_two_nodes_matches_in_process(tiny_model):
 
 def test_torchrun_world_smaller_than_tp_is_refused(tiny_model):
     proc = _torchrun("--nproc-per-node", "2", "--master-port", str(_free_port()),
-                     "-m", "engine.cli", *_cli_args(tiny_model("llama")),
+                     "-m", "engine", *_cli_args(tiny_model("llama")),
                      "--tensor-parallel-size", "4")
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode != 0
@@ -184,7 +184,7 @@ def test_worker_that_raises_at_startup_reports_its_error(tiny_model, tmp_path):
     import json
     import shutil
 
-    from engine.executor import WorkerStartupError
+    from engine.runtime.executor import WorkerStartupError
 
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model("llama"), broken)

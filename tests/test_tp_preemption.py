@@ -10,8 +10,8 @@ import time
 import pytest
 
 from engine.config import build_engine_config
-from engine.engine_core import EngineCore
-from engine.request import Request
+from engine.runtime.engine_core import EngineCore
+from engine.core.request import Request
 from monitor.predictor import LinearTTFT
 from tests.test_mid_forward_preemption import (DELAY_US_PER_TOKEN, LONG_PROMPT, NUM_LAYERS,
                                                URGENT_SLO_MS, _prompt, _request, _run)

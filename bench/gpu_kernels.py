@@ -44,9 +44,9 @@ import torch.nn.functional as F
 
 from bench.kernel_harness import Timer, build_batch, gathered, kv_bytes_per_token, peak_bandwidth
 
-NEEDS_GPU = ("bench.kernels needs an NVIDIA GPU (CUDA is not available here); kernel correctness "
+NEEDS_GPU = ("bench.gpu_kernels needs an NVIDIA GPU (CUDA is not available here); kernel correctness "
              "is covered by tests/test_triton_kernels.py in Triton's interpreter, and "
-             "`python -m bench.kernels --smoke` exercises this script on the CPU.")
+             "`python -m bench.gpu_kernels --smoke` exercises this script on the CPU.")
 SMOKE_BANNER = ("SMOKE RUN: tiny shapes on the CPU under Triton's interpreter, timed with "
                 "perf_counter. The figures below are NOT measurements; they only show that the "
                 "script's code paths run.")
@@ -334,7 +334,7 @@ def optional_module(name: str) -> Any:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.kernels", description=__doc__.split("\n\n")[0],
+        prog="python -m bench.gpu_kernels", description=__doc__.split("\n\n")[0],
         epilog="Shape defaults: full run " + ", ".join(f"{k}={v}" for k, v in FULL.items())
         + "; --smoke " + ", ".join(f"{k}={v}" for k, v in SMOKE.items()) + ".")
     parser.add_argument("--smoke", action="store_true",

@@ -13,8 +13,8 @@ import traceback
 from multiprocessing.connection import wait
 from typing import Protocol
 
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
-from engine.worker_messages import (ExecuteStep, Shutdown, WorkerConfig, decode_output, encode)
+from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
+from engine.runtime.worker_messages import (ExecuteStep, Shutdown, WorkerConfig, decode_output, encode)
 
 
 class Executor(Protocol):

@@ -8,16 +8,16 @@ import sys
 from collections.abc import Iterable
 
 from engine.config import EngineConfig
-from engine.executor import Executor, ExternalExecutor, InProcessExecutor, MultiprocExecutor
-from engine.input_processor import validate_prompt
-from engine.launch import check_torchrun_world, torchrun_launch
-from engine.model_setup import ResolvedModel, resolve
+from engine.runtime.executor import Executor, ExternalExecutor, InProcessExecutor, MultiprocExecutor
+from engine.processing.input_processor import validate_prompt
+from engine.runtime.launch import check_torchrun_world, torchrun_launch
+from engine.runtime.model_setup import ResolvedModel, resolve
 from engine.outputs import EngineCoreOutput, SchedulerStats
-from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
-from engine.slo_preemption import SLOPreemptionControl
-from engine.worker_messages import make_worker_config
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
+from engine.runtime.slo_preemption import SLOPreemptionControl
+from engine.runtime.worker_messages import make_worker_config
 from monitor.predictor import LinearTTFT
 
 

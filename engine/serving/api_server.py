@@ -19,14 +19,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.api_errors import (APIError, BodyLimit, InternalErrors, JSONBody, describe_error,
+from engine.serving.api_errors import (APIError, BodyLimit, InternalErrors, JSONBody, describe_error,
                                error_for)
-from engine.async_client import AsyncEngineClient, EngineDeadError
+from engine.ipc.async_client import AsyncEngineClient, EngineDeadError
 from engine.config import EngineConfig
-from engine.metrics import ServerMetrics
-from engine.openai_protocol import (ChatCompletionRequest, CompletionRequest, GenerationRequest,
+from engine.serving.metrics import ServerMetrics
+from engine.serving.openai_protocol import (ChatCompletionRequest, CompletionRequest, GenerationRequest,
                                     error_body)
-from engine.openai_responses import (ResponseContext, full_response, stream_events)
+from engine.serving.openai_responses import (ResponseContext, full_response, stream_events)
 from engine.outputs import RequestOutput
 
 VERSION = "0.1.0"

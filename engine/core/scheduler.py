@@ -4,9 +4,9 @@ Every request is owed ``num_tokens - num_computed_tokens`` tokens and gets
 ``min(owed, long_prefill_token_threshold, budget_left)`` of them per step; prefill, chunked prefill,
 decode and resume after preemption differ only in how much is owed. Running requests are served
 first in admission order, then waiting ones are admitted while budget, sequence slots and KV blocks
-last (`engine/admission.py`). When a running request cannot get blocks, the least deserving running
+last (`engine/core/admission.py`). When a running request cannot get blocks, the least deserving running
 request is preempted with recompute. The slack-aware additions (the `slo` policy's urgent
-admissions and step cap, mid-forward preemption victims) live in `engine/slo_scheduling.py`.
+admissions and step cap, mid-forward preemption victims) live in `engine/core/slack_policy.py`.
 """
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from engine.admission import AdmissionControl
+from engine.core.admission import AdmissionControl
 from engine.config import CacheConfig, PreemptionConfig, SchedulerConfig, SLOPreemptMode
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
 from engine.outputs import SchedulerStats
-from engine.request_queue import RequestQueue, UrgencyQueue, create_request_queue
-from engine.scheduler_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
+from engine.core.request_queue import RequestQueue, UrgencyQueue, create_request_queue
+from engine.core.scheduler_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
                                     StepStatus)
-from engine.slo_scheduling import SlackAwareScheduling
-from engine.step_record import StepRecord
+from engine.core.slack_policy import SlackAwareScheduling
+from engine.core.step_record import StepRecord
 from monitor.policy import request_urgency
 from monitor.predictor import LinearTTFT, OnlineTTFT
 

@@ -43,8 +43,8 @@ def run_follower(config: EngineConfig, launch: TorchrunLaunch) -> int:
     Every rank resolves the same configuration from the same arguments, so bad configuration
     fails on every rank before any weights load, and no configuration has to cross the network.
     """
-    from engine.model_setup import resolve
-    from engine.worker_messages import make_worker_config
+    from engine.runtime.model_setup import resolve
+    from engine.runtime.worker_messages import make_worker_config
     from workers.worker import Worker, follower_loop
 
     check_torchrun_world(launch, config.tensor_parallel_size)

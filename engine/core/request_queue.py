@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from engine.request import Request
+from engine.core.request import Request
 
 
 class RequestQueue(ABC):

@@ -10,11 +10,11 @@ from typing import Any, TypedDict, Union
 from tqdm import tqdm
 
 from engine.config import build_engine_config
-from engine.input_processor import ChatMessages, InputProcessor
-from engine.engine_core import EngineCore
-from engine.output_processor import OutputProcessor
+from engine.processing.input_processor import ChatMessages, InputProcessor
+from engine.runtime.engine_core import EngineCore
+from engine.processing.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.request import Request, RequestStatus
+from engine.core.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 
 
@@ -30,7 +30,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         """engine_args: the keyword arguments of `engine.config.build_engine_config`."""
-        from engine.default_model import model_path_or_default
+        from engine.entrypoints.default_model import model_path_or_default
 
         model = model_path_or_default(model)
         config = build_engine_config(model, **engine_args)

@@ -1,5 +1,5 @@
 """The slack-aware parts of the scheduler (DESIGN.md sections 4 and 5), kept apart from the
-token-budget mechanics in `engine/scheduler.py`.
+token-budget mechanics in `engine/core/scheduler.py`.
 
 - `slo` policy: waiters more urgent than every running prefill are admitted first, and the rest
   of their step is capped to the tightest deadline it can still meet.
@@ -19,10 +19,10 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 from engine.config import SLOPreemptMode, SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
-from engine.request_queue import RequestQueue
-from engine.step_record import StepRecord
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.request_queue import RequestQueue
+from engine.core.step_record import StepRecord
 from monitor.policy import request_urgency
 from monitor.predictor import OnlineTTFT
 

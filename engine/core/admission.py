@@ -1,7 +1,7 @@
 """Admission of waiting requests (DESIGN.md section 3): the one test of whether a request fits
 now, and moving it into the running set with its first chunk scheduled.
 
-A mixin of `Scheduler`, like `engine/slo_scheduling.py`: it reads and changes the scheduler's
+A mixin of `Scheduler`, like `engine/core/slack_policy.py`: it reads and changes the scheduler's
 state (declared below for readers and type checkers).
 """
 
@@ -13,12 +13,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.block_pool import KVBlock
+from engine.core.block_pool import KVBlock
 from engine.config import SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
-from engine.request_queue import RequestQueue
-from engine.step_record import Admission, StepRecord
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.request_queue import RequestQueue
+from engine.core.step_record import Admission, StepRecord
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import Request, RequestStatus
+from engine.core.request import Request, RequestStatus
 
 
 @dataclass

@@ -6,9 +6,9 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
-from engine.block_pool import BlockPool, KVBlock
+from engine.core.block_pool import BlockPool, KVBlock
 from engine.config import CacheConfig
-from engine.request import Request
+from engine.core.request import Request
 
 # Parent of a request's first block: it only seeds the chain.
 _ROOT_HASH = bytes(32)

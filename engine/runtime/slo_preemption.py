@@ -12,9 +12,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.config import PreemptionConfig, SLOPreemptMode
-from engine.request import Request
-from engine.scheduler import Scheduler
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from monitor.monitor import MonitorSnapshot, SLOMonitor
 from monitor.policy import RequestView, view_of
 from monitor.preempt_signal import PreemptSignal

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from engine.config import EngineConfig
-from engine.core_messages import (HELLO_MAX_BYTES, AbortRequests, AddRequest, CoreFailed,
+from engine.ipc.core_messages import (HELLO_MAX_BYTES, AbortRequests, AddRequest, CoreFailed,
                                   CoreOutputs, CoreReady, RequestRejected, ShutdownCore,
                                   encode_config, frame, from_core_decoder, hello_decoder,
                                   read_frame)
-from engine.input_processor import InputProcessor, validate_prompt
-from engine.output_processor import OutputProcessor
+from engine.processing.input_processor import InputProcessor, validate_prompt
+from engine.processing.output_processor import OutputProcessor
 from engine.outputs import RequestOutput, SchedulerStats
 from engine.sampling_params import SamplingParams
 
@@ -78,7 +78,7 @@ class AsyncEngineClient:
     # ---- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
-        from engine.core_process import run_core_process
+        from engine.ipc.core_process import run_core_process
 
         self.loop = asyncio.get_running_loop()
         # Any local process may connect to the port below while it is open; only the peer that

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.entrypoints.engine_args import add_engine_args, engine_kwargs, under_torchrun
 from monitor.predictor import LinearTTFT
 
 # Up to 3072: above about 1024 tokens prefill grows visibly faster than linearly (attention),
@@ -128,8 +129,7 @@ def _usable_sizes(sizes: list[int], llm: Any) -> list[int]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from engine.cli import _under_torchrun, engine_kwargs
-    from engine.llm import LLM
+    from engine.entrypoints.llm import LLM
 
     bad = [s for s in args.prompt_sizes if s < 1]
     if bad:
@@ -142,7 +142,7 @@ def _run(args: argparse.Namespace) -> int:
     _check_output(output)
     kwargs = engine_kwargs(args)
     kwargs["enable_prefix_caching"] = False  # a cache hit would shorten the measured prefill
-    if (code := _under_torchrun(args, kwargs)) is not None:
+    if (code := under_torchrun(args, kwargs)) is not None:
         return code
     llm = LLM(**kwargs)
     try:
@@ -170,8 +170,6 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def add_calibrate_parser(subparsers: Any) -> None:
-    from engine.cli import add_engine_args
-
     p = subparsers.add_parser("calibrate", help="fit the TTFT predictor on this model and machine")
     p.add_argument("--output", default="ttft_model.json",
                    help="JSON file for `serve --ttft-model` (default: ttft_model.json)")

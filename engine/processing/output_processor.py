@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.processing.detokenizer import IncrementalDetokenizer
 from engine.outputs import EngineCoreOutput, RequestMetrics, RequestOutput, error_line
 from engine.sampling_params import SamplingParams
 

@@ -6,11 +6,11 @@ from typing import TYPE_CHECKING, Union
 
 import msgspec
 
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from engine.model_setup import ResolvedModel
+    from engine.runtime.model_setup import ResolvedModel
 
 
 class WorkerConfig(msgspec.Struct, kw_only=True):

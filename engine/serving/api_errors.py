@@ -15,8 +15,8 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.async_client import EngineDeadError, RequestFailedError, new_error_id
-from engine.openai_protocol import error_body
+from engine.ipc.async_client import EngineDeadError, RequestFailedError, new_error_id
+from engine.serving.openai_protocol import error_body
 
 logger = logging.getLogger(__name__)
 

@@ -15,12 +15,12 @@ import socket
 import threading
 import traceback
 
-from engine.core_messages import (AbortRequests, AddRequest, CoreFailed, CoreHello, CoreOutputs,
+from engine.ipc.core_messages import (AbortRequests, AddRequest, CoreFailed, CoreHello, CoreOutputs,
                                   CoreReady, FrameSocket, RequestRejected, ShutdownCore,
                                   config_decoder, to_core_decoder)
-from engine.engine_core import EngineCore
+from engine.runtime.engine_core import EngineCore
 from engine.log import configure_logging
-from engine.request import Request, RequestStatus
+from engine.core.request import Request, RequestStatus
 
 
 def run_core_process(config_bytes: bytes, port: int, token: bytes) -> None:

@@ -1,0 +1,130 @@
+"""The `sloserve` command line: `sloserve generate "prompt"` (and `python -m engine ...`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from bench.cli import add_bench_parser
+from engine.entrypoints.calibrate import add_calibrate_parser
+from engine.entrypoints.engine_args import add_engine_args, engine_kwargs, under_torchrun
+from engine.log import configure_logging
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine.entrypoints.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.sample_seed,
+                            stop=args.stop or [])
+    kwargs = engine_kwargs(args)
+    if (code := under_torchrun(args, kwargs)) is not None:
+        return code
+    llm = LLM(**kwargs)
+    chat = not args.no_chat and getattr(llm.tokenizer, "chat_template", None)
+    started = time.monotonic()
+    if chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": args.prompt})
+        (out,) = llm.chat(messages, params)
+    else:
+        (out,) = llm.generate(args.prompt, params)
+    elapsed = time.monotonic() - started
+    print(out.text)
+    m = out.metrics
+    ttft = f"{m.ttft * 1000:.0f} ms" if m and m.ttft is not None else "n/a"
+    print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}, TTFT {ttft}, "
+          f"total {elapsed:.2f} s]", file=sys.stderr)
+    llm.shutdown()
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    from engine.serving.api_server import ServerSettings, run_server, served_name
+    from engine.config import build_engine_config
+    from engine.entrypoints.default_model import model_path_or_default
+    from engine.runtime.model_setup import resolve
+
+    kwargs = engine_kwargs(args)
+    if (code := under_torchrun(args, kwargs)) is not None:
+        return code
+    api_key = args.api_key or os.environ.get("SLOSERVE_API_KEY") or None
+    if args.metrics_require_api_key and api_key is None:  # before any model is prepared
+        raise ValueError("--metrics-require-api-key needs an API key (--api-key or "
+                         "$SLOSERVE_API_KEY)")
+    model = model_path_or_default(kwargs.pop("model"))
+    config = build_engine_config(model, **kwargs)
+    resolve(config)  # bad configuration fails here, before any process starts
+    if config.preemption.ttft_model:
+        from monitor.predictor import LinearTTFT
+
+        LinearTTFT.load(config.preemption.ttft_model)
+    settings = ServerSettings(
+        served_model_name=args.served_model_name or served_name(model),
+        api_key=api_key,
+        max_request_body_bytes=args.max_request_body_bytes,
+        default_ttft_slo_ms=args.default_ttft_slo_ms,
+        metrics_require_api_key=args.metrics_require_api_key)
+    run_server(config, settings, args.host, args.port, args.log_level)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sloserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--no-chat", action="store_true",
+                     help="send the prompt as is, without the model's chat template")
+    gen.add_argument("--system", default=None, help="system message for chat models")
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 (or $SLOSERVE_API_KEY)")
+    serve.add_argument("--metrics-require-api-key", action="store_true",
+                       help="require the API key on /metrics and /debug/stats too (/health "
+                            "stays open)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="model name clients use (default: the model folder's name)")
+    serve.add_argument("--max-request-body-bytes", type=int, default=1 << 20)
+    serve.add_argument("--default-ttft-slo-ms", type=float, default=None,
+                       help="TTFT objective for requests that carry none (default: none)")
+    serve.add_argument("--log-level", default="info")
+    add_engine_args(serve)
+    serve.set_defaults(func=_serve)
+    add_calibrate_parser(sub)
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging()
+    try:
+        return args.func(args)
+    except ValueError as exc:  # bad input: a clear message, not a traceback
+        print(f"sloserve: error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # a worker failed: its error text, then a non-zero exit
+        print(f"sloserve: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
