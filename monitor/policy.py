@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from engine.request import Request
+    from engine.core.request import Request
 
 PreemptPolicy = Literal["conservative", "aggressive"]
 

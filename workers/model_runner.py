@@ -16,7 +16,7 @@ import torch
 
 from engine.outputs import error_line
 from engine.sampling_params import SamplingParams
-from engine.scheduler_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
+from engine.core.scheduler_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
                                     StepStatus)
 from kernels import AttentionMetadata, padded_block_tables, select_backend
 from workers.kv_cache import allocate_kv_caches

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.scheduler_output import ScheduledRequest
+from engine.core.scheduler_output import ScheduledRequest
 from workers.models import LayerJoin
 from workers.preempt_vote import StepPreempted
 

@@ -16,8 +16,8 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
-from engine.worker_messages import (ExecuteStep, Shutdown, WorkerConfig, decode_command,
+from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
+from engine.runtime.worker_messages import (ExecuteStep, Shutdown, WorkerConfig, decode_command,
                                     decode_config, encode)
 from workers.distributed import (ParallelGroups, broadcast_bytes, collect_errors, destroy,
                                  init_distributed, report_error)
@@ -31,7 +31,7 @@ class Worker:
         """``local_rank``: this rank's index on its machine (its GPU); spawned ranks all share
         one machine, so it defaults to ``rank``. Never read from the environment here: spawned
         ranks inherit their parent's, which may be a torchrun rank's."""
-        from engine.model_setup import load_hf_config, resolve_dtype
+        from engine.runtime.model_setup import load_hf_config, resolve_dtype
         from workers.model_runner import ModelRunner
 
         # Ranks sharing a machine split its cores; oversubscribed OpenMP threads spin each other.
