@@ -1,5 +1,5 @@
 """Preemption latency: how long after an urgent request arrives the running long prefill is
-unwound, against the time of one layer of that prefill (DESIGN.md section 4; target: p99 under
+unwound, against the time of one layer of that prefill (docs/design.md section 4; target: p99 under
 one layer time plus 5 ms).
 
 Each trial runs a long prefill (one step, `--prompt-tokens`) and submits an urgent request from

@@ -1,4 +1,4 @@
-"""Cost of the attention-op preemption vote (DESIGN.md sections 4 and 7), on vs off in one run.
+"""Cost of the attention-op preemption vote (docs/design.md sections 4 and 7), on vs off in one run.
 
 Per TP size, one process per rank drives a ModelRunner directly (no engine): (a) a prefill step
 of one long prompt, marked preemptible, and (b) a decode step of N requests with a prefilled

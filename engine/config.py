@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-# slo: slack-EDF (DESIGN.md section 5) for both the waiting queue and the running budget order.
+# slo: slack-EDF (docs/design.md section 5) for both the waiting queue and the running budget order.
 SchedulingPolicy = Literal["fcfs", "priority", "slo"]
 PreemptPolicy = Literal["conservative", "aggressive"]
-# What a mid-forward preemption does to its victim (DESIGN.md section 4).
+# What a mid-forward preemption does to its victim (docs/design.md section 4).
 SLOPreemptMode = Literal["recompute", "pause", "suspend"]
 # auto: in-process at TP=1, spawned worker processes above; external: ranks started by torchrun.
 DistributedExecutor = Literal["auto", "mp", "external"]
@@ -71,7 +71,7 @@ class PreemptionConfig:
     min_tokens: int = 128
     monitor_interval_ms: float = 2.0
     # suspend: zero wasted prefill work (the stopped pass resumes at its layer); pause and
-    # recompute are the simpler modes of DESIGN.md section 4.
+    # recompute are the simpler modes of docs/design.md section 4.
     mode: SLOPreemptMode = "suspend"
     # JSON line from `sloserve calibrate`; None: fit online from the engine's own steps.
     ttft_model: str | None = None

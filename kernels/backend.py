@@ -6,9 +6,9 @@ functions a model calls. Triton modules are imported only when chosen: importing
 its kernels, and Triton decides then whether they run compiled or in its interpreter, so a CPU
 process that forces Triton must have ``TRITON_INTERPRET=1`` set before that first import.
 
-The fused RMSNorm (+ residual) and rotary kernels are opt-in (``fused_ops``): DESIGN.md admits
-fused ops only where measured to help, and no GPU has measured them yet (``bench/gpu_kernels.py``
-compares them with the PyTorch layers).
+The fused RMSNorm (+ residual) and rotary kernels are opt-in (``fused_ops``): docs/design.md
+section 7 admits fused ops only where measured to help, and no GPU has measured them yet
+(``bench/gpu_kernels.py`` compares them with the PyTorch layers).
 """
 
 from __future__ import annotations

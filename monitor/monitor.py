@@ -1,4 +1,4 @@
-"""The slack-EDF monitor thread (DESIGN.md section 5).
+"""The slack-EDF monitor thread (docs/design.md section 5).
 
 EngineCore publishes an immutable `MonitorSnapshot` after every `schedule()` by swapping one
 reference; whoever receives requests tells the monitor about each arrival at once, since a new

@@ -3,7 +3,7 @@ plus `b * tokens**2` where attention makes long prompts grow faster than linearl
 
 Fitted by least squares (linear in the coefficients) on measured points: from `sloserve
 calibrate` (saved as JSON; it keeps the quadratic term only if it beats the plain line on
-held-out prompt sizes, DESIGN.md section 5), or online from the engine's own prefill step
+held-out prompt sizes, docs/design.md section 5), or online from the engine's own prefill step
 timings. A request's remaining TTFT counts only the tokens it still has to prefill.
 
 A step of several chunks costs `c + a * tokens + b * attention`, where `attention` sums

@@ -2,7 +2,7 @@
 
 The monitor thread writes it; the TP rank(s) on EngineCore's node read the target step id at every
 attention-op boundary of a preemptible step. The signal is a step id, never a boolean: step ids
-only grow, so a value written for step N can never stop step N+1 (DESIGN.md section 5).
+only grow, so a value written for step N can never stop step N+1 (docs/design.md section 5).
 
 Layout (little-endian): int64 target step id | uint8 len + 63 bytes victim id |
 uint8 len + 63 bytes waiter id | float64 decision time (time.monotonic()) | int64 progress.

@@ -1,4 +1,4 @@
-"""Greedy outputs equal HF transformers' generate, token for token (DESIGN.md section 6)."""
+"""Greedy outputs equal HF transformers' generate, token for token (docs/design.md section 6)."""
 
 import random
 

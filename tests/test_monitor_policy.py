@@ -1,4 +1,4 @@
-"""Slack-EDF policy and TTFT predictor (DESIGN.md section 5)."""
+"""Slack-EDF policy and TTFT predictor (docs/design.md section 5)."""
 
 import math
 import random

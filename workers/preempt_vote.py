@@ -1,4 +1,4 @@
-"""The attention-op vote (DESIGN.md section 4): stop a preemptible step between two layers.
+"""The attention-op vote (docs/design.md section 4): stop a preemptible step between two layers.
 
 Before each attention op: local vote = (target step id == this step's id) and
 (layer / num_layers <= stubborn_fraction) (Rule 2). With TP, the ranks agree by all_reduce(MAX)

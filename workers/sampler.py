@@ -6,8 +6,8 @@ recomputed or rolled back, and no per-request state has to follow it between wor
 
 Each row is sampled under its own guard: a row that cannot be sampled (the model produced NaN or
 inf for it, or a draw raised) fails that row only, and the other rows of the batch keep the
-tokens they would have had without it (DESIGN.md section 6: nothing one request does can fail the
-engine).
+tokens they would have had without it (docs/design.md section 6: nothing one request does can
+fail the engine).
 """
 
 from __future__ import annotations

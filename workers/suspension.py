@@ -1,4 +1,4 @@
-"""Suspended passes (DESIGN.md section 4, mode ``suspend``): the activations of prefill chunks
+"""Suspended passes (docs/design.md section 4, mode ``suspend``): the activations of prefill chunks
 whose forward pass was unwound, kept on the worker so that the chunk resumes at the layer it
 stopped at instead of being computed again.
 

@@ -1,4 +1,4 @@
-"""A request and its two counters (DESIGN.md section 3)."""
+"""A request and its two counters (docs/design.md section 3)."""
 
 from __future__ import annotations
 

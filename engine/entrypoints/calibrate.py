@@ -1,5 +1,5 @@
-"""`sloserve calibrate`: fit the TTFT predictor (DESIGN.md section 5) on this model and machine,
-and write it as JSON for `sloserve serve --ttft-model FILE`.
+"""`sloserve calibrate`: fit the TTFT predictor (docs/design.md section 5) on this model and
+machine, and write it as JSON for `sloserve serve --ttft-model FILE`.
 
 Two candidates are fitted on the per-size medians: the line `a * tokens + c`, and the line plus
 an attention term `b * tokens**2`. The quadratic one is kept only if it predicts held-out sizes
@@ -53,7 +53,7 @@ def held_out_error(medians: dict[int, float], quadratic: bool) -> float | None:
 
 def choose_model(medians: dict[int, float]) -> tuple[LinearTTFT, dict[str, float | None]]:
     """The line, or the line plus the attention term when that predicts held-out sizes better
-    (DESIGN.md section 5: a richer model must beat the line on held-out data)."""
+    (docs/design.md section 5: a richer model must beat the line on held-out data)."""
     errors = {"line": held_out_error(medians, False),
               "quadratic": held_out_error(medians, True)}
     line, quad = errors["line"], errors["quadratic"]

@@ -45,7 +45,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="TP worker processes (default 1; under torchrun: the world size)")
     g.add_argument("--collective-timeout-s", type=float, default=60.0,
                    help="bound on any collective: a dead rank fails the step within this time")
-    p = parser.add_argument_group("mid-forward preemption (DESIGN.md sections 4-5)")
+    p = parser.add_argument_group("mid-forward preemption (docs/design.md sections 4-5)")
     p.add_argument("--mid-forward-preemption", choices=["on", "off"], default="on",
                    help="stop a long prefill between two layers for an urgent request")
     p.add_argument("--preempt-policy", choices=["conservative", "aggressive"],
