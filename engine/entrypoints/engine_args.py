@@ -59,7 +59,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--preempt-min-tokens", type=int, default=128,
                    help="steps with fewer prefill tokens do not vote")
     p.add_argument("--monitor-interval-ms", type=float, default=2.0,
-                   help="the monitor's poll interval (it also wakes on arrivals and finishes)")
+                   help="the monitor's poll interval while a preemptible step runs (it also "
+                        "wakes on every arrival and every preemptible step)")
     p.add_argument("--slo-preempt-mode", choices=["recompute", "pause", "suspend"],
                    default="suspend",
                    help="recompute frees the victim's KV; pause keeps its earlier chunks; "
