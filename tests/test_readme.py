@@ -1,6 +1,7 @@
-"""The README is a user's first contact: every command it shows runs as written (checked
-through each command's argument parser, or its ``--help`` where it is a separate script), every
-file it links exists, and no project file points outside the repository."""
+"""The README is a user's first contact: every command it (and CONTRIBUTING.md) shows runs as
+written (checked through each command's argument parser, or its ``--help`` where it is a
+separate script), every file it links exists, and no project file points outside the
+repository."""
 
 from __future__ import annotations
 
@@ -18,14 +19,15 @@ README = REPO / "README.md"
 PROGRAMS = ("sloserve", "python", "torchrun")
 
 
-def readme_commands(text: str) -> list[list[str]]:
+def readme_commands(text: str, inline: bool = True) -> list[list[str]]:
     """The commands of the README's ```bash blocks and of its inline `python ...` /
     `sloserve ...` / `torchrun ...` spans, as argument lists (comments, line continuations and
     ``&&`` handled; ``pip``, ``curl`` and the test command are not ours to check)."""
     lines: list[str] = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         lines.extend(block.replace("\\\n", " ").splitlines())
-    lines.extend(re.findall(r"(?<!`)`((?:%s) [^`]+)`" % "|".join(PROGRAMS), text))
+    if inline:
+        lines.extend(re.findall(r"(?<!`)`((?:%s) [^`]+)`" % "|".join(PROGRAMS), text))
     commands: list[list[str]] = []
     for line in lines:
         for part in line.split("&&"):
@@ -35,7 +37,9 @@ def readme_commands(text: str) -> list[list[str]]:
     return commands
 
 
-COMMANDS = readme_commands(README.read_text())
+# CONTRIBUTING.md's inline spans include placeholders (`python bench/name.py`): its blocks only.
+COMMANDS = (readme_commands(README.read_text())
+            + readme_commands((REPO / "CONTRIBUTING.md").read_text(), inline=False))
 
 
 def test_the_readme_shows_the_commands_a_user_runs() -> None:
