@@ -1,4 +1,4 @@
-"""Slack-EDF policy (DESIGN.md section 5): slack, priority, and the preemption gate.
+"""Slack-EDF policy (docs/design.md section 5): slack, priority, and the preemption gate.
 
 time_to_deadline = deadline - now; slack = time_to_deadline - predicted remaining TTFT;
 priority = sign(slack) / |time_to_deadline|: rescuable requests first, the most urgent first;

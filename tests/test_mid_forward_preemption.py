@@ -254,7 +254,7 @@ def test_suspend_keeps_every_chunk_of_the_unwound_step(model: str) -> None:
         _on_long_step(engine, layer=1, action=arrive, min_tokens=LONG_PROMPT + 200)
         tokens_per_layer = _count_tokens_per_layer(engine)
         engine.step()
-        assert engine.scheduler.suspended == {"long": (0, LONG_PROMPT), "mid": (0, 200)}
+        assert engine.scheduler.slack.suspended == {"long": (0, LONG_PROMPT), "mid": (0, 200)}
         _run(engine)
         (event,) = engine.preemption.events
         assert event.applied == "suspend" and event.wasted_tokens == 0
@@ -275,11 +275,11 @@ def test_aborting_a_suspended_victim_frees_its_activations(model: str) -> None:
             _request("urgent", prompts["urgent"], slo_ms=URGENT_SLO_MS)))
         assert engine.step() == []  # unwound
         runner = engine.executor.runner
-        assert engine.scheduler.suspended == {"long": (0, LONG_PROMPT)}  # probe: suspended
+        assert engine.scheduler.slack.suspended == {"long": (0, LONG_PROMPT)}  # probe: suspended
         assert len(runner.suspended) == 1
         engine.abort_requests(["long"])
         _run(engine)
-        assert len(runner.suspended) == 0 and engine.scheduler.suspended == {}
+        assert len(runner.suspended) == 0 and engine.scheduler.slack.suspended == {}
         assert engine.scheduler.kv_cache_manager.num_free_blocks == 160
     finally:
         engine.shutdown()

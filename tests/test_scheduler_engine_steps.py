@@ -50,10 +50,10 @@ def test_aborting_the_last_request_frees_its_suspended_chunk_on_the_worker(engin
     engine.add_request(_request("long", 64, seed=1))
     _suspend_first_step(engine)
     runner = engine.executor.runner
-    assert engine.scheduler.suspended == {"long": (0, 64)}  # probe: really suspended
+    assert engine.scheduler.slack.suspended == {"long": (0, 64)}  # probe: really suspended
     assert len(runner.suspended) == 1
     engine.abort_requests(["long"])
-    assert len(runner.suspended) == 0 and engine.scheduler.unneeded_suspensions == []
+    assert len(runner.suspended) == 0 and engine.scheduler.slack.unneeded_suspensions == []
     assert engine.scheduler.kv_cache_manager.num_free_blocks == 32
 
 
@@ -63,16 +63,17 @@ def test_an_unadmittable_request_fails_alone_and_empty_steps_deliver_frees(
     engine was dead), and the frees it carried were dropped. The admission test is made to
     refuse one request, as a bug would: only that request fails, with a message naming it."""
     scheduler = engine.scheduler
-    plan = scheduler._plan_admission
-    monkeypatch.setattr(scheduler, "_plan_admission",
-                        lambda r, budget: None if r.request_id == "stuck" else plan(r, budget))
+    plan = scheduler.admission.plan
+    monkeypatch.setattr(scheduler.admission, "plan",
+                        lambda r, budget, num_running: None if r.request_id == "stuck"
+                        else plan(r, budget, num_running))
     engine.add_request(_request("long", 64, seed=1))
     _suspend_first_step(engine)
     runner = engine.executor.runner
     assert len(runner.suspended) == 1  # probe: a chunk to free
     engine.add_request(stuck := _request("stuck", 8, seed=2))
     engine.abort_requests(["long"])
-    assert scheduler.unneeded_suspensions == ["long"]  # stuck waits: no step has run yet
+    assert scheduler.slack.unneeded_suspensions == ["long"]  # stuck waits: no step has run yet
     (out,) = engine.step()  # empty: nothing runs, stuck cannot come in
     assert len(runner.suspended) == 0  # the empty step delivered the free
     assert out.req_id == "stuck" and out.finish_reason == "error" and "'stuck'" in out.error

@@ -1,4 +1,4 @@
-"""Mid-forward preemption at the scheduler level (rollback + preempt_for_slo, as
+"""Mid-forward preemption at the scheduler level (rollback + the slack policy's preempt_for_slo, as
 engine/runtime/slo_preemption.py's on_preempted drives them): held victims, the one admission test, the
 step record, and what is reported. Findings 5, 6, 7 and part of 12 of issue 12."""
 
@@ -21,7 +21,7 @@ def _scheduler(mode: SLOPreemptMode = "suspend", *, num_blocks: int = 64, budget
                          full_sequence_admission=full_seq)
     cc = CacheConfig(block_size=BS, num_blocks=num_blocks, watermark=watermark)
     sched = Scheduler(sc, cc, num_blocks, num_blocks * BS, PreemptionConfig(mode=mode))
-    sched.ttft_predictor.current = LinearTTFT(seconds_per_token=1e-4, intercept_s=0.0)
+    sched.slack.predictor.current = LinearTTFT(seconds_per_token=1e-4, intercept_s=0.0)
     return sched
 
 
@@ -42,7 +42,7 @@ def _unwind(sched: Scheduler, victim: str, waiter: str) -> SLOPreemptMode | None
     """The monitor stopped the last step before its first layer finished (nothing kept)."""
     assert sched.last_step_record is not None
     sched.rollback(sched.last_step_record, keep=[])
-    applied = sched.preempt_for_slo(victim, waiter)
+    applied = sched.slack.preempt_for_slo(sched, victim, waiter)
     sched.check_invariants()
     return applied
 
@@ -61,7 +61,7 @@ def test_a_held_victim_at_the_head_of_the_queue_blocks_nobody() -> None:
     _unwind(sched, "V", "W")
     sched.add_request(_slo(x := make_request("X", 8, max_tokens=2)))
     # Probe: V really is held at the head of the queue, ahead of X.
-    assert "V" in sched.held and [r.request_id for r in sched.waiting] == ["V", "W", "X"]
+    assert "V" in sched.slack.held and [r.request_id for r in sched.waiting] == ["V", "W", "X"]
     steps = [_step(sched, runner) for _ in range(3)]
     assert "X" in steps[0] and x.first_token_time is not None
     assert all(steps), "no step may come back empty while requests are waiting"
@@ -83,7 +83,7 @@ def test_when_only_held_requests_can_run_they_are_released() -> None:
     assert _unwind(sched, "V", "W") == "pause"  # W fits beside V
     assert _step(sched, runner) == {"W": 8}
     sched.add_request(_slo(x := make_request("X", 40, max_tokens=1)))  # 10 blocks, 7 free
-    assert "V" in sched.held and v.status is RequestStatus.RUNNING  # probe: paused, held
+    assert "V" in sched.slack.held and v.status is RequestStatus.RUNNING  # probe: paused, held
     assert sched.num_free_blocks < 10  # probe: X cannot come in beside V
     out = sched.schedule()
     assert scheduled(out) == {"V": 1}
@@ -167,7 +167,7 @@ def test_a_victim_sent_back_to_the_queue_is_reported_as_recompute() -> None:
     sched.schedule()
     sched.rollback(sched.last_step_record, keep=[])
     assert v.status is RequestStatus.WAITING and "V" not in sched.kv_cache_manager.req_blocks
-    assert sched.preempt_for_slo("V", "W") == "recompute"
+    assert sched.slack.preempt_for_slo(sched, "V", "W") == "recompute"
 
 
 def test_rollback_restores_first_scheduled_time() -> None:

@@ -1,4 +1,4 @@
-"""Rolling back a scheduled step whose forward pass was abandoned (DESIGN.md section 4)."""
+"""Rolling back a scheduled step whose forward pass was abandoned (docs/design.md section 4)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from tests.test_scheduler import FakeRunner, make_request, make_scheduler, run_t
 def _slo_scheduler(**kwargs):
     sched = make_scheduler(policy="slo", **kwargs)
     # 1 ms per token: a 100-token prompt needs 0.1 s.
-    sched.ttft_predictor.current = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.0)
+    sched.slack.predictor.current = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.0)
     return sched
 
 

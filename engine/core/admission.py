@@ -1,24 +1,28 @@
-"""Admission of waiting requests (DESIGN.md section 3): the one test of whether a request fits
+"""Admission of waiting requests (docs/design.md section 3): the one test of whether a request fits
 now, and moving it into the running set with its first chunk scheduled.
 
-A mixin of `Scheduler`, like `engine/core/slack_policy.py`: it reads and changes the scheduler's
-state (declared below for readers and type checkers).
+`Scheduler` owns one `AdmissionControl`. Admission, `Scheduler.can_admit` and the slack
+policy's pause-or-recompute choice for a mid-forward preemption's victim all ask `plan`, so
+their answers cannot disagree.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from engine.core.block_pool import KVBlock
 from engine.config import SchedulerConfig
+from engine.core.block_pool import KVBlock
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
-from engine.core.request_queue import RequestQueue
-from engine.core.step_record import Admission, StepRecord
+from engine.core.step_record import Admission, StepInProgress
+
+
+def chunk_size(owed: int, budget: int, long_prefill_token_threshold: int) -> int:
+    """Tokens a request gets this step: ``min(owed, threshold, budget_left)`` (threshold 0: no
+    cap). Prefill, chunked prefill, decode and resume differ only in how much is owed."""
+    n = min(owed, budget)
+    return min(n, long_prefill_token_threshold) if long_prefill_token_threshold > 0 else n
 
 
 @dataclass(frozen=True)
@@ -29,63 +33,19 @@ class AdmissionPlan:
 
 
 class AdmissionControl:
-    config: SchedulerConfig
-    kv_cache_manager: KVCacheManager
-    waiting: RequestQueue
-    running: list[Request]
-    held: set[str]
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
 
-    if TYPE_CHECKING:
-        def _chunk(self, owed: int, budget: int) -> int:
-            ...
-
-    def _admit_waiting(
-        self, budget: int, scheduled: dict[str, tuple[Request, int]], record: StepRecord
-    ) -> int:
-        """Admit waiting requests in queue order while they fit. Returns the budget left."""
-        with self.waiting_past_held() as next_waiter:
-            while budget > 0 and (request := next_waiter()) is not None:
-                num_new = self._admit(request, budget, scheduled, record)
-                if num_new is None:
-                    break  # head-of-line: nothing behind it jumps ahead, so it cannot starve
-                self.waiting.pop()
-                budget -= num_new
-        return budget
-
-    @contextmanager
-    def waiting_past_held(self) -> Iterator[Callable[[], Request | None]]:
-        """Yields a function that peeks at the first waiting request that is not held back.
-
-        A held victim waits for its turn without blocking anyone queued behind it: held
-        requests met at the head are lifted off the queue, and put back in their order (and
-        so at their places, ahead of everyone left) on exit.
-        """
-        lifted: list[Request] = []
-
-        def next_waiter() -> Request | None:
-            while self.waiting:
-                request = self.waiting.peek()
-                if request.request_id not in self.held:
-                    return request
-                lifted.append(self.waiting.pop())
-            return None
-
-        try:
-            yield next_waiter
-        finally:
-            for request in reversed(lifted):
-                self.waiting.prepend(request)
-
-    def _plan_admission(self, request: Request, budget: int) -> AdmissionPlan | None:
+    def plan(self, request: Request, budget: int, num_running: int) -> AdmissionPlan | None:
         """The one test of whether a waiting request can be admitted now, with ``budget``
-        tokens left in the step: a sequence slot, a first chunk within the budget (without
-        chunked prefill, all it owes), and KV blocks for it past the watermark reserve. With
-        full-sequence admission the blocks must hold its whole input (prompt and tokens
-        generated before a preemption) as vLLM's ``scheduler_reserve_full_isl`` does; decode
-        growth is what KV preemption is for. Admission and every other "would it fit"
-        question (a mid-forward preemption's pause-or-recompute choice) ask this, so the
-        answers cannot disagree. Changes nothing."""
-        if len(self.running) >= self.config.max_num_seqs:
+        tokens left in the step and ``num_running`` requests running: a sequence slot, a first
+        chunk within the budget (without chunked prefill, all it owes), and KV blocks for it
+        past the watermark reserve. With full-sequence admission the blocks must hold its whole
+        input (prompt and tokens generated before a preemption) as vLLM's
+        ``scheduler_reserve_full_isl`` does; decode growth is what KV preemption is for.
+        Changes nothing."""
+        if num_running >= self.config.max_num_seqs:
             return None
         kv = self.kv_cache_manager
         computed_blocks: list[KVBlock] = []
@@ -94,7 +54,7 @@ class AdmissionControl:
             computed_blocks, num_cached = kv.get_computed_blocks(request)
         owed = request.num_tokens_owed - num_cached
         if self.config.enable_chunked_prefill:
-            num_new = self._chunk(owed, budget)
+            num_new = chunk_size(owed, budget, self.config.long_prefill_token_threshold)
         else:
             num_new = owed if owed <= budget else 0
         if num_new == 0:
@@ -105,22 +65,16 @@ class AdmissionControl:
         else:
             num_total = request.num_computed_tokens + num_cached + num_new
         if not kv.can_allocate(request, num_total, computed_blocks, admission=True,
-                               num_running=len(self.running)):
+                               num_running=num_running):
             return None
         return AdmissionPlan(num_new, computed_blocks, num_cached)
 
-    def can_admit(self, request: Request) -> bool:
-        """Whether ``request`` would be admitted by a step with the whole token budget."""
-        return self._plan_admission(request, self.config.max_num_batched_tokens) is not None
-
-    def _admit(
-        self, request: Request, budget: int, scheduled: dict[str, tuple[Request, int]],
-        record: StepRecord
-    ) -> int | None:
-        """Move a waiting request into the running set with its first chunk scheduled (the
-        caller takes it off the queue). Returns the tokens scheduled, or None if it cannot run
-        now (see ``_plan_admission``)."""
-        plan = self._plan_admission(request, budget)
+    def admit(self, request: Request, step: StepInProgress, running: list[Request],
+              budget: int) -> int | None:
+        """Move a waiting request into ``running`` with its first chunk (at most ``budget``
+        tokens) scheduled in ``step`` (the caller takes it off the queue). Returns the tokens
+        scheduled, or None if it cannot run now (see ``plan``)."""
+        plan = self.plan(request, budget, len(running))
         if plan is None:
             return None
         kv = self.kv_cache_manager
@@ -129,8 +83,9 @@ class AdmissionControl:
         num_blocks_before = len(kv.req_blocks.get(request.request_id, ()))
         queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
         block_ids = kv.allocate_slots(request, num_new, num_cached, plan.computed_blocks,
-                                      admission=True, num_running=len(self.running))
+                                      admission=True, num_running=len(running))
         assert block_ids is not None, "the admission plan said it fits"
+        record = step.record
         record.admitted.append(Admission(request, request.status, request.num_cached_tokens,
                                          request.first_scheduled_time,
                                          prefix_cache_queries=kv.prefix_cache_queries - queries,
@@ -143,6 +98,6 @@ class AdmissionControl:
         request.status = RequestStatus.RUNNING
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
-        self.running.append(request)
-        scheduled[request.request_id] = (request, num_new)
+        running.append(request)
+        step.add(request, num_new)
         return num_new

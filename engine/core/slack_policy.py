@@ -1,30 +1,33 @@
-"""The slack-aware parts of the scheduler (DESIGN.md sections 4 and 5), kept apart from the
-token-budget mechanics in `engine/core/scheduler.py`.
+"""The slack-aware scheduling policy (docs/design.md sections 4 and 5), composed into the
+token-budget scheduler of `engine/core/scheduler.py`: the scheduler owns one `SlackPolicy` and
+calls its hooks.
 
-- `slo` policy: waiters more urgent than every running prefill are admitted first, and the rest
-  of their step is capped to the tightest deadline it can still meet.
+- `slo` policy: running and waiting requests are ranked by urgency every step; waiters more
+  urgent than every running prefill are admitted first, and the rest of their step is capped to
+  the tightest deadline it can still meet.
 - Mid-forward preemption: applying the monitor's decision to its victim after a rollback,
-  holding victims back until they are the most urgent again, and admitting the waiter first.
+  holding victims back until they are the most urgent again, admitting the waiter first, and
+  the suspended chunks that resume where their pass stopped (suspend mode).
 
-A mixin of `Scheduler`: it reads and changes the scheduler's state (declared below for readers
-and type checkers) and calls its `_admit`.
+The policy owns that state (the TTFT predictor, held victims, the urgent waiter, suspended
+chunks and the ones to free, the preempt mode, the count of SLO preemptions). What it needs of
+the scheduler it gets through `SchedulerOps`, passed to the hooks that need it.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import NamedTuple, Protocol
 
-from engine.config import SLOPreemptMode, SchedulerConfig
-from engine.core.kv_cache_manager import KVCacheManager
+from engine.config import SchedulingPolicy, SLOPreemptMode
 from engine.core.request import Request, RequestStatus
-from engine.core.request_queue import RequestQueue
-from engine.core.step_record import StepRecord
+from engine.core.request_queue import RequestQueue, UrgencyQueue
+from engine.core.step_record import StepInProgress
 from monitor.policy import request_urgency
-from monitor.predictor import OnlineTTFT
+from monitor.predictor import LinearTTFT, OnlineTTFT
 
 
 # Share of a protected request's time left that the deadline cap leaves unfilled: the predictor
@@ -33,91 +36,198 @@ from monitor.predictor import OnlineTTFT
 DEADLINE_HEADROOM = 0.25
 
 
-class SlackAwareScheduling:
-    config: SchedulerConfig
-    kv_cache_manager: KVCacheManager
-    requests: dict[str, Request]
-    waiting: RequestQueue
-    running: list[Request]
-    ttft_predictor: OnlineTTFT
-    held: set[str]
-    urgent_waiter_id: str | None
-    num_slo_preemptions: int
-    suspended: dict[str, tuple[int, int]]
-    slo_preempt_mode: SLOPreemptMode
-    unneeded_suspensions: list[str]
+class SchedulerOps(Protocol):
+    """What the slack policy sees of the scheduler and may ask it to do (`Scheduler` is one)."""
 
-    if TYPE_CHECKING:
-        def _admit(self, request: Request, budget: int,
-                   scheduled: dict[str, tuple[Request, int]], record: StepRecord) -> int | None:
-            ...
+    @property
+    def waiting(self) -> RequestQueue: ...
 
-        def can_admit(self, request: Request) -> bool:
-            ...
+    @property
+    def running(self) -> list[Request]:
+        """Admission order; the policy may re-rank it in place (slo policy)."""
 
-        def waiting_past_held(self) -> AbstractContextManager[Callable[[], Request | None]]:
-            ...
+    def get_request(self, req_id: str) -> Request | None: ...
 
-    def _admit_urgent_waiter(
-        self, budget: int, scheduled: dict[str, tuple[Request, int]], record: StepRecord
-    ) -> int:
-        """Admit the waiter a mid-forward preemption made room for, ahead of the running set.
-        Returns the budget it took (0 if it is gone or still does not fit)."""
-        request = self.requests.get(self.urgent_waiter_id or "")
-        self.urgent_waiter_id = None
+    def can_admit(self, request: Request) -> bool:
+        """The admission test, with a whole step's budget."""
+
+    def admit(self, request: Request, step: StepInProgress,
+              budget: int | None = None) -> int | None:
+        """Admit a waiting request into ``step`` (at most ``budget`` tokens, default: what the
+        step has left); the caller takes it off the queue. The tokens scheduled, or None."""
+
+    def requeue_for_recompute(self, request: Request) -> None:
+        """Free a running request's KV and put it at the head of the waiting queue."""
+
+
+class SuspendedChunk(NamedTuple):
+    """A prefill chunk whose stopped pass the workers hold; it resumes whole or not at all."""
+
+    start_pos: int
+    num_tokens: int
+
+
+class SlackPolicy:
+    def __init__(self, scheduling_policy: SchedulingPolicy, preempt_mode: SLOPreemptMode,
+                 ttft_seed: LinearTTFT | None = None) -> None:
+        self.scheduling_policy = scheduling_policy
+        # What a mid-forward preemption does to its victim (docs/design.md section 4).
+        self.preempt_mode = preempt_mode
+        # The slo policy ranks by slack, which needs predicted prefill times.
+        self.predictor = OnlineTTFT(ttft_seed)
+        # Victims of mid-forward preemptions, held back until no request with prefill left is
+        # more urgent than they are: a paused one stays running with its KV but is not
+        # scheduled; a recomputed one waits and is not admitted (else it would share the very
+        # next step with the waiter it made room for).
+        self.held: set[str] = set()
+        # The waiter a mid-forward preemption made room for: admitted first by the next step.
+        self.urgent_waiter_id: str | None = None
+        # Suspend mode: request id -> the chunk whose activations the workers hold.
+        self.suspended: dict[str, SuspendedChunk] = {}
+        # Suspended chunks the workers can free; sent with the next step.
+        self.unneeded_suspensions: list[str] = []
+        self.num_slo_preemptions = 0
+        # slo policy: this step's ranking of the running set (begin_step).
+        self._running_urgency: dict[str, float] = {}
+
+    def urgency(self, request: Request, now: float | None = None) -> float:
+        """Slack-EDF priority of a request (higher is more urgent); ``now`` defaults to now."""
+        return request_urgency(request, time.monotonic() if now is None else now,
+                               self.predictor.predict)
+
+    # ---- hooks of one step, in the order schedule() calls them ----------------------------
+
+    def begin_step(self, ops: SchedulerOps) -> None:
+        """slo policy: urgency moves with the clock, so rank running and waiting requests once
+        per step; the least urgent running request ends up last, which makes it the
+        KV-pressure victim. Then release the held victims whose turn came."""
+        self._running_urgency = {}
+        if self.scheduling_policy == "slo":
+            now = time.monotonic()
+            ranking = {r.request_id: self.urgency(r, now) for r in ops.running}
+            ops.running.sort(key=lambda r: -ranking[r.request_id])
+            waiting = ops.waiting
+            assert isinstance(waiting, UrgencyQueue)
+            waiting.refresh()
+            self._running_urgency = ranking
+        if self.held:
+            self._release_held(ops)
+
+    def admit_first(self, ops: SchedulerOps, step: StepInProgress) -> None:
+        """Admissions that go before the running set is served: the waiter a mid-forward
+        preemption made room for; then (slo policy) waiters that outrank every running
+        prefill, after which the rest of the step's budget is capped to the tightest deadline
+        the step can still meet."""
+        if self.urgent_waiter_id is not None:
+            self._admit_urgent_waiter(ops, step)
+        if self.scheduling_policy == "slo":
+            self._admit_outranking_waiters(ops, step)
+            step.budget = self.cap_for_deadlines(step)
+
+    @contextmanager
+    def waiting_past_held(self, waiting: RequestQueue) -> Iterator[Callable[[], Request | None]]:
+        """Yields a function that peeks at the first waiting request that is not held back.
+
+        A held victim waits for its turn without blocking anyone queued behind it: held
+        requests met at the head are lifted off the queue, and put back in their order (and
+        so at their places, ahead of everyone left) on exit.
+        """
+        lifted: list[Request] = []
+
+        def next_waiter() -> Request | None:
+            while waiting:
+                request = waiting.peek()
+                if request.request_id not in self.held:
+                    return request
+                lifted.append(waiting.pop())
+            return None
+
+        try:
+            yield next_waiter
+        finally:
+            for request in reversed(lifted):
+                waiting.prepend(request)
+
+    def is_held(self, req_id: str) -> bool:
+        return req_id in self.held
+
+    def suspended_chunk(self, req_id: str) -> SuspendedChunk | None:
+        return self.suspended.get(req_id)
+
+    def is_suspended(self, req_id: str) -> bool:
+        return req_id in self.suspended
+
+    def choose_kv_victim(self, running: list[Request], step: StepInProgress) -> Request:
+        """The running request to preempt (recompute) when another cannot get KV blocks."""
+        # Never one admitted by this very step: it was admitted because it fit (the urgent
+        # waiter a mid-forward preemption made room for, first of all), and taking it back
+        # would only undo that decision while the step record still lists the admission.
+        admitted = step.record.admitted_ids()
+        candidates = [r for r in running if r.request_id not in admitted]
+        paused = [r for r in candidates if r.request_id in self.held]
+        if paused:
+            # A paused request holds KV nobody is using: under KV pressure it goes first
+            # (pause falls back to recompute).
+            return paused[-1]
+        if self.scheduling_policy == "priority":
+            # Scan newest first so that among equals the most recently admitted one goes.
+            return max(reversed(candidates), key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
+
+    def release_all_holds(self) -> None:
+        """Holding a victim back is for letting someone else run first; when nobody else can
+        run, it only stalls the engine (an empty step that would repeat forever)."""
+        self.held.clear()
+
+    def take_unneeded_suspensions(self) -> list[str]:
+        """The suspended chunks the workers may free, handed over with the step being sent."""
+        unneeded, self.unneeded_suspensions = self.unneeded_suspensions, []
+        return unneeded
+
+    # ---- the slo policy's admissions ------------------------------------------------------
+
+    def _admit_urgent_waiter(self, ops: SchedulerOps, step: StepInProgress) -> None:
+        waiter_id, self.urgent_waiter_id = self.urgent_waiter_id, None
+        request = ops.get_request(waiter_id or "")
         if request is None or request.status is RequestStatus.RUNNING:
-            return 0
-        num_new = self._admit(request, budget, scheduled, record)
-        if num_new is None:
-            return 0
-        self.waiting.remove(request)
-        return num_new
+            return  # gone, or already in
+        if ops.admit(request, step) is not None:
+            ops.waiting.remove(request)
 
-    def _admit_outranking_waiters(
-        self, budget: int, scheduled: dict[str, tuple[Request, int]], record: StepRecord,
-        running_urgency: dict[str, float]
-    ) -> int:
-        """slo policy: waiters with a deadline that are more urgent than every running prefill
-        go before the running set, instead of getting what budget the running set leaves.
-        `running_urgency`: this step's ranking of the running set. Returns the budget taken."""
+    def _admit_outranking_waiters(self, ops: SchedulerOps, step: StepInProgress) -> None:
+        """Waiters with a deadline that are more urgent than every running prefill go before
+        the running set, instead of getting what budget the running set leaves."""
         now = time.monotonic()
-        predict = self.ttft_predictor.predict
-        running_prefills = [running_urgency[r.request_id] for r in self.running
+        running_prefills = [self._running_urgency[r.request_id] for r in ops.running
                             if r.first_token_time is None and r.request_id not in self.held
-                            and r.request_id not in scheduled]
+                            and r.request_id not in step]
         if not running_prefills:
-            return 0  # nothing to jump over: the usual order serves them just as well
+            return  # nothing to jump over: the usual order serves them just as well
         top = max(running_prefills)
-        used = 0
-        with self.waiting_past_held() as next_waiter:
-            while used < budget and (request := next_waiter()) is not None:
-                if request.deadline is None or request_urgency(request, now, predict) <= top:
+        with self.waiting_past_held(ops.waiting) as next_waiter:
+            while step.budget > 0 and (request := next_waiter()) is not None:
+                if request.deadline is None or self.urgency(request, now) <= top:
                     break
                 # Each admission may take only what keeps the ones before it (more urgent)
                 # in time.
-                allowed = self._cap_for_deadlines(budget - used, scheduled)
-                if allowed <= 0:
+                allowed = self.cap_for_deadlines(step)
+                if allowed <= 0 or ops.admit(request, step, allowed) is None:
                     break
-                num_new = self._admit(request, allowed, scheduled, record)
-                if num_new is None:
-                    break
-                self.waiting.pop()
-                used += num_new
-        return used
+                ops.waiting.pop()
 
-    def _cap_for_deadlines(self, budget: int, scheduled: dict[str, tuple[Request, int]]) -> int:
+    def cap_for_deadlines(self, step: StepInProgress) -> int:
         """slo policy: a step lasts as long as all its tokens take, and every request in it
         gets its first token only at its end. So the requests added after the urgent ones may
-        add only as many tokens as keep the predicted step time within the tightest deadline
-        that this step can still meet (a deadline that its own chunk alone would miss
-        constrains nothing)."""
-        if not scheduled:
-            return budget
+        add only as many tokens (at most the step's budget left) as keep the predicted step
+        time within the tightest deadline that this step can still meet (a deadline that its
+        own chunk alone would miss constrains nothing)."""
+        if not step.scheduled:
+            return step.budget
         now = time.monotonic()
-        line = self.ttft_predictor.current
-        used = sum(n for _, n in scheduled.values())
-        allowed = budget
-        for request, num_new in scheduled.values():
+        line = self.predictor.current
+        used = step.num_tokens
+        allowed = step.budget
+        for request, num_new in step.scheduled.values():
             deadline = request.deadline
             if (deadline is None or request.first_token_time is not None
                     or request.num_computed_tokens + num_new < request.num_tokens):
@@ -131,9 +241,23 @@ class SlackAwareScheduling:
             allowed = min(allowed, max(0, line.max_tokens_within(usable) - used))
         return allowed
 
-    # ---- mid-forward preemption (DESIGN.md section 4) --------------------------------------
+    def _release_held(self, ops: SchedulerOps) -> None:
+        """A held victim runs again once no request with prefill left (waiting or running,
+        and not held itself) is more urgent than it."""
+        now = time.monotonic()
+        contenders = [r for r in (*ops.waiting, *ops.running)
+                      if r.request_id not in self.held and r.first_token_time is None]
+        best = max((self.urgency(r, now) for r in contenders), default=-math.inf)
+        for req_id in list(self.held):
+            request = ops.get_request(req_id)
+            assert request is not None, f"held request {req_id} is gone"
+            if self.urgency(request, now) >= best:
+                self.held.discard(req_id)
 
-    def preempt_for_slo(self, victim_id: str, waiter_id: str) -> SLOPreemptMode | None:
+    # ---- mid-forward preemption (docs/design.md section 4) --------------------------------------
+
+    def preempt_for_slo(self, ops: SchedulerOps, victim_id: str,
+                        waiter_id: str) -> SLOPreemptMode | None:
         """Apply the monitor's preemption after the step was rolled back. Returns the mode
         applied: "pause" and "suspend" fall back to "recompute" when the waiter would not be
         admitted beside the victim (the admission test itself decides), and "suspend" to
@@ -149,10 +273,9 @@ class SlackAwareScheduling:
         A victim admitted by the rolled-back step itself and not kept is back in the waiting
         queue with no KV: whatever the mode, it is held back and computes its prompt from the
         start, which is what "recompute" reports."""
-        victim = self.requests.get(victim_id)
+        victim = ops.get_request(victim_id)
         if victim is None or self.protected_by_rule1(victim):
             return None
-        mode = self.slo_preempt_mode
         self.urgent_waiter_id = waiter_id
         victim.num_preemptions += 1
         victim.num_slo_preemptions += 1
@@ -160,42 +283,51 @@ class SlackAwareScheduling:
         self.held.add(victim_id)
         if victim.status is not RequestStatus.RUNNING:
             return "recompute"
-        waiter = self.requests.get(waiter_id)
+        waiter = ops.get_request(waiter_id)
         # The victim may keep its KV and its sequence slot only if the next step (which
         # admits the waiter first, before anything else changes) admits the waiter beside it:
         # else it would be held for a waiter that never comes in.
-        if mode != "recompute" and (waiter is None or waiter.status is RequestStatus.RUNNING
-                                    or self.can_admit(waiter)):
+        if self.preempt_mode != "recompute" and (
+                waiter is None or waiter.status is RequestStatus.RUNNING or ops.can_admit(waiter)):
             return "suspend" if victim_id in self.suspended else "pause"
         if victim_id in self.suspended:
             self.drop_suspensions([victim_id])
-        self.running.remove(victim)
-        self.kv_cache_manager.free(victim)
-        victim.status = RequestStatus.PREEMPTED
-        victim.num_computed_tokens = 0
-        self.waiting.prepend(victim)
+        ops.requeue_for_recompute(victim)
         return "recompute"
 
     def protected_by_rule1(self, request: Request) -> bool:
         """Rule 1: a request the monitor preempted once is never its victim again, except in
         suspend mode (see preempt_for_slo)."""
-        return self.slo_preempt_mode != "suspend" and request.num_slo_preemptions > 0
+        return self.preempt_mode != "suspend" and request.num_slo_preemptions > 0
 
-    def drop_suspensions(self, req_ids: list[str]) -> None:
+    # ---- suspended chunks and the end of a request -------------------------------------------
+
+    def suspend(self, req_id: str, start_pos: int, num_tokens: int) -> None:
+        """A rollback kept this chunk: the workers hold its stopped pass, to be resumed whole."""
+        self.suspended[req_id] = SuspendedChunk(start_pos, num_tokens)
+
+    def resumed(self, req_id: str) -> None:
+        """Its suspended chunk completed in a step: the workers dropped it with that step."""
+        del self.suspended[req_id]
+
+    def drop_suspensions(self, req_ids: Iterable[str]) -> None:
         """These suspended chunks will not resume: the workers free them with the next step."""
         for req_id in req_ids:
             self.suspended.pop(req_id, None)
-        self.unneeded_suspensions.extend(req_ids)
+            self.unneeded_suspensions.append(req_id)
 
-    def _release_held(self) -> None:
-        """A held victim runs again once no request with prefill left (waiting or running,
-        and not held itself) is more urgent than it."""
-        now = time.monotonic()
-        predict = self.ttft_predictor.predict
-        held = self.held
-        contenders = [r for r in (*self.waiting, *self.running)
-                      if r.request_id not in held and r.first_token_time is None]
-        best = max((request_urgency(r, now, predict) for r in contenders), default=-math.inf)
-        for req_id in list(held):
-            if request_urgency(self.requests[req_id], now, predict) >= best:
-                held.discard(req_id)
+    def on_kv_preempted(self, req_id: str) -> None:
+        """Preempted with recompute for KV space: its suspended chunk lost its blocks. A held
+        victim stays held, now waiting (it is still not its turn)."""
+        if req_id in self.suspended:
+            self.drop_suspensions([req_id])
+
+    def on_finished(self, req_id: str) -> None:
+        """Finished or aborted: nothing of it is held or resumed any more."""
+        self.held.discard(req_id)
+        if req_id in self.suspended:
+            self.drop_suspensions([req_id])
+
+    def check_invariants(self, live_ids: set[str], running_ids: set[str]) -> None:
+        assert self.held <= live_ids, "a finished request is still held back"
+        assert set(self.suspended) <= running_ids, "a suspended chunk lost its request"

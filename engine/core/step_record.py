@@ -1,9 +1,12 @@
-"""What one ``schedule()`` call changed: the record a rollback of an abandoned step replays."""
+"""One ``schedule()`` call: the step being built (`StepInProgress`) and what it changed
+(`StepRecord`, the record a rollback of an abandoned step replays)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 
 
@@ -20,12 +23,23 @@ class Admission:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
 
+    def undo(self, kv: KVCacheManager) -> None:
+        """Free the request's KV and restore what the admission changed (the caller moves it
+        from the running set back to the head of the waiting queue)."""
+        request = self.request
+        kv.free(request)
+        request.status = self.prev_status
+        request.num_cached_tokens = self.prev_num_cached_tokens
+        request.first_scheduled_time = self.prev_first_scheduled_time
+        kv.prefix_cache_queries -= self.prefix_cache_queries
+        kv.prefix_cache_hits -= self.prefix_cache_hits
+
 
 @dataclass
 class StepRecord:
     """Everything one ``schedule()`` call changed, so an abandoned step can be rolled back.
 
-    How ``rollback`` uses each field, in this order:
+    How a rollback (``Scheduler.rollback``, replaying it with ``undo``) uses each field:
 
     - ``admitted``: remove each from ``running``, free its blocks, restore ``status``,
       ``num_cached_tokens`` and ``first_scheduled_time``, and put the requests back at the front
@@ -63,3 +77,59 @@ class StepRecord:
 
     def admitted_ids(self) -> set[str]:
         return {a.request.request_id for a in self.admitted}
+
+    def undo(self, requests: Mapping[str, Request], kv: KVCacheManager,
+             kept: Mapping[str, int]) -> list[Admission]:
+        """The rollback's replay over the requests still live (``requests``) and the KV
+        manager: blocks appended to requests admitted earlier go back to the pool, computed-token
+        counters are restored, and each kept (suspended) chunk, request id -> its start position,
+        goes back to not computed while its request keeps its blocks. Returns the admissions to
+        undo, in admission order: the kept chunks' are not among them."""
+        admitted = self.admitted_ids()
+        for req_id, block_ids in self.new_block_ids.items():
+            request = requests.get(req_id)
+            if request is not None and req_id not in admitted and req_id not in kept:
+                kv.release_tail(request, block_ids)
+        for req_id, num_computed in self.prev_num_computed_tokens.items():
+            if (request := requests.get(req_id)) is not None:
+                request.num_computed_tokens = num_computed
+        for req_id, start_pos in kept.items():
+            # After its prefix-cache hits, where its chunk starts.
+            requests[req_id].num_computed_tokens = start_pos
+        return [a for a in self.admitted if a.request.request_id not in kept]
+
+    def check_invariants(self, scheduled_req_ids: frozenset[str]) -> None:
+        """Every entry is about a request the step (``scheduled_req_ids``) still schedules."""
+        assert self.admitted_ids() <= scheduled_req_ids, "record admits a request not in its step"
+        assert set(self.new_block_ids) <= scheduled_req_ids, "record frees blocks of one not in it"
+        assert set(self.prev_num_computed_tokens) <= scheduled_req_ids, (
+            "record restores one not in it")
+
+
+@dataclass
+class StepInProgress:
+    """The step one ``schedule()`` call is building: what it schedules, the token budget it has
+    left, and the record of what it changed. Every hook that adds to the step takes this."""
+
+    record: StepRecord
+    # Tokens the step may still schedule.
+    budget: int
+    # Request id -> (request, tokens scheduled); dict order is scheduling order.
+    scheduled: dict[str, tuple[Request, int]] = field(default_factory=dict)
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        self.scheduled[request.request_id] = (request, num_tokens)
+        self.budget -= num_tokens
+
+    def drop(self, req_id: str) -> None:
+        """A request served earlier in this step became a KV-pressure victim: its tokens go back
+        to the budget and the record forgets it."""
+        self.budget += self.scheduled.pop(req_id)[1]
+        self.record.forget(req_id)
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self.scheduled
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled.values())

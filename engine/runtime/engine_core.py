@@ -186,7 +186,7 @@ class EngineCore:
             raise EngineStepError(self.dead)
 
     def _deliver_pending_frees(self) -> None:
-        if self.dead is None and self.scheduler.unneeded_suspensions:
+        if self.dead is None and self.scheduler.slack.unneeded_suspensions:
             self._deliver_frees(self.scheduler.schedule())
 
     def _observe_prefill_time(self, scheduler_output: SchedulerOutput,
@@ -195,9 +195,9 @@ class EngineCore:
         suspended pass: those skip the layers already done and would bias the line low)."""
         requests = scheduler_output.requests
         if any(len(r.token_ids) > 1 for r in requests) and not any(r.resume for r in requests):
-            self.scheduler.ttft_predictor.observe(scheduler_output.num_scheduled_tokens,
-                                                  runner_output.execute_seconds,
-                                                  scheduler_output.attention_work)
+            self.scheduler.slack.predictor.observe(scheduler_output.num_scheduled_tokens,
+                                                   runner_output.execute_seconds,
+                                                   scheduler_output.attention_work)
 
     def stats(self) -> SchedulerStats:
         stats = self.scheduler.stats()

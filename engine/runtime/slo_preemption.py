@@ -1,4 +1,4 @@
-"""EngineCore's side of mid-forward-pass preemption (DESIGN.md sections 4 and 5).
+"""EngineCore's side of mid-forward-pass preemption (docs/design.md sections 4 and 5).
 
 Owns the shared-memory signal and the monitor thread; after every `schedule()` it publishes the
 monitor's snapshot, and when the workers unwind a step it rolls the step back and applies the
@@ -69,28 +69,28 @@ class SLOPreemptionControl:
 
     def after_schedule(self, output: SchedulerOutput, drained_arrivals: int) -> None:
         scheduler = self.scheduler
+        slack = scheduler.slack
         if not output.preemptible:
             # The monitor never targets such a step: views of every request would be wasted
             # work on the step loop.
             self.monitor.publish(MonitorSnapshot(
                 step_id=output.step_id, preemptible=False, waiting=(), running=(),
-                predictor=scheduler.ttft_predictor.current,
+                predictor=slack.predictor.current,
                 drained_arrivals=drained_arrivals))
             return
-        held = scheduler.held
-        waiting = tuple(view_of(r) for r in scheduler.waiting if r.request_id not in held)
+        waiting = tuple(view_of(r) for r in scheduler.waiting if not slack.is_held(r.request_id))
         running: list[RequestView] = []
         for sr in output.requests:
             request = scheduler.requests[sr.req_id]
             if len(sr.token_ids) > 1:
                 deadline = request.deadline if request.first_token_time is None else None
                 running.append(RequestView(sr.req_id, deadline, request.num_tokens - sr.start_pos,
-                                           slo_preempted=scheduler.protected_by_rule1(request)))
+                                           slo_preempted=slack.protected_by_rule1(request)))
         self.monitor.publish(MonitorSnapshot(
             step_id=output.step_id, preemptible=output.preemptible, waiting=waiting,
-            running=tuple(running), predictor=scheduler.ttft_predictor.current,
+            running=tuple(running), predictor=slack.predictor.current,
             drained_arrivals=drained_arrivals, started_at=time.monotonic(),
-            predicted_step_s=scheduler.ttft_predictor.current.predict_step(
+            predicted_step_s=slack.predictor.current.predict_step(
                 output.num_scheduled_tokens, output.attention_work),
             num_layers=self.num_layers))
 
@@ -139,9 +139,10 @@ def unwind_step(scheduler: Scheduler, output: SchedulerOutput, suspended_req_ids
     kept = [sr for sr in output.requests
             if sr.req_id in suspended and scheduler.is_running(sr.req_id)]
     scheduler.rollback(record, keep=kept)
+    slack = scheduler.slack
     applied: SLOPreemptMode | None = None
     if target == output.step_id:
-        applied = scheduler.preempt_for_slo(victim_id, waiter_id)
-    scheduler.drop_suspensions([i for i in suspended if i not in scheduler.suspended])
-    kept_tokens = sum(len(sr.token_ids) for sr in kept if sr.req_id in scheduler.suspended)
+        applied = slack.preempt_for_slo(scheduler, victim_id, waiter_id)
+    slack.drop_suspensions([i for i in suspended if not slack.is_suspended(i)])
+    kept_tokens = sum(len(sr.token_ids) for sr in kept if slack.is_suspended(sr.req_id))
     return applied, kept_tokens
