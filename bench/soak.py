@@ -44,7 +44,7 @@ if __package__ in (None, ""):
 import httpx  # noqa: E402
 import psutil  # noqa: E402
 
-from bench.server import free_port, stop_server, wait_until_healthy  # noqa: E402
+from bench.attainment.server import free_port, stop_server, wait_until_healthy  # noqa: E402
 from bench.soak_clients import SLOS, Tally, Target, run_clients  # noqa: E402
 
 # Every one of them is 0 on an idle server that freed what its requests held.

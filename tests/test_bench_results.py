@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.clairvoyant import clairvoyant_attainment, prefill_cost_s, simulate_ttft
-from bench.report import (markdown_table, plot_attainment_vs_rate, plot_ttft_cdf, read_json,
+from bench.attainment.clairvoyant import clairvoyant_attainment, prefill_cost_s, simulate_ttft
+from bench.attainment.report import (markdown_table, plot_attainment_vs_rate, plot_ttft_cdf, read_json,
                           urgent_tier, write_json)
-from bench.results import RequestResult, RunResult, aggregate, summarize
-from bench.traces import Trace, TraceRequest
+from bench.attainment.results import RequestResult, RunResult, aggregate, summarize
+from bench.attainment.traces import Trace, TraceRequest
 
 
 def req(rid: str, tier: str, slo_ms: float | None, ttft: float | None, e2e: float | None,

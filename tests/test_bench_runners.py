@@ -100,9 +100,9 @@ def test_sweep_searches_a_rate_and_runs_the_three_rates(tiny_model, tmp_path):
 def test_engine_pool_reuses_one_engine_and_reports_each_runs_own_counters(tiny_model):
     from transformers import AutoTokenizer
 
-    from bench.policies import POLICIES
-    from bench.runners import EnginePool, run_inprocess
-    from bench.workloads import build_workload
+    from bench.attainment.policies import POLICIES
+    from bench.attainment.runners import EnginePool, run_inprocess
+    from bench.attainment.workloads import build_workload
 
     model = tiny_model("llama")
     trace = build_workload("uniform", 8, 40.0, 0, AutoTokenizer.from_pretrained(model),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.traces import (
+from bench.attainment.traces import (
     AbsoluteSLO,
     Fixed,
     IsolatedMultipleSLO,
@@ -24,7 +24,7 @@ from bench.traces import (
     generate_trace,
     load_user_trace,
 )
-from bench.workloads import (
+from bench.attainment.workloads import (
     FLOWPREFILL_SLO_RATIO,
     WORKLOADS,
     build_workload,

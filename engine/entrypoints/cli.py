@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from bench.cli import add_bench_parser
+from bench.attainment.cli import add_bench_parser
 from engine.entrypoints.calibrate import add_calibrate_parser
 from engine.entrypoints.engine_args import add_engine_args, engine_kwargs, under_torchrun
 from engine.log import configure_logging

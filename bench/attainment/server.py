@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from bench.policies import PolicySpec
+from bench.attainment.policies import PolicySpec
 
 # Engine overrides that map onto `sloserve serve` flags.
 _FLAGS = {"dtype": "--dtype", "num_kv_blocks": "--num-kv-blocks",

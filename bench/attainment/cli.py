@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.policies import DEFAULT_SWEEP_POLICIES, resolve_policies
+from bench.attainment.policies import DEFAULT_SWEEP_POLICIES, resolve_policies
 
 
 @dataclass
@@ -27,7 +27,7 @@ class BenchSetup:
     predict_ttft_s: Any
     max_model_len: int
     engine_overrides: dict[str, Any] = field(default_factory=dict)
-    # In-process runner: engines reused across the runs (bench.runners.EnginePool).
+    # In-process runner: engines reused across the runs (bench.attainment.runners.EnginePool).
     engines: Any = None
 
     def close(self) -> None:
@@ -77,14 +77,14 @@ def _setup(args: argparse.Namespace, out_dir: Path) -> BenchSetup:
     setup = BenchSetup(model, AutoTokenizer.from_pretrained(model), path, line.predict, max_len,
                        overrides)
     if getattr(args, "runner", None) == "inprocess":
-        from bench.runners import EnginePool
+        from bench.attainment.runners import EnginePool
 
         setup.engines = EnginePool(model, **overrides)
     return setup
 
 
 def _trace(setup: BenchSetup, args: argparse.Namespace, rate: float, seed: int):
-    from bench.workloads import build_workload
+    from bench.attainment.workloads import build_workload
 
     max_output = 16 if args.workload != "uniform" else 32
     return build_workload(args.workload, args.num_requests, rate, seed, setup.tokenizer,
@@ -100,13 +100,13 @@ def _large_budget(traces: list) -> int:
 
 
 def _run_cell(setup: BenchSetup, args: argparse.Namespace, trace, policy, budget: int):
-    from bench.clairvoyant import clairvoyant_attainment
-    from bench.runners import run_http, run_inprocess
+    from bench.attainment.clairvoyant import clairvoyant_attainment
+    from bench.attainment.runners import run_http, run_inprocess
 
     if args.runner == "http" and args.url:
         run = run_http(trace, args.url, policy, budget, api_key=args.api_key)
     elif args.runner == "http":
-        from bench.server import serve
+        from bench.attainment.server import serve
 
         with serve(policy, budget, setup.model, **setup.engine_overrides) as url:
             run = run_http(trace, url, policy, budget)
@@ -118,8 +118,8 @@ def _run_cell(setup: BenchSetup, args: argparse.Namespace, trace, policy, budget
 
 
 def _write_outputs(runs: list, out_dir: Path) -> None:
-    from bench.report import markdown_table, plot_attainment_vs_rate, plot_ttft_cdf, write_json
-    from bench.results import aggregate
+    from bench.attainment.report import markdown_table, plot_attainment_vs_rate, plot_ttft_cdf, write_json
+    from bench.attainment.results import aggregate
 
     cells = aggregate(runs)
     write_json(out_dir / "results.json", runs, cells)
@@ -197,7 +197,7 @@ def _load_trace(path: str, tokenizer: Any):
     requests, one per line: prompt, output_tokens, ttft_slo_ms, arrival_s."""
     import json
 
-    from bench.traces import Trace, load_user_trace
+    from bench.attainment.traces import Trace, load_user_trace
 
     with open(path) as f:
         first = f.readline()
@@ -209,8 +209,8 @@ def _load_trace(path: str, tokenizer: Any):
 
 
 def _fcfs_attainment(setup: BenchSetup, args: argparse.Namespace, rate: float) -> float:
-    from bench.policies import POLICIES
-    from bench.results import summarize
+    from bench.attainment.policies import POLICIES
+    from bench.attainment.results import summarize
 
     trace = _trace(setup, args, rate, args.seeds[0])
     budget = _budgets(args, [trace])[0]
@@ -257,7 +257,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from bench.report import read_json
+    from bench.attainment.report import read_json
 
     runs, _ = read_json(args.results)
     out_dir = Path(args.output_dir or Path(args.results).parent)
@@ -267,7 +267,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    from bench.workloads import WORKLOADS
+    from bench.attainment.workloads import WORKLOADS
 
     p.add_argument("--model", default=None, help="local HF folder (default: SmolLM2-135M)")
     p.add_argument("--dtype", default="auto")

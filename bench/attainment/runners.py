@@ -17,9 +17,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.policies import PolicySpec, tier_priorities
-from bench.results import RequestResult, RunResult
-from bench.traces import Trace, TraceRequest
+from bench.attainment.policies import PolicySpec, tier_priorities
+from bench.attainment.results import RequestResult, RunResult
+from bench.attainment.traces import Trace, TraceRequest
 
 
 def _priorities(trace: Trace, policy: PolicySpec) -> dict[str, int]:

@@ -75,7 +75,7 @@ class RunResult:
     # {"num_preemptions_kv", "num_preemptions_slo", "wasted_tokens", "computed_tokens"}; computed
     # counts every token scheduled, wasted included. May be {} when the runner cannot know.
     engine: dict[str, Any] = field(default_factory=dict)
-    # Output of bench.clairvoyant.clairvoyant_attainment on this run's trace (same for every
+    # Output of bench.attainment.clairvoyant.clairvoyant_attainment on this run's trace (same for every
     # policy on it); aggregate() reports it beside the measured attainment. None: not computed.
     clairvoyant: dict[str, Any] | None = None
     # Free-form provenance (model, trace file, predictor line, command line, ...).

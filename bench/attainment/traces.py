@@ -22,7 +22,8 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-CORPUS_PATH = Path(__file__).with_name("corpus.txt")
+# Shared with the soak clients (bench/soak_clients.py).
+CORPUS_PATH = Path(__file__).resolve().parent.parent / "corpus.txt"
 
 # Arrival processes; see `arrival_offsets`.
 Arrival = Literal["poisson", "gamma"]

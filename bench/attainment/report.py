@@ -1,6 +1,6 @@
 """Benchmark output: JSON results, a Markdown summary table, and PNG plots.
 
-Reads only `bench.results` (RunResult and the cells of `aggregate`), so any runner's output
+Reads only `bench.attainment.results` (RunResult and the cells of `aggregate`), so any runner's output
 renders the same way.
 """
 
@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import FuncFormatter, NullFormatter  # noqa: E402
 
-from bench.results import RunResult, json_safe, summarize  # noqa: E402
+from bench.attainment.results import RunResult, json_safe, summarize  # noqa: E402
 
 
 def write_json(path: str | Path, runs: Sequence[RunResult],

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from bench.traces import (
+from bench.attainment.traces import (
     AbsoluteSLO,
     Arrival,
     IsolatedMultipleSLO,
