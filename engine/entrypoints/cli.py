@@ -74,7 +74,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sloserve", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="sloserve", description=__doc__,
+        epilog="How it works: docs/design.md (processes, one step and its rollback, the "
+               "preemption modes, the monitor's policy); where each concept lives: "
+               "docs/architecture.md. Both are in the sloserve repository.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
