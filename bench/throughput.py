@@ -4,12 +4,24 @@ Prefill: tokens/s of a forward pass over whole prompts (HF: `model(input_ids)`; 
 request with max_tokens=1, prefix caching off so nothing is reused).
 Decode: output tokens/s with N concurrent requests in sloserve vs HF `generate` one request at a
 time (the way a plain HF script serves). Prints one JSON object with both and their ratios.
+
+Roofline (issue 14, bench/roofline.py): the same run measures this machine's matmul GFLOP/s on
+the model's own GEMM shapes and its memory bandwidth, then prints the engine's prefill tokens/s
+(one-step prefills of --prefill-lens tokens) as a share of the linear-layer and the full (with
+attention) compute bound, and its decode tokens/s (--decode-batches x --decode-contexts) as a
+share of the bandwidth bound (weights once per step + each request's K/V) and of the roofline
+(the larger of memory and compute time). Each size's bound is measured right after the engine
+ran it, so both see the same machine load. Decode requests of one context share all but their
+last 16 prompt tokens through prefix caching, so the setup prefill is not repeated per request;
+each request's K/V is still gathered and read on its own every step.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import time
 
 import torch
@@ -104,6 +116,116 @@ def _record_step_times(llm) -> list[tuple[float, float]]:
     return times
 
 
+def _record_steps(llm) -> list[dict]:
+    """Every engine step: its start and end (perf_counter) and each scheduled request's
+    (start_pos, new tokens), so decode-only steps can be picked out afterwards."""
+    steps: list[dict] = []
+    engine, executor = llm.engine, llm.engine.executor
+    step, execute = engine.step, executor.execute_model
+
+    def timed_execute(scheduler_output):
+        steps[-1]["requests"] = [(r.start_pos, len(r.token_ids)) for r in scheduler_output.requests]
+        return execute(scheduler_output)
+
+    def timed_step():
+        steps.append({"start": time.perf_counter(), "requests": []})
+        out = step()
+        steps[-1]["end"] = time.perf_counter()
+        return out
+
+    executor.execute_model, engine.step = timed_execute, timed_step
+    return steps
+
+
+def _decode_seconds_per_step(steps: list[dict], batch: int) -> tuple[float, list[int], int]:
+    """Median engine time per full-batch decode step, start to next start (so the output
+    processing between steps counts), the contexts of those steps, and how many there were."""
+    decode = [i for i, s in enumerate(steps)
+              if len(s["requests"]) == batch and all(n == 1 for _, n in s["requests"])]
+    gaps = [(steps[i + 1]["start"] if i + 1 < len(steps) else steps[i]["end"]) - steps[i]["start"]
+            for i in decode]
+    contexts = [p + 1 for i in decode for p, _ in steps[i]["requests"]]
+    mean_ctx = round(sum(contexts) / len(contexts)) if contexts else 0
+    return (statistics.median(gaps) if gaps else float("nan")), [mean_ctx] * batch, len(decode)
+
+
+def bench_roofline(model_dir: str, dtype: str, prefill_lens: list[int], batches: list[int],
+                   contexts: list[int], decode_tokens: int, repeats: int,
+                   bandwidth_mib: int) -> dict:
+    """The engine's prefill and decode tokens/s beside this machine's bounds for the model."""
+    from bench.roofline import ModelShape, Roofline, measure_bandwidth
+    from engine import LLM, SamplingParams
+    from engine.runtime.model_setup import cpu_native_bf16, load_hf_config
+
+    hf_config = load_hf_config(model_dir)
+    shape = ModelShape.from_hf_config(hf_config)
+    torch_dtype = getattr(torch, dtype)
+    dtype_bytes = torch.empty((), dtype=torch_dtype).element_size()
+    roofline = Roofline(shape, torch_dtype)
+    tail = 16  # distinct prompt tokens per decode request; the rest is a shared cached prefix
+    llm = LLM(model=model_dir, dtype=dtype, enable_prefix_caching=True,
+              max_num_batched_tokens=max([2048, *prefill_lens, max(batches) * tail]),
+              max_num_seqs=max(batches),
+              max_model_len=max([*prefill_lens, *contexts]) + decode_tokens + 1)
+    steps = _record_steps(llm)
+    prompt_seed = iter(range(100, 10**6))
+    prefill: dict[str, dict] = {}
+    decode: dict[str, dict] = {}
+    try:
+        one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        for length in prefill_lens:
+            # Fresh random prompts every time, so prefix caching never reuses one.
+            prompts = _prompts(shape.vocab, repeats + 1, length, seed=next(prompt_seed))
+            llm.generate({"prompt_token_ids": prompts[0]}, one)  # warm-up at this size
+            times, step_counts = [], []
+            for p in prompts[1:]:
+                steps.clear()
+                started = time.perf_counter()
+                llm.generate({"prompt_token_ids": p}, one)
+                times.append(time.perf_counter() - started)
+                step_counts.append(len(steps))
+            engine_tps = length / statistics.median(times)
+            bound = roofline.prefill_bound(length)
+            prefill[str(length)] = {
+                "engine_tokens_per_s": engine_tps, "engine_steps": max(step_counts), **bound,
+                "linear_roofline_share": engine_tps / bound["linear_roofline_tokens_per_s"],
+                "full_roofline_share": engine_tps / bound["full_roofline_tokens_per_s"]}
+        bandwidth = measure_bandwidth(bandwidth_mib)
+        for ctx in contexts:
+            shared = _prompts(shape.vocab, 1, max(ctx - tail, 1), seed=next(prompt_seed))[0]
+            llm.generate({"prompt_token_ids": shared + [100]}, one)  # caches the shared blocks
+            for batch in batches:
+                tails = _prompts(shape.vocab, batch, ctx - len(shared), seed=next(prompt_seed))
+                params = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
+                steps.clear()
+                llm.generate([{"prompt_token_ids": shared + t} for t in tails], params)
+                prefill_tokens = sum(n for s in steps for _, n in s["requests"] if n > 1)
+                step_s, step_contexts, measured = _decode_seconds_per_step(steps, batch)
+                engine_tps = batch / step_s
+                bound = roofline.decode_bound(step_contexts, bandwidth["bandwidth_gbs"],
+                                              dtype_bytes)
+                decode.setdefault(str(batch), {})[str(ctx)] = {
+                    "engine_tokens_per_s": engine_tps, "engine_step_ms": 1000 * step_s,
+                    "steps_measured": measured, "mean_context": step_contexts[0],
+                    "setup_prefill_tokens": prefill_tokens, **bound,
+                    "bandwidth_share": engine_tps / bound["bandwidth_bound_tokens_per_s"],
+                    "roofline_share": engine_tps / bound["roofline_tokens_per_s"]}
+    finally:
+        llm.shutdown()
+    native_bf16, why = cpu_native_bf16()
+    limits = {"dtype": dtype, "threads": torch.get_num_threads(),
+              "matmul_gflops": {n: v["matmul_gflops"] for n, v in prefill.items()},
+              "attention_gflops": {n: v["attention_gflops"] for n, v in prefill.items()},
+              "matmul_gflops_peak": roofline.peak_gflops(), **bandwidth,
+              "bf16_native": native_bf16, "bf16_why": why,
+              "linear_params": shape.linear_params, "lm_head_params": shape.lm_head_params,
+              "kv_bytes_per_token": shape.kv_bytes_per_token(dtype_bytes)}
+    if native_bf16 and torch_dtype != torch.bfloat16:
+        # Emulated bf16 is ~100x slower: measured only where the CPU runs it natively.
+        limits["bf16_matmul_gflops_peak"] = Roofline(shape, torch.bfloat16).peak_gflops()
+    return {"roofline": limits, "prefill": prefill, "decode": decode}
+
+
 def make_random_model(folder: str, like: str, num_heads: int, num_kv_heads: int) -> str:
     """A random-weight copy of `like`'s shape with another head count (the default model's 9
     heads cannot be split over 2 ranks); for measuring TP overhead, not output quality."""
@@ -134,7 +256,27 @@ def main() -> None:
     parser.add_argument("--random-heads", type=int, nargs=2, metavar=("HEADS", "KV_HEADS"),
                         help="bench a random-weight model of the model's shape with these head "
                              "counts (e.g. 8 2, so that TP=2 is possible)")
+    roof = parser.add_argument_group("roofline (issue 14)")
+    roof.add_argument("--prefill-lens", type=int, nargs="+", default=[128, 512, 2048, 4096],
+                      help="prompt lengths of the roofline prefill figures")
+    roof.add_argument("--decode-batches", type=int, nargs="+", default=[1, 16, 64],
+                      help="concurrent requests of the roofline decode figures")
+    roof.add_argument("--decode-contexts", type=int, nargs="+", default=[64, 2000],
+                      help="prompt (context) lengths of the roofline decode figures")
+    roof.add_argument("--decode-tokens", type=int, default=8,
+                      help="tokens generated per decode request (all but the first are timed)")
+    roof.add_argument("--repeats", type=int, default=3, help="timed prefills per prompt length")
+    roof.add_argument("--bandwidth-mib", type=int, default=1024,
+                      help="buffer size of the bandwidth measurement (far past the caches)")
+    roof.add_argument("--quick", action="store_true",
+                      help="prefill 128 512, decode 1 16 over 64 tokens, one timed repeat")
+    roof.add_argument("--no-roofline", action="store_true", help="only the HF comparison")
+    roof.add_argument("--no-hf", action="store_true", help="only the roofline figures")
     args = parser.parse_args()
+    if args.quick:
+        args.prefill_lens, args.decode_batches, args.decode_contexts = [128, 512], [1, 16], [64]
+        args.repeats = 1
+    wall_started = time.perf_counter()
 
     from engine.runtime.model_setup import load_hf_config
 
@@ -157,19 +299,31 @@ def main() -> None:
         args.dtype = str(auto_dtype(torch.device("cpu"))[0]).removeprefix("torch.")
     torch_dtype = getattr(torch, args.dtype)
 
-    ours = [bench_sloserve(model_dir, args.dtype, prefill, decode, args.max_tokens, tp)
-            for tp in args.tensor_parallel_size]
-    hf = bench_hf(model_dir, torch_dtype, prefill, decode[: args.hf_decode_requests],
-                  args.max_tokens)
-    result = {
-        "model": model_dir, "dtype": args.dtype, "threads": torch.get_num_threads(),
-        "prefill_len": args.prefill_len, "concurrency": args.concurrency,
-        "max_tokens": args.max_tokens,
-        "sloserve": ours, "hf": hf,
-        "prefill_ratio": [r["prefill_tokens_per_s"] / hf["prefill_tokens_per_s"] for r in ours],
-        "decode_ratio": [r["decode_tokens_per_s"] / hf["decode_tokens_per_s"] for r in ours],
-        "targets": {"prefill_ratio": 1.0, "decode_ratio": 3.0},
-    }
+    result: dict = {"model": model_dir, "dtype": args.dtype, "threads": torch.get_num_threads(),
+                    "load_average_at_start": os.getloadavg()[0]}
+    if not args.no_roofline:
+        result.update(bench_roofline(model_dir, args.dtype, args.prefill_lens,
+                                     args.decode_batches, args.decode_contexts,
+                                     args.decode_tokens, args.repeats, args.bandwidth_mib))
+        result["roofline_targets"] = {"prefill_512_linear_roofline_share": 0.85,
+                                      "decode_16x64_bandwidth_share": 0.50,
+                                      "decode_16x2000_bandwidth_share": 0.35}
+    ours = [] if args.no_hf else [
+        bench_sloserve(model_dir, args.dtype, prefill, decode, args.max_tokens, tp)
+        for tp in args.tensor_parallel_size]
+    if not args.no_hf:
+        hf = bench_hf(model_dir, torch_dtype, prefill, decode[: args.hf_decode_requests],
+                      args.max_tokens)
+        result.update({
+            "prefill_len": args.prefill_len, "concurrency": args.concurrency,
+            "max_tokens": args.max_tokens,
+            "sloserve": ours, "hf": hf,
+            "prefill_ratio": [r["prefill_tokens_per_s"] / hf["prefill_tokens_per_s"] for r in ours],
+            "decode_ratio": [r["decode_tokens_per_s"] / hf["decode_tokens_per_s"] for r in ours],
+            "targets": {"prefill_ratio": 1.0, "decode_ratio": 3.0},
+        })
+    result["wall_s"] = time.perf_counter() - wall_started
+    result["load_average_at_end"] = os.getloadavg()[0]
     if len(ours) > 1:
         base = ours[0]
         result["tp_vs_first"] = {
