@@ -3,9 +3,9 @@
 Decodes: all of a step's decodes in one batched computation over K/V gathered through their padded
 block tables, written as two bmm calls instead of scaled_dot_product_attention: SDPA's bfloat16
 CPU path is slow for one-row queries (measured here, 16 decodes x 512 context, 9/3 heads: ~6 ms
-vs ~2 ms per layer; in float32 the two are on par). Scores are computed in float32 (K is upcast in
-the copy that makes it head-major anyway), as SDPA's fused CPU kernel does, so bf16 results stay
-close to HF's sdpa attention.
+vs ~2 ms per layer; in float32 the two are on par). K/V are used as gathered, never copied
+head-major or (float32 caches) upcast, into buffers reused by every layer of the step
+(bench/cpu_attention.py prints the figures against the earlier head-major float32 copies).
 
 Prefill chunks: one SDPA call each (SDPA is fast when the query has many rows).
 """
@@ -51,19 +51,45 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out
 
 
-def _decode_plan(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block ids to gather (flattened [num_decodes * n_blocks]) and a boolean mask
-    [num_decodes, n_blocks * block_size], true at the slots past each context."""
+def _decode_plan(meta: AttentionMetadata,
+                 block_size: int) -> tuple[torch.Tensor, int, int, torch.Tensor]:
+    """Block ids to gather (flattened [num_decodes * n_blocks]), the gathered context length
+    ctx (n_blocks * block_size), the shortest context, and a boolean mask
+    [num_decodes, ctx - shortest], true at the slots past each context. Every slot below the
+    shortest context is visible to every decode, so only the tail needs masking (none but the
+    last block's padding when all contexts are equal)."""
     plan = meta.derived.get("decode")
     if plan is None:
         context_lens = meta.decode_context_lens
+        longest, shortest = int(context_lens.max()), int(context_lens.min())
         # Trim the padded tables to the longest context: the padding would only be masked out.
-        n_blocks = -(-int(context_lens.max()) // block_size)
+        n_blocks = -(-longest // block_size)
         block_ids = meta.decode_block_tables[:, :n_blocks].reshape(-1)
-        slots = torch.arange(n_blocks * block_size, device=context_lens.device)
-        plan = (block_ids, slots[None, :] >= context_lens[:, None])
+        ctx = n_blocks * block_size
+        tail = torch.arange(shortest, ctx, device=context_lens.device)
+        plan = (block_ids, ctx, shortest, tail[None, :] >= context_lens[:, None])
         meta.derived["decode"] = plan
     return plan
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, meta: AttentionMetadata,
+            name: str) -> torch.Tensor:
+    """cache[block_ids] (contiguous: [len(block_ids), block_size, Hkv, D]), written into a
+    buffer kept on the step's metadata so every layer reuses it: a fresh buffer this large
+    is a fresh mmap whose page faults cost more than the copy (measured here, 64 x 2000
+    decodes' 98 MB of K: ~250 ms to first-touch a fresh tensor vs ~56 ms for the whole gather
+    into a reused one). The layers run one after another and nothing returned aliases it."""
+    buf = meta.derived.get(name)
+    if buf is None or buf.dtype != cache.dtype or buf.device != cache.device:
+        buf = torch.empty((block_ids.numel(), *cache.shape[1:]), dtype=cache.dtype,
+                          device=cache.device)
+        meta.derived[name] = buf
+    return torch.index_select(cache, 0, block_ids, out=buf)
+
+
+# Block-diagonal products (below) do num_kv_heads times the FLOPs; past this many KV heads the
+# per-head strided products are used instead.
+_BLOCK_DIAGONAL_MAX_KV_HEADS = 4
 
 
 def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -71,31 +97,50 @@ def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     num_decodes, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
-    block_ids, hidden = _decode_plan(meta, block_size)
-    ctx = hidden.shape[-1]
-    batch = num_decodes * num_kv_heads
+    block_ids, ctx, shortest, hidden = _decode_plan(meta, block_size)
+    width = num_kv_heads * head_dim
 
-    # [B, ctx, Hkv, D] as gathered; bmm wants one (request, kv head) pair per batch entry, so K
-    # is made head-major, upcast to float32 in the same copy. (Keeping D innermost keeps this
-    # copy row-wise; bmm then reads K transposed for free.)
-    keys = key_cache.index_select(0, block_ids).view(num_decodes, ctx, num_kv_heads, head_dim)
-    keys_f32 = torch.empty((num_decodes, num_kv_heads, ctx, head_dim), dtype=torch.float32,
-                           device=query.device)
-    keys_f32.copy_(keys.transpose(1, 2))
-    # Query head h reads KV head h // group (HF's repeat_kv order), so the view groups them.
-    q = (query.to(torch.float32) * scale).reshape(batch, group, head_dim)
-    scores = torch.bmm(q, keys_f32.view(batch, ctx, head_dim).transpose(1, 2))
+    # K/V stay as gathered, [B, ctx, Hkv, D]: making them head-major would be one more copy of
+    # all of them (the largest cost of the step). Each request's K is then one [ctx, Hkv * D]
+    # matrix, and its query a block-diagonal [Hq, Hkv * D] one (query head h in the columns of
+    # KV head h // group: HF's repeat_kv order), so one bmm gives every head's scores with K
+    # read in place. Scores are float32 (K upcast only when the cache is not), as SDPA's fused
+    # CPU kernel does, so bf16 results stay close to HF's sdpa attention.
+    keys = _gather(key_cache, block_ids, meta, "decode_keys").view(num_decodes, ctx, width)
+    if keys.dtype != torch.float32:
+        keys = keys.float()
+    q = (query.to(torch.float32) * scale).view(num_decodes, num_kv_heads, group, head_dim)
+    block_diagonal = num_kv_heads <= _BLOCK_DIAGONAL_MAX_KV_HEADS
+    if block_diagonal:
+        q_wide = query.new_zeros((num_decodes, num_kv_heads, group, num_kv_heads, head_dim),
+                                 dtype=torch.float32)
+        q_wide.diagonal(dim1=1, dim2=3).copy_(q.permute(0, 2, 3, 1))
+        scores = torch.bmm(q_wide.view(num_decodes, num_heads, width), keys.transpose(1, 2))
+    else:
+        keys = keys.view(num_decodes, ctx, num_kv_heads, head_dim)
+        scores = torch.stack([torch.bmm(q[:, h], keys[:, :, h].transpose(1, 2))
+                              for h in range(num_kv_heads)], dim=1)
+        scores = scores.view(num_decodes, num_heads, ctx)
     # The hidden slots hold whatever an earlier owner of the block left there, NaN included
     # (a request that failed with NaN logits): masked_fill, unlike adding -inf, replaces a NaN
     # score, and those slots' values are zeroed since 0 * NaN is still NaN.
-    scores = scores.view(num_decodes, num_heads, ctx).masked_fill_(hidden[:, None, :],
-                                                                    float("-inf"))
+    if shortest < ctx:
+        scores[..., shortest:].masked_fill_(hidden[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(query.dtype)
 
-    values = value_cache.index_select(0, block_ids).view(num_decodes, ctx, num_kv_heads, head_dim)
-    values.masked_fill_(hidden[:, :, None, None], 0.0)
-    values = values.transpose(1, 2).contiguous().view(batch, ctx, head_dim)
-    out = torch.bmm(probs.view(batch, group, ctx), values)
+    values = _gather(value_cache, block_ids, meta, "decode_values").view(num_decodes, ctx,
+                                                                           num_kv_heads, head_dim)
+    if shortest < ctx:
+        values[:, shortest:].masked_fill_(hidden[:, :, None, None], 0.0)
+    if block_diagonal:
+        # [B, Hq, Hkv * D]: head h's output is its own KV head's block of columns.
+        wide = torch.bmm(probs, values.view(num_decodes, ctx, width))
+        out = wide.view(num_decodes, num_kv_heads, group, num_kv_heads, head_dim).diagonal(
+            dim1=1, dim2=3)  # [B, group, D, Hkv]
+        return out.permute(0, 3, 1, 2).reshape(num_decodes, num_heads, head_dim)
+    probs = probs.view(num_decodes, num_kv_heads, group, ctx)
+    out = torch.stack([torch.bmm(probs[:, h], values[:, :, h]) for h in range(num_kv_heads)],
+                      dim=1)
     return out.view(num_decodes, num_heads, head_dim)
 
 

@@ -73,3 +73,49 @@ def test_write_kv_cache_puts_tokens_at_their_slots() -> None:
     assert torch.equal(key_cache[0, 5], key[0]) and torch.equal(value_cache[0, 5], value[0])
     assert torch.equal(key_cache[3, 15], key[1]) and torch.equal(key_cache[1, 4], key[2])
     assert int((key_cache != 0).any(dim=(-1, -2)).sum()) == 3
+
+
+# Decode contexts (cached tokens before the decoded one, block size 16): all equal and ending a
+# block (no slot masked), all equal mid-block (only the last block's padding masked), ragged
+# (the masked tail starts at the shortest context), one request.
+DECODE_SHAPES = {"equal_full_blocks": [(31, 1)] * 4, "equal_mid_block": [(20, 1)] * 3,
+                 "ragged": [(2, 1), (47, 1), (16, 1), (33, 1)], "single": [(70, 1)]}
+
+
+# Group sizes 1, 3 and 4; 5 KV heads take the per-head products instead of the block-diagonal.
+@pytest.mark.parametrize("shape", list(DECODE_SHAPES))
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(3, 3), (9, 3), (8, 2), (10, 5)])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_decode_shapes_and_gqa_groups(shape: str, num_heads: int, num_kv_heads: int,
+                                      dtype: torch.dtype, atol: float) -> None:
+    specs = DECODE_SHAPES[shape]
+    out, ref = _run(specs, len(specs), num_heads, num_kv_heads, 16, dtype, seed=3)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(3, 3), (9, 3), (8, 2)])
+def test_prefill_chunks_with_and_without_prefix(num_heads: int, num_kv_heads: int) -> None:
+    out, ref = _run([(0, 37), (48, 16), (5, 40), (90, 1)], 0, num_heads, num_kv_heads, 16,
+                    torch.float32, seed=4)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (10, 5)])
+def test_nan_in_hidden_slots_does_not_leak(num_heads: int, num_kv_heads: int) -> None:
+    """Slots past a context (the rest of its last block, the padding blocks) may hold NaN left by
+    an earlier owner: they must not reach the output."""
+    specs = [(2, 1), (40, 1), (20, 1), (5, 30)]
+    case = make_case(specs, 3, num_heads, num_kv_heads, HEAD_DIM, 16, torch.float32, seed=5)
+    for req in case.requests:
+        ctx = req.num_cached + req.num_new
+        hidden = slots(req, range(ctx, len(req.blocks) * 16), 16)
+        case.key_cache.view(-1, num_kv_heads, HEAD_DIM)[hidden] = float("nan")
+        case.value_cache.view(-1, num_kv_heads, HEAD_DIM)[hidden] = float("nan")
+    # Block 0 pads the decode tables: poison it too when no request owns it.
+    if all(0 not in r.blocks for r in case.requests):
+        case.key_cache[0] = float("nan")
+        case.value_cache[0] = float("nan")
+    out = paged_attention(case.query, case.new_keys, case.new_values, case.key_cache,
+                          case.value_cache, case.meta, case.scale)
+    torch.testing.assert_close(out.double(), case.dense_reference(), atol=1e-5, rtol=0)
