@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -149,6 +150,11 @@ def _decode_seconds_per_step(steps: list[dict], batch: int) -> tuple[float, list
     return (statistics.median(gaps) if gaps else float("nan")), [mean_ctx] * batch, len(decode)
 
 
+def _progress(line: str) -> None:
+    # stderr, so stdout stays one JSON object; a long run shows where it is.
+    print(line, file=sys.stderr, flush=True)
+
+
 def bench_roofline(model_dir: str, dtype: str, prefill_lens: list[int], batches: list[int],
                    contexts: list[int], decode_tokens: int, repeats: int,
                    bandwidth_mib: int) -> dict:
@@ -186,6 +192,8 @@ def bench_roofline(model_dir: str, dtype: str, prefill_lens: list[int], batches:
                 step_counts.append(len(steps))
             engine_tps = length / statistics.median(times)
             bound = roofline.prefill_bound(length)
+            _progress(f"prefill {length}: engine {engine_tps:.0f} tok/s, linear roofline "
+                      f"{bound['linear_roofline_tokens_per_s']:.0f} tok/s")
             prefill[str(length)] = {
                 "engine_tokens_per_s": engine_tps, "engine_steps": max(step_counts), **bound,
                 "linear_roofline_share": engine_tps / bound["linear_roofline_tokens_per_s"],
@@ -204,6 +212,8 @@ def bench_roofline(model_dir: str, dtype: str, prefill_lens: list[int], batches:
                 engine_tps = batch / step_s
                 bound = roofline.decode_bound(step_contexts, bandwidth["bandwidth_gbs"],
                                               dtype_bytes)
+                _progress(f"decode {batch} x {ctx}: engine {engine_tps:.1f} tok/s, bandwidth bound "
+                          f"{bound['bandwidth_bound_tokens_per_s']:.1f} tok/s")
                 decode.setdefault(str(batch), {})[str(ctx)] = {
                     "engine_tokens_per_s": engine_tps, "engine_step_ms": 1000 * step_s,
                     "steps_measured": measured, "mean_context": step_contexts[0],
