@@ -4,8 +4,9 @@ Two bounds, both counted from the HF config (never hard-coded for one model):
 
 - prefill is compute bound: the step's linear layers (2 x non-embedding linear parameters per
   token, the LM head for the sampled rows only) plus causal attention (4 x n_layers x n_heads x
-  head_dim x (i + 1) FLOPs for the token at position i), each timed at the GFLOP/s that
-  torch.matmul reaches on *these* GEMM shapes, on torch's thread count, as the engine runs them;
+  head_dim x (i + 1) FLOPs for the token at position i), each timed at the GFLOP/s that the
+  faster of torch.matmul and oneDNN's prepacked linear (what the engine runs on a CPU in
+  float32, workers.layers.cpu_prepack) reaches on *these* GEMM shapes, on torch's threads;
 - decode is memory bound at small batches: every step reads the weights once and each request's
   K/V (2 x n_layers x n_kv_heads x head_dim x ctx x dtype bytes), at the measured read bandwidth
   of a buffer far larger than the caches. At large batches the linear layers' FLOPs take over,
@@ -107,10 +108,20 @@ def _repeats_for(flops: float) -> int:
 
 
 def matmul_seconds(m: int, k: int, n: int, dtype: torch.dtype) -> float:
+    """x[m, k] @ w[k, n] with the fastest kernel this machine has for it."""
+    from workers.layers import cpu_prepack
+
     x = torch.randn(m, k).to(dtype)
     w = torch.randn(k, n).to(dtype)
     out = torch.empty(m, n, dtype=dtype)
-    return _median_seconds(lambda: torch.matmul(x, w, out=out), _repeats_for(2 * m * k * n))
+    repeats = _repeats_for(2 * m * k * n)
+    seconds = _median_seconds(lambda: torch.matmul(x, w, out=out), repeats)
+    if cpu_prepack.prepack_available("cpu", dtype):
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(),
+                                                         cpu_prepack.PACK_ROWS_HINT)
+        seconds = min(seconds, _median_seconds(lambda: cpu_prepack.linear(x, packed, None),
+                                               repeats))
+    return seconds
 
 
 class Roofline:

@@ -20,6 +20,7 @@ from engine.core.scheduler_output import (ModelRunnerOutput, ScheduledRequest, S
                                     StepStatus)
 from kernels import AttentionMetadata, padded_block_tables, select_backend
 from workers.kv_cache import allocate_kv_caches
+from workers.layers.cpu_prepack import prepack_available, prepack_linear_weights
 from workers.models import build_model
 from workers.models import LayerJoin
 from workers.preempt_vote import PreemptVote, StepPreempted
@@ -73,6 +74,9 @@ class ModelRunner:
                                  tp_group=tp_group)
         load_weights(self.model, model_dir)
         self.model.eval()
+        if prepack_available(device, dtype):
+            packed = prepack_linear_weights(self.model)
+            logger.info("prepacked %d linear weights for oneDNN", packed)
         self.model.use_kernels(select_backend(device, attention_backend, fused_ops))
         self.kv_caches = allocate_kv_caches(self.model.num_layers, num_blocks, block_size,
                                             self.model.num_kv_heads, self.model.head_dim,

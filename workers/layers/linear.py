@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
+
+from workers.layers.cpu_prepack import linear
 
 WeightLoader = Callable[..., None]
 
@@ -49,6 +50,8 @@ def _new_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's output rows split across ranks; each rank keeps its slice of y."""
 
+    prepack_weight = True  # see workers.layers.cpu_prepack
+
     def __init__(self, input_size: int, output_size: int, *, bias: bool, dtype: torch.dtype,
                  device: torch.device | str, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
@@ -68,7 +71,7 @@ class ColumnParallelLinear(nn.Module):
         _copy_checked(param.data, loaded_weight.narrow(0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out_per_rank={self.output_size_per_partition}, "
@@ -146,6 +149,8 @@ class RowParallelLinear(nn.Module):
     x (the column-parallel layer's output) and the partial sums are all-reduced over tp_group.
     The bias is added once, after the reduction."""
 
+    prepack_weight = True  # see workers.layers.cpu_prepack
+
     def __init__(self, input_size: int, output_size: int, *, bias: bool, dtype: torch.dtype,
                  device: torch.device | str, tp_rank: int = 0, tp_size: int = 1,
                  tp_group: dist.ProcessGroup | None = None) -> None:
@@ -167,8 +172,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = F.linear(x, self.weight)
+            return linear(x, self.weight, self.bias)
+        out = linear(x, self.weight, None)
         dist.all_reduce(out, group=self.tp_group)
         if self.bias is not None:
             out = out + self.bias

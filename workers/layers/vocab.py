@@ -15,6 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from workers.layers.cpu_prepack import linear
+
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, *, dtype: torch.dtype,
@@ -62,11 +64,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     """logits = h W^T over this rank's vocabulary slice, gathered to the full vocabulary on every
     rank when tp_size > 1 (all ranks then hold identical logits)."""
 
+    prepack_weight = True  # see workers.layers.cpu_prepack
+
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight)
+        logits = linear(hidden_states, self.weight, None)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             dist.all_gather(parts, logits.contiguous(), group=self.tp_group)
