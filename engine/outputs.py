@@ -46,6 +46,8 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     num_steps: int = 0
     # Exceptions the SLO monitor thread caught and survived.
     monitor_errors: int = 0
+    # The TTFT predictor's safety margin: how much longer than predicted recent steps ran.
+    ttft_predictor_relative_error: float = 0.0
 
 
 def error_line(exc: BaseException, limit: int = 200) -> str:

@@ -69,6 +69,9 @@ class Request:
     # Chained hashes of this request's full blocks of tokens, extended as tokens are appended.
     block_hashes: list[bytes] = field(default_factory=list)
     first_scheduled_time: float | None = None
+    # Deadline - now - predicted TTFT when first admitted (None: no deadline): how much room
+    # the scheduler had, reported per request by the benchmark.
+    slack_at_admission_s: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     stop_reason: int | str | None = None

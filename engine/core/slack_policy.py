@@ -69,12 +69,14 @@ class SuspendedChunk(NamedTuple):
 
 class SlackPolicy:
     def __init__(self, scheduling_policy: SchedulingPolicy, preempt_mode: SLOPreemptMode,
-                 ttft_seed: LinearTTFT | None = None) -> None:
+                 ttft_seed: LinearTTFT | None = None, error_quantile: float = 0.9,
+                 aging_bound_s: float | None = None) -> None:
         self.scheduling_policy = scheduling_policy
+        self.aging_bound_s = aging_bound_s
         # What a mid-forward preemption does to its victim (docs/design.md section 4).
         self.preempt_mode = preempt_mode
         # The slo policy ranks by slack, which needs predicted prefill times.
-        self.predictor = OnlineTTFT(ttft_seed)
+        self.predictor = OnlineTTFT(ttft_seed, error_quantile=error_quantile)
         # Victims of mid-forward preemptions, held back until no request with prefill left is
         # more urgent than they are: a paused one stays running with its KV but is not
         # scheduled; a recomputed one waits and is not admitted (else it would share the very
@@ -93,7 +95,7 @@ class SlackPolicy:
     def urgency(self, request: Request, now: float | None = None) -> float:
         """Slack-EDF priority of a request (higher is more urgent); ``now`` defaults to now."""
         return request_urgency(request, time.monotonic() if now is None else now,
-                               self.predictor.predict)
+                               self.predictor.predict, self.aging_bound_s)
 
     # ---- hooks of one step, in the order schedule() calls them ----------------------------
 

@@ -40,6 +40,9 @@ class ServerSettings:
     api_key: str | None = None
     max_request_body_bytes: int = 1 << 20
     default_ttft_slo_ms: float | None = None
+    # The tightest TTFT objective a client may ask for: clients choose their own SLOs, and a
+    # stream of needlessly tight ones would hold every other request back.
+    min_ttft_slo_ms: float | None = None
     # /metrics and /debug/stats behind the API key too (/health stays open for probes).
     metrics_require_api_key: bool = False
 
@@ -145,7 +148,7 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
 
     def _slo(body: GenerationRequest, request: Request) -> float | None:
         if body.ttft_slo_ms is not None:  # the body wins over the header
-            return body.ttft_slo_ms
+            return _above_floor(body.ttft_slo_ms, "ttft_slo_ms")
         header = request.headers.get(SLO_HEADER)
         if header is None:
             return settings.default_ttft_slo_ms
@@ -156,7 +159,14 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
         if not value >= 0 or value == float("inf"):
             raise APIError(400, f"{SLO_HEADER} must be a non-negative number of milliseconds, "
                                 f"got {header!r}", SLO_HEADER)
-        return value
+        return _above_floor(value, SLO_HEADER)
+
+    def _above_floor(slo_ms: float, param: str) -> float:
+        floor = settings.min_ttft_slo_ms
+        if floor is not None and slo_ms < floor:
+            raise APIError(400, f"{param} {slo_ms:g} ms is tighter than this server's floor of "
+                                f"{floor:g} ms (--min-ttft-slo-ms)", param)
+        return slo_ms
 
     async def _serve(body: GenerationRequest, request: Request, prompt: str | None,
                      prompt_ids: list[int], chat: bool) -> Response:

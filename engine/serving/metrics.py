@@ -35,6 +35,9 @@ class ServerMetrics:
         self.num_requests_running = gauge("num_requests_running", "Requests in the running set.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use.")
+        self.ttft_predictor_relative_error = gauge(
+            "ttft_predictor_relative_error", "How much longer than the TTFT predictor said recent "
+            "prefill steps ran (its error quantile; the monitor's safety margin).")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up "
                                             "in the prefix cache.").labels(**labels)
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the "
@@ -75,6 +78,7 @@ class ServerMetrics:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.ttft_predictor_relative_error.set(stats.ttft_predictor_relative_error)
         # The core's counters are cumulative: add what they moved since the last snapshot.
         last = self._last
         self.prefix_cache_queries.inc(max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
