@@ -40,7 +40,8 @@ class SchedulerConfig:
     # Largest prefill chunk one request gets per step (0 = no limit beyond the budget).
     long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True
-    policy: SchedulingPolicy = "fcfs"
+    # slo (the default) schedules exactly as fcfs while no request carries a deadline.
+    policy: SchedulingPolicy = "slo"
     # slo policy: a request still waiting for its first token this long past its TTFT deadline
     # is aged (monitor.policy): it goes ahead of every other and its steps are never stopped.
     aging_bound_ms: float = 5000.0
@@ -162,7 +163,7 @@ def build_engine_config(model: str, *, dtype: str = "auto", device: str = "cpu",
                         kv_cache_memory_gb: float = 1.0, enable_prefix_caching: bool = True,
                         watermark: float = 0.01, max_num_batched_tokens: int = 2048,
                         max_num_seqs: int = 128, long_prefill_token_threshold: int = 0,
-                        enable_chunked_prefill: bool = True, scheduling_policy: str = "fcfs",
+                        enable_chunked_prefill: bool = True, scheduling_policy: str = "slo",
                         full_sequence_admission: bool = True, aging_bound_ms: float = 5000.0,
                         seed: int = 0,
                         tensor_parallel_size: int = 1, distributed_executor: str = "auto",

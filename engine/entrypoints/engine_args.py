@@ -38,8 +38,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-full-sequence-admission", action="store_true",
                    help="admit once the first prefill chunk fits, not the whole input (prompt "
                         "and tokens generated before a preemption)")
-    g.add_argument("--scheduling-policy", choices=["fcfs", "priority", "slo"], default="fcfs",
-                   help="slo: slack-EDF over TTFT deadlines (step level)")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority", "slo"], default="slo",
+                   help="slo (default): slack-EDF over TTFT deadlines, the same order as fcfs "
+                        "while no request carries one; fcfs; priority (lower first)")
     g.add_argument("--aging-bound-ms", type=float, default=5000.0,
                    help="slo policy: a request still without its first token this long past its "
                         "TTFT deadline goes ahead of every other, and no step serving it is "
