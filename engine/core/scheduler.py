@@ -343,8 +343,9 @@ class Scheduler:
             if not sr.sample:
                 continue
             request.append_output_token(runner_output.sampled_token_ids[sr.req_id])
+            request.last_token_time = time.monotonic()
             if request.first_token_time is None:
-                request.first_token_time = time.monotonic()
+                request.first_token_time = request.last_token_time
             status = stop_status(request, self.max_model_len)
             if status is not None:
                 self.running.remove(request)

@@ -68,6 +68,9 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError("--metrics-require-api-key needs an API key (--api-key or "
                          "$SLOSERVE_API_KEY)")
     _check_slo_settings(args.default_ttft_slo_ms, args.min_ttft_slo_ms)
+    if args.default_tpot_slo_ms is not None and not 0 < args.default_tpot_slo_ms < float("inf"):
+        raise ValueError(f"--default-tpot-slo-ms must be a positive number of milliseconds, "
+                         f"got {args.default_tpot_slo_ms}")
     model = model_path_or_default(kwargs.pop("model"))
     config = build_engine_config(model, **kwargs)
     resolve(config)  # bad configuration fails here, before any process starts
@@ -81,6 +84,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_request_body_bytes=args.max_request_body_bytes,
         default_ttft_slo_ms=args.default_ttft_slo_ms,
         min_ttft_slo_ms=args.min_ttft_slo_ms,
+        default_tpot_slo_ms=args.default_tpot_slo_ms,
         metrics_require_api_key=args.metrics_require_api_key)
     run_server(config, settings, args.host, args.port, args.log_level)
     return 0
@@ -122,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-request-body-bytes", type=int, default=1 << 20)
     serve.add_argument("--default-ttft-slo-ms", type=float, default=None,
                        help="TTFT objective for requests that carry none (default: none)")
+    serve.add_argument("--default-tpot-slo-ms", type=float, default=None,
+                       help="time-per-output-token objective for requests that carry none "
+                            "(default: none)")
     serve.add_argument("--min-ttft-slo-ms", type=float, default=None,
                        help="the tightest TTFT objective a request may carry; a tighter one is "
                             "a 400 that names this floor (default: none)")

@@ -70,6 +70,10 @@ class ServerMetrics:
                                "SLO.").labels(**labels)
         self.slo_missed = counter("ttft_slo_missed", "Requests whose first token missed their "
                                   "TTFT SLO.").labels(**labels)
+        self.tpot_slo_met = counter("tpot_slo_met", "Finished requests whose mean time per "
+                                    "output token met their TPOT SLO.").labels(**labels)
+        self.tpot_slo_missed = counter("tpot_slo_missed", "Finished requests whose mean time "
+                                       "per output token missed their TPOT SLO.").labels(**labels)
         self._last: SchedulerStats = SchedulerStats()
         # request id -> (tokens seen, time the last of them arrived)
         self._progress: dict[str, tuple[int, float]] = {}
@@ -120,6 +124,8 @@ class ServerMetrics:
                                         finished_reason=out.finish_reason or "unknown").inc()
             if m is not None and m.e2e_latency is not None:
                 self.e2e.observe(m.e2e_latency)
+            if m is not None and m.tpot_slo_met is not None and out.finish_reason != "error":
+                (self.tpot_slo_met if m.tpot_slo_met else self.tpot_slo_missed).inc()
 
     def forget(self, request_id: str) -> None:
         """A request that ended without finishing (client gone)."""
