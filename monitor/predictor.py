@@ -31,6 +31,8 @@ from pathlib import Path
 # 50 ms per step), so that slack is underestimated rather than overestimated.
 DEFAULT_SECONDS_PER_TOKEN = 1e-3
 DEFAULT_INTERCEPT_S = 0.05
+# More tokens than any step could hold: the answer of max_tokens_within for "no limit".
+MAX_TOKENS_WITHIN = 1 << 40
 # The error margin is estimated from this many observed steps at least; before that the seed's
 # (0 unless a calibration file carries one) stands.
 MIN_ERROR_SAMPLES = 8
@@ -69,14 +71,17 @@ class LinearTTFT:
                    + self.intercept_s)
 
     def max_tokens_within(self, seconds: float) -> int:
-        """The most tokens of one fresh prompt that `predict` keeps within `seconds`."""
+        """The most tokens of one fresh prompt that `predict` keeps within `seconds` (at most
+        MAX_TOKENS_WITHIN: a client's objective of 1e308 ms is no reason to overflow)."""
         budget = seconds - self.intercept_s
         if budget <= 0:
             return 0
         a, b = self.seconds_per_token, self.seconds_per_token_sq
         if b <= 0:
-            return int(budget / a)
-        return int((-a + math.sqrt(a * a + 4 * b * budget)) / (2 * b))
+            tokens = budget / a
+        else:
+            tokens = (-a + math.sqrt(a * a + 4 * b * budget)) / (2 * b)
+        return int(min(tokens, MAX_TOKENS_WITHIN))
 
     @classmethod
     def fit(cls, points: Iterable[tuple[int, float]]) -> LinearTTFT:

@@ -88,3 +88,29 @@ def test_tpot_counters_count_finished_requests_with_an_objective():
     text = metrics.render().decode()
     assert 'sloserve:tpot_slo_met_total{model_name="tiny"} 1.0' in text
     assert 'sloserve:tpot_slo_missed_total{model_name="tiny"} 1.0' in text
+
+
+def test_an_enormous_objective_caps_nothing_and_overflows_nothing():
+    """Found by the HTTP fuzz test: tpot_slo_ms = 1e308 with a fast fitted line made the TPOT
+    cap convert an infinite token count to int and took EngineCore down."""
+    import time
+
+    from monitor.predictor import MAX_TOKENS_WITHIN, LinearTTFT
+    from tests.test_scheduler import FakeRunner, make_request, make_scheduler
+
+    assert LinearTTFT(seconds_per_token=1e-9).max_tokens_within(1e305) == MAX_TOKENS_WITHIN
+    sched = make_scheduler(num_blocks=64, budget=64, policy="slo")
+    sched.slack.predictor.current = LinearTTFT(seconds_per_token=1e-9, intercept_s=0.0)
+    runner = FakeRunner(sched)
+    for i, slo in enumerate((1e308, 1e-300, 50.0)):
+        request = make_request(f"r{i}", 20, max_tokens=4, ignore_eos=True,
+                               arrival=time.monotonic())
+        request.tpot_slo_ms = slo
+        request.ttft_slo_ms = 1e308
+        sched.add_request(request)
+    for _ in range(50):
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        sched.update_from_output(out, runner.execute(out))
+    assert not sched.has_unfinished_requests()
