@@ -40,7 +40,11 @@ class SchedulerConfig:
     # Largest prefill chunk one request gets per step (0 = no limit beyond the budget).
     long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True
-    policy: SchedulingPolicy = "fcfs"
+    # slo (the default) schedules exactly as fcfs while no request carries a deadline.
+    policy: SchedulingPolicy = "slo"
+    # slo policy: a request still waiting for its first token this long past its TTFT deadline
+    # is aged (monitor.policy): it goes ahead of every other and its steps are never stopped.
+    aging_bound_ms: float = 5000.0
     # Admit a request only if the whole sequence (prompt + max_tokens) fits in the free blocks.
     full_sequence_admission: bool = True
 
@@ -53,6 +57,9 @@ class SchedulerConfig:
             raise ValueError(
                 f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}"
             )
+        if not 0 <= self.aging_bound_ms < float("inf"):
+            raise ValueError(f"aging_bound_ms must be a non-negative number, got "
+                             f"{self.aging_bound_ms}")
         if self.policy not in ("fcfs", "priority", "slo"):
             raise ValueError(f"policy must be 'fcfs', 'priority' or 'slo', got {self.policy!r}")
 
@@ -75,6 +82,9 @@ class PreemptionConfig:
     mode: SLOPreemptMode = "suspend"
     # JSON line from `sloserve calibrate`; None: fit online from the engine's own steps.
     ttft_model: str | None = None
+    # The quantile of the TTFT predictor's recent relative errors that the monitor adds as a
+    # safety margin before deciding that an urgent waiter can wait out the running step.
+    predictor_error_quantile: float = 0.9
     # TP ranks [0, n) read the shared-memory signal; the others vote 0 and learn the outcome
     # from the all_reduce, as ranks on another node would. None: every rank (all local).
     signal_ranks: int | None = None
@@ -94,6 +104,9 @@ class PreemptionConfig:
         if self.mode not in ("recompute", "pause", "suspend"):
             raise ValueError(f"slo preempt mode must be 'recompute', 'pause' or 'suspend', got "
                              f"{self.mode!r}")
+        if not 0.0 < self.predictor_error_quantile <= 1.0:
+            raise ValueError(f"predictor_error_quantile must be in (0, 1], got "
+                             f"{self.predictor_error_quantile}")
         if self.signal_ranks is not None and self.signal_ranks < 1:
             raise ValueError(f"signal_ranks must be >= 1, got {self.signal_ranks}")
 
@@ -150,15 +163,17 @@ def build_engine_config(model: str, *, dtype: str = "auto", device: str = "cpu",
                         kv_cache_memory_gb: float = 1.0, enable_prefix_caching: bool = True,
                         watermark: float = 0.01, max_num_batched_tokens: int = 2048,
                         max_num_seqs: int = 128, long_prefill_token_threshold: int = 0,
-                        enable_chunked_prefill: bool = True, scheduling_policy: str = "fcfs",
-                        full_sequence_admission: bool = True, seed: int = 0,
+                        enable_chunked_prefill: bool = True, scheduling_policy: str = "slo",
+                        full_sequence_admission: bool = True, aging_bound_ms: float = 5000.0,
+                        seed: int = 0,
                         tensor_parallel_size: int = 1, distributed_executor: str = "auto",
                         collective_timeout_s: float = 60.0,
                         mid_forward_preemption: bool = True,
                         preempt_policy: str = "conservative", preempt_margin: float = 1.2,
                         stubborn_fraction: float = 0.9, preempt_min_tokens: int = 128,
                         monitor_interval_ms: float = 2.0, slo_preempt_mode: str = "suspend",
-                        ttft_model: str | None = None) -> EngineConfig:
+                        ttft_model: str | None = None,
+                        predictor_error_quantile: float = 0.9) -> EngineConfig:
     """The flat engine arguments (as vLLM names them) grouped into an EngineConfig."""
     return EngineConfig(
         model=ModelConfig(model=model, dtype=dtype, device=device,
@@ -173,14 +188,16 @@ def build_engine_config(model: str, *, dtype: str = "auto", device: str = "cpu",
                                   long_prefill_token_threshold=long_prefill_token_threshold,
                                   enable_chunked_prefill=enable_chunked_prefill,
                                   policy=scheduling_policy,  # type: ignore[arg-type]
-                                  full_sequence_admission=full_sequence_admission),
+                                  full_sequence_admission=full_sequence_admission,
+                                  aging_bound_ms=aging_bound_ms),
         preemption=PreemptionConfig(mid_forward_preemption=mid_forward_preemption,
                                     policy=preempt_policy,  # type: ignore[arg-type]
                                     margin=preempt_margin, stubborn_fraction=stubborn_fraction,
                                     min_tokens=preempt_min_tokens,
                                     monitor_interval_ms=monitor_interval_ms,
                                     mode=slo_preempt_mode,  # type: ignore[arg-type]
-                                    ttft_model=ttft_model),
+                                    ttft_model=ttft_model,
+                                    predictor_error_quantile=predictor_error_quantile),
         tensor_parallel_size=tensor_parallel_size,
         distributed_executor=distributed_executor,  # type: ignore[arg-type]
         collective_timeout_s=collective_timeout_s,

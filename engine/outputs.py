@@ -46,6 +46,8 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     num_steps: int = 0
     # Exceptions the SLO monitor thread caught and survived.
     monitor_errors: int = 0
+    # The TTFT predictor's safety margin: how much longer than predicted recent steps ran.
+    ttft_predictor_relative_error: float = 0.0
 
 
 def error_line(exc: BaseException, limit: int = 200) -> str:
@@ -67,6 +69,8 @@ class RequestMetrics:
     num_preemptions: int = 0
     num_cached_tokens: int = 0
     ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
+    num_output_tokens: int = 0
 
     @property
     def queue_time(self) -> float | None:
@@ -79,6 +83,23 @@ class RequestMetrics:
         if self.ttft_slo_ms is None or self.ttft is None:
             return None
         return self.ttft * 1000 <= self.ttft_slo_ms
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first (vLLM's TPOT), once finished."""
+        if self.finish_time is None or self.first_token_time is None \
+                or self.num_output_tokens < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+    @property
+    def tpot_slo_met(self) -> bool | None:
+        """None without an objective or before the request finished; a request with one output
+        token has no gap to miss."""
+        if self.tpot_slo_ms is None or self.finish_time is None or self.first_token_time is None:
+            return None
+        tpot = self.tpot
+        return tpot is None or tpot * 1000 <= self.tpot_slo_ms
 
     @property
     def ttft(self) -> float | None:

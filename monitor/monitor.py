@@ -65,8 +65,10 @@ class MonitorDecision:
 
 class SLOMonitor:
     def __init__(self, signal: PreemptSignal, policy: PreemptPolicy = "conservative",
-                 margin: float = 1.2, interval_s: float = 0.002) -> None:
+                 margin: float = 1.2, interval_s: float = 0.002,
+                 aging_bound_s: float | None = None) -> None:
         self.signal = signal
+        self.aging_bound_s = aging_bound_s
         self.policy: PreemptPolicy = policy
         self.margin = margin
         self.interval_s = interval_s
@@ -151,7 +153,9 @@ class SLOMonitor:
         step_remaining = self._step_remaining(snapshot, now)
         decision = choose_preemption(snapshot.waiting + arrivals, snapshot.running, now,
                                      snapshot.predictor.predict, self.policy, self.margin,
-                                     step_remaining_s=step_remaining)
+                                     step_remaining_s=step_remaining,
+                                     relative_error=snapshot.predictor.relative_error,
+                                     aging_bound_s=self.aging_bound_s)
         if decision is None:
             return None
         self._fired_step = snapshot.step_id

@@ -3,6 +3,11 @@
 time_to_deadline = deadline - now; slack = time_to_deadline - predicted remaining TTFT;
 priority = sign(slack) / |time_to_deadline|: rescuable requests first, the most urgent first;
 doomed ones (slack <= 0) last. A request without a deadline has infinite time and priority 0.
+
+Aging bounds how long "last" lasts: a request still without its first token more than
+`aging_bound_s` past its deadline is *aged*. It goes ahead of every other request (the longest
+overdue first), and a step that serves it is never stopped for someone else, so no stream of
+tighter objectives can hold it back for good.
 """
 
 from __future__ import annotations
@@ -16,6 +21,10 @@ if TYPE_CHECKING:
     from engine.core.request import Request
 
 PreemptPolicy = Literal["conservative", "aggressive"]
+
+# Priority of an aged request: its seconds overdue on top of this, above any 1 / time_to_deadline
+# a live deadline can give (that would need one closer than a picosecond).
+AGED_PRIORITY = 1e12
 
 
 @dataclass(frozen=True)
@@ -40,12 +49,19 @@ class Urgency:
     def doomed(self) -> bool:
         return self.slack <= 0
 
+    @property
+    def aged(self) -> bool:
+        return self.priority >= AGED_PRIORITY
 
-def urgency(view: RequestView, now: float, predict: Callable[[int], float]) -> Urgency:
+
+def urgency(view: RequestView, now: float, predict: Callable[[int], float],
+            aging_bound_s: float | None = None) -> Urgency:
     if view.deadline is None:
         return Urgency(math.inf, math.inf, 0.0)
     time_to_deadline = view.deadline - now
     slack = time_to_deadline - predict(view.remaining_prefill_tokens)
+    if aging_bound_s is not None and -time_to_deadline > aging_bound_s:
+        return Urgency(time_to_deadline, slack, AGED_PRIORITY - time_to_deadline)
     if time_to_deadline == 0:
         return Urgency(0.0, slack, -math.inf)
     return Urgency(time_to_deadline, slack, math.copysign(1.0, slack) / abs(time_to_deadline))
@@ -60,8 +76,9 @@ def view_of(request: Request) -> RequestView:
                        slo_preempted=request.num_slo_preemptions > 0)
 
 
-def request_urgency(request: Request, now: float, predict: Callable[[int], float]) -> float:
-    return urgency(view_of(request), now, predict).priority
+def request_urgency(request: Request, now: float, predict: Callable[[int], float],
+                    aging_bound_s: float | None = None) -> float:
+    return urgency(view_of(request), now, predict, aging_bound_s).priority
 
 
 @dataclass(frozen=True)
@@ -84,7 +101,9 @@ def choose_preemption(waiting: Sequence[RequestView], running: Sequence[RequestV
                       now: float, predict: Callable[[int], float],
                       policy: PreemptPolicy = "conservative",
                       margin: float = 1.2,
-                      step_remaining_s: float | None = None) -> PreemptDecision | None:
+                      step_remaining_s: float | None = None,
+                      relative_error: float = 0.0,
+                      aging_bound_s: float | None = None) -> PreemptDecision | None:
     """Whether the best waiter should stop the running step, and whom to preempt.
 
     The gate compares the best waiter W with the MOST urgent eligible running request
@@ -95,20 +114,30 @@ def choose_preemption(waiting: Sequence[RequestView], running: Sequence[RequestV
 
     `step_remaining_s` (the running step's predicted time left) adds a necessity test: a waiter
     whose slack covers the rest of the step loses nothing by waiting for it, and unwinding the
-    step would only throw work away.
+    step would only throw work away. `relative_error` (the predictor's observed error, see
+    monitor.predictor) widens that test by the same share of both predictions, the waiter's
+    remaining prefill and the step's remaining time: waiting is safe only if the slack covers
+    the step plus what the two may run over.
+
+    Aging (`aging_bound_s`): a step serving an aged request is never stopped, and an aged waiter
+    (doomed by definition) neither preempts nor keeps a rescuable waiter from preempting.
     """
     if policy not in ("conservative", "aggressive"):
         raise ValueError(f"preempt policy must be conservative or aggressive, got {policy!r}")
     if margin < 1.0:
         raise ValueError(f"preempt margin must be >= 1, got {margin}")
-    candidates = [w for w in waiting if w.deadline is not None]
+    scored_waiting = [(u, w) for w in waiting if w.deadline is not None
+                      and not (u := urgency(w, now, predict, aging_bound_s)).aged]
     eligible = [r for r in running if not r.slo_preempted]
-    if not candidates or not eligible:
+    if not scored_waiting or not eligible:
         return None
-    scored_waiting = [(urgency(w, now, predict), w) for w in candidates]
+    if any(urgency(r, now, predict, aging_bound_s).aged for r in running):
+        return None
     best_urgency, best = max(scored_waiting, key=lambda item: item[0].priority)
-    if step_remaining_s is not None and best_urgency.slack >= step_remaining_s:
-        return None
+    if step_remaining_s is not None:
+        safety = relative_error * (predict(best.remaining_prefill_tokens) + step_remaining_s)
+        if best_urgency.slack >= step_remaining_s + safety:
+            return None
     scored_running = sorted(((urgency(r, now, predict), r) for r in eligible),
                             key=lambda item: item[0].priority)
     reference = scored_running[-1] if policy == "conservative" else scored_running[0]

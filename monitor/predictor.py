@@ -9,10 +9,17 @@ timings. A request's remaining TTFT counts only the tokens it still has to prefi
 A step of several chunks costs `c + a * tokens + b * attention`, where `attention` sums
 `n * (2 * prefix + n)` over its chunks (n new tokens over a cached prefix): for one fresh prompt
 that is `n**2`, so one model predicts lone prompts and mixed steps alike.
+
+The model carries its own error: `relative_error` is a high quantile (``error_quantile``, 0.9 by
+default) of how much longer than predicted recent steps ran, each residual taken against the
+model as it stood before that step (out of sample). The monitor adds it as a safety margin, so a
+misprediction of the size the engine keeps seeing does not turn a just-in-time preemption into
+a miss.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import deque
@@ -24,6 +31,11 @@ from pathlib import Path
 # 50 ms per step), so that slack is underestimated rather than overestimated.
 DEFAULT_SECONDS_PER_TOKEN = 1e-3
 DEFAULT_INTERCEPT_S = 0.05
+# More tokens than any step could hold: the answer of max_tokens_within for "no limit".
+MAX_TOKENS_WITHIN = 1 << 40
+# The error margin is estimated from this many observed steps at least; before that the seed's
+# (0 unless a calibration file carries one) stands.
+MIN_ERROR_SAMPLES = 8
 
 
 def attention_work(chunks: Iterable[tuple[int, int]]) -> int:
@@ -39,6 +51,13 @@ class LinearTTFT:
     r2: float | None = None
     # Seconds per unit of attention work (0: a plain line).
     seconds_per_token_sq: float = 0.0
+    # How much longer than predicted steps run, relative (0.1: 10% longer), at the error
+    # quantile of recent steps; never negative (running faster needs no margin).
+    relative_error: float = 0.0
+
+    def margin(self, seconds: float) -> float:
+        """The safety margin to add to a predicted duration of `seconds`."""
+        return self.relative_error * seconds
 
     def predict(self, tokens: int) -> float:
         """Seconds to prefill `tokens` more tokens (0 when none are left)."""
@@ -52,14 +71,17 @@ class LinearTTFT:
                    + self.intercept_s)
 
     def max_tokens_within(self, seconds: float) -> int:
-        """The most tokens of one fresh prompt that `predict` keeps within `seconds`."""
+        """The most tokens of one fresh prompt that `predict` keeps within `seconds` (at most
+        MAX_TOKENS_WITHIN: a client's objective of 1e308 ms is no reason to overflow)."""
         budget = seconds - self.intercept_s
         if budget <= 0:
             return 0
         a, b = self.seconds_per_token, self.seconds_per_token_sq
         if b <= 0:
-            return int(budget / a)
-        return int((-a + math.sqrt(a * a + 4 * b * budget)) / (2 * b))
+            tokens = budget / a
+        else:
+            tokens = (-a + math.sqrt(a * a + 4 * b * budget)) / (2 * b)
+        return int(min(tokens, MAX_TOKENS_WITHIN))
 
     @classmethod
     def fit(cls, points: Iterable[tuple[int, float]]) -> LinearTTFT:
@@ -119,7 +141,8 @@ class LinearTTFT:
             data = json.loads(Path(path).read_text())
             model = cls(seconds_per_token=float(data["seconds_per_token"]),
                         intercept_s=float(data["intercept_s"]), r2=data.get("r2"),
-                        seconds_per_token_sq=float(data.get("seconds_per_token_sq", 0.0)))
+                        seconds_per_token_sq=float(data.get("seconds_per_token_sq", 0.0)),
+                        relative_error=float(data.get("relative_error", 0.0)))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"ttft model {str(path)!r} is not a calibration file written by "
                              f"`sloserve calibrate`: {exc}") from exc
@@ -127,20 +150,32 @@ class LinearTTFT:
             raise ValueError(f"ttft model {str(path)!r}: seconds_per_token must be > 0 and "
                              f"seconds_per_token_sq >= 0, got {model.seconds_per_token} and "
                              f"{model.seconds_per_token_sq}")
+        if not 0 <= model.relative_error < math.inf:
+            raise ValueError(f"ttft model {str(path)!r}: relative_error must be a finite number "
+                             f">= 0, got {model.relative_error}")
         return model
 
 
 class OnlineTTFT:
     """Refits the model from the engine's observed prefill steps (a sliding window), starting
     from a seed until enough distinct step sizes were seen; the quadratic term is refitted only
-    when the seed has one (calibration found it beats the line). Readers get the current model
-    by reference; `observe` replaces it, never mutates it."""
+    when the seed has one (calibration found it beats the line). Every step also updates the
+    model's `relative_error` (see the module docstring). Readers get the current model by
+    reference; `observe` replaces it, never mutates it."""
 
     def __init__(self, seed: LinearTTFT | None = None, window: int = 256,
-                 refit_every: int = 8) -> None:
+                 refit_every: int = 8, error_quantile: float = 0.9,
+                 error_window: int = 64) -> None:
+        if not 0.0 < error_quantile <= 1.0:
+            raise ValueError(f"error_quantile must be in (0, 1], got {error_quantile}")
         self.current = seed or LinearTTFT()
+        self.error_quantile = error_quantile
         self._quadratic = self.current.seconds_per_token_sq > 0
         self._points: deque[tuple[int, int, float]] = deque(maxlen=window)
+        # actual / predicted - 1 of each observed step, against the model before it. A shorter
+        # window than the fit's: the margin should forget a seed's error once the refit
+        # corrected it.
+        self._residuals: deque[float] = deque(maxlen=error_window)
         self._refit_every = refit_every
         self._since_fit = 0
 
@@ -149,19 +184,37 @@ class OnlineTTFT:
         prompt of `tokens`)."""
         if tokens <= 0 or seconds <= 0:
             return
-        self._points.append((tokens, tokens * tokens if attention is None else attention,
-                             seconds))
+        attention = tokens * tokens if attention is None else attention
+        predicted = self.current.predict_step(tokens, attention)
+        if predicted > 0:
+            self._residuals.append(seconds / predicted - 1.0)
+        self._points.append((tokens, attention, seconds))
+        model = self.current
         self._since_fit += 1
-        if self._since_fit < self._refit_every:
-            return
-        self._since_fit = 0
-        try:
-            fitted = (LinearTTFT.fit_quadratic(self._points) if self._quadratic
-                      else LinearTTFT.fit((n, s) for n, _, s in self._points))
-        except ValueError:  # too few distinct step sizes so far
-            return
-        if fitted.seconds_per_token > 0:
-            self.current = fitted
+        if self._since_fit >= self._refit_every:
+            self._since_fit = 0
+            try:
+                fitted = (LinearTTFT.fit_quadratic(self._points) if self._quadratic
+                          else LinearTTFT.fit((n, s) for n, _, s in self._points))
+            except ValueError:  # too few distinct step sizes so far
+                fitted = None
+            if fitted is not None and fitted.seconds_per_token > 0:
+                model = fitted
+        error = self.observed_error()
+        if error is None:  # too few steps yet: the seed's margin stands
+            error = self.current.relative_error
+        if model is not self.current or error != model.relative_error:
+            self.current = dataclasses.replace(model, relative_error=error)
+
+    def observed_error(self) -> float | None:
+        """The error quantile of the recent residuals (clipped at 0), or None before
+        MIN_ERROR_SAMPLES steps were seen."""
+        if len(self._residuals) < MIN_ERROR_SAMPLES:
+            return None
+        ordered = sorted(self._residuals)
+        # The smallest residual with at least `error_quantile` of them at or below it.
+        index = max(0, math.ceil(self.error_quantile * len(ordered)) - 1)
+        return max(0.0, ordered[index])
 
     def predict(self, tokens: int) -> float:
         return self.current.predict(tokens)

@@ -285,26 +285,59 @@ def test_aborting_a_suspended_victim_frees_its_activations(model: str) -> None:
         engine.shutdown()
 
 
+def _target_last_layer(engine: EngineCore):
+    """Publish a target for the running step from the forward pass itself, just before the
+    last layer (synchronous: the vote of that very layer sees it). Returns the signal."""
+    signal = engine.preemption.signal
+
+    def target_running_step(_module, args) -> None:
+        signal.publish(engine.scheduler.step_id, "long", "", time.monotonic())
+        handle.remove()
+
+    layers = engine.executor.runner.model.model.layers
+    handle = layers[NUM_LAYERS - 1].register_forward_pre_hook(target_running_step)
+    return signal
+
+
+def test_rule2_in_suspend_mode_applies_only_to_work_thrown_away(model: str) -> None:
+    """Suspend mode, the same late target as below with a stubborn fraction of 0.8: a
+    suspended chunk loses nothing, so the step still unwinds at the last layer, with a decode
+    beside the long prefill (its one token is all that is thrown away); the chunk resumes at
+    that layer and every output equals the unpreempted run's."""
+    prompts = {"long": _prompt(LONG_PROMPT, seed=5), "short": _prompt(20, seed=7)}
+    expected = _reference_outputs(model, prompts)
+    engine = _engine(model, stubborn_fraction=0.8, slo_preempt_mode="suspend")
+    try:
+        short = _request("short", prompts["short"], slo_ms=None)
+        engine.add_request(short)
+        engine.step()  # its prefill: it decodes in the long request's step
+        long = _request("long", prompts["long"], slo_ms=None)
+        engine.add_request(long)
+        signal = _target_last_layer(engine)
+        assert engine.step() == []  # unwound
+        assert signal.target_step_id == 2  # probe: the target named the running step
+        (event,) = engine.preemption.events
+        assert event.layer == NUM_LAYERS - 1
+        assert engine.scheduler.slack.suspended == {"long": (0, LONG_PROMPT)}
+        _run(engine)
+        assert {r.request_id: r.output_token_ids for r in (long, short)} == expected
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("stubborn_fraction,unwinds", [(0.8, False), (0.9, True)])
 def test_rule2_past_stubborn_fraction_the_step_completes(model: str, stubborn_fraction: float,
                                                          unwinds: bool) -> None:
     """The target is written just before the last layer (index 7 of 8: 0.875 of the way).
     Past the stubborn fraction (0.8) the step completes; the paired probe (0.9) shows the same
-    target does stop the step when the layer is still within it."""
-    engine = _engine(model, stubborn_fraction=stubborn_fraction)
+    target does stop the step when the layer is still within it. Pause mode: an unwind would
+    throw the whole chunk's work away."""
+    engine = _engine(model, stubborn_fraction=stubborn_fraction, slo_preempt_mode="pause")
     try:
         long = _request("long", _prompt(LONG_PROMPT, seed=5), slo_ms=None)
         engine.add_request(long)
-        signal = engine.preemption.signal
-
-        def target_running_step(_module, args) -> None:
-            # Synchronous, from the forward pass itself: the vote of this very layer sees it.
-            signal.publish(engine.scheduler.step_id, "long", "", time.monotonic())
-
-        layers = engine.executor.runner.model.model.layers
-        handle = layers[NUM_LAYERS - 1].register_forward_pre_hook(target_running_step)
+        signal = _target_last_layer(engine)
         engine.step()
-        handle.remove()
         assert signal.target_step_id == 1  # probe: the target named the running step
         if unwinds:
             (event,) = engine.preemption.events

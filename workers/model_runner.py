@@ -46,6 +46,15 @@ def _slow_down_layers(model: torch.nn.Module, seconds_per_token: float) -> None:
         layer.register_forward_pre_hook(delay)
 
 
+def _discarded_share(scheduler_output: SchedulerOutput) -> float:
+    """The share of a step's tokens an unwind throws away (Rule 2, workers.preempt_vote): in
+    suspend mode only the decodes', since every prefill chunk resumes where it stopped."""
+    if not scheduler_output.suspend_on_unwind:
+        return 1.0
+    tokens = [len(r.token_ids) for r in scheduler_output.requests]
+    return sum(n for n in tokens if n == 1) / max(1, sum(tokens))
+
+
 @dataclass
 class ModelInputs:
     input_ids: torch.Tensor
@@ -105,6 +114,7 @@ class ModelRunner:
         vote = self.vote if scheduler_output.preemptible else None
         if vote is not None:
             vote.step_id = scheduler_output.step_id
+            vote.discarded_share = _discarded_share(scheduler_output)
             self.model.before_attention = vote if self.run_ahead is None else \
                 self.run_ahead.pace(vote)
         try:

@@ -1,7 +1,10 @@
 """The attention-op vote (docs/design.md section 4): stop a preemptible step between two layers.
 
 Before each attention op: local vote = (target step id == this step's id) and
-(layer / num_layers <= stubborn_fraction) (Rule 2). With TP, the ranks agree by all_reduce(MAX)
+(layer / num_layers x discarded share <= stubborn_fraction) (Rule 2: a step nearly done is not
+thrown away). The discarded share is the part of the step's tokens an unwind would throw away:
+all of them, except in suspend mode, where every prefill chunk resumes at the stopped layer and
+only the decodes' partial layers are lost. With TP, the ranks agree by all_reduce(MAX)
 over the CPU (gloo) group, and raise only after the collective returned, so no rank is left
 waiting in a collective the others skipped. A rank that cannot see the signal (another node)
 votes 0 and learns the decision from the all_reduce.
@@ -43,7 +46,7 @@ class PreemptVote:
     synchronous collective per layer would make every rank wait for the slowest one at each
     boundary (measured 2 ms per layer with gloo, 3-4% of a 1024-token prefill at TP=2); overlapped,
     it costs its launch, for one layer more of unwind latency. Past the stubborn fraction no rank
-    starts a ballot at all (all ranks agree on that without talking).
+    starts a ballot at all (all ranks agree on that without talking: they run the same step).
     """
 
     def __init__(self, signal: PreemptSignal | None, num_layers: int,
@@ -56,6 +59,8 @@ class PreemptVote:
         self.stubborn_fraction = stubborn_fraction
         self.cpu_group = cpu_group
         self.step_id = -1
+        # Set with step_id for every preemptible step (see the module docstring).
+        self.discarded_share = 1.0
         self.stats = VoteStats()
         self._ballot = torch.zeros(1, dtype=torch.int64)
         self._pending: dist.Work | None = None
@@ -65,7 +70,7 @@ class PreemptVote:
                 and self._within_stubborn_fraction(layer))
 
     def _within_stubborn_fraction(self, layer: int) -> bool:
-        return layer / self.num_layers <= self.stubborn_fraction
+        return layer / self.num_layers * self.discarded_share <= self.stubborn_fraction
 
     def __call__(self, layer: int) -> None:
         if self.signal is not None:

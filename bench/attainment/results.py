@@ -39,6 +39,8 @@ class RequestResult:
     tpot_s: float | None  # (e2e - ttft) / (output_tokens - 1) when output_tokens > 1
     num_preemptions: int = 0
     error: str | None = None
+    # Deadline - admission time - predicted TTFT, in ms (in-process runs; None without a SLO).
+    slack_at_admission_ms: float | None = None
 
     @property
     def failed(self) -> bool:

@@ -154,7 +154,9 @@ def _inprocess_result(tr: TraceRequest, request: Any, start: float) -> RequestRe
                          prompt_tokens=len(tr.prompt_token_ids), output_tokens=n,
                          ttft_slo_ms=tr.ttft_slo_ms, ttft_s=ttft, e2e_s=e2e, tpot_s=tpot,
                          num_preemptions=request.num_preemptions,
-                         error=None if ttft is not None else "no token")
+                         error=None if ttft is not None else "no token",
+                         slack_at_admission_ms=(None if request.slack_at_admission_s is None
+                                                else 1000 * request.slack_at_admission_s))
 
 
 # ---- over HTTP ------------------------------------------------------------------------------

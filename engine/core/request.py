@@ -56,6 +56,9 @@ class Request:
     max_model_len: int | None = None
     # TTFT service-level objective; the deadline is arrival_time + ttft_slo_ms / 1000.
     ttft_slo_ms: float | None = None
+    # Time-per-output-token objective: every gap between two output tokens should stay within it
+    # (the scheduler keeps the decodes that have one within it; met when the mean gap is).
+    tpot_slo_ms: float | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -69,7 +72,12 @@ class Request:
     # Chained hashes of this request's full blocks of tokens, extended as tokens are appended.
     block_hashes: list[bytes] = field(default_factory=list)
     first_scheduled_time: float | None = None
+    # Deadline - now - predicted TTFT when first admitted (None: no deadline): how much room
+    # the scheduler had, reported per request by the benchmark.
+    slack_at_admission_s: float | None = None
     first_token_time: float | None = None
+    # When the latest output token was sampled: the next one is due tpot_slo_ms after it.
+    last_token_time: float | None = None
     finish_time: float | None = None
     stop_reason: int | str | None = None
     # FINISHED_ERROR: a one-line reason, safe to show a client (tracebacks go to the log).

@@ -59,7 +59,10 @@ class Scheduler:
         self.admission = AdmissionControl(scheduler_config, self.kv_cache_manager)
         self.slack = SlackPolicy(scheduler_config.policy,
                                  preemption.mode if preemption is not None else "pause",
-                                 ttft_seed)
+                                 ttft_seed,
+                                 preemption.predictor_error_quantile if preemption is not None
+                                 else 0.9,
+                                 scheduler_config.aging_bound_ms / 1000)
         # Steps with at least this many prefill tokens are marked preemptible (None: never).
         self.preempt_min_tokens = (preemption.min_tokens if preemption is not None
                                    and preemption.mid_forward_preemption else None)
@@ -159,8 +162,15 @@ class Scheduler:
               budget: int | None = None) -> int | None:
         """Admit a waiting request into ``step`` with at most ``budget`` tokens (default: what the
         step has left); the caller takes it off the queue. The tokens scheduled, or None."""
-        return self.admission.admit(request, step, self.running,
-                                    step.budget if budget is None else budget)
+        scheduled = self.admission.admit(request, step, self.running,
+                                         step.budget if budget is None else budget)
+        if (scheduled is not None and request.slack_at_admission_s is None
+                and request.deadline is not None):
+            now = time.monotonic()
+            remaining = request.num_tokens - request.num_computed_tokens
+            request.slack_at_admission_s = (request.deadline - now
+                                            - self.slack.predictor.predict(remaining))
+        return scheduled
 
     def requeue_for_recompute(self, request: Request) -> None:
         """Free a running request's KV and put it at the head of the waiting queue: it computes
@@ -333,8 +343,9 @@ class Scheduler:
             if not sr.sample:
                 continue
             request.append_output_token(runner_output.sampled_token_ids[sr.req_id])
+            request.last_token_time = time.monotonic()
             if request.first_token_time is None:
-                request.first_token_time = time.monotonic()
+                request.first_token_time = request.last_token_time
             status = stop_status(request, self.max_model_len)
             if status is not None:
                 self.running.remove(request)
@@ -387,7 +398,9 @@ class Scheduler:
                               num_kv_preemptions=self.num_kv_preemptions,
                               num_slo_preemptions=self.slack.num_slo_preemptions,
                               num_scheduled_tokens=self.num_scheduled_tokens_total,
-                              num_steps=self.step_id)
+                              num_steps=self.step_id,
+                              ttft_predictor_relative_error=(
+                                  self.slack.predictor.current.relative_error))
 
     def check_invariants(self) -> None:
         self.kv_cache_manager.check_invariants()

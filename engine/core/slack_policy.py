@@ -4,7 +4,10 @@ calls its hooks.
 
 - `slo` policy: running and waiting requests are ranked by urgency every step; waiters more
   urgent than every running prefill are admitted first, and the rest of their step is capped to
-  the tightest deadline it can still meet.
+  the tightest deadline it can still meet. Decodes with a TPOT objective come before everything
+  else (their tokens are reserved before the urgent admissions), and the step's prefill is capped
+  so that its predicted time fits the tightest of their next-token deadlines (Sarathi's
+  stall-free batching, driven by deadlines).
 - Mid-forward preemption: applying the monitor's decision to its victim after a rollback,
   holding victims back until they are the most urgent again, admitting the waiter first, and
   the suspended chunks that resume where their pass stopped (suspend mode).
@@ -60,6 +63,13 @@ class SchedulerOps(Protocol):
         """Free a running request's KV and put it at the head of the waiting queue."""
 
 
+def _is_tpot_decode(request: Request) -> bool:
+    """A decoding request with a TPOT objective: its next token is due. (One recomputing its
+    sequence after a KV preemption owes more than a token: it is prefilling.)"""
+    return (request.tpot_slo_ms is not None and request.last_token_time is not None
+            and request.num_tokens_owed <= 1)
+
+
 class SuspendedChunk(NamedTuple):
     """A prefill chunk whose stopped pass the workers hold; it resumes whole or not at all."""
 
@@ -69,12 +79,14 @@ class SuspendedChunk(NamedTuple):
 
 class SlackPolicy:
     def __init__(self, scheduling_policy: SchedulingPolicy, preempt_mode: SLOPreemptMode,
-                 ttft_seed: LinearTTFT | None = None) -> None:
+                 ttft_seed: LinearTTFT | None = None, error_quantile: float = 0.9,
+                 aging_bound_s: float | None = None) -> None:
         self.scheduling_policy = scheduling_policy
+        self.aging_bound_s = aging_bound_s
         # What a mid-forward preemption does to its victim (docs/design.md section 4).
         self.preempt_mode = preempt_mode
         # The slo policy ranks by slack, which needs predicted prefill times.
-        self.predictor = OnlineTTFT(ttft_seed)
+        self.predictor = OnlineTTFT(ttft_seed, error_quantile=error_quantile)
         # Victims of mid-forward preemptions, held back until no request with prefill left is
         # more urgent than they are: a paused one stays running with its KV but is not
         # scheduled; a recomputed one waits and is not admitted (else it would share the very
@@ -93,7 +105,7 @@ class SlackPolicy:
     def urgency(self, request: Request, now: float | None = None) -> float:
         """Slack-EDF priority of a request (higher is more urgent); ``now`` defaults to now."""
         return request_urgency(request, time.monotonic() if now is None else now,
-                               self.predictor.predict)
+                               self.predictor.predict, self.aging_bound_s)
 
     # ---- hooks of one step, in the order schedule() calls them ----------------------------
 
@@ -105,7 +117,7 @@ class SlackPolicy:
         if self.scheduling_policy == "slo":
             now = time.monotonic()
             ranking = {r.request_id: self.urgency(r, now) for r in ops.running}
-            ops.running.sort(key=lambda r: -ranking[r.request_id])
+            ops.running.sort(key=lambda r: (not _is_tpot_decode(r), -ranking[r.request_id]))
             waiting = ops.waiting
             assert isinstance(waiting, UrgencyQueue)
             waiting.refresh()
@@ -118,11 +130,17 @@ class SlackPolicy:
         preemption made room for; then (slo policy) waiters that outrank every running
         prefill, after which the rest of the step's budget is capped to the tightest deadline
         the step can still meet."""
+        # slo policy: the TPOT decodes' tokens are kept out of the urgent admissions' reach.
+        reserved = 0
+        if self.scheduling_policy == "slo":
+            reserved = min(step.budget, len(self._tpot_decodes(ops, step)))
+            step.budget -= reserved
         if self.urgent_waiter_id is not None:
             self._admit_urgent_waiter(ops, step)
         if self.scheduling_policy == "slo":
             self._admit_outranking_waiters(ops, step)
-            step.budget = self.cap_for_deadlines(step)
+            step.budget += reserved
+            step.budget = min(self.cap_for_deadlines(step), self.cap_for_tpot(ops, step))
 
     @contextmanager
     def waiting_past_held(self, waiting: RequestQueue) -> Iterator[Callable[[], Request | None]]:
@@ -237,9 +255,43 @@ class SlackPolicy:
                 continue  # doomed even alone: nothing left to protect
             # As if the step were one prompt: overestimates a mixed step's attention, so the
             # cap errs on the side of the deadline.
-            usable = time_left * (1 - DEADLINE_HEADROOM)
+            usable = self._usable(time_left)
             allowed = min(allowed, max(0, line.max_tokens_within(usable) - used))
         return allowed
+
+    def _tpot_decodes(self, ops: SchedulerOps, step: StepInProgress) -> list[Request]:
+        return [r for r in ops.running if _is_tpot_decode(r) and r.request_id not in step
+                and r.request_id not in self.held]
+
+    def cap_for_tpot(self, ops: SchedulerOps, step: StepInProgress) -> int:
+        """slo policy: the tokens the step may still schedule (its TPOT decodes' own included)
+        so that its predicted time fits every TPOT decode's next-token deadline (the latest
+        token's time plus its objective) that a step of just the decodes can still meet; a
+        deadline it cannot constrains nothing, so prefill never stalls behind an objective no
+        step could meet. Like the TTFT cap, it leaves DEADLINE_HEADROOM of the time unfilled and
+        allows for the predictor's observed error."""
+        decodes = self._tpot_decodes(ops, step)
+        if not decodes:
+            return step.budget
+        now = time.monotonic()
+        line = self.predictor.current
+        minimal = step.num_tokens + len(decodes)
+        allowed = step.budget
+        for request in decodes:
+            assert request.tpot_slo_ms is not None and request.last_token_time is not None
+            time_left = request.last_token_time + request.tpot_slo_ms / 1000 - now
+            if line.predict(minimal) > time_left:
+                continue  # missed even by a step of decodes alone
+            usable = self._usable(time_left)
+            allowed = min(allowed, max(len(decodes), line.max_tokens_within(usable)
+                                       - step.num_tokens))
+        return allowed
+
+    def _usable(self, time_left: float) -> float:
+        """The part of `time_left` a cap may fill: DEADLINE_HEADROOM stays free, and the rest
+        is shrunk by how much longer than predicted steps have been running (the predictor's
+        own relative_error)."""
+        return time_left * (1 - DEADLINE_HEADROOM) / (1 + self.predictor.current.relative_error)
 
     def _release_held(self, ops: SchedulerOps) -> None:
         """A held victim runs again once no request with prefill left (waiting or running,

@@ -41,6 +41,17 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_slo_settings(default_ms: float | None, floor_ms: float | None) -> None:
+    """The server's SLO flags, checked before any model is prepared."""
+    for flag, value in (("--default-ttft-slo-ms", default_ms), ("--min-ttft-slo-ms", floor_ms)):
+        if value is not None and not 0 <= value < float("inf"):
+            raise ValueError(f"{flag} must be a non-negative number of milliseconds, got {value}")
+    if default_ms is not None and floor_ms is not None and default_ms < floor_ms:
+        raise ValueError(f"--default-ttft-slo-ms {default_ms:g} is below --min-ttft-slo-ms "
+                         f"{floor_ms:g}: requests without an objective would get one the "
+                         f"server refuses")
+
+
 def _serve(args: argparse.Namespace) -> int:
     import os
 
@@ -56,6 +67,10 @@ def _serve(args: argparse.Namespace) -> int:
     if args.metrics_require_api_key and api_key is None:  # before any model is prepared
         raise ValueError("--metrics-require-api-key needs an API key (--api-key or "
                          "$SLOSERVE_API_KEY)")
+    _check_slo_settings(args.default_ttft_slo_ms, args.min_ttft_slo_ms)
+    if args.default_tpot_slo_ms is not None and not 0 < args.default_tpot_slo_ms < float("inf"):
+        raise ValueError(f"--default-tpot-slo-ms must be a positive number of milliseconds, "
+                         f"got {args.default_tpot_slo_ms}")
     model = model_path_or_default(kwargs.pop("model"))
     config = build_engine_config(model, **kwargs)
     resolve(config)  # bad configuration fails here, before any process starts
@@ -68,6 +83,8 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=api_key,
         max_request_body_bytes=args.max_request_body_bytes,
         default_ttft_slo_ms=args.default_ttft_slo_ms,
+        min_ttft_slo_ms=args.min_ttft_slo_ms,
+        default_tpot_slo_ms=args.default_tpot_slo_ms,
         metrics_require_api_key=args.metrics_require_api_key)
     run_server(config, settings, args.host, args.port, args.log_level)
     return 0
@@ -109,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-request-body-bytes", type=int, default=1 << 20)
     serve.add_argument("--default-ttft-slo-ms", type=float, default=None,
                        help="TTFT objective for requests that carry none (default: none)")
+    serve.add_argument("--default-tpot-slo-ms", type=float, default=None,
+                       help="time-per-output-token objective for requests that carry none "
+                            "(default: none)")
+    serve.add_argument("--min-ttft-slo-ms", type=float, default=None,
+                       help="the tightest TTFT objective a request may carry; a tighter one is "
+                            "a 400 that names this floor (default: none)")
     serve.add_argument("--log-level", default="info")
     add_engine_args(serve)
     serve.set_defaults(func=_serve)

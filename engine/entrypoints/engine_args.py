@@ -38,8 +38,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-full-sequence-admission", action="store_true",
                    help="admit once the first prefill chunk fits, not the whole input (prompt "
                         "and tokens generated before a preemption)")
-    g.add_argument("--scheduling-policy", choices=["fcfs", "priority", "slo"], default="fcfs",
-                   help="slo: slack-EDF over TTFT deadlines (step level)")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority", "slo"], default="slo",
+                   help="slo (default): slack-EDF over TTFT deadlines, the same order as fcfs "
+                        "while no request carries one; fcfs; priority (lower first)")
+    g.add_argument("--aging-bound-ms", type=float, default=5000.0,
+                   help="slo policy: a request still without its first token this long past its "
+                        "TTFT deadline goes ahead of every other, and no step serving it is "
+                        "stopped (no stream of tighter SLOs starves it)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="TP worker processes (default 1; under torchrun: the world size)")
@@ -67,6 +72,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "suspend also keeps the stopped pass's work and resumes it at its layer")
     p.add_argument("--ttft-model", default=None, metavar="FILE",
                    help="TTFT line from `sloserve calibrate` (default: fitted online)")
+    p.add_argument("--predictor-error-quantile", type=float, default=0.9,
+                   help="the monitor waits out a running step for an urgent request only if "
+                        "its slack covers the step plus this quantile of the TTFT predictor's "
+                        "recent relative errors")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -82,7 +91,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_chunked_prefill=not args.no_chunked_prefill,
                 watermark=args.watermark,
                 full_sequence_admission=not args.no_full_sequence_admission,
-                scheduling_policy=args.scheduling_policy, seed=args.seed,
+                scheduling_policy=args.scheduling_policy, aging_bound_ms=args.aging_bound_ms,
+                seed=args.seed,
                 tensor_parallel_size=args.tensor_parallel_size or 1,
                 collective_timeout_s=args.collective_timeout_s,
                 mid_forward_preemption=args.mid_forward_preemption == "on",
@@ -90,7 +100,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 stubborn_fraction=args.stubborn_fraction,
                 preempt_min_tokens=args.preempt_min_tokens,
                 monitor_interval_ms=args.monitor_interval_ms,
-                slo_preempt_mode=args.slo_preempt_mode, ttft_model=args.ttft_model)
+                slo_preempt_mode=args.slo_preempt_mode, ttft_model=args.ttft_model,
+                predictor_error_quantile=args.predictor_error_quantile)
 
 
 def under_torchrun(args: argparse.Namespace, kwargs: dict) -> int | None:

@@ -43,9 +43,11 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  priority: Sequence[int] | None = None,
                  ttft_slo_ms: float | Sequence[float | None] | None = None,
+                 tpot_slo_ms: float | Sequence[float | None] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Runs all prompts to completion; outputs come back in the order of the prompts.
-        `ttft_slo_ms`: time-to-first-token objective(s), counted from this call.
+        `ttft_slo_ms`: time-to-first-token objective(s), counted from this call; `tpot_slo_ms`:
+        time-per-output-token objective(s).
 
         Bad input (a prompt, a sampling parameter) raises ValueError before anything runs. A
         request that fails while it runs (its sampling, its logits, its detokenization) does not
@@ -55,7 +57,7 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         encoded = [self._encode(p) for p in prompts]
-        return self._run(encoded, sampling_params, priority, use_tqdm, ttft_slo_ms)
+        return self._run(encoded, sampling_params, priority, use_tqdm, ttft_slo_ms, tpot_slo_ms)
 
     def chat(self, messages: ChatMessages | Sequence[ChatMessages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -81,22 +83,28 @@ class LLM:
     def _run(self, encoded: list[tuple[str | None, list[int]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
              priority: Sequence[int] | None, use_tqdm: bool,
-             ttft_slo_ms: float | Sequence[float | None] | None = None) -> list[RequestOutput]:
+             ttft_slo_ms: float | Sequence[float | None] | None = None,
+             tpot_slo_ms: float | Sequence[float | None] | None = None) -> list[RequestOutput]:
         params = _per_prompt(sampling_params, len(encoded), "sampling_params", SamplingParams())
         priorities = _per_prompt(priority, len(encoded), "priority", 0)
         slos = _per_prompt(ttft_slo_ms, len(encoded), "ttft_slo_ms", None)
-        for slo in slos:
-            if slo is not None and not slo > 0:
-                raise ValueError(f"ttft_slo_ms must be > 0, got {slo}")
-        requests = [self._make_request(ids, sp, prio, slo)
-                    for (_, ids), sp, prio, slo in zip(encoded, params, priorities, slos)]
+        tpots = _per_prompt(tpot_slo_ms, len(encoded), "tpot_slo_ms", None)
+        for name, values in (("ttft_slo_ms", slos), ("tpot_slo_ms", tpots)):
+            for slo in values:
+                if slo is not None and not 0 < slo < float("inf"):
+                    raise ValueError(f"{name} must be a positive number of milliseconds, "
+                                     f"got {slo}")
+        requests = [self._make_request(ids, sp, prio, slo, tpot)
+                    for (_, ids), sp, prio, slo, tpot
+                    in zip(encoded, params, priorities, slos, tpots)]
         # Validate every request before any is queued: one bad prompt must not strand the rest.
         for request in requests:
             self.engine.validate_request(request)
         processor = OutputProcessor(self.tokenizer)
         for (prompt, _), request in zip(encoded, requests):
             processor.add_request(request.request_id, prompt, request.prompt_token_ids,
-                                  request.sampling_params, request.arrival_time)
+                                  request.sampling_params, request.arrival_time,
+                                  request.ttft_slo_ms, request.tpot_slo_ms)
             self.engine.add_request(request)
         finals: dict[str, RequestOutput] = {}
         progress = tqdm(total=len(requests), desc="Generating", disable=not use_tqdm)
@@ -119,11 +127,12 @@ class LLM:
         return [finals[r.request_id] for r in requests]
 
     def _make_request(self, ids: list[int], params: SamplingParams, priority: int,
-                      ttft_slo_ms: float | None = None) -> Request:
+                      ttft_slo_ms: float | None = None,
+                      tpot_slo_ms: float | None = None) -> Request:
         params, eos = self.inputs.with_eos(params)
         return Request(request_id=str(next(self._ids)), prompt_token_ids=ids,
                        sampling_params=params, eos_token_id=eos, arrival_time=time.monotonic(),
-                       priority=priority, ttft_slo_ms=ttft_slo_ms)
+                       priority=priority, ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

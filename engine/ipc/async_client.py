@@ -182,7 +182,8 @@ class AsyncEngineClient:
 
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams, *, arrival_time: float, priority: int = 0,
-                       ttft_slo_ms: float | None = None) -> AsyncIterator[RequestOutput]:
+                       ttft_slo_ms: float | None = None,
+                       tpot_slo_ms: float | None = None) -> AsyncIterator[RequestOutput]:
         """Yields the request's cumulative output after every new token, the last one finished.
         Closing the iterator early (a client that went away) aborts the request in the core."""
         if self.dead is not None:
@@ -192,12 +193,13 @@ class AsyncEngineClient:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._processor.add_request(request_id, prompt, prompt_token_ids, params, arrival_time,
-                                    ttft_slo_ms)
+                                    ttft_slo_ms, tpot_slo_ms)
         finished = False
         try:
             self._send(AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                   sampling_params=params, arrival_time=arrival_time,
-                                  priority=priority, ttft_slo_ms=ttft_slo_ms, eos_token_id=eos))
+                                  priority=priority, ttft_slo_ms=ttft_slo_ms,
+                                  tpot_slo_ms=tpot_slo_ms, eos_token_id=eos))
             while True:
                 item = await queue.get()
                 if isinstance(item, _Finished):

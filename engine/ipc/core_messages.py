@@ -30,6 +30,7 @@ class AddRequest(msgspec.Struct, tag="add", kw_only=True):
     arrival_time: float  # time.monotonic(), comparable across processes on one machine
     priority: int = 0
     ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
     eos_token_id: int | None = None
 
 

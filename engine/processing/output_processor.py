@@ -45,7 +45,7 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float,
-                    ttft_slo_ms: float | None = None) -> None:
+                    ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None) -> None:
         detokenizer = None
         if self._tokenizer is not None:
             detokenizer = IncrementalDetokenizer(
@@ -54,7 +54,8 @@ class OutputProcessor:
         output = RequestOutput(request_id=request_id, prompt=prompt,
                                prompt_token_ids=prompt_token_ids,
                                metrics=RequestMetrics(arrival_time=arrival_time,
-                                                      ttft_slo_ms=ttft_slo_ms))
+                                                      ttft_slo_ms=ttft_slo_ms,
+                                                      tpot_slo_ms=tpot_slo_ms))
         self._states[request_id] = _RequestState(output, detokenizer)
 
     def remove(self, request_id: str) -> None:
@@ -98,6 +99,7 @@ class OutputProcessor:
         metrics.first_token_time = core_out.first_token_time
         metrics.num_preemptions = core_out.num_preemptions
         metrics.num_cached_tokens = core_out.num_cached_tokens
+        metrics.num_output_tokens = len(out.token_ids)
         if core_out.finish_reason is not None:
             out.finished, out.finish_reason = True, core_out.finish_reason
             out.stop_reason, out.error = core_out.stop_reason, core_out.error

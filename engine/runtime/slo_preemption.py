@@ -57,7 +57,8 @@ class SLOPreemptionControl:
         self.num_layers = num_layers
         self.signal = PreemptSignal.create()
         self.monitor = SLOMonitor(self.signal, config.policy, config.margin,
-                                  config.monitor_interval_ms / 1000)
+                                  config.monitor_interval_ms / 1000,
+                                  aging_bound_s=scheduler.slack.aging_bound_s)
         self.stats = PreemptionStats()
         # The most recent unwinds, for tests, benchmarks and debugging (bounded: a server runs
         # for weeks).

@@ -31,6 +31,7 @@ from engine.outputs import RequestOutput
 
 VERSION = "0.1.0"
 SLO_HEADER = "x-slo-ttft-ms"
+TPOT_HEADER = "x-slo-tpot-ms"
 T = TypeVar("T")
 
 
@@ -40,6 +41,10 @@ class ServerSettings:
     api_key: str | None = None
     max_request_body_bytes: int = 1 << 20
     default_ttft_slo_ms: float | None = None
+    default_tpot_slo_ms: float | None = None
+    # The tightest TTFT objective a client may ask for: clients choose their own SLOs, and a
+    # stream of needlessly tight ones would hold every other request back.
+    min_ttft_slo_ms: float | None = None
     # /metrics and /debug/stats behind the API key too (/health stays open for probes).
     metrics_require_api_key: bool = False
 
@@ -145,7 +150,7 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
 
     def _slo(body: GenerationRequest, request: Request) -> float | None:
         if body.ttft_slo_ms is not None:  # the body wins over the header
-            return body.ttft_slo_ms
+            return _above_floor(body.ttft_slo_ms, "ttft_slo_ms")
         header = request.headers.get(SLO_HEADER)
         if header is None:
             return settings.default_ttft_slo_ms
@@ -156,13 +161,36 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
         if not value >= 0 or value == float("inf"):
             raise APIError(400, f"{SLO_HEADER} must be a non-negative number of milliseconds, "
                                 f"got {header!r}", SLO_HEADER)
+        return _above_floor(value, SLO_HEADER)
+
+    def _tpot_slo(body: GenerationRequest, request: Request) -> float | None:
+        if body.tpot_slo_ms is not None:
+            return body.tpot_slo_ms
+        header = request.headers.get(TPOT_HEADER)
+        if header is None:
+            return settings.default_tpot_slo_ms
+        try:
+            value = float(header)
+        except ValueError:
+            value = float("nan")
+        if not 0 < value < float("inf"):
+            raise APIError(400, f"{TPOT_HEADER} must be a positive number of milliseconds, "
+                                f"got {header!r}", TPOT_HEADER)
         return value
+
+    def _above_floor(slo_ms: float, param: str) -> float:
+        floor = settings.min_ttft_slo_ms
+        if floor is not None and slo_ms < floor:
+            raise APIError(400, f"{param} {slo_ms:g} ms is tighter than this server's floor of "
+                                f"{floor:g} ms (--min-ttft-slo-ms)", param)
+        return slo_ms
 
     async def _serve(body: GenerationRequest, request: Request, prompt: str | None,
                      prompt_ids: list[int], chat: bool) -> Response:
         arrival = request.state.arrival
         _check_model(body)
         slo = _slo(body, request)
+        tpot_slo = _tpot_slo(body, request)
         try:
             client.validate(prompt_ids)
             # As OpenAI: completions default to 16 tokens, chat to what the context leaves.
@@ -173,7 +201,8 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex[:16]}-{next(request_ids)}"
         outputs = client.generate(request_id, prompt, prompt_ids, params, arrival_time=arrival,
-                                  priority=body.priority, ttft_slo_ms=slo)
+                                  priority=body.priority, ttft_slo_ms=slo,
+                                  tpot_slo_ms=tpot_slo)
         ctx = ResponseContext(request_id=request_id, model=settings.served_model_name, chat=chat,
                               include_usage=body.include_usage,
                               stop_holdback=max((len(s) - 1 for s in params.stop), default=0))

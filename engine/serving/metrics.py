@@ -35,6 +35,9 @@ class ServerMetrics:
         self.num_requests_running = gauge("num_requests_running", "Requests in the running set.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use.")
+        self.ttft_predictor_relative_error = gauge(
+            "ttft_predictor_relative_error", "How much longer than the TTFT predictor said recent "
+            "prefill steps ran (its error quantile; the monitor's safety margin).")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up "
                                             "in the prefix cache.").labels(**labels)
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the "
@@ -67,6 +70,10 @@ class ServerMetrics:
                                "SLO.").labels(**labels)
         self.slo_missed = counter("ttft_slo_missed", "Requests whose first token missed their "
                                   "TTFT SLO.").labels(**labels)
+        self.tpot_slo_met = counter("tpot_slo_met", "Finished requests whose mean time per "
+                                    "output token met their TPOT SLO.").labels(**labels)
+        self.tpot_slo_missed = counter("tpot_slo_missed", "Finished requests whose mean time "
+                                       "per output token missed their TPOT SLO.").labels(**labels)
         self._last: SchedulerStats = SchedulerStats()
         # request id -> (tokens seen, time the last of them arrived)
         self._progress: dict[str, tuple[int, float]] = {}
@@ -75,6 +82,7 @@ class ServerMetrics:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.ttft_predictor_relative_error.set(stats.ttft_predictor_relative_error)
         # The core's counters are cumulative: add what they moved since the last snapshot.
         last = self._last
         self.prefix_cache_queries.inc(max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
@@ -116,6 +124,8 @@ class ServerMetrics:
                                         finished_reason=out.finish_reason or "unknown").inc()
             if m is not None and m.e2e_latency is not None:
                 self.e2e.observe(m.e2e_latency)
+            if m is not None and m.tpot_slo_met is not None and out.finish_reason != "error":
+                (self.tpot_slo_met if m.tpot_slo_met else self.tpot_slo_missed).inc()
 
     def forget(self, request_id: str) -> None:
         """A request that ended without finishing (client gone)."""

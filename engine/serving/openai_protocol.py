@@ -78,6 +78,8 @@ class GenerationRequest(_RequestModel):
     stream_options: StreamOptions | None = None
     # sloserve: the time-to-first-token objective, in milliseconds from arrival.
     ttft_slo_ms: float | None = Field(default=None, ge=0)
+    # sloserve: the time-per-output-token objective, in milliseconds between two tokens.
+    tpot_slo_ms: float | None = Field(default=None, gt=0)
     priority: int = 0
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:

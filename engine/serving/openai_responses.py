@@ -42,7 +42,9 @@ def metrics_body(metrics: RequestMetrics | None) -> dict[str, Any] | None:
     return {"arrival_time": unix(metrics.arrival_time),
             "first_token_time": unix(metrics.first_token_time),
             "ttft_ms": ms(metrics.ttft), "ttft_slo_ms": metrics.ttft_slo_ms,
-            "ttft_slo_met": metrics.ttft_slo_met, "num_preemptions": metrics.num_preemptions,
+            "ttft_slo_met": metrics.ttft_slo_met, "tpot_ms": ms(metrics.tpot),
+            "tpot_slo_ms": metrics.tpot_slo_ms, "tpot_slo_met": metrics.tpot_slo_met,
+            "num_preemptions": metrics.num_preemptions,
             "queue_time_ms": ms(metrics.queue_time)}
 
 
