@@ -148,35 +148,33 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
             raise APIError(404, f"The model `{body.model}` does not exist; this server serves "
                                 f"`{settings.served_model_name}`", "model")
 
+    def _header_ms(request: Request, name: str, *, zero_ok: bool) -> float | None:
+        """A milliseconds header (None when absent); a 400 naming it unless it is a finite
+        number > 0 (>= 0 where zero_ok)."""
+        header = request.headers.get(name)
+        if header is None:
+            return None
+        try:
+            value = float(header)
+        except ValueError:
+            value = float("nan")
+        if not (value >= 0 if zero_ok else value > 0) or value == float("inf"):
+            kind = "non-negative" if zero_ok else "positive"
+            raise APIError(400, f"{name} must be a {kind} number of milliseconds, got "
+                                f"{header!r}", name)
+        return value
+
     def _slo(body: GenerationRequest, request: Request) -> float | None:
         if body.ttft_slo_ms is not None:  # the body wins over the header
             return _above_floor(body.ttft_slo_ms, "ttft_slo_ms")
-        header = request.headers.get(SLO_HEADER)
-        if header is None:
-            return settings.default_ttft_slo_ms
-        try:
-            value = float(header)
-        except ValueError:
-            value = float("nan")
-        if not value >= 0 or value == float("inf"):
-            raise APIError(400, f"{SLO_HEADER} must be a non-negative number of milliseconds, "
-                                f"got {header!r}", SLO_HEADER)
-        return _above_floor(value, SLO_HEADER)
+        value = _header_ms(request, SLO_HEADER, zero_ok=True)
+        return settings.default_ttft_slo_ms if value is None else _above_floor(value, SLO_HEADER)
 
     def _tpot_slo(body: GenerationRequest, request: Request) -> float | None:
-        if body.tpot_slo_ms is not None:
+        if body.tpot_slo_ms is not None:  # the body wins over the header
             return body.tpot_slo_ms
-        header = request.headers.get(TPOT_HEADER)
-        if header is None:
-            return settings.default_tpot_slo_ms
-        try:
-            value = float(header)
-        except ValueError:
-            value = float("nan")
-        if not 0 < value < float("inf"):
-            raise APIError(400, f"{TPOT_HEADER} must be a positive number of milliseconds, "
-                                f"got {header!r}", TPOT_HEADER)
-        return value
+        value = _header_ms(request, TPOT_HEADER, zero_ok=False)
+        return settings.default_tpot_slo_ms if value is None else value
 
     def _above_floor(slo_ms: float, param: str) -> float:
         floor = settings.min_ttft_slo_ms
