@@ -128,18 +128,19 @@ def choose_preemption(waiting: Sequence[RequestView], running: Sequence[RequestV
         raise ValueError(f"preempt margin must be >= 1, got {margin}")
     scored_waiting = [(u, w) for w in waiting if w.deadline is not None
                       and not (u := urgency(w, now, predict, aging_bound_s)).aged]
-    eligible = [r for r in running if not r.slo_preempted]
-    if not scored_waiting or not eligible:
+    # Scored once, with aging: an aged runner stops the search, the rest are the candidates.
+    scored_all = [(urgency(r, now, predict, aging_bound_s), r) for r in running]
+    if not scored_waiting or any(u.aged for u, _ in scored_all):
         return None
-    if any(urgency(r, now, predict, aging_bound_s).aged for r in running):
+    scored_running = sorted(((u, r) for u, r in scored_all if not r.slo_preempted),
+                            key=lambda item: item[0].priority)
+    if not scored_running:
         return None
     best_urgency, best = max(scored_waiting, key=lambda item: item[0].priority)
     if step_remaining_s is not None:
         safety = relative_error * (predict(best.remaining_prefill_tokens) + step_remaining_s)
         if best_urgency.slack >= step_remaining_s + safety:
             return None
-    scored_running = sorted(((urgency(r, now, predict), r) for r in eligible),
-                            key=lambda item: item[0].priority)
     reference = scored_running[-1] if policy == "conservative" else scored_running[0]
     if not should_preempt(best_urgency, reference[0], margin):
         return None
