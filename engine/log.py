@@ -17,10 +17,19 @@ PACKAGES = ("engine", "workers", "monitor", "kernels", "bench")
 _FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a record is emitted, not when the handler was made:
+    a stream swapped in later (pytest's capture, a redirect) is closed by now."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
 def configure_logging(level: str | int | None = None) -> None:
     """Idempotent. ``level`` defaults to $SLOSERVE_LOG_LEVEL, else INFO."""
     level = level or os.environ.get("SLOSERVE_LOG_LEVEL", "INFO")
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(_FORMAT))
     for name in PACKAGES:
         logger = logging.getLogger(name)

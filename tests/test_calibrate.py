@@ -61,8 +61,9 @@ def test_calibrate_skips_sizes_that_do_not_fit_one_step(tiny_model, tmp_path, ca
 def test_calibrate_bad_input_exits_2_without_output(tiny_model, tmp_path, capsys, args, message):
     out = tmp_path / "ttft.json"
     assert _calibrate(tiny_model("llama"), *args, "--output", str(out)) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("sloserve: error: ") and message in err
+    errors = [line for line in capsys.readouterr().err.splitlines()
+              if line.startswith("sloserve: error: ")]
+    assert len(errors) == 1 and message in errors[0]
     assert not out.exists()
 
 

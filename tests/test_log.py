@@ -1,0 +1,19 @@
+"""sloserve's log handler follows sys.stderr: a stream captured earlier may be closed by now."""
+
+import io
+import logging
+import sys
+
+from engine.log import configure_logging
+
+
+def test_records_go_to_the_stderr_of_the_moment(monkeypatch):
+    configure_logging("INFO")
+    first, second = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    logging.getLogger("engine.test_log").info("to the first")
+    first.close()  # what pytest does to a test's captured stream when the test ends
+    monkeypatch.setattr(sys, "stderr", second)
+    logging.getLogger("engine.test_log").info("to the second")
+    assert "to the second" in second.getvalue()
+    assert "Logging error" not in second.getvalue()
