@@ -51,6 +51,9 @@ class MonitorSnapshot:
     # how much of it is left.
     started_at: float = 0.0
     predicted_step_s: float = 0.0
+    # KV tokens the step's decodes read: the next steps carry much the same decodes, so a
+    # waiter's prefill is predicted beside them.
+    decode_context: int = 0
     # Decoder layers of the model: with the layers done (reported through the signal), the
     # step's own pace predicts its remaining time better than the predictor does.
     num_layers: int = 0
@@ -151,8 +154,10 @@ class SLOMonitor:
             return None
         now = time.monotonic()
         step_remaining = self._step_remaining(snapshot, now)
+        predictor, decodes = snapshot.predictor, snapshot.decode_context
         decision = choose_preemption(snapshot.waiting + arrivals, snapshot.running, now,
-                                     snapshot.predictor.predict, self.policy, self.margin,
+                                     lambda tokens: predictor.predict(tokens, decodes),
+                                     self.policy, self.margin,
                                      step_remaining_s=step_remaining,
                                      relative_error=snapshot.predictor.relative_error,
                                      aging_bound_s=self.aging_bound_s)

@@ -31,14 +31,18 @@ def test_calibrate_writes_a_loadable_line(tiny_model, tmp_path, capsys):
     out = tmp_path / "ttft.json"
     # Sizes far apart, and a median of 5: two slow passes are absorbed.
     code = _calibrate(tiny_model("llama"), "--prompt-sizes", "32", "256", "768",
-                      "--repeats", "5", "--output", str(out))
+                      "--repeats", "5", "--decode-batches", "1", "64",
+                      "--decode-contexts", "32", "256", "--output", str(out))
     assert code == 0
     model = LinearTTFT.load(out)
     assert isinstance(model.r2, float) and -math.inf < model.r2 <= 1.0
     assert model.seconds_per_token > 0
     printed = capsys.readouterr().out
-    for word in ("768", "seconds_per_token", "intercept_ms", "r2", str(out)):
+    for word in ("768", "seconds_per_token", "seconds_per_decode_context", "intercept_ms", "r2",
+                 "ms per decode step", str(out)):
         assert word in printed
+    # 64 sequences of 32 + 9 tokens need more KV than the 80-block pool holds.
+    assert "skipping decode shapes (batch, context) [(64, 32), (64, 256)]" in printed
 
 
 def test_calibrate_skips_sizes_that_do_not_fit_one_step(tiny_model, tmp_path, capsys):
@@ -86,6 +90,26 @@ def test_calibrate_result_keeps_every_point_and_the_medians(tiny_model):
     assert all(t > 0 for _, t in result.points)
     assert list(result.medians) == [32, 768]
     assert result.model == LinearTTFT.fit(result.medians.items())
+
+
+def test_calibrate_fits_decode_steps_together_with_the_prefills(tiny_model):
+    from engine.entrypoints.calibrate import choose_model, decode_point
+
+    llm = LLM(model=tiny_model("llama"), dtype="float32", max_model_len=1024, num_kv_blocks=80,
+              enable_prefix_caching=False)
+    shapes = [(1, 64), (4, 128), (1, 512)]
+    try:
+        result = calibrate(llm, [32, 256, 768], repeats=3, warmup=1, decode_shapes=shapes)
+    finally:
+        llm.shutdown()
+    assert list(result.decode_medians) == shapes
+    assert all(seconds > 0 for seconds in result.decode_medians.values())
+    prefill_only, _ = choose_model(result.medians)
+    steps = [(n, n * n, 0, s) for n, s in result.medians.items()]
+    steps += [decode_point(b, n, s) for (b, n), s in result.decode_medians.items()]
+    assert decode_point(4, 128, 0.1) == (4, 0, 4 * (128 + 4), 0.1)
+    assert result.model == LinearTTFT.fit_step(
+        steps, quadratic=prefill_only.seconds_per_token_sq > 0, decode=True)
 
 
 def test_the_attention_term_is_kept_only_if_it_predicts_held_out_sizes_better():

@@ -169,7 +169,7 @@ class Scheduler:
             now = time.monotonic()
             remaining = request.num_tokens - request.num_computed_tokens
             request.slack_at_admission_s = (request.deadline - now
-                                            - self.slack.predictor.predict(remaining))
+                                            - self.slack.predict_prefill(remaining))
         return scheduled
 
     def requeue_for_recompute(self, request: Request) -> None:

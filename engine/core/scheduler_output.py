@@ -12,7 +12,7 @@ import enum
 import msgspec
 
 from engine.sampling_params import SamplingParams
-from monitor.predictor import attention_work
+from monitor.predictor import attention_work, decode_context
 
 
 class ScheduledRequest(msgspec.Struct, kw_only=True):
@@ -51,6 +51,11 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     def attention_work(self) -> int:
         """The step's quadratic cost feature (see monitor.predictor.attention_work)."""
         return attention_work((r.start_pos, len(r.token_ids)) for r in self.requests)
+
+    @property
+    def decode_context(self) -> int:
+        """The KV tokens the step's decodes read (see monitor.predictor.decode_context)."""
+        return decode_context((r.start_pos, len(r.token_ids)) for r in self.requests)
 
     @property
     def is_empty(self) -> bool:

@@ -101,11 +101,19 @@ class SlackPolicy:
         self.num_slo_preemptions = 0
         # slo policy: this step's ranking of the running set (begin_step).
         self._running_urgency: dict[str, float] = {}
+        # The running decodes as of begin_step: every step until they finish carries them, so
+        # prefills are predicted beside the KV they read.
+        self._decodes: list[Request] = []
+        self._decode_context = 0
 
     def urgency(self, request: Request, now: float | None = None) -> float:
         """Slack-EDF priority of a request (higher is more urgent); ``now`` defaults to now."""
         return request_urgency(request, time.monotonic() if now is None else now,
-                               self.predictor.predict, self.aging_bound_s)
+                               self.predict_prefill, self.aging_bound_s)
+
+    def predict_prefill(self, tokens: int) -> float:
+        """Seconds to prefill `tokens` in steps that also carry the running decodes."""
+        return self.predictor.current.predict(tokens, self._decode_context)
 
     # ---- hooks of one step, in the order schedule() calls them ----------------------------
 
@@ -114,6 +122,9 @@ class SlackPolicy:
         per step; the least urgent running request ends up last, which makes it the
         KV-pressure victim. Then release the held victims whose turn came."""
         self._running_urgency = {}
+        self._decodes = [r for r in ops.running
+                         if r.num_tokens_owed == 1 and r.request_id not in self.held]
+        self._decode_context = sum(r.num_tokens for r in self._decodes)
         if self.scheduling_policy == "slo":
             now = time.monotonic()
             ranking = {r.request_id: self.urgency(r, now) for r in ops.running}
@@ -243,7 +254,8 @@ class SlackPolicy:
             return step.budget
         now = time.monotonic()
         line = self.predictor.current
-        used = step.num_tokens
+        # The running decodes join the step after these admissions: their tokens count now.
+        used = step.num_tokens + sum(1 for r in self._decodes if r.request_id not in step)
         allowed = step.budget
         for request, num_new in step.scheduled.values():
             deadline = request.deadline
@@ -251,12 +263,13 @@ class SlackPolicy:
                     or request.num_computed_tokens + num_new < request.num_tokens):
                 continue
             time_left = deadline - now
-            if line.predict(num_new) > time_left:
+            if line.predict(num_new, self._decode_context) > time_left:
                 continue  # doomed even alone: nothing left to protect
             # As if the step were one prompt: overestimates a mixed step's attention, so the
             # cap errs on the side of the deadline.
             usable = self._usable(time_left)
-            allowed = min(allowed, max(0, line.max_tokens_within(usable) - used))
+            allowed = min(allowed, max(0, line.max_tokens_within(usable, self._decode_context)
+                                       - used))
         return allowed
 
     def _tpot_decodes(self, ops: SchedulerOps, step: StepInProgress) -> list[Request]:
@@ -275,15 +288,16 @@ class SlackPolicy:
             return step.budget
         now = time.monotonic()
         line = self.predictor.current
+        context = self._decode_context
         minimal = step.num_tokens + len(decodes)
         allowed = step.budget
         for request in decodes:
             assert request.tpot_slo_ms is not None and request.last_token_time is not None
             time_left = request.last_token_time + request.tpot_slo_ms / 1000 - now
-            if line.predict(minimal) > time_left:
+            if line.predict(minimal, context) > time_left:
                 continue  # missed even by a step of decodes alone
             usable = self._usable(time_left)
-            allowed = min(allowed, max(len(decodes), line.max_tokens_within(usable)
+            allowed = min(allowed, max(len(decodes), line.max_tokens_within(usable, context)
                                        - step.num_tokens))
         return allowed
 

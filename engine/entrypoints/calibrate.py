@@ -3,7 +3,12 @@ machine, and write it as JSON for `sloserve serve --ttft-model FILE`.
 
 Two candidates are fitted on the per-size medians: the line `a * tokens + c`, and the line plus
 an attention term `b * tokens**2`. The quadratic one is kept only if it predicts held-out sizes
-better (leave one size out); otherwise the line is written."""
+better (leave one size out); otherwise the line is written.
+
+Then decode steps are timed: batches of requests with the same prompt length decode together,
+and their time per output token is one decode step over their contexts. The final model is
+fitted on the prefill medians and the decode medians together, adding the decode term
+`d * context` (the KV tokens the decodes read; monitor/predictor.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import os
 import random
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +27,12 @@ from monitor.predictor import LinearTTFT
 # Up to 3072: above about 1024 tokens prefill grows visibly faster than linearly (attention),
 # which only the quadratic term can follow.
 DEFAULT_PROMPT_SIZES = [16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072]
+# Decode steps: each batch size with each context that fits one prefill step; lone long contexts
+# and wide short batches separate the per-token cost from the per-context-token cost.
+DEFAULT_DECODE_BATCHES = [1, 8]
+DEFAULT_DECODE_CONTEXTS = [64, 256, 1024, 2048]
+# Tokens each decode calibration request generates after its first.
+DECODE_STEPS = 8
 
 
 @dataclass
@@ -32,6 +43,8 @@ class CalibrationResult:
     # Leave-one-size-out error of each candidate (root mean square of relative errors); the
     # quadratic one is None with fewer than four sizes.
     held_out_error: dict[str, float | None]
+    # (batch, prompt length) -> median seconds per decode step, and the fitted step points.
+    decode_medians: dict[tuple[int, int], float] = field(default_factory=dict)
 
 
 def _fit(medians: dict[int, float], quadratic: bool) -> LinearTTFT:
@@ -61,8 +74,39 @@ def choose_model(medians: dict[int, float]) -> tuple[LinearTTFT, dict[str, float
     return _fit(medians, use_quadratic), errors
 
 
+def decode_point(batch: int, prompt_len: int, seconds: float) -> tuple[int, int, int, float]:
+    """A decode calibration as a step point (tokens, attention, decode_context, seconds): the
+    context is the mean over the timed steps, which read prompt_len + 1 .. + DECODE_STEPS."""
+    context = prompt_len + (DECODE_STEPS + 1) // 2
+    return (batch, 0, batch * context, seconds)
+
+
+def time_decodes(llm: Any, shapes: Sequence[tuple[int, int]], repeats: int,
+                 rng: random.Random) -> dict[tuple[int, int], float]:
+    """Median seconds per decode step for each (batch, prompt length): `batch` requests are
+    prefilled in one step and then decode in lockstep, so each one's time per output token is
+    the step time."""
+    from tqdm import tqdm
+
+    from engine.sampling_params import SamplingParams
+
+    vocab = llm.engine.vocab_size
+    params = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
+    medians: dict[tuple[int, int], float] = {}
+    for batch, prompt_len in tqdm(shapes, desc="Calibrating decodes", unit="shape"):
+        times: list[float] = []
+        for _ in range(repeats):
+            prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(prompt_len)]}
+                       for _ in range(batch)]
+            times += [out.metrics.tpot for out in llm.generate(prompts, params)
+                      if out.metrics.tpot is not None]
+        medians[(batch, prompt_len)] = statistics.median(times)
+    return medians
+
+
 def calibrate(llm: Any, prompt_sizes: Sequence[int], repeats: int = 3, warmup: int = 1,
-              seed: int = 0) -> CalibrationResult:
+              seed: int = 0, decode_shapes: Sequence[tuple[int, int]] = ()
+              ) -> CalibrationResult:
     """Times scheduling -> first token for lone requests of each size (max_tokens=1).
 
     Each request runs alone so that its prefill is one engine step, which is what the predictor
@@ -97,7 +141,13 @@ def calibrate(llm: Any, prompt_sizes: Sequence[int], repeats: int = 3, warmup: i
         raise ValueError(f"prefill time does not grow with prompt size (slope "
                          f"{model.seconds_per_token:.3g} s/token over sizes {sizes}); "
                          f"use larger --prompt-sizes")
-    return CalibrationResult(points=points, medians=medians, model=model, held_out_error=errors)
+    decode_medians = time_decodes(llm, decode_shapes, repeats, rng) if decode_shapes else {}
+    if decode_medians:
+        steps = [(n, n * n, 0, s) for n, s in medians.items()]
+        steps += [decode_point(b, n, s) for (b, n), s in decode_medians.items()]
+        model = LinearTTFT.fit_step(steps, quadratic=model.seconds_per_token_sq > 0, decode=True)
+    return CalibrationResult(points=points, medians=medians, model=model, held_out_error=errors,
+                             decode_medians=decode_medians)
 
 
 def _check_output(path: Path) -> None:
@@ -128,6 +178,35 @@ def _usable_sizes(sizes: list[int], llm: Any) -> list[int]:
     return kept
 
 
+def _usable_decode_shapes(batches: Sequence[int], contexts: Sequence[int],
+                          llm: Any) -> list[tuple[int, int]]:
+    """The (batch, prompt length) pairs whose batch prefills in one step and then decodes in
+    lockstep: the batch's prompts within the step budget, and every sequence within
+    max_model_len and, all together, the KV pool minus its watermark (else KV preemption would
+    break the lockstep)."""
+    engine = llm.engine
+    sched = engine.config.scheduler
+    step_limit = sched.max_num_batched_tokens
+    if sched.long_prefill_token_threshold > 0:
+        step_limit = min(step_limit, sched.long_prefill_token_threshold)
+    kv = engine.scheduler.kv_cache_manager
+    kv_tokens = (kv.pool.num_blocks - kv.watermark_blocks) * kv.block_size
+    shapes: list[tuple[int, int]] = []
+    for batch in sorted(set(batches)):
+        for length in sorted(set(contexts)):
+            total = length + DECODE_STEPS + 1
+            per_sequence = -(-total // kv.block_size) * kv.block_size
+            if (batch * length <= step_limit and total <= engine.max_model_len
+                    and batch * per_sequence <= kv_tokens):
+                shapes.append((batch, length))
+    skipped = [(b, n) for b in sorted(set(batches)) for n in sorted(set(contexts))
+               if (b, n) not in shapes]
+    if skipped:
+        print(f"note: skipping decode shapes (batch, context) {skipped}: the batch does not "
+              f"prefill in one step or fit max_model_len and the KV pool")
+    return shapes
+
+
 def _run(args: argparse.Namespace) -> int:
     from engine.entrypoints.llm import LLM
 
@@ -138,6 +217,9 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    bad = [n for n in [*args.decode_batches, *args.decode_contexts] if n < 1]
+    if bad:
+        raise ValueError(f"--decode-batches and --decode-contexts must be positive, got {bad}")
     output = Path(args.output)
     _check_output(output)
     kwargs = engine_kwargs(args)
@@ -147,18 +229,25 @@ def _run(args: argparse.Namespace) -> int:
     llm = LLM(**kwargs)
     try:
         sizes = _usable_sizes(args.prompt_sizes, llm)
-        result = calibrate(llm, sizes, args.repeats, args.warmup, seed=args.seed)
+        shapes = _usable_decode_shapes(args.decode_batches, args.decode_contexts, llm)
+        result = calibrate(llm, sizes, args.repeats, args.warmup, seed=args.seed,
+                           decode_shapes=shapes)
     finally:
         llm.shutdown()
     print(f"{'tokens':>8}  {'median ms':>10}")
     for size, seconds in result.medians.items():
         print(f"{size:>8}  {seconds * 1000:>10.2f}")
+    if result.decode_medians:
+        print(f"{'batch':>8}  {'context':>8}  {'ms per decode step':>18}")
+        for (batch, length), seconds in result.decode_medians.items():
+            print(f"{batch:>8}  {length:>8}  {seconds * 1000:>18.2f}")
     m = result.model
     for name, error in result.held_out_error.items():
         shown = "n/a (too few sizes)" if error is None else f"{error * 100:.1f}%"
         print(f"held-out error ({name}): {shown}")
     print(f"seconds_per_token: {m.seconds_per_token:.4g}")
     print(f"seconds_per_token_sq: {m.seconds_per_token_sq:.4g}")
+    print(f"seconds_per_decode_context: {m.seconds_per_decode_context:.4g}")
     print(f"intercept_ms: {m.intercept_s * 1000:.2f}")
     print(f"r2: {m.r2:.4f}")
     try:
@@ -178,5 +267,10 @@ def add_calibrate_parser(subparsers: Any) -> None:
                         "and max_num_batched_tokens)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per size (median is fit)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per size first")
+    p.add_argument("--decode-batches", type=int, nargs="*", default=DEFAULT_DECODE_BATCHES,
+                   help="decode batch sizes to time (default: 1 8)")
+    p.add_argument("--decode-contexts", type=int, nargs="*", default=DEFAULT_DECODE_CONTEXTS,
+                   help="prompt lengths the decodes read (default: 64 256 1024 2048; a batch "
+                        "must prefill in one step; none: skip decode calibration)")
     add_engine_args(p)
     p.set_defaults(func=_run)

@@ -169,7 +169,7 @@ class EngineCore:
             self.executor.shutdown()
             raise EngineStepError(self.dead)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
-        self._observe_prefill_time(scheduler_output, runner_output)
+        self._observe_step_time(scheduler_output, runner_output)
         return [_core_output(r) for r in updated]
 
     def _deliver_frees(self, scheduler_output: SchedulerOutput) -> None:
@@ -189,15 +189,17 @@ class EngineCore:
         if self.dead is None and self.scheduler.slack.unneeded_suspensions:
             self._deliver_frees(self.scheduler.schedule())
 
-    def _observe_prefill_time(self, scheduler_output: SchedulerOutput,
-                              runner_output: ModelRunnerOutput) -> None:
-        """Feed the online TTFT line from steps that prefilled something (not resuming a
-        suspended pass: those skip the layers already done and would bias the line low)."""
-        requests = scheduler_output.requests
-        if any(len(r.token_ids) > 1 for r in requests) and not any(r.resume for r in requests):
-            self.scheduler.slack.predictor.observe(scheduler_output.num_scheduled_tokens,
-                                                   runner_output.execute_seconds,
-                                                   scheduler_output.attention_work)
+    def _observe_step_time(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> None:
+        """Feed the online step model (prefill, decode and mixed steps alike), but not from a
+        step resuming a suspended pass: it skips the layers already done and would bias the
+        model low."""
+        if any(r.resume for r in scheduler_output.requests):
+            return
+        self.scheduler.slack.predictor.observe(
+            scheduler_output.num_scheduled_tokens, runner_output.execute_seconds,
+            scheduler_output.attention_work,
+            scheduler_output.decode_context)
 
     def stats(self) -> SchedulerStats:
         stats = self.scheduler.stats()

@@ -92,7 +92,8 @@ class SLOPreemptionControl:
             running=tuple(running), predictor=slack.predictor.current,
             drained_arrivals=drained_arrivals, started_at=time.monotonic(),
             predicted_step_s=slack.predictor.current.predict_step(
-                output.num_scheduled_tokens, output.attention_work),
+                output.num_scheduled_tokens, output.attention_work, output.decode_context),
+            decode_context=output.decode_context,
             num_layers=self.num_layers))
 
     def on_preempted(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
