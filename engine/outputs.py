@@ -21,6 +21,8 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    # The scheduler's slack when it first admitted the request (None: no deadline, not yet).
+    slack_at_admission_s: float | None = None
 
 
 class SchedulerStats(msgspec.Struct, kw_only=True):
@@ -71,6 +73,9 @@ class RequestMetrics:
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
     num_output_tokens: int = 0
+    # Deadline - first admission - predicted TTFT, seconds: how much room the scheduler had
+    # (None without a TTFT SLO, or before the request was admitted).
+    slack_at_admission_s: float | None = None
 
     @property
     def queue_time(self) -> float | None:

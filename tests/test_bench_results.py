@@ -10,17 +10,19 @@ from pathlib import Path
 import pytest
 
 from bench.attainment.clairvoyant import clairvoyant_attainment, prefill_cost_s, simulate_ttft
-from bench.attainment.report import (markdown_table, plot_attainment_vs_rate, plot_ttft_cdf, read_json,
-                          urgent_tier, write_json)
+from bench.attainment.report import (markdown_table, plot_attainment_vs_rate, plot_ttft_cdf,
+                                     read_json, tpot_tiers, urgent_tier, write_json)
 from bench.attainment.results import RequestResult, RunResult, aggregate, summarize
 from bench.attainment.traces import Trace, TraceRequest
 
 
 def req(rid: str, tier: str, slo_ms: float | None, ttft: float | None, e2e: float | None,
-        out: int, prompt: int = 100, error: str | None = None) -> RequestResult:
+        out: int, prompt: int = 100, error: str | None = None,
+        tpot_slo_ms: float | None = None) -> RequestResult:
     return RequestResult(request_id=rid, tier=tier, arrival_s=0.0, prompt_tokens=prompt,
                          output_tokens=out, ttft_slo_ms=slo_ms, ttft_s=ttft, e2e_s=e2e,
-                         tpot_s=RequestResult.tpot_from(ttft, e2e, out), error=error)
+                         tpot_s=RequestResult.tpot_from(ttft, e2e, out), error=error,
+                         tpot_slo_ms=tpot_slo_ms)
 
 
 def hand_run() -> RunResult:
@@ -52,6 +54,67 @@ def test_request_result_slo_met_and_tpot() -> None:
     assert RequestResult.tpot_from(0.1, 0.4, 1) is None
 
 
+def test_request_result_tpot_slo_met_and_good() -> None:
+    # TPOT 125 ms: (0.625 - 0.25) / 3, exact in binary.
+    assert req("a", "t", None, 0.25, 0.625, 4, tpot_slo_ms=125).tpot_slo_met is True  # <=
+    assert req("a", "t", None, 0.25, 0.625, 4, tpot_slo_ms=124.9).tpot_slo_met is False
+    assert req("a", "t", None, 0.25, 0.625, 4).tpot_slo_met is None
+    assert req("a", "t", None, 0.1, 0.1, 1, tpot_slo_ms=1e-3).tpot_slo_met is True  # no gap
+    assert req("a", "t", None, None, None, 0, error="x", tpot_slo_ms=100).tpot_slo_met is False
+    assert req("a", "t", None, 0.1, 0.2, 2, error="cut", tpot_slo_ms=1e3).tpot_slo_met is False
+    # Good: every objective it carries met; none carried: completing is enough.
+    assert req("a", "t", 250, 0.25, 0.625, 4, tpot_slo_ms=125).good is True
+    assert req("a", "t", 250, 0.25, 0.625, 4, tpot_slo_ms=124).good is False  # TPOT missed
+    assert req("a", "t", 249, 0.25, 0.625, 4, tpot_slo_ms=125).good is False  # TTFT missed
+    assert req("a", "t", None, 0.25, 0.625, 4).good is True
+    assert req("a", "t", None, None, None, 0, error="x").good is False
+
+
+def goodput_run() -> RunResult:
+    """Both objectives on the `stream` tier, TTFT alone on `chat`; 10 s."""
+    return RunResult(
+        runner="inprocess", policy="fcfs", budget=512, workload="mixed", rate=2.0, seed=0,
+        duration_s=10.0,
+        requests=[
+            req("s1", "stream", 500, 0.25, 0.625, 4, tpot_slo_ms=125),  # both met: good
+            req("s2", "stream", 500, 0.25, 1.0, 4, tpot_slo_ms=125),  # TTFT met, TPOT 250 ms
+            req("s3", "stream", 500, 0.75, 1.125, 4, tpot_slo_ms=125),  # TPOT met, TTFT missed
+            req("s4", "stream", 500, None, None, 0, error="boom", tpot_slo_ms=125),  # both missed
+            req("s5", "stream", 500, 0.25, 0.25, 1, tpot_slo_ms=125),  # one token: no gap, good
+            req("c1", "chat", 100, 0.05, 0.2, 4),  # TTFT met, no TPOT objective: good
+            req("c2", "chat", 100, 0.15, 0.2, 4),  # TTFT missed
+            req("n1", "chat", None, 0.3, 0.6, 4),  # no objective, completed: good
+        ])
+
+
+def test_summarize_joint_goodput() -> None:
+    s = summarize(goodput_run())
+    assert (s["num_slo_requests"], s["num_slo_met"]) == (7, 4)  # s1 s2 s5 c1
+    assert s["ttft_slo_attainment"] == pytest.approx(4 / 7)
+    assert (s["num_tpot_slo_requests"], s["num_tpot_slo_met"]) == (5, 3)  # s1 s3 s5
+    assert s["tpot_slo_attainment"] == pytest.approx(3 / 5)
+    assert s["num_good"] == 4  # s1 s5 c1 n1
+    assert s["goodput_attainment"] == pytest.approx(4 / 8)
+    assert s["request_goodput"] == pytest.approx(4 / 10)
+    assert "median_tpot_slo_ms" not in s  # per tier only
+    stream, chat = s["tiers"]["stream"], s["tiers"]["chat"]
+    assert stream["tpot_slo_attainment"] == pytest.approx(3 / 5)
+    assert stream["goodput_attainment"] == pytest.approx(2 / 5)
+    assert stream["median_tpot_slo_ms"] == 125
+    assert stream["median_tpot_ms"] == pytest.approx(125)  # 125, 250, 125 (s5 has no gap)
+    assert stream["request_goodput"] == pytest.approx(0.2)
+    assert chat["tpot_slo_attainment"] is None and chat["median_tpot_slo_ms"] is None
+    assert chat["goodput_attainment"] == pytest.approx(2 / 3)
+
+
+def test_old_results_without_tpot_fields_load() -> None:
+    run = hand_run().to_json()
+    for r in run["requests"]:
+        del r["tpot_slo_ms"]
+    back = RunResult.from_json(run)
+    assert back == hand_run() and all(r.tpot_slo_ms is None for r in back.requests)
+
+
 def test_summarize_overall() -> None:
     s = summarize(hand_run())
     assert (s["num_requests"], s["completed"], s["failed"]) == (5, 4, 1)
@@ -72,6 +135,8 @@ def test_summarize_overall() -> None:
     assert s["ttft_slo_attainment"] == pytest.approx(0.5)
     # Good: u1, r1 (met) and n1 (no SLO, completed) over 10 s.
     assert s["request_goodput"] == pytest.approx(0.3)
+    assert s["goodput_attainment"] == pytest.approx(3 / 5)
+    assert s["tpot_slo_attainment"] is None and s["num_tpot_slo_requests"] == 0
     assert (s["num_preemptions_kv"], s["num_preemptions_slo"]) == (1, 2)
     assert s["wasted_tokens_share"] == pytest.approx(30 / 1200)
 
@@ -159,6 +224,43 @@ def test_aggregate_median_range_and_paired_diff() -> None:
     assert big["diff"] is None and big["clairvoyant"] is None  # no baseline cell, no bound
 
 
+def tpot_run(policy: str, seed: int, tpot_met: int) -> RunResult:
+    """4 `stream` requests that meet their TTFT SLO, of which `tpot_met` meet the 125 ms TPOT
+    objective (the rest take 250 ms a token), and 2 `chat` ones with a TTFT SLO only, all met."""
+    reqs = [req(f"s{i}", "stream", 500, 0.25, 0.625 if i < tpot_met else 1.0, 4,
+                tpot_slo_ms=125) for i in range(4)]
+    reqs += [req(f"c{i}", "chat", 100, 0.05, 0.2, 4) for i in range(2)]
+    return RunResult(runner="inprocess", policy=policy, budget=512, workload="mixed", rate=2.0,
+                     seed=seed, duration_s=4.0, requests=reqs)
+
+
+def tpot_runs() -> list[RunResult]:
+    return [tpot_run("fcfs", 0, 1), tpot_run("fcfs", 1, 2), tpot_run("slo", 0, 3),
+            tpot_run("slo", 1, 4)]
+
+
+def test_aggregate_carries_tpot_and_goodput_attainment() -> None:
+    fcfs, slo = aggregate(tpot_runs())
+    t = fcfs["metrics"]["tpot_slo_attainment"]
+    assert (t["median"], t["min"], t["max"]) == pytest.approx((0.375, 0.25, 0.5))
+    g = fcfs["metrics"]["goodput_attainment"]
+    assert (g["median"], g["min"], g["max"]) == pytest.approx((7 / 12, 3 / 6, 4 / 6))
+    assert fcfs["metrics"]["ttft_slo_attainment"]["median"] == 1.0  # TTFT alone: all met
+    stream = fcfs["tiers"]["stream"]
+    assert stream["median_tpot_slo_ms"]["median"] == 125
+    assert (stream["median_tpot_ms"]["min"], stream["median_tpot_ms"]["max"]) == \
+        pytest.approx((187.5, 250))
+    assert fcfs["tiers"]["chat"]["tpot_slo_attainment"] is None
+    # Paired by seed: slo meets two more TPOT objectives on each seed.
+    d = slo["diff"]["metrics"]["goodput_attainment"]
+    assert (d["median"], d["min"], d["max"]) == pytest.approx((2 / 6, 2 / 6, 2 / 6))
+    assert slo["diff"]["metrics"]["request_goodput"]["median"] == pytest.approx(2 / 4)
+    d = slo["diff"]["tiers"]["stream"]
+    assert d["tpot_slo_attainment"]["median"] == pytest.approx(0.5)
+    assert d["goodput_attainment"]["median"] == pytest.approx(0.5)
+    assert d["ttft_slo_attainment"]["median"] == 0.0
+
+
 def test_aggregate_explicit_bounds_and_duplicates() -> None:
     runs = sample_runs()
     bounds = {("mixed", 2.0, 4096, s): {"ttft_slo_attainment": 0.99, "tiers": {}}
@@ -193,13 +295,40 @@ def test_markdown_table_rows() -> None:
     md = markdown_table(cells)
     lines = md.strip().splitlines()
     assert len(lines) == 2 + len(cells)
-    assert "urgent attain. %" in lines[0] and "Δ attain. vs fcfs (pp)" in lines[0]
+    head = [h.strip() for h in lines[0].strip("|").split("|")]
+    assert head[4:7] == ["TTFT %", "urgent TTFT %", "good %"]  # no TPOT objective: no columns
+    assert "Δ TTFT vs fcfs (pp)" in head and "Δ good vs fcfs (pp)" in head
+    assert head[-1] == "clairvoyant TTFT %"  # the bound is on TTFT only
     fcfs_row, slo_row, big_row = lines[2:]
     assert fcfs_row.startswith("| fcfs | 512 | 2 | 3 |")
     assert "| 50.0 [40.0–60.0] |" in fcfs_row
     assert "| +20.0 [+20.0–+40.0] |" in slo_row  # Δ urgent, paired by seed
     assert "| 95.0 |" in slo_row  # clairvoyant bound
     assert big_row.startswith("| slo | 4096 |") and "| 100.0 |" in big_row
+
+
+def test_markdown_table_tpot_columns() -> None:
+    cells = aggregate(tpot_runs())
+    assert tpot_tiers(cells) == ["stream"]
+    lines = markdown_table(cells).strip().splitlines()
+    head = [h.strip() for h in lines[0].strip("|").split("|")]
+    fcfs, slo = ([v.strip() for v in line.strip("|").split("|")] for line in lines[2:])
+    col = {name: i for i, name in enumerate(head)}
+    # One tier carries a TPOT objective: its attainment is the overall one, shown once.
+    assert "stream TPOT %" not in col
+    assert fcfs[col["TPOT %"]] == "37.5 [25.0–50.0]"
+    assert fcfs[col["stream median TPOT (ms)"]] == "218.8 [187.5–250.0]"  # 250 and 187.5
+    assert fcfs[col["good %"]] == "58.3 [50.0–66.7]"
+    assert slo[col["Δ good vs fcfs (pp)"]] == "+33.3"
+    assert slo[col["TTFT %"]] == "100.0"
+    # With two such tiers the tightest one gets its own attainment column.
+    runs = tpot_runs()
+    for run in runs:
+        for r in run.requests:
+            if r.tier == "chat":
+                r.tpot_slo_ms = 1000.0
+    head = markdown_table(aggregate(runs)).splitlines()[0]
+    assert "| TPOT % | stream TPOT % | stream median TPOT (ms) |" in head
 
 
 def test_plots_write_png(tmp_path: Path) -> None:

@@ -3,7 +3,9 @@ down to the JSON results, the Markdown table and the plots."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,9 @@ from engine.entrypoints.cli import main
 from monitor.predictor import LinearTTFT
 
 NUM_REQUESTS = 20
+# The relaxed tier's TPOT objective in these runs: two isolated prefills of a 512-token chunk,
+# clipped to the longest prompt (max-model-len 512 minus 16 output tokens), on the line below.
+RELAXED_TPOT_MS = 2 * (0.01 + 2e-5 * 496) * 1000
 
 
 def _bench(tiny_model, tmp_path: Path, *extra: str) -> dict:
@@ -25,6 +30,8 @@ def _bench(tiny_model, tmp_path: Path, *extra: str) -> dict:
     assert code == 0
     for name in ("summary.md", "attainment_vs_rate.png", "ttft_cdf.png"):
         assert (out / name).stat().st_size > 0, name
+    summary_md = (out / "summary.md").read_text()
+    assert "| TPOT % | relaxed median TPOT (ms) |" in summary_md and "good %" in summary_md
     return json.loads((out / "results.json").read_text())
 
 
@@ -34,9 +41,16 @@ def _check_run(run: dict, runner: str, policy: str) -> None:
     assert all(r["error"] is None and r["ttft_s"] > 0 for r in run["requests"])
     assert all(r["output_tokens"] == 16 for r in run["requests"])
     assert {r["tier"] for r in run["requests"]} == {"urgent", "relaxed"}
+    for r in run["requests"]:  # the trace's objectives, recorded with each result
+        expected = RELAXED_TPOT_MS if r["tier"] == "relaxed" else None
+        assert r["tpot_slo_ms"] == pytest.approx(expected)
     summary = run["summary"]
     assert summary["completed"] == NUM_REQUESTS
     assert 0.0 <= summary["ttft_slo_attainment"] <= 1.0
+    assert summary["num_tpot_slo_requests"] == 16 and 0.0 <= summary["tpot_slo_attainment"] <= 1
+    # Every request has a TTFT SLO, so a good one met it (and its TPOT objective, if any).
+    assert summary["num_good"] <= summary["num_slo_met"]
+    assert summary["goodput_attainment"] == pytest.approx(summary["num_good"] / NUM_REQUESTS)
     assert run["clairvoyant"]["ttft_slo_attainment"] is not None
     # Computed tokens cover at least every prompt and output token once.
     computed = sum(r["prompt_tokens"] + r["output_tokens"] - 1 for r in run["requests"])
@@ -49,6 +63,8 @@ def test_inprocess_runner_smoke(tiny_model, tmp_path):
     assert set(runs) == {"fcfs", "slo+mf-conservative-pause"}
     for policy, run in runs.items():
         _check_run(run, "inprocess", policy)
+        # Every request carries a TTFT SLO, and the engine admitted each one.
+        assert all(r["slack_at_admission_ms"] is not None for r in run["requests"])
     # Both policies saw the identical trace.
     prompts = [[r["prompt_tokens"] for r in run["requests"]] for run in runs.values()]
     assert prompts[0] == prompts[1]
@@ -120,3 +136,67 @@ def test_engine_pool_reuses_one_engine_and_reports_each_runs_own_counters(tiny_m
     expected = sum(len(r.prompt_token_ids) + r.output_tokens - 1 for r in trace.requests)
     assert first.engine["computed_tokens"] == second.engine["computed_tokens"] == expected
     assert all(r.ttft_s is not None for r in second.requests)
+
+
+def test_inprocess_runner_hands_the_engine_both_objectives(tiny_model, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from bench.attainment.policies import POLICIES
+    from bench.attainment.runners import EnginePool, run_inprocess
+    from bench.attainment.workloads import build_workload
+
+    model = tiny_model("llama")
+    trace = build_workload("mixed", 6, 40.0, 0, AutoTokenizer.from_pretrained(model),
+                           lambda n: 0.01 + 2e-5 * n, max_prompt_len=480)
+    with EnginePool(model, dtype="float32", max_model_len=512, num_kv_blocks=400,
+                    enable_prefix_caching=False) as pool:
+        engine = pool.get(POLICIES["slo"], 128)
+        seen: dict[str, tuple[float | None, float | None]] = {}
+        submit = engine.submit_request
+
+        def spy(request):  # what reached the engine, request by request
+            seen[request.request_id] = (request.ttft_slo_ms, request.tpot_slo_ms)
+            return submit(request)
+
+        monkeypatch.setattr(engine, "submit_request", spy)
+        run = run_inprocess(trace, POLICIES["slo"], model, 128, progress=False, pool=pool)
+    assert seen == {r.request_id: (r.ttft_slo_ms, r.tpot_slo_ms) for r in trace.requests}
+    assert any(tpot is not None for _, tpot in seen.values())
+    assert [r.tpot_slo_ms for r in run.requests] == [r.tpot_slo_ms for r in trace.requests]
+    assert all(r.tpot_slo_met is not None for r in run.requests if r.tier == "relaxed")
+
+
+def test_http_runner_sends_both_objectives_and_reads_the_final_metrics(tiny_model):
+    """Against the real API server app over a scripted core: the objectives reach the engine,
+    and the final chunk's metrics (preemptions, slack at admission) reach the result."""
+    from transformers import AutoTokenizer
+
+    from bench.attainment.runners import _one_http
+    from bench.attainment.traces import TraceRequest
+    from engine.ipc.core_messages import CoreOutputs
+    from engine.outputs import EngineCoreOutput, SchedulerStats
+    from tests.inprocess_server import FakeCore, app_client
+
+    def three_tokens(message):
+        outs = [EngineCoreOutput(req_id=message.request_id, new_token_ids=[5 + i],
+                                 num_preemptions=1, slack_at_admission_s=0.042,
+                                 finish_reason="length" if i == 2 else None) for i in range(3)]
+        return [CoreOutputs(outputs=[out], stats=SchedulerStats()) for out in outs], False
+
+    model_dir = tiny_model("llama")
+    fake = FakeCore(len(AutoTokenizer.from_pretrained(model_dir)), script=three_tokens)
+    tr = TraceRequest("r0", "relaxed", 0.0, [5, 6, 7, 8], 3, ttft_slo_ms=800.0,
+                      tpot_slo_ms=35.5)
+
+    async def run():
+        async with app_client(model_dir, fake=fake) as (http, _):
+            return await _one_http(http, tr, time.monotonic(), priority=0, model_name=None)
+
+    result = asyncio.run(run())
+    (sent,) = fake.requests
+    assert (sent.ttft_slo_ms, sent.tpot_slo_ms) == (800.0, 35.5)
+    assert result.error is None and result.output_tokens == 3
+    assert (result.ttft_slo_ms, result.tpot_slo_ms) == (800.0, 35.5)
+    assert result.num_preemptions == 1
+    assert result.slack_at_admission_ms == pytest.approx(42.0)
+    assert result.tpot_slo_met is not None

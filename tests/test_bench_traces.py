@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections import Counter
+from dataclasses import replace
 from itertools import pairwise
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 
 from bench.attainment.traces import (
     AbsoluteSLO,
+    ChunkMultipleTPOT,
     Fixed,
     IsolatedMultipleSLO,
     LogNormal,
@@ -29,6 +31,7 @@ from bench.attainment.workloads import (
     WORKLOADS,
     build_workload,
     flowprefill_tiers,
+    mixed_tiers,
 )
 
 
@@ -247,6 +250,27 @@ def test_save_load_round_trip(tokenizer, tmp_path):
     assert again.requests[5].arrival_s == trace.requests[5].arrival_s  # bit-exact floats
 
 
+def test_tpot_objective_round_trip_and_old_traces_load(tokenizer, tmp_path):
+    tiers = [replace(TIERS[0], tpot_slo=ChunkMultipleTPOT(tokens=64, multiple=2.0)), *TIERS[1:]]
+    trace = generate_trace(tiers, 40, 5.0, 0, tokenizer, predict)
+    assert {r.tpot_slo_ms for r in trace.requests} == {None, 2 * predict(64) * 1000}
+    path = tmp_path / "t.jsonl"
+    trace.save(path)
+    assert Trace.load(path) == trace
+    lines = path.read_text().splitlines()
+    assert all("tpot_slo_ms" in json.loads(line) for line in lines[1:])
+    # A trace saved before TPOT objectives existed: no field, no objective, the rest as it was.
+    old_rows = [{k: v for k, v in json.loads(line).items() if k != "tpot_slo_ms"}
+                for line in lines[1:]]
+    old = _write(tmp_path / "old.jsonl", [lines[0], *(json.dumps(r) for r in old_rows)])
+    loaded = Trace.load(old)
+    assert loaded.requests == [replace(r, tpot_slo_ms=None) for r in trace.requests]
+    bad = {**json.loads(lines[1]), "tpot_slo_ms": -1}
+    bad_path = _write(tmp_path / "bad.jsonl", [lines[0], json.dumps(bad)])
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: field 'tpot_slo_ms'"):
+        Trace.load(bad_path)
+
+
 def _write(path: Path, lines: list[str]) -> Path:
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -325,7 +349,8 @@ def test_load_user_trace(tokenizer, tmp_path):
         json.dumps({"prompt": [5, 6, 7], "output_tokens": 2, "ttft_slo_ms": None,
                     "arrival_s": 0.5}),
         "",
-        json.dumps({"prompt": [9], "output_tokens": 1, "arrival_s": 3.0, "request_id": "mine"}),
+        json.dumps({"prompt": [9], "output_tokens": 1, "arrival_s": 3.0, "request_id": "mine",
+                    "tpot_slo_ms": 40}),
     ])
     trace = load_user_trace(path, tokenizer)
     assert [r.arrival_s for r in trace.requests] == [0.5, 1.5, 3.0]  # sorted by arrival
@@ -336,6 +361,7 @@ def test_load_user_trace(tokenizer, tmp_path):
                                                        add_special_tokens=False)
     assert second.tier == "chat" and second.ttft_slo_ms == 300.0
     assert third.request_id == "mine" and third.ttft_slo_ms is None
+    assert third.tpot_slo_ms == 40.0 and first.tpot_slo_ms is None and second.tpot_slo_ms is None
     assert len({r.request_id for r in trace.requests}) == 3
     assert trace.meta["workload"] == "user" and trace.meta["rate"] == pytest.approx(1.0)
     # It saves and reloads like any trace.
@@ -353,6 +379,8 @@ def test_load_user_trace(tokenizer, tmp_path):
     ({"prompt": "x", "output_tokens": 1, "arrival_s": -1}, "field 'arrival_s'"),
     ({"prompt": "x", "output_tokens": 1, "arrival_s": 0, "ttft_slo_ms": "fast"},
      "field 'ttft_slo_ms'"),
+    ({"prompt": "x", "output_tokens": 1, "arrival_s": 0, "tpot_slo_ms": 0},
+     "field 'tpot_slo_ms'"),
     ({"prompt": "x", "output_tokens": 1, "arrival_s": 0, "ttft_slo": 100}, "unknown fields"),
     ({"prompt": "x", "output_tokens": 1, "arrival_s": 0, "tier": ""}, "field 'tier'"),
 ])
@@ -391,15 +419,53 @@ def test_mixed_workload(tokenizer):
         if r.tier == "urgent":
             assert 64 <= n <= 256
             assert r.ttft_slo_ms == pytest.approx(max(250.0, 3 * (n + 20)))
+            assert r.tpot_slo_ms is None  # judged on TTFT alone
         else:
             assert 512 <= n <= 6000
             assert r.ttft_slo_ms == pytest.approx(10 * (n + 20))
+            # One 512-token prefill chunk between two tokens, twice over.
+            assert r.tpot_slo_ms == 2 * predict(512) * 1000
     relaxed = [len(r.prompt_token_ids) for r in trace.requests if r.tier == "relaxed"]
     assert 1300 < statistics.median(relaxed) < 1700
     # With this predictor 3x isolated TTFT is at least 3 x 84 ms, above the 250 ms floor; on a
     # faster machine the floor binds for every urgent prompt.
     fast = build_workload("mixed", 50, 2.0, 0, tokenizer, lambda n: 0.0001 * n + 0.01)
     assert all(r.ttft_slo_ms == 250.0 for r in fast.requests if r.tier == "urgent")
+
+
+def test_mixed_tpot_objective_follows_the_clipped_chunk(tokenizer):
+    trace = build_workload("mixed", 20, 2.0, 0, tokenizer, predict, max_prompt_len=200)
+    assert {r.tpot_slo_ms for r in trace.requests if r.tier == "relaxed"} == \
+        {2 * predict(200) * 1000}  # no chunk is longer than the longest prompt
+    assert trace.meta["tiers"][1]["tpot_slo"] == {"kind": "ChunkMultipleTPOT", "tokens": 512,
+                                                  "multiple": 2.0}
+    assert trace.meta["tiers"][0]["tpot_slo"] is None
+    assert ChunkMultipleTPOT(tokens=512, multiple=2.0).slo_ms(predict, 1000) == \
+        pytest.approx(2 * 532)
+    with pytest.raises(ValueError, match="tokens >= 1"):
+        ChunkMultipleTPOT(tokens=0, multiple=2.0)
+
+
+@pytest.mark.parametrize("max_prompt_len", [None, 300])
+def test_tpot_objective_leaves_the_seeded_ttft_trace_unchanged(tokenizer, max_prompt_len):
+    """Resolving the TPOT objective draws no random numbers: the same seed gives the same
+    prompts, arrivals and TTFT SLOs as the tiers without it (so traces seeded before TPOT
+    objectives existed are reproduced)."""
+    tiers = mixed_tiers()
+    assert any(t.tpot_slo is not None for t in tiers)  # probe: there is something to remove
+    without = [replace(t, tpot_slo=None) for t in tiers]
+    a, b = (generate_trace(ts, 300, 2.0, 11, tokenizer, predict, arrival="gamma",
+                           burstiness=2.0, max_prompt_len=max_prompt_len)
+            for ts in (tiers, without))
+
+    def ttft_parts(trace: Trace) -> list[tuple]:
+        return [(r.request_id, r.tier, r.arrival_s, r.prompt_token_ids, r.output_tokens,
+                 r.ttft_slo_ms) for r in trace.requests]
+
+    assert ttft_parts(a) == ttft_parts(b)
+    assert [r.tpot_slo_ms is not None for r in a.requests] == \
+        [r.tier == "relaxed" for r in a.requests]
+    assert all(r.tpot_slo_ms is None for r in b.requests)
 
 
 def test_flowprefill_workload(tokenizer):
@@ -432,7 +498,7 @@ def test_flowprefill_clamped_reference_length():
 def test_uniform_workload(tokenizer):
     trace = build_workload("uniform", 200, 3.0, 0, tokenizer, predict)
     assert trace.tier_names() == ["uniform"]
-    assert all(r.ttft_slo_ms is None for r in trace.requests)
+    assert all(r.ttft_slo_ms is None and r.tpot_slo_ms is None for r in trace.requests)
     assert all(480 <= len(r.prompt_token_ids) <= 544 for r in trace.requests)
 
 

@@ -1,4 +1,4 @@
-"""`sloserve bench ...`: the TTFT-attainment benchmark suite.
+"""`sloserve bench ...`: the SLO-attainment benchmark suite (TTFT and TPOT objectives, goodput).
 
   trace   write a seeded trace (JSONL) of a built-in workload
   run     replay traces against policies x budgets x rates x seeds; JSON, Markdown, plots
@@ -118,13 +118,14 @@ def _run_cell(setup: BenchSetup, args: argparse.Namespace, trace, policy, budget
 
 
 def _write_outputs(runs: list, out_dir: Path) -> None:
-    from bench.attainment.report import markdown_table, plot_attainment_vs_rate, plot_ttft_cdf, write_json
+    from bench.attainment.report import (TABLE_NOTES, markdown_table, plot_attainment_vs_rate,
+                                         plot_ttft_cdf, write_json)
     from bench.attainment.results import aggregate
 
     cells = aggregate(runs)
     write_json(out_dir / "results.json", runs, cells)
     table = markdown_table(cells)
-    (out_dir / "summary.md").write_text(table + "\n")
+    (out_dir / "summary.md").write_text(table + "\n" + TABLE_NOTES)
     plot_attainment_vs_rate(cells, out_dir / "attainment_vs_rate.png")
     plot_ttft_cdf(runs, out_dir / "ttft_cdf.png")
     print(table)
@@ -194,7 +195,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _load_trace(path: str, tokenizer: Any):
     """A trace written by `sloserve bench trace` (first line: its meta), or the user's own
-    requests, one per line: prompt, output_tokens, ttft_slo_ms, arrival_s."""
+    requests, one per line: prompt, output_tokens, ttft_slo_ms, arrival_s (tpot_slo_ms
+    optional)."""
     import json
 
     from bench.attainment.traces import Trace, load_user_trace
@@ -299,7 +301,7 @@ def _add_grid(p: argparse.ArgumentParser, default_policies: list[str]) -> None:
 
 
 def add_bench_parser(subparsers: Any) -> None:
-    bench = subparsers.add_parser("bench", help="TTFT-attainment benchmark suite",
+    bench = subparsers.add_parser("bench", help="SLO-attainment and goodput benchmark suite",
                                   description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = bench.add_subparsers(dest="bench_command", metavar="{trace,run,sweep,report}")
@@ -323,7 +325,8 @@ def add_bench_parser(subparsers: Any) -> None:
     _add_grid(run, ["fcfs", "slo", "slo+mf-conservative-pause"])
     run.add_argument("--trace", nargs="+", default=None,
                      help="JSONL traces: from `sloserve bench trace`, or your own requests "
-                          "(prompt, output_tokens, ttft_slo_ms, arrival_s per line)")
+                          "(prompt, output_tokens, ttft_slo_ms, arrival_s per line; "
+                          "tpot_slo_ms optional)")
     run.add_argument("--rates", type=float, nargs="+", default=[0.5])
     run.set_defaults(func=_cmd_run)
 

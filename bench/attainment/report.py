@@ -7,7 +7,7 @@ renders the same way.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +35,31 @@ def read_json(path: str | Path) -> tuple[list[RunResult], list[dict[str, Any]]]:
     return [RunResult.from_json(r) for r in doc["runs"]], doc["aggregate"]
 
 
-def urgent_tier(cells: Sequence[dict[str, Any]]) -> str | None:
-    """The tier with the tightest typical SLO (e.g. `urgent` in mixed, `text` in flowprefill)."""
+def _tightest_tier(cells: Sequence[dict[str, Any]], objective: str) -> str | None:
     best: tuple[float, str] | None = None
     for c in cells:
         for tier, ms in c["tiers"].items():
-            slo = ms.get("median_ttft_slo_ms")
+            slo = ms.get(objective)
             if slo is not None and (best is None or slo["median"] < best[0]):
                 best = (slo["median"], tier)
     return None if best is None else best[1]
+
+
+def urgent_tier(cells: Sequence[dict[str, Any]]) -> str | None:
+    """The tier with the tightest typical SLO (e.g. `urgent` in mixed, `text` in flowprefill)."""
+    return _tightest_tier(cells, "median_ttft_slo_ms")
+
+
+def tpot_tiers(cells: Sequence[dict[str, Any]]) -> list[str]:
+    """The tiers whose requests carry a TPOT objective (e.g. `relaxed` in mixed), tightest
+    first."""
+    objectives: dict[str, float] = {}
+    for c in cells:
+        for tier, ms in c["tiers"].items():
+            slo = ms.get("median_tpot_slo_ms")
+            if slo is not None:
+                objectives[tier] = min(slo["median"], objectives.get(tier, slo["median"]))
+    return sorted(objectives, key=lambda t: (objectives[t], t))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,17 +84,55 @@ def _get(d: dict[str, Any] | None, *keys: str) -> Any:
     return d
 
 
+Column = tuple[str, Callable[[dict[str, Any]], str]]
+
+
+def _tpot_columns(tiers: list[str]) -> list[Column]:
+    """(header, cell) of the TPOT columns; none when no tier has a TPOT objective."""
+    if not tiers:
+        return []
+    t = tiers[0]
+
+    def overall(c: dict[str, Any]) -> str:
+        return _fmt(_get(c, "metrics", "tpot_slo_attainment"), 100)
+
+    def tier_attainment(c: dict[str, Any]) -> str:
+        return _fmt(_get(c, "tiers", t, "tpot_slo_attainment"), 100)
+
+    def tier_median(c: dict[str, Any]) -> str:
+        return _fmt(_get(c, "tiers", t, "median_tpot_ms"))
+
+    columns: list[Column] = [("TPOT %", overall)]
+    if len(tiers) > 1:  # with one such tier, its attainment is the overall one
+        columns.append((f"{t} TPOT %", tier_attainment))
+    columns.append((f"{t} median TPOT (ms)", tier_median))
+    return columns
+
+
+# Printed under the table (summary.md): what the columns that are not plain latencies mean.
+TABLE_NOTES = (
+    "TTFT % / TPOT %: requests meeting that objective, of those carrying it. good %: requests "
+    "that completed and met every objective they carry (TTFT and TPOT), as `vllm bench serve "
+    "--goodput` counts them; goodput is those per second. Failed requests miss every objective. "
+    "Δ: paired by seed against the baseline, in percentage points. clairvoyant TTFT %: the "
+    "TTFT-SLO attainment of preemptive EDF on the prefill work alone, a bound on TTFT only.\n")
+
+
 def markdown_table(aggregate: list[dict[str, Any]], urgent: str | None = None) -> str:
     """One row per cell; attainment in %, Δ in percentage points against the baseline, paired
-    by seed. `urgent` names the tier shown in its own column (default: tightest SLO)."""
+    by seed. `urgent` names the tier shown in its own column (default: tightest SLO). TPOT
+    columns appear when some tier carries a TPOT objective: the overall attainment, the tightest
+    such tier's when several have one, and that tier's median TPOT."""
     urgent = urgent or urgent_tier(aggregate)
     base = next((c["diff"]["baseline"] for c in aggregate if c["diff"]), "fcfs")
     # Runner and workload columns only when they vary, to keep the common table narrow.
     extra = [k for k in ("runner", "workload") if len({c[k] for c in aggregate}) > 1]
     u = urgent or "urgent"
-    head = [*extra, "policy", "budget", "rate (req/s)", "seeds", "attain. %", f"{u} attain. %",
-            "goodput (req/s)", "p99 TTFT (ms)", "tok/s", "wasted %", f"Δ attain. vs {base} (pp)",
-            f"Δ {u} vs {base} (pp)", "clairvoyant %"]
+    tpot = _tpot_columns(tpot_tiers(aggregate))
+    head = [*extra, "policy", "budget", "rate (req/s)", "seeds", "TTFT %", f"{u} TTFT %",
+            *(name for name, _ in tpot), "good %", "goodput (req/s)", "p99 TTFT (ms)", "tok/s",
+            "wasted %", f"Δ TTFT vs {base} (pp)", f"Δ {u} TTFT vs {base} (pp)",
+            f"Δ good vs {base} (pp)", "clairvoyant TTFT %"]
     rows = [head, ["---"] * len(head)]
     for c in aggregate:
         m = c["metrics"]
@@ -87,12 +141,15 @@ def markdown_table(aggregate: list[dict[str, Any]], urgent: str | None = None) -
             str(c["num_seeds"]),
             _fmt(m["ttft_slo_attainment"], 100),
             _fmt(_get(c, "tiers", u, "ttft_slo_attainment"), 100),
+            *(cell(c) for _, cell in tpot),
+            _fmt(m.get("goodput_attainment"), 100),
             _fmt(m["request_goodput"], digits=2),
             _fmt(m["p99_ttft_ms"], digits=0),
             _fmt(m["total_token_throughput"], digits=0),
             _fmt(m["wasted_tokens_share"], 100, digits=2),
             _fmt(_get(c, "diff", "metrics", "ttft_slo_attainment"), 100, signed=True),
             _fmt(_get(c, "diff", "tiers", u, "ttft_slo_attainment"), 100, signed=True),
+            _fmt(_get(c, "diff", "metrics", "goodput_attainment"), 100, signed=True),
             _fmt(_get(c, "clairvoyant", "ttft_slo_attainment"), 100),
         ])
     return "\n".join("| " + " | ".join(r) + " |" for r in rows) + "\n"

@@ -6,11 +6,17 @@ Markdown table, plots) reads only this schema. Metric keys follow `vllm bench se
 
 Conventions (the ones a reader of the numbers needs):
 - A request *failed* when it has an error or never produced a token (`ttft_s is None`). Failed
-  requests are left out of latency and throughput figures, as in vLLM, but count as *missed* in
-  TTFT-SLO attainment: a scheduler must not look better by dropping requests.
-- `ttft_slo_attainment` is over the requests that carry an SLO only; None when none does.
-- `request_goodput` counts, per second of run duration, the requests that met their SLO plus the
-  requests without an SLO that completed (no objective: completing is all that was asked).
+  requests are left out of latency and throughput figures, as in vLLM, but count as *missed* for
+  every objective they carry: a scheduler must not look better by dropping requests.
+- A request may carry a TTFT SLO (`ttft_slo_ms`) and a TPOT objective (`tpot_slo_ms`). TPOT is
+  the mean gap after the first token, `(e2e - ttft) / (output_tokens - 1)`, and meets its
+  objective when within it; a one-token output has no gap to miss (the engine's test).
+- `ttft_slo_attainment` / `tpot_slo_attainment` are over the requests that carry that objective
+  only; None when none does.
+- A request is *good* when it completed and met every objective it carries, as
+  `vllm bench serve --goodput ttft:X tpot:Y` defines it (no objective: completing is all that was
+  asked). `goodput_attainment` is the share of all requests that are good, `request_goodput` the
+  good requests per second of run duration.
 - Per-tier throughputs divide by the whole run's duration, so tiers add up to the overall figure.
 - Percentiles are numpy's default linear interpolation, as `vllm bench serve` computes them.
 """
@@ -39,8 +45,10 @@ class RequestResult:
     tpot_s: float | None  # (e2e - ttft) / (output_tokens - 1) when output_tokens > 1
     num_preemptions: int = 0
     error: str | None = None
-    # Deadline - admission time - predicted TTFT, in ms (in-process runs; None without a SLO).
+    # Deadline - admission time - predicted TTFT, in ms, as the engine reports it (None without
+    # a TTFT SLO, or from a server that does not report it).
     slack_at_admission_ms: float | None = None
+    tpot_slo_ms: float | None = None  # None: no TPOT objective
 
     @property
     def failed(self) -> bool:
@@ -48,13 +56,29 @@ class RequestResult:
 
     @property
     def slo_met(self) -> bool | None:
-        """None when the request has no SLO; False when it failed. Same test as the engine's."""
+        """The TTFT SLO: None when the request has none; False when it failed. Same test as the
+        engine's."""
         if self.ttft_slo_ms is None:
             return None
         if self.failed:
             return False
         assert self.ttft_s is not None
         return self.ttft_s * 1000.0 <= self.ttft_slo_ms
+
+    @property
+    def tpot_slo_met(self) -> bool | None:
+        """The TPOT objective: None when the request has none; False when it failed. Same test as
+        the engine's: the mean gap after the first token within it (one token: no gap)."""
+        if self.tpot_slo_ms is None:
+            return None
+        if self.failed:
+            return False
+        return self.tpot_s is None or self.tpot_s * 1000.0 <= self.tpot_slo_ms
+
+    @property
+    def good(self) -> bool:
+        """Completed and met every objective it carries (vLLM's goodput)."""
+        return not self.failed and self.slo_met is not False and self.tpot_slo_met is not False
 
     @staticmethod
     def tpot_from(ttft_s: float | None, e2e_s: float | None, output_tokens: int) -> float | None:
@@ -117,7 +141,9 @@ def _summarize_requests(reqs: list[RequestResult], duration_s: float) -> dict[st
     e2els_ms = [r.e2e_s * 1000.0 for r in done if r.e2e_s is not None]
     with_slo = [r for r in reqs if r.ttft_slo_ms is not None]
     met = sum(1 for r in with_slo if r.slo_met)
-    good = met + sum(1 for r in done if r.ttft_slo_ms is None)
+    with_tpot = [r for r in reqs if r.tpot_slo_ms is not None]
+    tpot_met = sum(1 for r in with_tpot if r.tpot_slo_met)
+    good = sum(1 for r in reqs if r.good)
     input_tokens = sum(r.prompt_tokens for r in done)
     output_tokens = sum(r.output_tokens for r in done)
     return {
@@ -146,6 +172,13 @@ def _summarize_requests(reqs: list[RequestResult], duration_s: float) -> dict[st
         # The tier's typical objective, so a report can tell which tier is the urgent one.
         "median_ttft_slo_ms": _pct([r.ttft_slo_ms for r in with_slo if r.ttft_slo_ms is not None],
                                    50),
+        "num_tpot_slo_requests": len(with_tpot),
+        "num_tpot_slo_met": tpot_met,
+        "tpot_slo_attainment": tpot_met / len(with_tpot) if with_tpot else None,
+        "median_tpot_slo_ms": _pct([r.tpot_slo_ms for r in with_tpot
+                                    if r.tpot_slo_ms is not None], 50),
+        "num_good": good,
+        "goodput_attainment": good / len(reqs) if reqs else None,
         "request_goodput": _per_s(good, duration_s),
         "num_preemptions": sum(r.num_preemptions for r in reqs),
     }
@@ -154,7 +187,7 @@ def _summarize_requests(reqs: list[RequestResult], duration_s: float) -> dict[st
 def summarize(run: RunResult) -> dict[str, Any]:
     """Overall and per-tier metrics of one run (see the module docstring for conventions)."""
     out = _summarize_requests(run.requests, run.duration_s)
-    del out["median_ttft_slo_ms"]  # only meaningful per tier
+    del out["median_ttft_slo_ms"], out["median_tpot_slo_ms"]  # only meaningful per tier
     eng = run.engine or {}
     out["num_preemptions_kv"] = eng.get("num_preemptions_kv")
     out["num_preemptions_slo"] = eng.get("num_preemptions_slo")
@@ -175,12 +208,18 @@ def summarize(run: RunResult) -> dict[str, Any]:
 
 # Overall metrics reported per cell (median and range over seeds) and paired against baseline.
 HEADLINE_METRICS: tuple[str, ...] = (
-    "ttft_slo_attainment", "request_goodput", "median_ttft_ms", "p99_ttft_ms",
-    "total_token_throughput", "output_throughput", "wasted_tokens_share",
-    "num_preemptions_slo", "num_preemptions_kv",
+    "ttft_slo_attainment", "tpot_slo_attainment", "goodput_attainment", "request_goodput",
+    "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "total_token_throughput",
+    "output_throughput", "wasted_tokens_share", "num_preemptions_slo", "num_preemptions_kv",
 )
 # Per-tier metrics reported per cell.
-TIER_METRICS: tuple[str, ...] = ("ttft_slo_attainment", "p99_ttft_ms", "median_ttft_slo_ms")
+TIER_METRICS: tuple[str, ...] = (
+    "ttft_slo_attainment", "tpot_slo_attainment", "goodput_attainment", "p99_ttft_ms",
+    "median_tpot_ms", "p99_tpot_ms", "median_ttft_slo_ms", "median_tpot_slo_ms",
+)
+# Per-tier metrics also paired against the baseline.
+TIER_DIFF_METRICS: tuple[str, ...] = ("ttft_slo_attainment", "tpot_slo_attainment",
+                                      "goodput_attainment")
 
 
 def stat(values: Iterable[float | None]) -> dict[str, float] | None:
@@ -207,9 +246,10 @@ def aggregate(runs: list[RunResult], baseline_policy: str = "fcfs",
     per-seed differences (cell minus baseline) against the `baseline_policy` cell with the same
     runner, workload, rate and budget, paired by seed — paired because seeds share a trace, so
     trace-to-trace noise cancels; None for the baseline cell itself or when it is missing.
-    The clairvoyant bound comes from each run's `clairvoyant` field, or from `clairvoyant` keyed
-    by (workload, rate, budget, seed) which takes precedence; `gap_to_clairvoyant` is the per-seed
-    bound minus the measured attainment.
+    The clairvoyant bound (on TTFT-SLO attainment only: it simulates prefill, not decode) comes
+    from each run's `clairvoyant` field, or from `clairvoyant` keyed by (workload, rate, budget,
+    seed) which takes precedence; `gap_to_clairvoyant` is the per-seed bound minus the measured
+    TTFT-SLO attainment.
     """
     cells: dict[CellKey, dict[int, RunResult]] = {}
     summaries: dict[int, dict[str, Any]] = {}
@@ -251,10 +291,10 @@ def aggregate(runs: list[RunResult], baseline_policy: str = "fcfs",
                 "baseline": baseline_policy, "seeds": paired,
                 "metrics": {m: stat(_diff(mine[s].get(m), bsums[s].get(m)) for s in paired)
                             for m in HEADLINE_METRICS},
-                "tiers": {t: {"ttft_slo_attainment": stat(
-                    _diff(mine[s]["tiers"].get(t, {}).get("ttft_slo_attainment"),
-                          bsums[s]["tiers"].get(t, {}).get("ttft_slo_attainment"))
-                    for s in paired)} for t in tiers},
+                "tiers": {t: {m: stat(_diff(mine[s]["tiers"].get(t, {}).get(m),
+                                            bsums[s]["tiers"].get(t, {}).get(m))
+                                      for s in paired)
+                              for m in TIER_DIFF_METRICS} for t in tiers},
             }
         bounds = [(s, bound(by_seed[s])) for s in seeds]
         known = [(s, b) for s, b in bounds if b is not None]

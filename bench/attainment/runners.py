@@ -1,5 +1,6 @@
 """Replaying a trace against the engine: in process (exact engine timestamps) or over HTTP
-against a running `sloserve serve` (TTFT measured at the client). Both return a `RunResult`.
+against a running `sloserve serve` (TTFT and TPOT measured at the client). Both send each
+request's TTFT and TPOT objectives to the engine and return a `RunResult`.
 
 Arrivals follow the trace's offsets in real time. In process, a separate thread submits each
 request at its time, as the HTTP reader thread would, so the SLO monitor sees arrivals that land
@@ -92,7 +93,8 @@ def run_inprocess(trace: Trace, policy: PolicySpec, model: str, budget: int,
         return Request(request_id=req_id, prompt_token_ids=list(tr.prompt_token_ids),
                        sampling_params=SamplingParams(max_tokens=tr.output_tokens,
                                                       temperature=0.0, ignore_eos=True),
-                       ttft_slo_ms=tr.ttft_slo_ms, priority=priorities.get(tr.tier, 0))
+                       ttft_slo_ms=tr.ttft_slo_ms, tpot_slo_ms=tr.tpot_slo_ms,
+                       priority=priorities.get(tr.tier, 0))
 
     try:
         if engine.scheduler.step_id == 0:
@@ -152,8 +154,8 @@ def _inprocess_result(tr: TraceRequest, request: Any, start: float) -> RequestRe
     return RequestResult(request_id=tr.request_id, tier=tr.tier,
                          arrival_s=request.arrival_time - start,
                          prompt_tokens=len(tr.prompt_token_ids), output_tokens=n,
-                         ttft_slo_ms=tr.ttft_slo_ms, ttft_s=ttft, e2e_s=e2e, tpot_s=tpot,
-                         num_preemptions=request.num_preemptions,
+                         ttft_slo_ms=tr.ttft_slo_ms, tpot_slo_ms=tr.tpot_slo_ms, ttft_s=ttft,
+                         e2e_s=e2e, tpot_s=tpot, num_preemptions=request.num_preemptions,
                          error=None if ttft is not None else "no token",
                          slack_at_admission_ms=(None if request.slack_at_admission_s is None
                                                 else 1000 * request.slack_at_admission_s))
@@ -189,11 +191,13 @@ async def _one_http(client: Any, tr: TraceRequest, start: float, priority: int,
                             "stream_options": {"include_usage": True}, "priority": priority}
     if model_name:
         body["model"] = model_name
-    if tr.ttft_slo_ms is not None:
-        body["ttft_slo_ms"] = tr.ttft_slo_ms
+    for name in ("ttft_slo_ms", "tpot_slo_ms"):
+        if getattr(tr, name) is not None:
+            body[name] = getattr(tr, name)
     sent = time.monotonic()
     first: float | None = None
-    output_tokens, preemptions, error = 0, 0, None
+    output_tokens, error = 0, None
+    metrics: dict[str, Any] = {}  # the engine's per-request metrics, on the finishing chunk
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -208,7 +212,7 @@ async def _one_http(client: Any, tr: TraceRequest, start: float, priority: int,
                     if chunk.get("choices") and first is None:
                         first = time.monotonic()
                     if chunk.get("metrics"):
-                        preemptions = int(chunk["metrics"].get("num_preemptions") or 0)
+                        metrics = chunk["metrics"]
                     if chunk.get("usage"):
                         output_tokens = int(chunk["usage"]["completion_tokens"])
     except Exception as exc:  # a broken connection is a failed request, not a failed run
@@ -219,8 +223,10 @@ async def _one_http(client: Any, tr: TraceRequest, start: float, priority: int,
     tpot = RequestResult.tpot_from(ttft, e2e, output_tokens)
     return RequestResult(request_id=tr.request_id, tier=tr.tier, arrival_s=sent - start,
                          prompt_tokens=len(tr.prompt_token_ids), output_tokens=output_tokens,
-                         ttft_slo_ms=tr.ttft_slo_ms, ttft_s=ttft, e2e_s=e2e, tpot_s=tpot,
-                         num_preemptions=preemptions, error=error)
+                         ttft_slo_ms=tr.ttft_slo_ms, tpot_slo_ms=tr.tpot_slo_ms, ttft_s=ttft,
+                         e2e_s=e2e, tpot_s=tpot,
+                         num_preemptions=int(metrics.get("num_preemptions") or 0), error=error,
+                         slack_at_admission_ms=metrics.get("slack_at_admission_ms"))
 
 
 async def run_http_async(trace: Trace, url: str, policy: PolicySpec, budget: int,

@@ -1,9 +1,10 @@
-"""Seeded request traces for the TTFT-attainment benchmark.
+"""Seeded request traces for the SLO-attainment benchmark.
 
 A trace is the list of requests one benchmark run replays: when each arrives (an offset from the
-trace start), its prompt as token ids, how many tokens it generates and its TTFT SLO. Every policy
-in a comparison replays the identical trace, so traces are generated once from a seed, saved as
-JSONL and reloaded, never regenerated per policy.
+trace start), its prompt as token ids, how many tokens it generates, its TTFT SLO and, optionally,
+its TPOT (time per output token) objective. Every policy in a comparison replays the identical
+trace, so traces are generated once from a seed, saved as JSONL and reloaded, never regenerated
+per policy.
 
 Prompts are windows of real English text (`bench/corpus.txt`) tokenized by the model's own
 tokenizer, cut to the exact sampled length: random token ids would exercise the model on inputs it
@@ -142,12 +143,38 @@ SLORule = AbsoluteSLO | IsolatedMultipleSLO | NoSLO
 
 
 @dataclass(frozen=True)
+class ChunkMultipleTPOT:
+    """A TPOT objective of `multiple` times the isolated prefill time of a `tokens`-token chunk:
+    how long a decoding stream may wait between two of its tokens, measured in the prefill work
+    that may run in between. One objective per tier (it does not depend on the prompt), so
+    resolving it draws no random numbers."""
+
+    tokens: int
+    multiple: float
+
+    def __post_init__(self) -> None:
+        if not (self.tokens >= 1 and self.multiple > 0):
+            raise ValueError(f"ChunkMultipleTPOT: need tokens >= 1 and multiple > 0, "
+                             f"got tokens={self.tokens}, multiple={self.multiple}")
+
+    def slo_ms(self, predict_ttft_s: Callable[[int], float],
+               max_prompt_len: int | None = None) -> float:
+        # No chunk is longer than the longest prompt a trace may hold (a tiny model's context).
+        tokens = self.tokens if max_prompt_len is None else min(self.tokens, max_prompt_len)
+        return self.multiple * predict_ttft_s(tokens) * 1000.0
+
+
+TPOTRule = ChunkMultipleTPOT
+
+
+@dataclass(frozen=True)
 class TierSpec:
     name: str
     share: float  # fraction of the trace's requests
     prompt_len: LengthDist
     output_tokens: int  # max_tokens, generated with ignore_eos
     slo: SLORule
+    tpot_slo: TPOTRule | None = None  # None: the tier's requests have no TPOT objective
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -161,7 +188,8 @@ class TierSpec:
     def describe(self) -> dict[str, Any]:
         """JSON-serialisable description, stored in the trace's meta."""
         return {"name": self.name, "share": self.share, "output_tokens": self.output_tokens,
-                "prompt_len": _tagged(self.prompt_len), "slo": _tagged(self.slo)}
+                "prompt_len": _tagged(self.prompt_len), "slo": _tagged(self.slo),
+                "tpot_slo": None if self.tpot_slo is None else _tagged(self.tpot_slo)}
 
 
 def _tagged(obj: Any) -> dict[str, Any]:
@@ -179,10 +207,13 @@ class TraceRequest:
     prompt_token_ids: list[int]
     output_tokens: int  # max_tokens, generated with ignore_eos
     ttft_slo_ms: float | None  # None: no SLO
+    tpot_slo_ms: float | None = None  # None: no TPOT objective
 
 
 _REQUEST_FIELDS = ("request_id", "tier", "arrival_s", "prompt_token_ids", "output_tokens",
-                   "ttft_slo_ms")
+                   "ttft_slo_ms", "tpot_slo_ms")
+# Traces written before TPOT objectives existed lack these; they load as None.
+_OPTIONAL_FIELDS = frozenset({"tpot_slo_ms"})
 
 
 @dataclass
@@ -288,7 +319,7 @@ def _jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
 def _request_from_dict(obj: Any, where: str) -> TraceRequest:
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    missing = [k for k in _REQUEST_FIELDS if k not in obj]
+    missing = [k for k in _REQUEST_FIELDS if k not in obj and k not in _OPTIONAL_FIELDS]
     extra = sorted(set(obj) - set(_REQUEST_FIELDS))
     if missing or extra:
         raise ValueError(f"{where}: missing fields {missing}, unknown fields {extra}")
@@ -298,7 +329,8 @@ def _request_from_dict(obj: Any, where: str) -> TraceRequest:
         arrival_s=_arrival(obj["arrival_s"], where),
         prompt_token_ids=_token_ids(obj["prompt_token_ids"], where, "prompt_token_ids"),
         output_tokens=_output_tokens(obj["output_tokens"], where),
-        ttft_slo_ms=_slo(obj["ttft_slo_ms"], where))
+        ttft_slo_ms=_slo(obj["ttft_slo_ms"], where),
+        tpot_slo_ms=_slo(obj.get("tpot_slo_ms"), where, "tpot_slo_ms"))
 
 
 # Field checks shared by Trace.load and load_user_trace; each names the line and the field.
@@ -325,11 +357,11 @@ def _output_tokens(v: Any, where: str) -> int:
     return v
 
 
-def _slo(v: Any, where: str) -> float | None:
+def _slo(v: Any, where: str, name: str = "ttft_slo_ms") -> float | None:
     if v is None:
         return None
     if not (_is_number(v) and v > 0):
-        raise ValueError(f"{where}: field 'ttft_slo_ms' must be a number > 0 or null, got {v!r}")
+        raise ValueError(f"{where}: field {name!r} must be a number > 0 or null, got {v!r}")
     return float(v)
 
 
@@ -463,6 +495,10 @@ def generate_trace(tiers: list[TierSpec], num_requests: int, rate: float, seed: 
     offsets = offset_rng.permutation(len(source))
     arrivals = arrival_offsets(num_requests, rate, arrival_rng, arrival, burstiness)
 
+    # Resolved up front and without the rngs: adding a TPOT objective to a tier leaves every
+    # other part of a seeded trace as it was.
+    tpot_slos = [None if t.tpot_slo is None else t.tpot_slo.slo_ms(predict_ttft_s, max_prompt_len)
+                 for t in tiers]
     requests: list[TraceRequest] = []
     for i, tier_index in enumerate(order):
         tier = tiers[tier_index]
@@ -473,7 +509,7 @@ def generate_trace(tiers: list[TierSpec], num_requests: int, rate: float, seed: 
             request_id=f"{i:05d}-{tier.name}", tier=tier.name, arrival_s=arrivals[i],
             prompt_token_ids=[int(t) for t in source.window(int(offsets[i % len(offsets)]), n)],
             output_tokens=tier.output_tokens,
-            ttft_slo_ms=tier.slo.slo_ms(n, predict_ttft_s)))
+            ttft_slo_ms=tier.slo.slo_ms(n, predict_ttft_s), tpot_slo_ms=tpot_slos[tier_index]))
 
     meta = {"workload": workload, "seed": seed, "num_requests": num_requests, "rate": rate,
             "arrival": arrival, "burstiness": burstiness, "max_prompt_len": max_prompt_len,
@@ -484,13 +520,15 @@ def generate_trace(tiers: list[TierSpec], num_requests: int, rate: float, seed: 
 
 # ---------------------------------------------------------------- the user's own requests
 
-_USER_FIELDS = {"prompt", "output_tokens", "ttft_slo_ms", "arrival_s", "tier", "request_id"}
+_USER_FIELDS = {"prompt", "output_tokens", "ttft_slo_ms", "tpot_slo_ms", "arrival_s", "tier",
+                "request_id"}
 
 
 def load_user_trace(path: str | Path, tokenizer: Tokenizer) -> Trace:
     """A JSONL file of the user's own requests, one per line:
     {"prompt": str | [token ids], "output_tokens": int, "ttft_slo_ms": float | null,
-     "arrival_s": float, "tier": str (optional, default "user"), "request_id": str (optional)}.
+     "arrival_s": float, "tpot_slo_ms": float | null (optional), "tier": str (optional, default
+     "user"), "request_id": str (optional)}.
     Text prompts are tokenized without special tokens. Requests are sorted by arrival (stably),
     since logs written by concurrent clients need not be in order."""
     rows: list[tuple[int, dict[str, Any]]] = []  # (line number, TraceRequest fields)
@@ -516,7 +554,8 @@ def load_user_trace(path: str | Path, tokenizer: Tokenizer) -> Trace:
                   "arrival_s": _arrival(obj["arrival_s"], where),
                   "prompt_token_ids": ids,
                   "output_tokens": _output_tokens(obj["output_tokens"], where),
-                  "ttft_slo_ms": _slo(obj.get("ttft_slo_ms"), where)}
+                  "ttft_slo_ms": _slo(obj.get("ttft_slo_ms"), where),
+                  "tpot_slo_ms": _slo(obj.get("tpot_slo_ms"), where, "tpot_slo_ms")}
         if "request_id" in obj:
             fields["request_id"] = _nonempty_str(obj["request_id"], where, "request_id")
         rows.append((lineno, fields))

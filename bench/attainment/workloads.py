@@ -2,7 +2,15 @@
 
 - `mixed`: the project's headline workload. A minority of short interactive requests with tight
   deadlines shares the engine with long relaxed ones, which is exactly where FCFS suffers
-  head-of-line blocking and slack-aware scheduling should help.
+  head-of-line blocking and slack-aware scheduling should help. Relaxed requests also carry a
+  TPOT objective, so goodput (every objective met, as `vllm bench serve --goodput`) charges a
+  scheduler for stalling streams to serve the urgent ones: a relaxed stream tolerates one
+  512-token prefill chunk between two of its tokens, twice over, i.e. tpot_slo_ms =
+  2 x predict_ttft_s(512) x 1000 (512 clipped to `max_prompt_len`). It follows the predictor like
+  the TTFT SLOs, so it scales with the machine: at a 512-token budget a step costs about one
+  chunk and leaves the stream room, while prefilling a whole long prompt in one step can stall
+  it past the objective. Urgent requests have no TPOT objective: their 16 tokens are judged on
+  TTFT.
 - `flowprefill`: the four request classes of the FlowPrefill paper (text / image / search / file)
   with TTFT SLOs in its ratio 0.25 : 0.5 : 4 : 6, scaled to this machine.
 - `uniform`: one tier of similar prompts and no SLOs, to check that the deadline machinery costs
@@ -16,6 +24,7 @@ from collections.abc import Callable
 from bench.attainment.traces import (
     AbsoluteSLO,
     Arrival,
+    ChunkMultipleTPOT,
     IsolatedMultipleSLO,
     LengthDist,
     LogNormal,
@@ -30,9 +39,13 @@ from bench.attainment.traces import (
 
 WORKLOADS: tuple[str, ...] = ("mixed", "flowprefill", "uniform")
 
-# Every built-in request generates this many tokens: the benchmark is about TTFT, and a short
-# decode keeps the engine's time dominated by the prefills that the schedulers compete over.
+# Every built-in request generates this many tokens: the benchmark is mostly about TTFT, and a
+# short decode keeps the engine's time dominated by the prefills that the schedulers compete over
+# (16 tokens still give 15 gaps for a TPOT objective to judge).
 OUTPUT_TOKENS = 16
+
+# The relaxed tier's TPOT objective in `mixed` (see the module docstring).
+MIXED_RELAXED_TPOT = ChunkMultipleTPOT(tokens=512, multiple=2.0)
 
 # FlowPrefill's SLO ratio between its classes, and how tight the tightest one is: the text
 # class's SLO is this many times its isolated TTFT, and the other classes keep the ratio.
@@ -53,7 +66,7 @@ def mixed_tiers() -> list[TierSpec]:
         TierSpec("urgent", 0.2, Uniform(64, 256), OUTPUT_TOKENS,
                  IsolatedMultipleSLO(multiple=3.0, floor_ms=250.0)),
         TierSpec("relaxed", 0.8, LogNormal(median=1500, sigma=0.6, lo=512, hi=6000),
-                 OUTPUT_TOKENS, IsolatedMultipleSLO(multiple=10.0)),
+                 OUTPUT_TOKENS, IsolatedMultipleSLO(multiple=10.0), MIXED_RELAXED_TPOT),
     ]
 
 
@@ -111,5 +124,5 @@ def build_workload(name: str, num_requests: int, rate: float, seed: int, tokeniz
                           max_prompt_len=max_prompt_len)
 
 
-__all__ = ["WORKLOADS", "build_workload", "flowprefill_tiers", "mixed_tiers",
+__all__ = ["MIXED_RELAXED_TPOT", "WORKLOADS", "build_workload", "flowprefill_tiers", "mixed_tiers",
            "uniform_tiers", "workload_tiers"]

@@ -99,6 +99,7 @@ class OutputProcessor:
         metrics.first_token_time = core_out.first_token_time
         metrics.num_preemptions = core_out.num_preemptions
         metrics.num_cached_tokens = core_out.num_cached_tokens
+        metrics.slack_at_admission_s = core_out.slack_at_admission_s
         metrics.num_output_tokens = len(out.token_ids)
         if core_out.finish_reason is not None:
             out.finished, out.finish_reason = True, core_out.finish_reason

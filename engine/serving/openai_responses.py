@@ -45,7 +45,8 @@ def metrics_body(metrics: RequestMetrics | None) -> dict[str, Any] | None:
             "ttft_slo_met": metrics.ttft_slo_met, "tpot_ms": ms(metrics.tpot),
             "tpot_slo_ms": metrics.tpot_slo_ms, "tpot_slo_met": metrics.tpot_slo_met,
             "num_preemptions": metrics.num_preemptions,
-            "queue_time_ms": ms(metrics.queue_time)}
+            "queue_time_ms": ms(metrics.queue_time),
+            "slack_at_admission_ms": ms(metrics.slack_at_admission_s)}
 
 
 def usage_body(out: RequestOutput) -> dict[str, int]:
