@@ -115,8 +115,6 @@ def test_http_metrics_report_the_slack_at_admission(tiny_model):
     asyncio.run(run())
 
 
-@pytest.mark.xfail(strict=True, reason="EngineCore's _core_output (engine/runtime/engine_core.py) "
-                   "does not copy Request.slack_at_admission_s into EngineCoreOutput yet")
 def test_engine_reports_the_slack_at_admission(tiny_model):
     """End to end: the scheduler's slack at admission reaches the request's metrics."""
     llm = LLM(model=tiny_model("llama"), dtype="float32", num_kv_blocks=32, max_model_len=256)

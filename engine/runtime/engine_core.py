@@ -234,4 +234,5 @@ def _core_output(request: Request) -> EngineCoreOutput:
         first_scheduled_time=request.first_scheduled_time,
         first_token_time=request.first_token_time,
         finish_time=request.finish_time,
+        slack_at_admission_s=request.slack_at_admission_s,
     )
