@@ -322,7 +322,7 @@ def add_bench_parser(subparsers: Any) -> None:
 
     run = sub.add_parser("run", help="replay traces against policies")
     _add_common(run)
-    _add_grid(run, ["fcfs", "slo", "slo+mf-conservative-pause"])
+    _add_grid(run, DEFAULT_SWEEP_POLICIES)
     run.add_argument("--trace", nargs="+", default=None,
                      help="JSONL traces: from `sloserve bench trace`, or your own requests "
                           "(prompt, output_tokens, ttft_slo_ms, arrival_s per line; "

@@ -47,7 +47,9 @@ POLICIES: dict[str, PolicySpec] = {p.name: p for p in [
     _mid_forward("aggressive", "suspend"),
 ]}
 
-DEFAULT_SWEEP_POLICIES = ["fcfs", "slo", "slo+mf-conservative-pause"]
+# fcfs (vLLM's default), slack-EDF at step level, and sloserve's default: slack-EDF with
+# mid-forward preemption in suspend mode.
+DEFAULT_SWEEP_POLICIES = ["fcfs", "slo", "slo+mf-conservative-suspend"]
 
 
 def resolve_policies(names: list[str]) -> list[PolicySpec]:
