@@ -41,15 +41,36 @@ def test_running_requests_get_the_budget_in_urgency_order():
     out = sched.schedule()
     sched.update_from_output(out, runner.execute(out))
     sched.add_request(_request("urgent", 300, 2_000))
-    for _ in range(10):  # until both run (relaxed decoding, urgent mid-prefill)
+    for _ in range(10):  # until both run, both mid-prefill
         if len(sched.running) == 2:
             break
         out = sched.schedule()
         sched.update_from_output(out, runner.execute(out))
     assert len(sched.running) == 2
+    assert all(r.num_tokens_owed == 200 for r in sched.running)
     out = sched.schedule()
-    # fcfs would serve relaxed's decode first; slack-EDF gives urgent the whole budget.
+    # fcfs would serve relaxed's chunk first; slack-EDF gives urgent the whole budget.
     assert [r.req_id for r in out.requests] == ["urgent"]
+
+
+def test_a_prefill_with_a_deadline_does_not_starve_the_decodes():
+    """A request past its first token has no deadline left (priority 0), a relaxed prefill
+    still has one: the decode is served first in every step that the prefill's chunks fill."""
+    sched = _slo_scheduler(num_blocks=400, budget=64, max_num_seqs=4)
+    runner = FakeRunner(sched)
+    sched.add_request(_request("chat", 20, 500, max_tokens=30, ignore_eos=True))
+    out = sched.schedule()
+    sched.update_from_output(out, runner.execute(out))
+    sched.add_request(_request("relaxed", 1000, 600_000))
+    steps_with_decode = []
+    for _ in range(10):
+        out = sched.schedule()
+        scheduled = {r.req_id: len(r.token_ids) for r in out.requests}
+        sched.update_from_output(out, runner.execute(out))
+        # Probe: the prefill really fills the budget, so its rank decides the decode's fate.
+        assert scheduled.get("relaxed", 0) + scheduled.get("chat", 0) == 64
+        steps_with_decode.append(scheduled.get("chat") == 1)
+    assert all(steps_with_decode)
 
 
 def test_kv_pressure_victim_is_the_least_urgent():

@@ -63,6 +63,21 @@ class SchedulerOps(Protocol):
         """Free a running request's KV and put it at the head of the waiting queue."""
 
 
+def _running_rank(request: Request, urgency: float, contested: bool) -> tuple[int, float]:
+    """Sort key of the running set under the slo policy: TPOT decodes first; then, while a
+    running prefill has a live deadline (`contested`), every other decode; then by urgency. A
+    decode costs one token of the budget and the caps already count the running decodes' time
+    (monitor/predictor.py's decode term); ranked by urgency instead, a request past its first
+    token (priority 0) would wait behind every prefill with a deadline, however relaxed, for each
+    of its next tokens. With no deadline anywhere nothing is contested and every priority is 0:
+    the order stays fcfs's."""
+    if _is_tpot_decode(request):
+        return (0, 0.0)
+    if contested and request.num_tokens_owed == 1:
+        return (1, 0.0)
+    return (2, -urgency)
+
+
 def _is_tpot_decode(request: Request) -> bool:
     """A decoding request with a TPOT objective: its next token is due. (One recomputing its
     sequence after a KV preemption owes more than a token: it is prefilling.)"""
@@ -128,7 +143,9 @@ class SlackPolicy:
         if self.scheduling_policy == "slo":
             now = time.monotonic()
             ranking = {r.request_id: self.urgency(r, now) for r in ops.running}
-            ops.running.sort(key=lambda r: (not _is_tpot_decode(r), -ranking[r.request_id]))
+            contested = any(ranking[r.request_id] > 0 for r in ops.running
+                            if r.num_tokens_owed > 1)
+            ops.running.sort(key=lambda r: _running_rank(r, ranking[r.request_id], contested))
             waiting = ops.waiting
             assert isinstance(waiting, UrgencyQueue)
             waiting.refresh()
