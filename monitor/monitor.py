@@ -3,7 +3,8 @@
 EngineCore publishes an immutable `MonitorSnapshot` after every `schedule()` by swapping one
 reference; whoever receives requests tells the monitor about each arrival at once, since a new
 request only reaches the scheduler after the running step. The monitor wakes on arrivals and on
-every preemptible step, polls every `interval_s` while that step runs, and when the gate fires
+every preemptible step, polls every `interval_s` while that step runs and a waiter with a
+deadline could call for it, and when the gate fires
 writes the executing step's id into the shared-memory signal, which the workers read at the
 next attention-op boundary.
 
@@ -115,17 +116,24 @@ class SLOMonitor:
 
     def _run(self) -> None:
         while not self._stopped:
-            # Poll only while a preemptible step runs that has not been targeted yet; otherwise
-            # sleep until the next snapshot or arrival (an idle engine costs no CPU).
+            # Poll only while a preemptible step runs that has not been targeted yet and a
+            # waiter with a deadline exists (only such a waiter can call for a preemption);
+            # otherwise sleep until the next snapshot or arrival: an idle engine, or one
+            # serving no deadlines, spends no CPU on the monitor.
             snapshot = self._snapshot
             watching = (snapshot is not None and snapshot.preemptible
-                        and snapshot.step_id > self._fired_step)
+                        and snapshot.step_id > self._fired_step
+                        and self._deadline_waiting(snapshot))
             self._wake.wait(self.interval_s if watching else None)
             self._wake.clear()
             try:
                 self.check()
             except Exception:
                 self._note_error()
+
+    def _deadline_waiting(self, snapshot: MonitorSnapshot) -> bool:
+        return (any(w.deadline is not None for w in snapshot.waiting)
+                or any(v.deadline is not None for v in list(self._arrivals.values())))
 
     def _note_error(self) -> None:
         self.num_errors += 1

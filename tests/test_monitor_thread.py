@@ -103,3 +103,38 @@ def test_monitor_errors_reach_prometheus():
     metrics.on_stats(SchedulerStats(monitor_errors=5))
     text = metrics.render().decode()
     assert 'sloserve:monitor_errors_total{model_name="m"} 5.0' in text
+
+
+@pytest.mark.parametrize("deadline_s, polls", [(None, False), (60.0, True)])
+def test_the_monitor_polls_only_while_a_waiter_with_a_deadline_could_call(signal, monkeypatch,
+                                                                         deadline_s, polls):
+    """With nothing waiting that carries a deadline, no waiter can call for a preemption: the
+    monitor sleeps through the step instead of polling it (no CPU spent on it)."""
+    monitor = SLOMonitor(signal, interval_s=0.001)
+    checks = {"n": 0}
+    real_check = monitor.check
+
+    def counting_check():
+        checks["n"] += 1
+        return real_check()
+
+    monkeypatch.setattr(monitor, "check", counting_check)
+    now = time.monotonic()
+    deadline = None if deadline_s is None else now + deadline_s
+    # A waiter with 60 s of slack and a step predicted to end in 1 s: waiting is safe, so the
+    # gate never fires.
+    waiter = RequestView("w", deadline=deadline, remaining_prefill_tokens=10)
+    running = RequestView("r", deadline=now + 600.0, remaining_prefill_tokens=3000)
+    monitor.start()
+    try:
+        monitor.publish(MonitorSnapshot(step_id=1, preemptible=True, waiting=(waiter,),
+                                        running=(running,), predictor=LINE, started_at=now,
+                                        predicted_step_s=1.0, num_layers=30))
+        time.sleep(0.2)
+    finally:
+        monitor.stop()
+    assert signal.target_step_id != 1  # probe: nothing fired, so polling never stopped
+    if polls:
+        assert checks["n"] >= 20  # about every 1 ms for 200 ms, on a busy machine too
+    else:
+        assert checks["n"] <= 2  # the wake of the publish (and of stop)
