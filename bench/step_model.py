@@ -12,6 +12,7 @@ the odd-numbered ones, per kind of step:
 
     python bench/step_model.py                  # default model, ~3 minutes on 2 CPU cores
     python bench/step_model.py --model DIR --requests 16
+    python bench/step_model.py --load-steps steps.json   # score recorded steps again
 """
 
 from __future__ import annotations
@@ -120,8 +121,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quadratic", action="store_true", help="fit the attention term too")
     parser.add_argument("--save-steps", type=Path, default=None, help="write the steps as JSON")
+    parser.add_argument("--load-steps", type=Path, default=None,
+                        help="score the steps of an earlier --save-steps instead of running")
     args = parser.parse_args()
-    steps = record_steps(args.model, args.requests, args.budget, args.seed, args.wave)
+    if args.load_steps:
+        steps = [tuple(step) for step in json.loads(args.load_steps.read_text())]
+    else:
+        steps = record_steps(args.model, args.requests, args.budget, args.seed, args.wave)
     if args.save_steps:
         args.save_steps.write_text(json.dumps(steps))
     train, test = steps[::2], steps[1::2]
