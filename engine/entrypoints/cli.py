@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from bench.attainment.cli import add_bench_parser
 from engine.entrypoints.calibrate import add_calibrate_parser
@@ -71,15 +72,22 @@ def _serve(args: argparse.Namespace) -> int:
     if args.default_tpot_slo_ms is not None and not 0 < args.default_tpot_slo_ms < float("inf"):
         raise ValueError(f"--default-tpot-slo-ms must be a positive number of milliseconds, "
                          f"got {args.default_tpot_slo_ms}")
-    model = model_path_or_default(kwargs.pop("model"))
+    given = kwargs.pop("model")
+    model = model_path_or_default(given)
     config = build_engine_config(model, **kwargs)
     resolve(config)  # bad configuration fails here, before any process starts
     if config.preemption.ttft_model:
         from monitor.predictor import LinearTTFT
 
         LinearTTFT.load(config.preemption.ttft_model)
+    # vLLM's convention: clients see the --model argument as given (tools load the tokenizer
+    # from it); the default model, given by no one, is named after its folder.
+    names = args.served_model_name or [given or served_name(model)]
+    if not all(name.strip() for name in names):
+        raise ValueError(f"--served-model-name: a name must not be empty, got {names}")
     settings = ServerSettings(
-        served_model_name=args.served_model_name or served_name(model),
+        served_model_name=names[0], other_served_names=tuple(names[1:]),
+        model_root=str(Path(model).resolve()),
         api_key=api_key,
         max_request_body_bytes=args.max_request_body_bytes,
         default_ttft_slo_ms=args.default_ttft_slo_ms,
@@ -121,8 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-require-api-key", action="store_true",
                        help="require the API key on /metrics and /debug/stats too (/health "
                             "stays open)")
-    serve.add_argument("--served-model-name", default=None,
-                       help="model name clients use (default: the model folder's name)")
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="model names clients may use, the first in responses (default: "
+                            "the --model argument as given; the folder's base name is always "
+                            "accepted too)")
     serve.add_argument("--max-request-body-bytes", type=int, default=1 << 20)
     serve.add_argument("--default-ttft-slo-ms", type=float, default=None,
                        help="TTFT objective for requests that carry none (default: none)")

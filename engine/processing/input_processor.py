@@ -37,7 +37,7 @@ class InputProcessor:
         self.tokenizer = load_tokenizer(model_dir)
         self.eos_token_ids = eos_token_ids(model_dir, self.tokenizer)
 
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this model folder has no tokenizer; pass prompt_token_ids instead")
         try:  # a lone surrogate: HF tokenizers raise a TypeError that does not say why
@@ -45,13 +45,15 @@ class InputProcessor:
         except UnicodeEncodeError as exc:
             raise ValueError(f"prompt is not valid Unicode text: a lone surrogate "
                              f"{prompt[exc.start]!r} at character {exc.start}") from exc
-        return list(self.tokenizer.encode(prompt))
+        return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
-    def apply_chat_template(self, messages: ChatMessages) -> list[int]:
+    def apply_chat_template(self, messages: ChatMessages,
+                            add_generation_prompt: bool = True) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; pass a plain prompt instead")
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+            ids = self.tokenizer.apply_chat_template(messages,
+                                                     add_generation_prompt=add_generation_prompt,
                                                      tokenize=True, return_dict=False)
         except Exception as exc:  # template errors (bad roles, missing content) are bad input
             raise ValueError(f"messages: the chat template rejected them: {exc}") from exc

@@ -27,6 +27,8 @@ from engine.serving.metrics import ServerMetrics
 from engine.serving.openai_protocol import (ChatCompletionRequest, CompletionRequest, GenerationRequest,
                                     error_body)
 from engine.serving.openai_responses import (ResponseContext, full_response, stream_events)
+from engine.serving.tokenize_api import (DetokenizeRequest, TokenizeRequest, detokenize_request,
+                                         tokenize_request)
 from engine.outputs import RequestOutput
 
 VERSION = "0.1.0"
@@ -37,7 +39,12 @@ T = TypeVar("T")
 
 @dataclass
 class ServerSettings:
+    # The name responses carry; /v1/models lists it first.
     served_model_name: str
+    # Further names listed and accepted (`--served-model-name A B C`: these are B and C).
+    other_served_names: tuple[str, ...] = ()
+    # The model folder, listed as each model's `root`; its base name is accepted too.
+    model_root: str | None = None
     api_key: str | None = None
     max_request_body_bytes: int = 1 << 20
     default_ttft_slo_ms: float | None = None
@@ -137,16 +144,46 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
                 "num_running": stats.num_running, "num_waiting": stats.num_waiting,
                 "kv_cache_usage": stats.kv_cache_usage, "num_steps": stats.num_steps}
 
+    listed = (settings.served_model_name, *settings.other_served_names)
+    accepted = set(listed)
+    if settings.model_root is not None:
+        accepted.add(served_name(settings.model_root))
+
+    def card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": int(time.time()),
+                "owned_by": "sloserve", "root": settings.model_root,
+                "max_model_len": client.max_model_len}
+
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict:
-        return {"object": "list", "data": [{
-            "id": settings.served_model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "sloserve", "max_model_len": client.max_model_len}]}
+        return {"object": "list", "data": [card(name) for name in listed]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    async def model(model_id: str) -> dict:
+        _check_model_name(model_id)
+        return card(model_id)
+
+    def _check_model_name(name: str | None) -> None:
+        if name is not None and name not in accepted:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves "
+                                f"{', '.join(f'`{n}`' for n in listed)}", "model")
 
     def _check_model(body: GenerationRequest) -> None:
-        if body.model is not None and body.model != settings.served_model_name:
-            raise APIError(404, f"The model `{body.model}` does not exist; this server serves "
-                                f"`{settings.served_model_name}`", "model")
+        _check_model_name(body.model)
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(body: TokenizeRequest) -> dict:
+        _check_model_name(body.model)
+        ids = await off_loop(tokenize_request, client.inputs, body)
+        strs = (await off_loop(client.inputs.tokenizer.convert_ids_to_tokens, ids)
+                if body.return_token_strs else None)
+        return {"count": len(ids), "max_model_len": client.max_model_len, "tokens": ids,
+                "token_strs": strs}
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        _check_model_name(body.model)
+        return {"prompt": await off_loop(detokenize_request, client.inputs, body)}
 
     def _header_ms(request: Request, name: str, *, zero_ok: bool) -> float | None:
         """A milliseconds header (None when absent); a 400 naming it unless it is a finite
