@@ -25,7 +25,7 @@ from engine.ipc.async_client import AsyncEngineClient, EngineDeadError
 from engine.config import EngineConfig
 from engine.serving.metrics import ServerMetrics
 from engine.serving.openai_protocol import (ChatCompletionRequest, CompletionRequest, GenerationRequest,
-                                    error_body)
+                                    error_body, unsupported_field)
 from engine.serving.openai_responses import (ResponseContext, full_response, stream_events)
 from engine.serving.tokenize_api import (DetokenizeRequest, TokenizeRequest, detokenize_request,
                                          tokenize_request)
@@ -224,6 +224,10 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
                      prompt_ids: list[int], chat: bool) -> Response:
         arrival = request.state.arrival
         _check_model(body)
+        if (unsupported := unsupported_field(body)) is not None:
+            name, value = unsupported
+            shown = repr(value) if len(repr(value)) <= 80 else f"{repr(value)[:77]}..."
+            raise APIError(400, f"`{name}` is not supported by this server (got {shown})", name)
         slo = _slo(body, request)
         tpot_slo = _tpot_slo(body, request)
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -44,8 +45,9 @@ class _RequestModel(BaseModel):
     future, so no field can smuggle in a value the engine cannot take."""
 
     # JSON parsers accept NaN and Infinity (and 1e999 overflows to inf): no sampling or SLO
-    # field means anything with them, so every float field refuses them. Unknown OpenAI fields
-    # (user, logprobs=None, ...) are accepted and ignored, as vLLM does.
+    # field means anything with them, so every float field refuses them. Unknown fields (user,
+    # logprobs=None, ...) are kept as extras and ignored, as vLLM does, unless they ask for a
+    # feature this server lacks (NOT_IMPLEMENTED: the server refuses those).
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     @field_validator("*", mode="after")
@@ -128,6 +130,37 @@ class ChatCompletionRequest(GenerationRequest):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
+
+
+def _off(*no_op: Any) -> Callable[[Any], bool]:
+    return lambda value: value is None or any(value == v and type(value) is type(v)
+                                              for v in no_op)
+
+
+# OpenAI and vLLM request fields this server does not implement, each with the values that ask
+# for nothing (a client library may send those by default). Any other value is refused with a
+# 400 that names the field: accepting it would return a result the client did not ask for.
+NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
+    "logprobs": _off(False), "top_logprobs": _off(0), "echo": _off(False),
+    "prompt_logprobs": _off(), "best_of": _off(1), "suffix": _off(""),
+    "presence_penalty": _off(0, 0.0), "frequency_penalty": _off(0, 0.0),
+    "repetition_penalty": _off(1, 1.0), "min_p": _off(0, 0.0), "min_tokens": _off(0),
+    "logit_bias": _off({}), "include_stop_str_in_output": _off(False),
+    "use_beam_search": _off(False), "tools": _off([]), "tool_choice": _off("none"),
+    "functions": _off([]), "function_call": _off("none"),
+    "response_format": _off({"type": "text"}), "guided_json": _off(), "guided_regex": _off(),
+    "guided_choice": _off(), "guided_grammar": _off(),
+}
+
+
+def unsupported_field(body: BaseModel) -> tuple[str, Any] | None:
+    """The first field of `body` (as sent: unknown fields are kept as extras) that asks for a
+    feature this server does not implement, with its value; None when there is none."""
+    for name, value in (body.model_extra or {}).items():
+        asks_nothing = NOT_IMPLEMENTED.get(name)
+        if asks_nothing is not None and not asks_nothing(value):
+            return name, value
+    return None
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
