@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from engine.logprobs import LogprobsLists, PositionLogprobs
+
 
 class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     """New tokens for one request from one engine step (crosses the EngineCore process boundary)."""
@@ -23,6 +25,11 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     finish_time: float | None = None
     # The scheduler's slack when it first admitted the request (None: no deadline, not yet).
     slack_at_admission_s: float | None = None
+    # The new token's logprobs (sampling_params.logprobs set).
+    new_logprobs: LogprobsLists | None = None
+    # Every prompt token's but the first (sampling_params.prompt_logprobs set), with the first
+    # output token.
+    prompt_logprobs: LogprobsLists | None = None
 
 
 class SchedulerStats(msgspec.Struct, kw_only=True):
@@ -128,3 +135,19 @@ class RequestOutput:
     # finish_reason "error": why this request failed (the other requests were not affected).
     error: str | None = None
     metrics: RequestMetrics | None = None
+    # sampling_params.logprobs set: per output token, the chosen token and the top
+    # alternatives (vLLM's shape), and the sum of the chosen tokens' logprobs.
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    # sampling_params.prompt_logprobs set: per prompt token, None for the first (nothing
+    # precedes it), once the first output token exists.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # Where each output token's text starts in `text` (OpenAI's text_offset; logprobs only).
+    text_offsets: list[int] | None = None
+    # n > 1 (offline API): every sample of the prompt, this one first; empty for n = 1.
+    samples: list[RequestOutput] = field(default_factory=list)
+
+    @property
+    def outputs(self) -> list[RequestOutput]:
+        """The prompt's samples, as vLLM's ``RequestOutput.outputs`` (``[self]`` for n = 1)."""
+        return self.samples or [self]

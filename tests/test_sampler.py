@@ -59,7 +59,15 @@ def test_temperature_sampling_covers_distribution():
     ("temperature", {"temperature": -0.1}),
     ("top_p", {"top_p": 0.0}),
     ("top_p", {"top_p": 1.5}),
-    ("n", {"n": 2}),
+    ("n", {"n": 0}),
+    ("min_p", {"min_p": 1.5}),
+    ("presence_penalty", {"presence_penalty": 2.5}),
+    ("repetition_penalty", {"repetition_penalty": 0}),
+    ("min_tokens", {"min_tokens": 20, "max_tokens": 10}),
+    ("logprobs", {"logprobs": 21}),
+    ("prompt_logprobs", {"prompt_logprobs": -1}),
+    ("logit_bias", {"logit_bias": {"x": 1}}),
+    ("logit_bias", {"logit_bias": {3: 101}}),
 ])
 def test_bad_sampling_params_name_the_field(field, kwargs):
     with pytest.raises(ValueError, match=field):

@@ -534,7 +534,7 @@ BAD_INPUTS = [
      lambda: {"json": {"messages": MESSAGES, "max_completion_tokens": 0}}, "key", 400, None),
     ("temperature-negative", C, lambda: {"json": _prompt(temperature=-1)}, "key", 400, None),
     ("top-p-zero", C, lambda: {"json": _prompt(top_p=0)}, "key", 400, None),
-    ("n-two", C, lambda: {"json": _prompt(n=2)}, "key", 400, None),
+    ("n-zero", C, lambda: {"json": _prompt(n=0)}, "key", 400, None),
     ("empty-prompt", C, lambda: {"json": _prompt(prompt="")}, "key", 400, None),
     ("prompt-over-max-model-len", C, lambda: {"json": _prompt(prompt=LONG_TEXT)}, "key", 400,
      None),

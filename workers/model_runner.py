@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from engine.logprobs import LogprobsLists
 from engine.outputs import error_line
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
@@ -26,6 +27,8 @@ from workers.models import LayerJoin
 from workers.preempt_vote import PreemptVote, StepPreempted
 from workers.run_ahead import RunAheadLimit
 from workers.suspension import SuspendedChunks
+from workers.logits_processors import TokenHistory
+from workers.logprobs import logprobs_of
 from workers.sampler import Sampler
 from workers.weight_loader import load_weights
 
@@ -35,6 +38,9 @@ logger = logging.getLogger(__name__)
 # layers last long enough to observe a preemption between them (set in the environment, so that
 # spawned TP workers inherit it).
 LAYER_DELAY_ENV = "SLOSERVE_TEST_LAYER_DELAY_US_PER_TOKEN"
+# Prompt rows scored per LM-head call: bounds the [rows, vocab] float32 logits held at once
+# (256 x 128k vocab = 128 MiB).
+PROMPT_LOGPROB_ROWS = 256
 
 
 def _slow_down_layers(model: torch.nn.Module, seconds_per_token: float) -> None:
@@ -67,6 +73,8 @@ class ModelInputs:
     joins: list[LayerJoin]
     # Every prefill chunk with its first row in the batch (for suspending the pass).
     prefill_rows: list[tuple[ScheduledRequest, int]]
+    # Chunks whose prompt tokens are scored, with their first row.
+    prompt_logprob_rows: list[tuple[ScheduledRequest, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -137,24 +145,49 @@ class ModelRunner:
             # The step's time feeds the TTFT predictor: it must include the device's work, not
             # only the launches (a middle prefill chunk samples nothing, so nothing else waits).
             torch.cuda.synchronize(self.device)
-        sampled: dict[str, int] = {}
-        failed: dict[str, str] = {}
+        output = ModelRunnerOutput(step_id=scheduler_output.step_id)
+        # Every rank computes logits (the LM head may be a collective); one samples.
+        prompt_logprobs = self._score_prompts(hidden, inputs.prompt_logprob_rows)
         if inputs.sampled:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
         if inputs.sampled and self.sample:
-            sampled, failed = self._sample(logits, inputs.sampled)
-        return ModelRunnerOutput(step_id=scheduler_output.step_id, sampled_token_ids=sampled,
-                                 failed=failed, execute_seconds=time.perf_counter() - started)
+            self._sample(logits, inputs.sampled, output)
+        if self.sample:
+            output.prompt_logprobs = prompt_logprobs
+        output.execute_seconds = time.perf_counter() - started
+        return output
 
-    def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest]
-                ) -> tuple[dict[str, int], dict[str, str]]:
-        """Tokens for the requests that could be sampled, and an error for each that could not
-        (only the rank that samples gets here, so a failure cannot desynchronise the group)."""
+    def _score_prompts(self, hidden: torch.Tensor,
+                       chunks: list[tuple[ScheduledRequest, int]]) -> dict[str, LogprobsLists]:
+        """Prompt logprobs: each chunk's rows against the prompt tokens after them, from the
+        raw logits, in slices so that a long chunk never holds [tokens, vocab] at once."""
+        scored: dict[str, LogprobsLists] = {}
+        for req, first_row in chunks:
+            targets = req.prompt_logprob_targets
+            k = req.sampling_params.prompt_logprobs or 0
+            lists = LogprobsLists()
+            for begin in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+                end = min(begin + PROMPT_LOGPROB_ROWS, len(targets))
+                logits = self.model.compute_logits(hidden[first_row + begin:first_row + end])
+                ids = torch.tensor(targets[begin:end], dtype=torch.long, device=logits.device)
+                lists.extend(logprobs_of(logits, ids, k))
+            scored[req.req_id] = lists
+        return scored
+
+    def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest],
+                output: ModelRunnerOutput) -> None:
+        """Tokens (and logprobs) for the requests that could be sampled, and an error for each
+        that could not (only the rank that samples gets here, so a failure cannot desynchronise
+        the group)."""
         params: list[SamplingParams] = [r.sampling_params for r in requests]
         indices = [r.num_output_tokens for r in requests]
-        result = self.sampler(logits, params, indices)
+        histories = [TokenHistory(r.prompt_token_ids, r.output_token_ids, r.blocked_token_ids)
+                     for r in requests]
+        result = self.sampler(logits, params, indices, histories)
         sampled: dict[str, int] = {}
         failed: dict[str, str] = {}
+        output.sampled_token_ids, output.failed = sampled, failed
+        output.logprobs = {requests[row].req_id: lp for row, lp in result.logprobs.items()}
         for row, (req, token) in enumerate(zip(requests, result.token_ids)):
             if token is not None:
                 sampled[req.req_id] = token
@@ -164,7 +197,6 @@ class ModelRunner:
                          req.req_id, exc_info=exc)
             # The client sees this line, never the traceback (which is in the log above).
             failed[req.req_id] = f"sampling failed: {error_line(exc)}"
-        return sampled, failed
 
     def prepare_inputs(self, requests: list[ScheduledRequest]) -> ModelInputs:
         # The attention kernels expect decodes (one query token) first, then prefill chunks;
@@ -183,6 +215,7 @@ class ModelRunner:
         logits_indices: list[int] = []
         sampled: list[ScheduledRequest] = []
         prefill_rows: list[tuple[ScheduledRequest, int]] = []
+        prompt_logprob_rows: list[tuple[ScheduledRequest, int]] = []
         block_tables = [torch.tensor(r.block_ids, dtype=torch.long) for r in ordered]
         row = 0
         for req, table in zip(ordered, block_tables):
@@ -194,6 +227,8 @@ class ModelRunner:
                 input_ids.extend(req.token_ids)
             if n > 1:
                 prefill_rows.append((req, row))
+            if req.prompt_logprob_targets:
+                prompt_logprob_rows.append((req, row))
             row += n
             if req.sample:
                 logits_indices.append(row - 1)
@@ -221,4 +256,5 @@ class ModelRunner:
             sampled=sampled,
             joins=[self.suspended.join_for(r) for r in resumed],
             prefill_rows=prefill_rows,
+            prompt_logprob_rows=prompt_logprob_rows,
         )

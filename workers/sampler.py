@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling: logits processors (workers.logits_processors), greedy, temperature, min-p,
+top-k, top-p, per-request seeds, and the sampled tokens' logprobs.
 
 Seeded draws are derived from (seed, index of the token in the output), not from a generator that
 lives across steps: a request's tokens then do not depend on how it was batched, preempted,
@@ -16,7 +17,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.logprobs import LogprobsLists
 from engine.sampling_params import SamplingParams
+from workers.logits_processors import (NO_HISTORY, TokenHistory, min_p_filter, needs_processing,
+                                       process_logits)
+from workers.logprobs import logprobs_of
 
 _SEED_STRIDE = 1_000_003  # a prime, so (seed, index) pairs map to distinct generator seeds
 
@@ -31,6 +36,8 @@ class SamplerOutput:
     token_ids: list[int | None]
     # Row -> the exception that failed it (the caller knows which request a row is, and logs).
     errors: dict[int, Exception] = field(default_factory=dict)
+    # Row -> the sampled token's logprobs, for the rows whose parameters ask for them.
+    logprobs: dict[int, LogprobsLists] = field(default_factory=dict)
 
 
 class Sampler:
@@ -40,8 +47,10 @@ class Sampler:
         self._generator = torch.Generator(device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 output_indices: list[int]) -> SamplerOutput:
-        """logits: float32 [N, vocab], one row per request to sample."""
+                 output_indices: list[int],
+                 histories: list[TokenHistory] | None = None) -> SamplerOutput:
+        """logits: float32 [N, vocab], one row per request to sample; ``histories``: what each
+        row's logits processors read (default: nothing)."""
         # A row whose maximum is not finite holds NaN (amax propagates it), +inf, or nothing but
         # -inf: the forward pass broke down for it (argmax would happily return a NaN's index).
         # One reduction, no [N, vocab] temporaries; both read back in one transfer (one device
@@ -55,8 +64,19 @@ class Sampler:
                 if broken[row]:
                     raise NonFiniteLogits("the model produced non-finite logits (NaN or "
                                           "inf) for this request")
+                row_logits = logits[row]
+                history = histories[row] if histories is not None else NO_HISTORY
+                if needs_processing(sp, history):
+                    row_logits = process_logits(row_logits, sp, history)
+                    if sp.greedy:
+                        tokens[row] = _argmax(row_logits)
                 if not sp.greedy:
-                    tokens[row] = self._sample_row(logits[row], sp, index)
+                    tokens[row] = self._sample_row(row_logits, sp, index)
+                if sp.logprobs is not None:
+                    # After the processors and temperature, before the filters (SamplingParams).
+                    scaled = row_logits if sp.greedy else row_logits / sp.temperature
+                    chosen = torch.tensor([tokens[row]], device=logits.device)
+                    out.logprobs[row] = logprobs_of(scaled[None], chosen, sp.logprobs)
             except Exception as exc:  # one request's failure, not the batch's
                 tokens[row] = None
                 out.errors[row] = exc
@@ -68,6 +88,8 @@ class Sampler:
             kth = torch.topk(logits, sp.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
+        if sp.min_p > 0.0:
+            probs = min_p_filter(probs, sp.min_p)
         if sp.top_p < 1.0:
             probs = _top_p_filter(probs, sp.top_p)
         # Checked here rather than left to multinomial: on a GPU an invalid distribution is a
@@ -81,6 +103,14 @@ class Sampler:
         else:
             generator = self._generator
         return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def _argmax(logits: torch.Tensor) -> int:
+    """Greedy over processed logits: the processors can leave a row with nothing allowed."""
+    best = int(logits.argmax())
+    if not torch.isfinite(logits[best]):
+        raise ValueError("no token can be chosen: logit_bias and the stop-token mask leave none")
+    return best
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -85,7 +85,7 @@ class KVCacheManager:
         Never the whole sequence: the last token must be computed to have logits to sample from.
         Pure lookup; stats are counted when an admission actually uses the result.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.needs_prompt_logprobs:
             return [], 0
         self.update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.logprobs import LogprobsLists
 from engine.sampling_params import SamplingParams
 
 
@@ -59,6 +60,9 @@ class Request:
     # Time-per-output-token objective: every gap between two output tokens should stay within it
     # (the scheduler keeps the decodes that have one within it; met when the mean gap is).
     tpot_slo_ms: float | None = None
+    # Parallel samples of one prompt: the sibling whose prefill this one waits for, to find
+    # the prompt's KV in the prefix cache (engine.core.sibling_gate).
+    prefill_after: str | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -82,9 +86,16 @@ class Request:
     stop_reason: int | str | None = None
     # FINISHED_ERROR: a one-line reason, safe to show a client (tracebacks go to the log).
     error: str | None = None
+    # The latest output token's logprobs (sampling_params.logprobs set).
+    last_logprobs: LogprobsLists | None = None
+    # Prompt tokens 1.. scored so far (sampling_params.prompt_logprobs set): complete, and sent,
+    # with the first output token.
+    prompt_logprobs: LogprobsLists | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = LogprobsLists()
 
     @property
     def num_tokens(self) -> int:
@@ -111,6 +122,32 @@ class Request:
         """time.monotonic() by which the first token is due, or None without an SLO."""
         return None if self.ttft_slo_ms is None else self.arrival_time + self.ttft_slo_ms / 1000
 
-    def append_output_token(self, token_id: int) -> None:
+    def append_output_token(self, token_id: int, logprobs: LogprobsLists | None = None) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        self.last_logprobs = logprobs
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt tokens are still to be scored: its prefill must then compute every
+        prompt position (no prefix-cache hits, which have no logits)."""
+        return self.prompt_logprobs is not None and self.num_output_tokens == 0
+
+    def prompt_logprob_targets(self, start: int, end: int) -> list[int]:
+        """The prompt tokens the rows of chunk [start, end) are scored against: rows reach
+        positions start..end-1 and each predicts the token after it. Empty when nothing is
+        owed, or the chunk does not continue from the last scored position."""
+        scored = self.prompt_logprobs
+        if scored is None or self.num_output_tokens > 0 or len(scored) != start:
+            return []
+        return self.prompt_token_ids[start + 1:min(end + 1, self.num_prompt_tokens)]
+
+    def add_prompt_logprobs(self, chunk: LogprobsLists) -> None:
+        assert self.prompt_logprobs is not None
+        self.prompt_logprobs.extend(chunk)
+
+    def restart_prompt_logprobs(self) -> None:
+        """A recompute preemption before the first token: the prompt is scored again from the
+        start (the scores so far were never sent)."""
+        if self.needs_prompt_logprobs:
+            self.prompt_logprobs = LogprobsLists()

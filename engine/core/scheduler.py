@@ -25,6 +25,7 @@ from engine.core.admission import AdmissionControl, chunk_size
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import RequestQueue, create_request_queue
+from engine.core.sibling_gate import SiblingGate
 from engine.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.core.slack_policy import SlackPolicy
 from engine.core.step_outcome import live_requests, stop_status
@@ -67,6 +68,8 @@ class Scheduler:
         self.preempt_min_tokens = (preemption.min_tokens if preemption is not None
                                    and preemption.mid_forward_preemption else None)
         self.requests: dict[str, Request] = {}
+        self.siblings = SiblingGate()
+        self.enable_prefix_caching = cache_config.enable_prefix_caching
         self.waiting: RequestQueue = create_request_queue(scheduler_config.policy, self.urgency)
         # Admission order: served first to last, preempted last to first (fcfs).
         self.running: list[Request] = []
@@ -96,7 +99,10 @@ class Scheduler:
         # Stop checks and the full-sequence admission test both read the request's own limit.
         request.max_model_len = limit
         self.requests[request.request_id] = request
-        self.waiting.add(request)
+        leader = (self.requests.get(request.prefill_after)
+                  if request.prefill_after is not None and self.enable_prefix_caching else None)
+        if not self.siblings.park(request, leader):
+            self.waiting.add(request)
 
     def abort_requests(
         self, req_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
@@ -111,7 +117,7 @@ class Scheduler:
                 continue
             if request.status is RequestStatus.RUNNING:
                 self.running.remove(request)
-            else:
+            elif self.siblings.remove(req_id) is None:
                 self.waiting.remove(request)
             self._finish(request, status)
             finished.append(request)
@@ -124,6 +130,11 @@ class Scheduler:
         request.finish_time = time.monotonic()
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+        self._release_siblings(request)
+
+    def _release_siblings(self, leader: Request) -> None:
+        for sibling in self.siblings.release(leader.request_id):
+            self.waiting.add(sibling)
 
     def fail_request(self, request: Request, error: str) -> None:
         """Finish one running request with an error (its sampling or its logits failed) and free
@@ -179,6 +190,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.restart_prompt_logprobs()
         self.waiting.prepend(request)
 
     def _preempt_for_kv(self, request: Request, step: StepInProgress) -> None:
@@ -269,18 +281,20 @@ class Scheduler:
             end = start + num_new
             resume = self.slack.is_suspended(request.request_id)
             assert not resume or self.slack.suspended_chunk(request.request_id) == (start, num_new)
-            output.requests.append(
-                ScheduledRequest(
-                    req_id=request.request_id,
-                    token_ids=request.all_token_ids[start:end],
-                    start_pos=start,
-                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                    sample=end == request.num_tokens,
-                    sampling_params=request.sampling_params,
-                    num_output_tokens=request.num_output_tokens,
-                    resume=resume,
-                )
+            scheduled = ScheduledRequest(
+                req_id=request.request_id,
+                token_ids=request.all_token_ids[start:end],
+                start_pos=start,
+                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                sample=end == request.num_tokens,
+                sampling_params=request.sampling_params,
+                num_output_tokens=request.num_output_tokens,
+                resume=resume,
+                prompt_logprob_targets=request.prompt_logprob_targets(start, end),
             )
+            if scheduled.sample:
+                _add_sampling_history(scheduled, request)
+            output.requests.append(scheduled)
             if num_new > 1:
                 num_prefill_tokens += num_new
             # Advanced at schedule time (as in vLLM v1) so the next step never re-schedules them.
@@ -341,11 +355,17 @@ class Scheduler:
                 continue
             self.kv_cache_manager.commit_computed_blocks(request, sr.start_pos + len(sr.token_ids))
             if not sr.sample:
+                if (prompt_logprobs := runner_output.prompt_logprobs.get(sr.req_id)) is not None:
+                    request.add_prompt_logprobs(prompt_logprobs)
                 continue
-            request.append_output_token(runner_output.sampled_token_ids[sr.req_id])
+            if (prompt_logprobs := runner_output.prompt_logprobs.get(sr.req_id)) is not None:
+                request.add_prompt_logprobs(prompt_logprobs)
+            request.append_output_token(runner_output.sampled_token_ids[sr.req_id],
+                                        runner_output.logprobs.get(sr.req_id))
             request.last_token_time = time.monotonic()
             if request.first_token_time is None:
                 request.first_token_time = request.last_token_time
+                self._release_siblings(request)
             status = stop_status(request, self.max_model_len)
             if status is not None:
                 self.running.remove(request)
@@ -409,7 +429,10 @@ class Scheduler:
         assert len(set(running_ids)) == len(running_ids), "a request is running twice"
         assert len(set(waiting_ids)) == len(waiting_ids), "a request is waiting twice"
         assert not set(running_ids) & set(waiting_ids), "a request is both running and waiting"
-        assert set(running_ids) | set(waiting_ids) == set(self.requests), "request lost or leaked"
+        parked = self.siblings.parked_ids
+        assert not parked & (set(running_ids) | set(waiting_ids)), "a parked request is queued"
+        assert set(running_ids) | set(waiting_ids) | parked == set(self.requests), \
+            "request lost or leaked"
         assert len(self.running) <= self.config.max_num_seqs
         kv = self.kv_cache_manager
         assert set(kv.req_blocks) <= set(running_ids), "a request that is not running holds KV"
@@ -425,3 +448,18 @@ class Scheduler:
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r.status.name
             assert r.num_computed_tokens == 0
+
+
+def _add_sampling_history(scheduled: ScheduledRequest, request: Request) -> None:
+    """What the worker's logits processors read for this request (see TokenHistory)."""
+    params = request.sampling_params
+    if params.has_penalties:
+        # Copies: an in-process executor reads them while the request grows.
+        scheduled.output_token_ids = list(request.output_token_ids)
+        if params.repetition_penalty != 1.0:
+            scheduled.prompt_token_ids = list(request.prompt_token_ids)
+    if request.num_output_tokens < params.min_tokens:
+        blocked = list(params.stop_token_ids)
+        if request.eos_token_id is not None and not params.ignore_eos:
+            blocked.append(request.eos_token_id)
+        scheduled.blocked_token_ids = blocked

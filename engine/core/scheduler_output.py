@@ -11,11 +11,12 @@ import enum
 
 import msgspec
 
+from engine.logprobs import LogprobsLists
 from engine.sampling_params import SamplingParams
 from monitor.predictor import attention_work, decode_context
 
 
-class ScheduledRequest(msgspec.Struct, kw_only=True):
+class ScheduledRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     req_id: str
     # Tokens whose KV this step computes: all_token_ids[start_pos : start_pos + len(token_ids)].
     token_ids: list[int]
@@ -30,6 +31,15 @@ class ScheduledRequest(msgspec.Struct, kw_only=True):
     # This chunk's pass was suspended (mid-forward preemption, mode suspend): the workers hold
     # its activations at the layer it stopped at, and the layers below that are not run again.
     resume: bool = False
+    # Sampling rows whose penalties need the history (else empty: most requests send none).
+    prompt_token_ids: list[int] = []
+    output_token_ids: list[int] = []
+    # Tokens this step must not sample: EOS and stop_token_ids while the output is shorter
+    # than min_tokens.
+    blocked_token_ids: list[int] = []
+    # Prompt logprobs: row i of this chunk is scored against prompt_logprob_targets[i] (the
+    # prompt token after it); rows past the list are not scored.
+    prompt_logprob_targets: list[int] = []
 
 
 class SchedulerOutput(msgspec.Struct, kw_only=True):
@@ -74,6 +84,10 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     status: StepStatus = StepStatus.OK
     # req_id -> sampled token, for the requests scheduled with sample=True.
     sampled_token_ids: dict[str, int] = {}
+    # req_id -> the sampled token's logprobs (requests whose parameters ask for them).
+    logprobs: dict[str, LogprobsLists] = {}
+    # req_id -> logprobs of the prompt tokens this step's chunk scored (prompt_logprob_targets).
+    prompt_logprobs: dict[str, LogprobsLists] = {}
     # req_id -> why no token could be sampled for it (OK steps only): that request alone is
     # finished with an error, the rest of the step commits as usual.
     failed: dict[str, str] = {}

@@ -94,14 +94,23 @@ class LLM:
                 if slo is not None and not 0 < slo < float("inf"):
                     raise ValueError(f"{name} must be a positive number of milliseconds, "
                                      f"got {slo}")
-        requests = [self._make_request(ids, sp, prio, slo, tpot)
-                    for (_, ids), sp, prio, slo, tpot
-                    in zip(encoded, params, priorities, slos, tpots)]
+        # One request per sample: n > 1 is n requests, the later ones waiting on the first's
+        # prefill so that they share its KV (engine.core.sibling_gate).
+        groups: list[list[Request]] = []
+        for (_, ids), sp, prio, slo, tpot in zip(encoded, params, priorities, slos, tpots):
+            group: list[Request] = []
+            for index in range(sp.n):
+                leader = group[0].request_id if group else None
+                group.append(self._make_request(ids, sp.child(index) if sp.n > 1 else sp, prio,
+                                                slo, tpot, prefill_after=leader))
+            groups.append(group)
+        requests = [request for group in groups for request in group]
+        prompts = [prompt for (prompt, _), group in zip(encoded, groups) for _ in group]
         # Validate every request before any is queued: one bad prompt must not strand the rest.
         for request in requests:
             self.engine.validate_request(request)
         processor = OutputProcessor(self.tokenizer)
-        for (prompt, _), request in zip(encoded, requests):
+        for prompt, request in zip(prompts, requests):
             processor.add_request(request.request_id, prompt, request.prompt_token_ids,
                                   request.sampling_params, request.arrival_time,
                                   request.ttft_slo_ms, request.tpot_slo_ms)
@@ -124,18 +133,28 @@ class LLM:
             raise
         finally:
             progress.close()
-        return [finals[r.request_id] for r in requests]
+        return [_gather([finals[r.request_id] for r in group]) for group in groups]
 
     def _make_request(self, ids: list[int], params: SamplingParams, priority: int,
                       ttft_slo_ms: float | None = None,
-                      tpot_slo_ms: float | None = None) -> Request:
+                      tpot_slo_ms: float | None = None,
+                      prefill_after: str | None = None) -> Request:
         params, eos = self.inputs.with_eos(params)
         return Request(request_id=str(next(self._ids)), prompt_token_ids=ids,
                        sampling_params=params, eos_token_id=eos, arrival_time=time.monotonic(),
-                       priority=priority, ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms)
+                       priority=priority, ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms,
+                       prefill_after=prefill_after)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _gather(samples: list[RequestOutput]) -> RequestOutput:
+    """One prompt's outputs: the first sample, carrying all of them when there are several."""
+    first = samples[0]
+    if len(samples) > 1:
+        first.samples = samples
+    return first
 
 
 def _per_prompt(value, count: int, name: str, default):

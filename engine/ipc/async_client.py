@@ -183,9 +183,11 @@ class AsyncEngineClient:
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams, *, arrival_time: float, priority: int = 0,
                        ttft_slo_ms: float | None = None,
-                       tpot_slo_ms: float | None = None) -> AsyncIterator[RequestOutput]:
+                       tpot_slo_ms: float | None = None,
+                       prefill_after: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields the request's cumulative output after every new token, the last one finished.
-        Closing the iterator early (a client that went away) aborts the request in the core."""
+        Closing the iterator early (a client that went away) aborts the request in the core.
+        ``prefill_after``: a parallel sample's leader (engine.core.sibling_gate)."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         self.validate(prompt_token_ids)
@@ -199,7 +201,8 @@ class AsyncEngineClient:
             self._send(AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                   sampling_params=params, arrival_time=arrival_time,
                                   priority=priority, ttft_slo_ms=ttft_slo_ms,
-                                  tpot_slo_ms=tpot_slo_ms, eos_token_id=eos))
+                                  tpot_slo_ms=tpot_slo_ms, eos_token_id=eos,
+                                  prefill_after=prefill_after))
             while True:
                 item = await queue.get()
                 if isinstance(item, _Finished):

@@ -32,6 +32,8 @@ class AddRequest(msgspec.Struct, tag="add", kw_only=True):
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
     eos_token_id: int | None = None
+    # A parallel sample: the sibling whose prefill it waits for (engine.core.sibling_gate).
+    prefill_after: str | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", kw_only=True):

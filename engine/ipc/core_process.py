@@ -115,4 +115,5 @@ def _to_request(message: AddRequest) -> Request:
     return Request(request_id=message.request_id, prompt_token_ids=message.prompt_token_ids,
                    sampling_params=message.sampling_params, eos_token_id=message.eos_token_id,
                    arrival_time=message.arrival_time, priority=message.priority,
-                   ttft_slo_ms=message.ttft_slo_ms, tpot_slo_ms=message.tpot_slo_ms)
+                   ttft_slo_ms=message.ttft_slo_ms, tpot_slo_ms=message.tpot_slo_ms,
+                   prefill_after=message.prefill_after)

@@ -15,8 +15,12 @@ _CONTEXT_TOKENS = 5
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], *, skip_special_tokens: bool = True,
-                 stop: list[str] | None = None, include_stop_str_in_output: bool = False) -> None:
+                 stop: list[str] | None = None, include_stop_str_in_output: bool = False,
+                 min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
+        # Stop strings count only from the min_tokens-th output token on (as vLLM).
+        self._stop_from = min_tokens
+        self._num_output = 0
         self._skip_special = skip_special_tokens
         self._stop = list(stop or [])
         self._include_stop = include_stop_str_in_output
@@ -30,11 +34,13 @@ class IncrementalDetokenizer:
         """Add tokens; returns the stop string if one now appears in the text (text is truncated)."""
         for token_id in new_token_ids:
             self._ids.append(token_id)
+            self._num_output += 1
             delta = self._decode_delta()
             if not delta:
                 continue
             self.output_text += delta
-            if self._stop and self._check_stop(len(delta)):
+            if self._stop and self._num_output >= self._stop_from \
+                    and self._check_stop(len(delta)):
                 return self.stop_string
         return None
 

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.processing.detokenizer import IncrementalDetokenizer
+from engine.logprobs import to_positions
 from engine.outputs import EngineCoreOutput, RequestMetrics, RequestOutput, error_line
 from engine.sampling_params import SamplingParams
 
@@ -42,6 +43,7 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
         self._states: dict[str, _RequestState] = {}
+        self._token_texts: dict[int, str] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float,
@@ -50,12 +52,15 @@ class OutputProcessor:
         if self._tokenizer is not None:
             detokenizer = IncrementalDetokenizer(
                 self._tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+                min_tokens=params.min_tokens)
         output = RequestOutput(request_id=request_id, prompt=prompt,
                                prompt_token_ids=prompt_token_ids,
                                metrics=RequestMetrics(arrival_time=arrival_time,
                                                       ttft_slo_ms=ttft_slo_ms,
                                                       tpot_slo_ms=tpot_slo_ms))
+        if params.logprobs is not None:
+            output.logprobs, output.cumulative_logprob, output.text_offsets = [], 0.0, []
         self._states[request_id] = _RequestState(output, detokenizer)
 
     def remove(self, request_id: str) -> None:
@@ -88,10 +93,27 @@ class OutputProcessor:
                 del self._states[core_out.req_id]
         return result
 
-    @staticmethod
-    def _apply(state: _RequestState, core_out: EngineCoreOutput) -> bool:
+    def _decode_token(self, token_id: int) -> str:
+        """One token's own text, as logprobs show it (special tokens included)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False) \
+                if self._tokenizer is not None else ""
+            self._token_texts[token_id] = text
+        return text
+
+    def _add_logprobs(self, out: RequestOutput, core_out: EngineCoreOutput) -> None:
+        if core_out.prompt_logprobs is not None:
+            out.prompt_logprobs = [None, *to_positions(core_out.prompt_logprobs,
+                                                       self._decode_token)]
+        if out.logprobs is not None and core_out.new_logprobs is not None:
+            out.logprobs.extend(to_positions(core_out.new_logprobs, self._decode_token))
+            out.cumulative_logprob += sum(core_out.new_logprobs.logprobs)
+
+    def _apply(self, state: _RequestState, core_out: EngineCoreOutput) -> bool:
         """Returns whether a stop string finished the request here."""
         out = state.output
+        self._add_logprobs(out, core_out)
         out.token_ids.extend(core_out.new_token_ids)
         metrics = out.metrics
         assert metrics is not None
@@ -107,6 +129,9 @@ class OutputProcessor:
             metrics.finish_time = core_out.finish_time
         stopped = False
         if state.detokenizer is not None:
+            if out.text_offsets is not None:
+                out.text_offsets.extend([len(state.detokenizer.output_text)]
+                                        * len(core_out.new_token_ids))
             stop = state.detokenizer.update(core_out.new_token_ids)
             if stop is not None and not out.finished:
                 out.finished, out.finish_reason, out.stop_reason = True, "stop", stop

@@ -113,7 +113,9 @@ class EngineCore:
         self.validate_request(request)
         seq = next(self._arrival_seq)
         self._inbox.put((seq, request))
-        if self.preemption is not None:
+        # A parallel sample waits on its leader's prefill (SiblingGate): stopping a step for
+        # it could only delay the prefill it waits on.
+        if self.preemption is not None and request.prefill_after is None:
             self.preemption.note_arrival(seq, request)
 
     def _drain_inbox(self) -> None:
@@ -223,6 +225,7 @@ def _core_output(request: Request) -> EngineCoreOutput:
     finished = request.is_finished
     # A request that failed this step got no token in it.
     failed = request.status is RequestStatus.FINISHED_ERROR
+    first_token = request.num_output_tokens == 1 and not failed
     return EngineCoreOutput(
         req_id=request.request_id,
         new_token_ids=[] if failed else request.output_token_ids[-1:],
@@ -235,4 +238,7 @@ def _core_output(request: Request) -> EngineCoreOutput:
         first_token_time=request.first_token_time,
         finish_time=request.finish_time,
         slack_at_admission_s=request.slack_at_admission_s,
+        new_logprobs=None if failed else request.last_logprobs,
+        # Complete once the first token exists; sent with it, once.
+        prompt_logprobs=request.prompt_logprobs if first_token else None,
     )

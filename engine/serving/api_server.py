@@ -24,12 +24,14 @@ from engine.serving.api_errors import (APIError, BodyLimit, InternalErrors, JSON
 from engine.ipc.async_client import AsyncEngineClient, EngineDeadError
 from engine.config import EngineConfig
 from engine.serving.metrics import ServerMetrics
-from engine.serving.openai_protocol import (ChatCompletionRequest, CompletionRequest, GenerationRequest,
-                                    error_body, unsupported_field)
-from engine.serving.openai_responses import (ResponseContext, full_response, stream_events)
+from engine.sampling_params import SamplingParams
+from engine.serving.choices import finals_unless_disconnected, merged
+from engine.serving.openai_protocol import (MAX_N, ChatCompletionRequest, CompletionRequest,
+                                            GenerationRequest, error_body, unsupported_field)
+from engine.serving.openai_responses import (Choice, ResponseContext, full_response,
+                                             stream_events)
 from engine.serving.tokenize_api import (DetokenizeRequest, TokenizeRequest, detokenize_request,
                                          tokenize_request)
-from engine.outputs import RequestOutput
 
 VERSION = "0.1.0"
 SLO_HEADER = "x-slo-ttft-ms"
@@ -220,52 +222,95 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
                                 f"{floor:g} ms (--min-ttft-slo-ms)", param)
         return slo_ms
 
-    async def _serve(body: GenerationRequest, request: Request, prompt: str | None,
-                     prompt_ids: list[int], chat: bool) -> Response:
+    async def _serve(body: GenerationRequest, request: Request,
+                     prompts: list[tuple[str | None, list[int]]], chat: bool) -> Response:
+        """Serve one HTTP request: each prompt (a completions list, else one), n samples each,
+        as engine requests that run together; the response gathers them as choices."""
         arrival = request.state.arrival
         _check_model(body)
         if (unsupported := unsupported_field(body)) is not None:
             name, value = unsupported
             shown = repr(value) if len(repr(value)) <= 80 else f"{repr(value)[:77]}..."
             raise APIError(400, f"`{name}` is not supported by this server (got {shown})", name)
+        if len(prompts) * body.n > MAX_N:
+            raise APIError(400, f"{len(prompts)} prompts x n={body.n} asks for "
+                                f"{len(prompts) * body.n} completions; at most {MAX_N} per "
+                                f"request", "n")
         slo = _slo(body, request)
         tpot_slo = _tpot_slo(body, request)
         try:
-            client.validate(prompt_ids)
-            # As OpenAI: completions default to 16 tokens, chat to what the context leaves.
-            default_max = 16 if not chat else max(1, client.max_model_len - len(prompt_ids))
-            params = body.sampling_params(default_max)
+            params_per_prompt = []
+            for _, prompt_ids in prompts:
+                client.validate(prompt_ids)
+                # As OpenAI: completions default to 16 tokens, chat to what the context leaves.
+                default_max = 16 if not chat else max(1, client.max_model_len - len(prompt_ids))
+                params_per_prompt.append(body.sampling_params(default_max))
+            _check_token_ids(params_per_prompt[0], client.vocab_size)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex[:16]}-{next(request_ids)}"
-        outputs = client.generate(request_id, prompt, prompt_ids, params, arrival_time=arrival,
-                                  priority=body.priority, ttft_slo_ms=slo,
-                                  tpot_slo_ms=tpot_slo)
+        choices: list[Choice] = []
+        sources = []
+        child_ids: list[str] = []
+        echo = getattr(body, "echo", False)
+        for p, ((prompt, prompt_ids), params) in enumerate(zip(prompts, params_per_prompt)):
+            prompt_text = first_token = ""
+            if echo:
+                prompt_text = prompt if prompt is not None else await off_loop(
+                    client.inputs.tokenizer.decode, prompt_ids)
+                first_token = await off_loop(client.inputs.tokenizer.decode, prompt_ids[:1])
+            leader: str | None = None
+            for sample in range(body.n):
+                child_id = request_id if len(prompts) * body.n == 1 else \
+                    f"{request_id}-{p * body.n + sample}"
+                child_ids.append(child_id)
+                choices.append(Choice(index=p * body.n + sample, prompt_index=p,
+                                      prompt_text=prompt_text, first_prompt_token=first_token))
+                sources.append(client.generate(
+                    child_id, prompt, prompt_ids, params.child(sample) if body.n > 1 else params,
+                    arrival_time=arrival, priority=body.priority, ttft_slo_ms=slo,
+                    tpot_slo_ms=tpot_slo, prefill_after=leader))
+                leader = leader or child_id
+        params = params_per_prompt[0]
         ctx = ResponseContext(request_id=request_id, model=settings.served_model_name, chat=chat,
                               include_usage=body.include_usage,
-                              stop_holdback=max((len(s) - 1 for s in params.stop), default=0))
+                              continuous_usage=body.continuous_usage,
+                              stop_holdback=max((len(s) - 1 for s in params.stop), default=0),
+                              echo=echo, echo_only=body.echo_only,
+                              logprobs=params.logprobs is not None,
+                              prompt_logprobs=body.prompt_logprobs is not None,
+                              tokens_as_ids=body.return_tokens_as_token_ids)
+        num_top = params.logprobs or 0
         if body.stream:
-            events = stream_events(ctx, _forget_on_exit(outputs, metrics, request_id),
-                                   lambda exc: error_for(exc, f"stream {request_id}"))
+            events = stream_events(ctx, choices,
+                                   _forget_on_exit(merged(sources), metrics, child_ids),
+                                   num_top, lambda exc: error_for(exc, f"stream {request_id}"))
             return StreamingResponse(events, media_type="text/event-stream")
         try:
-            final = await _last_unless_disconnected(outputs, request)
-        except Exception as exc:  # what the engine said about this request (or a bug)
+            finals = await finals_unless_disconnected(sources, request)
+        except Exception as exc:  # what the engine said about a request (or a bug)
             status, message, param = describe_error(exc, f"request {request_id}")
             raise APIError(status, message, param) from exc
-        if final is None:  # the client went away; generate()'s cleanup aborted the request
-            metrics.forget(request_id)
+        if finals is None:  # the client went away; every request was aborted
+            for child_id in child_ids:
+                metrics.forget(child_id)
             return Response(status_code=499)
-        return JSONBody(full_response(ctx, final))
+        return JSONBody(full_response(ctx, choices, finals, num_top))
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        if isinstance(body.prompt, str):
-            prompt, ids = body.prompt, await off_loop(_encode, client, body.prompt)
-        else:
-            prompt, ids = None, list(body.prompt)
-        return await _serve(body, request, prompt, ids, chat=False)
+        try:
+            given = body.prompts
+        except ValueError as exc:
+            raise APIError(400, str(exc), "prompt") from exc
+        prompts: list[tuple[str | None, list[int]]] = []
+        for prompt in given:
+            if isinstance(prompt, str):
+                prompts.append((prompt, await off_loop(_encode, client, prompt)))
+            else:
+                prompts.append((None, list(prompt)))
+        return await _serve(body, request, prompts, chat=False)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -274,7 +319,7 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
             ids = await off_loop(client.inputs.apply_chat_template, messages)
         except ValueError as exc:
             raise APIError(400, str(exc), "messages") from exc
-        return await _serve(body, request, None, ids, chat=True)
+        return await _serve(body, request, [(None, ids)], chat=True)
 
     return app
 
@@ -286,38 +331,25 @@ def _encode(client: AsyncEngineClient, prompt: str) -> list[int]:
         raise APIError(400, str(exc), "prompt") from exc
 
 
-async def _forget_on_exit(outputs: AsyncIterator[RequestOutput], metrics: ServerMetrics,
-                          request_id: str) -> AsyncIterator[RequestOutput]:
+def _check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Token ids a client names must exist (else the request would fail in the sampler)."""
+    for what, ids in (("logit_bias", params.logit_bias), ("stop_token_ids",
+                                                          params.stop_token_ids)):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"{what}: token id {bad[0]} is outside the vocabulary "
+                             f"(size {vocab_size})")
+
+
+async def _forget_on_exit(outputs: AsyncIterator[T], metrics: ServerMetrics,
+                          request_ids: list[str]) -> AsyncIterator[T]:
     try:
         async for out in outputs:
             yield out
     finally:
-        await outputs.aclose()  # aborts the request in the core if it did not finish
-        metrics.forget(request_id)
-
-
-async def _last_unless_disconnected(outputs: AsyncIterator[RequestOutput],
-                                    request: Request) -> RequestOutput | None:
-    async def drain() -> RequestOutput | None:
-        last = None
-        async for out in outputs:
-            last = out
-        return last
-
-    task = asyncio.create_task(drain())
-    try:
-        while True:
-            done, _ = await asyncio.wait([task], timeout=0.25)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                await outputs.aclose()
-                return None
-    finally:
-        if not task.done():
-            task.cancel()
+        await outputs.aclose()  # aborts the requests in the core that did not finish
+        for request_id in request_ids:
+            metrics.forget(request_id)
 
 
 def served_name(model_dir: str) -> str:

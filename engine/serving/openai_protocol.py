@@ -12,6 +12,8 @@ from engine.sampling_params import SamplingParams
 # Every integer a request carries ends up in a msgpack frame to EngineCore (or a torch
 # generator's seed), and both stop at 64 bits: Python's ints do not.
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# Samples per prompt, times prompts per request: each is a request in the engine.
+MAX_N = 128
 
 
 def _first_unfit(value: Any) -> str | None:
@@ -62,6 +64,8 @@ class _RequestModel(BaseModel):
 
 class StreamOptions(_RequestModel):
     include_usage: bool = False
+    # vLLM: every chunk carries the usage so far (with include_usage).
+    continuous_usage_stats: bool = False
 
 
 class GenerationRequest(_RequestModel):
@@ -75,7 +79,20 @@ class GenerationRequest(_RequestModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    n: int = 1
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    # OpenAI sends the token ids as JSON object keys, so as strings.
+    logit_bias: dict[str, float] | None = None
+    # vLLM: logprobs of every prompt token but the first, with this many alternatives.
+    prompt_logprobs: int | None = None
+    # vLLM: logprobs name each token "token_id:<id>" (its text need not round-trip).
+    return_tokens_as_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     # sloserve: the time-to-first-token objective, in milliseconds from arrival.
@@ -85,25 +102,83 @@ class GenerationRequest(_RequestModel):
     priority: int = 0
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """Raises ValueError naming the bad field (max_tokens < 1, temperature < 0, ...)."""
+        """One sample's parameters (n is the server's fan-out). Raises ValueError naming the
+        bad field (max_tokens < 1, temperature < 0, ...)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         max_tokens = self.requested_max_tokens()
+        if max_tokens is None:
+            max_tokens = default_max_tokens
+        elif max_tokens == 0 and self.echo_only:
+            max_tokens = 1  # one token is computed (and dropped): the prompt's scores need it
         return SamplingParams(
-            max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+            max_tokens=max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
             seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
-            ignore_eos=self.ignore_eos, n=self.n)
+            ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            presence_penalty=_or(self.presence_penalty, 0.0),
+            frequency_penalty=_or(self.frequency_penalty, 0.0),
+            repetition_penalty=_or(self.repetition_penalty, 1.0), min_p=_or(self.min_p, 0.0),
+            min_tokens=self.min_tokens, logit_bias=dict(self.logit_bias or {}),
+            logprobs=self.sample_logprobs, prompt_logprobs=self.prompt_logprobs_wanted)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
     @property
+    def sample_logprobs(self) -> int | None:
+        """Alternatives per generated token (None: no logprobs)."""
+        return None
+
+    @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        return self.prompt_logprobs
+
+    @property
+    def echo_only(self) -> bool:
+        """The prompt back with its scores and nothing generated (echo with max_tokens 0)."""
+        return False
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[int]
+    # A string, a list of token ids, or a list of either (one choice per prompt and sample).
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    # Alternatives per token, 0..20 (OpenAI's completions form).
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        return list(prompt)
+
+    @property
+    def sample_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        # Echo with logprobs scores the prompt too (what evaluation harnesses read).
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
+    @property
+    def echo_only(self) -> bool:
+        return self.echo and self.max_tokens == 0
 
 
 class ChatMessage(_RequestModel):
@@ -124,12 +199,24 @@ class ChatMessage(_RequestModel):
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    @property
+    def sample_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         # Not `or`: max_completion_tokens=0 is an error, not "unset".
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
 
 
 def _off(*no_op: Any) -> Callable[[Any], bool]:
@@ -141,12 +228,8 @@ def _off(*no_op: Any) -> Callable[[Any], bool]:
 # for nothing (a client library may send those by default). Any other value is refused with a
 # 400 that names the field: accepting it would return a result the client did not ask for.
 NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
-    "logprobs": _off(False), "top_logprobs": _off(0), "echo": _off(False),
-    "prompt_logprobs": _off(), "best_of": _off(1), "suffix": _off(""),
-    "presence_penalty": _off(0, 0.0), "frequency_penalty": _off(0, 0.0),
-    "repetition_penalty": _off(1, 1.0), "min_p": _off(0, 0.0), "min_tokens": _off(0),
-    "logit_bias": _off({}), "include_stop_str_in_output": _off(False),
-    "use_beam_search": _off(False), "tools": _off([]), "tool_choice": _off("none"),
+    "best_of": _off(1), "use_beam_search": _off(False), "tools": _off([]),
+    "tool_choice": _off("none"),
     "functions": _off([]), "function_call": _off("none"),
     "response_format": _off({"type": "text"}), "guided_json": _off(), "guided_regex": _off(),
     "guided_choice": _off(), "guided_grammar": _off(),
@@ -156,6 +239,8 @@ NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
 def unsupported_field(body: BaseModel) -> tuple[str, Any] | None:
     """The first field of `body` (as sent: unknown fields are kept as extras) that asks for a
     feature this server does not implement, with its value; None when there is none."""
+    if getattr(body, "suffix", None):  # OpenAI's insert mode: a declared field, but not built
+        return "suffix", body.suffix
     for name, value in (body.model_extra or {}).items():
         asks_nothing = NOT_IMPLEMENTED.get(name)
         if asks_nothing is not None and not asks_nothing(value):

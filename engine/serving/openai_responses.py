@@ -1,4 +1,8 @@
-"""Turning a request's outputs into OpenAI response bodies and server-sent-event chunks."""
+"""Turning requests' outputs into OpenAI response bodies and server-sent-event chunks.
+
+One HTTP request is one or more engine requests (prompt lists, n > 1): each is a choice, with
+its index, and the response gathers them (engine.serving.choices runs them).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.logprobs import Logprob, PositionLogprobs
 from engine.outputs import RequestMetrics, RequestOutput
 
 # time.monotonic() -> Unix time, for the timestamps reported to clients.
@@ -23,10 +28,34 @@ class ResponseContext:
     # Longest stop string: that much text minus one is held back while streaming, since it may
     # yet turn out to be the start of a stop string that is cut from the output.
     stop_holdback: int
+    # vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far.
+    continuous_usage: bool = False
+    # Completions: the prompt's text (and, with logprobs, its scores) before the output.
+    echo: bool = False
+    # echo with max_tokens 0: the prompt alone (the one token computed is dropped).
+    echo_only: bool = False
+    # Chat: logprobs: true; completions: logprobs: k (both set SamplingParams.logprobs).
+    logprobs: bool = False
+    # vLLM's prompt_logprobs (completions and chat): returned per choice.
+    prompt_logprobs: bool = False
+    # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>".
+    tokens_as_ids: bool = False
 
     @property
     def created(self) -> int:
         return int(time.time())
+
+
+@dataclass
+class Choice:
+    """One engine request of a response: its choice index and its prompt's text (echo)."""
+
+    index: int
+    # Which prompt of the request it samples (n choices share one).
+    prompt_index: int = 0
+    prompt_text: str = ""
+    # The prompt's first token's text (echo's logprobs list it; it has no score).
+    first_prompt_token: str = ""
 
 
 def metrics_body(metrics: RequestMetrics | None) -> dict[str, Any] | None:
@@ -49,69 +78,267 @@ def metrics_body(metrics: RequestMetrics | None) -> dict[str, Any] | None:
             "slack_at_admission_ms": ms(metrics.slack_at_admission_s)}
 
 
-def usage_body(out: RequestOutput) -> dict[str, int]:
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+def _completion_tokens(ctx: ResponseContext, out: RequestOutput) -> int:
+    return 0 if ctx.echo_only else len(out.token_ids)
+
+
+def usage_body(ctx: ResponseContext, choices: list[Choice],
+               outs: list[RequestOutput | None]) -> dict[str, int]:
+    """Prompt tokens once per prompt (its n samples share it), completion tokens of every
+    choice, as vLLM counts (choices without output yet count nothing)."""
+    prompts = {c.prompt_index: len(o.prompt_token_ids) for c, o in zip(choices, outs)
+               if o is not None}
+    prompt = sum(prompts.values())
+    outs = [o for o in outs if o is not None]
+    completion = sum(_completion_tokens(ctx, o) for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 
 
-def full_response(ctx: ResponseContext, out: RequestOutput) -> dict[str, Any]:
-    if ctx.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                  "finish_reason": out.finish_reason}
-        kind = "chat.completion"
-    else:
-        choice = {"index": 0, "text": out.text, "logprobs": None,
-                  "finish_reason": out.finish_reason}
-        kind = "text_completion"
-    return {"id": ctx.request_id, "object": kind, "created": ctx.created, "model": ctx.model,
-            "choices": [choice], "usage": usage_body(out), "metrics": metrics_body(out.metrics)}
+# ---- logprobs ---------------------------------------------------------------------------------
 
+def _chosen(position: PositionLogprobs) -> tuple[int, Logprob]:
+    return next(iter(position.items()))  # the chosen token comes first
+
+
+def _top(position: PositionLogprobs, k: int) -> list[tuple[int, Logprob]]:
+    """The k best alternatives (the chosen token counts only if it is among them)."""
+    return sorted(position.items(), key=lambda item: item[1].rank)[:k]
+
+
+def _token_text(token_id: int, logprob: Logprob, as_ids: bool) -> str:
+    # vLLM's return_tokens_as_token_ids: a token's text need not round-trip, its id does.
+    return f"token_id:{token_id}" if as_ids else logprob.decoded_token
+
+
+def _completion_logprobs(positions: list[PositionLogprobs | None], offsets: list[int], k: int,
+                         as_ids: bool) -> dict[str, list]:
+    """OpenAI's completions form: parallel lists (None for a prompt's first token)."""
+    body: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                             "text_offset": list(offsets)}
+    for position in positions:
+        if position is None:
+            body["tokens"].append(None)
+            body["token_logprobs"].append(None)
+            body["top_logprobs"].append(None)
+            continue
+        chosen_id, chosen = _chosen(position)
+        body["tokens"].append(_token_text(chosen_id, chosen, as_ids))
+        body["token_logprobs"].append(chosen.logprob)
+        body["top_logprobs"].append({_token_text(t, lp, as_ids): lp.logprob for t, lp in
+                                     [*_top(position, k), (chosen_id, chosen)]})
+    return body
+
+
+def _chat_entry(token_id: int, logprob: Logprob, as_ids: bool) -> dict[str, Any]:
+    text = _token_text(token_id, logprob, as_ids)
+    return {"token": text, "logprob": logprob.logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _chat_logprobs(positions: list[PositionLogprobs], k: int, as_ids: bool
+                   ) -> dict[str, list]:
+    content = []
+    for position in positions:
+        entry = _chat_entry(*_chosen(position), as_ids)
+        entry["top_logprobs"] = [_chat_entry(t, lp, as_ids) for t, lp in _top(position, k)]
+        content.append(entry)
+    return {"content": content}
+
+
+def _vllm_prompt_logprobs(positions: list[PositionLogprobs | None] | None) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token, token id -> its logprob, rank and text."""
+    if positions is None:
+        return None
+    return [None if p is None else
+            {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for t, lp in p.items()} for p in positions]
+
+
+class _LogprobSlicer:
+    """Completions logprobs for a run of output tokens [start, end), with echo's prompt part
+    before the first run."""
+
+    def __init__(self, ctx: ResponseContext, k: int) -> None:
+        self.ctx, self.k = ctx, k
+
+    def prompt_part(self, choice: Choice, out: RequestOutput) -> dict[str, list]:
+        positions = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        offsets, at = [], 0
+        for position in positions:
+            offsets.append(at)
+            at += len(choice.first_prompt_token if position is None
+                      else _chosen(position)[1].decoded_token)
+        body = _completion_logprobs(positions, offsets, self.k, self.ctx.tokens_as_ids)
+        if positions and positions[0] is None:
+            body["tokens"][0] = (f"token_id:{out.prompt_token_ids[0]}" if self.ctx.tokens_as_ids
+                                 else choice.first_prompt_token)
+        return body
+
+    def output_part(self, choice: Choice, out: RequestOutput, start: int, end: int,
+                    base: int) -> dict[str, list]:
+        assert out.logprobs is not None and out.text_offsets is not None
+        offsets = [base + o for o in out.text_offsets[start:end]]
+        return _completion_logprobs(out.logprobs[start:end], offsets, self.k,
+                                    self.ctx.tokens_as_ids)
+
+
+def _join(parts: list[dict[str, list]]) -> dict[str, list]:
+    joined: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                               "text_offset": []}
+    for part in parts:
+        for key in joined:
+            joined[key].extend(part[key])
+    return joined
+
+
+# ---- whole responses --------------------------------------------------------------------------
+
+def _choice_body(ctx: ResponseContext, choice: Choice, out: RequestOutput, k: int
+                 ) -> dict[str, Any]:
+    finish_reason = "length" if ctx.echo_only else out.finish_reason
+    if ctx.chat:
+        body: dict[str, Any] = {"index": choice.index,
+                                "message": {"role": "assistant", "content": out.text},
+                                "logprobs": None, "finish_reason": finish_reason}
+        if ctx.logprobs and out.logprobs is not None:
+            body["logprobs"] = _chat_logprobs(out.logprobs, k, ctx.tokens_as_ids)
+    else:
+        text = "" if ctx.echo_only else out.text
+        logprobs = None
+        if ctx.logprobs and out.logprobs is not None:
+            slicer = _LogprobSlicer(ctx, k)
+            parts = []
+            if ctx.echo:
+                parts.append(slicer.prompt_part(choice, out))
+            if not ctx.echo_only:
+                base = len(choice.prompt_text) if ctx.echo else 0
+                parts.append(slicer.output_part(choice, out, 0, len(out.token_ids), base))
+            logprobs = _join(parts)
+        body = {"index": choice.index,
+                "text": (choice.prompt_text if ctx.echo else "") + text,
+                "logprobs": logprobs, "finish_reason": finish_reason}
+    body["stop_reason"] = out.stop_reason
+    if ctx.prompt_logprobs:
+        body["prompt_logprobs"] = _vllm_prompt_logprobs(out.prompt_logprobs)
+    return body
+
+
+def full_response(ctx: ResponseContext, choices: list[Choice], outs: list[RequestOutput],
+                  num_top: int) -> dict[str, Any]:
+    kind = "chat.completion" if ctx.chat else "text_completion"
+    return {"id": ctx.request_id, "object": kind, "created": ctx.created, "model": ctx.model,
+            "choices": [_choice_body(ctx, c, o, num_top) for c, o in zip(choices, outs)],
+            "usage": usage_body(ctx, choices, outs), "metrics": metrics_body(outs[0].metrics)}
+
+
+# ---- streams ----------------------------------------------------------------------------------
 
 def _sse(body: dict[str, Any] | str) -> str:
     return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
 
 
-async def stream_events(ctx: ResponseContext, outputs: AsyncIterator[RequestOutput],
+@dataclass
+class _ChoiceStream:
+    """What one choice has sent so far."""
+
+    choice: Choice
+    text_sent: int = 0
+    tokens_sent: int = 0
+    started: bool = False
+
+
+async def stream_events(ctx: ResponseContext, choices: list[Choice],
+                        outputs: AsyncIterator[tuple[int, RequestOutput]], num_top: int,
                         on_error: Callable[[Exception], dict[str, Any]]) -> AsyncIterator[str]:
-    """SSE chunks for one request; a failure ends the stream with the error event `on_error`
-    makes of it (a short message: the headers are sent, so this is all the client gets)."""
+    """SSE chunks for one response: ``outputs`` yields (position in ``choices``, cumulative
+    output) as any choice advances. A failure ends the stream with the error event
+    ``on_error`` makes of it (a short message: the headers are sent, so this is all the client
+    gets)."""
     kind = "chat.completion.chunk" if ctx.chat else "text_completion"
     created = ctx.created
-    sent = 0
+    streams = [_ChoiceStream(c) for c in choices]
+    latest: list[RequestOutput | None] = [None] * len(choices)
+    slicer = _LogprobSlicer(ctx, num_top)
 
-    def chunk(delta: str, finish_reason: str | None, first: bool = False) -> dict[str, Any]:
-        if ctx.chat:
-            content: dict[str, Any] = {"content": delta}
-            if first:
-                content["role"] = "assistant"
-            choice = {"index": 0, "delta": content, "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": delta, "logprobs": None,
-                      "finish_reason": finish_reason}
-        return {"id": ctx.request_id, "object": kind, "created": created, "model": ctx.model,
-                "choices": [choice]}
+    def chunk(choice_body: dict[str, Any]) -> dict[str, Any]:
+        body = {"id": ctx.request_id, "object": kind, "created": created, "model": ctx.model,
+                "choices": [choice_body]}
+        if ctx.include_usage and ctx.continuous_usage:
+            body["usage"] = usage_body(ctx, choices, latest)
+        return body
 
     if ctx.chat:
-        yield _sse(chunk("", None, first=True))
-    last: RequestOutput | None = None
+        for stream in streams:
+            yield _sse(chunk({"index": stream.choice.index,
+                              "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}))
     try:
-        async for out in outputs:
-            last = out
-            safe = len(out.text) if out.finished else max(sent, len(out.text) - ctx.stop_holdback)
-            delta = out.text[sent:safe]
-            sent = max(sent, safe)
-            if out.finished:
-                final = chunk(delta, out.finish_reason)
-                final["metrics"] = metrics_body(out.metrics)
-                yield _sse(final)
-            elif delta:
-                yield _sse(chunk(delta, None))
+        async for position, out in outputs:
+            latest[position] = out
+            stream = streams[position]
+            body = _stream_delta(ctx, stream, out, slicer)
+            if body is not None:
+                event = chunk(body)
+                if out.finished:
+                    event["metrics"] = metrics_body(out.metrics)
+                yield _sse(event)
     except Exception as exc:  # the engine died, the server is shutting down, or a bug
         yield _sse(on_error(exc))
         yield _sse("[DONE]")
         return
-    if ctx.include_usage and last is not None:
+    if ctx.include_usage and all(o is not None for o in latest):
         yield _sse({"id": ctx.request_id, "object": kind, "created": created,
-                    "model": ctx.model, "choices": [], "usage": usage_body(last)})
+                    "model": ctx.model, "choices": [],
+                    "usage": usage_body(ctx, choices, latest)})
     yield _sse("[DONE]")
+
+
+def _stream_delta(ctx: ResponseContext, stream: _ChoiceStream, out: RequestOutput,
+                  slicer: _LogprobSlicer) -> dict[str, Any] | None:
+    """The chunk body for what ``out`` adds to its choice, or None when it adds nothing yet
+    (text that may still turn out to start a stop string is held back)."""
+    if ctx.echo_only and not out.finished:
+        return None
+    safe = len(out.text) if out.finished else max(stream.text_sent,
+                                                  len(out.text) - ctx.stop_holdback)
+    delta = "" if ctx.echo_only else out.text[stream.text_sent:safe]
+    # Logprobs go with the tokens whose text is sent (all of them at the end).
+    tokens_end = stream.tokens_sent
+    if ctx.logprobs and out.logprobs is not None and out.text_offsets is not None:
+        if out.finished:
+            tokens_end = len(out.logprobs)
+        else:
+            ends = out.text_offsets[1:] + [len(out.text)]
+            while tokens_end < len(out.logprobs) and ends[tokens_end] <= safe:
+                tokens_end += 1
+    first = not stream.started
+    if not (delta or tokens_end > stream.tokens_sent or out.finished or (first and ctx.echo)):
+        return None
+    index = stream.choice.index
+    finish_reason = ("length" if ctx.echo_only else out.finish_reason) if out.finished else None
+    if ctx.chat:
+        body: dict[str, Any] = {"index": index, "delta": {"content": delta}, "logprobs": None,
+                                "finish_reason": finish_reason}
+        if ctx.logprobs and out.logprobs is not None:
+            body["logprobs"] = _chat_logprobs(out.logprobs[stream.tokens_sent:tokens_end],
+                                              slicer.k, ctx.tokens_as_ids)
+    else:
+        text, parts = delta, []
+        if first and ctx.echo:
+            text = stream.choice.prompt_text + delta
+            if ctx.logprobs:
+                parts.append(slicer.prompt_part(stream.choice, out))
+        if ctx.logprobs and out.logprobs is not None and not ctx.echo_only:
+            base = len(stream.choice.prompt_text) if ctx.echo else 0
+            parts.append(slicer.output_part(stream.choice, out, stream.tokens_sent, tokens_end,
+                                            base))
+        body = {"index": index, "text": text, "logprobs": _join(parts) if parts else None,
+                "finish_reason": finish_reason}
+    if first and ctx.prompt_logprobs:
+        body["prompt_logprobs"] = _vllm_prompt_logprobs(out.prompt_logprobs)
+    if out.finished:
+        body["stop_reason"] = out.stop_reason
+    stream.started = True
+    stream.text_sent = max(stream.text_sent, safe)
+    stream.tokens_sent = tokens_end
+    return body

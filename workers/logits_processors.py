@@ -1,0 +1,77 @@
+"""What a request's sampling parameters do to its logits before temperature: logit_bias, the
+min_tokens mask and the penalties (vLLM's order, and vLLM's / OpenAI's definitions).
+
+The worker keeps no per-request state: the scheduler sends each sampling row the token history
+the penalties need (``TokenHistory``), so a rollback or preemption has nothing here to undo.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenHistory:
+    """What one sampling row's processors read (empty where its parameters need nothing)."""
+
+    # Repetition penalty: tokens of the prompt and of the output; frequency and presence: the
+    # output's.
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    # Never sampled this step (EOS and stop_token_ids while fewer than min_tokens exist).
+    blocked_token_ids: Sequence[int] = ()
+
+
+NO_HISTORY = TokenHistory()
+
+
+def needs_processing(sp: SamplingParams, history: TokenHistory) -> bool:
+    return sp.processes_logits or bool(history.blocked_token_ids)
+
+
+def process_logits(logits: torch.Tensor, sp: SamplingParams,
+                   history: TokenHistory) -> torch.Tensor:
+    """A processed copy of one row of float32 logits [vocab]. Raises ValueError for a token id
+    beyond the vocabulary (only this request fails)."""
+    vocab = logits.shape[-1]
+    logits = logits.clone()
+    if sp.logit_bias:
+        ids = _token_tensor(list(sp.logit_bias), vocab, "logit_bias", logits.device)
+        logits.index_add_(0, ids, torch.tensor(list(sp.logit_bias.values()),
+                                               dtype=logits.dtype, device=logits.device))
+    if history.blocked_token_ids:
+        blocked = _token_tensor(history.blocked_token_ids, vocab, "stop token", logits.device)
+        logits[blocked] = float("-inf")
+    if sp.has_penalties:
+        output = _token_tensor(history.output_token_ids, vocab, "output token", logits.device)
+        counts = torch.bincount(output, minlength=vocab).to(logits.dtype)
+        if sp.repetition_penalty != 1.0:
+            prompt = _token_tensor(history.prompt_token_ids, vocab, "prompt token",
+                                   logits.device)
+            seen = counts > 0
+            seen[prompt] = True
+            # CTRL's penalty (as vLLM and HF): a seen token's logit moves toward -inf whatever
+            # its sign.
+            penalized = torch.where(logits > 0, logits / sp.repetition_penalty,
+                                    logits * sp.repetition_penalty)
+            logits = torch.where(seen, penalized, logits)
+        logits -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0)
+    return logits
+
+
+def min_p_filter(probs: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop tokens less likely than min_p times the most likely one (renormalized)."""
+    kept = probs.masked_fill(probs < min_p * probs.max(), 0.0)
+    return kept / kept.sum()
+
+
+def _token_tensor(ids: Sequence[int], vocab: int, what: str,
+                  device: torch.device) -> torch.Tensor:
+    if ids and max(ids) >= vocab:
+        raise ValueError(f"{what} id {max(ids)} is outside the vocabulary (size {vocab})")
+    return torch.tensor(list(ids), dtype=torch.long, device=device)
