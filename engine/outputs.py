@@ -151,3 +151,19 @@ class RequestOutput:
     def outputs(self) -> list[RequestOutput]:
         """The prompt's samples, as vLLM's ``RequestOutput.outputs`` (``[self]`` for n = 1)."""
         return self.samples or [self]
+
+
+def best_samples(samples: list[RequestOutput], n: int, keep_logprobs: bool
+                 ) -> list[RequestOutput]:
+    """best_of: the n samples with the highest cumulative logprob, best first (failed ones
+    last). ``keep_logprobs`` False: the per-token logprobs computed only to rank are dropped."""
+    def score(out: RequestOutput) -> float:
+        if out.finish_reason == "error" or out.cumulative_logprob is None:
+            return float("-inf")
+        return out.cumulative_logprob
+
+    best = sorted(samples, key=score, reverse=True)[:n]
+    if not keep_logprobs:
+        for out in best:
+            out.logprobs = out.text_offsets = None
+    return best

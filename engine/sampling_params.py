@@ -43,6 +43,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     n: int = 1
+    # Sample this many and return the n with the highest cumulative logprob (vLLM v0's best_of).
+    best_of: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -60,6 +62,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         self._check_numbers()
         if self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n}")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.temperature < 0:
@@ -93,10 +97,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 raise ValueError(f"{name} must be a number, got {value!r}")
             if not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value}")
-        for name in ("max_tokens", "top_k", "seed", "n", "min_tokens", "logprobs",
+        for name in ("max_tokens", "top_k", "seed", "n", "best_of", "min_tokens", "logprobs",
                      "prompt_logprobs"):
             value = getattr(self, name)
-            if value is None and name in ("seed", "logprobs", "prompt_logprobs"):
+            if value is None and name in ("seed", "best_of", "logprobs", "prompt_logprobs"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -141,8 +145,20 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         penalties; min_tokens is the scheduler's blocked_token_ids)."""
         return bool(self.logit_bias) or self.has_penalties
 
+    @property
+    def num_samples(self) -> int:
+        """Engine requests per prompt: best_of when set, else n."""
+        return self.best_of or self.n
+
+    @property
+    def ranks_samples(self) -> bool:
+        """Whether more samples are drawn than returned (best_of > n)."""
+        return self.num_samples > self.n
+
     def child(self, index: int) -> SamplingParams:
-        """The parameters of the index-th of n parallel samples: one completion each, seeded
-        apart (seed + index, as vLLM) so that seeded samples differ and stay reproducible."""
+        """The parameters of the index-th of the prompt's parallel samples: one completion
+        each, seeded apart (seed + index, as vLLM) so that seeded samples differ and stay
+        reproducible; with best_of, each computes the logprob it is ranked by."""
         seed = None if self.seed is None else (self.seed + index) % 2**63
-        return msgspec.structs.replace(self, n=1, seed=seed)
+        logprobs = 0 if self.ranks_samples and self.logprobs is None else self.logprobs
+        return msgspec.structs.replace(self, n=1, best_of=None, seed=seed, logprobs=logprobs)

@@ -303,3 +303,17 @@ def test_bad_values_are_400s_naming_the_field(client):
     assert chat.status_code == 400 and "top_logprobs" in chat.json()["error"]["message"]
     # Probe: the server still serves.
     assert client.completions.create(model=_model(client), prompt="x", max_tokens=1).choices
+
+
+def test_best_of(client):
+    kwargs = dict(model=_model(client), prompt=PROMPT, max_tokens=4, temperature=1.0, seed=3)
+    drawn = [client.completions.create(**{**kwargs, "seed": 3 + i}, logprobs=0).choices[0]
+             for i in range(3)]
+    best = client.completions.create(**kwargs, best_of=3, n=2)
+    ranked = sorted(drawn, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert [c.index for c in best.choices] == [0, 1] and best.choices[0].logprobs is None
+    assert best.usage.completion_tokens == 12  # every sample drawn
+    streamed = httpx.post(f"{client.base_url}completions", timeout=30,
+                          json={"prompt": PROMPT, "best_of": 2, "stream": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "best_of"

@@ -141,11 +141,15 @@ def test_tokenize_routes_need_the_api_key_like_v1(chat_model):
     assert detok.status_code == 401 and model_card.status_code == 401
 
 
-ASKS_FOR_MORE = {"best_of": 2, "use_beam_search": True, "tools": [{"type": "function"}],
+# Refused on chat (completions implement echo, chat's top_logprobs is completions' logprobs).
+CHAT_ONLY = {"echo"}
+ASKS_FOR_MORE = {"echo": True, "top_logprobs": 2, "use_beam_search": True,
+                 "tools": [{"type": "function"}],
                  "tool_choice": "auto", "functions": [{"name": "f"}], "function_call": "auto",
                  "response_format": {"type": "json_object"}, "guided_json": {},
                  "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "g"}
 ASKS_FOR_NOTHING = {"logprobs": None, "echo": False, "best_of": 1, "suffix": "",
+                    "top_logprobs": 0,
                     "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
                     "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
                     "user": "someone"}
@@ -157,12 +161,14 @@ def test_fields_asking_for_what_the_server_lacks_are_400s_naming_them(chat_model
     assert set(ASKS_FOR_MORE) == set(NOT_IMPLEMENTED)  # every refused field is tried
     base = {"prompt": "hello", "max_tokens": 1}
     chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 1}
-    calls = [lambda h, f=field, v=value: h.post("/v1/completions", json={**base, f: v})
+    calls = [lambda h, f=field, v=value: h.post("/v1/chat/completions", json={**chat, f: v})
+             if f in CHAT_ONLY else h.post("/v1/completions", json={**base, f: v})
              for field, value in ASKS_FOR_MORE.items()]
     calls.append(lambda h: h.post("/v1/completions", json={**base, "suffix": "end"}))
     calls.append(lambda h: h.post("/v1/completions", json={**base, **ASKS_FOR_NOTHING}))
     calls.append(lambda h: h.post("/v1/chat/completions",
-                                  json={**chat, **ASKS_FOR_NOTHING, "logprobs": False}))
+                                  json={**chat, **ASKS_FOR_NOTHING, "logprobs": False,
+                                        "top_logprobs": None}))
     *refused, suffix, plain, plain_chat = _run(chat_model, _settings(chat_model), calls)
     for field, response in zip([*ASKS_FOR_MORE, "suffix"], [*refused, suffix]):
         assert response.status_code == 400, (field, response.text)

@@ -143,3 +143,17 @@ def test_parked_siblings_follow_their_leader(llm):
         engine.step()
         scheduler.check_invariants()
     assert kept.num_output_tokens == 3
+
+
+def test_best_of_returns_the_most_likely_samples(llm):
+    prompt = {"prompt_token_ids": list(range(60, 75))}
+    drawn = [llm.generate(prompt, SamplingParams(temperature=1.0, seed=30 + i, max_tokens=5,
+                                                 logprobs=0))[0] for i in range(4)]
+    (best,) = llm.generate(prompt, SamplingParams(n=2, best_of=4, temperature=1.0, seed=30,
+                                                  max_tokens=5))
+    ranked = sorted(drawn, key=lambda o: o.cumulative_logprob, reverse=True)
+    assert [o.token_ids for o in best.outputs] == [o.token_ids for o in ranked[:2]]
+    assert len({tuple(o.token_ids) for o in drawn}) > 2  # probe: the samples differ
+    assert best.logprobs is None  # computed to rank them, not asked for
+    with pytest.raises(ValueError, match="best_of"):
+        SamplingParams(n=3, best_of=2)

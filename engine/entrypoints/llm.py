@@ -13,7 +13,7 @@ from engine.config import build_engine_config
 from engine.processing.input_processor import ChatMessages, InputProcessor
 from engine.runtime.engine_core import EngineCore
 from engine.processing.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, best_samples
 from engine.core.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 
@@ -99,10 +99,11 @@ class LLM:
         groups: list[list[Request]] = []
         for (_, ids), sp, prio, slo, tpot in zip(encoded, params, priorities, slos, tpots):
             group: list[Request] = []
-            for index in range(sp.n):
+            for index in range(sp.num_samples):
                 leader = group[0].request_id if group else None
-                group.append(self._make_request(ids, sp.child(index) if sp.n > 1 else sp, prio,
-                                                slo, tpot, prefill_after=leader))
+                child = sp.child(index) if sp.num_samples > 1 else sp
+                group.append(self._make_request(ids, child, prio, slo, tpot,
+                                                prefill_after=leader))
             groups.append(group)
         requests = [request for group in groups for request in group]
         prompts = [prompt for (prompt, _), group in zip(encoded, groups) for _ in group]
@@ -133,7 +134,8 @@ class LLM:
             raise
         finally:
             progress.close()
-        return [_gather([finals[r.request_id] for r in group]) for group in groups]
+        return [_gather([finals[r.request_id] for r in group], sp)
+                for group, sp in zip(groups, params)]
 
     def _make_request(self, ids: list[int], params: SamplingParams, priority: int,
                       ttft_slo_ms: float | None = None,
@@ -149,8 +151,11 @@ class LLM:
         self.engine.shutdown()
 
 
-def _gather(samples: list[RequestOutput]) -> RequestOutput:
-    """One prompt's outputs: the first sample, carrying all of them when there are several."""
+def _gather(samples: list[RequestOutput], params: SamplingParams) -> RequestOutput:
+    """One prompt's outputs: the first (with best_of: the best) sample, carrying all those
+    returned when there are several."""
+    if params.ranks_samples:
+        samples = best_samples(samples, params.n, keep_logprobs=params.logprobs is not None)
     first = samples[0]
     if len(samples) > 1:
         first.samples = samples

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import itertools
 import time
@@ -28,8 +29,9 @@ from engine.sampling_params import SamplingParams
 from engine.serving.choices import finals_unless_disconnected, merged
 from engine.serving.openai_protocol import (MAX_N, ChatCompletionRequest, CompletionRequest,
                                             GenerationRequest, error_body, unsupported_field)
+from engine.outputs import RequestOutput, best_samples
 from engine.serving.openai_responses import (Choice, ResponseContext, full_response,
-                                             stream_events)
+                                             stream_events, usage_body)
 from engine.serving.tokenize_api import (DetokenizeRequest, TokenizeRequest, detokenize_request,
                                          tokenize_request)
 
@@ -232,10 +234,14 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
             name, value = unsupported
             shown = repr(value) if len(repr(value)) <= 80 else f"{repr(value)[:77]}..."
             raise APIError(400, f"`{name}` is not supported by this server (got {shown})", name)
-        if len(prompts) * body.n > MAX_N:
-            raise APIError(400, f"{len(prompts)} prompts x n={body.n} asks for "
-                                f"{len(prompts) * body.n} completions; at most {MAX_N} per "
-                                f"request", "n")
+        per_prompt = body.best_of or body.n
+        if len(prompts) * per_prompt > MAX_N:
+            raise APIError(400, f"{len(prompts)} prompts x n={per_prompt} asks for "
+                                f"{len(prompts) * per_prompt} completions; at most {MAX_N} "
+                                f"per request", "n")
+        if body.stream and per_prompt > body.n:
+            raise APIError(400, "best_of > n cannot be streamed: the best samples are known "
+                                "only once all have finished", "best_of")
         slo = _slo(body, request)
         tpot_slo = _tpot_slo(body, request)
         try:
@@ -261,14 +267,15 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
                     client.inputs.tokenizer.decode, prompt_ids)
                 first_token = await off_loop(client.inputs.tokenizer.decode, prompt_ids[:1])
             leader: str | None = None
-            for sample in range(body.n):
-                child_id = request_id if len(prompts) * body.n == 1 else \
-                    f"{request_id}-{p * body.n + sample}"
+            for sample in range(per_prompt):
+                child_id = request_id if len(prompts) * per_prompt == 1 else \
+                    f"{request_id}-{p * per_prompt + sample}"
                 child_ids.append(child_id)
-                choices.append(Choice(index=p * body.n + sample, prompt_index=p,
+                choices.append(Choice(index=p * per_prompt + sample, prompt_index=p,
                                       prompt_text=prompt_text, first_prompt_token=first_token))
                 sources.append(client.generate(
-                    child_id, prompt, prompt_ids, params.child(sample) if body.n > 1 else params,
+                    child_id, prompt, prompt_ids,
+                    params.child(sample) if per_prompt > 1 else params,
                     arrival_time=arrival, priority=body.priority, ttft_slo_ms=slo,
                     tpot_slo_ms=tpot_slo, prefill_after=leader))
                 leader = leader or child_id
@@ -296,7 +303,10 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
             for child_id in child_ids:
                 metrics.forget(child_id)
             return Response(status_code=499)
-        return JSONBody(full_response(ctx, choices, finals, num_top))
+        usage = usage_body(ctx, choices, finals)  # every sample drawn, best_of's included
+        if per_prompt > body.n:
+            choices, finals = _best_of(choices, finals, body.n, params.logprobs is not None)
+        return JSONBody(full_response(ctx, choices, finals, num_top, usage))
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -329,6 +339,20 @@ def _encode(client: AsyncEngineClient, prompt: str) -> list[int]:
         return client.inputs.encode(prompt)
     except ValueError as exc:
         raise APIError(400, str(exc), "prompt") from exc
+
+
+def _best_of(choices: list[Choice], finals: list[RequestOutput], n: int, keep_logprobs: bool
+             ) -> tuple[list[Choice], list[RequestOutput]]:
+    """Each prompt's n best samples, as choices p * n .. p * n + n - 1."""
+    kept_choices: list[Choice] = []
+    kept: list[RequestOutput] = []
+    for p in sorted({c.prompt_index for c in choices}):
+        group = [o for c, o in zip(choices, finals) if c.prompt_index == p]
+        template = next(c for c in choices if c.prompt_index == p)
+        for i, out in enumerate(best_samples(group, n, keep_logprobs)):
+            kept_choices.append(dataclasses.replace(template, index=p * n + i))
+            kept.append(out)
+    return kept_choices, kept
 
 
 def _check_token_ids(params: SamplingParams, vocab_size: int) -> None:

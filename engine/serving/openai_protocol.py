@@ -82,6 +82,8 @@ class GenerationRequest(_RequestModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     n: int = Field(default=1, ge=1, le=MAX_N)
+    # Sample this many per prompt, return the n with the highest cumulative logprob.
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -102,7 +104,7 @@ class GenerationRequest(_RequestModel):
     priority: int = 0
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """One sample's parameters (n is the server's fan-out). Raises ValueError naming the
+        """The prompt's parameters (``child(i)``: its i-th sample's). Raises ValueError naming the
         bad field (max_tokens < 1, temperature < 0, ...)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         max_tokens = self.requested_max_tokens()
@@ -114,7 +116,8 @@ class GenerationRequest(_RequestModel):
             max_tokens=max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
             seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
-            ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos, n=self.n, best_of=self.best_of,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             presence_penalty=_or(self.presence_penalty, 0.0),
             frequency_penalty=_or(self.frequency_penalty, 0.0),
@@ -228,7 +231,10 @@ def _off(*no_op: Any) -> Callable[[Any], bool]:
 # for nothing (a client library may send those by default). Any other value is refused with a
 # 400 that names the field: accepting it would return a result the client did not ask for.
 NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
-    "best_of": _off(1), "use_beam_search": _off(False), "tools": _off([]),
+    # Chat's echo (vLLM: prepend the last message) and completions' top_logprobs (chat's
+    # name; completions take logprobs: k) arrive as extras.
+    "echo": _off(False), "top_logprobs": _off(0),
+    "use_beam_search": _off(False), "tools": _off([]),
     "tool_choice": _off("none"),
     "functions": _off([]), "function_call": _off("none"),
     "response_format": _off({"type": "text"}), "guided_json": _off(), "guided_regex": _off(),

@@ -224,11 +224,13 @@ def _choice_body(ctx: ResponseContext, choice: Choice, out: RequestOutput, k: in
 
 
 def full_response(ctx: ResponseContext, choices: list[Choice], outs: list[RequestOutput],
-                  num_top: int) -> dict[str, Any]:
+                  num_top: int, usage: dict[str, int] | None = None) -> dict[str, Any]:
+    """``usage``: when more samples were drawn than returned (best_of), theirs."""
     kind = "chat.completion" if ctx.chat else "text_completion"
     return {"id": ctx.request_id, "object": kind, "created": ctx.created, "model": ctx.model,
             "choices": [_choice_body(ctx, c, o, num_top) for c, o in zip(choices, outs)],
-            "usage": usage_body(ctx, choices, outs), "metrics": metrics_body(outs[0].metrics)}
+            "usage": usage or usage_body(ctx, choices, outs),
+            "metrics": metrics_body(outs[0].metrics)}
 
 
 # ---- streams ----------------------------------------------------------------------------------
