@@ -317,3 +317,29 @@ def test_best_of(client):
     streamed = httpx.post(f"{client.base_url}completions", timeout=30,
                           json={"prompt": PROMPT, "best_of": 2, "stream": True})
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "best_of"
+
+
+@pytest.mark.parametrize("penalty", [{"presence_penalty": -2.0}, {"frequency_penalty": -1.0},
+                                     {"repetition_penalty": 0.3},
+                                     {"logit_bias": {"7": 4.0, "42": -3.0}},
+                                     {"min_tokens": 3, "stop_token_ids": None}])
+def test_penalties_over_http_match_the_reference(client, model_dir, tokenizer, penalty):
+    from engine.sampling_params import SamplingParams
+    from tests.test_offline_parity import _reference_greedy
+
+    prompt = [5, 17, 42, 42, 99, 3, 17, 250, 8, 8, 61]
+    kwargs = dict(prompt=prompt, max_tokens=6, temperature=0, logprobs=0,
+                  return_tokens_as_token_ids=True)
+    plain = httpx.post(f"{client.base_url}completions", json=kwargs, timeout=60).json()
+    plain_ids = _as_ids(plain["choices"][0]["logprobs"]["tokens"])
+    if "stop_token_ids" in penalty:  # min_tokens: hold back the first greedy token as a stop
+        penalty = {**penalty, "stop_token_ids": [plain_ids[0]]}
+    body = httpx.post(f"{client.base_url}completions", json={**kwargs, **penalty},
+                      timeout=60).json()
+    got = _as_ids(body["choices"][0]["logprobs"]["tokens"])
+    sp = SamplingParams(temperature=0, max_tokens=6, **{
+        k: ({int(t): b for t, b in v.items()} if k == "logit_bias" else v)
+        for k, v in penalty.items()})
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert got == _reference_greedy(hf, sp, tokenizer.eos_token_id, prompt)
+    assert got != plain_ids  # probe: the parameter changed the output

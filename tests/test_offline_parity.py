@@ -34,15 +34,17 @@ def hf(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def _reference_greedy(hf, sp: SamplingParams, eos: int | None) -> list[int]:
+def _reference_greedy(hf, sp: SamplingParams, eos: int | None,
+                      prompt: list[int] = PROMPT) -> list[int]:
+    """Greedy decoding over the HF model with the reference logits processors."""
     output: list[int] = []
     for _ in range(sp.max_tokens):
         with torch.no_grad():
-            logits = hf(torch.tensor([PROMPT + output])).logits[0, -1].float()
+            logits = hf(torch.tensor([prompt + output])).logits[0, -1].float()
         blocked = []
         if len(output) < sp.min_tokens:
             blocked = list(sp.stop_token_ids) + ([eos] if eos is not None else [])
-        processed = _reference(logits.tolist(), sp, PROMPT, output, blocked)
+        processed = _reference(logits.tolist(), sp, prompt, output, blocked)
         token = max(range(len(processed)), key=processed.__getitem__)
         output.append(token)
         if token in sp.stop_token_ids and len(output) >= sp.min_tokens:

@@ -35,10 +35,10 @@ CRAMPED = dict(dtype="float32", max_num_batched_tokens=64, num_kv_blocks=30, max
                full_sequence_admission=False, watermark=0.0)
 
 
-def _run(model: str, tp: int, **overrides):
+def _run(model: str, tp: int, params: SamplingParams = GREEDY, **overrides):
     llm = LLM(model=model, tensor_parallel_size=tp, **{**CRAMPED, **overrides})
     try:
-        outs = llm.generate(_prompts(llm.engine.vocab_size), GREEDY)
+        outs = llm.generate(_prompts(llm.engine.vocab_size), params)
     finally:
         llm.shutdown()
     return outs
@@ -54,6 +54,25 @@ def test_tp2_equals_tp1_with_chunking_and_preemption(tiny_model, arch):
     assert sum(o.metrics.num_preemptions for o in got) > 0
     assert max(PROMPT_LENGTHS) > CRAMPED["max_num_batched_tokens"]
     assert not multiprocessing.active_children()
+
+
+def test_tp2_logprobs_penalties_and_samples_equal_tp1(tiny_model):
+    """The step's token histories, prompt-logprob targets and logprobs cross the TP process
+    boundary; chunked prefills and KV-pressure recomputes (prompt scored again) included."""
+    model = tiny_model("llama")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2,
+                            prompt_logprobs=1, repetition_penalty=0.5, presence_penalty=-1.0,
+                            n=2)
+    want = _run(model, tp=1, params=params)
+    got = _run(model, tp=2, params=params)
+    assert sum(o.metrics.num_preemptions for out in got for o in out.outputs) > 0  # probe
+    for g, w in zip(got, want):
+        assert [o.token_ids for o in g.outputs] == [o.token_ids for o in w.outputs]
+        assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-3)
+        scores = [p[t].logprob for p, t in zip(g.prompt_logprobs[1:], g.prompt_token_ids[1:])]
+        ref = [p[t].logprob for p, t in zip(w.prompt_logprobs[1:], w.prompt_token_ids[1:])]
+        assert len(scores) == len(g.prompt_token_ids) - 1
+        assert scores == pytest.approx(ref, abs=1e-3)
 
 
 @pytest.mark.parametrize("kv_heads", [3, 1], ids=["kv-heads-split", "kv-heads-replicated"])
