@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import itertools
 import time
@@ -26,12 +25,12 @@ from engine.ipc.async_client import AsyncEngineClient, EngineDeadError
 from engine.config import EngineConfig
 from engine.serving.metrics import ServerMetrics
 from engine.sampling_params import SamplingParams
-from engine.serving.choices import finals_unless_disconnected, merged
+from engine.serving.choices import (EnginePrompt, best_of_choices, fan_out,
+                                    finals_unless_disconnected, merged)
 from engine.serving.openai_protocol import (MAX_N, ChatCompletionRequest, CompletionRequest,
                                             GenerationRequest, error_body, unsupported_field)
-from engine.outputs import RequestOutput, best_samples
-from engine.serving.openai_responses import (Choice, ResponseContext, full_response,
-                                             stream_events, usage_body)
+from engine.serving.openai_responses import (ResponseContext, full_response, stream_events,
+                                             usage_body)
 from engine.serving.tokenize_api import (DetokenizeRequest, TokenizeRequest, detokenize_request,
                                          tokenize_request)
 
@@ -256,29 +255,18 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
             raise APIError(400, str(exc)) from exc
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex[:16]}-{next(request_ids)}"
-        choices: list[Choice] = []
-        sources = []
-        child_ids: list[str] = []
         echo = getattr(body, "echo", False)
-        for p, ((prompt, prompt_ids), params) in enumerate(zip(prompts, params_per_prompt)):
-            prompt_text = first_token = ""
-            if echo:
-                prompt_text = prompt if prompt is not None else await off_loop(
-                    client.inputs.tokenizer.decode, prompt_ids)
-                first_token = await off_loop(client.inputs.tokenizer.decode, prompt_ids[:1])
-            leader: str | None = None
-            for sample in range(per_prompt):
-                child_id = request_id if len(prompts) * per_prompt == 1 else \
-                    f"{request_id}-{p * per_prompt + sample}"
-                child_ids.append(child_id)
-                choices.append(Choice(index=p * per_prompt + sample, prompt_index=p,
-                                      prompt_text=prompt_text, first_prompt_token=first_token))
-                sources.append(client.generate(
-                    child_id, prompt, prompt_ids,
-                    params.child(sample) if per_prompt > 1 else params,
-                    arrival_time=arrival, priority=body.priority, ttft_slo_ms=slo,
-                    tpot_slo_ms=tpot_slo, prefill_after=leader))
-                leader = leader or child_id
+        engine_prompts = [EnginePrompt(prompt, prompt_ids, params) for (prompt, prompt_ids), params
+                          in zip(prompts, params_per_prompt)]
+        if echo:
+            for ep in engine_prompts:
+                decode = client.inputs.tokenizer.decode
+                ep.echo_text = ep.text if ep.text is not None else await off_loop(
+                    decode, ep.token_ids)
+                ep.first_token_text = await off_loop(decode, ep.token_ids[:1])
+        choices, sources, child_ids = fan_out(
+            client, request_id, engine_prompts, per_prompt, arrival_time=arrival,
+            priority=body.priority, ttft_slo_ms=slo, tpot_slo_ms=tpot_slo)
         params = params_per_prompt[0]
         ctx = ResponseContext(request_id=request_id, model=settings.served_model_name, chat=chat,
                               include_usage=body.include_usage,
@@ -305,7 +293,8 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
             return Response(status_code=499)
         usage = usage_body(ctx, choices, finals)  # every sample drawn, best_of's included
         if per_prompt > body.n:
-            choices, finals = _best_of(choices, finals, body.n, params.logprobs is not None)
+            choices, finals = best_of_choices(choices, finals, body.n,
+                                              params.logprobs is not None)
         return JSONBody(full_response(ctx, choices, finals, num_top, usage))
 
     @app.post("/v1/completions", dependencies=auth)
@@ -339,20 +328,6 @@ def _encode(client: AsyncEngineClient, prompt: str) -> list[int]:
         return client.inputs.encode(prompt)
     except ValueError as exc:
         raise APIError(400, str(exc), "prompt") from exc
-
-
-def _best_of(choices: list[Choice], finals: list[RequestOutput], n: int, keep_logprobs: bool
-             ) -> tuple[list[Choice], list[RequestOutput]]:
-    """Each prompt's n best samples, as choices p * n .. p * n + n - 1."""
-    kept_choices: list[Choice] = []
-    kept: list[RequestOutput] = []
-    for p in sorted({c.prompt_index for c in choices}):
-        group = [o for c, o in zip(choices, finals) if c.prompt_index == p]
-        template = next(c for c in choices if c.prompt_index == p)
-        for i, out in enumerate(best_samples(group, n, keep_logprobs)):
-            kept_choices.append(dataclasses.replace(template, index=p * n + i))
-            kept.append(out)
-    return kept_choices, kept
 
 
 def _check_token_ids(params: SamplingParams, vocab_size: int) -> None:

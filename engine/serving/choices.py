@@ -5,14 +5,71 @@ the client goes away or one of them fails."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import suppress
+from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 
-from engine.outputs import RequestOutput
+from engine.ipc.async_client import AsyncEngineClient
+from engine.outputs import RequestOutput, best_samples
+from engine.sampling_params import SamplingParams
+from engine.serving.openai_responses import Choice
 
 _DONE = object()
+
+
+@dataclass
+class EnginePrompt:
+    """One prompt of an HTTP request, ready for the engine."""
+
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    # echo: the prompt's text and its first token's (which has no score).
+    echo_text: str = ""
+    first_token_text: str = ""
+
+
+def fan_out(client: AsyncEngineClient, request_id: str, prompts: list[EnginePrompt],
+            per_prompt: int, **generate_args: Any
+            ) -> tuple[list[Choice], list[AsyncIterator[RequestOutput]], list[str]]:
+    """One engine request per prompt and sample (choice ``p * per_prompt + i``): the choices,
+    their output iterators (nothing is sent before they are iterated) and their request ids.
+    A prompt's later samples wait for its first one's prefill (SiblingGate)."""
+    choices: list[Choice] = []
+    sources: list[AsyncIterator[RequestOutput]] = []
+    request_ids: list[str] = []
+    single = len(prompts) * per_prompt == 1
+    for p, prompt in enumerate(prompts):
+        leader: str | None = None
+        for sample in range(per_prompt):
+            index = p * per_prompt + sample
+            child_id = request_id if single else f"{request_id}-{index}"
+            request_ids.append(child_id)
+            choices.append(Choice(index=index, prompt_index=p, prompt_text=prompt.echo_text,
+                                  first_prompt_token=prompt.first_token_text))
+            params = prompt.params.child(sample) if per_prompt > 1 else prompt.params
+            sources.append(client.generate(child_id, prompt.text, prompt.token_ids, params,
+                                           prefill_after=leader, **generate_args))
+            leader = leader or child_id
+    return choices, sources, request_ids
+
+
+def best_of_choices(choices: list[Choice], finals: list[RequestOutput], n: int,
+                    keep_logprobs: bool) -> tuple[list[Choice], list[RequestOutput]]:
+    """best_of: each prompt's n best samples, as choices p * n .. p * n + n - 1."""
+    kept_choices: list[Choice] = []
+    kept: list[RequestOutput] = []
+    for p in sorted({c.prompt_index for c in choices}):
+        group = [o for c, o in zip(choices, finals) if c.prompt_index == p]
+        template = next(c for c in choices if c.prompt_index == p)
+        for i, out in enumerate(best_samples(group, n, keep_logprobs)):
+            kept_choices.append(dataclasses.replace(template, index=p * n + i))
+            kept.append(out)
+    return kept_choices, kept
 
 
 async def merged(sources: list[AsyncIterator[RequestOutput]]
