@@ -15,6 +15,9 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 MAX_PENALTY = 2.0
+# A repetition penalty divides or multiplies logits: beyond these a float32 logit overflows to
+# inf (1e-40 divides 30 into 3e41), and the row's softmax is NaN.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -75,8 +78,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         for name in ("presence_penalty", "frequency_penalty"):
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
+                             f"{MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:

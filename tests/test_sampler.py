@@ -63,6 +63,8 @@ def test_temperature_sampling_covers_distribution():
     ("min_p", {"min_p": 1.5}),
     ("presence_penalty", {"presence_penalty": 2.5}),
     ("repetition_penalty", {"repetition_penalty": 0}),
+    ("repetition_penalty", {"repetition_penalty": 1e-40}),
+    ("repetition_penalty", {"repetition_penalty": 1e30}),
     ("min_tokens", {"min_tokens": 20, "max_tokens": 10}),
     ("logprobs", {"logprobs": 21}),
     ("prompt_logprobs", {"prompt_logprobs": -1}),
