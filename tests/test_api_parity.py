@@ -301,6 +301,10 @@ def test_bad_values_are_400s_naming_the_field(client):
     chat = httpx.post(f"{client.base_url}chat/completions", timeout=30, json={
         "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2})
     assert chat.status_code == 400 and "top_logprobs" in chat.json()["error"]["message"]
+    too_many = httpx.post(f"{client.base_url}chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 25})
+    assert too_many.status_code == 400
+    assert "top_logprobs must be in [0, 20]" in too_many.json()["error"]["message"]
     # Probe: the server still serves.
     assert client.completions.create(model=_model(client), prompt="x", max_tokens=1).choices
 

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # Every integer a request carries ends up in a msgpack frame to EngineCore (or a torch
 # generator's seed), and both stop at 64 bits: Python's ints do not.
@@ -209,6 +209,9 @@ class ChatCompletionRequest(GenerationRequest):
     def sample_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                             f"{self.top_logprobs}")
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
