@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 
 from bench.attainment.cli import add_bench_parser
+from engine.entrypoints.arg_types import (float_in, int_in, non_negative_float, positive_float,
+                                          positive_int)
 from engine.entrypoints.calibrate import add_calibrate_parser
 from engine.entrypoints.engine_args import add_engine_args, engine_kwargs, under_torchrun
 from engine.log import configure_logging
@@ -43,10 +45,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _check_slo_settings(default_ms: float | None, floor_ms: float | None) -> None:
-    """The server's SLO flags, checked before any model is prepared."""
-    for flag, value in (("--default-ttft-slo-ms", default_ms), ("--min-ttft-slo-ms", floor_ms)):
-        if value is not None and not 0 <= value < float("inf"):
-            raise ValueError(f"{flag} must be a non-negative number of milliseconds, got {value}")
+    """The server's SLO flags together (argparse checked each one's range), before any model is
+    prepared."""
     if default_ms is not None and floor_ms is not None and default_ms < floor_ms:
         raise ValueError(f"--default-ttft-slo-ms {default_ms:g} is below --min-ttft-slo-ms "
                          f"{floor_ms:g}: requests without an objective would get one the "
@@ -69,9 +69,6 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError("--metrics-require-api-key needs an API key (--api-key or "
                          "$SLOSERVE_API_KEY)")
     _check_slo_settings(args.default_ttft_slo_ms, args.min_ttft_slo_ms)
-    if args.default_tpot_slo_ms is not None and not 0 < args.default_tpot_slo_ms < float("inf"):
-        raise ValueError(f"--default-tpot-slo-ms must be a positive number of milliseconds, "
-                         f"got {args.default_tpot_slo_ms}")
     given = kwargs.pop("model")
     model = model_path_or_default(given)
     config = build_engine_config(model, **kwargs)
@@ -108,9 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--max-tokens", type=positive_int, default=128)
+    gen.add_argument("--temperature", type=non_negative_float, default=0.0,
+                     help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float_in(0.0, 1.0, low_open=True), default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
@@ -123,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int_in(1, 65535), default=8000)
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1 (or $SLOSERVE_API_KEY)")
     serve.add_argument("--metrics-require-api-key", action="store_true",
@@ -133,13 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="model names clients may use, the first in responses (default: "
                             "the --model argument as given; the folder's base name is always "
                             "accepted too)")
-    serve.add_argument("--max-request-body-bytes", type=int, default=1 << 20)
-    serve.add_argument("--default-ttft-slo-ms", type=float, default=None,
+    serve.add_argument("--max-request-body-bytes", type=positive_int, default=1 << 20)
+    serve.add_argument("--default-ttft-slo-ms", type=non_negative_float, default=None,
                        help="TTFT objective for requests that carry none (default: none)")
-    serve.add_argument("--default-tpot-slo-ms", type=float, default=None,
+    serve.add_argument("--default-tpot-slo-ms", type=positive_float, default=None,
                        help="time-per-output-token objective for requests that carry none "
                             "(default: none)")
-    serve.add_argument("--min-ttft-slo-ms", type=float, default=None,
+    serve.add_argument("--min-ttft-slo-ms", type=non_negative_float, default=None,
                        help="the tightest TTFT objective a request may carry; a tighter one is "
                             "a 400 that names this floor (default: none)")
     serve.add_argument("--log-level", default="info")
@@ -151,7 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help (0), or a usage error already printed (2)
+        return exc.code if isinstance(exc.code, int) else 2
     configure_logging()
     try:
         return args.func(args)

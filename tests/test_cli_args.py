@@ -1,0 +1,92 @@
+"""The command line rejects out-of-range values as usage errors (exit code 2, the flag and the
+bound named) before any model is prepared; nothing is silently clamped into range."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import build_engine_config
+from engine.entrypoints.cli import build_parser, main
+from engine.entrypoints.engine_args import engine_kwargs
+
+# (flags, the text argparse must print): every numeric engine option, and serve's own.
+BAD_VALUES = [
+    (["-tp", "0"], "argument --tensor-parallel-size/-tp: must be >= 1, got 0"),
+    (["--tensor-parallel-size", "-2"], "must be >= 1, got -2"),
+    (["--max-model-len", "0"], "argument --max-model-len: must be >= 1, got 0"),
+    (["--block-size", "0"], "argument --block-size: must be >= 1, got 0"),
+    (["--num-kv-blocks", "0"], "argument --num-kv-blocks: must be >= 1, got 0"),
+    (["--kv-cache-memory-gb", "0"], "argument --kv-cache-memory-gb: must be > 0, got 0"),
+    (["--kv-cache-memory-gb", "nan"], "must be a finite number > 0, got nan"),
+    (["--max-num-batched-tokens", "0"], "argument --max-num-batched-tokens: must be >= 1"),
+    (["--max-num-seqs", "0"], "argument --max-num-seqs: must be >= 1, got 0"),
+    (["--long-prefill-token-threshold", "-1"], "must be >= 0, got -1"),
+    (["--watermark", "1"], "argument --watermark: must be in [0, 1), got 1"),
+    (["--watermark", "-0.1"], "argument --watermark: must be in [0, 1), got -0.1"),
+    (["--aging-bound-ms", "-1"], "argument --aging-bound-ms: must be >= 0, got -1"),
+    (["--collective-timeout-s", "0"], "argument --collective-timeout-s: must be > 0, got 0"),
+    (["--preempt-margin", "0.5"], "argument --preempt-margin: must be >= 1, got 0.5"),
+    (["--stubborn-fraction", "1.5"], "argument --stubborn-fraction: must be in [0, 1], got 1.5"),
+    (["--preempt-min-tokens", "-1"], "argument --preempt-min-tokens: must be >= 0, got -1"),
+    (["--monitor-interval-ms", "0"], "argument --monitor-interval-ms: must be > 0, got 0"),
+    (["--predictor-error-quantile", "0"], "must be in (0, 1], got 0"),
+    (["--predictor-error-quantile", "1.01"], "must be in (0, 1], got 1.01"),
+    (["--block-size", "abc"], "argument --block-size: expected an integer, got 'abc'"),
+    (["--block-size", "1.5"], "argument --block-size: expected an integer, got '1.5'"),
+    (["--watermark", "inf"], "must be a finite number in [0, 1), got inf"),
+]
+
+SERVE_BAD_VALUES = [
+    (["--port", "0"], "argument --port: must be in [1, 65535], got 0"),
+    (["--port", "65536"], "argument --port: must be in [1, 65535], got 65536"),
+    (["--default-ttft-slo-ms", "-1"], "argument --default-ttft-slo-ms: must be >= 0, got -1"),
+    (["--min-ttft-slo-ms", "-5"], "argument --min-ttft-slo-ms: must be >= 0, got -5"),
+    (["--default-tpot-slo-ms", "0"], "argument --default-tpot-slo-ms: must be > 0, got 0"),
+    (["--max-request-body-bytes", "0"], "argument --max-request-body-bytes: must be >= 1"),
+]
+
+GENERATE_BAD_VALUES = [
+    (["--max-tokens", "0"], "argument --max-tokens: must be >= 1, got 0"),
+    (["--temperature", "-0.5"], "argument --temperature: must be >= 0, got -0.5"),
+    (["--top-p", "0"], "argument --top-p: must be in (0, 1], got 0"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD_VALUES + SERVE_BAD_VALUES,
+                         ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_serve_rejects_out_of_range_values(flags, message, capsys) -> None:
+    # No model folder exists at that path: an error from anything past the parser would differ.
+    assert main(["serve", "--model", "/nonexistent", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,message", BAD_VALUES + GENERATE_BAD_VALUES,
+                         ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_generate_rejects_out_of_range_values(flags, message, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["generate", "hi", "--model", "/nonexistent", *flags])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [
+    ["-tp", "1"], ["--watermark", "0"], ["--stubborn-fraction", "0"], ["--stubborn-fraction", "1"],
+    ["--predictor-error-quantile", "1"], ["--preempt-margin", "1"], ["--aging-bound-ms", "0"],
+    ["--long-prefill-token-threshold", "0"], ["--kv-cache-memory-gb", "0.25"],
+])
+def test_values_on_the_bounds_are_accepted(flags) -> None:
+    args = build_parser().parse_args(["generate", "hi", *flags])
+    kwargs = engine_kwargs(args)
+    build_engine_config("unused", **{k: v for k, v in kwargs.items() if k != "model"})
+
+
+def test_tensor_parallel_size_defaults_to_one() -> None:
+    assert engine_kwargs(build_parser().parse_args(["generate", "hi"]))["tensor_parallel_size"] == 1
+    args = build_parser().parse_args(["generate", "hi", "-tp", "3"])
+    assert engine_kwargs(args)["tensor_parallel_size"] == 3
+
+
+def test_a_default_below_the_floor_is_still_an_error(capsys) -> None:
+    assert main(["serve", "--model", "/nonexistent", "--default-ttft-slo-ms", "50",
+                 "--min-ttft-slo-ms", "100"]) == 2
+    assert "is below --min-ttft-slo-ms" in capsys.readouterr().err
