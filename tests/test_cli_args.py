@@ -90,3 +90,42 @@ def test_a_default_below_the_floor_is_still_an_error(capsys) -> None:
     assert main(["serve", "--model", "/nonexistent", "--default-ttft-slo-ms", "50",
                  "--min-ttft-slo-ms", "100"]) == 2
     assert "is below --min-ttft-slo-ms" in capsys.readouterr().err
+
+
+# ---- serve's model: positional or --model ----------------------------------------------------
+
+@pytest.fixture
+def served(monkeypatch):
+    """Runs `sloserve serve ...` up to the point where the server would start, and returns what
+    it would have been started with: (EngineConfig, ServerSettings)."""
+    import engine.serving.api_server as api_server
+
+    started: list = []
+    monkeypatch.setattr(api_server, "run_server",
+                        lambda config, settings, *rest: started.append((config, settings)))
+
+    def serve(*argv: str):
+        code = main(["serve", *argv])
+        assert code == 0 and len(started) == 1, code
+        return started.pop()
+
+    return serve
+
+
+def test_serve_takes_the_model_as_a_positional_argument(tiny_model, served) -> None:
+    model = tiny_model("llama")
+    for argv in ([model], ["--model", model], [model, "--model", model]):
+        config, settings = served(*argv)
+        assert config.model.model == model and settings.served_model_name == model
+
+
+def test_serve_refuses_two_different_models(tiny_model, capsys) -> None:
+    assert main(["serve", tiny_model("llama"), "--model", "/other/model"]) == 2
+    err = capsys.readouterr().err
+    assert "the model is given twice" in err and "'/other/model' as --model" in err
+
+
+def test_a_positional_model_that_is_no_model_folder_is_named(capsys) -> None:
+    assert main(["serve", "/nonexistent/model"]) == 2
+    assert "'/nonexistent/model' is not a local Hugging Face model folder" in \
+        capsys.readouterr().err

@@ -53,6 +53,14 @@ def _check_slo_settings(default_ms: float | None, floor_ms: float | None) -> Non
                          f"server refuses")
 
 
+def model_argument(positional: str | None, flag: str | None) -> str | None:
+    """`sloserve serve MODEL` and `sloserve serve --model MODEL` mean the same, as in vLLM."""
+    if positional is not None and flag is not None and positional != flag:
+        raise ValueError(f"the model is given twice and differently: {positional!r} as the "
+                         f"positional MODEL and {flag!r} as --model; give it once")
+    return flag if positional is None else positional
+
+
 def _serve(args: argparse.Namespace) -> int:
     import os
 
@@ -61,6 +69,7 @@ def _serve(args: argparse.Namespace) -> int:
     from engine.entrypoints.default_model import model_path_or_default
     from engine.runtime.model_setup import resolve
 
+    args.model = model_argument(args.model_tag, args.model)
     kwargs = engine_kwargs(args)
     if (code := under_torchrun(args, kwargs)) is not None:
         return code
@@ -119,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="local Hugging Face model folder, the same as --model (vLLM's "
+                            "`vllm serve MODEL`)")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int_in(1, 65535), default=8000)
