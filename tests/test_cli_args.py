@@ -129,3 +129,54 @@ def test_a_positional_model_that_is_no_model_folder_is_named(capsys) -> None:
     assert main(["serve", "/nonexistent/model"]) == 2
     assert "'/nonexistent/model' is not a local Hugging Face model folder" in \
         capsys.readouterr().err
+
+
+# ---- the API key: flag, file or environment --------------------------------------------------
+
+@pytest.fixture
+def no_key_env(monkeypatch):
+    for name in ("SLOSERVE_API_KEY", "VLLM_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_api_key_from_a_file_the_environment_or_the_flag(tiny_model, served, no_key_env,
+                                                          tmp_path) -> None:
+    model = tiny_model("llama")
+    assert served(model)[1].api_key is None
+    key_file = tmp_path / "key"
+    key_file.write_text("  s3cret-from-file \nsecond line is ignored\n")
+    assert served(model, "--api-key-file", str(key_file))[1].api_key == "s3cret-from-file"
+    no_key_env.setenv("VLLM_API_KEY", "from-vllm-env")
+    assert served(model)[1].api_key == "from-vllm-env"
+    no_key_env.setenv("SLOSERVE_API_KEY", "from-sloserve-env")
+    assert served(model)[1].api_key == "from-sloserve-env"
+    # Either flag wins over the environment.
+    assert served(model, "--api-key-file", str(key_file))[1].api_key == "s3cret-from-file"
+    assert served(model, "--api-key", "from-flag")[1].api_key == "from-flag"
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "--api-key-file '{path}': cannot read it"),
+    ("", "--api-key-file '{path}': its first line is empty"),
+    ("\nkey-on-the-second-line\n", "its first line is empty"),
+])
+def test_a_missing_or_empty_key_file_is_an_error(tiny_model, no_key_env, tmp_path, capsys,
+                                                 content, message) -> None:
+    path = tmp_path / "key"
+    if content is not None:
+        path.write_text(content)
+    assert main(["serve", tiny_model("llama"), "--api-key-file", str(path)]) == 2
+    assert message.format(path=path) in capsys.readouterr().err
+
+
+def test_api_key_and_api_key_file_together_are_an_error(no_key_env, capsys) -> None:
+    assert main(["serve", "/nonexistent", "--api-key", "k", "--api-key-file", "/k"]) == 2
+    assert "argument --api-key-file: not allowed with argument --api-key" in \
+        capsys.readouterr().err
+
+
+def test_api_key_help_warns_that_ps_shows_it(capsys) -> None:
+    assert main(["serve", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "see it in `ps`" in help_text and "--api-key-file PATH" in help_text

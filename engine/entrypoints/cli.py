@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from bench.attainment.cli import add_bench_parser
@@ -61,6 +62,30 @@ def model_argument(positional: str | None, flag: str | None) -> str | None:
     return flag if positional is None else positional
 
 
+# Read when neither --api-key nor --api-key-file is given, in this order (vLLM reads the second).
+API_KEY_ENV = ("SLOSERVE_API_KEY", "VLLM_API_KEY")
+
+
+def api_key_from(flag: str | None, file: str | None, environ: Mapping[str, str]) -> str | None:
+    """The server's API key: --api-key, else the first line of --api-key-file, else the
+    environment. A file keeps the key out of `ps` and of the shell history."""
+    if flag is not None:
+        if not flag.strip():
+            raise ValueError("--api-key must not be empty")
+        return flag
+    if file is not None:
+        try:
+            lines = Path(file).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--api-key-file {file!r}: cannot read it: {exc}") from exc
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ValueError(f"--api-key-file {file!r}: its first line is empty; it must hold "
+                             f"the key")
+        return key
+    return next((environ[name] for name in API_KEY_ENV if environ.get(name)), None)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import os
 
@@ -73,10 +98,10 @@ def _serve(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     if (code := under_torchrun(args, kwargs)) is not None:
         return code
-    api_key = args.api_key or os.environ.get("SLOSERVE_API_KEY") or None
+    api_key = api_key_from(args.api_key, args.api_key_file, os.environ)
     if args.metrics_require_api_key and api_key is None:  # before any model is prepared
-        raise ValueError("--metrics-require-api-key needs an API key (--api-key or "
-                         "$SLOSERVE_API_KEY)")
+        raise ValueError("--metrics-require-api-key needs an API key (--api-key-file, "
+                         "$SLOSERVE_API_KEY, $VLLM_API_KEY or --api-key)")
     _check_slo_settings(args.default_ttft_slo_ms, args.min_ttft_slo_ms)
     given = kwargs.pop("model")
     model = model_path_or_default(given)
@@ -134,8 +159,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int_in(1, 65535), default=8000)
-    serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1 (or $SLOSERVE_API_KEY)")
+    key = serve.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1, /tokenize and "
+                          "/detokenize; other users of this machine see it in `ps`: prefer "
+                          "--api-key-file or $SLOSERVE_API_KEY (or $VLLM_API_KEY), read when "
+                          "neither flag is given")
+    key.add_argument("--api-key-file", default=None, metavar="PATH",
+                     help="like --api-key, with the key read from the first line of PATH")
     serve.add_argument("--metrics-require-api-key", action="store_true",
                        help="require the API key on /metrics and /debug/stats too (/health "
                             "stays open)")
