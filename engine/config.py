@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -19,7 +20,12 @@ class CacheConfig:
     block_size: int = 16
     # Number of KV blocks; derived from kv_cache_memory_gb when None.
     num_blocks: int | None = None
-    kv_cache_memory_gb: float = 1.0
+    # None: 1 GiB on a CPU; on a GPU, what gpu_memory_utilization leaves.
+    kv_cache_memory_gb: float | None = None
+    # vLLM's: on a GPU whose pool neither field above sizes, the share of its memory the engine
+    # may fill; the pool gets what the weights and a profiled step leave of it. None: 0.9.
+    # No effect on a CPU.
+    gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     # Fraction of blocks kept free when admitting a new request while others run.
     watermark: float = 0.01
@@ -29,6 +35,12 @@ class CacheConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory_gb is not None and not 0 < self.kv_cache_memory_gb < math.inf:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.gpu_memory_utilization is not None and \
+                not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
 
@@ -165,7 +177,9 @@ def build_engine_config(model: str, *, dtype: str = "auto", device: str = "cpu",
                         tokenizer: str | None = None, chat_template: str | None = None,
                         max_model_len: int | None = None,
                         block_size: int = 16, num_kv_blocks: int | None = None,
-                        kv_cache_memory_gb: float = 1.0, enable_prefix_caching: bool = True,
+                        kv_cache_memory_gb: float | None = None,
+                        gpu_memory_utilization: float | None = None,
+                        enable_prefix_caching: bool = True,
                         watermark: float = 0.01, max_num_batched_tokens: int = 2048,
                         max_num_seqs: int = 128, long_prefill_token_threshold: int = 0,
                         enable_chunked_prefill: bool = True, scheduling_policy: str = "slo",
@@ -192,6 +206,7 @@ def build_engine_config(model: str, *, dtype: str = "auto", device: str = "cpu",
                           else load_chat_template(chat_template)),
         cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                           kv_cache_memory_gb=kv_cache_memory_gb,
+                          gpu_memory_utilization=gpu_memory_utilization,
                           enable_prefix_caching=enable_prefix_caching, watermark=watermark),
         scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                   max_num_seqs=max_num_seqs,

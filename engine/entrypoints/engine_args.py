@@ -35,7 +35,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=positive_int, default=16)
     g.add_argument("--num-kv-blocks", type=positive_int, default=None,
                    help="KV pool size in blocks (default: from --kv-cache-memory-gb)")
-    g.add_argument("--kv-cache-memory-gb", type=positive_float, default=1.0)
+    g.add_argument("--kv-cache-memory-gb", type=positive_float, default=None,
+                   help="KV pool size per rank (default: 1 GiB on a CPU; on a GPU what "
+                        "--gpu-memory-utilization leaves)")
+    g.add_argument("--gpu-memory-utilization", type=float_in(0.0, 1.0, low_open=True),
+                   default=None, metavar="FRACTION",
+                   help="on a GPU, the share of its memory the engine may fill: the KV pool "
+                        "gets what is left of it once the weights are loaded and a step of "
+                        "--max-num-batched-tokens has been profiled (default 0.9, as vLLM; "
+                        "memory other processes hold counts as used). --num-kv-blocks or "
+                        "--kv-cache-memory-gb override it; no effect on a CPU")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     g.add_argument("--max-num-seqs", type=positive_int, default=128)
@@ -96,6 +105,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len,
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory_gb=args.kv_cache_memory_gb,
+                gpu_memory_utilization=args.gpu_memory_utilization,
                 enable_prefix_caching=not args.no_prefix_caching,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs,
