@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -19,7 +20,12 @@ class CacheConfig:
     block_size: int = 16
     # Number of KV blocks; derived from kv_cache_memory_gb when None.
     num_blocks: int | None = None
-    kv_cache_memory_gb: float = 1.0
+    # None: 1 GiB on a CPU; on a GPU, what gpu_memory_utilization leaves.
+    kv_cache_memory_gb: float | None = None
+    # vLLM's: on a GPU whose pool neither field above sizes, the share of its memory the engine
+    # may fill; the pool gets what the weights and a profiled step leave of it. None: 0.9.
+    # No effect on a CPU.
+    gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     # Fraction of blocks kept free when admitting a new request while others run.
     watermark: float = 0.01
@@ -29,6 +35,12 @@ class CacheConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory_gb is not None and not 0 < self.kv_cache_memory_gb < math.inf:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.gpu_memory_utilization is not None and \
+                not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
 
@@ -126,6 +138,10 @@ class ModelConfig:
     attention_backend: str = "auto"
     # The Triton fused RMSNorm(+residual) and rotary kernels (opt-in until measured on a GPU).
     fused_ops: bool = False
+    # A local tokenizer folder other than the model's (vLLM's --tokenizer); None: the model's.
+    tokenizer: str | None = None
+    # Jinja text replacing the tokenizer's chat template (build_engine_config reads a file).
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -158,9 +174,12 @@ class EngineConfig:
 
 def build_engine_config(model: str, *, dtype: str = "auto", device: str = "cpu",
                         attention_backend: str = "auto", fused_ops: bool = False,
+                        tokenizer: str | None = None, chat_template: str | None = None,
                         max_model_len: int | None = None,
                         block_size: int = 16, num_kv_blocks: int | None = None,
-                        kv_cache_memory_gb: float = 1.0, enable_prefix_caching: bool = True,
+                        kv_cache_memory_gb: float | None = None,
+                        gpu_memory_utilization: float | None = None,
+                        enable_prefix_caching: bool = True,
                         watermark: float = 0.01, max_num_batched_tokens: int = 2048,
                         max_num_seqs: int = 128, long_prefill_token_threshold: int = 0,
                         enable_chunked_prefill: bool = True, scheduling_policy: str = "slo",
@@ -174,14 +193,20 @@ def build_engine_config(model: str, *, dtype: str = "auto", device: str = "cpu",
                         monitor_interval_ms: float = 2.0, slo_preempt_mode: str = "suspend",
                         ttft_model: str | None = None,
                         predictor_error_quantile: float = 0.9) -> EngineConfig:
-    """The flat engine arguments (as vLLM names them) grouped into an EngineConfig."""
+    """The flat engine arguments (as vLLM names them) grouped into an EngineConfig.
+    ``chat_template``: a file path or the template itself (read and checked here)."""
+    from engine.processing.chat_template import load_chat_template  # jinja2: only when needed
+
     return EngineConfig(
         model=ModelConfig(model=model, dtype=dtype, device=device,
                           attention_backend=attention_backend, fused_ops=fused_ops,
                           max_model_len=max_model_len,
-                          seed=seed),
+                          seed=seed, tokenizer=tokenizer,
+                          chat_template=None if chat_template is None
+                          else load_chat_template(chat_template)),
         cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                           kv_cache_memory_gb=kv_cache_memory_gb,
+                          gpu_memory_utilization=gpu_memory_utilization,
                           enable_prefix_caching=enable_prefix_caching, watermark=watermark),
         scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                   max_num_seqs=max_num_seqs,

@@ -94,13 +94,14 @@ class FakeCore:
 @asynccontextmanager
 async def app_client(model_dir: str, settings: ServerSettings | None = None,
                      fake: FakeCore | None = None,
-                     spawn_core: Callable | None = None
+                     spawn_core: Callable | None = None, **engine_args
                      ) -> AsyncIterator[tuple[httpx.AsyncClient, AsyncEngineClient]]:
     """The app started through its own lifespan; yields an httpx client on it and the app's
-    engine client. `fake` replaces the EngineCore process; `spawn_core` wraps the real spawn."""
+    engine client. `fake` replaces the EngineCore process; `spawn_core` wraps the real spawn;
+    `engine_args` go to build_engine_config."""
     settings = settings or ServerSettings(served_model_name="tiny")
     config = build_engine_config(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN,
-                                 num_kv_blocks=16)
+                                 num_kv_blocks=16, **engine_args)
     app = build_app(config, settings)
     engine: AsyncEngineClient = app.state.client
     if fake is not None:

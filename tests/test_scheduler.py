@@ -313,8 +313,10 @@ def test_cli_sets_the_admission_knobs() -> None:
     assert default.cache.watermark == 0.01 and default.scheduler.full_sequence_admission
     custom = config("--watermark", "0.2", "--no-full-sequence-admission")
     assert custom.cache.watermark == 0.2 and not custom.scheduler.full_sequence_admission
-    with pytest.raises(ValueError, match=r"watermark must be in \[0, 1\), got 1.5"):
+    with pytest.raises(SystemExit):  # a usage error (tests/test_cli_args.py)
         config("--watermark", "1.5")
+    with pytest.raises(ValueError, match=r"watermark must be in \[0, 1\), got 1.5"):
+        build_engine_config("unused", watermark=1.5)
 
 
 @pytest.mark.parametrize("full_seq", [True, False])

@@ -201,6 +201,7 @@ def test_metrics_require_api_key(model_dir, vocab_size) -> None:
 
 def test_metrics_require_api_key_needs_a_key(model_dir, monkeypatch, capsys) -> None:
     monkeypatch.delenv("SLOSERVE_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
     assert main(["serve", "--model", model_dir, "--metrics-require-api-key"]) == 2
     assert "--metrics-require-api-key needs an API key" in capsys.readouterr().err
 

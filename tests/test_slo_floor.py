@@ -50,8 +50,8 @@ def test_objectives_below_the_floor_are_refused_and_others_served(model_dir):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--min-ttft-slo-ms", "-5"], "--min-ttft-slo-ms must be a non-negative"),
-    (["--default-ttft-slo-ms", "-1"], "--default-ttft-slo-ms must be a non-negative"),
+    (["--min-ttft-slo-ms", "-5"], "argument --min-ttft-slo-ms: must be >= 0, got -5"),
+    (["--default-ttft-slo-ms", "-1"], "argument --default-ttft-slo-ms: must be >= 0, got -1"),
     (["--default-ttft-slo-ms", "50", "--min-ttft-slo-ms", "100"], "is below --min-ttft-slo-ms"),
 ])
 def test_bad_floor_flags_are_errors(flags, message, capsys):

@@ -22,3 +22,23 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     return [(torch.zeros(shape, dtype=dtype, device=device),
              torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+
+
+def num_kv_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    return kv_caches[0][0].shape[0] if kv_caches else 0
+
+
+def resized_kv_caches(kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Tensors like ``kv_caches`` (layers, block size, heads, dtype, device) with ``num_blocks``
+    blocks: for a pool sized once the weights are loaded. The caller drops the old ones."""
+    key = kv_caches[0][0]
+    _, block_size, num_kv_heads, head_dim = key.shape
+    return allocate_kv_caches(len(kv_caches), num_blocks, block_size, num_kv_heads, head_dim,
+                              key.dtype, key.device)
+
+
+def kv_caches_bytes_per_block(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    key = kv_caches[0][0]
+    _, block_size, num_kv_heads, head_dim = key.shape
+    return kv_cache_bytes_per_block(len(kv_caches), block_size, num_kv_heads, head_dim, key.dtype)

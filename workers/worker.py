@@ -17,10 +17,11 @@ from multiprocessing.connection import Connection
 import torch
 
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
-from engine.runtime.worker_messages import (ExecuteStep, Shutdown, WorkerConfig, decode_command,
-                                    decode_config, encode)
+from engine.runtime.worker_messages import (ExecuteStep, KVPoolSize, Shutdown, WorkerConfig,
+                                            decode_command, decode_config, encode)
 from workers.distributed import (ParallelGroups, broadcast_bytes, collect_errors, destroy,
                                  init_distributed, report_error)
+from workers.kv_cache import num_kv_blocks, resized_kv_caches
 
 
 class Worker:
@@ -32,6 +33,7 @@ class Worker:
         one machine, so it defaults to ``rank``. Never read from the environment here: spawned
         ranks inherit their parent's, which may be a torchrun rank's."""
         from engine.runtime.model_setup import load_hf_config, resolve_dtype
+        from workers.kv_memory import measure_kv_pool
         from workers.model_runner import ModelRunner
 
         # Ranks sharing a machine split its cores; oversubscribed OpenMP threads spin each other.
@@ -46,16 +48,23 @@ class Worker:
                                                        device, config.collective_timeout_s)
         try:
             hf_config = load_hf_config(config.model_dir)
+            # No pool size given: an empty pool until the GPU's memory is measured.
             self.runner = ModelRunner(config.model_dir, hf_config,
                                       resolve_dtype(config.dtype, device), device,
-                                      config.num_blocks, config.block_size, seed=config.seed,
-                                      tp_rank=rank, tp_size=config.tp_size,
+                                      config.num_blocks or 0, config.block_size,
+                                      seed=config.seed, tp_rank=rank, tp_size=config.tp_size,
                                       tp_group=self.groups.tensor_group, sample=rank == 0,
                                       attention_backend=config.attention_backend,
                                       fused_ops=config.fused_ops)
+            fits = (None if config.kv_pool_plan is None
+                    else measure_kv_pool(self.runner, config.kv_pool_plan))
         except Exception:
             report_error(self.groups, traceback.format_exc())
             raise
+        if fits is not None:
+            self.runner.kv_caches = resized_kv_caches(self.runner.kv_caches,
+                                                      self._agree_on_pool(fits))
+        self.num_kv_blocks = num_kv_blocks(self.runner.kv_caches)
         if config.mid_forward_preemption:
             self._install_vote(config)
         # Nobody starts stepping before every shard is loaded (and a failed load surfaces here).
@@ -64,6 +73,17 @@ class Worker:
         except Exception as exc:
             raise RuntimeError(_with_peer_errors(self.groups, traceback.format_exc())) from exc
 
+
+    def _agree_on_pool(self, fits: int) -> int:
+        """Every rank holds the same blocks (one block table serves all shards): the smallest
+        pool any rank's GPU has room for."""
+        blocks = torch.tensor([fits], dtype=torch.int64)
+        try:
+            torch.distributed.all_reduce(blocks, op=torch.distributed.ReduceOp.MIN,
+                                         group=self.groups.cpu_group)
+        except Exception as exc:
+            raise RuntimeError(_with_peer_errors(self.groups, traceback.format_exc())) from exc
+        return int(blocks.item())
 
     def _install_vote(self, config: WorkerConfig) -> None:
         """Every rank votes (so every rank enters each collective); only ranks that can see
@@ -174,6 +194,7 @@ def run_worker_process(config_bytes: bytes, rank: int, conn: Connection | None) 
         sys.exit(follower_loop(worker))
     assert isinstance(worker, DriverWorker)
     conn.send_bytes(encode(ModelRunnerOutput(step_id=0)))  # ready
+    conn.send_bytes(encode(KVPoolSize(num_blocks=worker.num_kv_blocks)))
     while True:
         try:
             command = decode_command(conn.recv_bytes())

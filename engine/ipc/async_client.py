@@ -58,7 +58,7 @@ class _Finished:
 class AsyncEngineClient:
     def __init__(self, config: EngineConfig, startup_timeout_s: float = 600.0) -> None:
         self.config = config
-        self.inputs = InputProcessor(config.model.model)
+        self.inputs = InputProcessor.for_model(config.model)
         self.tokenizer = self.inputs.tokenizer
         self.startup_timeout_s = startup_timeout_s
         self.stats = SchedulerStats()

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from engine.config import ModelConfig
 from engine.sampling_params import SamplingParams
 
 ChatMessages = list[dict[str, Any]]
@@ -33,9 +34,22 @@ def validate_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size:
 
 
 class InputProcessor:
-    def __init__(self, model_dir: str) -> None:
-        self.tokenizer = load_tokenizer(model_dir)
+    def __init__(self, model_dir: str, tokenizer_dir: str | None = None,
+                 chat_template: str | None = None) -> None:
+        """``tokenizer_dir``: a tokenizer folder other than the model's; ``chat_template``: Jinja
+        text replacing the tokenizer's template (for every chat use: LLM.chat, the chat route,
+        /tokenize with messages)."""
+        self.tokenizer = load_tokenizer(tokenizer_dir or model_dir)
+        if chat_template is not None:
+            if self.tokenizer is None:
+                raise ValueError("a chat template needs a tokenizer, and the model folder has "
+                                 "none (give --tokenizer)")
+            self.tokenizer.chat_template = chat_template
         self.eos_token_ids = eos_token_ids(model_dir, self.tokenizer)
+
+    @classmethod
+    def for_model(cls, config: ModelConfig) -> InputProcessor:
+        return cls(config.model, config.tokenizer, config.chat_template)
 
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
@@ -72,11 +86,15 @@ class InputProcessor:
         return params, eos
 
 
+def has_tokenizer(folder: str) -> bool:
+    return any((Path(folder) / f).exists() for f in ("tokenizer.json", "tokenizer.model",
+                                                     "tokenizer_config.json"))
+
+
 def load_tokenizer(model_dir: str):
-    """The model folder's tokenizer, or None when the folder has none (token-id prompts only)."""
+    """The folder's tokenizer, or None when the folder has none (token-id prompts only)."""
     folder = Path(model_dir)
-    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer.model",
-                                               "tokenizer_config.json")):
+    if not has_tokenizer(model_dir):
         return None
     from transformers import AutoTokenizer
 

@@ -11,14 +11,15 @@ from engine.config import EngineConfig
 from engine.runtime.executor import Executor, ExternalExecutor, InProcessExecutor, MultiprocExecutor
 from engine.processing.input_processor import validate_prompt
 from engine.runtime.launch import check_torchrun_world, torchrun_launch
-from engine.runtime.model_setup import ResolvedModel, resolve
+from engine.runtime.model_setup import ResolvedModel, check_pool_fits, resolve
 from engine.outputs import EngineCoreOutput, SchedulerStats
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
 from engine.runtime.slo_preemption import SLOPreemptionControl
-from engine.runtime.worker_messages import make_worker_config
+from engine.runtime.worker_messages import kv_pool_plan, make_worker_config
 from monitor.predictor import LinearTTFT
+from monitor.preempt_signal import PreemptSignal
 
 
 class EngineStepError(RuntimeError):
@@ -31,21 +32,29 @@ class EngineCore:
         self.model: ResolvedModel = resolve(config)
         preemption = config.preemption
         ttft_seed = LinearTTFT.load(preemption.ttft_model) if preemption.ttft_model else None
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.model.num_blocks,
-                                   self.model.max_model_len, preemption, ttft_seed)
+        signal = PreemptSignal.create() if preemption.mid_forward_preemption else None
         self.preemption: SLOPreemptionControl | None = None
-        if preemption.mid_forward_preemption:
-            self.preemption = SLOPreemptionControl(preemption, self.scheduler,
-                                                   self.model.hf_config.num_hidden_layers)
-            # The monitor and the request reader must get the GIL within a fraction of a layer,
-            # not after CPython's default 5 ms switch interval.
-            sys.setswitchinterval(0.0005)
+        started: Executor | None = None
         try:
-            self.executor = executor if executor is not None else self._make_executor()
+            # A pool size the configuration fixes: the scheduler checks it before any weights
+            # load. Otherwise the workers measure it on the GPU once they have loaded them.
+            if self.model.num_blocks is not None:
+                self._start_scheduling(signal, ttft_seed)
+            started = executor if executor is not None else self._make_executor(signal)
+            if self.model.num_blocks is None:
+                self.model.num_blocks = started.num_kv_blocks
+                check_pool_fits(self.model.max_model_len, config.cache, self.model.num_blocks,
+                                measured=True)
+                self._start_scheduling(signal, ttft_seed)
         except BaseException:
             if self.preemption is not None:
-                self.preemption.shutdown()
+                self.preemption.shutdown()  # closes the signal
+            elif signal is not None:
+                signal.close()
+            if started is not None:
+                started.shutdown()
             raise
+        self.executor: Executor = started
         self.dead: str | None = None
         # Requests handed over by other threads (submit_request), with their arrival number.
         self._inbox: queue.SimpleQueue[tuple[int, Request]] = queue.SimpleQueue()
@@ -54,29 +63,48 @@ class EngineCore:
         # (request id, error) for handed-over requests the scheduler refused.
         self.rejected: list[tuple[str, str]] = []
 
-    def _in_process_executor(self) -> Executor:
+    def _start_scheduling(self, signal: PreemptSignal | None,
+                          ttft_seed: LinearTTFT | None) -> None:
+        config, model = self.config, self.model
+        assert model.num_blocks is not None
+        self.scheduler = Scheduler(config.scheduler, config.cache, model.num_blocks,
+                                   model.max_model_len, config.preemption, ttft_seed)
+        if signal is not None:
+            self.preemption = SLOPreemptionControl(config.preemption, self.scheduler,
+                                                   model.hf_config.num_hidden_layers, signal)
+            # The monitor and the request reader must get the GIL within a fraction of a layer,
+            # not after CPython's default 5 ms switch interval.
+            sys.setswitchinterval(0.0005)
+
+    def _in_process_executor(self, signal: PreemptSignal | None) -> Executor:
+        from workers.kv_cache import num_kv_blocks, resized_kv_caches
+        from workers.kv_memory import measure_kv_pool
         from workers.model_runner import ModelRunner
 
-        m = self.model
-        runner = ModelRunner(m.model_dir, m.hf_config, m.dtype, m.device, m.num_blocks,
-                             self.config.cache.block_size, seed=self.config.model.seed,
-                             attention_backend=self.config.model.attention_backend,
-                             fused_ops=self.config.model.fused_ops)
-        if self.preemption is not None:
+        m, config = self.model, self.config
+        # No pool size given: an empty pool until the GPU's memory is measured.
+        runner = ModelRunner(m.model_dir, m.hf_config, m.dtype, m.device, m.num_blocks or 0,
+                             config.cache.block_size, seed=config.model.seed,
+                             attention_backend=config.model.attention_backend,
+                             fused_ops=config.model.fused_ops)
+        plan = kv_pool_plan(config, m)
+        if plan is not None:
+            runner.kv_caches = resized_kv_caches(runner.kv_caches, measure_kv_pool(runner, plan))
+        if signal is not None:
             from workers.preempt_vote import PreemptVote
 
-            runner.vote = PreemptVote(self.preemption.signal, runner.model.num_layers,
-                                      self.config.preemption.stubborn_fraction)
-        return InProcessExecutor(runner)
+            runner.vote = PreemptVote(signal, runner.model.num_layers,
+                                      config.preemption.stubborn_fraction)
+        return InProcessExecutor(runner, num_kv_blocks(runner.kv_caches))
 
-    def _make_executor(self) -> Executor:
+    def _make_executor(self, signal: PreemptSignal | None) -> Executor:
         config = self.config
         kind = config.distributed_executor
         if kind == "auto":
             kind = "inproc" if config.tensor_parallel_size == 1 else "mp"
         if kind == "inproc":
-            return self._in_process_executor()
-        signal_name = self.preemption.signal.name if self.preemption is not None else None
+            return self._in_process_executor(signal)
+        signal_name = signal.name if signal is not None else None
         worker_config = make_worker_config(config, self.model, preempt_signal_name=signal_name)
         if kind == "mp":
             return MultiprocExecutor(worker_config)

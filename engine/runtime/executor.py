@@ -14,18 +14,23 @@ from multiprocessing.connection import wait
 from typing import Protocol
 
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
-from engine.runtime.worker_messages import (ExecuteStep, Shutdown, WorkerConfig, decode_output, encode)
+from engine.runtime.worker_messages import (ExecuteStep, Shutdown, WorkerConfig, decode_output,
+                                            decode_pool_size, encode)
 
 
 class Executor(Protocol):
+    # The KV blocks each rank holds (measured on the GPU when the configuration left it open).
+    num_kv_blocks: int
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
     def shutdown(self) -> None: ...
 
 
 class InProcessExecutor:
-    def __init__(self, runner) -> None:
+    def __init__(self, runner, num_kv_blocks: int) -> None:
         self.runner = runner
+        self.num_kv_blocks = num_kv_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         try:
@@ -46,6 +51,7 @@ class ExternalExecutor:
         from workers.worker import DriverWorker
 
         self.driver = DriverWorker(config, rank, local_world_size, local_rank)
+        self.num_kv_blocks = self.driver.num_kv_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.driver.execute_model(scheduler_output)
@@ -82,6 +88,7 @@ class MultiprocExecutor:
         if ready.status is not StepStatus.OK:
             self.shutdown()
             raise WorkerStartupError(f"TP workers failed to start:\n{ready.error}")
+        self.num_kv_blocks = decode_pool_size(self._conn.recv_bytes()).num_blocks  # sent next
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         try:

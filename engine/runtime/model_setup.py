@@ -12,10 +12,15 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig
 from kernels.backend import resolve_backend_name
 
 logger = logging.getLogger(__name__)
+
+# The KV pool where nothing sizes it: this much on a CPU; on a GPU, what is left of vLLM's
+# default share of its memory once the weights are loaded (workers.kv_memory).
+DEFAULT_CPU_KV_CACHE_GB = 1.0
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
@@ -29,7 +34,9 @@ class ResolvedModel:
     dtype: torch.dtype
     device: torch.device
     max_model_len: int
-    num_blocks: int
+    # None: the workers measure it on the GPU once the weights are loaded, and EngineCore
+    # fills it in from the executor.
+    num_blocks: int | None
 
 
 def load_hf_config(model_dir: str):
@@ -162,10 +169,23 @@ def check_tensor_parallel(hf_config, tp_size: int) -> None:
                          f"intermediate_size {intermediate}")
 
 
+def check_tokenizer(model: ModelConfig) -> None:
+    from engine.processing.input_processor import has_tokenizer
+
+    if model.tokenizer is not None and not has_tokenizer(model.tokenizer):
+        raise ValueError(f"tokenizer: {model.tokenizer!r} is not a local tokenizer folder (no "
+                         f"tokenizer.json, tokenizer.model or tokenizer_config.json); sloserve "
+                         f"never downloads from a model hub")
+    if model.chat_template is not None and not has_tokenizer(model.tokenizer or model.model):
+        raise ValueError(f"a chat template needs a tokenizer, and the model folder "
+                         f"{model.model!r} has none: give a tokenizer folder (--tokenizer)")
+
+
 def resolve(config: EngineConfig) -> ResolvedModel:
     from workers.models import get_model_class
 
     hf_config = load_hf_config(config.model.model)
+    check_tokenizer(config.model)
     get_model_class(hf_config)  # unsupported architectures fail here, before any weights load
     check_tensor_parallel(hf_config, config.tensor_parallel_size)
     device = torch.device(config.model.device)
@@ -175,16 +195,46 @@ def resolve(config: EngineConfig) -> ResolvedModel:
     dtype = resolve_dtype(config.model.dtype, device)
     max_model_len = resolve_max_model_len(hf_config, config.model.max_model_len)
     cache = config.cache
-    num_blocks = cache.num_blocks
-    if num_blocks is None:
-        per_block = kv_bytes_per_block(hf_config, cache.block_size, dtype,
-                                       config.tensor_parallel_size)
-        num_blocks = int(cache.kv_cache_memory_gb * 2**30 // per_block)
-    needed = math.ceil(max_model_len / cache.block_size)
-    if needed > num_blocks:
-        raise ValueError(
-            f"max_model_len {max_model_len} needs {needed} KV blocks of {cache.block_size} tokens "
-            f"but the pool has {num_blocks}; lower max_model_len or give the KV cache more memory "
-            f"(kv_cache_memory_gb / num_blocks)")
+    num_blocks = configured_num_blocks(
+        cache, device, kv_bytes_per_block(hf_config, cache.block_size, dtype,
+                                          config.tensor_parallel_size))
+    if num_blocks is not None:
+        check_pool_fits(max_model_len, cache, num_blocks, measured=False)
     return ResolvedModel(model_dir=str(config.model.model), hf_config=hf_config, dtype=dtype,
                          device=device, max_model_len=max_model_len, num_blocks=num_blocks)
+
+
+def gpu_memory_utilization(cache: CacheConfig) -> float:
+    if cache.gpu_memory_utilization is None:
+        return DEFAULT_GPU_MEMORY_UTILIZATION
+    return cache.gpu_memory_utilization
+
+
+def configured_num_blocks(cache: CacheConfig, device: torch.device,
+                          bytes_per_block: int) -> int | None:
+    """The KV pool in blocks as the configuration sizes it; None on a GPU when neither
+    num_blocks nor kv_cache_memory_gb is given: the workers then measure what fits."""
+    if device.type == "cuda" and cache.num_blocks is None and cache.kv_cache_memory_gb is None:
+        return None
+    if cache.gpu_memory_utilization is not None:
+        why = ("on a CPU the KV pool is kv_cache_memory_gb" if device.type == "cpu" else
+               "num_kv_blocks or kv_cache_memory_gb sizes the KV pool")
+        logger.info("gpu_memory_utilization %g has no effect: %s",
+                    cache.gpu_memory_utilization, why)
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    gb = DEFAULT_CPU_KV_CACHE_GB if cache.kv_cache_memory_gb is None else cache.kv_cache_memory_gb
+    return int(gb * 2**30 // bytes_per_block)
+
+
+def check_pool_fits(max_model_len: int, cache: CacheConfig, num_blocks: int,
+                    measured: bool) -> None:
+    needed = math.ceil(max_model_len / cache.block_size)
+    if needed <= num_blocks:
+        return
+    more = (f"raise gpu_memory_utilization (now {gpu_memory_utilization(cache):g}) or free "
+            f"memory on the GPU (the log shows how it was counted)" if measured else
+            "give the KV cache more memory (kv_cache_memory_gb / num_blocks)")
+    raise ValueError(
+        f"max_model_len {max_model_len} needs {needed} KV blocks of {cache.block_size} tokens "
+        f"but the pool has {num_blocks}; lower max_model_len, or {more}")

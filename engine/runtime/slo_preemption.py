@@ -51,11 +51,14 @@ class PreemptionStats:
 
 
 class SLOPreemptionControl:
-    def __init__(self, config: PreemptionConfig, scheduler: Scheduler, num_layers: int) -> None:
+    def __init__(self, config: PreemptionConfig, scheduler: Scheduler, num_layers: int,
+                 signal: PreemptSignal | None = None) -> None:
+        """``signal``: one created earlier (the workers attach to it as they start); this
+        object owns it from now on and closes it at shutdown."""
         self.config = config
         self.scheduler = scheduler
         self.num_layers = num_layers
-        self.signal = PreemptSignal.create()
+        self.signal = signal if signal is not None else PreemptSignal.create()
         self.monitor = SLOMonitor(self.signal, config.policy, config.margin,
                                   config.monitor_interval_ms / 1000,
                                   aging_bound_s=scheduler.slack.aging_bound_s)

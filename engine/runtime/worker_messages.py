@@ -13,6 +13,33 @@ if TYPE_CHECKING:
     from engine.runtime.model_setup import ResolvedModel
 
 
+class KVPoolPlan(msgspec.Struct, kw_only=True):
+    """How the workers size the KV pool on a GPU once the weights are loaded (workers.kv_memory);
+    every rank then takes the smallest pool any rank has room for."""
+
+    gpu_memory_utilization: float
+    # The profiled steps are the scheduler's largest.
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    # Never more: max_num_seqs sequences of max_model_len tokens fill no more, and the scheduler
+    # keeps a Python object per block (a tiny model on a large GPU would get millions).
+    max_blocks: int
+
+
+def kv_pool_plan(config: EngineConfig, model: ResolvedModel) -> KVPoolPlan | None:
+    """The plan when the workers measure the pool; None when the configuration sized it."""
+    from engine.runtime.model_setup import gpu_memory_utilization
+
+    if model.num_blocks is not None:
+        return None
+    scheduler = config.scheduler
+    return KVPoolPlan(gpu_memory_utilization=gpu_memory_utilization(config.cache),
+                      max_num_batched_tokens=scheduler.max_num_batched_tokens,
+                      max_num_seqs=scheduler.max_num_seqs,
+                      max_blocks=scheduler.max_num_seqs
+                      * -(-model.max_model_len // config.cache.block_size))
+
+
 class WorkerConfig(msgspec.Struct, kw_only=True):
     """Everything a worker rank needs to build its shard; identical on every rank but `rank`."""
 
@@ -21,7 +48,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     device: str
     attention_backend: str = "auto"
     fused_ops: bool = False
-    num_blocks: int
+    # None: the workers measure the pool as kv_pool_plan says.
+    num_blocks: int | None
+    kv_pool_plan: KVPoolPlan | None = None
     block_size: int
     seed: int
     tp_size: int
@@ -48,7 +77,8 @@ def make_worker_config(config: EngineConfig, model: ResolvedModel, init_method: 
         preempt_signal_ranks=signal_ranks if preempt_signal_name else 0,
         model_dir=model.model_dir, dtype=config.model.dtype, device=config.model.device,
         attention_backend=config.model.attention_backend, fused_ops=config.model.fused_ops,
-        num_blocks=model.num_blocks, block_size=config.cache.block_size, seed=config.model.seed,
+        num_blocks=model.num_blocks, kv_pool_plan=kv_pool_plan(config, model),
+        block_size=config.cache.block_size, seed=config.model.seed,
         tp_size=config.tensor_parallel_size, init_method=init_method,
         collective_timeout_s=config.collective_timeout_s)
 
@@ -61,12 +91,19 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
+class KVPoolSize(msgspec.Struct):
+    """Rank 0 to EngineCore, after it is ready: the KV blocks every rank allocated."""
+
+    num_blocks: int
+
+
 WorkerCommand = Union[ExecuteStep, Shutdown]
 
 _command_encoder = msgspec.msgpack.Encoder()
 _command_decoder = msgspec.msgpack.Decoder(WorkerCommand)
 _output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
 _config_decoder = msgspec.msgpack.Decoder(WorkerConfig)
+_pool_decoder = msgspec.msgpack.Decoder(KVPoolSize)
 
 
 def encode(message: msgspec.Struct) -> bytes:
@@ -83,3 +120,7 @@ def decode_output(payload: bytes) -> ModelRunnerOutput:
 
 def decode_config(payload: bytes) -> WorkerConfig:
     return _config_decoder.decode(payload)
+
+
+def decode_pool_size(payload: bytes) -> KVPoolSize:
+    return _pool_decoder.decode(payload)
