@@ -142,8 +142,13 @@ class ModelConfig:
     tokenizer: str | None = None
     # Jinja text replacing the tokenizer's chat template (build_engine_config reads a file).
     chat_template: str | None = None
+    # "auto": the folder's safetensors; "dummy": random weights drawn on the device (vLLM's
+    # --load-format dummy: a model's shape from its config.json alone, for benchmarks).
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         from kernels.backend import BACKENDS
@@ -175,6 +180,7 @@ class EngineConfig:
 def build_engine_config(model: str, *, dtype: str = "auto", device: str = "cpu",
                         attention_backend: str = "auto", fused_ops: bool = False,
                         tokenizer: str | None = None, chat_template: str | None = None,
+                        load_format: str = "auto",
                         max_model_len: int | None = None,
                         block_size: int = 16, num_kv_blocks: int | None = None,
                         kv_cache_memory_gb: float | None = None,
@@ -201,7 +207,7 @@ def build_engine_config(model: str, *, dtype: str = "auto", device: str = "cpu",
         model=ModelConfig(model=model, dtype=dtype, device=device,
                           attention_backend=attention_backend, fused_ops=fused_ops,
                           max_model_len=max_model_len,
-                          seed=seed, tokenizer=tokenizer,
+                          seed=seed, tokenizer=tokenizer, load_format=load_format,
                           chat_template=None if chat_template is None
                           else load_chat_template(chat_template)),
         cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,

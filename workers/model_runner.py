@@ -30,7 +30,7 @@ from workers.suspension import SuspendedChunks
 from workers.logits_processors import TokenHistory
 from workers.logprobs import logprobs_of
 from workers.sampler import Sampler
-from workers.weight_loader import load_weights
+from workers.weight_loader import init_dummy_weights, load_weights
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,8 @@ class ModelRunner:
     def __init__(self, model_dir: str, hf_config, dtype: torch.dtype, device: torch.device,
                  num_blocks: int, block_size: int, seed: int = 0,
                  tp_rank: int = 0, tp_size: int = 1, tp_group=None, sample: bool = True,
-                 attention_backend: str = "auto", fused_ops: bool = False) -> None:
+                 attention_backend: str = "auto", fused_ops: bool = False,
+                 load_format: str = "auto") -> None:
         self.device = device
         # Only the rank that reports results samples; the others still join the LM head's
         # collective.
@@ -89,7 +90,10 @@ class ModelRunner:
         self.block_size = block_size
         self.model = build_model(hf_config, dtype, device, tp_rank=tp_rank, tp_size=tp_size,
                                  tp_group=tp_group)
-        load_weights(self.model, model_dir)
+        if load_format == "dummy":
+            init_dummy_weights(self.model, seed + tp_rank)
+        else:
+            load_weights(self.model, model_dir)
         self.model.eval()
         if prepack_available(device, dtype):
             packed = prepack_linear_weights(self.model)

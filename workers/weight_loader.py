@@ -82,6 +82,20 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
         raise ValueError(f"checkpoint in {model_dir} is missing weights: {_summary(missing)}")
 
 
+# vLLM's --load-format dummy: weights drawn from U(-1e-3, 1e-3), on the model's own device.
+DUMMY_WEIGHT_RANGE = 1e-3
+
+
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights in place of a checkpoint (``load_format="dummy"``): for benchmarks of a
+    model's shape without its files. Drawn on the parameters' device, seeded; each TP rank
+    draws its own shard (so outputs are not comparable across TP sizes)."""
+    for index, param in enumerate(model.parameters()):
+        generator = torch.Generator(param.device).manual_seed(seed * 1_000_003 + index)
+        with torch.no_grad():
+            param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator)
+
+
 def _summary(names: list[str], limit: int = 8) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")

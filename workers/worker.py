@@ -55,7 +55,8 @@ class Worker:
                                       seed=config.seed, tp_rank=rank, tp_size=config.tp_size,
                                       tp_group=self.groups.tensor_group, sample=rank == 0,
                                       attention_backend=config.attention_backend,
-                                      fused_ops=config.fused_ops)
+                                      fused_ops=config.fused_ops,
+                                      load_format=config.load_format)
             fits = (None if config.kv_pool_plan is None
                     else measure_kv_pool(self.runner, config.kv_pool_plan))
         except Exception:

@@ -19,6 +19,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", default=None, metavar="TEMPLATE",
                    help="Jinja chat template replacing the tokenizer's: a file path, or the "
                         "template itself (single-line form: \\n and other escapes decoded)")
+    g.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights drawn on the device instead of the folder's "
+                        "safetensors (a model's shape from its config.json alone, for "
+                        "benchmarks; outputs are noise)")
     g.add_argument("--dtype", default="auto",
                    help="auto (bfloat16 where the CPU or GPU runs it natively, else float32 on "
                         "a CPU and float16 on a GPU), bfloat16, float16 or float32")
@@ -100,6 +104,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, tokenizer=args.tokenizer, chat_template=args.chat_template,
+                load_format=args.load_format,
                 dtype=args.dtype, device=args.device,
                 attention_backend=args.attention_backend, fused_ops=args.fused_ops,
                 max_model_len=args.max_model_len,

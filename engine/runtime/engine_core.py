@@ -86,7 +86,8 @@ class EngineCore:
         runner = ModelRunner(m.model_dir, m.hf_config, m.dtype, m.device, m.num_blocks or 0,
                              config.cache.block_size, seed=config.model.seed,
                              attention_backend=config.model.attention_backend,
-                             fused_ops=config.model.fused_ops)
+                             fused_ops=config.model.fused_ops,
+                             load_format=config.model.load_format)
         plan = kv_pool_plan(config, m)
         if plan is not None:
             runner.kv_caches = resized_kv_caches(runner.kv_caches, measure_kv_pool(runner, plan))

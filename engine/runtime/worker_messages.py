@@ -48,6 +48,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     device: str
     attention_backend: str = "auto"
     fused_ops: bool = False
+    load_format: str = "auto"
     # None: the workers measure the pool as kv_pool_plan says.
     num_blocks: int | None
     kv_pool_plan: KVPoolPlan | None = None
@@ -77,7 +78,7 @@ def make_worker_config(config: EngineConfig, model: ResolvedModel, init_method: 
         preempt_signal_ranks=signal_ranks if preempt_signal_name else 0,
         model_dir=model.model_dir, dtype=config.model.dtype, device=config.model.device,
         attention_backend=config.model.attention_backend, fused_ops=config.model.fused_ops,
-        num_blocks=model.num_blocks, kv_pool_plan=kv_pool_plan(config, model),
+        load_format=config.model.load_format, num_blocks=model.num_blocks, kv_pool_plan=kv_pool_plan(config, model),
         block_size=config.cache.block_size, seed=config.model.seed,
         tp_size=config.tensor_parallel_size, init_method=init_method,
         collective_timeout_s=config.collective_timeout_s)

@@ -1,0 +1,98 @@
+"""Model folders of real shapes without their weights, for `--load-format dummy` runs.
+
+A Llama-3.1-8B checkpoint is 16 GB: too big to carry to a lent GPU or to download there. The
+engine's kernels, vote and preemption timings depend on the shape alone, so a folder holding the
+shape's config.json and a tokenizer is enough; `--load-format dummy` then draws the weights on
+the device.
+
+    python -m bench.model_shapes llama-3.1-8b /tmp/llama-8b-shape
+    sloserve serve /tmp/llama-8b-shape --load-format dummy --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
+# The published configs' shape fields (meta-llama/Llama-3.2-1B, Llama-3.1-8B, Qwen2.5-7B).
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+        "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": _LLAMA3_ROPE, "tie_word_embeddings": True, "hidden_act": "silu",
+        "torch_dtype": "bfloat16"},
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {**_LLAMA3_ROPE, "factor": 8.0}, "tie_word_embeddings": False,
+        "hidden_act": "silu", "torch_dtype": "bfloat16"},
+    "qwen2.5-7b": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+        "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+        "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+        "hidden_act": "silu", "torch_dtype": "bfloat16"},
+}
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def write_shape(name: str, folder: str | Path, tokenizer_from: str | Path,
+                **overrides: Any) -> Path:
+    """``folder`` with ``name``'s config.json (``overrides`` replace fields, e.g. fewer layers)
+    and the tokenizer files of ``tokenizer_from`` (its ids must fit the shape's vocabulary)."""
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {**SHAPES[name], **overrides}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    copied = [f for f in _TOKENIZER_FILES if (Path(tokenizer_from) / f).exists()]
+    if not copied:
+        raise FileNotFoundError(f"no tokenizer files in {tokenizer_from}")
+    for file in copied:
+        shutil.copy(Path(tokenizer_from) / file, folder / file)
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(str(folder)))
+    if vocab > config["vocab_size"]:
+        raise ValueError(f"the tokenizer of {tokenizer_from} has {vocab} tokens, more than "
+                         f"{name}'s vocabulary of {config['vocab_size']}")
+    return folder
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shape", choices=sorted(SHAPES))
+    parser.add_argument("folder")
+    parser.add_argument("--tokenizer-from", default=None,
+                        help="a folder with tokenizer files (default: the default model's)")
+    parser.add_argument("--num-hidden-layers", type=int, default=None,
+                        help="fewer layers than the shape has (quicker runs)")
+    args = parser.parse_args(argv)
+    source = args.tokenizer_from
+    if source is None:
+        from engine.entrypoints.default_model import model_path_or_default
+
+        source = model_path_or_default(None)
+    overrides = ({} if args.num_hidden_layers is None
+                 else {"num_hidden_layers": args.num_hidden_layers})
+    folder = write_shape(args.shape, args.folder, source, **overrides)
+    print(folder)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
