@@ -47,6 +47,11 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=30)
     parser.add_argument("--monitor-interval-ms", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                        help="dummy: random weights for a config-only folder of a real shape "
+                             "(bench/model_shapes.py)")
     args = parser.parse_args()
 
     from engine.entrypoints.default_model import model_path_or_default
@@ -54,7 +59,9 @@ def main() -> None:
     model = model_path_or_default(args.model)
     config = build_engine_config(model, enable_prefix_caching=False, scheduling_policy="slo",
                                  max_num_batched_tokens=max(2048, args.prompt_tokens + 64),
-                                 monitor_interval_ms=args.monitor_interval_ms)
+                                 monitor_interval_ms=args.monitor_interval_ms,
+                                 device=args.device, dtype=args.dtype,
+                                 load_format=args.load_format)
     engine = EngineCore(config)
     assert engine.preemption is not None
     num_layers = engine.model.hf_config.num_hidden_layers
