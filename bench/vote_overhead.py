@@ -63,18 +63,19 @@ def _run_rank(rank: int, tp: int, port: int, model_dir: str, signal_name: str,
 
     # The same 2 cores either way: TP=1 gets both, TP=2 one per rank (more would oversubscribe).
     torch.set_num_threads(max(1, args.cores // tp))
+    device = _device(args.device, rank)
     groups = None
     if tp > 1:
-        groups = init_distributed(rank, tp, f"tcp://127.0.0.1:{port}", torch.device("cpu"), 120)
+        groups = init_distributed(rank, tp, f"tcp://127.0.0.1:{port}", device, 120)
     hf_config = load_hf_config(model_dir)
     ctx = args.decode_context
     blocks_prefill = -(-args.prefill_tokens // BLOCK_SIZE)
     blocks_decode = -(-(ctx + 1) // BLOCK_SIZE)
     num_blocks = max(blocks_prefill, args.decode_requests * blocks_decode)
-    runner = ModelRunner(model_dir, hf_config, auto_dtype(torch.device("cpu"))[0],
-                         torch.device("cpu"), num_blocks, BLOCK_SIZE,
-                         tp_rank=rank, tp_size=tp,
-                         tp_group=groups.tensor_group if groups else None, sample=rank == 0)
+    runner = ModelRunner(model_dir, hf_config, auto_dtype(device)[0], device, num_blocks,
+                         BLOCK_SIZE, tp_rank=rank, tp_size=tp,
+                         tp_group=groups.tensor_group if groups else None, sample=rank == 0,
+                         load_format=args.load_format)
     # Every rank on this node reads the monitor's signal, as the workers do in the engine.
     signal = PreemptSignal.attach(signal_name)
     cpu_group = groups.cpu_group if groups else None
@@ -127,6 +128,15 @@ def _run_rank(rank: int, tp: int, port: int, model_dir: str, signal_name: str,
                      "vote_ms": vote_ms, "num_layers": layers, "threads": torch.get_num_threads()})
     if groups:
         destroy(groups)
+
+
+def _device(kind: str, rank: int) -> torch.device:
+    """TP rank r on GPU r (NCCL needs each rank's device current before it joins)."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    return device
 
 
 def _free_port() -> int:
@@ -187,6 +197,11 @@ def main() -> None:
                         help="tokens of each decode request already in the KV cache")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per variant")
     parser.add_argument("--cores", type=int, default=2, help="threads split over the ranks")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: rank r on GPU r, NCCL for the model's collectives")
+    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                        help="dummy: random weights for a config-only folder of a real shape "
+                             "(bench/model_shapes.py)")
     parser.add_argument("--random-heads", type=int, nargs=2, metavar=("HEADS", "KV_HEADS"),
                         help="use a random-weight copy with these head counts (default 8 2 when "
                              "the model's heads cannot be split over a requested TP size)")
@@ -213,7 +228,8 @@ def main() -> None:
         model_dir = make_random_model(scratch, model_dir, *heads)
     print(f"model: {model_dir}" + (f" (random weights, {heads[0]} heads / {heads[1]} KV heads)"
                                    if heads else ""))
-    print(f"dtype: {auto_dtype(torch.device('cpu'))[0]}\nprefill_tokens: {args.prefill_tokens}\n"
+    print(f"device: {args.device}\ndtype: {auto_dtype(torch.device(args.device))[0]}\n"
+          f"prefill_tokens: {args.prefill_tokens}\n"
           f"decode_requests: {args.decode_requests}\ndecode_context: {args.decode_context}\n"
           f"repeats: {args.repeats} per variant, on/off interleaved; figures are medians")
     # Created once and never published to: its target stays NO_TARGET, so no step is stopped.
