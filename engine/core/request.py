@@ -137,8 +137,7 @@ class Request:
         """The prompt tokens the rows of chunk [start, end) are scored against: rows reach
         positions start..end-1 and each predicts the token after it. Empty when nothing is
         owed, or the chunk does not continue from the last scored position."""
-        scored = self.prompt_logprobs
-        if scored is None or self.num_output_tokens > 0 or len(scored) != start:
+        if not self.needs_prompt_logprobs or len(self.prompt_logprobs) != start:
             return []
         return self.prompt_token_ids[start + 1:min(end + 1, self.num_prompt_tokens)]
 

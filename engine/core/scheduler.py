@@ -69,7 +69,6 @@ class Scheduler:
                                    and preemption.mid_forward_preemption else None)
         self.requests: dict[str, Request] = {}
         self.siblings = SiblingGate()
-        self.enable_prefix_caching = cache_config.enable_prefix_caching
         self.waiting: RequestQueue = create_request_queue(scheduler_config.policy, self.urgency)
         # Admission order: served first to last, preempted last to first (fcfs).
         self.running: list[Request] = []
@@ -100,7 +99,8 @@ class Scheduler:
         request.max_model_len = limit
         self.requests[request.request_id] = request
         leader = (self.requests.get(request.prefill_after)
-                  if request.prefill_after is not None and self.enable_prefix_caching else None)
+                  if request.prefill_after is not None
+                  and self.kv_cache_manager.enable_prefix_caching else None)
         if not self.siblings.park(request, leader):
             self.waiting.add(request)
 
@@ -354,12 +354,10 @@ class Scheduler:
                 outputs.append(request)
                 continue
             self.kv_cache_manager.commit_computed_blocks(request, sr.start_pos + len(sr.token_ids))
-            if not sr.sample:
-                if (prompt_logprobs := runner_output.prompt_logprobs.get(sr.req_id)) is not None:
-                    request.add_prompt_logprobs(prompt_logprobs)
-                continue
             if (prompt_logprobs := runner_output.prompt_logprobs.get(sr.req_id)) is not None:
                 request.add_prompt_logprobs(prompt_logprobs)
+            if not sr.sample:
+                continue
             request.append_output_token(runner_output.sampled_token_ids[sr.req_id],
                                         runner_output.logprobs.get(sr.req_id))
             request.last_token_time = time.monotonic()

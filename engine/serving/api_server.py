@@ -233,14 +233,6 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
             name, value = unsupported
             shown = repr(value) if len(repr(value)) <= 80 else f"{repr(value)[:77]}..."
             raise APIError(400, f"`{name}` is not supported by this server (got {shown})", name)
-        per_prompt = body.best_of or body.n
-        if len(prompts) * per_prompt > MAX_N:
-            raise APIError(400, f"{len(prompts)} prompts x n={per_prompt} asks for "
-                                f"{len(prompts) * per_prompt} completions; at most {MAX_N} "
-                                f"per request", "n")
-        if body.stream and per_prompt > body.n:
-            raise APIError(400, "best_of > n cannot be streamed: the best samples are known "
-                                "only once all have finished", "best_of")
         slo = _slo(body, request)
         tpot_slo = _tpot_slo(body, request)
         try:
@@ -253,21 +245,29 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
             _check_token_ids(params_per_prompt[0], client.vocab_size)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
+        params = params_per_prompt[0]
+        per_prompt = params.num_samples
+        if len(prompts) * per_prompt > MAX_N:
+            raise APIError(400, f"{len(prompts)} prompts x n={per_prompt} asks for "
+                                f"{len(prompts) * per_prompt} completions; at most {MAX_N} "
+                                f"per request", "n")
+        if body.stream and params.ranks_samples:
+            raise APIError(400, "best_of > n cannot be streamed: the best samples are known "
+                                "only once all have finished", "best_of")
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex[:16]}-{next(request_ids)}"
         echo = getattr(body, "echo", False)
         engine_prompts = [EnginePrompt(prompt, prompt_ids, params) for (prompt, prompt_ids), params
                           in zip(prompts, params_per_prompt)]
         if echo:
+            decode = client.inputs.tokenizer.decode
             for ep in engine_prompts:
-                decode = client.inputs.tokenizer.decode
                 ep.echo_text = ep.text if ep.text is not None else await off_loop(
                     decode, ep.token_ids)
                 ep.first_token_text = await off_loop(decode, ep.token_ids[:1])
         choices, sources, child_ids = fan_out(
             client, request_id, engine_prompts, per_prompt, arrival_time=arrival,
             priority=body.priority, ttft_slo_ms=slo, tpot_slo_ms=tpot_slo)
-        params = params_per_prompt[0]
         ctx = ResponseContext(request_id=request_id, model=settings.served_model_name, chat=chat,
                               include_usage=body.include_usage,
                               continuous_usage=body.continuous_usage,
@@ -292,7 +292,7 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
                 metrics.forget(child_id)
             return Response(status_code=499)
         usage = usage_body(ctx, choices, finals)  # every sample drawn, best_of's included
-        if per_prompt > body.n:
+        if params.ranks_samples:
             choices, finals = best_of_choices(choices, finals, body.n,
                                               params.logprobs is not None)
         return JSONBody(full_response(ctx, choices, finals, num_top, usage))

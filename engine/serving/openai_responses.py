@@ -174,8 +174,8 @@ class _LogprobSlicer:
                                  else choice.first_prompt_token)
         return body
 
-    def output_part(self, choice: Choice, out: RequestOutput, start: int, end: int,
-                    base: int) -> dict[str, list]:
+    def output_part(self, out: RequestOutput, start: int, end: int, base: int
+                    ) -> dict[str, list]:
         assert out.logprobs is not None and out.text_offsets is not None
         offsets = [base + o for o in out.text_offsets[start:end]]
         return _completion_logprobs(out.logprobs[start:end], offsets, self.k,
@@ -195,31 +195,12 @@ def _join(parts: list[dict[str, list]]) -> dict[str, list]:
 
 def _choice_body(ctx: ResponseContext, choice: Choice, out: RequestOutput, k: int
                  ) -> dict[str, Any]:
-    finish_reason = "length" if ctx.echo_only else out.finish_reason
+    """A finished choice: everything a stream of it would send, in one chunk; chat's delta is
+    the message."""
+    body = _stream_delta(ctx, _ChoiceStream(choice), out, _LogprobSlicer(ctx, k))
+    assert body is not None, "a finished output always has a body"
     if ctx.chat:
-        body: dict[str, Any] = {"index": choice.index,
-                                "message": {"role": "assistant", "content": out.text},
-                                "logprobs": None, "finish_reason": finish_reason}
-        if ctx.logprobs and out.logprobs is not None:
-            body["logprobs"] = _chat_logprobs(out.logprobs, k, ctx.tokens_as_ids)
-    else:
-        text = "" if ctx.echo_only else out.text
-        logprobs = None
-        if ctx.logprobs and out.logprobs is not None:
-            slicer = _LogprobSlicer(ctx, k)
-            parts = []
-            if ctx.echo:
-                parts.append(slicer.prompt_part(choice, out))
-            if not ctx.echo_only:
-                base = len(choice.prompt_text) if ctx.echo else 0
-                parts.append(slicer.output_part(choice, out, 0, len(out.token_ids), base))
-            logprobs = _join(parts)
-        body = {"index": choice.index,
-                "text": (choice.prompt_text if ctx.echo else "") + text,
-                "logprobs": logprobs, "finish_reason": finish_reason}
-    body["stop_reason"] = out.stop_reason
-    if ctx.prompt_logprobs:
-        body["prompt_logprobs"] = _vllm_prompt_logprobs(out.prompt_logprobs)
+        body["message"] = {"role": "assistant", **body.pop("delta")}
     return body
 
 
@@ -332,8 +313,7 @@ def _stream_delta(ctx: ResponseContext, stream: _ChoiceStream, out: RequestOutpu
                 parts.append(slicer.prompt_part(stream.choice, out))
         if ctx.logprobs and out.logprobs is not None and not ctx.echo_only:
             base = len(stream.choice.prompt_text) if ctx.echo else 0
-            parts.append(slicer.output_part(stream.choice, out, stream.tokens_sent, tokens_end,
-                                            base))
+            parts.append(slicer.output_part(out, stream.tokens_sent, tokens_end, base))
         body = {"index": index, "text": text, "logprobs": _join(parts) if parts else None,
                 "finish_reason": finish_reason}
     if first and ctx.prompt_logprobs:
