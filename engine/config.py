@@ -145,8 +145,13 @@ class ModelConfig:
     # "auto": the folder's safetensors; "dummy": random weights drawn on the device (vLLM's
     # --load-format dummy: a model's shape from its config.json alone, for benchmarks).
     load_format: str = "auto"
+    # A step-time profile (engine/simulation): run no model, every step takes the profile's
+    # time. The name of a shipped profile, a profile file, or a calibration file.
+    simulate: str | None = None
 
     def __post_init__(self) -> None:
+        if self.simulate is not None and self.device != "cpu":
+            raise ValueError("simulate runs no model on any device: leave device as cpu")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.device not in ("cpu", "cuda"):
@@ -180,7 +185,7 @@ class EngineConfig:
 def build_engine_config(model: str, *, dtype: str = "auto", device: str = "cpu",
                         attention_backend: str = "auto", fused_ops: bool = False,
                         tokenizer: str | None = None, chat_template: str | None = None,
-                        load_format: str = "auto",
+                        load_format: str = "auto", simulate: str | None = None,
                         max_model_len: int | None = None,
                         block_size: int = 16, num_kv_blocks: int | None = None,
                         kv_cache_memory_gb: float | None = None,
@@ -208,6 +213,7 @@ def build_engine_config(model: str, *, dtype: str = "auto", device: str = "cpu",
                           attention_backend=attention_backend, fused_ops=fused_ops,
                           max_model_len=max_model_len,
                           seed=seed, tokenizer=tokenizer, load_format=load_format,
+                          simulate=simulate,
                           chat_template=None if chat_template is None
                           else load_chat_template(chat_template)),
         cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,

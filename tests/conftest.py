@@ -28,3 +28,14 @@ def tiny_model(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def sim_model(tmp_path_factory) -> str:
+    """A folder of the Llama-3.1-8B shape (config.json and a tiny tokenizer, no weights): what a
+    simulated engine (`--simulate h100-llama-3.1-8b`) reads of a model."""
+    from bench.model_shapes import write_shape
+    from tests.tiny_tokenizer import save_tiny_tokenizer
+
+    tokenizer = save_tiny_tokenizer(tmp_path_factory.mktemp("sim-tokenizer"))
+    return str(write_shape("llama-3.1-8b", tmp_path_factory.mktemp("sim-llama-8b"), tokenizer))

@@ -24,7 +24,7 @@ from workers.kv_cache import allocate_kv_caches
 from workers.layers.cpu_prepack import prepack_available, prepack_linear_weights
 from workers.models import build_model
 from workers.models import LayerJoin
-from workers.preempt_vote import PreemptVote, StepPreempted
+from workers.preempt_vote import PreemptVote, StepPreempted, discarded_share
 from workers.run_ahead import RunAheadLimit
 from workers.suspension import SuspendedChunks
 from workers.logits_processors import TokenHistory
@@ -50,15 +50,6 @@ def _slow_down_layers(model: torch.nn.Module, seconds_per_token: float) -> None:
 
     for layer in model.model.layers:
         layer.register_forward_pre_hook(delay)
-
-
-def _discarded_share(scheduler_output: SchedulerOutput) -> float:
-    """The share of a step's tokens an unwind throws away (Rule 2, workers.preempt_vote): in
-    suspend mode only the decodes', since every prefill chunk resumes where it stopped."""
-    if not scheduler_output.suspend_on_unwind:
-        return 1.0
-    tokens = [len(r.token_ids) for r in scheduler_output.requests]
-    return sum(n for n in tokens if n == 1) / max(1, sum(tokens))
 
 
 @dataclass
@@ -126,9 +117,12 @@ class ModelRunner:
         vote = self.vote if scheduler_output.preemptible else None
         if vote is not None:
             vote.step_id = scheduler_output.step_id
-            vote.discarded_share = _discarded_share(scheduler_output)
-            self.model.before_attention = vote if self.run_ahead is None else \
-                self.run_ahead.pace(vote)
+            vote.discarded_share = discarded_share(scheduler_output)
+            if self.run_ahead is None:
+                self.model.before_attention = vote
+            else:
+                vote.progress_lag = self.run_ahead.window
+                self.model.before_attention = self.run_ahead.pace(vote)
         try:
             hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn_meta,
                                         self.kv_caches, inputs.joins)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from engine.core.scheduler_output import SchedulerOutput
 from monitor.preempt_signal import PreemptSignal
 
 
@@ -61,6 +62,10 @@ class PreemptVote:
         self.step_id = -1
         # Set with step_id for every preemptible step (see the module docstring).
         self.discarded_share = 1.0
+        # Layers the device may still be behind the host when the vote is cast (the run-ahead
+        # window on a GPU, workers/run_ahead.py): the progress reported to the monitor is what
+        # the device finished, not what the host has launched.
+        self.progress_lag = 0
         self.stats = VoteStats()
         self._ballot = torch.zeros(1, dtype=torch.int64)
         self._pending: dist.Work | None = None
@@ -75,7 +80,7 @@ class PreemptVote:
     def __call__(self, layer: int) -> None:
         if self.signal is not None:
             # How far the step got: the monitor's estimate of the time it has left.
-            self.signal.report_progress(self.step_id, layer)
+            self.signal.report_progress(self.step_id, max(0, layer - self.progress_lag))
         if self.cpu_group is None:
             if self._local_vote(layer):
                 raise StepPreempted(self.step_id, layer)
@@ -102,3 +107,12 @@ class PreemptVote:
         step is done)."""
         if self._pending is not None:
             self._collect()
+
+
+def discarded_share(scheduler_output: SchedulerOutput) -> float:
+    """The share of a step's tokens an unwind throws away (Rule 2): in suspend mode only the
+    decodes', since every prefill chunk resumes where it stopped."""
+    if not scheduler_output.suspend_on_unwind:
+        return 1.0
+    tokens = [len(r.token_ids) for r in scheduler_output.requests]
+    return sum(n for n in tokens if n == 1) / max(1, sum(tokens))

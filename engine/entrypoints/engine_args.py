@@ -23,6 +23,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="dummy: random weights drawn on the device instead of the folder's "
                         "safetensors (a model's shape from its config.json alone, for "
                         "benchmarks; outputs are noise)")
+    g.add_argument("--simulate", default=None, metavar="PROFILE",
+                   help="run no model: every step takes the time a step-time profile gives "
+                        "(a shipped one such as h100-llama-3.1-8b, a profile JSON file, or a "
+                        "`sloserve calibrate` file), with the real scheduler, monitor, vote and "
+                        "unwind; the model folder gives the shape and tokenizer "
+                        "(python -m bench.model_shapes writes one)")
     g.add_argument("--dtype", default="auto",
                    help="auto (bfloat16 where the CPU or GPU runs it natively, else float32 on "
                         "a CPU and float16 on a GPU), bfloat16, float16 or float32")
@@ -104,7 +110,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, tokenizer=args.tokenizer, chat_template=args.chat_template,
-                load_format=args.load_format,
+                load_format=args.load_format, simulate=args.simulate,
                 dtype=args.dtype, device=args.device,
                 attention_backend=args.attention_backend, fused_ops=args.fused_ops,
                 max_model_len=args.max_model_len,

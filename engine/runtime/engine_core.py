@@ -98,8 +98,22 @@ class EngineCore:
                                       config.preemption.stubborn_fraction)
         return InProcessExecutor(runner, num_kv_blocks(runner.kv_caches))
 
+    def _simulated_executor(self, signal: PreemptSignal | None) -> Executor:
+        from engine.simulation.executor import SimulatedExecutor
+        from workers.preempt_vote import PreemptVote
+
+        m, profile = self.model, self.model.profile
+        assert profile is not None and m.num_blocks is not None
+        vote = (PreemptVote(signal, profile.num_layers, self.config.preemption.stubborn_fraction)
+                if signal is not None else None)
+        eos = getattr(m.hf_config, "eos_token_id", None)
+        eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        return SimulatedExecutor(profile, m.num_blocks, m.hf_config.vocab_size, eos_ids, vote)
+
     def _make_executor(self, signal: PreemptSignal | None) -> Executor:
         config = self.config
+        if self.model.profile is not None:
+            return self._simulated_executor(signal)
         kind = config.distributed_executor
         if kind == "auto":
             kind = "inproc" if config.tensor_parallel_size == 1 else "mp"

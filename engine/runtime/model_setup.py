@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.simulation.profile import StepTimeProfile, load_profile
 from kernels.backend import resolve_backend_name
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ class ResolvedModel:
     # None: the workers measure it on the GPU once the weights are loaded, and EngineCore
     # fills it in from the executor.
     num_blocks: int | None
+    # --simulate: the step times that replace the model (engine/simulation).
+    profile: StepTimeProfile | None = None
 
 
 def load_hf_config(model_dir: str):
@@ -192,16 +195,44 @@ def resolve(config: EngineConfig) -> ResolvedModel:
     check_device(device, config.tensor_parallel_size, config.distributed_executor)
     # A Triton request that cannot run here fails now, not in every worker after spawning.
     resolve_backend_name(device, config.model.attention_backend, config.model.fused_ops)
-    dtype = resolve_dtype(config.model.dtype, device)
-    max_model_len = resolve_max_model_len(hf_config, config.model.max_model_len)
     cache = config.cache
+    profile = None
+    if config.model.simulate is not None:
+        profile = simulated_profile(config, hf_config)
+        # The simulated device's dtype (it sizes the KV pool); this CPU never computes in it.
+        name = profile.dtype if config.model.dtype == "auto" else config.model.dtype
+        if name not in _DTYPES:
+            raise ValueError(f"dtype: unknown {name!r}; choose one of auto, "
+                             f"{', '.join(sorted(_DTYPES))}")
+        dtype = _DTYPES[name]
+        if cache.num_blocks is None and cache.kv_cache_memory_gb is None:
+            cache = replace(cache, kv_cache_memory_gb=profile.kv_cache_memory_gb)
+    else:
+        dtype = resolve_dtype(config.model.dtype, device)
+    max_model_len = resolve_max_model_len(hf_config, config.model.max_model_len)
     num_blocks = configured_num_blocks(
         cache, device, kv_bytes_per_block(hf_config, cache.block_size, dtype,
                                           config.tensor_parallel_size))
     if num_blocks is not None:
         check_pool_fits(max_model_len, cache, num_blocks, measured=False)
     return ResolvedModel(model_dir=str(config.model.model), hf_config=hf_config, dtype=dtype,
-                         device=device, max_model_len=max_model_len, num_blocks=num_blocks)
+                         device=device, max_model_len=max_model_len, num_blocks=num_blocks,
+                         profile=profile)
+
+
+def simulated_profile(config: EngineConfig, hf_config) -> StepTimeProfile:
+    """The profile `--simulate` names, checked against the model folder it stands in for."""
+    assert config.model.simulate is not None
+    profile = load_profile(config.model.simulate, hf_config.num_hidden_layers)
+    if profile.num_layers != hf_config.num_hidden_layers:
+        raise ValueError(f"simulate: profile {profile.name!r} times a {profile.num_layers}-layer "
+                         f"model but {config.model.model!r} has {hf_config.num_hidden_layers} "
+                         f"layers: serve a model folder of the profile's shape "
+                         f"(python -m bench.model_shapes)")
+    if config.tensor_parallel_size != 1:
+        raise ValueError("simulate: the simulation runs in one process (a profile's step times "
+                         "include its tensor parallelism): leave tensor_parallel_size at 1")
+    return profile
 
 
 def gpu_memory_utilization(cache: CacheConfig) -> float:

@@ -1,0 +1,159 @@
+"""An executor that runs no model: each step's layers take the time a step-time profile gives.
+
+Everything around it is the real engine: EngineCore's loop, the scheduler, the monitor thread,
+the shared-memory signal, and the vote (workers.preempt_vote.PreemptVote, the same object the
+model runner calls before each attention op), which reports each layer's progress to the
+monitor and unwinds the pass when the monitor targets the step. So an arrival during a long
+simulated prefill is decided, unwound, rolled back and re-admitted exactly as on a GPU, at the
+GPU's time scale.
+
+Layer by layer: a preemptible step votes before each layer and then sleeps that layer's share
+of the step (only the chunks active in that layer count: a resumed suspended chunk joins at the
+layer its pass stopped at). An unwound step keeps its prefill chunks' "activations" as the model
+runner does in suspend mode (workers/suspension.py) and sleeps the profile's unwind time. Other
+steps sleep their whole time at once.
+
+A sampled token is a fixed function of the last token and its position, never a model's: outputs
+are the same whatever the scheduling, preemptions and chunking, and no token is an EOS (a
+simulated request ends at max_tokens or a stop string, so runs of different policies do the same
+work).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from engine.core.scheduler_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
+                                          StepStatus)
+from engine.simulation.profile import StepTimeProfile
+from workers.preempt_vote import PreemptVote, StepPreempted, discarded_share
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """A scheduled request's share of the step's features, and the first layer it runs."""
+
+    tokens: int
+    attention: int
+    decode_context: int
+    join: int
+
+
+class SimulatedExecutor:
+    def __init__(self, profile: StepTimeProfile, num_kv_blocks: int, vocab_size: int,
+                 avoid_token_ids: Iterable[int] = (), vote: PreemptVote | None = None,
+                 sleep: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.profile = profile
+        self.num_kv_blocks = num_kv_blocks
+        self.vocab_size = vocab_size
+        self.avoid_token_ids = frozenset(avoid_token_ids)
+        self.vote = vote
+        self._sleep, self._clock = sleep, clock
+        # req_id -> (start_pos, num_tokens, layer) of the chunks whose stopped pass is "held".
+        self.suspended: dict[str, tuple[int, int, int]] = {}
+        self.num_steps = 0
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        started = self._clock()
+        for req_id in scheduler_output.free_suspended:
+            self.suspended.pop(req_id, None)
+        if not scheduler_output.requests:
+            return ModelRunnerOutput(step_id=scheduler_output.step_id)
+        self.num_steps += 1
+        chunks = {r.req_id: self._chunk(r) for r in scheduler_output.requests}
+        vote = self.vote if scheduler_output.preemptible else None
+        try:
+            if vote is None:
+                self._wait_until(started + self._step_seconds(chunks.values(), 0))
+            else:
+                vote.step_id = scheduler_output.step_id
+                vote.discarded_share = discarded_share(scheduler_output)
+                self._run_layers(chunks, vote, started)
+        except StepPreempted as stop:
+            suspended = self._suspend(scheduler_output, chunks, stop.layer)
+            self._wait_until(self._clock() + self.profile.unwind_s)
+            return ModelRunnerOutput(step_id=scheduler_output.step_id,
+                                     status=StepStatus.PREEMPTED, preempted_layer=stop.layer,
+                                     unwound_layers=[stop.layer], suspended_req_ids=suspended,
+                                     execute_seconds=self._clock() - started)
+        for r in scheduler_output.requests:
+            if r.resume:
+                del self.suspended[r.req_id]
+        sampled = {r.req_id: self._next_token(r) for r in scheduler_output.requests if r.sample}
+        return ModelRunnerOutput(step_id=scheduler_output.step_id, sampled_token_ids=sampled,
+                                 execute_seconds=self._clock() - started)
+
+    def shutdown(self) -> None:
+        self.suspended.clear()
+
+    # ---- timing -----------------------------------------------------------------------------
+
+    def _chunk(self, r: ScheduledRequest) -> _Chunk:
+        n = len(r.token_ids)
+        join = 0
+        if r.resume:
+            held = self.suspended.get(r.req_id)
+            # As workers/suspension.py: a resume must be of the very chunk that was suspended.
+            if held is None or held[:2] != (r.start_pos, n):
+                raise ValueError(f"request {r.req_id!r} resumes [{r.start_pos}, +{n}) but the "
+                                 f"executor holds {held}")
+            join = held[2]
+        if n == 1:
+            return _Chunk(1, 0, r.start_pos + 1, join)
+        return _Chunk(n, n * (2 * r.start_pos + n), 0, join)
+
+    def _step_seconds(self, chunks: Iterable[_Chunk], layer: int) -> float:
+        """Layer `layer`'s time x num_layers: the step as if every layer held the chunks
+        active in `layer`."""
+        active = [c for c in chunks if c.join <= layer]
+        return self.profile.step_seconds(sum(c.tokens for c in active),
+                                         sum(c.attention for c in active),
+                                         sum(c.decode_context for c in active))
+
+    def _run_layers(self, chunks: dict[str, _Chunk], vote: PreemptVote, started: float) -> None:
+        """Vote before each layer (the vote reports the progress the monitor reads, and raises
+        StepPreempted when the step is targeted), then sleep the layer. Sleeping to absolute
+        times keeps the per-call overhead of sleep from adding up over the layers."""
+        num_layers = self.profile.num_layers
+        first = min(c.join for c in chunks.values())
+        end = started
+        for layer in range(first, num_layers):
+            vote(layer)
+            end += self._step_seconds(chunks.values(), layer) / num_layers
+            self._wait_until(end)
+
+    def _wait_until(self, moment: float) -> None:
+        delay = moment - self._clock()
+        if delay > 0:
+            self._sleep(delay)
+
+    # ---- unwind and sampling ----------------------------------------------------------------
+
+    def _suspend(self, scheduler_output: SchedulerOutput, chunks: dict[str, _Chunk],
+                 layer: int) -> list[str]:
+        """What the model runner keeps of an unwound pass (workers/suspension.py): stopped
+        before the first layer finished, nothing new; otherwise every prefill chunk active at
+        `layer` is held at `layer`, and a resumed chunk that had not joined yet keeps its own."""
+        if not scheduler_output.suspend_on_unwind:
+            return []
+        kept: list[str] = []
+        for r in scheduler_output.requests:
+            chunk = chunks[r.req_id]
+            if chunk.tokens < 2:
+                continue  # decodes are never suspended
+            if layer > 0 and chunk.join <= layer:
+                self.suspended[r.req_id] = (r.start_pos, chunk.tokens, layer)
+            elif not (r.resume and r.req_id in self.suspended):
+                continue
+            kept.append(r.req_id)
+        return kept
+
+    def _next_token(self, r: ScheduledRequest) -> int:
+        position = r.start_pos + len(r.token_ids)
+        token = (r.token_ids[-1] * 1_000_003 + position * 7919) % self.vocab_size
+        while token in self.avoid_token_ids:
+            token = (token + 1) % self.vocab_size
+        return token

@@ -1,0 +1,1 @@
+"""Step-time profiles shipped with sloserve (JSON, loaded by name)."""
