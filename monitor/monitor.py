@@ -21,8 +21,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from monitor.policy import PreemptDecision, PreemptPolicy, RequestView, choose_preemption
-from monitor.predictor import LinearTTFT
+from monitor.predictor import LinearTTFT, optimistic_prefill
 from monitor.preempt_signal import PreemptSignal
+from monitor.step_progress import remaining_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,15 @@ class MonitorSnapshot:
     # Decoder layers of the model: with the layers done (reported through the signal), the
     # step's own pace predicts its remaining time better than the predictor does.
     num_layers: int = 0
+    # Predicted seconds from started_at to each layer boundary (monitor.step_progress); empty:
+    # predicted_step_s spread evenly over num_layers.
+    layer_ends: tuple[float, ...] = ()
+
+    def predicted_layer_ends(self) -> tuple[float, ...]:
+        if self.layer_ends:
+            return self.layer_ends
+        layers = max(1, self.num_layers)
+        return tuple(self.predicted_step_s * layer / layers for layer in range(layers + 1))
 
 
 @dataclass(frozen=True)
@@ -143,12 +153,10 @@ class SLOMonitor:
             logger.exception("SLO monitor: check failed (%d errors so far); the monitor keeps "
                              "running", self.num_errors)
 
-    def _step_remaining(self, snapshot: MonitorSnapshot, now: float) -> float:
-        elapsed = now - snapshot.started_at
-        done = self.signal.layers_done(snapshot.step_id)
-        if done > 0 and snapshot.num_layers > done:
-            return elapsed / done * (snapshot.num_layers - done)
-        return max(0.0, snapshot.predicted_step_s - elapsed)
+    def _step_remaining(self, snapshot: MonitorSnapshot) -> float:
+        done, reported_at = self.signal.progress(snapshot.step_id)
+        return remaining_seconds(snapshot.predicted_layer_ends(), done, reported_at,
+                                 snapshot.started_at)
 
     def check(self) -> MonitorDecision | None:
         """One evaluation of the gate against the current snapshot; publishes a decision."""
@@ -161,14 +169,16 @@ class SLOMonitor:
         if not snapshot.preemptible or snapshot.step_id <= self._fired_step:
             return None
         now = time.monotonic()
-        step_remaining = self._step_remaining(snapshot, now)
+        step_remaining = self._step_remaining(snapshot)
         predictor, decodes = snapshot.predictor, snapshot.decode_context
         decision = choose_preemption(snapshot.waiting + arrivals, snapshot.running, now,
                                      lambda tokens: predictor.predict(tokens, decodes),
                                      self.policy, self.margin,
                                      step_remaining_s=step_remaining,
                                      relative_error=snapshot.predictor.relative_error,
-                                     aging_bound_s=self.aging_bound_s)
+                                     aging_bound_s=self.aging_bound_s,
+                                     optimistic=lambda tokens: optimistic_prefill(
+                                         predictor, tokens, decodes))
         if decision is None:
             return None
         self._fired_step = snapshot.step_id

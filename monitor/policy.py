@@ -2,7 +2,7 @@
 
 time_to_deadline = deadline - now; slack = time_to_deadline - predicted remaining TTFT;
 priority = sign(slack) / |time_to_deadline|: rescuable requests first, the most urgent first;
-doomed ones (slack <= 0) last. A request without a deadline has infinite time and priority 0.
+doomed ones (late even under the optimistic estimate) last. A request without a deadline has infinite time and priority 0.
 
 Aging bounds how long "last" lasts: a request still without its first token more than
 `aging_bound_s` past its deadline is *aged*. It goes ahead of every other request (the longest
@@ -42,12 +42,13 @@ class RequestView:
 @dataclass(frozen=True)
 class Urgency:
     time_to_deadline: float
+    # Against the predictor's point estimate: what the necessity test weighs.
     slack: float
     priority: float
-
-    @property
-    def doomed(self) -> bool:
-        return self.slack <= 0
+    # Late even if its prefill runs as fast as the predictor's optimistic estimate: nothing
+    # done for it now can save its deadline. A request whose point slack is negative but whose
+    # optimistic slack is not is still rescuable, and is treated as such.
+    doomed: bool = False
 
     @property
     def aged(self) -> bool:
@@ -55,16 +56,25 @@ class Urgency:
 
 
 def urgency(view: RequestView, now: float, predict: Callable[[int], float],
-            aging_bound_s: float | None = None) -> Urgency:
+            aging_bound_s: float | None = None,
+            optimistic: Callable[[int], float] | None = None) -> Urgency:
+    """`optimistic`: the fastest the remaining prefill is likely to run (default: `predict`);
+    the sign of the priority (rescuable or doomed) is taken against it, so that a predictor
+    that runs pessimistic never writes off a request that could still make it."""
     if view.deadline is None:
         return Urgency(math.inf, math.inf, 0.0)
     time_to_deadline = view.deadline - now
-    slack = time_to_deadline - predict(view.remaining_prefill_tokens)
+    predicted = predict(view.remaining_prefill_tokens)
+    slack = time_to_deadline - predicted
+    best_case = predicted if optimistic is None else min(
+        predicted, optimistic(view.remaining_prefill_tokens))
+    doomed = time_to_deadline - best_case <= 0
     if aging_bound_s is not None and -time_to_deadline > aging_bound_s:
-        return Urgency(time_to_deadline, slack, AGED_PRIORITY - time_to_deadline)
+        return Urgency(time_to_deadline, slack, AGED_PRIORITY - time_to_deadline, doomed=True)
     if time_to_deadline == 0:
-        return Urgency(0.0, slack, -math.inf)
-    return Urgency(time_to_deadline, slack, math.copysign(1.0, slack) / abs(time_to_deadline))
+        return Urgency(0.0, slack, -math.inf, doomed=True)
+    return Urgency(time_to_deadline, slack,
+                   (-1.0 if doomed else 1.0) / abs(time_to_deadline), doomed=doomed)
 
 
 def view_of(request: Request) -> RequestView:
@@ -77,8 +87,9 @@ def view_of(request: Request) -> RequestView:
 
 
 def request_urgency(request: Request, now: float, predict: Callable[[int], float],
-                    aging_bound_s: float | None = None) -> float:
-    return urgency(view_of(request), now, predict, aging_bound_s).priority
+                    aging_bound_s: float | None = None,
+                    optimistic: Callable[[int], float] | None = None) -> float:
+    return urgency(view_of(request), now, predict, aging_bound_s, optimistic).priority
 
 
 @dataclass(frozen=True)
@@ -103,7 +114,9 @@ def choose_preemption(waiting: Sequence[RequestView], running: Sequence[RequestV
                       margin: float = 1.2,
                       step_remaining_s: float | None = None,
                       relative_error: float = 0.0,
-                      aging_bound_s: float | None = None) -> PreemptDecision | None:
+                      aging_bound_s: float | None = None,
+                      optimistic: Callable[[int], float] | None = None
+                      ) -> PreemptDecision | None:
     """Whether the best waiter should stop the running step, and whom to preempt.
 
     The gate compares the best waiter W with the MOST urgent eligible running request
@@ -112,7 +125,11 @@ def choose_preemption(waiting: Sequence[RequestView], running: Sequence[RequestV
     them anyway, and that is the one whose delay costs least. Rule 1: requests already preempted
     by the monitor are not eligible.
 
-    `step_remaining_s` (the running step's predicted time left) adds a necessity test: a waiter
+    Doomed is judged against `optimistic` (see urgency): a waiter is written off only if even
+    its fastest likely prefill misses its deadline.
+
+    `step_remaining_s` (the running step's time left, from its measured progress) adds a
+    necessity test: a waiter
     whose slack covers the rest of the step loses nothing by waiting for it, and unwinding the
     step would only throw work away. `relative_error` (the predictor's observed error, see
     monitor.predictor) widens that test by the same share of both predictions, the waiter's
@@ -127,9 +144,9 @@ def choose_preemption(waiting: Sequence[RequestView], running: Sequence[RequestV
     if margin < 1.0:
         raise ValueError(f"preempt margin must be >= 1, got {margin}")
     scored_waiting = [(u, w) for w in waiting if w.deadline is not None
-                      and not (u := urgency(w, now, predict, aging_bound_s)).aged]
+                      and not (u := urgency(w, now, predict, aging_bound_s, optimistic)).aged]
     # Scored once, with aging: an aged runner stops the search, the rest are the candidates.
-    scored_all = [(urgency(r, now, predict, aging_bound_s), r) for r in running]
+    scored_all = [(urgency(r, now, predict, aging_bound_s, optimistic), r) for r in running]
     if not scored_waiting or any(u.aged for u, _ in scored_all):
         return None
     scored_running = sorted(((u, r) for u, r in scored_all if not r.slo_preempted),

@@ -98,6 +98,21 @@ class LinearTTFT:
             tokens = (-a + math.sqrt(a * a + 4 * b * budget)) / (2 * b)
         return int(min(tokens, MAX_TOKENS_WITHIN))
 
+    def max_chunk_within(self, seconds: float, tokens: int, attention: int,
+                         decode_context: int, prefix: int) -> int:
+        """The most tokens a prefill chunk over `prefix` cached tokens can add to a step that
+        already holds `tokens` / `attention` / `decode_context` (predict_step's features) and
+        keep the step within `seconds`. The chunk's attention over its prefix counts: a 2048-token
+        chunk over a 28k prefix costs more than twice a fresh 2048-token prompt."""
+        budget = seconds - self.predict_step(tokens, attention, decode_context)
+        if budget <= 0:
+            return 0
+        # a * n + b * n * (2 * prefix + n) <= budget
+        a = self.seconds_per_token + 2 * self.seconds_per_token_sq * prefix
+        b = self.seconds_per_token_sq
+        n = budget / a if b <= 0 else (-a + math.sqrt(a * a + 4 * b * budget)) / (2 * b)
+        return int(min(n, MAX_TOKENS_WITHIN))
+
     @classmethod
     def fit(cls, points: Iterable[tuple[int, float]]) -> LinearTTFT:
         """Least-squares line through (tokens, seconds); needs two distinct token counts."""
@@ -205,6 +220,12 @@ class LinearTTFT:
             raise ValueError(f"ttft model {str(path)!r}: relative_error must be a finite number "
                              f">= 0, got {model.relative_error}")
         return model
+
+
+def optimistic_prefill(model: LinearTTFT, tokens: int, decode_context: int = 0) -> float:
+    """The fastest a prefill of `tokens` is likely to run: the prediction less the model's
+    observed error (a request is written off as doomed only against this)."""
+    return model.predict(tokens, decode_context) / (1.0 + model.relative_error)
 
 
 class OnlineTTFT:

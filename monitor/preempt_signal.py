@@ -5,17 +5,22 @@ attention-op boundary of a preemptible step. The signal is a step id, never a bo
 only grow, so a value written for step N can never stop step N+1 (docs/design.md section 5).
 
 Layout (little-endian): int64 target step id | uint8 len + 63 bytes victim id |
-uint8 len + 63 bytes waiter id | float64 decision time (time.monotonic()) | int64 progress.
+uint8 len + 63 bytes waiter id | float64 decision time (time.monotonic()) | int64 progress |
+float64 progress time.
 
-The progress word goes the other way: the rank running a preemptible step writes
-`step_id * 1024 + layer` at every attention-op boundary (one store, so a reader never sees a
-step id with another step's layer), and the monitor reads how far the step has got.
+The progress words go the other way: the rank running a preemptible step writes
+`step_id * 1024 + layer` at every attention-op boundary, the number of layers the device has
+finished (one store, so a reader never sees a step id with another step's layer), and the
+time.monotonic() it learned that (stored first: a reader that catches the two stores apart sees
+a time later than the layer's, which only makes the step look slower). The monitor reads how far
+the step has got, and when, to measure its pace.
 """
 
 from __future__ import annotations
 
 import struct
 import sys
+import time
 from multiprocessing import resource_tracker, shared_memory
 
 _ID_BYTES = 64
@@ -41,10 +46,11 @@ class PreemptSignal:
         # A one-element int64 view: reading the target is one memory load on the hot path.
         self._target = shm.buf[:8].cast("q")
         self._progress = shm.buf[_PROGRESS_AT:_PROGRESS_AT + 8].cast("q")
+        self._progress_time = shm.buf[_PROGRESS_AT + 8:_PROGRESS_AT + 16].cast("d")
 
     @classmethod
     def create(cls) -> PreemptSignal:
-        shm = shared_memory.SharedMemory(create=True, size=_PROGRESS_AT + 8)
+        shm = shared_memory.SharedMemory(create=True, size=_PROGRESS_AT + 16)
         signal = cls(shm, owner=True)
         signal.publish(NO_TARGET, "", "", 0.0)
         return signal
@@ -85,17 +91,27 @@ class PreemptSignal:
         step_id, victim, waiter, decided_at = _LAYOUT.unpack(bytes(self._shm.buf[:_LAYOUT.size]))
         return step_id, _unpack_id(victim), _unpack_id(waiter), decided_at
 
-    def report_progress(self, step_id: int, layer: int) -> None:
-        """The step's pass reached the attention op of `layer` (layers before it are done)."""
+    def report_progress(self, step_id: int, layer: int, at: float | None = None) -> None:
+        """The device finished the layers of `step_id` before `layer`, as of `at` (default:
+        now)."""
         if layer < _MAX_LAYERS:
+            self._progress_time[0] = time.monotonic() if at is None else at
             self._progress[0] = step_id * _MAX_LAYERS + layer
 
     def layers_done(self, step_id: int) -> int:
         """How many layers of `step_id` are done (0 when it has not reported yet)."""
+        return self.progress(step_id)[0]
+
+    def progress(self, step_id: int) -> tuple[int, float]:
+        """(layers of `step_id` done, when that was reported); (0, 0.0) before any report."""
         word = self._progress[0]
-        return word % _MAX_LAYERS if word // _MAX_LAYERS == step_id else 0
+        reported_at = self._progress_time[0]
+        if word // _MAX_LAYERS != step_id:
+            return 0, 0.0
+        return word % _MAX_LAYERS, reported_at
 
     def close(self) -> None:
+        self._progress_time.release()
         self._progress.release()
         self._target.release()
         self._shm.close()

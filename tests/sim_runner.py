@@ -21,8 +21,9 @@ class SimWorker:
         self.block_size = block_size
         self.kv: dict[tuple[int, int], int] = {}
         self.completed_kv: dict[tuple[int, int], int] = {}
-        # req_id -> (start_pos, num_tokens) of the chunks whose stopped pass this worker holds.
-        self.suspended: dict[str, tuple[int, int]] = {}
+        # req_id -> (start_pos, num_tokens, layer) of the chunks whose stopped pass this worker
+        # holds, and the layer it resumes at.
+        self.suspended: dict[str, tuple[int, int, int]] = {}
         self.num_frees = 0
 
     def execute(self, out: SchedulerOutput, stop_layer: int | None = None) -> ModelRunnerOutput:
@@ -37,7 +38,7 @@ class SimWorker:
             assert r.token_ids, f"{r.req_id}: an empty chunk"
             if r.resume:
                 # workers/suspension.py refuses a resume of other tokens than were suspended.
-                assert self.suspended.get(r.req_id) == (r.start_pos, len(r.token_ids)), (
+                assert self.suspended.get(r.req_id, ())[:2] == (r.start_pos, len(r.token_ids)), (
                     f"{r.req_id} resumes [{r.start_pos}, +{len(r.token_ids)}) but the worker "
                     f"holds {self.suspended.get(r.req_id)}")
             for i, tok in enumerate(r.token_ids):
@@ -67,11 +68,14 @@ class SimWorker:
             for r in out.requests:
                 if len(r.token_ids) < 2:
                     continue  # decodes are never suspended
-                if layer > 0:
-                    self.suspended[r.req_id] = (r.start_pos, len(r.token_ids))
-                elif not (r.resume and r.req_id in self.suspended):
+                held = self.suspended.get(r.req_id) if r.resume else None
+                join = held[2] if held is not None else 0
+                if layer > 0 and join <= layer:
+                    self.suspended[r.req_id] = (r.start_pos, len(r.token_ids), layer)
+                elif held is None:
                     # Stopped before the first layer finished: a fresh chunk has nothing to
-                    # keep; a resumed one keeps the activations it had.
+                    # keep. A resumed one that had not joined yet keeps the activations (and
+                    # the layer) it had.
                     continue
                 suspended.append(r.req_id)
         return ModelRunnerOutput(step_id=out.step_id, status=StepStatus.PREEMPTED,

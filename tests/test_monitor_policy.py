@@ -188,9 +188,10 @@ def test_a_waiter_whose_slack_covers_the_rest_of_the_step_does_not_preempt():
 
 
 def test_the_steps_own_pace_reveals_that_it_runs_longer_than_predicted():
-    """The predictor says the step is over (predicted 1 s, 2 s elapsed); the rank reports 20 of
-    30 layers done, so 1 s is left, more than the waiter's slack: the monitor fires. Paired
-    probe: without a progress report it trusts the prediction and waits."""
+    """Predicted 1 s over 30 layers; the rank reports 20 layers done 2 s into the step, so the
+    step runs 3x slower than predicted and 1 s is left, more than the waiter's 0.5 s of slack:
+    the monitor fires. Paired probes: 20 layers done on time (0.67 s in) leaves 0.33 s, which
+    the slack covers, so it waits; another step's progress is ignored."""
     import time
 
     from monitor.monitor import MonitorSnapshot, SLOMonitor
@@ -200,19 +201,48 @@ def test_the_steps_own_pace_reveals_that_it_runs_longer_than_predicted():
     try:
         monitor = SLOMonitor(signal)  # not started: check() is called directly
         now = time.monotonic()
+        started = now - 2.0
         waiter = RequestView("w", deadline=now + 0.6, remaining_prefill_tokens=100)
         running = RequestView("r", deadline=now + 60.0, remaining_prefill_tokens=3000)
         line = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.0)
         snapshot = MonitorSnapshot(step_id=7, preemptible=True, waiting=(waiter,),
-                                   running=(running,), predictor=line, started_at=now - 2.0,
+                                   running=(running,), predictor=line, started_at=started,
                                    predicted_step_s=1.0, num_layers=30)
         monitor.publish(snapshot)
+        signal.report_progress(7, 20, at=started + 2 / 3)
+        assert signal.progress(7) == (20, started + 2 / 3)
         assert monitor.check() is None
-        signal.report_progress(6, 29)  # another step's progress is ignored
-        assert signal.layers_done(7) == 0 and monitor.check() is None
-        signal.report_progress(7, 20)
+        signal.report_progress(6, 29, at=now)  # another step's progress is ignored
+        assert signal.layers_done(7) == 0
+        signal.report_progress(7, 20, at=now)
         decision = monitor.check()
         assert decision is not None and decision.decision.waiter_id == "w"
         assert signal.target_step_id == 7
+    finally:
+        signal.close()
+
+
+def test_before_any_layer_is_done_the_whole_step_is_left():
+    """The predictor says the step is over (predicted 1 s, 2 s elapsed) but no layer has
+    reported: the step is late, not over, so its whole predicted time is left and a waiter
+    with 0.5 s of slack gets a decision (the old estimate, predicted minus elapsed, said 0 s
+    and let it wait)."""
+    import time
+
+    from monitor.monitor import MonitorSnapshot, SLOMonitor
+    from monitor.preempt_signal import PreemptSignal
+
+    signal = PreemptSignal.create()
+    try:
+        monitor = SLOMonitor(signal)
+        now = time.monotonic()
+        waiter = RequestView("w", deadline=now + 0.6, remaining_prefill_tokens=100)
+        running = RequestView("r", deadline=now + 60.0, remaining_prefill_tokens=3000)
+        line = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.0)
+        monitor.publish(MonitorSnapshot(step_id=7, preemptible=True, waiting=(waiter,),
+                                        running=(running,), predictor=line,
+                                        started_at=now - 2.0, predicted_step_s=1.0,
+                                        num_layers=30))
+        assert monitor.check() is not None
     finally:
         signal.close()

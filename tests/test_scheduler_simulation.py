@@ -214,7 +214,7 @@ class SchedulerSimulation(RuleBasedStateMachine):
             assert decision is not None
             target, victim_id, waiter_id = decision
             applied, _ = unwind_step(sched, out, result.suspended_req_ids, target, victim_id,
-                                     waiter_id)
+                                     waiter_id, stopped_layer=layer)
             TOTALS["unwound"] += 1
             TOTALS["applied"] += applied is not None
             self.last_step_empty = False  # an unwind changes what the next step holds

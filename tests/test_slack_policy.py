@@ -113,7 +113,7 @@ def test_suspend_mode_may_preempt_a_victim_again() -> None:
     policy = _policy("suspend")
     ops = FakeScheduler(running=_running("v"))
     ops.waiting.add(make_request("w", 8))
-    policy.suspend("v", 0, 16)
+    policy.suspend("v", 0, 16, 1)
     assert policy.preempt_for_slo(ops, "v", "w") == "suspend"
     victim = ops.get_request("v")
     assert victim is not None and not policy.protected_by_rule1(victim)
@@ -136,7 +136,7 @@ def test_a_suspended_victim_that_must_recompute_frees_its_chunk() -> None:
     policy = _policy("suspend")
     ops = FakeScheduler(running=_running("v"), admissible=False)
     ops.waiting.add(make_request("w", 8))
-    policy.suspend("v", 0, 16)
+    policy.suspend("v", 0, 16, 1)
     assert policy.preempt_for_slo(ops, "v", "w") == "recompute"
     assert not policy.is_suspended("v") and policy.take_unneeded_suspensions() == ["v"]
     assert policy.take_unneeded_suspensions() == []
@@ -172,12 +172,12 @@ def test_admission_skips_held_waiters_and_puts_them_back_in_place() -> None:
 def test_a_finished_request_leaves_no_hold_and_no_suspension() -> None:
     policy = _policy("suspend")
     policy.held.add("v")
-    policy.suspend("v", 0, 16)
+    policy.suspend("v", 0, 16, 1)
     policy.on_finished("v")
     assert not policy.is_held("v") and not policy.is_suspended("v")
     assert policy.unneeded_suspensions == ["v"]
     # A KV-pressure victim stays held (it waits for its turn) but its chunk is gone.
     policy.held.add("k")
-    policy.suspend("k", 0, 16)
+    policy.suspend("k", 0, 16, 1)
     policy.on_kv_preempted("k")
     assert policy.is_held("k") and not policy.is_suspended("k")

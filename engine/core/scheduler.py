@@ -280,7 +280,8 @@ class Scheduler:
             start = request.num_computed_tokens
             end = start + num_new
             resume = self.slack.is_suspended(request.request_id)
-            assert not resume or self.slack.suspended_chunk(request.request_id) == (start, num_new)
+            held = self.slack.suspended_chunk(request.request_id)
+            assert not resume or held is not None and held[:2] == (start, num_new)
             scheduled = ScheduledRequest(
                 req_id=request.request_id,
                 token_ids=request.all_token_ids[start:end],
@@ -310,14 +311,16 @@ class Scheduler:
 
     # ---- after the forward pass ----------------------------------------------------------
 
-    def rollback(self, record: StepRecord, keep: Iterable[ScheduledRequest] = ()) -> None:
+    def rollback(self, record: StepRecord, keep: Iterable[ScheduledRequest] = (),
+                 stopped_layer: int = 0) -> None:
         """Undo the last ``schedule()`` after its forward pass was abandoned (see StepRecord).
 
         Afterwards the scheduler is as it was before that call, except that step ids stay spent
         and requests preempted for KV space in that step stay preempted (their blocks may already
         be reused). ``keep``: chunks of that step whose pass is suspended (the workers hold its
         activations); their requests keep their admissions and blocks, and each chunk goes back
-        to not computed, to be resumed whole (the slack policy's suspended chunks).
+        to not computed, to be resumed whole at ``stopped_layer``, the layer the pass stopped
+        before (the slack policy's suspended chunks).
         """
         if record is not self.last_step_record:
             raise ValueError(f"only the last step can be rolled back (step {record.step_id} "
@@ -326,7 +329,7 @@ class Scheduler:
         undone = record.undo(self.requests, self.kv_cache_manager,
                              {req_id: sr.start_pos for req_id, sr in kept.items()})
         for req_id, sr in kept.items():
-            self.slack.suspend(req_id, sr.start_pos, len(sr.token_ids))
+            self.slack.suspend(req_id, sr.start_pos, len(sr.token_ids), stopped_layer)
         for admission in reversed(undone):
             self.running.remove(admission.request)
             admission.undo(self.kv_cache_manager)

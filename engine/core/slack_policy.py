@@ -30,7 +30,8 @@ from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import RequestQueue, UrgencyQueue
 from engine.core.step_record import StepInProgress
 from monitor.policy import request_urgency
-from monitor.predictor import LinearTTFT, OnlineTTFT
+from monitor.predictor import (LinearTTFT, OnlineTTFT, attention_work, decode_context,
+                               optimistic_prefill)
 
 
 # Share of a protected request's time left that a cap leaves unfilled. The predictor's error and
@@ -89,10 +90,12 @@ def _is_tpot_decode(request: Request) -> bool:
 
 
 class SuspendedChunk(NamedTuple):
-    """A prefill chunk whose stopped pass the workers hold; it resumes whole or not at all."""
+    """A prefill chunk whose stopped pass the workers hold; it resumes whole or not at all, and
+    joins the resuming pass at `layer` (the layers below it are done)."""
 
     start_pos: int
     num_tokens: int
+    layer: int = 0
 
 
 class SlackPolicy:
@@ -105,11 +108,19 @@ class SlackPolicy:
         self.preempt_mode = preempt_mode
         # The slo policy ranks by slack, which needs predicted prefill times.
         self.predictor = OnlineTTFT(ttft_seed, error_quantile=error_quantile)
-        # Victims of mid-forward preemptions, held back until no request with prefill left is
-        # more urgent than they are: a paused one stays running with its KV but is not
-        # scheduled; a recomputed one waits and is not admitted (else it would share the very
+        # Not scheduled: victims of mid-forward preemptions and the chunks kept from the steps
+        # they stopped, held back until their waiter has its first token (and victims until
+        # no request with prefill left is more urgent than they are). A paused one stays running
+        # with its KV; a recomputed one waits and is not admitted (else it would share the very
         # next step with the waiter it made room for).
         self.held: set[str] = set()
+        # Held request -> the waiter of the preemption that held it: whatever else, it stays
+        # held until that waiter has its first token (or is gone), so that the waiter's step is
+        # its own (the victim, and every chunk kept from the unwound step).
+        self.yielding_to: dict[str, str] = {}
+        # The held requests that are victims: once their waiter is served, they also wait
+        # until they are the most urgent again.
+        self.victims: set[str] = set()
         # The waiter a mid-forward preemption made room for: admitted first by the next step.
         self.urgent_waiter_id: str | None = None
         # Suspend mode: request id -> the chunk whose activations the workers hold.
@@ -123,11 +134,16 @@ class SlackPolicy:
         # prefills are predicted beside the KV they read.
         self._decodes: list[Request] = []
         self._decode_context = 0
+        # The deepest prefix a running prefill chunk would attend over this step (begin_step):
+        # what the deadline cap charges the chunks that may join the urgent ones.
+        self._deepest_prefix = 0
 
     def urgency(self, request: Request, now: float | None = None) -> float:
         """Slack-EDF priority of a request (higher is more urgent); ``now`` defaults to now."""
         return request_urgency(request, time.monotonic() if now is None else now,
-                               self.predict_prefill, self.aging_bound_s)
+                               self.predict_prefill, self.aging_bound_s,
+                               lambda tokens: optimistic_prefill(self.predictor.current, tokens,
+                                                                 self._decode_context))
 
     def predict_prefill(self, tokens: int) -> float:
         """Seconds to prefill `tokens` in steps that also carry the running decodes."""
@@ -155,6 +171,9 @@ class SlackPolicy:
             self._running_urgency = ranking
         if self.held:
             self._release_held(ops)
+        self._deepest_prefix = max((r.num_computed_tokens for r in ops.running
+                                    if r.num_tokens_owed > 1 and r.request_id not in self.held),
+                                   default=0)
 
     def admit_first(self, ops: SchedulerOps, step: StepInProgress) -> None:
         """Admissions that go before the running set is served: the waiter a mid-forward
@@ -227,6 +246,8 @@ class SlackPolicy:
         """Holding a victim back is for letting someone else run first; when nobody else can
         run, it only stalls the engine (an empty step that would repeat forever)."""
         self.held.clear()
+        self.yielding_to.clear()
+        self.victims.clear()
 
     def take_unneeded_suspensions(self) -> list[str]:
         """The suspended chunks the workers may free, handed over with the step being sent."""
@@ -266,16 +287,25 @@ class SlackPolicy:
 
     def cap_for_deadlines(self, step: StepInProgress) -> int:
         """slo policy: a step lasts as long as all its tokens take, and every request in it
-        gets its first token only at its end. So the requests added after the urgent ones may
-        add only as many tokens (at most the step's budget left) as keep the predicted step
-        time within the tightest deadline that this step can still meet (a deadline that its
-        own chunk alone would miss constrains nothing)."""
+        gets its first token only at its end. The step so far holds only the urgent admissions
+        (admit_first); what joins them after (the running decodes, then other chunks, resumed
+        suspended chunks first of all) may take only as many tokens (at most the step's budget
+        left) as keep the predicted step within each urgent request's deadline. The chunks that
+        may join are charged their attention over the deepest running prefix: a chunk over a
+        28k-token prefix costs several fresh prompts of its size.
+
+        An urgent request that its own chunk alone would make late is made as little late as
+        possible: nothing joins it."""
         if not step.scheduled:
             return step.budget
         now = time.monotonic()
         line = self.predictor.current
-        # The running decodes join the step after these admissions: their tokens count now.
-        used = step.num_tokens + sum(1 for r in self._decodes if r.request_id not in step)
+        chunks = [(r.num_computed_tokens, n) for r, n in step.scheduled.values()]
+        # The running decodes join the step after these admissions: they count now.
+        pending_decodes = [r for r in self._decodes if r.request_id not in step]
+        tokens = step.num_tokens + len(pending_decodes)
+        attention = attention_work(chunks)
+        context = decode_context(chunks) + sum(r.num_tokens for r in pending_decodes)
         allowed = step.budget
         for request, num_new in step.scheduled.values():
             deadline = request.deadline
@@ -283,13 +313,16 @@ class SlackPolicy:
                     or request.num_computed_tokens + num_new < request.num_tokens):
                 continue
             time_left = deadline - now
-            if line.predict(num_new, self._decode_context) > time_left:
-                continue  # doomed even alone: nothing left to protect
-            # As if the step were one prompt: overestimates a mixed step's attention, so the
-            # cap errs on the side of the deadline.
+            alone = line.predict_step(num_new, attention_work([(request.num_computed_tokens,
+                                                                num_new)]))
             usable = self._usable(time_left)
-            allowed = min(allowed, max(0, line.max_tokens_within(usable, self._decode_context)
-                                       - used))
+            if alone > time_left or line.predict_step(tokens, attention, context) > usable:
+                # Late whatever joins it, or the running decodes alone would make it late:
+                # nothing joins, so it is as little late as can be.
+                return 0
+            joining = line.max_chunk_within(usable, tokens, attention, context,
+                                            self._deepest_prefix)
+            allowed = min(allowed, len(pending_decodes) + joining)
         return allowed
 
     def _tpot_decodes(self, ops: SchedulerOps, step: StepInProgress) -> list[Request]:
@@ -328,8 +361,9 @@ class SlackPolicy:
         return time_left * (1 - DEADLINE_HEADROOM) / (1 + self.predictor.current.relative_error)
 
     def _release_held(self, ops: SchedulerOps) -> None:
-        """A held victim runs again once no request with prefill left (waiting or running,
-        and not held itself) is more urgent than it."""
+        """A held request runs again once the waiter it yielded to has its first token (or is
+        gone); a held victim only once, also, no request with prefill left (waiting or
+        running, and not held itself) is more urgent than it."""
         now = time.monotonic()
         contenders = [r for r in (*ops.waiting, *ops.running)
                       if r.request_id not in self.held and r.first_token_time is None]
@@ -337,13 +371,24 @@ class SlackPolicy:
         for req_id in list(self.held):
             request = ops.get_request(req_id)
             assert request is not None, f"held request {req_id} is gone"
-            if self.urgency(request, now) >= best:
-                self.held.discard(req_id)
+            waiter_id = self.yielding_to.get(req_id)
+            if waiter_id is not None:
+                waiter = ops.get_request(waiter_id)
+                if waiter is not None and waiter.first_token_time is None:
+                    continue
+                del self.yielding_to[req_id]
+            if req_id not in self.victims or self.urgency(request, now) >= best:
+                self._release(req_id)
+
+    def _release(self, req_id: str) -> None:
+        self.held.discard(req_id)
+        self.victims.discard(req_id)
+        self.yielding_to.pop(req_id, None)
 
     # ---- mid-forward preemption (docs/design.md section 4) --------------------------------------
 
-    def preempt_for_slo(self, ops: SchedulerOps, victim_id: str,
-                        waiter_id: str) -> SLOPreemptMode | None:
+    def preempt_for_slo(self, ops: SchedulerOps, victim_id: str, waiter_id: str,
+                        kept: Iterable[str] = ()) -> SLOPreemptMode | None:
         """Apply the monitor's preemption after the step was rolled back. Returns the mode
         applied: "pause" and "suspend" fall back to "recompute" when the waiter would not be
         admitted beside the victim (the admission test itself decides), and "suspend" to
@@ -358,7 +403,11 @@ class SlackPolicy:
 
         A victim admitted by the rolled-back step itself and not kept is back in the waiting
         queue with no KV: whatever the mode, it is held back and computes its prompt from the
-        start, which is what "recompute" reports."""
+        start, which is what "recompute" reports.
+
+        ``kept``: the chunks the rollback kept (suspend mode). They, and the victim, are held
+        until the waiter has its first token: a chunk resumed beside the waiter would make the
+        step that serves it as long as the one just stopped."""
         victim = ops.get_request(victim_id)
         if victim is None or self.protected_by_rule1(victim):
             return None
@@ -366,7 +415,10 @@ class SlackPolicy:
         victim.num_preemptions += 1
         victim.num_slo_preemptions += 1
         self.num_slo_preemptions += 1
-        self.held.add(victim_id)
+        for req_id in {victim_id, *kept} - {waiter_id}:
+            self.held.add(req_id)
+            self.yielding_to[req_id] = waiter_id
+        self.victims.add(victim_id)
         if victim.status is not RequestStatus.RUNNING:
             return "recompute"
         waiter = ops.get_request(waiter_id)
@@ -388,9 +440,14 @@ class SlackPolicy:
 
     # ---- suspended chunks and the end of a request -------------------------------------------
 
-    def suspend(self, req_id: str, start_pos: int, num_tokens: int) -> None:
-        """A rollback kept this chunk: the workers hold its stopped pass, to be resumed whole."""
-        self.suspended[req_id] = SuspendedChunk(start_pos, num_tokens)
+    def suspend(self, req_id: str, start_pos: int, num_tokens: int, layer: int) -> None:
+        """A rollback kept this chunk, whose pass stopped before `layer`: the workers hold it,
+        to be resumed whole. A resumed chunk that had not joined that pass yet keeps its own
+        (later) layer, as the workers do (workers/suspension.py)."""
+        held = self.suspended.get(req_id)
+        if held is not None and held.layer > layer:
+            layer = held.layer
+        self.suspended[req_id] = SuspendedChunk(start_pos, num_tokens, layer)
 
     def resumed(self, req_id: str) -> None:
         """Its suspended chunk completed in a step: the workers dropped it with that step."""
@@ -410,10 +467,11 @@ class SlackPolicy:
 
     def on_finished(self, req_id: str) -> None:
         """Finished or aborted: nothing of it is held or resumed any more."""
-        self.held.discard(req_id)
+        self._release(req_id)
         if req_id in self.suspended:
             self.drop_suspensions([req_id])
 
     def check_invariants(self, live_ids: set[str], running_ids: set[str]) -> None:
         assert self.held <= live_ids, "a finished request is still held back"
+        assert set(self.yielding_to) | self.victims <= self.held, "a hold without its request"
         assert set(self.suspended) <= running_ids, "a suspended chunk lost its request"

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from engine.config import PreemptionConfig, SLOPreemptMode
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
-from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from monitor.monitor import MonitorSnapshot, SLOMonitor
 from monitor.policy import RequestView, view_of
 from monitor.preempt_signal import PreemptSignal
+from monitor.step_progress import predicted_layer_ends
 
 
 @dataclass
@@ -90,23 +91,30 @@ class SLOPreemptionControl:
                 deadline = request.deadline if request.first_token_time is None else None
                 running.append(RequestView(sr.req_id, deadline, request.num_tokens - sr.start_pos,
                                            slo_preempted=slack.protected_by_rule1(request)))
+        line = slack.predictor.current
+        chunks = [(sr.start_pos, len(sr.token_ids), self._join_layer(sr))
+                  for sr in output.requests]
+        layer_ends = predicted_layer_ends(line.predict_step, chunks, self.num_layers)
         self.monitor.publish(MonitorSnapshot(
             step_id=output.step_id, preemptible=output.preemptible, waiting=waiting,
-            running=tuple(running), predictor=slack.predictor.current,
+            running=tuple(running), predictor=line,
             drained_arrivals=drained_arrivals, started_at=time.monotonic(),
-            predicted_step_s=slack.predictor.current.predict_step(
-                output.num_scheduled_tokens, output.attention_work, output.decode_context),
-            decode_context=output.decode_context,
-            num_layers=self.num_layers))
+            predicted_step_s=layer_ends[-1], decode_context=output.decode_context,
+            num_layers=self.num_layers, layer_ends=layer_ends))
+
+    def _join_layer(self, sr: ScheduledRequest) -> int:
+        """The layer a chunk enters the pass at: a resumed one where its pass stopped."""
+        held = self.scheduler.slack.suspended_chunk(sr.req_id) if sr.resume else None
+        return held.layer if held is not None else 0
 
     def on_preempted(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
         unwound_at = time.monotonic()
         target, victim_id, waiter_id, decided_at = self.signal.decision()
         scheduler = self.scheduler
-        applied, kept_tokens = unwind_step(scheduler, output, runner_output.suspended_req_ids,
-                                           target, victim_id, waiter_id)
-        latency = max(0.0, unwound_at - decided_at)
         layer = runner_output.preempted_layer or 0
+        applied, kept_tokens = unwind_step(scheduler, output, runner_output.suspended_req_ids,
+                                           target, victim_id, waiter_id, layer)
+        latency = max(0.0, unwound_at - decided_at)
         # Kept chunks lose nothing, and are scheduled (and counted) again when they resume:
         # count their tokens once.
         wasted = output.num_scheduled_tokens - kept_tokens
@@ -128,26 +136,29 @@ class SLOPreemptionControl:
 
 
 def unwind_step(scheduler: Scheduler, output: SchedulerOutput, suspended_req_ids: list[str],
-                target: int, victim_id: str, waiter_id: str
+                target: int, victim_id: str, waiter_id: str, stopped_layer: int = 0
                 ) -> tuple[SLOPreemptMode | None, int]:
-    """The scheduler's side of a step the workers unwound: roll it back, apply the monitor's
-    decision if it was for this step (``target``), and free what nobody resumes.
+    """The scheduler's side of a step the workers unwound before ``stopped_layer``: roll it
+    back, apply the monitor's decision if it was for this step (``target``), and free what
+    nobody resumes.
 
     Suspend mode: every prefill chunk of the step whose activations the workers kept
     (``suspended_req_ids``) keeps its blocks through the rollback and resumes at the stopped
-    layer, the victim's once it is released, the others' as soon as the budget has room for
-    them. Returns the mode applied to the victim and the tokens of the chunks kept.
+    layer: none of them before the waiter has its first token (the waiter's step is its own),
+    the victim's once it is also the most urgent again. Returns the mode applied to the victim
+    and the tokens of the chunks kept.
     """
     record = scheduler.last_step_record
     assert record is not None and record.step_id == output.step_id
     suspended = set(suspended_req_ids)
     kept = [sr for sr in output.requests
             if sr.req_id in suspended and scheduler.is_running(sr.req_id)]
-    scheduler.rollback(record, keep=kept)
+    scheduler.rollback(record, keep=kept, stopped_layer=stopped_layer)
     slack = scheduler.slack
     applied: SLOPreemptMode | None = None
     if target == output.step_id:
-        applied = slack.preempt_for_slo(scheduler, victim_id, waiter_id)
+        applied = slack.preempt_for_slo(scheduler, victim_id, waiter_id,
+                                        kept=[sr.req_id for sr in kept])
     slack.drop_suspensions([i for i in suspended if not slack.is_suspended(i)])
     kept_tokens = sum(len(sr.token_ids) for sr in kept if slack.is_suspended(sr.req_id))
     return applied, kept_tokens

@@ -1,0 +1,106 @@
+"""The step that serves an urgent waiter is its own (issue 24), at GPU time scales: the
+predictor below is the H100 / Llama-3.1-8B step model (monitor/predictor.py terms).
+
+- Every chunk the rollback kept waits until the waiter's first token is out, even one short
+  enough to fit the waiter's deadline; a waiter that is late anyway is made as little late as
+  possible (nothing joins it). Before: only the victim was held, and a waiter deemed doomed
+  capped nothing, so the other documents' suspended chunks resumed beside it (a 33k-token,
+  1.6 s step for a 68-token turn).
+- The cap charges the chunks that join the urgent one their attention over their prefix. Before:
+  the step was priced as one fresh prompt, and a 2048-token chunk over a 26k-token prefix
+  (~0.18 s) joined a turn with 150 ms to go.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine.config import CacheConfig, PreemptionConfig, SchedulerConfig
+from engine.core.scheduler import Scheduler
+from engine.runtime.slo_preemption import unwind_step
+from monitor.predictor import LinearTTFT
+from tests.test_scheduler import BS, FakeRunner, make_request, scheduled, step
+
+H100_LINE = LinearTTFT(seconds_per_token=3e-5, intercept_s=0.03, seconds_per_token_sq=8.3e-10)
+
+
+def _scheduler(budget: int, num_blocks: int) -> Scheduler:
+    sc = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16, policy="slo")
+    cc = CacheConfig(block_size=BS, num_blocks=num_blocks, enable_prefix_caching=False)
+    sched = Scheduler(sc, cc, num_blocks, num_blocks * BS, PreemptionConfig(mode="suspend"))
+    sched.slack.predictor.current = H100_LINE
+    return sched
+
+
+def _request(req_id: str, tokens: int, slo_ms: float):
+    request = make_request(req_id, tokens, max_tokens=4, arrival=time.monotonic())
+    request.ttft_slo_ms = slo_ms
+    return request
+
+
+@pytest.mark.parametrize("waiter_slo_ms", [150.0, 20.0], ids=["rescuable", "late-anyway"])
+def test_chunks_kept_from_the_unwound_step_wait_for_the_waiters_first_token(waiter_slo_ms):
+    sched = _scheduler(budget=40_000, num_blocks=12_000)
+    runner = FakeRunner(sched)
+    sched.add_request(_request("A", 24_000, 60_000))
+    # A short document: alone, its chunk would fit within the waiter's deadline.
+    sched.add_request(_request("C", 600, 60_000))
+    stopped = sched.schedule()
+    assert scheduled(stopped) == {"A": 24_000, "C": 600}
+    sched.add_request(_request("W", 128, waiter_slo_ms))
+    applied, kept_tokens = unwind_step(sched, stopped, ["A", "C"], target=stopped.step_id,
+                                       victim_id="A", waiter_id="W", stopped_layer=9)
+    # Probe: the step really was unwound, both chunks kept at the stopped layer.
+    assert applied == "suspend" and kept_tokens == 24_600
+    assert {k: c.layer for k, c in sched.slack.suspended.items()} == {"A": 9, "C": 9}
+    sched.check_invariants()
+
+    serving, _ = step(sched, runner)
+    assert scheduled(serving) == {"W": 128}  # the waiter's step is its own
+    assert sched.get_request("W").first_token_time is not None
+    resumed, _ = step(sched, runner)
+    # Its first token is out: the kept chunks resume at their layer.
+    assert scheduled(resumed) == {"W": 1, "A": 24_000, "C": 600}
+    assert all(r.resume for r in resumed.requests if r.req_id in ("A", "C"))
+
+
+def test_chunks_joining_an_urgent_turn_are_charged_their_attention_over_the_prefix():
+    sched = _scheduler(budget=2048, num_blocks=8_000)
+    runner = FakeRunner(sched)
+    sched.add_request(_request("R", 30_000, 600_000))
+    while sched.get_request("R").num_computed_tokens < 26_000:
+        step(sched, runner)
+    prefix = sched.get_request("R").num_computed_tokens
+    sched.add_request(_request("W", 128, 150.0))
+    out = sched.schedule()
+    served = scheduled(out)
+    assert list(served)[0] == "W" and served["W"] == 128
+    # Probe: the document still gets a chunk (the cap limits it, it does not stop it) ...
+    assert 0 < served.get("R", 0) < 2048 - 128
+    assert [r.start_pos for r in out.requests if r.req_id == "R"] == [prefix]
+    # ... and the step as a whole is predicted, with its real attention, within the share of
+    # the waiter's 150 ms that a cap may fill (DEADLINE_HEADROOM: 75%).
+    predicted = H100_LINE.predict_step(out.num_scheduled_tokens, out.attention_work,
+                                       out.decode_context)
+    assert predicted <= 0.75 * 0.150
+
+
+def test_a_turn_late_anyway_is_served_alone():
+    """The turn a preemption was made for goes first even once it cannot make its deadline any
+    more, and nothing joins it, not even a short document that would otherwise share the
+    budget. Before: a deadline the turn's chunk alone would miss capped nothing. Probe: with a
+    deadline it can make, the same document joins it."""
+    for slo_ms, expected in [(20.0, {"W": 128}), (400.0, {"W": 128, "D": 1500})]:
+        sched = _scheduler(budget=4096, num_blocks=2_000)
+        runner = FakeRunner(sched)
+        sched.add_request(_request("R", 6_000, 600_000))
+        step(sched, runner)
+        stopped = sched.schedule()
+        sched.add_request(_request("W", 128, slo_ms))
+        sched.add_request(_request("D", 1500, 600_000))
+        applied, _ = unwind_step(sched, stopped, ["R"], target=stopped.step_id, victim_id="R",
+                                 waiter_id="W", stopped_layer=3)
+        assert applied == "suspend"  # probe: the preemption was made for W
+        assert scheduled(sched.schedule()) == expected, slo_ms
