@@ -27,6 +27,7 @@ from bench.attainment.traces import (
     load_user_trace,
 )
 from bench.attainment.workloads import (
+    BURST_DOCUMENT_S,
     FLOWPREFILL_SLO_RATIO,
     WORKLOADS,
     build_workload,
@@ -402,7 +403,7 @@ def test_user_trace_duplicate_id(tokenizer, tmp_path):
 
 
 def test_workload_names():
-    assert WORKLOADS == ("mixed", "flowprefill", "uniform")
+    assert WORKLOADS == ("mixed", "flowprefill", "uniform", "burst")
     with pytest.raises(ValueError, match="unknown workload"):
         build_workload("nope", 10, 1.0, 0, None, predict)
 
@@ -500,6 +501,23 @@ def test_uniform_workload(tokenizer):
     assert trace.tier_names() == ["uniform"]
     assert all(r.ttft_slo_ms is None and r.tpot_slo_ms is None for r in trace.requests)
     assert all(480 <= len(r.prompt_token_ids) <= 544 for r in trace.requests)
+
+
+def test_burst_workload(tokenizer):
+    """Documents whose isolated prefill takes ~BURST_DOCUMENT_S (2/3 to 4/3 of the tokens that
+    fill it) among short turns whose SLO is 4x the isolated TTFT of their longest prompt."""
+    trace = build_workload("burst", 100, 1.0, 0, tokenizer, predict)
+    counts = Counter(r.tier for r in trace.requests)
+    assert counts == {"urgent": 70, "document": 30}
+    document = max(n for n in range(1, 200_000) if predict(n) <= BURST_DOCUMENT_S)
+    for r in trace.requests:
+        n = len(r.prompt_token_ids)
+        if r.tier == "urgent":
+            assert 64 <= n <= 256
+            assert r.ttft_slo_ms == pytest.approx(4 * predict(256) * 1000)
+        else:
+            assert document * 2 // 3 <= n <= document * 4 // 3
+            assert r.ttft_slo_ms == pytest.approx(10 * predict(n) * 1000)
 
 
 @pytest.mark.parametrize("name", WORKLOADS)

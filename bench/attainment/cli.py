@@ -41,10 +41,13 @@ def _setup(args: argparse.Namespace, out_dir: Path) -> BenchSetup:
     from engine.entrypoints.default_model import model_path_or_default
     from monitor.predictor import LinearTTFT
 
-    model = model_path_or_default(args.model)
+    model = _simulated_model(args.simulate, out_dir) if args.simulate and not args.model \
+        else model_path_or_default(args.model)
     # Prompts of different traces can share text from the corpus: no run may hit the cache an
     # earlier one filled.
     overrides: dict[str, Any] = {"dtype": args.dtype, "enable_prefix_caching": False}
+    if args.simulate:
+        overrides["simulate"] = args.simulate
     if args.num_kv_blocks:
         overrides["num_kv_blocks"] = args.num_kv_blocks
     if args.ttft_model:
@@ -81,6 +84,22 @@ def _setup(args: argparse.Namespace, out_dir: Path) -> BenchSetup:
 
         setup.engines = EnginePool(model, **overrides)
     return setup
+
+
+def _simulated_model(profile_name: str, out_dir: Path) -> str:
+    """A model folder of the profile's shape (config.json and the default model's tokenizer):
+    all a simulated engine reads of a model."""
+    from bench.model_shapes import write_shape
+    from engine.entrypoints.default_model import model_path_or_default
+    from engine.simulation.profile import load_profile
+
+    profile = load_profile(profile_name)
+    if profile.model_shape is None:
+        raise ValueError(f"simulate: profile {profile.name!r} names no model shape: pass --model "
+                         f"with a folder of its shape")
+    folder = out_dir / f"model-{profile.model_shape}"
+    write_shape(profile.model_shape, folder, model_path_or_default(None))
+    return str(folder)
 
 
 def _trace(setup: BenchSetup, args: argparse.Namespace, rate: float, seed: int):
@@ -278,6 +297,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft-model", default=None, metavar="FILE",
                    help="TTFT line from `sloserve calibrate` (default: calibrate first)")
     p.add_argument("--calibration-repeats", type=int, default=3)
+    p.add_argument("--simulate", default=None, metavar="PROFILE",
+                   help="run the engine model-free at a step-time profile's speed (e.g. "
+                        "h100-llama-3.1-8b; see sloserve serve --help); without --model, a "
+                        "folder of the profile's model shape is written to the output dir")
     p.add_argument("--workload", choices=list(WORKLOADS), default="mixed")
     p.add_argument("--num-requests", type=int, default=40)
     p.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")

@@ -15,6 +15,11 @@
   with TTFT SLOs in its ratio 0.25 : 0.5 : 4 : 6, scaled to this machine.
 - `uniform`: one tier of similar prompts and no SLOs, to check that the deadline machinery costs
   no throughput.
+- `burst`: what mid-forward preemption exists for. Long documents whose prefill takes about
+  BURST_DOCUMENT_S each (16k-32k tokens on an H100 with an 8B model, a few thousand on a CPU)
+  share the engine with short interactive turns (64-256 tokens) whose deadline is a few of their
+  own isolated TTFTs (150 ms on that H100): an urgent turn that waits out a document's step
+  misses by a second. Use gamma arrivals with --burstiness > 1 for bursts.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from bench.attainment.traces import (
     AbsoluteSLO,
     Arrival,
     ChunkMultipleTPOT,
+    Fixed,
     IsolatedMultipleSLO,
     LengthDist,
     LogNormal,
@@ -37,7 +43,7 @@ from bench.attainment.traces import (
     generate_trace,
 )
 
-WORKLOADS: tuple[str, ...] = ("mixed", "flowprefill", "uniform")
+WORKLOADS: tuple[str, ...] = ("mixed", "flowprefill", "uniform", "burst")
 
 # Every built-in request generates this many tokens: the benchmark is mostly about TTFT, and a
 # short decode keeps the engine's time dominated by the prefills that the schedulers compete over
@@ -101,6 +107,44 @@ def uniform_tiers() -> list[TierSpec]:
     return [TierSpec("uniform", 1.0, Uniform(480, 544), 32, NoSLO())]
 
 
+# `burst`: a document's isolated prefill (the 24k-token step of an 8B model on an H100), its
+# share of the requests, and the urgent turns' SLO as a multiple of their longest prompt's
+# isolated TTFT (4 x 38 ms = 150 ms on that H100).
+BURST_DOCUMENT_S = 1.2
+BURST_DOCUMENT_SHARE = 0.3
+BURST_URGENT_MULTIPLE = 4.0
+BURST_URGENT_PROMPT = Uniform(64, 256)
+
+
+def burst_tiers(predict_ttft_s: Callable[[int], float],
+                max_prompt_len: int | None = None) -> list[TierSpec]:
+    document = _tokens_within(predict_ttft_s, BURST_DOCUMENT_S, max_prompt_len)
+    urgent_slo_ms = (BURST_URGENT_MULTIPLE * 1000.0
+                     * predict_ttft_s(_clip(Fixed(BURST_URGENT_PROMPT.hi), max_prompt_len)))
+    return [
+        TierSpec("urgent", 1.0 - BURST_DOCUMENT_SHARE, BURST_URGENT_PROMPT, OUTPUT_TOKENS,
+                 AbsoluteSLO(urgent_slo_ms)),
+        TierSpec("document", BURST_DOCUMENT_SHARE,
+                 Uniform(max(1, document * 2 // 3), max(1, document * 4 // 3)), OUTPUT_TOKENS,
+                 IsolatedMultipleSLO(multiple=10.0)),
+    ]
+
+
+def _tokens_within(predict_ttft_s: Callable[[int], float], seconds: float,
+                   max_prompt_len: int | None) -> int:
+    """The longest prompt whose isolated TTFT is within `seconds` (bisection: the predictor is
+    increasing in the prompt length), a third under `max_prompt_len` so that the documents'
+    spread (2/3 to 4/3 of it) fits the context."""
+    hi = (max_prompt_len * 3 // 4) if max_prompt_len is not None else 1 << 20
+    lo = 1
+    if predict_ttft_s(hi) <= seconds:
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if predict_ttft_s(mid) <= seconds else (lo, mid)
+    return lo
+
+
 def workload_tiers(name: str, predict_ttft_s: Callable[[int], float],
                    max_prompt_len: int | None = None) -> list[TierSpec]:
     if name == "mixed":
@@ -109,6 +153,8 @@ def workload_tiers(name: str, predict_ttft_s: Callable[[int], float],
         return flowprefill_tiers(predict_ttft_s, max_prompt_len)
     if name == "uniform":
         return uniform_tiers()
+    if name == "burst":
+        return burst_tiers(predict_ttft_s, max_prompt_len)
     raise ValueError(f"unknown workload {name!r}; built-ins: {', '.join(WORKLOADS)}")
 
 
@@ -124,5 +170,5 @@ def build_workload(name: str, num_requests: int, rate: float, seed: int, tokeniz
                           max_prompt_len=max_prompt_len)
 
 
-__all__ = ["MIXED_RELAXED_TPOT", "WORKLOADS", "build_workload", "flowprefill_tiers", "mixed_tiers",
-           "uniform_tiers", "workload_tiers"]
+__all__ = ["MIXED_RELAXED_TPOT", "WORKLOADS", "build_workload", "burst_tiers",
+           "flowprefill_tiers", "mixed_tiers", "uniform_tiers", "workload_tiers"]
