@@ -7,6 +7,12 @@ another thread at a random point in the first 80% of the step's layers, as the H
 thread would. The unwind time is when EngineCore holds the PREEMPTED step. The layer time is
 measured in the same run, from unpreempted runs of the same long step interleaved with the
 trials (the machine is shared and noisy). Prints figures as `key: value` lines.
+
+The urgent request's SLO is scaled to the measured steps (unless `--urgent-slo-ms` fixes it):
+its own isolated TTFT plus a tenth of the long step, so that its slack never covers the rest of
+the step (at least 20% of it is left at the latest arrival point) and the monitor's necessity
+test must stop the step. A fixed SLO that outlasts the step (2 s against an 8B model's 749 ms
+step on a GPU) rightly makes the monitor wait, and measures nothing.
 """
 
 from __future__ import annotations
@@ -52,6 +58,12 @@ def main() -> None:
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                         help="dummy: random weights for a config-only folder of a real shape "
                              "(bench/model_shapes.py)")
+    parser.add_argument("--simulate", default=None, metavar="PROFILE",
+                        help="the GPU-timed simulation (engine/simulation) at this profile's "
+                             "speed; --model: a folder of its shape")
+    parser.add_argument("--urgent-slo-ms", type=float, default=None,
+                        help="default: the urgent request's isolated TTFT + 10%% of the long "
+                             "step, both measured")
     args = parser.parse_args()
 
     from engine.entrypoints.default_model import model_path_or_default
@@ -61,7 +73,7 @@ def main() -> None:
                                  max_num_batched_tokens=max(2048, args.prompt_tokens + 64),
                                  monitor_interval_ms=args.monitor_interval_ms,
                                  device=args.device, dtype=args.dtype,
-                                 load_format=args.load_format)
+                                 load_format=args.load_format, simulate=args.simulate)
     engine = EngineCore(config)
     assert engine.preemption is not None
     num_layers = engine.model.hf_config.num_hidden_layers
@@ -72,9 +84,16 @@ def main() -> None:
     def prompt(n: int) -> list[int]:
         return torch.randint(100, vocab, (n,), generator=g).tolist()
 
-    # Warm-up, then the layer time of an unpreempted long step.
+    # Warm-up, then the layer time of an unpreempted long step; the urgent request's own TTFT.
     engine.add_request(_request("warmup", prompt(args.prompt_tokens), 600_000))
     _drain(engine)
+    short_steps: list[float] = []
+    for i in range(5):
+        engine.add_request(_request(f"short{i}", prompt(16), 600_000))
+        started = time.monotonic()
+        _drain(engine)
+        short_steps.append(time.monotonic() - started)
+    short_s = statistics.median(short_steps)
     step_times: list[float] = []
     arrival_to_unwind: list[float] = []
     decision_to_unwind: list[float] = []
@@ -90,7 +109,8 @@ def main() -> None:
 
         layer_s = statistics.median(step_times) / num_layers
         long = _request(f"long{trial}", prompt(args.prompt_tokens), 600_000)
-        urgent = _request(f"urgent{trial}", prompt(16), 2_000)
+        slo_ms = args.urgent_slo_ms or 1000 * (short_s + 0.1 * statistics.median(step_times))
+        urgent = _request(f"urgent{trial}", prompt(16), slo_ms)
         engine.add_request(long)
         delay = rng.uniform(0.0, 0.8) * num_layers * layer_s
 
@@ -122,6 +142,7 @@ def main() -> None:
           f"{torch.get_num_threads()}")
     print(f"long_step_ms_median: {statistics.median(step_times) * 1000:.1f}")
     print(f"layer_ms: {layer_ms:.2f}")
+    print(f"urgent_ttft_alone_ms: {short_s * 1000:.1f}, urgent_slo_ms: {slo_ms:.1f}")
     print(f"trials: {args.trials}, unwound: {len(ms)}, not_unwound: {missed}")
     if ms:
         for q in (50, 90, 99):

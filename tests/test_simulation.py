@@ -179,3 +179,47 @@ def test_sampled_tokens_are_deterministic_and_never_eos(signal):
     again = executor.execute_model(SchedulerOutput(step_id=500, requests=[_request("a", 1, 7)]))
     first = executor.execute_model(SchedulerOutput(step_id=501, requests=[_request("a", 1, 7)]))
     assert again.sampled_token_ids == first.sampled_token_ids
+
+
+# ---- over HTTP ---------------------------------------------------------------------------------
+
+def test_serve_simulate_stops_a_long_prefill_for_an_urgent_request(sim_model, tmp_path):
+    """`sloserve serve MODEL --simulate h100-llama-3.1-8b`: a 24k-token prompt prefills for
+    ~1.2 s of simulated H100 time; a 64-token request with a 150 ms SLO arriving during it is
+    answered first, after the step is unwound (the slo preemption counter is the probe)."""
+    import httpx
+
+    from tests.server_helpers import ServerProcess, collect_stream, sample, scrape, sse_data
+
+    server = ServerProcess(sim_model, tmp_path / "server.log", "--simulate", H100,
+                           "--max-model-len", "32768")
+    try:
+        results: dict[str, dict] = {}
+
+        def complete(name: str, prompt: list[int], slo_ms: float) -> None:
+            body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "ttft_slo_ms": slo_ms}
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
+                              timeout=60.0) as response:
+                assert response.status_code == 200, response.read()
+                results[name] = collect_stream(sse_data(response.iter_lines()))
+
+        long = threading.Thread(target=complete, args=("long", [7] * 24_000, 60_000.0))
+        long.start()
+        deadline = time.monotonic() + 30.0
+        while server.stats()["num_running"] < 1:  # the long prompt is prefilling
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.01)
+        time.sleep(0.2)  # a few of its 32 layers
+        complete("urgent", [9] * 64, 150.0)
+        long.join()
+        assert results["urgent"]["done"] and results["long"]["done"], results
+        assert results["urgent"]["usage"] is None or results["urgent"]["usage"][
+            "completion_tokens"] == 8
+        urgent, long_ = results["urgent"]["metrics"], results["long"]["metrics"]
+        assert urgent["ttft_ms"] < long_["ttft_ms"]
+        assert long_["num_preemptions"] == 1 and urgent["num_preemptions"] == 0
+        _, samples = scrape(server.url)
+        assert sample(samples, "sloserve:num_preemptions_total", reason="slo") == 1
+    finally:
+        server.assert_clean_stop()
