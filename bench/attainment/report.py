@@ -50,6 +50,34 @@ def urgent_tier(cells: Sequence[dict[str, Any]]) -> str | None:
     return _tightest_tier(cells, "median_ttft_slo_ms")
 
 
+def loosest_tier(cells: Sequence[dict[str, Any]]) -> str | None:
+    """The tier with the loosest typical TTFT SLO (the documents of `burst`, `relaxed` of
+    mixed): what preempting for the urgent ones delays."""
+    best: tuple[float, str] | None = None
+    for c in cells:
+        for tier, ms in c["tiers"].items():
+            slo = ms.get("median_ttft_slo_ms")
+            if slo is not None and (best is None or slo["median"] > best[0]):
+                best = (slo["median"], tier)
+    return None if best is None else best[1]
+
+
+def _completion_vs_baseline(cell: dict[str, Any], cells: Sequence[dict[str, Any]],
+                            tier: str | None) -> str:
+    """The tier's mean end-to-end latency against the baseline cell's (same runner, workload,
+    rate and budget), as a signed percentage of the baseline's (medians over seeds)."""
+    if tier is None or not cell["diff"]:
+        return "–"
+    base = next((c for c in cells if c["policy"] == cell["diff"]["baseline"]
+                 and all(c[k] == cell[k] for k in ("runner", "workload", "rate", "budget"))),
+                None)
+    mine = _get(cell, "tiers", tier, "mean_e2el_ms", "median")
+    theirs = _get(base, "tiers", tier, "mean_e2el_ms", "median") if base else None
+    if mine is None or not theirs:
+        return "–"
+    return f"{(mine / theirs - 1) * 100:+.1f}"
+
+
 def tpot_tiers(cells: Sequence[dict[str, Any]]) -> list[str]:
     """The tiers whose requests carry a TPOT objective (e.g. `relaxed` in mixed), tightest
     first."""
@@ -114,7 +142,9 @@ TABLE_NOTES = (
     "TTFT % / TPOT %: requests meeting that objective, of those carrying it. good %: requests "
     "that completed and met every objective they carry (TTFT and TPOT), as `vllm bench serve "
     "--goodput` counts them; goodput is those per second. Failed requests miss every objective. "
-    "Δ: paired by seed against the baseline, in percentage points. clairvoyant TTFT %: the "
+    "Δ: paired by seed against the baseline, in percentage points. E2E vs baseline: the mean "
+    "end-to-end latency of the loosest tier (what preempting for the urgent ones delays), as a "
+    "change from the baseline's. clairvoyant TTFT %: the "
     "TTFT-SLO attainment of preemptive EDF on the prefill work alone, a bound on TTFT only.\n")
 
 
@@ -129,10 +159,13 @@ def markdown_table(aggregate: list[dict[str, Any]], urgent: str | None = None) -
     extra = [k for k in ("runner", "workload") if len({c[k] for c in aggregate}) > 1]
     u = urgent or "urgent"
     tpot = _tpot_columns(tpot_tiers(aggregate))
+    loose = loosest_tier(aggregate)
+    loose = None if loose == urgent else loose
     head = [*extra, "policy", "budget", "rate (req/s)", "seeds", "TTFT %", f"{u} TTFT %",
             *(name for name, _ in tpot), "good %", "goodput (req/s)", "p99 TTFT (ms)", "tok/s",
             "wasted %", f"Δ TTFT vs {base} (pp)", f"Δ {u} TTFT vs {base} (pp)",
-            f"Δ good vs {base} (pp)", "clairvoyant TTFT %"]
+            f"Δ good vs {base} (pp)", f"{loose or 'loosest tier'} E2E vs {base} (%)",
+            "clairvoyant TTFT %"]
     rows = [head, ["---"] * len(head)]
     for c in aggregate:
         m = c["metrics"]
@@ -150,6 +183,7 @@ def markdown_table(aggregate: list[dict[str, Any]], urgent: str | None = None) -
             _fmt(_get(c, "diff", "metrics", "ttft_slo_attainment"), 100, signed=True),
             _fmt(_get(c, "diff", "tiers", u, "ttft_slo_attainment"), 100, signed=True),
             _fmt(_get(c, "diff", "metrics", "goodput_attainment"), 100, signed=True),
+            _completion_vs_baseline(c, aggregate, loose),
             _fmt(_get(c, "clairvoyant", "ttft_slo_attainment"), 100),
         ])
     return "\n".join("| " + " | ".join(r) + " |" for r in rows) + "\n"

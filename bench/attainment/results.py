@@ -216,6 +216,7 @@ HEADLINE_METRICS: tuple[str, ...] = (
 TIER_METRICS: tuple[str, ...] = (
     "ttft_slo_attainment", "tpot_slo_attainment", "goodput_attainment", "p99_ttft_ms",
     "median_tpot_ms", "p99_tpot_ms", "median_ttft_slo_ms", "median_tpot_slo_ms",
+    "mean_e2el_ms",
 )
 # Per-tier metrics also paired against the baseline.
 TIER_DIFF_METRICS: tuple[str, ...] = ("ttft_slo_attainment", "tpot_slo_attainment",
