@@ -25,8 +25,11 @@ import msgspec
 import pytest
 
 from engine.ipc.core_messages import AddRequest, CoreOutputs
-from engine.outputs import EngineCoreOutput, SchedulerStats
-from engine.serving.openai_responses import _UNIX_OFFSET
+from engine.outputs import EngineCoreOutput, RequestMetrics, RequestOutput, SchedulerStats
+from engine.serving.edge_clock import EdgeClock
+from engine.serving.metrics import ServerMetrics
+from engine.serving.openai_responses import (_UNIX_OFFSET, Choice, ResponseContext,
+                                             stream_events)
 from tests.inprocess_server import FakeCore, app_client
 from tests.server_helpers import ServerProcess, sample, scrape, sse_data
 from tests.slow_first_output import DELAY_ENV
@@ -252,3 +255,29 @@ def test_each_sample_has_its_own_first_token_stamp(model):
         assert m["first_token_time"] >= engine_stamp + _UNIX_OFFSET
         assert m["engine_ttft_ms"] <= m["ttft_ms"]
 
+
+def test_a_finished_output_seen_again_finishes_its_choice_once():
+    """The engine client updates one output object in place, so a stream that falls behind can
+    be handed the finished object twice: one finishing chunk, one TPOT count."""
+    server_metrics = ServerMetrics("tiny")
+    out = RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1], text="ab",
+                        token_ids=[5, 6], finished=True, finish_reason="length",
+                        metrics=RequestMetrics(arrival_time=time.monotonic(), tpot_slo_ms=1e6,
+                                               num_output_tokens=2))
+    ctx = ResponseContext(request_id="cmpl-1", model="tiny", chat=False, include_usage=False,
+                          stop_holdback=0)
+
+    async def outputs():
+        yield 0, out
+        yield 0, out
+
+    async def run() -> list[str]:
+        clock = EdgeClock(1, server_metrics)
+        return [e async for e in stream_events(ctx, [Choice(index=0)], outputs(), 0,
+                                                lambda exc: {}, clock)]
+
+    events = [e for e in sse_data("".join(asyncio.run(run())).splitlines()) if e != "[DONE]"]
+    assert [c["finish_reason"] for e in events for c in e["choices"]] == ["length"]
+    text = server_metrics.render().decode()
+    assert 'sloserve:tpot_slo_met_total{model_name="tiny"} 1.0' in text
+    assert 'sloserve:time_to_first_token_seconds_count{model_name="tiny"} 1.0' in text

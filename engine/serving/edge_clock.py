@@ -89,6 +89,8 @@ class EdgeClock:
         """The choice's last output is here: stamps its finish (and its first token, when the
         chunk about to be written is its first with output) and returns its edge metrics."""
         stamps = self._choices[position]
+        if stamps.finish_time is not None:  # its output object, updated in place, seen again
+            return _edge_metrics(stamps)
         stamps.engine = out.metrics
         now = time.monotonic()
         if stamps.first_token_time is None:

@@ -232,6 +232,7 @@ class _ChoiceStream:
     started: bool = False
     # Some output (text or logprobs) has gone out, not only chat's role or echo's prompt.
     output_sent: bool = False
+    finished: bool = False
 
 
 async def stream_events(ctx: ResponseContext, choices: list[Choice],
@@ -265,6 +266,12 @@ async def stream_events(ctx: ResponseContext, choices: list[Choice],
         async for position, out in outputs:
             latest[position] = out
             stream = streams[position]
+            if stream.finished:
+                # The engine client updates one output object in place: when the stream falls
+                # behind, an update queued earlier already shows the finish, and the finishing
+                # update then comes again.
+                continue
+            stream.finished = out.finished
             body = _stream_delta(ctx, stream, out, slicer)
             if body is not None:
                 event = chunk(body)
