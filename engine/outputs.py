@@ -83,6 +83,9 @@ class RequestMetrics:
     # Deadline - first admission - predicted TTFT, seconds: how much room the scheduler had
     # (None without a TTFT SLO, or before the request was admitted).
     slack_at_admission_s: float | None = None
+    # The API server's responses stamp the first token (and the finish) where the client is
+    # sent it (engine.serving.edge_clock); the engine's own first-token stamp stays here.
+    engine_first_token_time: float | None = None
 
     @property
     def queue_time(self) -> float | None:
@@ -116,6 +119,15 @@ class RequestMetrics:
     @property
     def ttft(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def engine_ttft(self) -> float | None:
+        """Arrival to the engine's first-token stamp; ttft minus this is what detokenization,
+        IPC and the API server's event loop added (None where first_token_time is the
+        engine's own)."""
+        if self.engine_first_token_time is None:
+            return None
+        return self.engine_first_token_time - self.arrival_time
 
     @property
     def e2e_latency(self) -> float | None:

@@ -88,23 +88,26 @@ def copy_with_chat_template(model_dir: str, folder: Path) -> str:
     return str(folder)
 
 class ServerProcess:
-    """`python -m engine serve ...` on a free loopback port, output to a log file."""
+    """`python -m engine serve ...` on a free loopback port, output to a log file. `module`
+    runs another entry point that takes the same arguments (a test's patched server), with
+    `env` added to its environment."""
 
     def __init__(self, model: str, log_path: Path, *extra: str, api_key: str | None = None,
-                 startup_timeout: float = 120.0) -> None:
+                 startup_timeout: float = 120.0, module: str = "engine",
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = Path(log_path)
-        args = [sys.executable, "-m", "engine", "serve", "--model", model,
+        args = [sys.executable, "-m", module, "serve", "--model", model,
                 "--dtype", "float32", "--port", str(self.port), "--log-level", "info", *extra]
         if api_key is not None:
             args += ["--api-key", api_key]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-               "PYTHONUNBUFFERED": "1"}
-        env.pop("SLOSERVE_API_KEY", None)
+        environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                       "PYTHONUNBUFFERED": "1", **(env or {})}
+        environment.pop("SLOSERVE_API_KEY", None)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the server
-        self.proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=self._log,
+        self.proc = subprocess.Popen(args, cwd=REPO, env=environment, stdout=self._log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
             self._wait_healthy(startup_timeout)

@@ -10,7 +10,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.ipc.core_messages import AddRequest, CoreOutputs
-from engine.outputs import EngineCoreOutput, RequestMetrics, RequestOutput, SchedulerStats
+from engine.outputs import EngineCoreOutput, RequestMetrics, SchedulerStats
 from engine.serving.api_server import ServerSettings
 from engine.serving.metrics import ServerMetrics
 from tests.inprocess_server import FakeCore, app_client
@@ -130,14 +130,12 @@ def test_engine_reports_the_slack_at_admission(tiny_model):
 
 
 def test_tpot_counters_count_finished_requests_with_an_objective():
+    """Counted from the edge's stamps (engine.serving.edge_clock), once a choice finished."""
     metrics = ServerMetrics("tiny")
-    for slo_ms, request_id in ((300.0, "met"), (100.0, "missed"), (None, "none")):
-        out = RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=[1],
-                            token_ids=[1, 2, 3], finished=True, finish_reason="length",
-                            metrics=RequestMetrics(arrival_time=0.0, first_token_time=1.0,
-                                                   finish_time=1.4, num_output_tokens=3,
-                                                   tpot_slo_ms=slo_ms))
-        metrics.on_request_output(out)
+    for slo_ms in (300.0, 100.0, None):
+        metrics.on_edge_finish(RequestMetrics(arrival_time=0.0, first_token_time=1.0,
+                                              finish_time=1.4, num_output_tokens=3,
+                                              tpot_slo_ms=slo_ms))
     text = metrics.render().decode()
     assert 'sloserve:tpot_slo_met_total{model_name="tiny"} 1.0' in text
     assert 'sloserve:tpot_slo_missed_total{model_name="tiny"} 1.0' in text

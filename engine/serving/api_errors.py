@@ -7,6 +7,7 @@ operator can find it and a client learns nothing about the server's code or its 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -111,6 +112,12 @@ class BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         scope.setdefault("state", {})["arrival"] = time.monotonic()
+        # Requests that arrive together are read in one pass of the event loop, and each then
+        # runs its handler up to its first wait (validation, routing: about a millisecond) in
+        # turn: without this yield the sixteenth of a burst would be stamped some 20 ms after it
+        # was read, time its client waits and its TTFT would not count. Every request of the
+        # pass is stamped first; the yield costs one loop iteration.
+        await asyncio.sleep(0)
         headers = dict(scope.get("headers") or [])
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:

@@ -16,13 +16,14 @@ from typing import TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.serving.api_errors import (APIError, BodyLimit, InternalErrors, JSONBody, describe_error,
                                error_for)
 from engine.ipc.async_client import AsyncEngineClient, EngineDeadError
 from engine.config import EngineConfig
+from engine.serving.edge_clock import EdgeClock, EdgeStampedStream
 from engine.serving.metrics import ServerMetrics
 from engine.sampling_params import SamplingParams
 from engine.serving.choices import (EnginePrompt, best_of_choices, fan_out,
@@ -277,13 +278,16 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
                               prompt_logprobs=body.prompt_logprobs is not None,
                               tokens_as_ids=body.return_tokens_as_token_ids)
         num_top = params.logprobs or 0
+        # TTFT and TPOT as the client sees them: stamped where the tokens are sent to it.
+        clock = EdgeClock(len(choices), metrics)
         if body.stream:
             events = stream_events(ctx, choices,
                                    _forget_on_exit(merged(sources), metrics, child_ids),
-                                   num_top, lambda exc: error_for(exc, f"stream {request_id}"))
-            return StreamingResponse(events, media_type="text/event-stream")
+                                   num_top, lambda exc: error_for(exc, f"stream {request_id}"),
+                                   clock)
+            return EdgeStampedStream(events, clock, media_type="text/event-stream")
         try:
-            finals = await finals_unless_disconnected(sources, request)
+            finals = await finals_unless_disconnected(sources, request, clock.reached_handler)
         except Exception as exc:  # what the engine said about a request (or a bug)
             status, message, param = describe_error(exc, f"request {request_id}")
             raise APIError(status, message, param) from exc
@@ -291,6 +295,7 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
             for child_id in child_ids:
                 metrics.forget(child_id)
             return Response(status_code=499)
+        finals = clock.with_edge_metrics(finals)
         usage = usage_body(ctx, choices, finals)  # every sample drawn, best_of's included
         if params.ranks_samples:
             choices, finals = best_of_choices(choices, finals, body.n,

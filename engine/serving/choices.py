@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
@@ -109,13 +109,17 @@ async def merged(sources: list[AsyncIterator[RequestOutput]]
 
 
 async def finals_unless_disconnected(sources: list[AsyncIterator[RequestOutput]],
-                                     request: Request) -> list[RequestOutput] | None:
+                                     request: Request,
+                                     on_output: Callable[[int, RequestOutput], None]
+                                     ) -> list[RequestOutput] | None:
     """Every source's last output, or None if the client went away first (every request is
-    then aborted). The first exception of any source is raised, after the others are closed."""
+    then aborted). The first exception of any source is raised, after the others are closed.
+    ``on_output`` sees (position, output) as each output arrives."""
 
     async def drain() -> list[RequestOutput]:
         last: list[RequestOutput | None] = [None] * len(sources)
         async for position, out in merged(sources):
+            on_output(position, out)
             last[position] = out
         assert all(out is not None for out in last), "a request ended without an output"
         return last  # type: ignore[return-value]

@@ -6,7 +6,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from engine.outputs import RequestOutput, SchedulerStats
+from engine.outputs import RequestMetrics, RequestOutput, SchedulerStats
 
 _PREEMPT_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -62,7 +62,8 @@ class ServerMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(**labels)
         self.request_success = counter("request_success", "Finished requests, by reason.",
                                        "finished_reason")
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to the first token "
+                              "sent to the client.")
         self.itl = histogram("inter_token_latency_seconds", "Time between two output tokens.")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.")
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.")
@@ -108,12 +109,8 @@ class ServerMetrics:
         m = out.metrics
         if new_tokens > 0:
             self.generation_tokens.inc(new_tokens)
-            if seen == 0 and m is not None and m.ttft is not None:
-                self.ttft.observe(m.ttft)
-                if m.ttft_slo_met is not None:
-                    (self.slo_met if m.ttft_slo_met else self.slo_missed).inc()
-                if m.queue_time is not None:
-                    self.queue_time.observe(m.queue_time)
+            if seen == 0 and m is not None and m.queue_time is not None:
+                self.queue_time.observe(m.queue_time)
             elif seen > 0:
                 self.itl.observe((now - last_time) / new_tokens)
             self._progress[out.request_id] = (len(out.token_ids), now)
@@ -124,8 +121,23 @@ class ServerMetrics:
                                         finished_reason=out.finish_reason or "unknown").inc()
             if m is not None and m.e2e_latency is not None:
                 self.e2e.observe(m.e2e_latency)
-            if m is not None and m.tpot_slo_met is not None and out.finish_reason != "error":
-                (self.tpot_slo_met if m.tpot_slo_met else self.tpot_slo_missed).inc()
+
+    # TTFT and TPOT are judged by the API server's stamps, where the client is sent the tokens
+    # (engine.serving.edge_clock), not by the engine's: the engine's first-token stamp cannot
+    # see detokenization, the frame to the API server or its event loop.
+
+    def on_edge_first_token(self, metrics: RequestMetrics) -> None:
+        """A choice's first token was sent to its client (metrics: with the edge's stamps)."""
+        if metrics.ttft is None:
+            return
+        self.ttft.observe(metrics.ttft)
+        if metrics.ttft_slo_met is not None:
+            (self.slo_met if metrics.ttft_slo_met else self.slo_missed).inc()
+
+    def on_edge_finish(self, metrics: RequestMetrics) -> None:
+        """A choice finished (not with an error) and its last output reached the handler."""
+        if metrics.tpot_slo_met is not None:
+            (self.tpot_slo_met if metrics.tpot_slo_met else self.tpot_slo_missed).inc()
 
     def forget(self, request_id: str) -> None:
         """A request that ended without finishing (client gone)."""

@@ -14,6 +14,7 @@ from typing import Any
 
 from engine.logprobs import Logprob, PositionLogprobs
 from engine.outputs import RequestMetrics, RequestOutput
+from engine.serving.edge_clock import EdgeClock
 
 # time.monotonic() -> Unix time, for the timestamps reported to clients.
 _UNIX_OFFSET = time.time() - time.monotonic()
@@ -70,7 +71,8 @@ def metrics_body(metrics: RequestMetrics | None) -> dict[str, Any] | None:
 
     return {"arrival_time": unix(metrics.arrival_time),
             "first_token_time": unix(metrics.first_token_time),
-            "ttft_ms": ms(metrics.ttft), "ttft_slo_ms": metrics.ttft_slo_ms,
+            "ttft_ms": ms(metrics.ttft), "engine_ttft_ms": ms(metrics.engine_ttft),
+            "ttft_slo_ms": metrics.ttft_slo_ms,
             "ttft_slo_met": metrics.ttft_slo_met, "tpot_ms": ms(metrics.tpot),
             "tpot_slo_ms": metrics.tpot_slo_ms, "tpot_slo_met": metrics.tpot_slo_met,
             "num_preemptions": metrics.num_preemptions,
@@ -228,15 +230,20 @@ class _ChoiceStream:
     text_sent: int = 0
     tokens_sent: int = 0
     started: bool = False
+    # Some output (text or logprobs) has gone out, not only chat's role or echo's prompt.
+    output_sent: bool = False
+    finished: bool = False
 
 
 async def stream_events(ctx: ResponseContext, choices: list[Choice],
                         outputs: AsyncIterator[tuple[int, RequestOutput]], num_top: int,
-                        on_error: Callable[[Exception], dict[str, Any]]) -> AsyncIterator[str]:
+                        on_error: Callable[[Exception], dict[str, Any]], clock: EdgeClock
+                        ) -> AsyncIterator[str]:
     """SSE chunks for one response: ``outputs`` yields (position in ``choices``, cumulative
     output) as any choice advances. A failure ends the stream with the error event
     ``on_error`` makes of it (a short message: the headers are sent, so this is all the client
-    gets)."""
+    gets). ``clock`` is told which chunks carry a choice's output (the response stamps them
+    once written) and stamps each choice's finish; the final chunks' metrics are its."""
     kind = "chat.completion.chunk" if ctx.chat else "text_completion"
     created = ctx.created
     streams = [_ChoiceStream(c) for c in choices]
@@ -259,11 +266,19 @@ async def stream_events(ctx: ResponseContext, choices: list[Choice],
         async for position, out in outputs:
             latest[position] = out
             stream = streams[position]
+            if stream.finished:
+                # The engine client updates one output object in place: when the stream falls
+                # behind, an update queued earlier already shows the finish, and the finishing
+                # update then comes again.
+                continue
+            stream.finished = out.finished
             body = _stream_delta(ctx, stream, out, slicer)
             if body is not None:
                 event = chunk(body)
                 if out.finished:
-                    event["metrics"] = metrics_body(out.metrics)
+                    event["metrics"] = metrics_body(clock.finished(position, out))
+                elif stream.output_sent:
+                    clock.output_in_next_write(position, out)
                 yield _sse(event)
     except Exception as exc:  # the engine died, the server is shutting down, or a bug
         yield _sse(on_error(exc))
@@ -321,6 +336,7 @@ def _stream_delta(ctx: ResponseContext, stream: _ChoiceStream, out: RequestOutpu
     if out.finished:
         body["stop_reason"] = out.stop_reason
     stream.started = True
+    stream.output_sent = stream.output_sent or bool(delta) or tokens_end > stream.tokens_sent
     stream.text_sent = max(stream.text_sent, safe)
     stream.tokens_sent = tokens_end
     return body
