@@ -17,6 +17,7 @@ from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
 from engine.runtime.slo_preemption import SLOPreemptionControl
+from engine.runtime.step_observation import observe_step
 from engine.runtime.worker_messages import kv_pool_plan, make_worker_config
 from monitor.predictor import LinearTTFT
 from monitor.preempt_signal import PreemptSignal
@@ -222,15 +223,10 @@ class EngineCore:
 
     def _observe_step_time(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> None:
-        """Feed the online step model (prefill, decode and mixed steps alike), but not from a
-        step resuming a suspended pass: it skips the layers already done and would bias the
-        model low."""
-        if any(r.resume for r in scheduler_output.requests):
-            return
-        self.scheduler.slack.predictor.observe(
-            scheduler_output.num_scheduled_tokens, runner_output.execute_seconds,
-            scheduler_output.attention_work,
-            scheduler_output.decode_context)
+        """Feed the online step model (prefill, decode and mixed steps alike; a chunk resuming
+        a suspended pass counts only the layers it ran)."""
+        observe_step(self.scheduler.slack.predictor, scheduler_output, runner_output,
+                     self.model.hf_config.num_hidden_layers)
 
     def stats(self) -> SchedulerStats:
         stats = self.scheduler.stats()
