@@ -17,6 +17,8 @@ from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
 from engine.runtime.slo_preemption import SLOPreemptionControl
+from engine.runtime.startup_calibration import (StartupCalibration, calibrate_at_startup,
+                                                wants_startup_calibration)
 from engine.runtime.step_observation import observe_step
 from engine.runtime.worker_messages import kv_pool_plan, make_worker_config
 from monitor.predictor import LinearTTFT
@@ -35,6 +37,7 @@ class EngineCore:
         ttft_seed = LinearTTFT.load(preemption.ttft_model) if preemption.ttft_model else None
         signal = PreemptSignal.create() if preemption.mid_forward_preemption else None
         self.preemption: SLOPreemptionControl | None = None
+        self.startup_calibration: StartupCalibration | None = None
         started: Executor | None = None
         try:
             # A pool size the configuration fixes: the scheduler checks it before any weights
@@ -47,6 +50,14 @@ class EngineCore:
                 check_pool_fits(self.model.max_model_len, config.cache, self.model.num_blocks,
                                 measured=True)
                 self._start_scheduling(signal, ttft_seed)
+            if ttft_seed is None and wants_startup_calibration(config):
+                # Either way the scheduler exists by now (before the executor when the pool
+                # size is fixed) and holds the default seed: swap in the machine's own, before
+                # any request.
+                self.startup_calibration = calibrate_at_startup(started, config, self.model)
+                if self.startup_calibration is not None:
+                    self.scheduler.slack.predictor.reseed(self.startup_calibration.model,
+                                                          self.startup_calibration.points)
         except BaseException:
             if self.preemption is not None:
                 self.preemption.shutdown()  # closes the signal
