@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from monitor.predictor import LinearTTFT  # noqa: E402
+from monitor.predictor import LinearTTFT, StepPoint  # noqa: E402
 
 # (tokens, attention, decode_context, decodes, seconds) of one step.
 Step = tuple[int, int, int, int, float]
@@ -44,7 +44,7 @@ def record_steps(model: str | None, num_requests: int, budget: int, seed: int,
               max_num_batched_tokens=budget, enable_prefix_caching=False)
     steps: list[Step] = []
     online = llm.engine.scheduler.slack.predictor
-    observe = online.observe
+    observe = online.observe_point
     executor = llm.engine.executor
     execute_model = executor.execute_model
     last_decodes = [0]
@@ -53,14 +53,15 @@ def record_steps(model: str | None, num_requests: int, budget: int, seed: int,
         last_decodes[0] = sum(1 for r in scheduler_output.requests if len(r.token_ids) == 1)
         return execute_model(scheduler_output)
 
-    def recording(tokens: int, seconds: float, attention: int | None = None,
-                  decode_context: int = 0) -> None:
-        steps.append((tokens, attention or 0, decode_context, last_decodes[0], seconds))
-        observe(tokens, seconds, attention, decode_context)
+    def recording(point: StepPoint) -> None:
+        # Every step here runs all its layers (no preemption): whole-step features.
+        steps.append((round(point.tokens), round(point.attention), round(point.decode_context),
+                      last_decodes[0], point.seconds))
+        observe(point)
 
     # The engine's own calls, recorded on their way through.
     executor.execute_model = executing  # type: ignore[method-assign]
-    online.observe = recording  # type: ignore[method-assign]
+    online.observe_point = recording  # type: ignore[method-assign]
     rng = random.Random(seed)
     vocab = llm.engine.vocab_size
     longest = min(2048, llm.engine.max_model_len - 64)

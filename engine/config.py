@@ -94,6 +94,10 @@ class PreemptionConfig:
     mode: SLOPreemptMode = "suspend"
     # JSON line from `sloserve calibrate`; None: fit online from the engine's own steps.
     ttft_model: str | None = None
+    # Without ttft_model: time a few step shapes before serving (a few seconds at most) and
+    # seed the online fit with them (engine/runtime/startup_calibration.py). Off: start from
+    # the pessimistic default (tests that need an exact seed).
+    startup_calibration: bool = True
     # The quantile of the TTFT predictor's recent relative errors that the monitor adds as a
     # safety margin before deciding that an urgent waiter can wait out the running step.
     predictor_error_quantile: float = 0.9
@@ -203,7 +207,8 @@ def build_engine_config(model: str, *, dtype: str = "auto", device: str = "cpu",
                         stubborn_fraction: float = 0.9, preempt_min_tokens: int = 128,
                         monitor_interval_ms: float = 2.0, slo_preempt_mode: str = "suspend",
                         ttft_model: str | None = None,
-                        predictor_error_quantile: float = 0.9) -> EngineConfig:
+                        predictor_error_quantile: float = 0.9,
+                        startup_calibration: bool = True) -> EngineConfig:
     """The flat engine arguments (as vLLM names them) grouped into an EngineConfig.
     ``chat_template``: a file path or the template itself (read and checked here)."""
     from engine.processing.chat_template import load_chat_template  # jinja2: only when needed
@@ -234,7 +239,8 @@ def build_engine_config(model: str, *, dtype: str = "auto", device: str = "cpu",
                                     monitor_interval_ms=monitor_interval_ms,
                                     mode=slo_preempt_mode,  # type: ignore[arg-type]
                                     ttft_model=ttft_model,
-                                    predictor_error_quantile=predictor_error_quantile),
+                                    predictor_error_quantile=predictor_error_quantile,
+                                    startup_calibration=startup_calibration),
         tensor_parallel_size=tensor_parallel_size,
         distributed_executor=distributed_executor,  # type: ignore[arg-type]
         collective_timeout_s=collective_timeout_s,

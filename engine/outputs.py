@@ -55,7 +55,7 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     num_steps: int = 0
     # Exceptions the SLO monitor thread caught and survived.
     monitor_errors: int = 0
-    # The TTFT predictor's safety margin: how much longer than predicted recent steps ran.
+    # The TTFT predictor's safety margin: how far from predicted recent steps ran, either way.
     ttft_predictor_relative_error: float = 0.0
 
 

@@ -1,24 +1,31 @@
 """TTFT predictor: time to prefill `tokens` tokens on this model and machine, `a * tokens + c`,
 plus `b * tokens**2` where attention makes long prompts grow faster than linearly.
 
-Fitted by least squares (linear in the coefficients) on measured points: from `sloserve
-calibrate` (saved as JSON; it keeps the quadratic term only if it beats the plain line on
-held-out prompt sizes, docs/design.md section 5), or online from the engine's own prefill step
-timings. A request's remaining TTFT counts only the tokens it still has to prefill.
+Fitted by least squares (linear in the coefficients) on measured points: by the engine itself at
+startup (engine/runtime/startup_calibration.py), by `sloserve calibrate` (saved as JSON), and
+online from the engine's own step timings. A richer model is kept only where it beats the line on
+held-out sizes (monitor/step_model_choice.py, docs/design.md section 5). A request's remaining
+TTFT counts only the tokens it still has to prefill.
 
 A step of several chunks costs `c + a * tokens + b * attention + d * decode_context`, where
 `attention` sums `n * (2 * prefix + n)` over its prefill chunks (n > 1 new tokens over a cached
 prefix; for one fresh prompt that is `n**2`) and `decode_context` sums the KV tokens each decode
 (a one-token chunk) reads, `prefix + 1`. One model predicts lone prompts, decode-only steps and
 mixed steps alike. The decode term is separate from the attention term because a decode is bound
-by reading its K/V, not by FLOPs: on the default model a decode over a 2000-token context costs
-tens of milliseconds, far more than the attention FLOPs of one token suggest.
+by reading its K/V, not by FLOPs. On a GPU a step also never runs faster than the host can launch
+its kernels (about 30 ms for an 8B model in eager mode): `floor_s`, when fitted, makes the step
+model `max(floor_s, terms)`.
 
-The model carries its own error: `relative_error` is a high quantile (``error_quantile``, 0.9 by
-default) of how much longer than predicted recent steps ran, each residual taken against the
-model as it stood before that step (out of sample). The monitor adds it as a safety margin, so a
-misprediction of the size the engine keeps seeing does not turn a just-in-time preemption into
-a miss.
+A step that ran only some of the layers (unwound mid-forward, or resuming a suspended pass at its
+layer) is a point too: each chunk's features are scaled by the share of the layers it ran, the
+intercept and the floor by the share the step ran (`step_point`).
+
+The model carries its own error. `relative_error` is a high quantile (``error_quantile``, 0.9 by
+default) of `|actual / predicted - 1|` over recent steps against the current model, both ways: a
+model that overpredicts 2x is as untrustworthy for the monitor's necessity test as one that
+underpredicts. `relative_speedup` is how much faster than predicted steps ran at the low quantile
+(`optimistic`). Both have a floor of MIN_RELATIVE_ERROR: no margin is ever 0 while step times
+range 100x.
 """
 
 from __future__ import annotations
@@ -27,9 +34,10 @@ import dataclasses
 import json
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 # Before any measurement: pessimistic for a 135M model on 2 CPU cores (about 1 ms per token plus
 # 50 ms per step), so that slack is underestimated rather than overestimated.
@@ -37,9 +45,32 @@ DEFAULT_SECONDS_PER_TOKEN = 1e-3
 DEFAULT_INTERCEPT_S = 0.05
 # More tokens than any step could hold: the answer of max_tokens_within for "no limit".
 MAX_TOKENS_WITHIN = 1 << 40
-# The error margin is estimated from this many observed steps at least; before that the seed's
-# (0 unless a calibration file carries one) stands.
+# The error margins are estimated from this many observed prefill steps at least; before that
+# the larger of the seed's and the steps' stands. Until then every prefill step refits.
 MIN_ERROR_SAMPLES = 8
+# No model of a machine whose steps range from milliseconds to seconds is better than this.
+MIN_RELATIVE_ERROR = 0.05
+# A point within this share above the floor is taken as floor-bound, not fitted by the terms.
+FLOOR_TOLERANCE = 0.1
+# Online fits weight a point by 2 ** (-age / RECENCY_HALF_LIFE), age counted in its window's
+# steps: the machine's speed drifts (other processes, clocks) and recent steps tell it best.
+RECENCY_HALF_LIFE = 64
+
+
+class StepPoint(NamedTuple):
+    """One timed step as the fit sees it (see attention_work, decode_context, step_point)."""
+
+    tokens: float
+    attention: float
+    decode_context: float
+    seconds: float
+    # Share of the layers the step ran: the intercept's (and the floor's) feature.
+    share: float = 1.0
+
+    @property
+    def full_tokens(self) -> float:
+        """Tokens of the whole-step equivalent: partial points of one size share it."""
+        return self.tokens / self.share
 
 
 def attention_work(chunks: Iterable[tuple[int, int]]) -> int:
@@ -53,6 +84,39 @@ def decode_context(chunks: Iterable[tuple[int, int]]) -> int:
     return sum(prefix + 1 for prefix, n in chunks if n == 1)
 
 
+def step_point(chunks: Iterable[tuple[int, int, int, int]], num_layers: int,
+               seconds: float) -> StepPoint | None:
+    """The point of a step whose chunks ran only some layers: `chunks` are (prefix, n,
+    start_layer, end_layer), the chunk having run layers [start_layer, end_layer). Each chunk's
+    features are scaled by its share of the layers; the intercept by the share of the layers the
+    step ran at all (lowest start to highest end among the chunks that ran any), since the
+    per-step cost (launches, norms, the LM head) is mostly per layer. None when nothing ran."""
+    tokens = attention = context = 0.0
+    first, last = num_layers, 0
+    for prefix, n, start, end in chunks:
+        if end <= start:
+            continue
+        share = (end - start) / num_layers
+        tokens += n * share
+        if n > 1:
+            attention += n * (2 * prefix + n) * share
+        else:
+            context += (prefix + 1) * share
+        first, last = min(first, start), max(last, end)
+    if last <= first:
+        return None
+    return StepPoint(tokens, attention, context, seconds, (last - first) / num_layers)
+
+
+def _as_point(point: Sequence[float]) -> StepPoint:
+    return point if isinstance(point, StepPoint) else StepPoint(*point)
+
+
+def recency_weights(count: int, half_life: float = RECENCY_HALF_LIFE) -> list[float]:
+    """Weights of a window's points, oldest first, the newest at 1."""
+    return [0.5 ** ((count - 1 - i) / half_life) for i in range(count)]
+
+
 @dataclass(frozen=True)
 class LinearTTFT:
     seconds_per_token: float = DEFAULT_SECONDS_PER_TOKEN
@@ -61,15 +125,25 @@ class LinearTTFT:
     r2: float | None = None
     # Seconds per unit of attention work (0: a plain line).
     seconds_per_token_sq: float = 0.0
-    # How much longer than predicted steps run, relative (0.1: 10% longer), at the error
-    # quantile of recent steps; never negative (running faster needs no margin).
+    # How wrong the model is, relative (0.1: steps ran up to 10% longer or shorter than
+    # predicted) at the error quantile of recent steps: the safety margin.
     relative_error: float = 0.0
     # Seconds per KV token read by a decode (0: decodes cost only their share of the line).
     seconds_per_decode_context: float = 0.0
+    # No step of all layers runs faster than this (a GPU's host launch floor; 0: none).
+    floor_s: float = 0.0
+    # How much faster than predicted steps ran, relative, at the low error quantile (0.2: 20%
+    # faster): `optimistic` shrinks a prediction by it.
+    relative_speedup: float = 0.0
 
     def margin(self, seconds: float) -> float:
         """The safety margin to add to a predicted duration of `seconds`."""
         return self.relative_error * seconds
+
+    def optimistic(self, seconds: float) -> float:
+        """A predicted duration of `seconds` as it comes out when steps run as much faster than
+        predicted as they have been: the bound for deciding that a request is doomed."""
+        return seconds * max(0.0, 1.0 - self.relative_speedup)
 
     def predict(self, tokens: int, decode_context: int = 0) -> float:
         """Seconds to prefill `tokens` more tokens (0 when none are left), in steps that also
@@ -78,18 +152,24 @@ class LinearTTFT:
             return 0.0
         return self.predict_step(tokens, tokens * tokens, decode_context)
 
-    def predict_step(self, tokens: int, attention: int, decode_context: int = 0) -> float:
+    def predict_step(self, tokens: float, attention: float, decode_context: float = 0,
+                     share: float = 1.0) -> float:
         """Seconds for a step of `tokens` tokens with `attention` work and `decode_context`
-        (see attention_work and decode_context)."""
-        return max(0.0, self.seconds_per_token * tokens + self.seconds_per_token_sq * attention
-                   + self.seconds_per_decode_context * decode_context + self.intercept_s)
+        (see attention_work and decode_context) that runs `share` of the layers."""
+        terms = (self.seconds_per_token * tokens + self.seconds_per_token_sq * attention
+                 + self.seconds_per_decode_context * decode_context + self.intercept_s * share)
+        return max(0.0, self.floor_s * share, terms)
+
+    def predict_point(self, point: StepPoint) -> float:
+        return self.predict_step(point.tokens, point.attention, point.decode_context,
+                                 point.share)
 
     def max_tokens_within(self, seconds: float, decode_context: int = 0) -> int:
         """The most tokens of one fresh prompt that `predict` keeps within `seconds` beside
         decodes reading `decode_context` KV tokens (at most MAX_TOKENS_WITHIN: a client's
         objective of 1e308 ms is no reason to overflow)."""
         budget = seconds - self.intercept_s - self.seconds_per_decode_context * decode_context
-        if budget <= 0:
+        if budget <= 0 or seconds < self.floor_s:
             return 0
         a, b = self.seconds_per_token, self.seconds_per_token_sq
         if b <= 0:
@@ -104,7 +184,11 @@ class LinearTTFT:
         already holds `tokens` / `attention` / `decode_context` (predict_step's features) and
         keep the step within `seconds`. The chunk's attention over its prefix counts: a 2048-token
         chunk over a 28k prefix costs more than twice a fresh 2048-token prompt."""
-        budget = seconds - self.predict_step(tokens, attention, decode_context)
+        if seconds < self.floor_s:
+            return 0
+        # The floor is a lower bound on the step, not a cost: only the terms count against it.
+        budget = seconds - dataclasses.replace(self, floor_s=0.0).predict_step(
+            tokens, attention, decode_context)
         if budget <= 0:
             return 0
         # a * n + b * n * (2 * prefix + n) <= budget
@@ -150,12 +234,17 @@ class LinearTTFT:
         return cls.fit_step(((n, q, 0, s) for n, q, s in pts), quadratic=True, decode=False)
 
     @classmethod
-    def fit_step(cls, points: Iterable[tuple[int, int, int, float]], *, quadratic: bool,
-                 decode: bool) -> LinearTTFT:
-        """Least squares on (tokens, attention, decode_context, seconds) steps: the line plus the
-        attention term if `quadratic` and the decode term if `decode`. A term whose coefficient
-        comes out <= 0 is dropped and the rest refitted (no step gets cheaper with more work);
-        a negative intercept refits through the origin; a slope <= 0 falls back to `fit`.
+    def fit_step(cls, points: Iterable[Sequence[float]], *, quadratic: bool, decode: bool,
+                 weights: Sequence[float] | None = None, floor_s: float = 0.0) -> LinearTTFT:
+        """Least squares on step points (StepPoint, or (tokens, attention, decode_context,
+        seconds) tuples): the line plus the attention term if `quadratic` and the decode term if
+        `decode` (the attention term only where three or more prefill shapes determine it). A
+        term whose coefficient comes out <= 0 is dropped and the rest refitted (no
+        step gets cheaper with more work); a negative intercept refits through the origin; a
+        slope <= 0 falls back to `fit`. `weights` multiply each point's weight (recency).
+
+        With `floor_s`, the model is `max(floor_s, terms)`: points within FLOOR_TOLERANCE of
+        the floor are its, and the terms are fitted on the others.
 
         Residuals are weighted by 1 / seconds, so the fit minimizes relative errors: steps range
         from 60 ms decodes to 10 s prefills, and in plain least squares the long ones would
@@ -163,13 +252,24 @@ class LinearTTFT:
         it), while the scheduler's margin and caps work in relative error."""
         import numpy as np
 
-        pts = list(points)
-        if len({n for n, _, _, _ in pts}) < 2:
+        # Columns: share (the intercept's feature), tokens, attention, decode_context, seconds.
+        rows = [(p.share, p.tokens, p.attention, p.decode_context, p.seconds)
+                for p in map(_as_point, points)]
+        table = np.array(rows, dtype=float).reshape(-1, 5)
+        extra = np.ones(len(table)) if weights is None else np.asarray(weights, dtype=float)
+        if floor_s > 0:
+            kept = table[:, 4] > floor_s * table[:, 0] * (1 + FLOOR_TOLERANCE)
+            table, extra = table[kept], extra[kept]
+        # Whole-step sizes and prefill shapes (partial points of one shape share them).
+        whole = np.round(table[:, 1:3] / table[:, :1], 3)
+        sizes = np.unique(whole[:, 0])
+        if len(sizes) < 2:
             raise ValueError(f"fitting a step model needs points at two or more token counts, "
-                             f"got {sorted({n for n, _, _, _ in pts})}")
-        features = np.array([[1.0, float(n), float(q), float(d)] for n, q, d, _ in pts])
-        y = np.array([s for _, _, _, s in pts])
-        weight = 1.0 / np.maximum(y, 1e-6)
+                             f"got {sizes.tolist()}")
+        shapes = np.unique(whole[table[:, 2] > 0], axis=0)
+        quadratic = quadratic and len(shapes) >= 3  # else the term is not determined
+        features, y = table[:, :4], table[:, 4]
+        weight = extra / np.maximum(y, 1e-6)
         weighted, target = features * weight[:, None], y * weight
         terms = [column for column, on in ((2, quadratic), (3, decode)) if on]
         while True:
@@ -184,7 +284,8 @@ class LinearTTFT:
                 break
             terms.remove(dropped[0])
         if coef[1] <= 0:
-            return cls.fit((n, s) for n, _, _, s in pts)
+            line = cls.fit(zip(table[:, 1] / table[:, 0], y / table[:, 0]))
+            return dataclasses.replace(line, floor_s=floor_s)
         full = np.zeros(4)
         full[[0, 1, *terms]] = coef
         residual = y - features @ full
@@ -192,13 +293,15 @@ class LinearTTFT:
         r2 = 1.0 - float((residual ** 2).sum()) / ss_tot if ss_tot > 0 else 1.0
         return cls(seconds_per_token=float(full[1]), intercept_s=float(full[0]), r2=r2,
                    seconds_per_token_sq=float(full[2]),
-                   seconds_per_decode_context=float(full[3]))
+                   seconds_per_decode_context=float(full[3]), floor_s=floor_s)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> LinearTTFT:
+        """A file `save` wrote; fields added since (the floor, the speedup) default to 0 when an
+        older file lacks them."""
         try:
             data = json.loads(Path(path).read_text())
             model = cls(seconds_per_token=float(data["seconds_per_token"]),
@@ -206,7 +309,9 @@ class LinearTTFT:
                         seconds_per_token_sq=float(data.get("seconds_per_token_sq", 0.0)),
                         relative_error=float(data.get("relative_error", 0.0)),
                         seconds_per_decode_context=float(
-                            data.get("seconds_per_decode_context", 0.0)))
+                            data.get("seconds_per_decode_context", 0.0)),
+                        floor_s=float(data.get("floor_s", 0.0)),
+                        relative_speedup=float(data.get("relative_speedup", 0.0)))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"ttft model {str(path)!r} is not a calibration file written by "
                              f"`sloserve calibrate`: {exc}") from exc
@@ -219,90 +324,138 @@ class LinearTTFT:
         if not 0 <= model.relative_error < math.inf:
             raise ValueError(f"ttft model {str(path)!r}: relative_error must be a finite number "
                              f">= 0, got {model.relative_error}")
+        if not 0 <= model.floor_s < math.inf or not 0 <= model.relative_speedup < 1:
+            raise ValueError(f"ttft model {str(path)!r}: floor_s must be a finite number >= 0 "
+                             f"and relative_speedup in [0, 1), got {model.floor_s} and "
+                             f"{model.relative_speedup}")
         return model
 
 
 def optimistic_prefill(model: LinearTTFT, tokens: int, decode_context: int = 0) -> float:
-    """The fastest a prefill of `tokens` is likely to run: the prediction less the model's
-    observed error (a request is written off as doomed only against this)."""
-    return model.predict(tokens, decode_context) / (1.0 + model.relative_error)
+    """The fastest a prefill of `tokens` is likely to run (a request is written off as doomed
+    only against this)."""
+    return model.optimistic(model.predict(tokens, decode_context))
+
+
+def error_quantiles(ratios: Iterable[float], quantile: float) -> tuple[float, float]:
+    """(relative_error, relative_speedup) of `actual / predicted - 1` residuals: the
+    `quantile` of their sizes, and how far below 0 their `1 - quantile` lies (each at least
+    MIN_RELATIVE_ERROR; the speedup below 1)."""
+    ordered = sorted(ratios)
+    if not ordered:
+        return MIN_RELATIVE_ERROR, MIN_RELATIVE_ERROR
+    sizes = sorted(abs(r) for r in ordered)
+    # The smallest value with at least `quantile` of them at or below it.
+    high = sizes[max(0, math.ceil(quantile * len(sizes)) - 1)]
+    low = ordered[max(0, math.ceil((1 - quantile) * len(ordered)) - 1)]
+    return max(MIN_RELATIVE_ERROR, high), min(0.95, max(MIN_RELATIVE_ERROR, -low))
 
 
 class OnlineTTFT:
-    """Refits the model from the engine's observed steps, starting from a seed until enough
-    distinct step sizes were seen. Steps that prefill something and decode-only steps fill two
-    sliding windows, and the fit runs on both: decode-only steps come every few hundred
-    milliseconds while prefills are rare, and one shared window would forget the prefills. The
-    quadratic term is refitted only when the seed has one (calibration found it beats the line);
-    the decode term whenever decodes were seen. Every prefill step also updates the model's
-    `relative_error` (see the module docstring): it is the margin on predicted prefills. Readers
-    get the current model by reference; `observe` replaces it, never mutates it."""
+    """Refits the model from the engine's observed steps, starting from a seed (the startup
+    calibration's, a file's, or the pessimistic default). Steps that prefill something and
+    decode-only steps fill two sliding windows, and the fit runs on both: decode-only steps come
+    every few milliseconds while prefills are rare, and one shared window would forget the
+    prefills. Every prefill step refits until MIN_ERROR_SAMPLES were seen, then every
+    `refit_every` steps; the attention term is always tried (fit_step drops it if the data
+    contradicts it), the decode term whenever decodes ran; recent points weigh more.
+
+    After each refit the margins are recomputed from the residuals of the recent prefill steps
+    against the new model; between refits each prefill step adds its residual against the model
+    it was predicted with. `refit_every=None` never refits: the seed's coefficients stay and
+    only its margins are learned. Readers get the current model by reference; `observe`
+    replaces it, never mutates it."""
 
     def __init__(self, seed: LinearTTFT | None = None, window: int = 256,
-                 refit_every: int = 8, error_quantile: float = 0.9,
+                 refit_every: int | None = 8, error_quantile: float = 0.9,
                  error_window: int = 64, decode_window: int = 128) -> None:
         if not 0.0 < error_quantile <= 1.0:
             raise ValueError(f"error_quantile must be in (0, 1], got {error_quantile}")
-        self.current = seed or LinearTTFT()
         self.error_quantile = error_quantile
-        self._quadratic = self.current.seconds_per_token_sq > 0
-        # (tokens, attention, decode_context, seconds) of steps with and without a prefill chunk.
-        self._points: deque[tuple[int, int, int, float]] = deque(maxlen=window)
-        self._decode_points: deque[tuple[int, int, int, float]] = deque(maxlen=decode_window)
-        # actual / predicted - 1 of each observed step, against the model before it. A shorter
-        # window than the fit's: the margin should forget a seed's error once the refit
-        # corrected it.
-        self._residuals: deque[float] = deque(maxlen=error_window)
         self._refit_every = refit_every
+        self._points: deque[StepPoint] = deque(maxlen=window)
+        self._decode_points: deque[StepPoint] = deque(maxlen=decode_window)
+        # The recent observed prefill steps and their residuals actual / predicted - 1 against
+        # the current model (recomputed at every refit). A shorter window than the fit's: the
+        # margin should forget errors the refits have corrected.
+        self._recent: deque[StepPoint] = deque(maxlen=error_window)
+        self._residuals: deque[float] = deque(maxlen=error_window)
+        self.reseed(seed or LinearTTFT())
+
+    def reseed(self, seed: LinearTTFT, points: Iterable[StepPoint] = ()) -> None:
+        """Start over from `seed` (a startup calibration's), with the points it was fitted on
+        as the windows' oldest: real steps outweigh them as they come, then push them out.
+        Calibration points add no residuals: the seed's own relative_error (held out)
+        stands for them until MIN_ERROR_SAMPLES steps were observed."""
+        self.current = seed
+        self._seed = seed
+        for window in (self._points, self._decode_points, self._recent, self._residuals):
+            window.clear()
+        for point in points:
+            (self._points if point.attention > 0 else self._decode_points).append(point)
         self._since_fit = 0
 
     def observe(self, tokens: int, seconds: float, attention: int | None = None,
                 decode_context: int = 0) -> None:
-        """One completed step: its tokens, wall time, attention work (default: one fresh prompt
-        of `tokens`; 0: a decode-only step) and decode context (see attention_work and
-        decode_context)."""
-        if tokens <= 0 or seconds <= 0:
-            return
+        """One completed step that ran all layers: its tokens, wall time, attention work
+        (default: one fresh prompt of `tokens`; 0: a decode-only step) and decode context (see
+        attention_work and decode_context)."""
         attention = tokens * tokens if attention is None else attention
-        point = (tokens, attention, decode_context, seconds)
-        if attention > 0:
-            predicted = self.current.predict_step(tokens, attention, decode_context)
-            if predicted > 0:
-                self._residuals.append(seconds / predicted - 1.0)
+        self.observe_point(StepPoint(tokens, attention, decode_context, seconds))
+
+    def observe_point(self, point: StepPoint) -> None:
+        """One completed, unwound or resumed step (see step_point)."""
+        if point.tokens <= 0 or point.seconds <= 0 or point.share <= 0:
+            return
+        model = self.current
+        prefill = point.attention > 0
+        if prefill:
             self._points.append(point)
+            self._recent.append(point)
+            self._residuals.append(_residual(model, point))
         else:
             self._decode_points.append(point)
-        model = self.current
         self._since_fit += 1
-        if self._since_fit >= self._refit_every:
+        settling = prefill and len(self._recent) <= MIN_ERROR_SAMPLES
+        if self._refit_every is not None and (settling
+                                              or self._since_fit >= self._refit_every):
             self._since_fit = 0
             fitted = self._refit()
             if fitted is not None and fitted.seconds_per_token > 0:
                 model = fitted
-        error = self.observed_error()
-        if error is None:  # too few steps yet: the seed's margin stands
-            error = self.current.relative_error
-        if model is not self.current or error != model.relative_error:
-            self.current = dataclasses.replace(model, relative_error=error)
+                self._residuals = deque((_residual(model, p) for p in self._recent),
+                                        maxlen=self._residuals.maxlen)
+        error, speedup = error_quantiles(self._residuals, self.error_quantile)
+        if len(self._residuals) < MIN_ERROR_SAMPLES:  # too few steps to overrule the seed
+            error = max(error, self._seed.relative_error)
+            speedup = max(speedup, self._seed.relative_speedup)
+        if (model is not self.current or error != model.relative_error
+                or speedup != model.relative_speedup):
+            self.current = dataclasses.replace(model, relative_error=error,
+                                               relative_speedup=speedup)
 
     def _refit(self) -> LinearTTFT | None:
-        """The model fitted on both windows, or None while the prefill steps span too few
-        distinct sizes (decodes alone say nothing about prompts)."""
-        prefill_sizes = {n for n, _, _, _ in self._points}
-        if len(prefill_sizes) < (3 if self._quadratic else 2):
+        """The model fitted on both windows (recent points weigh more), keeping the current
+        floor; None while the prefill steps span too few distinct sizes (decodes alone say
+        nothing about prompts)."""
+        points = [*self._points, *self._decode_points]
+        weights = [*recency_weights(len(self._points)),
+                   *recency_weights(len(self._decode_points))]
+        first = self._points[0].full_tokens if self._points else 0.0
+        if not any(abs(p.full_tokens - first) > 1e-6 for p in self._points):
+            return None  # one prefill size at most
+        try:
+            return LinearTTFT.fit_step(points, quadratic=True,
+                                       decode=any(p.decode_context > 0 for p in points),
+                                       weights=weights,
+                                       floor_s=self.current.floor_s)
+        except ValueError:  # too few distinct sizes (above the floor)
             return None
-        return LinearTTFT.fit_step([*self._points, *self._decode_points],
-                                   quadratic=self._quadratic, decode=bool(self._decode_points))
-
-    def observed_error(self) -> float | None:
-        """The error quantile of the recent residuals (clipped at 0), or None before
-        MIN_ERROR_SAMPLES steps were seen."""
-        if len(self._residuals) < MIN_ERROR_SAMPLES:
-            return None
-        ordered = sorted(self._residuals)
-        # The smallest residual with at least `error_quantile` of them at or below it.
-        index = max(0, math.ceil(self.error_quantile * len(ordered)) - 1)
-        return max(0.0, ordered[index])
 
     def predict(self, tokens: int, decode_context: int = 0) -> float:
         return self.current.predict(tokens, decode_context)
+
+
+def _residual(model: LinearTTFT, point: StepPoint) -> float:
+    predicted = model.predict_point(point)
+    return point.seconds / predicted - 1.0 if predicted > 0 else 0.0

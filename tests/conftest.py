@@ -3,6 +3,9 @@ import os
 # Tests never touch a model hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every engine times its steps before serving (engine/runtime/startup_calibration.py); the
+# suite starts hundreds, and a tiny model's sizes need far less than the 5 s a real one gets.
+os.environ.setdefault("SLOSERVE_STARTUP_CALIBRATION_S", "0.3")
 
 import pytest  # noqa: E402
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from engine.entrypoints.calibrate import calibrate
+from engine.entrypoints.calibrate import calibrate, choose_model
 from engine.entrypoints.cli import main
 from engine.entrypoints.llm import LLM
 from monitor.predictor import LinearTTFT
@@ -89,11 +89,15 @@ def test_calibrate_result_keeps_every_point_and_the_medians(tiny_model):
     assert sorted(n for n, _ in result.points) == [32] * 5 + [768] * 5
     assert all(t > 0 for _, t in result.points)
     assert list(result.medians) == [32, 768]
-    assert result.model == LinearTTFT.fit(result.medians.items())
+    # Two sizes: nothing can be held out, so the line through both is kept.
+    assert (result.model, result.held_out_error) == choose_model(result.medians)
+    line = LinearTTFT.fit(result.medians.items())
+    assert result.model.seconds_per_token == pytest.approx(line.seconds_per_token)
+    assert set(result.held_out_error.values()) == {None}
 
 
 def test_calibrate_fits_decode_steps_together_with_the_prefills(tiny_model):
-    from engine.entrypoints.calibrate import choose_model, decode_point
+    from engine.entrypoints.calibrate import decode_point
 
     llm = LLM(model=tiny_model("llama"), dtype="float32", max_model_len=1024, num_kv_blocks=80,
               enable_prefix_caching=False)
@@ -104,17 +108,14 @@ def test_calibrate_fits_decode_steps_together_with_the_prefills(tiny_model):
         llm.shutdown()
     assert list(result.decode_medians) == shapes
     assert all(seconds > 0 for seconds in result.decode_medians.values())
-    prefill_only, _ = choose_model(result.medians)
-    steps = [(n, n * n, 0, s) for n, s in result.medians.items()]
-    steps += [decode_point(b, n, s) for (b, n), s in result.decode_medians.items()]
     assert decode_point(4, 128, 0.1) == (4, 0, 4 * (128 + 4), 0.1)
-    assert result.model == LinearTTFT.fit_step(
-        steps, quadratic=prefill_only.seconds_per_token_sq > 0, decode=True)
+    # One choice over the prefill and decode medians together.
+    assert (result.model, result.held_out_error) == choose_model(result.medians,
+                                                                 result.decode_medians)
+    assert set(result.held_out_error) == {"line", "quadratic", "line+floor", "quadratic+floor"}
 
 
 def test_the_attention_term_is_kept_only_if_it_predicts_held_out_sizes_better():
-    from engine.entrypoints.calibrate import choose_model
-
     sizes = [16, 64, 256, 512, 1024, 2048, 3072]
     curved = {n: 0.02 + 1e-3 * n + 3e-7 * n * n for n in sizes}
     model, errors = choose_model(curved)
@@ -124,3 +125,19 @@ def test_the_attention_term_is_kept_only_if_it_predicts_held_out_sizes_better():
     straight = {n: (0.02 + 1e-3 * n) * (1.01 if i % 2 else 0.99) for i, n in enumerate(sizes)}
     model, errors = choose_model(straight)
     assert model.seconds_per_token_sq == 0.0 and errors["line"] is not None
+    assert model.floor_s == 0.0 and model.relative_error >= 0.05
+
+
+def test_a_host_floor_is_kept_where_small_steps_all_take_the_launch_time():
+    """GPU-shaped steps: nothing runs faster than the host launches its kernels (30 ms), above
+    that compute grows with the tokens. A sum of terms fits that badly at small sizes."""
+    sizes = [16, 64, 256, 1024, 2048, 4096, 8192]
+    gpu = {n: max(0.03, 0.002 + 5e-5 * n + 1e-10 * n * n) for n in sizes}
+    model, errors = choose_model(gpu)
+    assert min(errors["line"], errors["quadratic"]) > 0.15  # probe: the terms alone cannot
+    assert errors["quadratic+floor"] < 0.01
+    assert model.floor_s == pytest.approx(0.03)
+    for n in (16, 100, 3000, 8192):
+        expected = max(0.03, 0.002 + 5e-5 * n + 1e-10 * n * n)
+        assert model.predict(n) == pytest.approx(expected, rel=0.01)
+    assert model.max_tokens_within(0.029) == 0  # below the floor nothing fits

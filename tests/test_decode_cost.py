@@ -81,7 +81,7 @@ def test_online_decode_steps_fill_their_own_window_and_fit_the_term():
     online = OnlineTTFT(LinearTTFT(), window=12, decode_window=12, refit_every=1)
     for tokens in (128, 512, 1024, 2048) * 3:
         online.observe(tokens, line.predict_step(tokens, 0), tokens * tokens)
-    prefill_errors = list(online._residuals)
+    prefill_steps = list(online._recent)
     # Hundreds of decode-only steps: without a window of their own they would evict every
     # prefill point and the model would forget what prompts cost.
     for step in range(300):
@@ -91,8 +91,9 @@ def test_online_decode_steps_fill_their_own_window_and_fit_the_term():
     assert len(online._points) == 12
     assert model.seconds_per_decode_context == pytest.approx(2e-5, rel=1e-6)
     assert model.predict(2048) == pytest.approx(line.predict(2048), rel=1e-6)
-    # The margin is about prefills: decode-only steps add no residual.
-    assert list(online._residuals) == prefill_errors
+    # The margin is about prefills: decode-only steps add no residual (the refits recompute
+    # the prefills' residuals against each new model).
+    assert list(online._recent) == prefill_steps and len(online._residuals) == 12
 
 
 def _decode(req_id: str, context: int, tpot_ms: float, now: float) -> Request:
@@ -146,9 +147,10 @@ def test_the_engine_feeds_decode_steps_to_the_model_with_their_context(tiny_mode
         while engine.has_unfinished_requests():
             engine.step()
         online = engine.scheduler.slack.predictor
-        # One prefill step, then four decodes reading 21 .. 24 KV tokens.
-        assert [(n, q) for n, q, _, _ in online._points] == [(20, 400)]
-        assert [(n, q, c) for n, q, c, _ in online._decode_points] == [
-            (1, 0, 21), (1, 0, 22), (1, 0, 23), (1, 0, 24)]
+        # One prefill step, then four decodes reading 21 .. 24 KV tokens (after the startup
+        # calibration's points, which seed the windows).
+        assert [(p.tokens, p.attention, p.share) for p in online._points][-1] == (20, 400, 1)
+        assert [(p.tokens, p.attention, p.decode_context) for p in online._decode_points][-4:] \
+            == [(1, 0, 21), (1, 0, 22), (1, 0, 23), (1, 0, 24)]
     finally:
         engine.shutdown()

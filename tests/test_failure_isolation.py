@@ -263,7 +263,11 @@ def test_server_fails_only_the_poisoned_request(poisoned_model, poison_reference
         assert "Traceback" not in str(streamed["error"])
         # Probe: the failures were the sampler's, logged with their traceback in EngineCore.
         log = server.log(tail=200_000)
-        assert log.count("sampling failed; the request is finished with an error") == 2
+        # (The startup calibration's random prompts may hold POISON too: not counted.)
+        failed = [line for line in log.splitlines()
+                  if "sampling failed; the request is finished with an error" in line
+                  and "startup-calibration" not in line]
+        assert len(failed) == 2
         assert "NonFiniteLogits" in log and "Traceback" in log
         clean = {**body, "prompt": batch[0]["prompt_token_ids"]}
         ok = httpx.post(f"{server.url}/v1/completions", json=clean, timeout=60)

@@ -10,45 +10,75 @@ import pytest
 
 from monitor.monitor import MonitorSnapshot, SLOMonitor
 from monitor.policy import RequestView, choose_preemption
-from monitor.predictor import MIN_ERROR_SAMPLES, LinearTTFT, OnlineTTFT
+from monitor.predictor import MIN_RELATIVE_ERROR, LinearTTFT, OnlineTTFT
 from monitor.preempt_signal import PreemptSignal
 
 SIZES = [128, 512, 256, 1024, 384, 768, 640, 896]
 
 
-def test_the_error_is_how_much_longer_steps_ran_than_the_model_before_them():
+def test_the_error_is_how_wrong_the_current_model_is_both_ways():
     truth = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.02)
     optimistic = LinearTTFT(seconds_per_token=1e-3 / 1.25, intercept_s=0.02 / 1.25)
-    online = OnlineTTFT(optimistic, refit_every=8)
-    for i in range(MIN_ERROR_SAMPLES - 1):
-        online.observe(SIZES[i % 8], truth.predict(SIZES[i % 8]))
-        assert online.current.relative_error == 0.0  # too few steps: the seed's margin stands
-    for i in range(MIN_ERROR_SAMPLES - 1, 20):
-        online.observe(SIZES[i % 8], truth.predict(SIZES[i % 8]))
-    # The first 8 steps ran 25% over the seed; the refit after them matches the truth, so
-    # later residuals are ~0. Both are in the window: the 0.9 quantile still sees the overrun.
-    assert online.current.seconds_per_token == pytest.approx(1e-3)
+    online = OnlineTTFT(optimistic)
+    online.observe(SIZES[0], truth.predict(SIZES[0]))
+    # One size: no refit yet, and the step ran 25% over the seed.
+    assert online.current.seconds_per_token == optimistic.seconds_per_token
     assert online.current.relative_error == pytest.approx(0.25)
-    for i in range(200):  # past the error window: the corrected model's error is ~0
-        online.observe(SIZES[i % 8], truth.predict(SIZES[i % 8]))
-    assert online.current.relative_error == pytest.approx(0.0, abs=1e-9)
+    online.observe(SIZES[1], truth.predict(SIZES[1]))
+    # Two sizes refit at once; against the new (exact) model the residuals are 0, and the
+    # margin is the floor.
+    assert online.current.seconds_per_token == pytest.approx(1e-3)
+    assert online.current.relative_error == MIN_RELATIVE_ERROR
+    # Every size's steps alternately 20% over and 20% under the truth: the refit stays near
+    # it, and the margins say how far steps stray from it each way.
+    for i in range(48):
+        online.observe(SIZES[i % 8], truth.predict(SIZES[i % 8]) * (1.2 if i // 8 % 2 else 0.8))
+    assert online.current.predict(512) == pytest.approx(truth.predict(512), rel=0.1)
+    # (The fit weighs relative errors, so it leans to the faster runs: about 0.92x the truth.)
+    assert 0.15 < online.current.relative_error < 0.35
+    assert 0.1 < online.current.relative_speedup < 0.3
+    assert online.current.optimistic(1.0) == 1.0 - online.current.relative_speedup
 
 
-def test_the_quantile_is_the_configured_one_and_speedups_need_no_margin():
+def test_the_error_is_never_0_after_a_seed_ten_times_too_pessimistic():
+    """The H100 bug: residuals were taken against the model before each step and clipped at
+    0, so against a pessimistic seed they were all 0 and the margin was 0 while the model was
+    10x off."""
+    truth = LinearTTFT(seconds_per_token=1e-4, intercept_s=0.003)
+    seed = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.03)
+    same_size = OnlineTTFT(seed)  # one size: nothing to refit on, the model stays 10x off
+    for _ in range(20):
+        same_size.observe(512, truth.predict(512))
+        assert same_size.current.predict(512) == pytest.approx(10 * truth.predict(512))  # probe
+        assert same_size.current.relative_error == pytest.approx(0.9)
+        assert same_size.current.optimistic(same_size.current.predict(512)) == \
+            pytest.approx(truth.predict(512))
+    refitted = OnlineTTFT(seed)
+    for i in range(20):
+        refitted.observe(SIZES[i % 8], truth.predict(SIZES[i % 8]))
+        assert refitted.current.relative_error >= MIN_RELATIVE_ERROR
+    assert refitted.current.predict(512) == pytest.approx(truth.predict(512))  # probe: refit
+
+
+def test_the_quantile_is_the_configured_one_and_both_directions_count():
     truth = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.02)
     spread = [0.0, 0.05, 0.10, 0.15, 0.20, 0.25, 0.30, 0.35, 0.40, 0.45]
     errors = {}
     for quantile in (0.5, 0.9):
-        online = OnlineTTFT(truth, refit_every=10**9, error_quantile=quantile)  # never refit
+        online = OnlineTTFT(truth, refit_every=None, error_quantile=quantile)  # never refit
         for i, over in enumerate(spread * 3):
             online.observe(SIZES[i % 8], truth.predict(SIZES[i % 8]) * (1 + over))
         errors[quantile] = online.current.relative_error
+        assert online.current.relative_speedup == MIN_RELATIVE_ERROR  # none ran faster
     assert errors[0.5] == pytest.approx(0.20)
     assert errors[0.9] == pytest.approx(0.40)
-    faster = OnlineTTFT(truth, refit_every=10**9)
+    faster = OnlineTTFT(truth, refit_every=None)
     for i in range(20):
-        faster.observe(SIZES[i % 8], truth.predict(SIZES[i % 8]) * 0.7)
-    assert faster.current.relative_error == 0.0
+        faster.observe(SIZES[i % 8], truth.predict(SIZES[i % 8]) * 0.5)
+    # Overpredicting 2x is as wrong as underpredicting: the margin is not 0.
+    assert faster.current.relative_error == pytest.approx(0.5)
+    assert faster.current.relative_speedup == pytest.approx(0.5)
+    assert faster.current.optimistic(truth.predict(512)) == pytest.approx(truth.predict(512) / 2)
     with pytest.raises(ValueError, match="error_quantile"):
         OnlineTTFT(error_quantile=0.0)
 
@@ -107,7 +137,7 @@ def test_a_just_in_time_decision_misses_and_the_learned_margin_saves_it():
     seed = LinearTTFT(seconds_per_token=1e-3 / 1.3, intercept_s=0.02 / 1.3)
     slo_s = 1.22  # waiting out the step takes 1.02 s + the request's own 0.22 s
     assert _ttft_with_gate(seed, truth, slo_s) > slo_s  # probe: the error really costs a miss
-    online = OnlineTTFT(seed, refit_every=10**9)  # the margin alone, no refit
+    online = OnlineTTFT(seed, refit_every=None)  # the margin alone, no refit
     for i in range(16):
         online.observe(SIZES[i % 8], truth.predict(SIZES[i % 8]))
     assert online.current.relative_error == pytest.approx(0.3)
@@ -130,3 +160,40 @@ def test_the_monitor_applies_the_margin_of_the_snapshot_s_predictor():
             assert (fired is not None) == (error > 0)
     finally:
         signal.close()
+
+
+def test_a_refit_from_the_first_steps_of_two_and_three_sizes():
+    """The seed is replaced as soon as the steps determine a model: two sizes for the line,
+    three for the attention term (tried whatever the seed had)."""
+    line = LinearTTFT(seconds_per_token=2e-4, intercept_s=0.004)
+    online = OnlineTTFT()  # the pessimistic default, a plain line
+    online.observe(128, line.predict(128))
+    assert online.current.seconds_per_token == LinearTTFT().seconds_per_token  # one size
+    online.observe(1024, line.predict(1024))
+    assert online.current.predict(512) == pytest.approx(line.predict(512))
+    curved = LinearTTFT(seconds_per_token=2e-4, intercept_s=0.004, seconds_per_token_sq=1e-7)
+    online = OnlineTTFT()
+    for n in (128, 1024, 2048):
+        online.observe(n, curved.predict(n))
+    assert online.current.seconds_per_token_sq == pytest.approx(1e-7)
+    assert online.current.predict(4096) == pytest.approx(curved.predict(4096))
+
+
+def test_every_field_survives_save_and_load_and_older_files_still_load(tmp_path):
+    path = tmp_path / "ttft.json"
+    model = LinearTTFT(seconds_per_token=2e-4, intercept_s=0.002, r2=0.99,
+                       seconds_per_token_sq=1e-10, relative_error=0.12,
+                       seconds_per_decode_context=3e-6, floor_s=0.03, relative_speedup=0.08)
+    model.save(path)
+    assert LinearTTFT.load(path) == model
+    # A file from before the floor and the speedup: both 0, the rest as written.
+    path.write_text(json.dumps({"seconds_per_token": 2e-4, "intercept_s": 0.002, "r2": 0.9,
+                                "seconds_per_token_sq": 0.0, "relative_error": 0.1,
+                                "seconds_per_decode_context": 0.0}))
+    old = LinearTTFT.load(path)
+    assert (old.floor_s, old.relative_speedup, old.relative_error) == (0.0, 0.0, 0.1)
+    assert old.optimistic(1.0) == 1.0
+    for bad in ({"floor_s": -0.01}, {"relative_speedup": 1.0}):
+        path.write_text(json.dumps({"seconds_per_token": 2e-4, "intercept_s": 0.0, **bad}))
+        with pytest.raises(ValueError, match="floor_s"):
+            LinearTTFT.load(path)

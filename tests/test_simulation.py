@@ -163,6 +163,7 @@ def test_an_unwound_step_suspends_its_chunks_and_they_resume_at_their_layer(sign
     out = run(3, _request("b", 40), _request("a", 100, resume=True))
     assert out.status is StepStatus.OK and executor.suspended == {}
     assert out.execute_seconds == pytest.approx(2 * 0.040 / 4 + 2 * 0.140 / 4)
+    assert out.resumed_layers == {"a": 2}  # what the TTFT predictor counts it by
     with pytest.raises(ValueError, match="resumes"):
         run(4, _request("a", 100, resume=True))
 

@@ -115,9 +115,10 @@ def test_a_resumed_chunk_unwound_again_keeps_the_later_layer(runner, logits, ref
     out = _execute(runner, [_chunk("c", 8), _chunk("a", 0, resume=True)], stop_at=5)
     assert out.status is StepStatus.PREEMPTED
     assert sorted(out.suspended_req_ids) == ["a", "c"]
+    assert out.resumed_layers == {"a": 3}  # what the TTFT predictor counts a ran
     assert runner.suspended.layer_of(_chunk("a", 0)) == 5
     out = _execute(runner, [_chunk("a", 0, resume=True), _chunk("c", 8, resume=True)])
-    assert out.status is StepStatus.OK
+    assert out.status is StepStatus.OK and out.resumed_layers == {"a": 5, "c": 5}
     _assert_matches(logits, reference, "a", "c")
     assert len(runner.suspended) == 0
 

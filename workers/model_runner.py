@@ -114,6 +114,8 @@ class ModelRunner:
             # its own copy; no collective is entered).
             return ModelRunnerOutput(step_id=scheduler_output.step_id)
         inputs = self.prepare_inputs(scheduler_output.requests)
+        resumed_layers = {r.req_id: self.suspended.layer_of(r)
+                          for r in scheduler_output.requests if r.resume}
         vote = self.vote if scheduler_output.preemptible else None
         if vote is not None:
             vote.step_id = scheduler_output.step_id
@@ -133,6 +135,7 @@ class ModelRunner:
             return ModelRunnerOutput(step_id=scheduler_output.step_id,
                                      status=StepStatus.PREEMPTED, preempted_layer=stop.layer,
                                      unwound_layers=[stop.layer], suspended_req_ids=suspended,
+                                     resumed_layers=resumed_layers,
                                      execute_seconds=time.perf_counter() - started)
         finally:
             self.model.before_attention = None
@@ -143,7 +146,8 @@ class ModelRunner:
             # The step's time feeds the TTFT predictor: it must include the device's work, not
             # only the launches (a middle prefill chunk samples nothing, so nothing else waits).
             torch.cuda.synchronize(self.device)
-        output = ModelRunnerOutput(step_id=scheduler_output.step_id)
+        output = ModelRunnerOutput(step_id=scheduler_output.step_id,
+                                   resumed_layers=resumed_layers)
         # Every rank computes logits (the LM head may be a collective); one samples.
         prompt_logprobs = self._score_prompts(hidden, inputs.prompt_logprob_rows)
         if inputs.sampled:

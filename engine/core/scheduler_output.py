@@ -8,12 +8,13 @@ slice of tokens to compute, so workers keep no per-request state that a rollback
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 
 import msgspec
 
 from engine.logprobs import LogprobsLists
 from engine.sampling_params import SamplingParams
-from monitor.predictor import attention_work, decode_context
+from monitor.predictor import StepPoint, attention_work, decode_context, step_point
 
 
 class ScheduledRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -67,6 +68,15 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
         """The KV tokens the step's decodes read (see monitor.predictor.decode_context)."""
         return decode_context((r.start_pos, len(r.token_ids)) for r in self.requests)
 
+    def step_point(self, seconds: float, num_layers: int,
+                   layers: Mapping[str, tuple[int, int]]) -> StepPoint | None:
+        """The predictor's point for this step when it took `seconds` and each request ran
+        the layers [start, end) of `layers` (all of them when absent): an unwound or resumed
+        step ran only some (see monitor.predictor.step_point)."""
+        return step_point(((r.start_pos, len(r.token_ids),
+                            *layers.get(r.req_id, (0, num_layers))) for r in self.requests),
+                          num_layers, seconds)
+
     @property
     def is_empty(self) -> bool:
         return not self.requests
@@ -99,6 +109,9 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     # PREEMPTED with suspend_on_unwind: the prefill chunks whose activations the workers now
     # hold (none if the pass stopped before the first layer finished).
     suspended_req_ids: list[str] = []
+    # req_id -> the layer each chunk resuming a suspended pass joined it at (OK and
+    # PREEMPTED): the layers below it did not run in this step (the TTFT predictor's share).
+    resumed_layers: dict[str, int] = {}
     # Wall time of the forward pass + sampling, for the TTFT predictor.
     execute_seconds: float = 0.0
     # TP: time rank 0 spent handing the step to the other ranks.

@@ -1,14 +1,16 @@
 """`sloserve calibrate`: fit the TTFT predictor (docs/design.md section 5) on this model and
 machine, and write it as JSON for `sloserve serve --ttft-model FILE`.
 
-Two candidates are fitted on the per-size medians: the line `a * tokens + c`, and the line plus
-an attention term `b * tokens**2`. The quadratic one is kept only if it predicts held-out sizes
-better (leave one size out); otherwise the line is written.
+Every prompt size is run once untimed first (a GPU compiles kernels for a new shape on first
+use), then timed `--repeats` times round-robin; the median per size is fitted. Then decode steps
+are timed: batches of requests with the same prompt length decode together (one untimed batch
+per shape first), and their time per output token is one decode step over their contexts.
 
-Then decode steps are timed: batches of requests with the same prompt length decode together,
-and their time per output token is one decode step over their contexts. The final model is
-fitted on the prefill medians and the decode medians together, adding the decode term
-`d * context` (the KV tokens the decodes read; monitor/predictor.py)."""
+The candidates of monitor/step_model_choice.py are fitted on the prefill medians and the decode
+medians together: the line, the line plus an attention term `b * tokens**2`, and each under a
+host floor `max(floor, terms)` (on a GPU small steps all take the kernel-launch time). Each is
+scored by predicting every prompt size from a fit on the others; a richer one is kept only if
+it predicts them better. Every candidate's held-out error is printed."""
 
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.entrypoints.engine_args import add_engine_args, engine_kwargs, under_torchrun
-from monitor.predictor import LinearTTFT
+from monitor.predictor import LinearTTFT, StepPoint
+from monitor.step_model_choice import choose_step_model
 
 # Up to 3072: above about 1024 tokens prefill grows visibly faster than linearly (attention),
 # which only the quadratic term can follow.
@@ -40,38 +43,22 @@ class CalibrationResult:
     points: list[tuple[int, float]]  # every measured (prompt tokens, seconds) pair
     medians: dict[int, float]  # prompt tokens -> median seconds
     model: LinearTTFT
-    # Leave-one-size-out error of each candidate (root mean square of relative errors); the
-    # quadratic one is None with fewer than four sizes.
+    # Leave-one-size-out error of each candidate (root mean square of relative errors); None
+    # where there are too few sizes to tell.
     held_out_error: dict[str, float | None]
     # (batch, prompt length) -> median seconds per decode step, and the fitted step points.
     decode_medians: dict[tuple[int, int], float] = field(default_factory=dict)
 
 
-def _fit(medians: dict[int, float], quadratic: bool) -> LinearTTFT:
-    if quadratic:
-        return LinearTTFT.fit_quadratic((n, n * n, s) for n, s in medians.items())
-    return LinearTTFT.fit(medians.items())
-
-
-def held_out_error(medians: dict[int, float], quadratic: bool) -> float | None:
-    """RMS relative error predicting each size from a fit on the others."""
-    if len(medians) < (4 if quadratic else 3):
-        return None
-    errors = []
-    for size, seconds in medians.items():
-        rest = {n: s for n, s in medians.items() if n != size}
-        errors.append((_fit(rest, quadratic).predict(size) - seconds) / seconds)
-    return (sum(e * e for e in errors) / len(errors)) ** 0.5
-
-
-def choose_model(medians: dict[int, float]) -> tuple[LinearTTFT, dict[str, float | None]]:
-    """The line, or the line plus the attention term when that predicts held-out sizes better
-    (docs/design.md section 5: a richer model must beat the line on held-out data)."""
-    errors = {"line": held_out_error(medians, False),
-              "quadratic": held_out_error(medians, True)}
-    line, quad = errors["line"], errors["quadratic"]
-    use_quadratic = line is not None and quad is not None and quad < line
-    return _fit(medians, use_quadratic), errors
+def choose_model(medians: dict[int, float],
+                 decode_medians: dict[tuple[int, int], float] | None = None
+                 ) -> tuple[LinearTTFT, dict[str, float | None]]:
+    """The candidate that predicts held-out prompt sizes best (docs/design.md section 5: a
+    richer model must beat the line on held-out data), fitted on every point, and each
+    candidate's held-out error."""
+    points = [StepPoint(n, n * n, 0, s) for n, s in medians.items()]
+    points += [StepPoint(*decode_point(b, n, s)) for (b, n), s in (decode_medians or {}).items()]
+    return choose_step_model(points)
 
 
 def decode_point(batch: int, prompt_len: int, seconds: float) -> tuple[int, int, int, float]:
@@ -82,10 +69,10 @@ def decode_point(batch: int, prompt_len: int, seconds: float) -> tuple[int, int,
 
 
 def time_decodes(llm: Any, shapes: Sequence[tuple[int, int]], repeats: int,
-                 rng: random.Random) -> dict[tuple[int, int], float]:
+                 rng: random.Random, warmup: int = 1) -> dict[tuple[int, int], float]:
     """Median seconds per decode step for each (batch, prompt length): `batch` requests are
     prefilled in one step and then decode in lockstep, so each one's time per output token is
-    the step time."""
+    the step time. Each shape runs `warmup` times untimed first."""
     from tqdm import tqdm
 
     from engine.sampling_params import SamplingParams
@@ -95,11 +82,12 @@ def time_decodes(llm: Any, shapes: Sequence[tuple[int, int]], repeats: int,
     medians: dict[tuple[int, int], float] = {}
     for batch, prompt_len in tqdm(shapes, desc="Calibrating decodes", unit="shape"):
         times: list[float] = []
-        for _ in range(repeats):
+        for run in range(warmup + repeats):
             prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(prompt_len)]}
                        for _ in range(batch)]
-            times += [out.metrics.tpot for out in llm.generate(prompts, params)
-                      if out.metrics.tpot is not None]
+            outputs = llm.generate(prompts, params)
+            if run >= warmup:
+                times += [out.metrics.tpot for out in outputs if out.metrics.tpot is not None]
         medians[(batch, prompt_len)] = statistics.median(times)
     return medians
 
@@ -135,17 +123,14 @@ def calibrate(llm: Any, prompt_sizes: Sequence[int], repeats: int = 3, warmup: i
         if measured:
             points.append((size, m.first_token_time - m.first_scheduled_time))
     medians = {s: statistics.median(t for n, t in points if n == s) for s in sizes}
+    decode_medians = (time_decodes(llm, decode_shapes, repeats, rng, warmup)
+                      if decode_shapes else {})
     # Fit on the medians: one slow outlier per size cannot tilt the line.
-    model, errors = choose_model(medians)
+    model, errors = choose_model(medians, decode_medians)
     if model.seconds_per_token <= 0:
         raise ValueError(f"prefill time does not grow with prompt size (slope "
                          f"{model.seconds_per_token:.3g} s/token over sizes {sizes}); "
                          f"use larger --prompt-sizes")
-    decode_medians = time_decodes(llm, decode_shapes, repeats, rng) if decode_shapes else {}
-    if decode_medians:
-        steps = [(n, n * n, 0, s) for n, s in medians.items()]
-        steps += [decode_point(b, n, s) for (b, n), s in decode_medians.items()]
-        model = LinearTTFT.fit_step(steps, quadratic=model.seconds_per_token_sq > 0, decode=True)
     return CalibrationResult(points=points, medians=medians, model=model, held_out_error=errors,
                              decode_medians=decode_medians)
 
@@ -224,6 +209,7 @@ def _run(args: argparse.Namespace) -> int:
     _check_output(output)
     kwargs = engine_kwargs(args)
     kwargs["enable_prefix_caching"] = False  # a cache hit would shorten the measured prefill
+    kwargs["startup_calibration"] = False  # this measures more than startup would
     if (code := under_torchrun(args, kwargs)) is not None:
         return code
     llm = LLM(**kwargs)
@@ -249,6 +235,8 @@ def _run(args: argparse.Namespace) -> int:
     print(f"seconds_per_token_sq: {m.seconds_per_token_sq:.4g}")
     print(f"seconds_per_decode_context: {m.seconds_per_decode_context:.4g}")
     print(f"intercept_ms: {m.intercept_s * 1000:.2f}")
+    print(f"floor_ms: {m.floor_s * 1000:.2f}")
+    print(f"relative_error: {m.relative_error:.3f} (relative_speedup {m.relative_speedup:.3f})")
     print(f"r2: {m.r2:.4f}")
     try:
         m.save(output)

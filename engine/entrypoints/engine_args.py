@@ -100,7 +100,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="recompute frees the victim's KV; pause keeps its earlier chunks; "
                         "suspend also keeps the stopped pass's work and resumes it at its layer")
     p.add_argument("--ttft-model", default=None, metavar="FILE",
-                   help="TTFT line from `sloserve calibrate` (default: fitted online)")
+                   help="TTFT line from `sloserve calibrate` (default: timed at startup, "
+                        "then fitted online)")
+    p.add_argument("--startup-calibration", choices=["on", "off"], default="on",
+                   help="without --ttft-model, time a few prompt sizes and decode batches "
+                        "before serving (a few seconds) to seed the TTFT predictor; off: start "
+                        "from a pessimistic default and fit online only")
     p.add_argument("--predictor-error-quantile", type=float_in(0.0, 1.0, low_open=True),
                    default=0.9,
                    help="the monitor waits out a running step for an urgent request only if "
@@ -135,7 +140,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 preempt_min_tokens=args.preempt_min_tokens,
                 monitor_interval_ms=args.monitor_interval_ms,
                 slo_preempt_mode=args.slo_preempt_mode, ttft_model=args.ttft_model,
-                predictor_error_quantile=args.predictor_error_quantile)
+                predictor_error_quantile=args.predictor_error_quantile,
+                startup_calibration=args.startup_calibration == "on")
 
 
 def under_torchrun(args: argparse.Namespace, kwargs: dict) -> int | None:

@@ -17,6 +17,9 @@ from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
 from engine.runtime.slo_preemption import SLOPreemptionControl
+from engine.runtime.startup_calibration import (StartupCalibration, calibrate_at_startup,
+                                                wants_startup_calibration)
+from engine.runtime.step_observation import observe_step
 from engine.runtime.worker_messages import kv_pool_plan, make_worker_config
 from monitor.predictor import LinearTTFT
 from monitor.preempt_signal import PreemptSignal
@@ -34,6 +37,7 @@ class EngineCore:
         ttft_seed = LinearTTFT.load(preemption.ttft_model) if preemption.ttft_model else None
         signal = PreemptSignal.create() if preemption.mid_forward_preemption else None
         self.preemption: SLOPreemptionControl | None = None
+        self.startup_calibration: StartupCalibration | None = None
         started: Executor | None = None
         try:
             # A pool size the configuration fixes: the scheduler checks it before any weights
@@ -46,6 +50,14 @@ class EngineCore:
                 check_pool_fits(self.model.max_model_len, config.cache, self.model.num_blocks,
                                 measured=True)
                 self._start_scheduling(signal, ttft_seed)
+            if ttft_seed is None and wants_startup_calibration(config):
+                # Either way the scheduler exists by now (before the executor when the pool
+                # size is fixed) and holds the default seed: swap in the machine's own, before
+                # any request.
+                self.startup_calibration = calibrate_at_startup(started, config, self.model)
+                if self.startup_calibration is not None:
+                    self.scheduler.slack.predictor.reseed(self.startup_calibration.model,
+                                                          self.startup_calibration.points)
         except BaseException:
             if self.preemption is not None:
                 self.preemption.shutdown()  # closes the signal
@@ -236,15 +248,10 @@ class EngineCore:
 
     def _observe_step_time(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> None:
-        """Feed the online step model (prefill, decode and mixed steps alike), but not from a
-        step resuming a suspended pass: it skips the layers already done and would bias the
-        model low."""
-        if any(r.resume for r in scheduler_output.requests):
-            return
-        self.scheduler.slack.predictor.observe(
-            scheduler_output.num_scheduled_tokens, runner_output.execute_seconds,
-            scheduler_output.attention_work,
-            scheduler_output.decode_context)
+        """Feed the online step model (prefill, decode and mixed steps alike; a chunk resuming
+        a suspended pass counts only the layers it ran)."""
+        observe_step(self.scheduler.slack.predictor, scheduler_output, runner_output,
+                     self.model.hf_config.num_hidden_layers)
 
     def stats(self) -> SchedulerStats:
         stats = self.scheduler.stats()

@@ -36,8 +36,9 @@ class ServerMetrics:
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use.")
         self.ttft_predictor_relative_error = gauge(
-            "ttft_predictor_relative_error", "How much longer than the TTFT predictor said recent "
-            "prefill steps ran (its error quantile; the monitor's safety margin).")
+            "ttft_predictor_relative_error", "How far from what the TTFT predictor said recent "
+            "prefill steps ran, longer or shorter (its error quantile, at least 0.05; the "
+            "monitor's safety margin).")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up "
                                             "in the prefix cache.").labels(**labels)
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the "

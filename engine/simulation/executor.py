@@ -64,6 +64,9 @@ class SimulatedExecutor:
             return ModelRunnerOutput(step_id=scheduler_output.step_id)
         self.num_steps += 1
         chunks = {r.req_id: self._chunk(r) for r in scheduler_output.requests}
+        # Where each resumed chunk joined the pass: the TTFT predictor's share of the layers.
+        resumed_layers = {r.req_id: chunks[r.req_id].join for r in scheduler_output.requests
+                          if r.resume}
         vote = self.vote if scheduler_output.preemptible else None
         try:
             if vote is None:
@@ -78,12 +81,14 @@ class SimulatedExecutor:
             return ModelRunnerOutput(step_id=scheduler_output.step_id,
                                      status=StepStatus.PREEMPTED, preempted_layer=stop.layer,
                                      unwound_layers=[stop.layer], suspended_req_ids=suspended,
+                                     resumed_layers=resumed_layers,
                                      execute_seconds=self._clock() - started)
         for r in scheduler_output.requests:
             if r.resume:
                 del self.suspended[r.req_id]
         sampled = {r.req_id: self._next_token(r) for r in scheduler_output.requests if r.sample}
         return ModelRunnerOutput(step_id=scheduler_output.step_id, sampled_token_ids=sampled,
+                                 resumed_layers=resumed_layers,
                                  execute_seconds=self._clock() - started)
 
     def shutdown(self) -> None:

@@ -1,0 +1,323 @@
+"""Startup calibration: the engine times its own steps before serving, so that the TTFT predictor
+knows this model on this machine from the first request (docs/design.md section 5).
+
+The pessimistic default seed (a 135M model on 2 CPU cores) is 10-100x off on a GPU, and online
+refits from served steps take many steps to correct it. So, when the engine will use the
+predictor and no `--ttft-model` file is given, EngineCore runs, within a time budget:
+
+- prompt sizes from 16 tokens up to the step budget (x4 apart, the budget itself last), each
+  once untimed (a GPU compiles kernels for new shapes on first use) and then timed (median of
+  up to three runs), the last run decoding a few tokens over that context;
+- a batch of eight short prompts decoding together;
+- one prompt prefilled in chunks, whose chunks over ever deeper prefixes show the attention
+  term (the first two untimed; the median chunk is the point).
+
+Sizes are tried cheapest first, and one is skipped once its predicted cost would overrun the
+budget. The points are fitted by monitor/step_model_choice.py (the attention term, the decode
+term and a floor are kept where they predict held-out sizes better) and seed the engine's
+OnlineTTFT, points included.
+
+It drives the executor through its protocol only (`execute_model(SchedulerOutput)`), with a
+throwaway fcfs Scheduler of its own over the same number of KV blocks (prefix caching off): no
+request, counter, metric or step id of the engine's scheduler is touched. The scratch KV it
+writes is harmless because the engine's pool is all free (and uncached) at startup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import math
+import os
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import SchedulerOutput, StepStatus
+from engine.entrypoints.arg_types import non_negative_float
+from engine.runtime.executor import Executor
+from engine.runtime.model_setup import ResolvedModel
+from engine.sampling_params import SamplingParams
+from monitor.predictor import LinearTTFT, StepPoint
+from monitor.step_model_choice import choose_step_model
+
+logger = logging.getLogger(__name__)
+
+# Wall time the measurements may take (engine start on the default model on 2 CPU cores: a
+# 1024-token prefill takes about a second there; on a GPU every size fits many times over).
+STARTUP_BUDGET_S = 5.0
+# Overrides it (seconds): the test suite starts hundreds of engines and keeps this short.
+BUDGET_ENV = "SLOSERVE_STARTUP_CALIBRATION_S"
+SMALLEST_PROMPT = 16
+LADDER_FACTOR = 4
+TIMED_REPEATS = 3
+# A size whose one run would take more than this share of the budget is timed once.
+ONE_REPEAT_SHARE = 0.1
+# A cost estimate from a fit on smaller sizes is this much short of the truth at worst (the
+# attention term shows only at the top).
+COST_SAFETY = 1.2
+# Decodes follow each prompt size's last run (one decode over its context), and one batch of
+# this many short prompts decodes together.
+DECODE_BATCH = 8
+DECODE_STEPS = 4  # the first untimed
+# Chunks of the deep-prefix prompt: at most this many, of a size at most a third of the budget.
+MAX_CHUNKS = 8
+
+
+@dataclass
+class StartupCalibration:
+    model: LinearTTFT
+    # Every point fitted (medians): prompt sizes, decode batches, a chunk over a prefix.
+    points: list[StepPoint]
+    held_out_error: dict[str, float | None]
+    seconds: float
+
+
+def wants_startup_calibration(config: EngineConfig) -> bool:
+    """Whether the engine will use the predictor with nothing better to seed it."""
+    preemption = config.preemption
+    return (preemption.startup_calibration and preemption.ttft_model is None
+            and (config.scheduler.policy == "slo" or preemption.mid_forward_preemption))
+
+
+class CalibrationStepError(RuntimeError):
+    """A worker failed a calibration step: the engine cannot serve either."""
+
+
+class _Scratch:
+    """A throwaway scheduler feeding the executor; its requests never leave this object."""
+
+    def __init__(self, executor: Executor, config: EngineConfig, model: ResolvedModel) -> None:
+        assert model.num_blocks is not None
+        # Our own copies: fcfs (it ranks nothing), chunks only when set_chunk asks for them.
+        self.scheduler_config = dataclasses.replace(
+            config.scheduler, policy="fcfs", long_prefill_token_threshold=0,
+            enable_chunked_prefill=True)
+        cache = dataclasses.replace(config.cache, enable_prefix_caching=False,
+                                    num_blocks=model.num_blocks)
+        self.scheduler = Scheduler(self.scheduler_config, cache, model.num_blocks,
+                                   model.max_model_len)
+        self.executor = executor
+        self.vocab_size = model.hf_config.vocab_size
+        self.rng = random.Random(0)
+        self.ids = 0
+
+    @property
+    def kv_tokens(self) -> int:
+        kv = self.scheduler.kv_cache_manager
+        return kv.num_free_blocks * kv.block_size
+
+    def set_chunk(self, tokens: int) -> None:
+        """Prefill in chunks of `tokens` from now on (0: whole prompts). The scheduler and its
+        admission read this config at every step."""
+        self.scheduler_config.long_prefill_token_threshold = tokens
+
+    def run(self, prompt_lens: list[int], max_tokens: int,
+            deadline: float = math.inf) -> list[tuple[StepPoint, bool]]:
+        """Runs fresh random prompts to completion, or until the step that ends past
+        `deadline` (time.monotonic()); each step's point and whether it is a decode-only
+        step."""
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        for length in prompt_lens:
+            self.ids += 1
+            self.scheduler.add_request(Request(
+                request_id=f"startup-calibration-{self.ids}", sampling_params=params,
+                prompt_token_ids=[self.rng.randrange(self.vocab_size) for _ in range(length)]))
+        steps: list[tuple[StepPoint, bool]] = []
+        while self.scheduler.has_unfinished_requests():
+            output = self.scheduler.schedule()
+            if output.is_empty:  # cannot happen with the sizes checked; never spin
+                raise CalibrationStepError(f"startup calibration: prompts of {prompt_lens} "
+                                           f"tokens could not be scheduled")
+            result = self.executor.execute_model(output)
+            if result.status is not StepStatus.OK:
+                raise CalibrationStepError(f"startup calibration: step {output.step_id} "
+                                           f"failed on a worker:\n{result.error}")
+            self.scheduler.update_from_output(output, result)
+            steps.append((_full_step_point(output, result.execute_seconds),
+                          all(len(r.token_ids) == 1 for r in output.requests)))
+            if time.monotonic() > deadline:  # the machine is slower than the plan thought
+                self.scheduler.abort_requests(list(self.scheduler.requests))
+        return steps
+
+
+def _full_step_point(output: SchedulerOutput, seconds: float) -> StepPoint:
+    return StepPoint(output.num_scheduled_tokens, output.attention_work, output.decode_context,
+                     seconds)
+
+
+def _median_point(points: list[StepPoint]) -> StepPoint:
+    """Mean features, median time: one slow run cannot tilt the fit."""
+    n = len(points)
+    return StepPoint(sum(p.tokens for p in points) / n, sum(p.attention for p in points) / n,
+                     sum(p.decode_context for p in points) / n,
+                     statistics.median(p.seconds for p in points))
+
+
+class _Plan:
+    """The measurements so far and the time left for more."""
+
+    def __init__(self, budget_s: float) -> None:
+        self.budget_s = budget_s
+        self.started = time.monotonic()
+        self.prefills: dict[int, StepPoint] = {}
+        self.decodes: dict[tuple[int, int], StepPoint] = {}
+        self.chunks: list[StepPoint] = []
+
+    @property
+    def deadline(self) -> float:
+        return self.started + self.budget_s
+
+    @property
+    def left_s(self) -> float:
+        return self.budget_s - (time.monotonic() - self.started)
+
+    def estimate(self, tokens: int, attention: int, decode_context: int = 0) -> float:
+        """Seconds for a step, from a line through the prompt sizes timed so far (scaled from
+        the largest one before there are two), with COST_SAFETY to spare."""
+        points = list(self.prefills.values())
+        if not points:
+            return 0.0
+        if len(points) < 2:
+            return COST_SAFETY * points[0].seconds * tokens / points[0].tokens
+        line = LinearTTFT.fit_step(points, quadratic=len(points) >= 3, decode=False)
+        return COST_SAFETY * line.predict_step(tokens, attention, decode_context)
+
+    @property
+    def largest(self) -> int:
+        return max(self.prefills, default=0)
+
+    @property
+    def points(self) -> list[StepPoint]:
+        return [*self.prefills.values(), *self.decodes.values(), *self.chunks]
+
+
+def _prompt_ladder(limit: int) -> list[int]:
+    sizes, size = [], SMALLEST_PROMPT
+    while size < limit:
+        sizes.append(size)
+        size *= LADDER_FACTOR
+    return [*sizes, limit]
+
+
+def _time_prompts(scratch: _Scratch, plan: _Plan, limit: int) -> None:
+    """The prompt sizes, cheapest first, while the budget lasts. The last timed run of each
+    size also decodes a few tokens: decodes over the longest context come almost free."""
+    for size in _prompt_ladder(limit):
+        one_run = plan.estimate(size, size * size)
+        repeats = TIMED_REPEATS if one_run < ONE_REPEAT_SHARE * plan.budget_s else 1
+        decodes = DECODE_STEPS * plan.estimate(1, 0, size)
+        if plan.prefills and (1 + repeats) * one_run + decodes > plan.left_s:
+            break  # each larger size costs more
+        scratch.run([size], max_tokens=1)  # first use of the shape, untimed
+        timed = [point for _ in range(repeats - 1)
+                 for point, _ in scratch.run([size], max_tokens=1)]
+        steps = scratch.run([size], max_tokens=1 + DECODE_STEPS, deadline=plan.deadline)
+        timed.append(steps[0][0])
+        plan.prefills[size] = _median_point(timed)
+        _keep_decodes(plan, 1, size, steps)
+
+
+def _keep_decodes(plan: _Plan, batch: int, context: int,
+                  steps: list[tuple[StepPoint, bool]]) -> None:
+    decodes = [point for point, decode_only in steps if decode_only][1:]  # first use untimed
+    if decodes:
+        plan.decodes[(batch, context)] = _median_point(decodes)
+
+
+def _time_decode_batch(scratch: _Scratch, plan: _Plan, max_seqs: int) -> None:
+    """A wide batch of short contexts: what each decode costs besides the KV it reads."""
+    batch, context = min(DECODE_BATCH, max_seqs), SMALLEST_PROMPT
+    cost = (plan.estimate(batch * context, batch * context * context)
+            + DECODE_STEPS * plan.estimate(batch, 0))
+    kv_needed = batch * (context + DECODE_STEPS + scratch.scheduler.kv_cache_manager.block_size)
+    if (batch < 2 or batch * context > plan.largest or kv_needed > scratch.kv_tokens
+            or cost > plan.left_s):
+        return
+    _keep_decodes(plan, batch, context, scratch.run([context] * batch,
+                                                    max_tokens=1 + DECODE_STEPS,
+                                                    deadline=plan.deadline))
+
+
+def _time_chunks(scratch: _Scratch, plan: _Plan, limit: int, max_len: int) -> None:
+    """One prompt prefilled in chunks: the chunks over a prefix (from the third on, the first
+    two being the shape's first use) show what attention over a prefix costs."""
+    chunk = max([s for s in plan.prefills if 3 * s <= limit] or [min(plan.prefills)])
+    count = 0
+    for n in range(3, MAX_CHUNKS + 1):
+        length = n * chunk
+        cost = sum(plan.estimate(chunk, chunk * (2 * k * chunk + chunk)) for k in range(n))
+        block = scratch.scheduler.kv_cache_manager.block_size
+        if length + 1 > max_len or length + block > scratch.kv_tokens or cost > plan.left_s:
+            break
+        count = n
+    if count < 3:
+        return
+    scratch.set_chunk(chunk)
+    try:
+        steps = scratch.run([count * chunk], max_tokens=1, deadline=plan.deadline)
+    finally:
+        scratch.set_chunk(0)
+    if len(steps) > 2:
+        # One point, the median chunk: a single slow step must not bend the attention term.
+        plan.chunks = [_median_point([point for point, _ in steps[2:]])]
+
+
+def startup_budget_s() -> float:
+    value = os.environ.get(BUDGET_ENV)
+    if value is None:
+        return STARTUP_BUDGET_S
+    try:
+        return non_negative_float(value)
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(f"{BUDGET_ENV} (seconds): {exc}") from None
+
+
+def calibrate_at_startup(executor: Executor, config: EngineConfig, model: ResolvedModel,
+                         budget_s: float | None = None) -> StartupCalibration | None:
+    """Times steps on `executor` for at most about `budget_s` (default: startup_budget_s())
+    and fits the step model; None (logged) when the limits leave fewer than two prompt sizes
+    to time."""
+    budget_s = startup_budget_s() if budget_s is None else budget_s
+    scratch = _Scratch(executor, config, model)
+    sched = config.scheduler
+    # A prompt and the tokens it decodes after its last timed run fit one step and the pool.
+    limit = min(sched.max_num_batched_tokens, model.max_model_len - 1,
+                scratch.kv_tokens - DECODE_STEPS - 1)
+    if sched.long_prefill_token_threshold > 0:
+        limit = min(limit, sched.long_prefill_token_threshold)
+    plan = _Plan(budget_s)
+    if limit >= 2:
+        _time_prompts(scratch, plan, limit)
+    if len(plan.prefills) < 2:
+        logger.info("startup calibration skipped: %s prompt size(s) fit the limits (step "
+                    "budget, max_model_len, KV pool, %.1f s); the predictor starts from its "
+                    "default and fits online", len(plan.prefills), budget_s)
+        return None
+    _time_decode_batch(scratch, plan, sched.max_num_seqs)
+    _time_chunks(scratch, plan, limit, model.max_model_len)
+    fitted, errors = choose_step_model(plan.points, config.preemption.predictor_error_quantile)
+    result = StartupCalibration(fitted, plan.points, errors, time.monotonic() - plan.started)
+    logger.info("%s", describe(result, plan))
+    return result
+
+
+def describe(result: StartupCalibration, plan: _Plan) -> str:
+    """The log line: what was measured, every candidate's held-out error, the fit kept."""
+    m = result.model
+    prompts = ", ".join(f"{n}: {p.seconds * 1e3:.1f}" for n, p in plan.prefills.items())
+    decodes = ", ".join(f"{b}x{c}: {p.seconds * 1e3:.1f}" for (b, c), p in plan.decodes.items())
+    chunks = ", ".join(f"{p.tokens:.0f} tokens over {p.attention / p.tokens / 2 - p.tokens / 2:.0f}"
+                       f": {p.seconds * 1e3:.1f}" for p in plan.chunks)
+    errors = ", ".join(f"{name} " + ("n/a" if e is None else f"{e * 100:.1f}%")
+                       for name, e in result.held_out_error.items())
+    return (f"startup calibration ({result.seconds:.1f} s): prompt ms by tokens {{{prompts}}}; "
+            f"decode ms by batch x context {{{decodes}}}; chunk ms [{chunks}]; held-out error: {errors}; fit: {m.seconds_per_token * 1e3:.4g} ms/token"
+            f", {m.seconds_per_token_sq:.3g} s/attention, {m.seconds_per_decode_context:.3g} "
+            f"s/decode-context token, intercept {m.intercept_s * 1e3:.1f} ms, floor "
+            f"{m.floor_s * 1e3:.1f} ms, relative error {m.relative_error * 100:.0f}%")

@@ -1,0 +1,40 @@
+"""Feeding the online TTFT predictor from the engine's steps (docs/design.md section 5): completed
+steps, steps that resumed suspended passes, and unwound steps, each counted by the layers its
+chunks really ran."""
+
+from __future__ import annotations
+
+from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
+from monitor.predictor import OnlineTTFT
+
+
+def layers_run(output: SchedulerOutput, runner_output: ModelRunnerOutput,
+               num_layers: int) -> dict[str, tuple[int, int]] | None:
+    """req_id -> the layers [start, end) its chunk ran: a chunk resuming a suspended pass from
+    the layer it joined at, and every chunk of an unwound step up to the layer it stopped before
+    (a resuming chunk the stop came before ran none). None when a resumed chunk's layer is
+    unknown (an executor that does not report it): such a step says nothing reliable."""
+    end = num_layers
+    if runner_output.status is StepStatus.PREEMPTED:
+        end = runner_output.preempted_layer or 0
+    layers: dict[str, tuple[int, int]] = {}
+    for request in output.requests:
+        start = 0
+        if request.resume:
+            joined = runner_output.resumed_layers.get(request.req_id)
+            if joined is None:
+                return None
+            start = joined
+        layers[request.req_id] = (start, max(start, end))
+    return layers
+
+
+def observe_step(predictor: OnlineTTFT, output: SchedulerOutput,
+                 runner_output: ModelRunnerOutput, num_layers: int) -> None:
+    """One step that completed or was unwound, timed by the workers (execute_seconds)."""
+    layers = layers_run(output, runner_output, num_layers)
+    if layers is None:
+        return
+    point = output.step_point(runner_output.execute_seconds, num_layers, layers)
+    if point is not None:
+        predictor.observe_point(point)
