@@ -316,8 +316,11 @@ async def send_body(http: httpx.AsyncClient, tally: Tally, rng: random.Random, k
 
 
 async def one_request(http: httpx.AsyncClient, tally: Tally, rng: random.Random, target: Target,
-                      prompts: Prompts, max_tokens: int, timeout_s: float) -> None:
-    kind = rng.choices(list(MIX), weights=list(MIX.values()))[0]
+                      prompts: Prompts, max_tokens: int, timeout_s: float,
+                      kind: str | None = None) -> None:
+    """One request of `kind` (default: drawn from MIX)."""
+    if kind is None:
+        kind = rng.choices(list(MIX), weights=list(MIX.values()))[0]
     tally.sent += 1
     started, shape = time.perf_counter(), ""
     try:
@@ -341,9 +344,15 @@ async def one_request(http: httpx.AsyncClient, tally: Tally, rng: random.Random,
 async def client_loop(index: int, http: httpx.AsyncClient, tally: Tally, target: Target,
                       prompts: Prompts, args: argparse.Namespace, stop_at: float) -> None:
     rng = random.Random(f"{args.seed}-{index}")
+    # The clients' first requests take the kinds in turn (client i's k-th: kind i + k x clients),
+    # so that even a short soak exercises every kind once; then each draws from the mix.
+    kinds = list(MIX)
+    turn = index
     while time.monotonic() < stop_at and tally.sent < args.max_requests:
+        kind = kinds[turn] if turn < len(kinds) else None
+        turn += args.clients
         await one_request(http, tally, rng, target, prompts, args.max_tokens,
-                          args.request_timeout_s)
+                          args.request_timeout_s, kind)
 
 
 async def progress(tally: Tally, started: float, every_s: float) -> None:

@@ -60,12 +60,15 @@ def _setup(args: argparse.Namespace, out_dir: Path) -> BenchSetup:
         from engine.entrypoints.llm import LLM
 
         print("calibrating the TTFT line (pass --ttft-model FILE to reuse one)", file=sys.stderr)
+        # Simulated steps cost no compute, and GPU-scale workloads (burst) size their
+        # documents at 16k-32k tokens from this line: measure up to there.
+        top = 32_768 if args.simulate else 3072
         # A budget above the largest size, so that each prompt is one step.
-        llm = LLM(model=model, max_num_batched_tokens=4096, **overrides)
+        llm = LLM(model=model, max_num_batched_tokens=max(4096, top), **overrides)
         try:
-            limit = min(3072, llm.engine.max_model_len - 1)
-            sizes = sorted({s for s in (16, 64, 256, 512, 1024, 2048, 3072) if s <= limit}
-                           | {limit})
+            limit = min(top, llm.engine.max_model_len - 1)
+            sizes = sorted({s for s in (16, 64, 256, 512, 1024, 2048, 3072, 8192, 16_384,
+                                        32_768) if s <= limit} | {limit})
             line = calibrate(llm, sizes, repeats=args.calibration_repeats).model
         finally:
             llm.shutdown()

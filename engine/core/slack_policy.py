@@ -356,8 +356,8 @@ class SlackPolicy:
 
     def _usable(self, time_left: float) -> float:
         """The part of `time_left` a cap may fill: DEADLINE_HEADROOM stays free, and the rest
-        is shrunk by how much longer than predicted steps have been running (the predictor's
-        own relative_error)."""
+        is shrunk by how far off the predictor has been running (its two-sided
+        relative_error)."""
         return time_left * (1 - DEADLINE_HEADROOM) / (1 + self.predictor.current.relative_error)
 
     def _release_held(self, ops: SchedulerOps) -> None:
