@@ -298,12 +298,15 @@ TestSchedulerSimulation = SchedulerSimulation.TestCase
 
 def test_report_simulation_totals() -> None:
     """Runs after the simulation in this module (pytest keeps file order): it must have covered
-    thousands of steps, unwinds and KV preemptions, and empty steps (where held victims are
-    released), or it proved nothing."""
+    thousands of steps, unwinds and KV preemptions, or it proved nothing. Empty steps (where
+    held victims are released) are not required: the examples Hypothesis draws from the pinned
+    seed differ with what else the session imported first (269 examples and no empty step after
+    bench.attainment.cli, 271 and one without), and a coverage check must not depend on that;
+    tests/test_scheduler_preemption.py covers that path deterministically."""
     if TOTALS["examples"] == 0:
         pytest.skip("the simulation did not run in this session")
     print(f"\nscheduler simulation: {TOTALS}")
-    assert TOTALS["steps"] >= 2_000 and TOTALS["empty"] > 0
+    assert TOTALS["steps"] >= 2_000
     assert TOTALS["unwound"] > 0 and TOTALS["applied"] > 0 and TOTALS["kv_preemptions"] > 0
     assert TOTALS["finished"] > 0 and TOTALS["aborted"] > 0
 
