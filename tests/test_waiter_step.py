@@ -104,3 +104,26 @@ def test_a_turn_late_anyway_is_served_alone():
                                  waiter_id="W", stopped_layer=3)
         assert applied == "suspend"  # probe: the preemption was made for W
         assert scheduled(sched.schedule()) == expected, slo_ms
+
+
+def test_a_turn_admitted_beside_a_document_is_not_held_to_its_whole_prefill():
+    """A turn and a 26k-token document arrive together while nothing runs (so no preemption and
+    no outranking admission can help): the turn is admitted first and the document joins with
+    the chunk that keeps the step within the turn's deadline. Before: the document's whole
+    prompt shared the step and the turn waited ~1.4 s of simulated H100 time for 150 ms.
+    Probe: without a deadline on the turn, the document is admitted whole."""
+    for slo_ms in (150.0, None):
+        sched = _scheduler(budget=40_000, num_blocks=8_000)
+        sched.add_request(_request("D", 26_000, 600_000))
+        turn = _request("W", 128, 150.0)
+        turn.ttft_slo_ms = slo_ms
+        sched.add_request(turn)
+        out = sched.schedule()
+        served = scheduled(out)
+        if slo_ms is None:
+            assert served == {"D": 26_000, "W": 128}
+            continue
+        assert list(served) == ["W", "D"] and 0 < served["D"] < 26_000
+        predicted = H100_LINE.predict_step(out.num_scheduled_tokens, out.attention_work,
+                                           out.decode_context)
+        assert predicted <= 0.75 * slo_ms / 1000

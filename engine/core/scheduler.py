@@ -233,7 +233,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and step.budget > 0:
             request = self.running[i]
-            num_new = self._tokens_for_running(request, step.budget)
+            num_new = self._tokens_for_running(request, self.slack.join_budget(step, request))
             if num_new == 0 or self.slack.is_held(request.request_id) or request.request_id in step:
                 # Its sampled token has not arrived yet; nothing to compute until it does.
                 i += 1
@@ -268,7 +268,8 @@ class Scheduler:
         """Admit waiting requests (held victims skipped) in queue order while they fit."""
         with self.slack.waiting_past_held(self.waiting) as next_waiter:
             while step.budget > 0 and (request := next_waiter()) is not None:
-                if self.admit(request, step) is None:
+                budget = self.slack.join_budget(step, request)
+                if budget <= 0 or self.admit(request, step, budget) is None:
                     break  # head-of-line: nothing behind it jumps ahead, so it cannot starve
                 self.waiting.pop()
 

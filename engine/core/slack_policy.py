@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import NamedTuple, Protocol
 
@@ -30,8 +30,7 @@ from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import RequestQueue, UrgencyQueue
 from engine.core.step_record import StepInProgress
 from monitor.policy import request_urgency
-from monitor.predictor import (LinearTTFT, OnlineTTFT, attention_work, decode_context,
-                               optimistic_prefill)
+from monitor.predictor import LinearTTFT, OnlineTTFT, attention_work, optimistic_prefill
 
 
 # Share of a protected request's time left that a cap leaves unfilled. The predictor's error and
@@ -296,32 +295,45 @@ class SlackPolicy:
 
         An urgent request that its own chunk alone would make late is made as little late as
         possible: nothing joins it."""
-        if not step.scheduled:
+        # The running decodes join the step after these admissions: they count now.
+        pending_decodes = [r for r in self._decodes if r.request_id not in step]
+        return self._deadline_cap(step, self._deepest_prefix, pending_decodes, late_blocks=True)
+
+    def join_budget(self, step: StepInProgress, request: Request) -> int:
+        """The tokens `request` (a running chunk or a waiting admission) may add to `step`:
+        under the slo policy, no more than keep the predicted step within the deadline of every
+        request it already gives a first token to (one whose chunk alone is late constrains
+        nothing here: only the turns a preemption or an outranking admission put first are
+        served alone). So an urgent turn admitted beside a long document is not made to wait
+        for the document's whole prefill: the document joins with the chunk that fits."""
+        if self.scheduling_policy != "slo":
+            return step.budget
+        return self._deadline_cap(step, request.num_computed_tokens, (), late_blocks=False)
+
+    def _deadline_cap(self, step: StepInProgress, joining_prefix: int,
+                      pending_decodes: Sequence[Request], late_blocks: bool) -> int:
+        if not step.with_deadline:
             return step.budget
         now = time.monotonic()
         line = self.predictor.current
-        chunks = [(r.num_computed_tokens, n) for r, n in step.scheduled.values()]
-        # The running decodes join the step after these admissions: they count now.
-        pending_decodes = [r for r in self._decodes if r.request_id not in step]
         tokens = step.num_tokens + len(pending_decodes)
-        attention = attention_work(chunks)
-        context = decode_context(chunks) + sum(r.num_tokens for r in pending_decodes)
+        attention = step.attention
+        context = step.decode_context + sum(r.num_tokens for r in pending_decodes)
         allowed = step.budget
-        for request, num_new in step.scheduled.values():
-            deadline = request.deadline
-            if (deadline is None or request.first_token_time is not None
-                    or request.num_computed_tokens + num_new < request.num_tokens):
-                continue
-            time_left = deadline - now
+        for request in step.with_deadline.values():
+            assert request.deadline is not None
+            num_new = step.scheduled[request.request_id][1]
+            time_left = request.deadline - now
             alone = line.predict_step(num_new, attention_work([(request.num_computed_tokens,
                                                                 num_new)]))
             usable = self._usable(time_left)
             if alone > time_left or line.predict_step(tokens, attention, context) > usable:
+                if not late_blocks:
+                    continue  # late whatever joins it: nothing left to protect
                 # Late whatever joins it, or the running decodes alone would make it late:
                 # nothing joins, so it is as little late as can be.
                 return 0
-            joining = line.max_chunk_within(usable, tokens, attention, context,
-                                            self._deepest_prefix)
+            joining = line.max_chunk_within(usable, tokens, attention, context, joining_prefix)
             allowed = min(allowed, len(pending_decodes) + joining)
         return allowed
 

@@ -116,20 +116,40 @@ class StepInProgress:
     budget: int
     # Request id -> (request, tokens scheduled); dict order is scheduling order.
     scheduled: dict[str, tuple[Request, int]] = field(default_factory=dict)
+    # The step's cost features so far (monitor.predictor's step model), kept as running sums:
+    # the deadline caps read them once per request they weigh.
+    num_tokens: int = 0
+    attention: int = 0
+    decode_context: int = 0
+    # The requests this step gives their first token while their TTFT deadline is live: the
+    # ones the slo policy's caps protect.
+    with_deadline: dict[str, Request] = field(default_factory=dict)
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.scheduled[request.request_id] = (request, num_tokens)
         self.budget -= num_tokens
+        self._count(request, num_tokens, 1)
+        if (request.deadline is not None and request.first_token_time is None
+                and request.num_computed_tokens + num_tokens >= request.num_tokens):
+            self.with_deadline[request.request_id] = request
 
     def drop(self, req_id: str) -> None:
         """A request served earlier in this step became a KV-pressure victim: its tokens go back
         to the budget and the record forgets it."""
-        self.budget += self.scheduled.pop(req_id)[1]
+        request, num_tokens = self.scheduled.pop(req_id)
+        self.budget += num_tokens
+        self._count(request, num_tokens, -1)
+        self.with_deadline.pop(req_id, None)
         self.record.forget(req_id)
+
+    def _count(self, request: Request, num_tokens: int, sign: int) -> None:
+        # Counters advance only when the step is output: the chunk starts at num_computed_tokens.
+        prefix = request.num_computed_tokens
+        self.num_tokens += sign * num_tokens
+        if num_tokens > 1:
+            self.attention += sign * num_tokens * (2 * prefix + num_tokens)
+        else:
+            self.decode_context += sign * (prefix + 1)
 
     def __contains__(self, req_id: object) -> bool:
         return req_id in self.scheduled
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled.values())
