@@ -239,6 +239,12 @@ async def run_http_async(trace: Trace, url: str, policy: PolicySpec, budget: int
     limits = httpx.Limits(max_connections=len(trace.requests) + 4)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=None,
                                  limits=limits) as client:
+        # Warm-up outside the measurement, as the in-process runner does: a fresh server's
+        # first steps pay first-call allocations and kernel selection.
+        warmup = trace.requests[0]
+        await client.post("/v1/completions", json={
+            "prompt": warmup.prompt_token_ids, "max_tokens": warmup.output_tokens,
+            "temperature": 0, "ignore_eos": True, **({"model": model_name} if model_name else {})})
         before = parse_engine_counters((await client.get("/metrics")).text)
         start = time.monotonic()
         bar = tqdm(total=len(trace.requests), desc=f"{policy.name} @ {budget} (http)",
