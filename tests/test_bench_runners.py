@@ -77,6 +77,12 @@ def test_http_runner_smoke(tiny_model, tmp_path):
     doc = _bench(tiny_model, tmp_path, "--policies", "slo", "--runner", "http")
     (run,) = doc["runs"]
     _check_run(run, "http", "slo")
+    # The server's own TTFT beside the client's, and each stream's longest gap between chunks.
+    assert all(r["server_ttft_s"] > 0 and r["max_stream_gap_s"] >= 0 for r in run["requests"])
+    summary = run["summary"]
+    assert summary["median_server_ttft_ms"] > 0
+    assert summary["max_abs_ttft_client_minus_server_ms"] >= 0
+    assert summary["max_stream_gap_ms"] >= summary["p99_max_stream_gap_ms"] > 0
 
 
 def test_user_trace_file_runs(tiny_model, tmp_path):
@@ -200,3 +206,4 @@ def test_http_runner_sends_both_objectives_and_reads_the_final_metrics(tiny_mode
     assert result.num_preemptions == 1
     assert result.slack_at_admission_ms == pytest.approx(42.0)
     assert result.tpot_slo_met is not None
+    assert result.server_ttft_s is not None and result.max_stream_gap_s is not None

@@ -48,6 +48,10 @@ def _setup(args: argparse.Namespace, out_dir: Path) -> BenchSetup:
     overrides: dict[str, Any] = {"dtype": args.dtype, "enable_prefix_caching": False}
     if args.simulate:
         overrides["simulate"] = args.simulate
+    if args.device != "auto":
+        overrides["device"] = args.device
+    if args.load_format != "auto":
+        overrides["load_format"] = args.load_format
     if args.num_kv_blocks:
         overrides["num_kv_blocks"] = args.num_kv_blocks
     if args.ttft_model:
@@ -60,9 +64,9 @@ def _setup(args: argparse.Namespace, out_dir: Path) -> BenchSetup:
         from engine.entrypoints.llm import LLM
 
         print("calibrating the TTFT line (pass --ttft-model FILE to reuse one)", file=sys.stderr)
-        # Simulated steps cost no compute, and GPU-scale workloads (burst) size their
-        # documents at 16k-32k tokens from this line: measure up to there.
-        top = 32_768 if args.simulate else 3072
+        # GPU-scale workloads (burst) size their documents at 16k-32k tokens from this line:
+        # measure up to there where steps are fast enough (a GPU, or simulated steps).
+        top = 32_768 if args.simulate or _on_gpu(args.device) else 3072
         # A budget above the largest size, so that each prompt is one step.
         llm = LLM(model=model, max_num_batched_tokens=max(4096, top), **overrides)
         try:
@@ -87,6 +91,12 @@ def _setup(args: argparse.Namespace, out_dir: Path) -> BenchSetup:
 
         setup.engines = EnginePool(model, **overrides)
     return setup
+
+
+def _on_gpu(device: str) -> bool:
+    import torch
+
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
 def _simulated_model(profile_name: str, out_dir: Path) -> str:
@@ -295,6 +305,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", default=None, help="local HF folder (default: SmolLM2-135M)")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="as `sloserve serve --device` (auto: CUDA when a GPU is visible)")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights for a config-only folder of a real shape "
+                        "(python -m bench.model_shapes)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--ttft-model", default=None, metavar="FILE",

@@ -49,6 +49,10 @@ class RequestResult:
     # a TTFT SLO, or from a server that does not report it).
     slack_at_admission_ms: float | None = None
     tpot_slo_ms: float | None = None  # None: no TPOT objective
+    # HTTP runs: the server's own TTFT (its `metrics.ttft_ms`), to set beside the client's, and
+    # the longest wait between two streamed chunks carrying text (None: fewer than two).
+    server_ttft_s: float | None = None
+    max_stream_gap_s: float | None = None
 
     @property
     def failed(self) -> bool:
@@ -146,6 +150,10 @@ def _summarize_requests(reqs: list[RequestResult], duration_s: float) -> dict[st
     good = sum(1 for r in reqs if r.good)
     input_tokens = sum(r.prompt_tokens for r in done)
     output_tokens = sum(r.output_tokens for r in done)
+    # Client minus server TTFT (HTTP runs): what the client saw that the server's clock missed.
+    ttft_skews_ms = [(r.ttft_s - r.server_ttft_s) * 1000.0 for r in done
+                     if r.ttft_s is not None and r.server_ttft_s is not None]
+    gaps_ms = [r.max_stream_gap_s * 1000.0 for r in done if r.max_stream_gap_s is not None]
     return {
         "num_requests": len(reqs),
         "completed": len(done),
@@ -177,6 +185,15 @@ def _summarize_requests(reqs: list[RequestResult], duration_s: float) -> dict[st
         "tpot_slo_attainment": tpot_met / len(with_tpot) if with_tpot else None,
         "median_tpot_slo_ms": _pct([r.tpot_slo_ms for r in with_tpot
                                     if r.tpot_slo_ms is not None], 50),
+        "median_server_ttft_ms": _pct([r.server_ttft_s * 1000.0 for r in done
+                                       if r.server_ttft_s is not None], 50),
+        "median_ttft_client_minus_server_ms": _pct(ttft_skews_ms, 50),
+        "max_abs_ttft_client_minus_server_ms": (max(abs(x) for x in ttft_skews_ms)
+                                                if ttft_skews_ms else None),
+        # Each request's longest wait between two streamed chunks, over the requests.
+        "median_max_stream_gap_ms": _pct(gaps_ms, 50),
+        "p99_max_stream_gap_ms": _pct(gaps_ms, 99),
+        "max_stream_gap_ms": max(gaps_ms) if gaps_ms else None,
         "num_good": good,
         "goodput_attainment": good / len(reqs) if reqs else None,
         "request_goodput": _per_s(good, duration_s),
@@ -211,10 +228,13 @@ HEADLINE_METRICS: tuple[str, ...] = (
     "ttft_slo_attainment", "tpot_slo_attainment", "goodput_attainment", "request_goodput",
     "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "total_token_throughput",
     "output_throughput", "wasted_tokens_share", "num_preemptions_slo", "num_preemptions_kv",
+    "median_server_ttft_ms", "median_ttft_client_minus_server_ms",
+    "max_abs_ttft_client_minus_server_ms", "p99_max_stream_gap_ms", "max_stream_gap_ms",
 )
 # Per-tier metrics reported per cell.
 TIER_METRICS: tuple[str, ...] = (
-    "ttft_slo_attainment", "tpot_slo_attainment", "goodput_attainment", "p99_ttft_ms",
+    "ttft_slo_attainment", "tpot_slo_attainment", "goodput_attainment", "median_ttft_ms",
+    "median_server_ttft_ms", "p99_ttft_ms",
     "median_tpot_ms", "p99_tpot_ms", "median_ttft_slo_ms", "median_tpot_slo_ms",
     "mean_e2el_ms",
 )

@@ -197,6 +197,7 @@ async def _one_http(client: Any, tr: TraceRequest, start: float, priority: int,
     sent = time.monotonic()
     first: float | None = None
     output_tokens, error = 0, None
+    last, max_gap = 0.0, 0.0  # the longest wait between two chunks carrying text
     metrics: dict[str, Any] = {}  # the engine's per-request metrics, on the finishing chunk
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -209,8 +210,13 @@ async def _one_http(client: Any, tr: TraceRequest, start: float, priority: int,
                     chunk = json.loads(line[6:])
                     if "error" in chunk:
                         error = str(chunk["error"])
-                    if chunk.get("choices") and first is None:
-                        first = time.monotonic()
+                    if any(c.get("text") for c in chunk.get("choices") or ()):
+                        now = time.monotonic()
+                        if first is None:
+                            first = now
+                        else:
+                            max_gap = max(max_gap, now - last)
+                        last = now
                     if chunk.get("metrics"):
                         metrics = chunk["metrics"]
                     if chunk.get("usage"):
@@ -226,7 +232,11 @@ async def _one_http(client: Any, tr: TraceRequest, start: float, priority: int,
                          ttft_slo_ms=tr.ttft_slo_ms, tpot_slo_ms=tr.tpot_slo_ms, ttft_s=ttft,
                          e2e_s=e2e, tpot_s=tpot,
                          num_preemptions=int(metrics.get("num_preemptions") or 0), error=error,
-                         slack_at_admission_ms=metrics.get("slack_at_admission_ms"))
+                         slack_at_admission_ms=metrics.get("slack_at_admission_ms"),
+                         server_ttft_s=(metrics["ttft_ms"] / 1000.0
+                                        if metrics.get("ttft_ms") is not None else None),
+                         max_stream_gap_s=max_gap if first is not None and output_tokens > 1
+                         else None)
 
 
 async def run_http_async(trace: Trace, url: str, policy: PolicySpec, budget: int,

@@ -21,7 +21,8 @@ from bench.attainment.policies import PolicySpec
 # Engine overrides that map onto `sloserve serve` flags.
 _FLAGS = {"dtype": "--dtype", "num_kv_blocks": "--num-kv-blocks",
           "max_model_len": "--max-model-len", "ttft_model": "--ttft-model",
-          "preempt_min_tokens": "--preempt-min-tokens", "simulate": "--simulate"}
+          "preempt_min_tokens": "--preempt-min-tokens", "simulate": "--simulate",
+          "device": "--device", "load_format": "--load-format"}
 
 
 def free_port() -> int:

@@ -1,0 +1,82 @@
+"""Seeded random-weight checkpoints in Hugging Face format, and a small BPE tokenizer for them.
+
+The tests build tiny ones; `bench/gpu_equality.py` builds mid-size ones for greedy equality
+against HF transformers on a GPU. Nothing is fetched: the weights are drawn by transformers' own
+classes, the tokenizer is trained on a few sentences.
+
+Random models have near-uniform logits, which makes greedy argmax flip under harmless float32
+summation-order changes. Callers therefore pass a large ``initializer_range`` so each position's
+top-1 logit leads the runner-up by a clear margin.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+# arch -> (config class name, model class name, tie_word_embeddings, extra config)
+ARCHS: dict[str, tuple[str, str, bool, dict[str, Any]]] = {
+    # Tied like SmolLM2 (the default model); Llama's config default is untied.
+    "llama": ("LlamaConfig", "LlamaForCausalLM", True, {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", False, {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", True, {}),
+    # Explicit head_dim larger than hidden / heads, as real Qwen3 checkpoints have.
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", True, {"head_dim": 32}),
+}
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France, and Berlin is the capital of Germany.",
+    "A paged KV cache stores keys and values in fixed-size blocks.",
+    "Deadlines matter: an interactive turn must start within half a second.",
+    "Ünïcödé text, emoji 🙂 and numbers 12345 exercise multi-byte decoding.",
+] * 20
+
+
+def save_small_tokenizer(path: str | os.PathLike[str], vocab_size: int = 400) -> Path:
+    """A byte-level BPE tokenizer trained here (``<eos>`` its only special token), saved to
+    ``path`` in transformers' format."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    fast.save_pretrained(str(path))
+    return Path(path)
+
+
+def make_config(arch: str, **config: Any) -> Any:
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHS)}")
+    config_name, _, tie, extra = ARCHS[arch]
+    return getattr(transformers, config_name)(**{"tie_word_embeddings": tie, **extra, **config})
+
+
+def make_random_model(path: str | os.PathLike[str], arch: str = "llama", seed: int = 0,
+                      **config: Any) -> str:
+    """Save a seeded random ``arch`` model (config.json + model.safetensors, float32) to
+    ``path`` and return the path. Keyword arguments are config fields."""
+    hf_config = make_config(arch, **config)
+    model_class = getattr(transformers, ARCHS[arch][1])
+    torch.manual_seed(seed)
+    model = model_class(hf_config).to(torch.float32)  # init uses config.initializer_range
+    with torch.no_grad():
+        # Norm weights init to 1 and biases to 0; jitter them so a loader that skipped them
+        # (or mixed up which is which) shows up as a logit mismatch.
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * 0.1)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+    Path(path).mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path))
+    return str(path)
