@@ -385,6 +385,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--{key.replace('_', '-')} must be at least 1")
     if min(args.batches) < 1:
         parser.error("--batches must be at least 1")
+    if max(args.batches) >= args.prefill_len:
+        # The budget is the engine's token budget per step: a step cannot decode more.
+        parser.error(f"--batches: a decode step of {max(args.batches)} requests needs a token "
+                     f"budget (--prefill-len, {args.prefill_len}) above it")
     return args
 
 

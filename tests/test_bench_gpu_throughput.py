@@ -152,6 +152,8 @@ def test_device_auto_follows_cuda_availability(monkeypatch, capsys):
 def test_sizes_are_checked():
     with pytest.raises(SystemExit):
         gpu_throughput.parse_args(["--batches", "0"])
+    with pytest.raises(SystemExit):  # a 64-token budget cannot decode 64 requests in a step
+        gpu_throughput.parse_args(["--smoke", "--batches", "64"])
     args = gpu_throughput.parse_args(["--smoke", "--batches", "2", "3"])
     assert args.batches == [2, 3] and args.context == gpu_throughput.SMOKE["context"]
     assert gpu_throughput.parse_args([]).batches == [1, 16, 64, 128]
