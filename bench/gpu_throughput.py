@@ -336,7 +336,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {_cell(row['bound_tpot_ms'], 2)} |")
     for side in ("engine", "hf"):
         if "error" in result[side]:
-            lines += ["", f"**{side} failed:** {result[side]['error']}"]
+            lines += ["", f"**{side} not measured:** {result[side]['error']}"]
     return "\n".join(lines)
 
 
@@ -429,23 +429,22 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="sloserve-gpu-throughput-") as tmp:
         scratch = Path(tmp)
         model_dir, label = prepare_model(args, scratch)
-        hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+        config = json.loads((Path(model_dir) / "config.json").read_text())
         from engine.runtime.model_setup import load_hf_config
 
         shape = ModelShape.from_hf_config(load_hf_config(model_dir))
         limits = measure_limits(device, dtype, args.matmul_size)
         hf = ({"error": "skipped (--no-hf)"} if args.no_hf else _guarded(
             lambda: bench_hf(model_dir, device, dtype, sizes, args.seed, scratch,
-                                   args.hf_timeout_s)))
-        engine = _guarded(lambda: bench_engine(model_dir, device, dtype, sizes,
-                                                         args.seed))
+                             args.hf_timeout_s)))
+        engine = _guarded(lambda: bench_engine(model_dir, device, dtype, sizes, args.seed))
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     for side in (engine, hf):
         if "error" not in side:
             add_bounds(side, shape, dtype_bytes, limits)
     result = {
         "bench": "gpu_throughput", "smoke": args.smoke, "shape": label,
-        "config": {k: hf_config.get(k) for k in (
+        "config": {k: config.get(k) for k in (
             "architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")},
         "device": _device_info(device), "dtype": str(dtype).removeprefix("torch."),
