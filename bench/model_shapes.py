@@ -79,11 +79,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folder")
     parser.add_argument("--tokenizer-from", default=None,
                         help="a folder with tokenizer files (default: the default model's)")
+    parser.add_argument("--small-tokenizer", action="store_true",
+                        help="a small BPE tokenizer trained here instead (no default model, so "
+                             "no download: for a machine without network access)")
     parser.add_argument("--num-hidden-layers", type=int, default=None,
                         help="fewer layers than the shape has (quicker runs)")
     args = parser.parse_args(argv)
     source = args.tokenizer_from
-    if source is None:
+    if args.small_tokenizer:
+        import tempfile
+
+        from bench.random_checkpoints import save_small_tokenizer
+
+        source = save_small_tokenizer(tempfile.mkdtemp(prefix="sloserve-tokenizer-"))
+    elif source is None:
         from engine.entrypoints.default_model import model_path_or_default
 
         source = model_path_or_default(None)

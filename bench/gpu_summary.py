@@ -1,0 +1,216 @@
+"""The GPU suite's summary: OUT_DIR/summary.md from what `bench/gpu_suite.sh` left in OUT_DIR.
+
+Each section quotes a step's own figures (its JSON, or its log's `key: value` lines and
+tables); a step that failed or ran out of time says so, with its log's last lines.
+
+    python -m bench.gpu_summary OUT_DIR [--device cuda] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+_PYTEST_TOTALS = re.compile(r"^=*\s*(\d+ (passed|failed|error|errors|skipped|tests? collected"
+                            r"|deselected).*?)\s*=*$")
+
+
+def _steps(out: Path) -> dict[str, dict[str, int]]:
+    steps = {}
+    for line in (out / "steps.tsv").read_text().splitlines():
+        name, rc, seconds, limit = line.split("\t")
+        steps[name] = {"rc": int(rc), "seconds": int(seconds), "limit": int(limit)}
+    return steps
+
+
+def _outcome(step: dict[str, int] | None) -> str:
+    if step is None:
+        return "not run"
+    if step["rc"] in (124, 137):
+        return f"TIMED OUT at {step['limit']} s"
+    return "passed" if step["rc"] == 0 else f"FAILED (exit {step['rc']})"
+
+
+def _log(out: Path, name: str) -> str:
+    path = out / f"{name}.log"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _tail(text: str, lines: int = 15) -> str:
+    kept = [line for line in text.splitlines() if line.strip()]
+    return "\n".join(kept[-lines:])
+
+
+def _fenced(text: str) -> list[str]:
+    return ["```text", text.rstrip(), "```"]
+
+
+def _json(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _tests(out: Path, steps: dict[str, dict[str, int]]) -> list[str]:
+    lines = ["## GPU tests", ""]
+    for name, label in (("tests-cuda", "tests/test_cuda.py, tests/test_gpu_memory_utilization.py"),
+                        ("tests-triton-compiled", "tests/test_triton_*.py, kernels compiled")):
+        log = _log(out, name)
+        totals = [m.group(1) for line in log.splitlines()
+                  if (m := _PYTEST_TOTALS.match(line.strip()))]
+        lines.append(f"- {label}: {_outcome(steps.get(name))}; pytest: "
+                     f"`{totals[-1] if totals else 'no totals line'}`")
+        failures = [line for line in log.splitlines() if line.startswith(("FAILED", "ERROR"))]
+        lines += [f"  - `{line}`" for line in failures[:20]]
+    return lines + [""]
+
+
+def _equality(out: Path) -> list[str]:
+    report = _json(out / "equality.json")
+    lines = ["## Greedy equality against HF transformers (float32)", ""]
+    if report is None:
+        return lines + ["No report (see equality.log):", "", *_fenced(_tail(_log(out, "equality"))),
+                        ""]
+    model = report["model"]
+    lines += [f"Random checkpoints: hidden {model['hidden_size']}, "
+              f"{model['num_hidden_layers']} layers, {model['num_attention_heads']} heads / "
+              f"{model['num_key_value_heads']} KV heads, vocabulary {model['vocab_size']}; "
+              f"device {report['device']} {report.get('gpu', '')}".rstrip(), "",
+              "| arch | scenario | outputs equal | probe | result |", "|---|---|---:|---|---|"]
+    for arch, scenarios in report["archs"].items():
+        for name, s in scenarios.items():
+            probe = ", ".join(f"{k} {v}" for k, v in s["probe"].items())
+            lines.append(f"| {arch} | {name} | {s['equal']}/{s['prompts']} | {probe} | "
+                         f"{'passed' if s['passed'] else 'FAILED'} |")
+            for m in s["mismatches"]:
+                lines.append(f"|  | mismatch | prompt {m['prompt_len']} tokens, first at "
+                             f"output {m['first_diff']} | reference top-2 margin "
+                             f"{m['reference_top2_margin']:.4g} | |")
+    return lines + [""]
+
+
+def _throughput(out: Path) -> list[str]:
+    report = _json(out / "throughput.json")
+    lines = ["## Throughput against the hardware bound and HF transformers", ""]
+    if report is not None and isinstance(report, dict) and report.get("markdown"):
+        return lines + [report["markdown"].rstrip(), ""]
+    log = _log(out, "throughput")
+    table = [line for line in log.splitlines() if line.startswith("|")]
+    return lines + (table if table else ["No table (see throughput.log):", "",
+                                         *_fenced(_tail(log))]) + [""]
+
+
+def _kernels(out: Path) -> list[str]:
+    log = _log(out, "kernels")
+    return ["## Kernels (bench.gpu_kernels)", "", *_fenced(_tail(log, 60)), ""]
+
+
+def _preempt_latency(out: Path) -> list[str]:
+    log = _log(out, "preempt-latency")
+    keyed = [line for line in log.splitlines() if re.match(r"^[a-z_0-9]+: ", line)
+             or line.startswith("target:")]
+    return ["## Preemption latency (bench/preempt_latency.py)", "",
+            *_fenced("\n".join(keyed) if keyed else _tail(log)), ""]
+
+
+def _stream_gaps(out: Path) -> list[str]:
+    report = _json(out / "stream_gaps.json")
+    lines = ["## First requests after startup (bench.stream_gaps)", ""]
+    if report is None:
+        return lines + ["No report (see stream-gaps.log):", "",
+                        *_fenced(_tail(_log(out, "stream-gaps"))), ""]
+    lines += [f"Server start to healthy: {report['startup_s']} s. "
+              + (f"Startup log: `{report['startup_log'][-1].strip()}`"
+                 if report["startup_log"] else ""), "",
+              "| context | first TTFT (ms) | first max gap (ms) | decode step (ms) | gap / step |",
+              "|---:|---:|---:|---:|---:|"]
+    for r in report["rows"]:
+        step = f"{r['decode_step_ms']:.1f}" if r["decode_step_ms"] is not None else "-"
+        lines.append(f"| {r['context']} | {r['first']['ttft_ms']:.1f} | "
+                     f"{r['first_max_gap_ms']:.1f} | {step} | {r['max_gap_over_step']} |")
+    lines.append(f"\nFirst requests with a gap over {report['stall_multiple']:g}x the decode "
+                 f"step: {report['stalled']}/{len(report['rows'])}.")
+    return lines + [""]
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _burst(out: Path) -> list[str]:
+    lines = ["## SLO burst (long documents, short urgent turns)", "",
+             "TTFT is the client's (first streamed byte over HTTP); the server's own TTFT "
+             "(`metrics.ttft_ms`) beside it on HTTP runs.", "",
+             "| runner | policy | urgent TTFT SLO met | urgent SLO (ms) | urgent median TTFT "
+             "client (ms) | server (ms) | max abs client-server (ms) | p99 stream gap (ms) | "
+             "max stream gap (ms) | SLO preemptions |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    found = False
+    for runner in ("inprocess", "http"):
+        doc = _json(out / f"burst-{runner}" / "results.json")
+        if doc is None:
+            lines.append(f"| {runner} | no results (see burst-{runner}.log) | | | | | | | | |")
+            continue
+        found = True
+        for run in doc["runs"]:
+            s = run["summary"]
+            urgent = s["tiers"].get("urgent", {})
+            met = (f"{urgent['num_slo_met']}/{urgent['num_slo_requests']}"
+                   if urgent else "-")
+            lines.append(
+                f"| {runner} | {run['policy']} | {met} | {_ms(urgent.get('median_ttft_slo_ms'))}"
+                f" | {_ms(urgent.get('median_ttft_ms'))} | "
+                f"{_ms(urgent.get('median_server_ttft_ms'))} | "
+                f"{_ms(s.get('max_abs_ttft_client_minus_server_ms'))} | "
+                f"{_ms(s.get('p99_max_stream_gap_ms'))} | {_ms(s.get('max_stream_gap_ms'))} | "
+                f"{s.get('num_preemptions_slo')} |")
+    if not found:
+        lines += ["", *_fenced(_tail(_log(out, "burst-http")))]
+    return lines + [""]
+
+
+def summarize(out: Path, device: str, smoke: bool) -> str:
+    import torch
+
+    steps = _steps(out)
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    gpu = torch.cuda.get_device_name() if device == "cuda" and torch.cuda.is_available() else ""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "absent"
+    lines = [f"# GPU suite{' (smoke: tiny shapes on a CPU, figures are not measurements)' if smoke else ''}",
+             "", f"{when}; device {device} {gpu}; torch {torch.__version__}, "
+             f"triton {triton_version}. `bash bench/gpu_suite.sh` wrote this.", "",
+             "| step | result | seconds |", "|---|---|---:|"]
+    lines += [f"| {name} | {_outcome(step)} | {step['seconds']} |" for name, step in steps.items()]
+    lines.append("")
+    for section in (_tests(out, steps), _equality(out), _throughput(out), _kernels(out),
+                    _preempt_latency(out), _stream_gaps(out), _burst(out)):
+        lines += section
+    failed = [name for name, step in steps.items() if step["rc"] != 0]
+    for name in failed:
+        lines += [f"### {name}: last lines of its log", "", *_fenced(_tail(_log(out, name))), ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args(argv)
+    out = Path(args.out_dir)
+    text = summarize(out, args.device, args.smoke)
+    (out / "summary.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
