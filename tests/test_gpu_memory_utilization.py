@@ -2,7 +2,8 @@
 weights and a profiled step leave of that share of the GPU's memory (workers/kv_memory.py); an
 explicit --num-kv-blocks or --kv-cache-memory-gb wins; on a CPU the flag only logs that it has
 no effect. The arithmetic and the profile steps are checked here without a GPU; the measurement
-itself is skipped where none is visible."""
+runs on a GPU where one is visible, and on the CPU with torch.cuda's memory accounting faked
+(tests/fake_gpu_memory.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from engine.config import build_engine_config
 from engine.runtime.model_setup import resolve
 from engine.runtime.worker_messages import KVPoolPlan
 from engine.sampling_params import SamplingParams
+from tests.fake_gpu_memory import FakeGPUMemory, play_a_gpu
 from workers.kv_memory import (GPUMemory, describe, kv_pool_blocks, profile_steps,
                                scratch_blocks)
 
@@ -24,7 +26,7 @@ GIB = 2**30
 
 def _plan(utilization: float = 0.9, max_blocks: int = 10**9) -> KVPoolPlan:
     return KVPoolPlan(gpu_memory_utilization=utilization, max_num_batched_tokens=2048,
-                      max_num_seqs=128, max_blocks=max_blocks)
+                      max_num_seqs=128, max_model_len=4096, max_blocks=max_blocks)
 
 
 def test_the_pool_gets_what_the_share_leaves_after_weights_and_activations() -> None:
@@ -53,14 +55,23 @@ def test_the_log_line_says_how_the_memory_was_counted() -> None:
         "(capped: 128 sequences of max_model_len fill no more)")
 
 
-@pytest.mark.parametrize("tokens,seqs,block_size", [(2048, 128, 16), (100, 7, 16), (5, 8, 4),
-                                                    (64, 1, 16)])
-def test_profile_steps_fill_the_token_budget(tokens, seqs, block_size) -> None:
-    long, wide = profile_steps(tokens, seqs, block_size)
-    assert len(long.requests) == 1 and len(wide.requests) == min(seqs, tokens)
+@pytest.mark.parametrize("tokens,seqs,block_size,max_len,step_tokens,long_seqs", [
+    (2048, 128, 16, 4096, 2048, 1), (100, 7, 16, 100, 100, 1), (5, 8, 4, 5, 5, 1),
+    (64, 1, 16, 64, 64, 1),
+    # max_model_len below the budget: the budget spread over more sequences, none longer.
+    (2048, 128, 16, 256, 2048, 8), (2048, 128, 16, 300, 2048, 7), (256, 256, 16, 64, 256, 4),
+    # ... and never more than max_num_seqs of them: the scheduler makes no larger step.
+    (2048, 4, 16, 256, 1024, 4), (2048, 1, 16, 64, 64, 1)])
+def test_profile_steps_fill_the_token_budget(tokens, seqs, block_size, max_len, step_tokens,
+                                             long_seqs) -> None:
+    long, wide = profile_steps(tokens, seqs, block_size, max_len)
+    assert len(long.requests) == long_seqs
+    assert len(wide.requests) == min(seqs, step_tokens)
     for step in (long, wide):
-        assert step.num_scheduled_tokens == tokens
+        assert step.num_scheduled_tokens == step_tokens
         assert all(r.sample and r.start_pos == 0 for r in step.requests)
+        # No position at or past max_model_len (the rotary table's end on a GPU).
+        assert max(r.start_pos + len(r.token_ids) for r in step.requests) <= max_len
         blocks = [b for r in step.requests for b in r.block_ids]
         assert len(blocks) == len(set(blocks))  # no two sequences share a block
         assert all(len(r.block_ids) * block_size >= len(r.token_ids) for r in step.requests)
@@ -77,7 +88,7 @@ def test_the_profile_steps_run_on_the_model_runner(tiny_model) -> None:
     model = tiny_model("llama")
     runner = ModelRunner(model, load_hf_config(model), torch.float32, torch.device("cpu"), 0, 16)
     assert num_kv_blocks(runner.kv_caches) == 0
-    steps = profile_steps(96, 8, 16)
+    steps = profile_steps(96, 8, 16, 1024)
     runner.kv_caches = resized_kv_caches(runner.kv_caches, scratch_blocks(steps))
     for step in steps:
         out = runner.execute(step)
@@ -133,7 +144,7 @@ def test_a_gpu_config_leaves_the_pool_to_the_workers(tiny_model, monkeypatch) ->
     assert resolved.num_blocks is None
     plan = kv_pool_plan(config, resolved)
     assert plan == KVPoolPlan(gpu_memory_utilization=0.6, max_num_batched_tokens=2048,
-                              max_num_seqs=4, max_blocks=4 * 7)
+                              max_num_seqs=4, max_model_len=100, max_blocks=4 * 7)
     assert make_worker_config(config, resolved).kv_pool_plan == plan
     default = build_engine_config(model, device="cuda", dtype="float32")
     assert kv_pool_plan(default, resolve(default)).gpu_memory_utilization == 0.9
@@ -186,7 +197,7 @@ def test_the_scheduler_gets_the_pool_the_workers_measured(tiny_model, measured) 
         assert llm.engine.scheduler.kv_cache_manager.pool.num_blocks == 40
         assert measured.plans == [KVPoolPlan(gpu_memory_utilization=0.9,
                                              max_num_batched_tokens=2048, max_num_seqs=4,
-                                             max_blocks=4 * 4)]
+                                             max_model_len=64, max_blocks=4 * 4)]
         got = [o.token_ids for o in llm.generate(prompts, params)]
     finally:
         llm.shutdown()
@@ -230,19 +241,34 @@ def test_a_worker_rank_allocates_the_pool_the_ranks_agree_on(tiny_model, monkeyp
         worker.shutdown()
 
 
-# ---- on a GPU --------------------------------------------------------------------------------
+# ---- on a GPU, and the same on the CPU with torch.cuda's memory accounting faked -----------------
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(),
-                          reason="measuring a GPU's memory needs one (torch.cuda.is_available() "
-                                 "is False)")
+@dataclasses.dataclass
+class Device:
+    name: str
+    fake: FakeGPUMemory | None  # None on a real GPU
 
 
-@cuda
-def test_the_pool_is_measured_on_the_gpu(tiny_model) -> None:
+@pytest.fixture(params=["cpu", "cuda"])
+def device(request, monkeypatch) -> Device:
+    """A real GPU where one is visible; and the CPU with the pool left open (as resolve() does
+    on a GPU) and the memory accounting faked, so that the real profile steps run on the CPU's
+    model runner. The tiny model's rotary table ends at 1024 positions: a profiled sequence
+    past it is an IndexError here, as it is a device-side assert on a GPU."""
+    if request.param == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("measuring a GPU's memory needs one (torch.cuda.is_available() is False)")
+        return Device("cuda", None)
+    return Device("cpu", play_a_gpu(monkeypatch))
+
+
+def test_the_pool_is_measured_on_the_gpu(tiny_model, device: Device) -> None:
+    """max_model_len 256 under the default 2048-token budget: the profile spreads the budget
+    over sequences of 256 (before issue 25 it ran one 2048-token prompt and crashed)."""
     from engine import LLM
 
-    llm = LLM(model=tiny_model("llama"), device="cuda", dtype="float32", max_model_len=256,
-              max_num_seqs=8)
+    llm = LLM(model=tiny_model("llama"), device=device.name, dtype="float32",
+              max_model_len=256, max_num_seqs=8)
     try:
         blocks = llm.engine.model.num_blocks
         # A tiny model on any GPU: the cap binds (8 sequences of 256 tokens).
@@ -254,14 +280,23 @@ def test_the_pool_is_measured_on_the_gpu(tiny_model) -> None:
         assert len(out.token_ids) == 4
     finally:
         llm.shutdown()
+    if device.fake is not None:
+        assert device.fake.profiles == 1  # probe: the pool was measured, not configured
 
 
-@cuda
-def test_a_gpu_without_room_for_the_pool_is_a_clear_error(tiny_model, monkeypatch) -> None:
+def test_a_gpu_without_room_for_the_pool_is_a_clear_error(tiny_model, monkeypatch,
+                                                          device: Device) -> None:
+    """The default max_model_len (the tiny model's 1024) under the 2048-token budget: the
+    profile runs (two sequences of 1024 at most) and the error is about the memory."""
     from engine import LLM
 
-    total = torch.cuda.mem_get_info()[1]
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, total))
+    if device.fake is None:
+        total = torch.cuda.mem_get_info()[1]
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, total))
+    else:
+        device.fake.free = 0
     with pytest.raises(ValueError, match=r"the pool has 0; lower max_model_len, or raise "
                                          r"gpu_memory_utilization \(now 0.9\)"):
-        LLM(model=tiny_model("llama"), device="cuda", dtype="float32")
+        LLM(model=tiny_model("llama"), device=device.name, dtype="float32")
+    if device.fake is not None:
+        assert device.fake.profiles == 1

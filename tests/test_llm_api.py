@@ -61,11 +61,17 @@ def test_eos_finishes(llm, tiny_model):
     assert out.token_ids == ref.token_ids[: ref.token_ids.index(ref.token_ids[3]) + 1]
 
 
-def test_max_model_len_stops_generation(tiny_model):
+def test_max_model_len_bounds_generation(tiny_model):
+    """The exact fit runs to the context's last position; one token more is refused (vLLM's
+    message, tests/test_context_limit.py)."""
     small = LLM(model=tiny_model("llama"), dtype="float32", max_model_len=40)
-    (out,) = small.generate({"prompt_token_ids": list(range(1, 31))},
-                            SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    prompt = {"prompt_token_ids": list(range(1, 31))}
+    (out,) = small.generate(prompt, SamplingParams(temperature=0, max_tokens=10,
+                                                   ignore_eos=True))
     assert out.finish_reason == "length" and len(out.token_ids) == 10
+    with pytest.raises(ValueError, match=r"maximum context length is 40 tokens\. However, you "
+                                         r"requested 41 tokens \(30 in the prompt, 11 in"):
+        small.generate(prompt, SamplingParams(temperature=0, max_tokens=11, ignore_eos=True))
 
 
 @pytest.mark.parametrize("prompt,params,field", [

@@ -1,6 +1,7 @@
 """Sizing the KV pool from a GPU's memory, as vLLM's ``--gpu-memory-utilization`` does: once the
-weights are loaded, run the largest steps the scheduler can make to measure their activations,
-and give the pool what is left of ``utilization`` x the GPU's memory.
+weights are loaded, run the largest steps the scheduler can make to measure their activations
+(every sequence within ``max_model_len``), and give the pool what is left of ``utilization`` x
+the GPU's memory.
 
 Used memory is what the device reports (weights, CUDA contexts, and any other process on the
 GPU), so ``utilization`` bounds everything on the device, as in vLLM before its V1 engine. The
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput, StepStatus
+from engine.core.token_budget import largest_step_tokens, split_token_budget
 from engine.runtime.worker_messages import KVPoolPlan
 from engine.sampling_params import SamplingParams
 from workers.kv_cache import kv_caches_bytes_per_block, resized_kv_caches
@@ -55,23 +57,25 @@ def describe(memory: GPUMemory, plan: KVPoolPlan, num_blocks: int, bytes_per_blo
             f"({num_blocks * bytes_per_block / _GIB:.2f} GiB){capped}")
 
 
-def profile_steps(max_num_batched_tokens: int, max_num_seqs: int,
-                  block_size: int) -> list[SchedulerOutput]:
-    """The steps whose activations peak highest: the whole token budget as one prompt (the
-    longest attention), and spread over as many sequences as may run, each sampled (the most
-    logits rows). Their blocks are numbered from 0 in a scratch pool."""
-    return [_profile_step(max_num_batched_tokens, 1, block_size),
-            _profile_step(max_num_batched_tokens, max_num_seqs, block_size)]
+def profile_steps(max_num_batched_tokens: int, max_num_seqs: int, block_size: int,
+                  max_model_len: int) -> list[SchedulerOutput]:
+    """The steps whose activations peak highest: the whole token budget in as few sequences as
+    max_model_len allows (the longest attention), and spread over as many sequences as may run,
+    each sampled (the most logits rows). No sequence is longer than max_model_len: a longer one
+    reads past the rotary table, a device-side assert at startup on a GPU. The budget is the
+    largest step the scheduler can make (at most max_num_seqs sequences of max_model_len).
+    Their blocks are numbered from 0 in a scratch pool."""
+    tokens = largest_step_tokens(max_num_batched_tokens, max_num_seqs, max_model_len)
+    return [_profile_step(split_token_budget(tokens, max_model_len), block_size),
+            _profile_step(split_token_budget(tokens, max_model_len, min_seqs=max_num_seqs),
+                          block_size)]
 
 
-def _profile_step(num_tokens: int, num_seqs: int, block_size: int) -> SchedulerOutput:
-    num_seqs = max(1, min(num_seqs, num_tokens))
-    base, extra = divmod(num_tokens, num_seqs)
+def _profile_step(lengths: list[int], block_size: int) -> SchedulerOutput:
     greedy = SamplingParams(max_tokens=1, temperature=0.0)
     requests: list[ScheduledRequest] = []
     next_block = 0
-    for i in range(num_seqs):
-        length = base + (i < extra)
+    for i, length in enumerate(lengths):
         blocks = -(-length // block_size)
         requests.append(ScheduledRequest(
             req_id=f"profile-{i}", token_ids=[0] * length, start_pos=0,
@@ -90,7 +94,8 @@ def measure_kv_pool(runner: ModelRunner, plan: KVPoolPlan) -> int:
     Runs the profile steps on a scratch pool; leaves the runner with an empty pool."""
     device: torch.device = runner.device
     bytes_per_block = kv_caches_bytes_per_block(runner.kv_caches)
-    steps = profile_steps(plan.max_num_batched_tokens, plan.max_num_seqs, runner.block_size)
+    steps = profile_steps(plan.max_num_batched_tokens, plan.max_num_seqs, runner.block_size,
+                          plan.max_model_len)
     runner.kv_caches = resized_kv_caches(runner.kv_caches, scratch_blocks(steps))
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)

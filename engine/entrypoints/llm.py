@@ -10,7 +10,7 @@ from typing import Any, TypedDict, Union
 from tqdm import tqdm
 
 from engine.config import build_engine_config
-from engine.processing.input_processor import ChatMessages, InputProcessor
+from engine.processing.input_processor import ChatMessages, InputProcessor, check_fits_context
 from engine.runtime.engine_core import EngineCore
 from engine.processing.output_processor import OutputProcessor
 from engine.outputs import RequestOutput, best_samples
@@ -51,7 +51,9 @@ class LLM:
         `ttft_slo_ms`: time-to-first-token objective(s), counted from this call; `tpot_slo_ms`:
         time-per-output-token objective(s).
 
-        Bad input (a prompt, a sampling parameter) raises ValueError before anything runs. A
+        Bad input (a prompt, a sampling parameter, a ``max_tokens`` that cannot fit in the
+        context beside its prompt, named in vLLM's words) raises ValueError before anything
+        runs; with ``sampling_params`` left out, the default 16 tokens stop at the context. A
         request that fails while it runs (its sampling, its logits, its detokenization) does not
         raise: its output comes back with ``finish_reason == "error"`` and the reason in
         ``output.error`` (the traceback is logged), and the other prompts finish normally. Only a
@@ -67,7 +69,7 @@ class LLM:
         """Applies the model's chat template (with the generation prompt) to each conversation."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         encoded = [(None, self.apply_chat_template(c)) for c in conversations]
-        return self._run(encoded, sampling_params, None, use_tqdm)
+        return self._run(encoded, sampling_params, None, use_tqdm, messages=True)
 
     def apply_chat_template(self, messages: ChatMessages) -> list[int]:
         return self.inputs.apply_chat_template(messages)
@@ -86,7 +88,9 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
              priority: Sequence[int] | None, use_tqdm: bool,
              ttft_slo_ms: float | Sequence[float | None] | None = None,
-             tpot_slo_ms: float | Sequence[float | None] | None = None) -> list[RequestOutput]:
+             tpot_slo_ms: float | Sequence[float | None] | None = None, *,
+             messages: bool = False) -> list[RequestOutput]:
+        """``messages``: the prompts came from chat messages (the errors say so)."""
         params = _per_prompt(sampling_params, len(encoded), "sampling_params", SamplingParams())
         priorities = _per_prompt(priority, len(encoded), "priority", 0)
         slos = _per_prompt(ttft_slo_ms, len(encoded), "ttft_slo_ms", None)
@@ -112,6 +116,10 @@ class LLM:
         # Validate every request before any is queued: one bad prompt must not strand the rest.
         for request in requests:
             self.engine.validate_request(request)
+        if sampling_params is not None:  # left out: the default's 16 tokens, up to the context
+            for (_, ids), sp in zip(encoded, params):
+                check_fits_context(len(ids), sp.max_tokens, self.engine.max_model_len,
+                                   messages=messages)
         processor = OutputProcessor(self.tokenizer)
         for prompt, request in zip(prompts, requests):
             processor.add_request(request.request_id, prompt, request.prompt_token_ids,

@@ -33,6 +33,20 @@ def validate_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size:
                          f"[0, {vocab_size})")
 
 
+def check_fits_context(prompt_len: int, max_tokens: int, max_model_len: int, *,
+                       messages: bool = False) -> None:
+    """Raises ValueError, in vLLM's (and OpenAI's) words, when the prompt and the completion
+    asked for cannot both fit the context: such a request could only be cut short, so it is
+    refused up front, naming the numbers. ``messages``: the prompt came from chat messages.
+    A max_tokens the client left out is not checked (it means "up to the context")."""
+    if prompt_len + max_tokens > max_model_len:
+        what = "messages" if messages else "prompt"
+        raise ValueError(f"This model's maximum context length is {max_model_len} tokens. "
+                         f"However, you requested {prompt_len + max_tokens} tokens "
+                         f"({prompt_len} in the {what}, {max_tokens} in the completion). "
+                         f"Please reduce the length of the {what} or completion.")
+
+
 class InputProcessor:
     def __init__(self, model_dir: str, tokenizer_dir: str | None = None,
                  chat_template: str | None = None) -> None:

@@ -20,7 +20,10 @@ OnlineTTFT, points included.
 It drives the executor through its protocol only (`execute_model(SchedulerOutput)`), with a
 throwaway fcfs Scheduler of its own over the same number of KV blocks (prefix caching off): no
 request, counter, metric or step id of the engine's scheduler is touched. The scratch KV it
-writes is harmless because the engine's pool is all free (and uncached) at startup.
+writes is harmless because the engine's pool is all free (and uncached) at startup. That
+scheduler has the model's max_model_len, so no sequence it schedules reaches past it (a prompt
+is at most max_model_len - 1 tokens and stops at the context like any request;
+tests/test_startup_within_max_model_len.py checks every step the runner sees).
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ class KVPoolPlan(msgspec.Struct, kw_only=True):
     # The profiled steps are the scheduler's largest.
     max_num_batched_tokens: int
     max_num_seqs: int
+    # No profiled sequence is longer (nor is any step larger than max_num_seqs of them).
+    max_model_len: int
     # Never more: max_num_seqs sequences of max_model_len tokens fill no more, and the scheduler
     # keeps a Python object per block (a tiny model on a large GPU would get millions).
     max_blocks: int
@@ -36,6 +38,7 @@ def kv_pool_plan(config: EngineConfig, model: ResolvedModel) -> KVPoolPlan | Non
     return KVPoolPlan(gpu_memory_utilization=gpu_memory_utilization(config.cache),
                       max_num_batched_tokens=scheduler.max_num_batched_tokens,
                       max_num_seqs=scheduler.max_num_seqs,
+                      max_model_len=model.max_model_len,
                       max_blocks=scheduler.max_num_seqs
                       * -(-model.max_model_len // config.cache.block_size))
 

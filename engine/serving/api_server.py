@@ -26,6 +26,7 @@ from engine.config import EngineConfig
 from engine.serving.edge_clock import EdgeClock, EdgeStampedStream
 from engine.serving.metrics import ServerMetrics
 from engine.sampling_params import SamplingParams
+from engine.processing.input_processor import check_fits_context
 from engine.serving.choices import (EnginePrompt, best_of_choices, fan_out,
                                     finals_unless_disconnected, merged)
 from engine.serving.openai_protocol import (MAX_N, ChatCompletionRequest, CompletionRequest,
@@ -246,6 +247,8 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
             _check_token_ids(params_per_prompt[0], client.vocab_size)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
+        for _, prompt_ids in prompts:
+            _check_fits_context(body, len(prompt_ids), client.max_model_len, chat)
         params = params_per_prompt[0]
         per_prompt = params.num_samples
         if len(prompts) * per_prompt > MAX_N:
@@ -333,6 +336,23 @@ def _encode(client: AsyncEngineClient, prompt: str) -> list[int]:
         return client.inputs.encode(prompt)
     except ValueError as exc:
         raise APIError(400, str(exc), "prompt") from exc
+
+
+def _check_fits_context(body: GenerationRequest, prompt_len: int, max_model_len: int,
+                        chat: bool) -> None:
+    """A 400 (vLLM's message) when the completion the client asked for cannot fit beside the
+    prompt; checked after the sampling parameters, so a max_tokens that is bad on its own
+    (0, a string) keeps its own message. Not checked: a max_tokens left out (up to the
+    context) and echo's max_tokens 0 (nothing generated)."""
+    requested = body.requested_max_tokens()
+    if requested is None or requested < 1:
+        return
+    try:
+        check_fits_context(prompt_len, requested, max_model_len, messages=chat)
+    except ValueError as exc:
+        param = ("max_completion_tokens"
+                 if getattr(body, "max_completion_tokens", None) is not None else "max_tokens")
+        raise APIError(400, str(exc), param) from exc
 
 
 def _check_token_ids(params: SamplingParams, vocab_size: int) -> None:
