@@ -366,7 +366,7 @@ def engine_decode(requests: int, context: int, max_tokens: int, repeats: int) ->
     prompts = [{"prompt_token_ids": prefix + torch.randint(100, 40000, (BLOCK,),
                                                              generator=g).tolist()}
                for _ in range(requests)]
-    llm = LLM(dtype="float32", enable_prefix_caching=True, max_num_seqs=requests)
+    llm = LLM(dtype="float32", device="cpu", enable_prefix_caching=True, max_num_seqs=requests)
     current = torch_attention._decode_attention
     impls = {"baseline": baseline_decode, "current": current}
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

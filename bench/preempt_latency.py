@@ -53,7 +53,9 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=30)
     parser.add_argument("--monitor-interval-ms", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="auto (default): cuda when torch sees a GPU, else cpu (--simulate: "
+                             "cpu)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                         help="dummy: random weights for a config-only folder of a real shape "
@@ -138,6 +140,7 @@ def main() -> None:
     layer_ms = statistics.median(step_times) / num_layers * 1000
     ms = [x * 1000 for x in arrival_to_unwind]
     print(f"model: {model}")
+    print(f"device: {config.model.device}")  # what --device auto chose
     print(f"layers: {num_layers}, prompt_tokens: {args.prompt_tokens}, threads: "
           f"{torch.get_num_threads()}")
     print(f"long_step_ms_median: {statistics.median(step_times) * 1000:.1f}")

@@ -213,7 +213,8 @@ def main() -> None:
 
     configs = [tuple(map(int, c.split("x"))) for c in args.configs]
     most = max(n * -(-(ctx + args.max_tokens) // 16) for n, ctx in configs)
-    llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=args.shared_prefix,
+    llm = LLM(model=args.model, dtype=args.dtype, device="cpu",  # a CPU step, by design
+              enable_prefix_caching=args.shared_prefix,
               max_num_batched_tokens=2048, max_num_seqs=max(n for n, _ in configs),
               num_kv_blocks=most + 16,
               max_model_len=max(ctx for _, ctx in configs) + args.max_tokens)

@@ -68,7 +68,8 @@ def bench_sloserve(model_dir: str, dtype: str, prefill_prompts, decode_prompts,
     from engine import LLM, SamplingParams
 
     longest = max(map(len, prefill_prompts))
-    llm = LLM(model=model_dir, dtype=dtype, enable_prefix_caching=False,
+    # The CPU, as the HF side and the roofline: not what --device auto picks on a GPU machine.
+    llm = LLM(model=model_dir, dtype=dtype, device="cpu", enable_prefix_caching=False,
               max_num_batched_tokens=max(2048, longest), max_num_seqs=len(decode_prompts),
               tensor_parallel_size=tensor_parallel_size)
     steps = _record_step_times(llm)
@@ -169,7 +170,7 @@ def bench_roofline(model_dir: str, dtype: str, prefill_lens: list[int], batches:
     dtype_bytes = torch.empty((), dtype=torch_dtype).element_size()
     roofline = Roofline(shape, torch_dtype)
     tail = 16  # distinct prompt tokens per decode request; the rest is a shared cached prefix
-    llm = LLM(model=model_dir, dtype=dtype, enable_prefix_caching=True,
+    llm = LLM(model=model_dir, dtype=dtype, device="cpu", enable_prefix_caching=True,
               max_num_batched_tokens=max([2048, *prefill_lens, max(batches) * tail]),
               max_num_seqs=max(batches),
               max_model_len=max([*prefill_lens, *contexts]) + decode_tokens + 1)

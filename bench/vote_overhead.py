@@ -197,8 +197,9 @@ def main() -> None:
                         help="tokens of each decode request already in the KV cache")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per variant")
     parser.add_argument("--cores", type=int, default=2, help="threads split over the ranks")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                        help="cuda: rank r on GPU r, NCCL for the model's collectives")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="auto (default): cuda when torch sees a GPU, else cpu; cuda: rank "
+                             "r on GPU r, NCCL for the model's collectives")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                         help="dummy: random weights for a config-only folder of a real shape "
                              "(bench/model_shapes.py)")
@@ -207,9 +208,15 @@ def main() -> None:
                              "the model's heads cannot be split over a requested TP size)")
     args = parser.parse_args()
 
+    from engine.device import auto_device
     from engine.entrypoints.default_model import model_path_or_default
     from engine.runtime.model_setup import auto_dtype, check_tensor_parallel, load_hf_config
     from monitor.preempt_signal import PreemptSignal
+
+    # Once, here: the spawned ranks are handed a concrete device.
+    device_why = ""
+    if args.device == "auto":
+        args.device, device_why = auto_device()
 
     model_dir = model_path_or_default(args.model)
     heads, scratch = args.random_heads, None
@@ -228,7 +235,8 @@ def main() -> None:
         model_dir = make_random_model(scratch, model_dir, *heads)
     print(f"model: {model_dir}" + (f" (random weights, {heads[0]} heads / {heads[1]} KV heads)"
                                    if heads else ""))
-    print(f"device: {args.device}\ndtype: {auto_dtype(torch.device(args.device))[0]}\n"
+    print(f"device: {args.device}" + (f" (auto: {device_why})" if device_why else "")
+          + f"\ndtype: {auto_dtype(torch.device(args.device))[0]}\n"
           f"prefill_tokens: {args.prefill_tokens}\n"
           f"decode_requests: {args.decode_requests}\ndecode_context: {args.decode_context}\n"
           f"repeats: {args.repeats} per variant, on/off interleaved; figures are medians")

@@ -134,8 +134,9 @@ class ModelConfig:
     # "auto": bfloat16 on a CPU with native bf16 (AMX, AVX512-BF16) and on sm_80+ GPUs, float32 on
     # other CPUs (bf16 is emulated there, ~100x slower), float16 on older GPUs.
     dtype: str = "auto"
-    # "cpu" or "cuda" (each TP rank takes the GPU of its local rank).
-    device: str = "cpu"
+    # "cpu" or "cuda" (each TP rank takes the GPU of its local rank). "auto" (the default) is
+    # resolved on construction: cuda when torch sees a GPU, else cpu (engine.device).
+    device: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
     # Kernels: "auto" (Triton on CUDA, PyTorch on CPU), or force "torch" / "triton".
@@ -154,12 +155,14 @@ class ModelConfig:
     simulate: str | None = None
 
     def __post_init__(self) -> None:
+        from engine.device import resolve_device
+
+        # Before anything reads it, and before the configuration reaches any other process.
+        self.device = resolve_device(self.device, simulate=self.simulate is not None)
         if self.simulate is not None and self.device != "cpu":
-            raise ValueError("simulate runs no model on any device: leave device as cpu")
+            raise ValueError("simulate runs no model on any device: leave device as auto or cpu")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         from kernels.backend import BACKENDS
 
         if self.attention_backend not in BACKENDS:
@@ -186,7 +189,7 @@ class EngineConfig:
                              f"got {self.distributed_executor!r}")
 
 
-def build_engine_config(model: str, *, dtype: str = "auto", device: str = "cpu",
+def build_engine_config(model: str, *, dtype: str = "auto", device: str = "auto",
                         attention_backend: str = "auto", fused_ops: bool = False,
                         tokenizer: str | None = None, chat_template: str | None = None,
                         load_format: str = "auto", simulate: str | None = None,

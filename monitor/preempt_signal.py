@@ -21,6 +21,7 @@ from __future__ import annotations
 import struct
 import sys
 import time
+import weakref
 from multiprocessing import resource_tracker, shared_memory
 
 _ID_BYTES = 64
@@ -39,6 +40,18 @@ def _unpack_id(field: bytes) -> str:
     return field[1 : 1 + field[0]].decode(errors="replace")
 
 
+def _release(shm: shared_memory.SharedMemory, views: tuple[memoryview, ...],
+             owner: bool) -> None:
+    """Unmap the segment (and remove its name, for the owner). The views over it go first: the
+    mapping cannot close while a view exports it (`BufferError: cannot close exported pointers
+    exist`, printed as 'Exception ignored' when SharedMemory.__del__ meets them at exit)."""
+    for view in views:
+        view.release()
+    shm.close()
+    if owner:
+        shm.unlink()
+
+
 class PreemptSignal:
     def __init__(self, shm: shared_memory.SharedMemory, owner: bool) -> None:
         self._shm = shm
@@ -47,6 +60,11 @@ class PreemptSignal:
         self._target = shm.buf[:8].cast("q")
         self._progress = shm.buf[_PROGRESS_AT:_PROGRESS_AT + 8].cast("q")
         self._progress_time = shm.buf[_PROGRESS_AT + 8:_PROGRESS_AT + 16].cast("d")
+        # close() runs it; so does dropping the signal, or the interpreter's exit, for a holder
+        # that never calls close(). It holds the SharedMemory, so SharedMemory.__del__ (which
+        # closes the mapping whatever views remain) cannot run before the views are released.
+        self._finalizer = weakref.finalize(
+            self, _release, shm, (self._target, self._progress, self._progress_time), owner)
 
     @classmethod
     def create(cls) -> PreemptSignal:
@@ -110,10 +128,10 @@ class PreemptSignal:
             return 0, 0.0
         return word % _MAX_LAYERS, reported_at
 
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
     def close(self) -> None:
-        self._progress_time.release()
-        self._progress.release()
-        self._target.release()
-        self._shm.close()
-        if self._owner:
-            self._shm.unlink()
+        """Idempotent: the first call releases the mapping, later ones do nothing."""
+        self._finalizer()

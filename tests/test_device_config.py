@@ -20,7 +20,7 @@ def test_more_ranks_than_gpus_is_a_clear_error(tiny_model, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match="tensor_parallel_size 2 needs 2 GPUs on this machine; "
-                                         "1 are visible"):
+                                         "1 is visible"):
         LLM(model=tiny_model("llama"), device="cuda", tensor_parallel_size=2)
 
 
@@ -72,7 +72,8 @@ def test_auto_dtype_on_a_cpu_follows_native_bf16(monkeypatch, caplog):
 
 
 def test_unknown_device_and_backend_names(tiny_model):
-    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda', got 'tpu'"):
+    with pytest.raises(ValueError, match="device must be one of 'auto', 'cpu', 'cuda', got "
+                                         "'tpu'"):
         LLM(model=tiny_model("llama"), device="tpu")
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         LLM(model=tiny_model("llama"), attention_backend="flash")

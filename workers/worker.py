@@ -99,6 +99,13 @@ class Worker:
         self.runner.vote = PreemptVote(signal, self.runner.model.num_layers,
                                        config.stubborn_fraction, cpu_group)
 
+    def close_signal(self) -> None:
+        """Unmap the preempt signal this rank attached (the owner, EngineCore, removes it). At
+        shutdown, so that no view over it is left for the interpreter's exit to trip on."""
+        vote = getattr(self.runner, "vote", None)
+        if vote is not None and vote.signal is not None:
+            vote.signal.close()
+
 
 class DriverWorker(Worker):
     """Rank 0. `execute_model` never raises: failures come back as a structured ERROR status."""
@@ -132,6 +139,7 @@ class DriverWorker(Worker):
             output.error = f"step {output.step_id}: ranks unwound at different layers {layers}"
 
     def shutdown(self) -> None:
+        self.close_signal()
         try:
             broadcast_bytes(encode(Shutdown()), self.groups.cpu_group)
         except Exception:  # a broken group: the followers are gone or will time out
@@ -154,6 +162,13 @@ def _unwound_key(step_id: int, rank: int) -> str:
 
 def follower_loop(worker: Worker) -> int:
     """Ranks 1..N-1: run every step rank 0 broadcasts until it says shut down."""
+    try:
+        return _follow(worker)
+    finally:
+        worker.close_signal()
+
+
+def _follow(worker: Worker) -> int:
     while True:
         try:
             command = decode_command(broadcast_bytes(None, worker.groups.cpu_group))

@@ -32,8 +32,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto",
                    help="auto (bfloat16 where the CPU or GPU runs it natively, else float32 on "
                         "a CPU and float16 on a GPU), bfloat16, float16 or float32")
-    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="cuda: model, KV cache and sampling on the GPU (TP rank r on GPU r)")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto (default): cuda when torch sees a GPU, else cpu (the log says "
+                        "which and why; --simulate: cpu). cuda: model, KV cache and sampling "
+                        "on the GPU (TP rank r on GPU r)")
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
                    help="kernels: auto = Triton on CUDA, PyTorch on CPU (triton on CPU needs "
                         "TRITON_INTERPRET=1)")
@@ -148,11 +150,15 @@ def under_torchrun(args: argparse.Namespace, kwargs: dict) -> int | None:
     """Under torchrun every rank runs this CLI: ranks > 0 become TP workers (returns their exit
     code); rank 0 continues as EngineCore (returns None with kwargs set for the external
     executor)."""
-    from engine.runtime.launch import run_follower, torchrun_launch
+    from engine.device import resolve_device
+    from engine.runtime.launch import check_torchrun_gpus, run_follower, torchrun_launch
 
     launch = torchrun_launch()
     if launch is None:
         return None
+    # Every rank, before rank 0 starts EngineCore or any rank loads weights.
+    kwargs["device"] = resolve_device(kwargs["device"], simulate=kwargs["simulate"] is not None)
+    check_torchrun_gpus(launch, kwargs["device"])
     if args.tensor_parallel_size is None:
         kwargs["tensor_parallel_size"] = launch.world_size
     kwargs["distributed_executor"] = "external"

@@ -30,8 +30,9 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         """engine_args: the keyword arguments of `engine.config.build_engine_config`, e.g.
-        ``tokenizer`` (a tokenizer folder other than the model's) and ``chat_template`` (a
-        Jinja template, or a file holding one, for `chat`)."""
+        ``device`` ("auto", the default: the GPU when torch sees one, else the CPU; or "cpu",
+        "cuda"), ``tokenizer`` (a tokenizer folder other than the model's) and ``chat_template``
+        (a Jinja template, or a file holding one, for `chat`)."""
         from engine.entrypoints.default_model import model_path_or_default
 
         model = model_path_or_default(model)

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from engine.config import EngineConfig
 from engine.runtime.executor import Executor, ExternalExecutor, InProcessExecutor, MultiprocExecutor
 from engine.processing.input_processor import validate_prompt
-from engine.runtime.launch import check_torchrun_world, torchrun_launch
+from engine.runtime.launch import check_torchrun_gpus, check_torchrun_world, torchrun_launch
 from engine.runtime.model_setup import ResolvedModel, check_pool_fits, resolve
 from engine.outputs import EngineCoreOutput, SchedulerStats
 from engine.core.request import Request, RequestStatus
@@ -140,6 +140,7 @@ class EngineCore:
             raise ValueError("distributed_executor 'external' needs a torchrun launch "
                              "(RANK / WORLD_SIZE in the environment)")
         check_torchrun_world(launch, config.tensor_parallel_size)
+        check_torchrun_gpus(launch, config.model.device)
         worker_config.init_method = "env://"
         return ExternalExecutor(worker_config, launch.rank, launch.local_world_size,
                                 launch.local_rank)

@@ -37,6 +37,22 @@ def check_torchrun_world(launch: TorchrunLaunch, tensor_parallel_size: int) -> N
                          f"rank is one tensor-parallel worker")
 
 
+def check_torchrun_gpus(launch: TorchrunLaunch, device: str) -> None:
+    """On a GPU every rank takes the GPU of its local rank: the ranks torchrun starts on this
+    node must not outnumber the GPUs it has. Every rank checks, so every rank fails alike."""
+    if device != "cuda":
+        return
+    import torch
+
+    count = torch.cuda.device_count()
+    if launch.local_world_size > count:
+        raise ValueError(f"device 'cuda': torchrun starts {launch.local_world_size} ranks on "
+                         f"this node, each on the GPU of its LOCAL_RANK, but {count} "
+                         f"{'GPU is' if count == 1 else 'GPUs are'} visible: start at most "
+                         f"{count} per node (--nproc-per-node), or run on the CPU with "
+                         f"--device cpu")
+
+
 def run_follower(config: EngineConfig, launch: TorchrunLaunch) -> int:
     """A torchrun rank other than 0: load this rank's shard and run the steps rank 0 broadcasts.
 
@@ -48,6 +64,7 @@ def run_follower(config: EngineConfig, launch: TorchrunLaunch) -> int:
     from workers.worker import Worker, follower_loop
 
     check_torchrun_world(launch, config.tensor_parallel_size)
+    check_torchrun_gpus(launch, config.model.device)
     worker_config = make_worker_config(config, resolve(config), init_method="env://")
     worker = Worker(worker_config, launch.rank, launch.local_world_size, launch.local_rank)
     return follower_loop(worker)

@@ -150,10 +150,14 @@ def check_device(device: torch.device, tp_size: int, executor: str) -> None:
     if not torch.cuda.is_available():
         raise ValueError("device 'cuda': no CUDA GPU is visible to this process (torch "
                          f"{torch.__version__} reports torch.cuda.is_available() == False)")
-    # Ranks spawned here take GPUs 0..tp_size-1; torchrun's ranks may sit on other nodes.
-    if executor != "external" and tp_size > torch.cuda.device_count():
+    # Ranks spawned here take GPUs 0..tp_size-1; torchrun's ranks may sit on other nodes (each
+    # checks its own node: engine.runtime.launch.check_torchrun_gpus).
+    count = torch.cuda.device_count()
+    if executor != "external" and tp_size > count:
         raise ValueError(f"tensor_parallel_size {tp_size} needs {tp_size} GPUs on this machine; "
-                         f"{torch.cuda.device_count()} are visible")
+                         f"{count} {'is' if count == 1 else 'are'} visible (rank r takes GPU "
+                         f"r): lower --tensor-parallel-size to at most {count}, or run on the "
+                         f"CPU with --device cpu")
 
 
 def check_tensor_parallel(hf_config, tp_size: int) -> None:
