@@ -187,6 +187,10 @@ def bench_hf(model_dir: str, device: torch.device, dtype: torch.dtype, sizes: di
     return json.loads(out_path.read_text())
 
 
+# Tokens each warm-up prompt generates (the whole-budget one too: the context must hold them).
+WARMUP_TOKENS = 4
+
+
 def _decode_max_tokens(batch: int, context: int, budget: int, steps: int) -> int:
     """Enough tokens that every request is still decoding once the last prompt is prefilled:
     the first ones start decoding while later prompts take the budget's remaining tokens."""
@@ -213,7 +217,7 @@ def bench_engine(model_dir: str, device: torch.device, dtype: torch.dtype,
     llm = LLM(model=model_dir, load_format="dummy", device=device.type,
               dtype=str(dtype).removeprefix("torch."), enable_prefix_caching=False,
               max_num_batched_tokens=budget, max_num_seqs=biggest,
-              max_model_len=max(budget, decode_len) + 1, block_size=block, num_kv_blocks=blocks,
+              max_model_len=max(budget + WARMUP_TOKENS, decode_len) + 1, block_size=block, num_kv_blocks=blocks,
               startup_calibration=False, seed=seed)
     result: dict[str, Any] = {"startup_s": time.perf_counter() - started, "kv_blocks": blocks}
     vocab = _vocab(model_dir)
@@ -222,7 +226,7 @@ def bench_engine(model_dir: str, device: torch.device, dtype: torch.dtype,
         # Warm-up: first-use kernel compiles (a prefill of the budget, decodes) are not timed.
         warm = _prompts(vocab, 2, budget, seed=seed + 10_000)
         llm.generate([{"prompt_token_ids": p[:n]} for p, n in zip(warm, (budget, context))],
-                     SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+                     SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS, ignore_eos=True))
 
         prompts = _prompts(vocab, sizes["prefill_prompts"] + 1, budget, seed)[1:]
         one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
