@@ -68,7 +68,12 @@ SMOKE = {"batches": [1, 3], "contexts": [40, 100], "chunks": [8, 24], "prefixes"
 # Report helpers
 
 
+# Every table printed, for --json.
+TABLES: list[dict[str, Any]] = []
+
+
 def print_table(title: str, headers: list[str], rows: list[list[str]]) -> None:
+    TABLES.append({"title": title, "headers": headers, "rows": rows})
     widths = [max([len(h)] + [len(r[i]) for r in rows if len(r) == len(headers)])
               for i, h in enumerate(headers)]
     print(f"\n{title}")
@@ -365,6 +370,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sections", nargs="+", default=["decode", "prefill", "norm", "rotary"],
                         choices=["decode", "prefill", "norm", "rotary"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="also write every table (title, headers, rows) as JSON here")
     args = parser.parse_args(argv)
     for key, value in (SMOKE if args.smoke else FULL).items():
         if getattr(args, key) is None:
@@ -426,6 +433,12 @@ def main(argv: list[str] | None = None) -> int:
                 bench_rotary(args, triton_rotary, timer, device, peak)
     if args.smoke:
         print(f"\n{SMOKE_BANNER}")
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump({"device": str(device), "smoke": args.smoke, "peak_gbps": peak,
+                       "peak_source": source, "tables": TABLES}, f, indent=2)
     return 0
 
 

@@ -93,12 +93,13 @@ step equality 75 $py -m bench.gpu_equality --device "$device" "${smoke_flag[@]}"
 step throughput 110 $py -m bench.gpu_throughput --device "$device" "${smoke_flag[@]}" \
     --shape "$shape" --out "$out/throughput.json"
 if [[ $device == cuda ]]; then
-    step kernels 35 $py -m bench.gpu_kernels --repeats 10
+    step kernels 35 $py -m bench.gpu_kernels --repeats 10 --json "$out/kernels.json"
 else
-    step kernels 35 $py -m bench.gpu_kernels --smoke --sections decode
+    step kernels 35 $py -m bench.gpu_kernels --smoke --sections decode --json "$out/kernels.json"
 fi
 step preempt-latency 40 $py -m bench.preempt_latency --model "$model" "${load[@]}" \
-    --device "$device" --prompt-tokens "$long_prompt" --trials "$trials"
+    --device "$device" --prompt-tokens "$long_prompt" --trials "$trials" \
+    --json "$out/preempt_latency.json"
 step stream-gaps 50 $py -m bench.stream_gaps --model "$model" "${load[@]}" --device "$device" \
     --contexts "${contexts[@]}" --out "$out/stream_gaps.json"
 for runner in inprocess http; do

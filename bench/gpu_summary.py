@@ -1,4 +1,5 @@
-"""The GPU suite's summary: OUT_DIR/summary.md from what `bench/gpu_suite.sh` left in OUT_DIR.
+"""The GPU suite's summary: OUT_DIR/summary.md and OUT_DIR/suite.json (every step's figures in
+one document) from what `bench/gpu_suite.sh` left in OUT_DIR.
 
 Each section quotes a step's own figures (its JSON, or its log's `key: value` lines and
 tables); a step that failed or ran out of time says so, with its log's last lines.
@@ -59,10 +60,8 @@ def _tests(out: Path, steps: dict[str, dict[str, int]]) -> list[str]:
     for name, label in (("tests-cuda", "tests/test_cuda.py, tests/test_gpu_memory_utilization.py"),
                         ("tests-triton-compiled", "tests/test_triton_*.py, kernels compiled")):
         log = _log(out, name)
-        totals = [m.group(1) for line in log.splitlines()
-                  if (m := _PYTEST_TOTALS.match(line.strip()))]
         lines.append(f"- {label}: {_outcome(steps.get(name))}; pytest: "
-                     f"`{totals[-1] if totals else 'no totals line'}`")
+                     f"`{_pytest_totals(out, name) or 'no totals line'}`")
         failures = [line for line in log.splitlines() if line.startswith(("FAILED", "ERROR"))]
         lines += [f"  - `{line}`" for line in failures[:20]]
     return lines + [""]
@@ -172,6 +171,33 @@ def _burst(out: Path) -> list[str]:
     return lines + [""]
 
 
+def _pytest_totals(out: Path, name: str) -> str | None:
+    totals = [m.group(1) for line in _log(out, name).splitlines()
+              if (m := _PYTEST_TOTALS.match(line.strip()))]
+    return totals[-1] if totals else None
+
+
+def collect(out: Path) -> dict[str, Any]:
+    """Every step's figures in one document (OUT_DIR/suite.json)."""
+    burst = {}
+    for runner in ("inprocess", "http"):
+        doc = _json(out / f"burst-{runner}" / "results.json")
+        if doc is not None:
+            burst[runner] = {"runs": [{k: run[k] for k in ("runner", "policy", "budget",
+                                                           "workload", "summary", "engine")}
+                                      for run in doc["runs"]],
+                             "aggregate": doc.get("aggregate")}
+    return {"steps": _steps(out),
+            "tests": {name: _pytest_totals(out, name)
+                      for name in ("tests-cuda", "tests-triton-compiled")},
+            "equality": _json(out / "equality.json"),
+            "throughput": _json(out / "throughput.json"),
+            "kernels": _json(out / "kernels.json"),
+            "preempt_latency": _json(out / "preempt_latency.json"),
+            "stream_gaps": _json(out / "stream_gaps.json"),
+            "burst": burst}
+
+
 def summarize(out: Path, device: str, smoke: bool) -> str:
     import torch
 
@@ -208,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out_dir)
     text = summarize(out, args.device, args.smoke)
     (out / "summary.md").write_text(text + "\n")
+    (out / "suite.json").write_text(json.dumps(collect(out), indent=2))
     print(text)
     return 0
 

@@ -18,10 +18,12 @@ step on a GPU) rightly makes the monitor wait, and measures nothing.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -63,6 +65,8 @@ def main() -> None:
     parser.add_argument("--simulate", default=None, metavar="PROFILE",
                         help="the GPU-timed simulation (engine/simulation) at this profile's "
                              "speed; --model: a folder of its shape")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="also write the raw figures (every trial's) as JSON here")
     parser.add_argument("--urgent-slo-ms", type=float, default=None,
                         help="default: the urgent request's isolated TTFT + 10%% of the long "
                              "step, both measured")
@@ -161,6 +165,16 @@ def main() -> None:
         p99 = _percentile(ms, 99)
         print(f"target: p99 < layer + 5 ms = {layer_ms + 5:.2f} ms -> "
               f"{'met' if p99 < layer_ms + 5 else 'NOT met'}")
+    if args.json:
+        figures = {
+            "model": model, "device": config.model.device, "layers": num_layers,
+            "prompt_tokens": args.prompt_tokens, "trials": args.trials, "unwound": len(ms),
+            "not_unwound": missed, "layer_ms": layer_ms, "urgent_slo_ms": slo_ms,
+            "urgent_ttft_alone_ms": short_s * 1000,
+            "long_step_ms": [t * 1000 for t in step_times], "arrival_to_unwind_ms": ms,
+            "arrival_to_decision_ms": [x * 1000 for x in arrival_to_decision],
+            "decision_to_unwind_ms": [x * 1000 for x in decision_to_unwind]}
+        Path(args.json).write_text(json.dumps(figures, indent=2))
 
 
 if __name__ == "__main__":

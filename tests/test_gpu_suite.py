@@ -45,6 +45,17 @@ def test_gpu_suite_smoke_runs_every_step_and_summarizes_them(tmp_path: Path) -> 
     for run in http["runs"]:  # the client's TTFT and the server's, side by side
         assert all(r["server_ttft_s"] is not None for r in run["requests"] if r["error"] is None)
 
+    # Every step's figures, in one JSON document beside the summary.
+    suite = json.loads((out / "suite.json").read_text())
+    assert set(suite["steps"]) == set(STEPS)
+    for key in ("equality", "throughput", "kernels", "preempt_latency", "stream_gaps"):
+        assert suite[key], key
+    assert suite["preempt_latency"]["trials"] == 3
+    assert len(suite["preempt_latency"]["long_step_ms"]) == 3
+    assert suite["kernels"]["tables"] and suite["kernels"]["smoke"]
+    assert set(suite["burst"]) == {"inprocess", "http"}
+    assert all(suite["tests"].values())  # each pytest step printed its totals
+
     summary = (out / "summary.md").read_text()
     assert summary == proc.stdout[proc.stdout.index("# GPU suite"):]
     for heading in ("## GPU tests", "## Greedy equality against HF transformers",
