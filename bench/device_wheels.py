@@ -236,12 +236,18 @@ def pip_resolve(requirements: list[str], target: Target,
         tuple(i["metadata"].get("requires_dist") or ())) for i in installs}
 
 
-def serving_roots(extras: tuple[str, ...], also: tuple[str, ...],
-                  image: dict[str, str | None]) -> list[str]:
-    """The project's requirements, torch and triton left out (the image's CUDA builds)."""
-    from packaging.requirements import Requirement
+def requirement_name(text: str) -> str:
+    """The canonical name a requirement string starts with (no `packaging` needed: the
+    --requirements path runs before anything is installed)."""
+    match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", text)
+    if not match:
+        raise ValueError(f"not a requirement: {text!r}")
+    return canonical(match.group(1))
 
-    roots = [r for r in project_requirements(extras) if not never_carried(Requirement(r).name)]
+
+def serving_roots(extras: tuple[str, ...], also: tuple[str, ...]) -> list[str]:
+    """The project's requirements, torch and triton left out (the image's CUDA builds)."""
+    roots = [r for r in project_requirements(extras) if not never_carried(requirement_name(r))]
     return roots + list(also)
 
 
@@ -251,12 +257,11 @@ def resolve_closure(target: Target = GPU_IMAGE, extras: tuple[str, ...] = ("test
     """The closure for `target`. `also` names image packages to carry all the same (a newer
     one than the image's, as --verify may ask for)."""
     image = dict(read_image() if image is None else image)
-    for name in also:
-        image.pop(canonical(re.split(r"[<>=!~\[; ]", name, 1)[0]), None)
-    roots = serving_roots(extras, also, image)
+    for req in also:
+        image.pop(requirement_name(req), None)
+    roots = serving_roots(extras, also)
     # What pip is asked to resolve: the roots the image does not already have.
-    from packaging.requirements import Requirement
-    ask = [r for r in roots if canonical(Requirement(r).name) not in image]
+    ask = [r for r in roots if requirement_name(r) not in image]
     for _ in range(4):
         resolved = pip_resolve(ask, target, image)
         try:
@@ -335,8 +340,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dest", type=Path, default=REPO / ".whl",
                         help="the wheels' folder (default: .whl in the repository, git-ignored)")
-    parser.add_argument("--extras", nargs="*", default=["test"],
-                        help="pyproject extras to include (default: test)")
+    parser.add_argument("--extras", nargs="*", default=None,
+                        help="pyproject extras to include (default: test for the wheels, none "
+                             "for --requirements)")
     parser.add_argument("--also", nargs="*", default=[], metavar="REQ",
                         help="image packages to carry all the same, e.g. 'anyio>=4.5'")
     parser.add_argument("--verify", action="store_true",
@@ -345,10 +351,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="print the project's requirements without torch and triton (for "
                              "installing next to a CUDA torch you keep) and exit")
     args = parser.parse_args(argv)
+    if args.extras is None:
+        args.extras = [] if args.requirements else ["test"]
     if args.requirements:
-        from packaging.requirements import Requirement
-        print("\n".join(r for r in project_requirements(tuple(args.extras))
-                        if not never_carried(Requirement(r).name)))
+        print("\n".join(serving_roots(tuple(args.extras), ())))
         return 0
     if args.verify:
         problems = verify(args.dest)

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from bench.device_wheels import (GPU_IMAGE, CLOSURE_FILE, Dist, ResolutionGap, Target,
-                                 canonical, main, never_carried, read_image, verify, walk)
+                                 canonical, main, never_carried, read_image, requirement_name,
+                                 verify, walk)
 
 PY311 = Target("3.11.7", "cp311", ("manylinux_2_28_x86_64",))
 
@@ -113,12 +114,14 @@ def test_verify_names_each_problem_and_its_fix(tmp_path: Path) -> None:
 
 
 def test_requirements_for_a_cuda_user_leave_torch_and_triton_out(capsys) -> None:
-    assert main(["--requirements", "--extras"]) == 0
+    assert main(["--requirements"]) == 0
     printed = capsys.readouterr().out.split()
     assert "fastapi" in printed and "uvicorn[standard]" in printed
-    assert not [r for r in printed if canonical(r.split("=")[0].split(">")[0]) in
-                ("torch", "triton")]
+    assert not [r for r in printed if requirement_name(r) in ("torch", "triton")]
     assert "hypothesis>=6.100" not in printed  # the test extra only when asked for
+    assert main(["--requirements", "--extras", "test"]) == 0
+    assert "hypothesis>=6.100" in capsys.readouterr().out.split()
+    assert requirement_name("Typing_Extensions>=4; python_version<'3.13'") == "typing-extensions"
 
 
 def test_resolution_retries_a_gap_and_carries_what_also_names(monkeypatch) -> None:
@@ -137,6 +140,7 @@ def test_resolution_retries_a_gap_and_carries_what_also_names(monkeypatch) -> No
 
     monkeypatch.setattr(dw, "pip_resolve", fake_resolve)
     monkeypatch.setattr(dw, "project_requirements", lambda extras: ["torch==2.13.0", "fastapi"])
+    assert dw.serving_roots(("test",), ()) == ["fastapi"]
     closure = dw.resolve_closure(PY311, also=("anyio>=4.5",), image={"anyio": None, "torch": None})
     assert closure.carried == {"fastapi": "0.165.0", "anyio": "4.16.0", "backport": "1.0"}
     assert asked == [["fastapi", "anyio>=4.5"], ["fastapi", "anyio>=4.5", "backport"]]
