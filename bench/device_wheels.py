@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import re
 import subprocess
@@ -187,7 +186,8 @@ def walk(roots: list[str], resolved: dict[str, Dist], image: dict[str, str | Non
             raise SystemExit(f"{asker} requires {req}, which the GPU image must provide: add it "
                              f"to {IMAGE_PACKAGES.name} if the image has it")
         if name not in resolved:
-            gaps.append(str(Requirement(f"{req.name}{req.specifier}")))
+            extras_text = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
+            gaps.append(f"{req.name}{extras_text}{req.specifier}")  # the marker was for us
             continue
         dist = resolved[name]
         if not req.specifier.contains(dist.version, prereleases=True):

@@ -67,10 +67,11 @@ def test_a_known_image_version_out_of_range_is_an_error_naming_both() -> None:
 
 
 def test_a_package_pip_left_out_is_reported_for_another_round() -> None:
-    resolved = _dists(Dist("app", "1.0", ('backport>=1; python_version < "3.12"',)))
+    resolved = _dists(Dist("app", "1.0", ('backport>=1; python_version < "3.12"',
+                                          'uvicorn[standard]; python_version < "3.12"')))
     with pytest.raises(ResolutionGap) as gap:
         walk(["app"], resolved, {}, PY311)
-    assert gap.value.requirements == ["backport>=1"]
+    assert gap.value.requirements == ["backport>=1", "uvicorn[standard]"]
 
 
 def test_torch_triton_and_cuda_libraries_are_never_carried() -> None:
