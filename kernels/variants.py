@@ -37,6 +37,17 @@ class Variant:
         return dict(self.constants)[name]
 
 
+@dataclass(frozen=True)
+class KernelWarmup:
+    """What the startup warm-up (workers.kernel_warmup) launched."""
+
+    # Every variant it launched (compiled, unless Triton's cache already held it).
+    variants: frozenset[Variant]
+    seconds: float
+    steps: int
+    compiled: bool  # False under Triton's interpreter: nothing to compile, the steps just ran
+
+
 @contextmanager
 def recording() -> Iterator[set[Variant]]:
     """Collect the variant of every kernel launch made inside the block."""
@@ -92,9 +103,10 @@ def _specialization(value: Any, specialize: bool) -> tuple[str, Any]:
     try:
         from triton._C.libtriton import native_specialize_impl
         from triton.backends.compiler import BaseBackend
-    except ImportError:
+
+        kind, spec = native_specialize_impl(BaseBackend, value, False, specialize, True)[:2]
+    except Exception:  # noqa: BLE001 - a private API: another Triton may lack it or differ
         return _specialization_by_hand(value, specialize)
-    kind, spec = native_specialize_impl(BaseBackend, value, False, specialize, True)[:2]
     return str(kind), spec
 
 

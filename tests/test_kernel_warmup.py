@@ -193,3 +193,15 @@ def test_no_warm_up_without_the_triton_kernels(tiny_model):
     with variants.recording() as seen:
         assert warm_up_kernels(runner, 64, 4) is None
     assert seen == set()
+
+
+def test_the_specialization_by_hand_agrees_with_tritons_own():
+    # The fallback for a Triton without the private function the launcher uses.
+    for value in (1, 0, 7, 16, 48, -1, 2**31, 3.5):
+        for specialize in (True, False):
+            assert variants._specialization_by_hand(value, specialize) == \
+                variants._specialization(value, specialize)
+    x = torch.zeros(8)
+    assert variants._specialization_by_hand(x, True)[1] == variants._specialization(x, True)[1]
+    assert variants._specialization_by_hand(x[1:], True)[1] == \
+        variants._specialization(x[1:], True)[1]

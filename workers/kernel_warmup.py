@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput, StepStatus
 from engine.sampling_params import SamplingParams
-from kernels.variants import Variant, recording
+from kernels.variants import KernelWarmup, Variant, recording
 
 if TYPE_CHECKING:
     from workers.model_runner import ModelRunner
@@ -35,15 +34,6 @@ logger = logging.getLogger(__name__)
 
 DECODE_KERNEL = "_paged_attention_kernel"
 MERGE_KERNEL = "_merge_splits_kernel"
-
-
-@dataclass(frozen=True)
-class KernelWarmup:
-    # Every variant the warm-up launched (compiled, unless Triton's cache already held it).
-    variants: frozenset[Variant]
-    seconds: float
-    steps: int
-    compiled: bool  # False under Triton's interpreter: nothing to compile, the steps just ran
 
 
 def warmup_steps(decode_shapes: dict[bool, tuple[int, int]], max_model_len: int,
@@ -75,7 +65,9 @@ def warm_up_kernels(runner: ModelRunner, max_model_len: int,
     from kernels import triton_attention
 
     if not runner.kv_caches or runner.kv_caches[0][0].shape[0] < 1:
-        raise RuntimeError("the kernel warm-up needs the KV pool to hold at least one block")
+        # The engine refuses such a pool next, naming what to change; nothing to warm up on.
+        logger.warning("the KV pool is empty: Triton kernels not warmed up")
+        return None
     shapes = triton_attention.decode_variant_shapes(
         runner.model.num_kv_heads, runner.block_size, max_model_len, max_num_seqs,
         triton_attention.target_programs(runner.device))

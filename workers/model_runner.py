@@ -20,7 +20,7 @@ from engine.sampling_params import SamplingParams
 from engine.core.scheduler_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
                                     StepStatus)
 from kernels import AttentionMetadata, padded_block_tables, select_backend
-from workers.kernel_warmup import KernelWarmup
+from kernels.variants import KernelWarmup
 from workers.kv_cache import allocate_kv_caches
 from workers.layers.cpu_prepack import prepack_available, prepack_linear_weights
 from workers.models import build_model
