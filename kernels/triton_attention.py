@@ -17,6 +17,12 @@ tile read is reused by many rows. Decodes over long contexts with few (sequence,
 cannot fill a GPU, so their context is split across programs (flash-decoding): each split writes
 a normalized partial output and its log-sum-exp, and a second kernel merges them.
 
+No compile-time constant depends on the batch: the split count is a runtime argument (only
+whether a decode launch splits at all is a constexpr), and every integer argument that changes
+with the batch is listed in ``do_not_specialize``. So a model compiles at most four variants:
+decode, split decode, merge and prefill; ``decode_variant_shapes`` names a batch that takes each
+decode path, and the engine launches them all at startup (``workers.kernel_warmup``).
+
 Runs compiled on CUDA, and on CPU under Triton's interpreter (TRITON_INTERPRET=1) for tests.
 """
 
@@ -30,32 +36,35 @@ import triton
 import triton.language as tl
 
 from kernels.metadata import padded_block_tables
+from kernels.variants import launch
 
 if TYPE_CHECKING:
     from kernels.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 # Keys per inner-loop tile. Independent of the KV block size: every key looks its block up.
-_DECODE_TILE_N = 32
+DECODE_TILE_N = 32
 _PREFILL_TILE_N = 64
 # Query rows per prefill program (tokens x group heads, padded to a power of two).
 _PREFILL_BLOCK_M = 64
 # A decode split covers at least this many keys: shorter ones cost more to merge than they save.
 _MIN_SPLIT_KEYS = 256
+# At most this many splits per decode: the merge kernel's (compile-time) width.
+MAX_SPLITS = 32
 
 
-# Arguments that can equal 1 in practice would otherwise be specialized to constants and compile a
-# new variant mid-serving (a one-block-wide table, a one-tile split).
-@triton.jit(do_not_specialize=["stride_bt", "split_len"])
+# Arguments that change with the batch would otherwise be specialized (to a constant when 1, as
+# a multiple of 16 when one) and compile a new variant mid-serving.
+@triton.jit(do_not_specialize=["stride_bt", "split_len", "num_splits"])
 def _paged_attention_kernel(
         out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr,
         tile_seq_ptr, tile_query_offset_ptr, query_start_ptr, query_len_ptr, context_len_ptr,
         partial_out_ptr, partial_lse_ptr,
         qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-        cache_stride_block, cache_stride_slot, cache_stride_head, head_dim, split_len,
+        cache_stride_block, cache_stride_slot, cache_stride_head, head_dim, split_len, num_splits,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         TILE_N: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+        SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -85,7 +94,7 @@ def _paged_attention_kernel(
     kv_end = context_len - query_len + last_token
     kv_lo = split * split_len
     kv_hi = kv_end
-    if NUM_SPLITS > 1:
+    if SPLIT:
         kv_hi = tl.minimum(kv_end, kv_lo + split_len)
 
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -121,7 +130,7 @@ def _paged_attention_kernel(
 
     safe_sum = tl.where(row_sum == 0.0, 1.0, row_sum)
     result = acc / safe_sum[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o_offsets = (query_start + token)[:, None] * stride_ot + head[:, None] * stride_oh \
             + dims[None, :]
         tl.store(out_ptr + o_offsets, result.to(out_ptr.dtype.element_ty),
@@ -130,26 +139,28 @@ def _paged_attention_kernel(
         # Partials are [token, head, split, HEAD_PAD] float32 and lse [token, head, split], in
         # base 2; a split that saw no key has lse -inf and weighs nothing in the merge.
         lse = tl.where(row_sum == 0.0, float("-inf"), row_max + tl.log2(safe_sum))
-        entry = ((query_start + token) * (tl.num_programs(1) * GROUP) + head) * NUM_SPLITS + split
+        entry = ((query_start + token) * (tl.num_programs(1) * GROUP) + head) * num_splits + split
         tl.store(partial_lse_ptr + entry, lse, mask=row_valid)
         tl.store(partial_out_ptr + entry[:, None] * HEAD_PAD + dims[None, :], result,
                  mask=row_valid[:, None])
 
 
-@triton.jit
+# The split count is a runtime argument under a fixed width (masked lanes cost no memory traffic),
+# so one variant merges any count.
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(out_ptr, partial_out_ptr, partial_lse_ptr, stride_ot, stride_oh,
-                         num_heads, head_dim, NUM_SPLITS: tl.constexpr,
-                         SPLITS_PAD: tl.constexpr, HEAD_PAD: tl.constexpr):
+                         num_heads, head_dim, num_splits, SPLITS_PAD: tl.constexpr,
+                         HEAD_PAD: tl.constexpr):
     token = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_PAD)
-    entry = (token * num_heads + head) * NUM_SPLITS + splits
-    lse = tl.load(partial_lse_ptr + entry, mask=splits < NUM_SPLITS, other=float("-inf"))
+    entry = (token * num_heads + head) * num_splits + splits
+    lse = tl.load(partial_lse_ptr + entry, mask=splits < num_splits, other=float("-inf"))
     weights = tl.exp2(lse - tl.max(lse, 0))
     weights = weights / tl.sum(weights, 0)
     partial = tl.load(partial_out_ptr + entry[:, None] * HEAD_PAD + dims[None, :],
-                      mask=(splits < NUM_SPLITS)[:, None], other=0.0)
+                      mask=(splits < num_splits)[:, None], other=0.0)
     result = tl.sum(partial * weights[:, None], 0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims,
              result.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
@@ -160,7 +171,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     meta: AttentionMetadata, scale: float, *,
                     num_kv_splits: int | None = None) -> torch.Tensor:
     """See `kernels.attention.paged_attention`. ``num_kv_splits`` fixes how many programs share
-    each decode's context (default: chosen from the device's size and the batch)."""
+    each decode's context (default: chosen from the device's size and the batch; at most
+    MAX_SPLITS)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
     _check_inputs(query, key_cache, value_cache, meta, num_tokens, num_heads, num_kv_heads,
@@ -168,13 +180,17 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if query.stride(-1) != 1:
         query = query.contiguous()
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
-    launch = _Launch(query, key_cache, value_cache, out, scale, num_heads // num_kv_heads,
-                     block_size)
+    if num_kv_splits is not None and not 1 <= num_kv_splits <= MAX_SPLITS:
+        raise ValueError(f"num_kv_splits {num_kv_splits} is outside 1..{MAX_SPLITS}")
+    launcher = _Launch(query, key_cache, value_cache, out, scale, num_heads // num_kv_heads,
+                       block_size)
     if meta.num_decodes > 0:
-        splits = num_kv_splits or _default_splits(meta, num_kv_heads, block_size, query.device)
-        launch.decodes(meta, splits)
+        splits = num_kv_splits or decode_splits(
+            meta.num_decodes, num_kv_heads, meta.decode_block_tables.shape[1] * block_size,
+            target_programs(query.device))
+        launcher.decodes(meta, splits)
     if meta.prefill_query_lens:
-        launch.prefills(meta)
+        launcher.prefills(meta)
     return out
 
 
@@ -206,7 +222,7 @@ class _Launch:
         tables = meta.decode_block_tables
         # The padded tables bound the longest context without reading it back from the device.
         split_len = -(-tables.shape[1] * self.block_size // splits)
-        split_len = -(-split_len // _DECODE_TILE_N) * _DECODE_TILE_N
+        split_len = -(-split_len // DECODE_TILE_N) * DECODE_TILE_N
         block_m = max(16, triton.next_power_of_2(self.group))
         partial_out = partial_lse = self.out  # unused unless split
         if splits > 1:
@@ -215,13 +231,13 @@ class _Launch:
                                       device=device)
             partial_lse = torch.empty((n, heads, splits), dtype=torch.float32, device=device)
         self._run(tables, seqs, zeros, seqs, ones, meta.decode_context_lens, partial_out,
-                  partial_lse, split_len, block_q=1, block_m=block_m, tile_n=_DECODE_TILE_N,
+                  partial_lse, split_len, block_q=1, block_m=block_m, tile_n=DECODE_TILE_N,
                   splits=splits)
         if splits > 1:
-            _merge_splits_kernel[(n, self.num_kv_heads * self.group)](
-                self.out, partial_out, partial_lse, self.out.stride(0), self.out.stride(1),
-                self.num_kv_heads * self.group, self.head_dim, NUM_SPLITS=splits,
-                SPLITS_PAD=triton.next_power_of_2(splits), HEAD_PAD=self.head_pad)
+            launch(_merge_splits_kernel, (n, self.num_kv_heads * self.group),
+                   self.out, partial_out, partial_lse, self.out.stride(0), self.out.stride(1),
+                   self.num_kv_heads * self.group, self.head_dim, splits,
+                   SPLITS_PAD=MAX_SPLITS, HEAD_PAD=self.head_pad)
 
     def prefills(self, meta: AttentionMetadata) -> None:
         block_m = max(_PREFILL_BLOCK_M, triton.next_power_of_2(self.group))
@@ -231,6 +247,7 @@ class _Launch:
         if plan is None:
             plan = _prefill_plan(meta, block_q, self.query.device)
             meta.derived[key] = plan
+        # Unsplit: the partial buffers and the split length are never read.
         self._run(*plan, self.out, self.out, 0, block_q=block_q, block_m=block_m,
                   tile_n=_PREFILL_TILE_N, splits=1)
 
@@ -240,14 +257,14 @@ class _Launch:
              block_q: int, block_m: int, tile_n: int, splits: int) -> None:
         q, cache, out = self.query, self.key_cache, self.out
         grid = (tile_seq.numel(), self.num_kv_heads, splits)
-        _paged_attention_kernel[grid](
-            out, q, cache, self.value_cache, tables, tile_seq, tile_offset, query_start,
-            query_len, context_len, partial_out, partial_lse,
-            self.scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            tables.stride(0), cache.stride(0), cache.stride(1), cache.stride(2), self.head_dim,
-            split_len, GROUP=self.group, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
-            HEAD_PAD=self.head_pad, BLOCK_SIZE=self.block_size, NUM_SPLITS=splits,
-            DOT_PRECISION=self.precision, DOT_UPCAST=self.upcast)
+        launch(_paged_attention_kernel, grid,
+               out, q, cache, self.value_cache, tables, tile_seq, tile_offset, query_start,
+               query_len, context_len, partial_out, partial_lse,
+               self.scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+               tables.stride(0), cache.stride(0), cache.stride(1), cache.stride(2), self.head_dim,
+               split_len, splits, GROUP=self.group, BLOCK_Q=block_q, BLOCK_M=block_m,
+               TILE_N=tile_n, HEAD_PAD=self.head_pad, BLOCK_SIZE=self.block_size,
+               SPLIT=splits > 1, DOT_PRECISION=self.precision, DOT_UPCAST=self.upcast)
 
 
 def _prefill_plan(meta: AttentionMetadata, block_q: int,
@@ -279,16 +296,35 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _default_splits(meta: AttentionMetadata, num_kv_heads: int, block_size: int,
-                    device: torch.device) -> int:
+def target_programs(device: torch.device) -> int:
+    """How many programs a decode launch needs to fill the device: two per multiprocessor on
+    CUDA; 1 elsewhere (the interpreter runs programs one by one: splitting only adds a merge)."""
     if device.type != "cuda":
         return 1
-    programs = meta.num_decodes * num_kv_heads
-    target = 2 * _multiprocessor_count(device)
-    max_context = meta.decode_block_tables.shape[1] * block_size
-    splits = max(1, min(-(-target // programs), max_context // _MIN_SPLIT_KEYS, 32))
-    # A power of two: NUM_SPLITS is a compile-time constant, so at most six decode variants.
+    return 2 * _multiprocessor_count(device)
+
+
+def decode_splits(num_decodes: int, num_kv_heads: int, max_context: int, target: int) -> int:
+    """Programs per decode's context: enough for ``target`` programs in all, each split at least
+    _MIN_SPLIT_KEYS keys of the longest padded context, at most MAX_SPLITS; a power of two."""
+    programs = num_decodes * num_kv_heads
+    splits = max(1, min(-(-target // programs), max_context // _MIN_SPLIT_KEYS, MAX_SPLITS))
     return 1 << (splits.bit_length() - 1)
+
+
+def decode_variant_shapes(num_kv_heads: int, block_size: int, max_model_len: int,
+                          max_num_seqs: int, target: int) -> dict[bool, tuple[int, int]]:
+    """For each decode path the launch can take (split or not: the SPLIT constexpr), one batch
+    that takes it, as (number of decodes, context length). ``decode_splits`` grows with the
+    context and shrinks with the number of decodes, so the corners of the space the scheduler
+    can fill (1..max_num_seqs decodes, contexts 1..max_model_len) reach every path there is."""
+    shapes: dict[bool, tuple[int, int]] = {}
+    for num_decodes in (1, max_num_seqs):
+        for context in (1, max_model_len):
+            width = -(-context // block_size)
+            split = decode_splits(num_decodes, num_kv_heads, width * block_size, target) > 1
+            shapes.setdefault(split, (num_decodes, context))
+    return shapes
 
 
 _SM_COUNTS: dict[int, int] = {}

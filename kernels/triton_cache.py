@@ -5,6 +5,11 @@ Same contract as `kernels.torch_attention.write_kv_cache`: key/value [T, Hkv, D]
 padding token would be). One program per (token, KV head) copies one head vector; D need not be
 a power of two (head sizes 64, 80, 96, 128), so the lane mask covers the tail.
 
+key and value may be strided views (the model's value is a slice of its fused qkv output): they
+are read through their own strides, not copied. A copy would also change the variant Triton
+compiles with the batch: torch counts a one-token view as contiguous and does not copy it, so a
+decode of one token would pass other strides and pointers than a larger batch.
+
 Runs compiled on CUDA, and on CPU under Triton's interpreter (TRITON_INTERPRET=1) for tests.
 """
 
@@ -14,21 +19,25 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.variants import launch
+
 
 @triton.jit
 def _write_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
-                     stride_t, stride_h, cache_stride_slot, cache_stride_h,
-                     head_dim, BLOCK_D: tl.constexpr):
+                     key_stride_t, key_stride_h, value_stride_t, value_stride_h,
+                     cache_stride_slot, cache_stride_h, head_dim, BLOCK_D: tl.constexpr):
     token = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + token)
     if slot >= 0:
         offs = tl.arange(0, BLOCK_D)
         lanes = offs < head_dim
-        src = token * stride_t + head * stride_h + offs
         dst = slot * cache_stride_slot + head * cache_stride_h + offs
-        tl.store(key_cache_ptr + dst, tl.load(key_ptr + src, mask=lanes), mask=lanes)
-        tl.store(value_cache_ptr + dst, tl.load(value_ptr + src, mask=lanes), mask=lanes)
+        key = tl.load(key_ptr + token * key_stride_t + head * key_stride_h + offs, mask=lanes)
+        tl.store(key_cache_ptr + dst, key, mask=lanes)
+        value = tl.load(value_ptr + token * value_stride_t + head * value_stride_h + offs,
+                        mask=lanes)
+        tl.store(value_cache_ptr + dst, value, mask=lanes)
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -46,13 +55,15 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
                          f"({num_tokens},)")
     if num_tokens == 0:
         return
-    key, value = key.contiguous(), value.contiguous()
+    # The lanes are addressed with unit stride; the other strides are honoured as given.
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError("the KV caches must be contiguous")
-    grid = (num_tokens, num_kv_heads)
-    _write_kv_kernel[grid](key, value, key_cache, value_cache, slot_mapping,
-                           key.stride(0), key.stride(1),
-                           num_kv_heads * head_dim, head_dim,
-                           head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-                           # One head vector per program: a single warp has a lane per element.
-                           num_warps=1)
+    launch(_write_kv_kernel, (num_tokens, num_kv_heads),
+           key, value, key_cache, value_cache, slot_mapping,
+           key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+           num_kv_heads * head_dim, head_dim, head_dim,
+           BLOCK_D=triton.next_power_of_2(head_dim),
+           # One head vector per program: a single warp has a lane per element.
+           num_warps=1)

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.variants import launch
+
 # The dtype of a tensor as the KIND constexpr of the conversion helpers below.
 DTYPE_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -67,7 +69,9 @@ def round_float32_to(v, KIND: tl.constexpr):
     return to_float32(from_float32(v, KIND), KIND)
 
 
-@triton.jit
+# The row count changes with the batch: specialized, 1 or a multiple of 16 would each compile
+# their own variant mid-serving.
+@triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
                      num_rows, inner, stride_x_outer, stride_x_inner, stride_r_outer,
                      stride_r_inner, hidden, hidden_f, eps,
@@ -145,17 +149,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             residual, sro, sri = x, 0, 0
         block = triton.next_power_of_2(hidden)
         # Narrow rows (Qwen3's per-head norms, tiny test models) share a program, up to about
-        # 4k elements; a model's hidden size gets one program per row.
-        block_rows = min(triton.next_power_of_2(rows), max(1, 4096 // block))
-        _rms_norm_kernel[(triton.cdiv(rows, block_rows),)](
-            x, residual, weight.contiguous(), out, res_out if res_out is not None else out,
-            rows, inner, sxo, sxi, sro, sri, hidden, float(hidden), float(eps),
-            HAS_RESIDUAL=res_out is not None, KIND=DTYPE_KIND[x.dtype],
-            W_KIND=DTYPE_KIND[weight.dtype], OUT_KIND=DTYPE_KIND[out_dtype],
-            BLOCK_ROWS=block_rows, BLOCK=block,
-            num_warps=min(max(block_rows * block // 256, 1), 8),
-            # No fused multiply-adds: torch rounds every product and sum on its own.
-            enable_fp_fusion=False)
+        # 4k elements; a model's hidden size gets one program per row. Fixed by the row width
+        # alone, never by the row count: a batch-sized constexpr would compile mid-serving (a
+        # small batch's program just masks its spare rows).
+        block_rows = max(1, 4096 // block)
+        launch(_rms_norm_kernel, (triton.cdiv(rows, block_rows),),
+               x, residual, weight.contiguous(), out, res_out if res_out is not None else out,
+               rows, inner, sxo, sxi, sro, sri, hidden, float(hidden), float(eps),
+               HAS_RESIDUAL=res_out is not None, KIND=DTYPE_KIND[x.dtype],
+               W_KIND=DTYPE_KIND[weight.dtype], OUT_KIND=DTYPE_KIND[out_dtype],
+               BLOCK_ROWS=block_rows, BLOCK=block,
+               num_warps=min(max(block_rows * block // 256, 1), 8),
+               # No fused multiply-adds: torch rounds every product and sum on its own.
+               enable_fp_fusion=False)
     if res_out is None:
         return out
     return out, res_out

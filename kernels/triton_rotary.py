@@ -22,9 +22,11 @@ import triton
 import triton.language as tl
 
 from kernels.triton_norm import DTYPE_KIND, from_float32, round_float32_to, to_float32
+from kernels.variants import launch
 
 
-@triton.jit
+# The row count changes with the batch (see triton_norm's kernel).
+@triton.jit(do_not_specialize=["num_rows"])
 def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr,
                    stride_x_t, stride_x_h, stride_cos_t, stride_sin_t, num_rows, num_heads, half,
                    KIND: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
@@ -82,12 +84,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     block = triton.next_power_of_2(half)
     num_rows = num_tokens * num_heads
     # About 4k elements per program: many heads of a token (or several tokens) per program keep
-    # the GPU's programs busy, and the interpreter's per-program overhead low.
-    block_rows = min(triton.next_power_of_2(num_rows), max(1, 4096 // block))
-    _rotary_kernel[(triton.cdiv(num_rows, block_rows),)](
-        x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
-        num_rows, num_heads, half, KIND=DTYPE_KIND[x.dtype], BLOCK_ROWS=block_rows,
-        BLOCK=block,
-        # No fused multiply-adds: the reference rounds every product before the sum.
-        enable_fp_fusion=False)
+    # the GPU's programs busy, and the interpreter's per-program overhead low. Fixed by the head
+    # size alone, never by the row count, which would compile a variant per batch size class.
+    block_rows = max(1, 4096 // block)
+    launch(_rotary_kernel, (triton.cdiv(num_rows, block_rows),),
+           x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
+           num_rows, num_heads, half, KIND=DTYPE_KIND[x.dtype], BLOCK_ROWS=block_rows,
+           BLOCK=block,
+           # No fused multiply-adds: the reference rounds every product before the sum.
+           enable_fp_fusion=False)
     return out

@@ -3,6 +3,7 @@ metadata, and a float64 dense reference (shared by the PyTorch and Triton kernel
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,25 @@ class Case:
     scale: float
 
     def dense_reference(self) -> torch.Tensor:
-        return dense_reference(self.query, self.requests, self.scale)
+        return dense_reference(self.query.cpu(), self.requests, self.scale)
+
+    def to(self, device: torch.device | str) -> Case:
+        """The same step with its tensors on ``device`` (the requests stay on the CPU for the
+        dense reference); itself on the device it is on."""
+        if torch.device(device) == self.query.device:
+            return self
+        meta = self.meta
+        moved = AttentionMetadata(
+            slot_mapping=meta.slot_mapping.to(device), num_decodes=meta.num_decodes,
+            decode_block_tables=meta.decode_block_tables.to(device),
+            decode_context_lens=meta.decode_context_lens.to(device),
+            prefill_query_lens=list(meta.prefill_query_lens),
+            prefill_context_lens=list(meta.prefill_context_lens),
+            prefill_block_tables=[t.to(device) for t in meta.prefill_block_tables])
+        return dataclasses.replace(
+            self, query=self.query.to(device), new_keys=self.new_keys.to(device),
+            new_values=self.new_values.to(device), key_cache=self.key_cache.to(device),
+            value_cache=self.value_cache.to(device), meta=moved)
 
 
 def make_requests(specs: list[tuple[int, int]], num_kv_heads: int, head_dim: int,

@@ -33,6 +33,15 @@ def tiny_model(tmp_path_factory):
     return make
 
 
+@pytest.fixture
+def triton_device():
+    """The device the Triton kernel tests run on (tests/triton_device.py): the CPU in Triton's
+    interpreter, or a GPU with compiled kernels under TRITON_INTERPRET=0."""
+    from tests.triton_device import triton_device as device
+
+    return device()
+
+
 @pytest.fixture(scope="session")
 def sim_model(tmp_path_factory) -> str:
     """A folder of the Llama-3.1-8B shape (config.json and a tiny tokenizer, no weights): what a

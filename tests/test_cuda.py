@@ -1,66 +1,84 @@
 """The engine end to end on NVIDIA GPUs: model, KV cache and sampling on the device, the Triton
 kernels compiled, NCCL for the tensor all-reduces and the preemption vote on the CPU (gloo).
 
-Skipped where no GPU is visible; the same scenarios run on the CPU in Triton's interpreter in
-tests/test_triton_engine.py (and the kernels alone in tests/test_triton_kernels.py).
+Every scenario is parametrized over the device, so the CPU runs them all in CI and a refactor
+that breaks one fails there, not first on a GPU machine. On the CPU a scenario runs on the
+PyTorch kernels, or on the Triton kernels in Triton's interpreter where it is about them (with
+fewer and shorter prompts: the interpreter is slow); the "cuda" cases are skipped where no GPU is
+visible.
 
 Triton decides once per process, when a kernel module is first imported, whether its kernels run
-compiled or interpreted, and the interpreter tests import them with TRITON_INTERPRET=1 set. In a
-session that collected those, these tests run in a child pytest without it
-(test_the_gpu_tests_in_a_process_with_compiled_kernels)."""
+compiled or interpreted (tests/triton_device.py: interpreted unless TRITON_INTERPRET=0). In a
+process that interprets them, the GPU cases run in a child pytest with compiled kernels
+(test_the_gpu_tests_in_a_process_with_compiled_kernels); in one that compiles them, the CPU
+cases that need the interpreter are skipped (the interpreting process ran them)."""
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
+# Must come before the Triton kernels are first imported (decorated).
+import tests.triton_device  # noqa: F401,I001
 
-import pytest
-import torch
+import os  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
-from engine import LLM, SamplingParams
-from tests.test_mid_forward_preemption import (  # noqa: F401 (the fixture)
+import msgspec  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
+from tests.test_mid_forward_preemption import (  # noqa: E402,F401 (the fixture)
     check_urgent_arrival_unwinds_long_prefill, model)
-from tests.test_tp_engine import _run as run_tp
-from tests.test_tp_preemption import check_tp2_remote_rank_unwinds_with_rank0
+from tests.test_tp_engine import _run as run_tp  # noqa: E402
+from tests.test_tp_preemption import check_tp2_remote_rank_unwinds_with_rank0  # noqa: E402
+from tests.triton_device import kernels_interpreted  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="needs an NVIDIA GPU (torch.cuda.is_available() is False); the Triton kernels and the "
-           "engine on them are tested in Triton's interpreter by test_triton_kernels.py, "
-           "test_triton_fused.py and test_triton_engine.py")
+GPU_REASON = ("needs an NVIDIA GPU (torch.cuda.is_available() is False); the same scenario runs "
+              "on the CPU in the 'device_cpu' case")
+DEVICES = [pytest.param("cpu", id="device_cpu"),
+           pytest.param("cuda", id="device_cuda", marks=pytest.mark.skipif(
+               not torch.cuda.is_available(), reason=GPU_REASON))]
+TWO_GPUS = [pytest.param("cpu", id="device_cpu"),
+            pytest.param("cuda", id="device_cuda", marks=pytest.mark.skipif(
+                torch.cuda.device_count() < 2, reason="TP=2 on GPUs needs two of them"))]
+# The kernels each device runs by default.
+DEFAULT_KERNELS = {"cpu": "torch", "cuda": "triton"}
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-def _kernels_interpreted() -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from kernels import triton_attention
-
-    return isinstance(triton_attention._paged_attention_kernel, InterpretedFunction)
-
-
 @pytest.fixture(autouse=True)
 def compiled_kernels(request):
-    if request.node.name.startswith("test_the_gpu_tests_in_a_process"):
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is None or callspec.params.get("device") != "cuda":
         return
-    if _kernels_interpreted():
-        pytest.skip("Triton's kernels run interpreted in this process (the interpreter tests "
-                    "imported them first); test_the_gpu_tests_in_a_process_with_compiled_"
-                    "kernels runs this test compiled")
+    if kernels_interpreted():
+        pytest.skip("Triton's kernels run interpreted in this process; test_the_gpu_tests_in_a_"
+                    "process_with_compiled_kernels runs this test compiled")
+
+
+def _triton_args(device: str) -> dict:
+    """Engine arguments for the Triton kernels on ``device``: the default on a GPU, the
+    interpreter on the CPU (skipped in a process whose kernels are compiled)."""
+    if device == "cuda":
+        return {"device": "cuda"}
+    if not kernels_interpreted():
+        pytest.skip("Triton on the CPU needs the interpreter, and this process compiled the "
+                    "kernels (TRITON_INTERPRET=0); a process that interprets them runs this case")
+    return {"device": "cpu", "attention_backend": "triton"}
 
 
 @pytest.mark.timeout(1900)
 def test_the_gpu_tests_in_a_process_with_compiled_kernels():
-    if not _kernels_interpreted():
+    if not torch.cuda.is_available():
+        pytest.skip(GPU_REASON)
+    if not kernels_interpreted():
         pytest.skip("the kernels are compiled in this process: the tests run here")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             str(Path(__file__)), "-k", "not in_a_process"],
+                             str(Path(__file__)), "-k", "not device_cpu and not in_a_process"],
                             cwd=Path(__file__).parents[1], env=env, capture_output=True,
                             text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
@@ -69,82 +87,103 @@ def test_the_gpu_tests_in_a_process_with_compiled_kernels():
 
 
 LENGTHS = [5, 300, 17, 120, 1, 64, 250, 33]
+# In Triton's interpreter (the CPU cases on the Triton kernels): the same kinds of prompt (one
+# spans several chunks, one is a single token), fewer and shorter.
+INTERPRETED_LENGTHS = [5, 140, 1, 33]
+INTERPRETED_MAX_TOKENS = 6
 
 
-def _prompts(vocab: int) -> list[dict]:
+def _prompts(vocab: int, lengths: list[int]) -> list[dict]:
     import random
 
     rng = random.Random(7)
-    return [{"prompt_token_ids": [rng.randrange(1, vocab) for _ in range(n)]} for n in LENGTHS]
+    return [{"prompt_token_ids": [rng.randrange(1, vocab) for _ in range(n)]} for n in lengths]
 
 
-def _generate(model_dir: str, params: SamplingParams = GREEDY, **engine_args):
+def _generate(model_dir: str, params: SamplingParams = GREEDY, interpreted: bool = False,
+              **engine_args):
+    """Tokens of the scenario's prompts, and where the run was: (KV cache device, weights
+    device, kernels). ``interpreted``: the smaller scenario, for Triton's interpreter."""
+    lengths = LENGTHS
+    if interpreted:
+        lengths = INTERPRETED_LENGTHS
+        params = msgspec.structs.replace(params, max_tokens=INTERPRETED_MAX_TOKENS)
     llm = LLM(model=model_dir, dtype="float32", block_size=16, max_num_batched_tokens=128,
               **engine_args)
     try:
         runner = llm.engine.executor.runner
         placement = (runner.kv_caches[0][0].device.type,
                      next(runner.model.parameters()).device.type, runner.model.kernels.name)
-        outs = llm.generate(_prompts(llm.engine.vocab_size), params)
+        outs = llm.generate(_prompts(llm.engine.vocab_size, lengths), params)
         return [o.token_ids for o in outs], placement
     finally:
         llm.shutdown()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fused_ops", [False, True], ids=["unfused", "fused-ops"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_greedy_on_the_gpu_equals_the_cpu(tiny_model, arch, fused_ops):
+def test_greedy_on_the_gpu_equals_the_cpu(tiny_model, arch, fused_ops, device):
     model_dir = tiny_model(arch)
-    want, cpu = _generate(model_dir)
-    got, gpu = _generate(model_dir, device="cuda", fused_ops=fused_ops)
+    # Fused ops are Triton kernels: on the CPU they run interpreted.
+    args = _triton_args(device) if fused_ops else {"device": device}
+    interpreted = args.get("attention_backend") == "triton"
+    want, reference = _generate(model_dir, interpreted=interpreted)
+    got, placement = _generate(model_dir, interpreted=interpreted, fused_ops=fused_ops, **args)
     assert got == want
-    # Probe: the run really was on the GPU, on the compiled Triton kernels.
-    assert cpu == ("cpu", "cpu", "torch") and gpu == ("cuda", "cuda", "triton")
-    assert not _kernels_interpreted()
+    # Probe: the run really was on the device, on the kernels the case is about.
+    kernels = "triton" if fused_ops else DEFAULT_KERNELS[device]
+    assert reference == ("cpu", "cpu", "torch") and placement == (device, device, kernels)
+    if kernels == "triton":  # interpreted on the CPU, compiled on the GPU
+        assert kernels_interpreted() == (device == "cpu")
 
 
-def test_pytorch_kernels_on_the_gpu_agree_with_triton(tiny_model):
+@pytest.mark.parametrize("device", DEVICES)
+def test_pytorch_kernels_on_the_gpu_agree_with_triton(tiny_model, device):
     model_dir = tiny_model("llama")
-    triton_tokens, _ = _generate(model_dir, device="cuda")
-    torch_tokens, placement = _generate(model_dir, device="cuda", attention_backend="torch")
-    assert placement == ("cuda", "cuda", "torch")
+    args = _triton_args(device)
+    interpreted = device == "cpu"
+    triton_tokens, triton_placement = _generate(model_dir, interpreted=interpreted, **args)
+    torch_tokens, placement = _generate(model_dir, interpreted=interpreted, device=device,
+                                        attention_backend="torch")
+    assert triton_placement == (device, device, "triton")
+    assert placement == (device, device, "torch")
     assert torch_tokens == triton_tokens
 
 
-def test_seeded_sampling_on_the_gpu_is_reproducible(tiny_model):
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_sampling_on_the_gpu_is_reproducible(tiny_model, device):
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=11, max_tokens=16,
                             ignore_eos=True)
-    first, _ = _generate(tiny_model("llama"), params, device="cuda")
-    second, _ = _generate(tiny_model("llama"), params, device="cuda")
+    first, placement = _generate(tiny_model("llama"), params, device=device)
+    second, _ = _generate(tiny_model("llama"), params, device=device)
     assert first == second
-    greedy, _ = _generate(tiny_model("llama"), dataclasses.replace(GREEDY, max_tokens=16),
-                          device="cuda")
+    # SamplingParams is a msgspec Struct: copied with a change by msgspec, not dataclasses.
+    greedy, _ = _generate(tiny_model("llama"), msgspec.structs.replace(GREEDY, max_tokens=16),
+                          device=device)
     assert first != greedy  # probe: it really sampled (same length, other tokens)
+    assert placement[:2] == (device, device)
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["pause", "suspend"])
-def test_mid_forward_preemption_on_the_gpu(model, mode):  # noqa: F811 (the fixture)
+def test_mid_forward_preemption_on_the_gpu(model, mode, device):  # noqa: F811 (the fixture)
     # The host runs ahead of the GPU and votes between layers; the unwound step's queued
     # kernels finish, nothing more is launched, and every output equals the CPU's.
-    check_urgent_arrival_unwinds_long_prefill(model, mode, device="cuda")
+    check_urgent_arrival_unwinds_long_prefill(model, mode, device=device)
 
 
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2,
-                              reason="TP=2 on GPUs needs two of them")
-
-
-@two_gpus
-def test_tp2_on_two_gpus_equals_tp1_on_the_cpu(tiny_model):
+@pytest.mark.parametrize("device", TWO_GPUS)
+def test_tp2_on_two_gpus_equals_tp1_on_the_cpu(tiny_model, device):
     model_dir = tiny_model("llama")
     want = run_tp(model_dir, tp=1)
-    got = run_tp(model_dir, tp=2, device="cuda")
+    got = run_tp(model_dir, tp=2, device=device)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert sum(o.metrics.num_preemptions for o in got) > 0  # probe: KV pressure preempted
 
 
-@two_gpus
 @pytest.mark.timeout(300)
-def test_tp2_on_two_gpus_unwinds_together(tiny_model, monkeypatch, tmp_path):
-    check_tp2_remote_rank_unwinds_with_rank0(tiny_model, monkeypatch, tmp_path, device="cuda")
-
+@pytest.mark.parametrize("device", TWO_GPUS)
+def test_tp2_on_two_gpus_unwinds_together(tiny_model, monkeypatch, tmp_path, device):
+    check_tp2_remote_rank_unwinds_with_rank0(tiny_model, monkeypatch, tmp_path, device=device)

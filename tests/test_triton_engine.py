@@ -1,13 +1,12 @@
-"""The whole engine on the Triton kernels, run on the CPU in Triton's interpreter: the same
-greedy tokens as the PyTorch kernels, and a mid-forward preemption on them. (tests/test_cuda.py
-runs the same scenarios compiled on a GPU.)"""
+"""The whole engine on the Triton kernels: the same greedy tokens as the PyTorch kernels, and a
+mid-forward preemption on them. Run on the CPU in Triton's interpreter, or compiled on a GPU
+under TRITON_INTERPRET=0 (tests/triton_device.py); tests/test_cuda.py runs more scenarios on a
+GPU."""
 
 from __future__ import annotations
 
-import os
-
-# Must be set before the Triton kernels are first imported (decorated).
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# Must come before the Triton kernels are first imported (decorated).
+import tests.triton_device  # noqa: F401,I001
 
 import dataclasses  # noqa: E402
 import random  # noqa: E402
@@ -24,12 +23,16 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LENGTHS = [5, 150, 17, 60, 1, 33]  # the 150-token prompt spans three 64-token chunks
 
 
-def _generate(model_dir: str, backend: str, **overrides) -> tuple[list[list[int]], dict[str, int]]:
+def _generate(model_dir: str, backend: str, device: str,
+              **overrides) -> tuple[list[list[int]], dict[str, int]]:
     llm = LLM(model=model_dir, dtype="float32", block_size=16, max_num_batched_tokens=64,
               enable_prefix_caching=True, attention_backend=backend,
-              fused_ops=backend == "triton", **overrides)
+              fused_ops=backend == "triton", device=device, **overrides)
     try:
-        model_obj = llm.engine.executor.runner.model
+        runner = llm.engine.executor.runner
+        # The startup warm-up ran the Triton kernels (and only those) before any request.
+        assert (runner.kernel_warmup is not None) == (backend == "triton")
+        model_obj = runner.model
         calls = {"paged_attention": 0, "rms_norm": 0, "apply_rotary": 0}
         model_obj.use_kernels(_counting(model_obj.kernels, calls))
         rng = random.Random(3)
@@ -58,10 +61,10 @@ def _counting(kernels, calls: dict[str, int]):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_triton_kernels_give_the_torch_kernels_tokens(tiny_model, arch):
+def test_triton_kernels_give_the_torch_kernels_tokens(tiny_model, arch, triton_device):
     model_dir = tiny_model(arch)
-    want, torch_calls = _generate(model_dir, "torch")
-    got, triton_calls = _generate(model_dir, "triton")
+    want, torch_calls = _generate(model_dir, "torch", triton_device.type)
+    got, triton_calls = _generate(model_dir, "triton", triton_device.type)
     assert got == want
     # Probe: the Triton run really used Triton attention and the fused norm and rotary kernels
     # (the PyTorch backend has none of the latter).
@@ -72,7 +75,8 @@ def test_triton_kernels_give_the_torch_kernels_tokens(tiny_model, arch):
 
 
 @pytest.mark.timeout(300)
-def test_mid_forward_preemption_on_triton_kernels(model):  # noqa: F811 (the fixture)
+def test_mid_forward_preemption_on_triton_kernels(model, triton_device):  # noqa: F811
     check_urgent_arrival_unwinds_long_prefill(model, "suspend", check_timing=False,
-                                              attention_backend="triton")
+                                              attention_backend="triton",
+                                              device=triton_device.type)
 

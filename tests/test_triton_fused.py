@@ -4,14 +4,15 @@ Rotary is elementwise, so it must match bit for bit in every dtype. RMSNorm matc
 whenever its row sum is exact (inputs on a coarse grid); on arbitrary inputs only the float32 sum
 of squares may differ from torch's, whose summation order is its own (and depends on the CPU's
 vector width), so there the tests allow float32 a few ulps and 16-bit outputs one ulp.
+
+The kernels run on the ``triton_device`` (tests/triton_device.py): interpreted on the CPU, or
+compiled on a GPU under TRITON_INTERPRET=0; the PyTorch references always run on the CPU.
 """
 
 from __future__ import annotations
 
-import os
-
-# Must be set before the kernels are decorated (on import).
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# Must come before the kernels are decorated (on import): it picks interpreted or compiled.
+import tests.triton_device  # noqa: F401,I001
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -40,6 +41,10 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (ordered(a) - ordered(b)).abs()
 
 
+def _on(device: torch.device, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.to(device) for t in tensors]
+
+
 def _norm(hidden: int, dtype: torch.dtype, g: torch.Generator) -> RMSNorm:
     norm = RMSNorm(hidden, EPS, dtype=dtype, device="cpu")
     # The layer can delegate to a fused kernel; the reference must be its PyTorch arithmetic.
@@ -65,7 +70,8 @@ def _assert_norm_close(got: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [80, 576, 960, 1024])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_is_bit_exact_when_the_row_sum_is_exact(dtype, hidden, with_residual):
+def test_rms_norm_is_bit_exact_when_the_row_sum_is_exact(dtype, hidden, with_residual,
+                                                         triton_device):
     g = torch.Generator().manual_seed(hidden + 7 * with_residual)
     # Multiples of 1/4 in [-2, 2]: squares and their sums are exact in float32 in any order, so
     # every remaining step (divide, rsqrt, round to dtype, scale, round) must agree exactly.
@@ -73,80 +79,88 @@ def test_rms_norm_is_bit_exact_when_the_row_sum_is_exact(dtype, hidden, with_res
     norm = _norm(hidden, dtype, g)
     if with_residual:
         residual = (torch.randint(-8, 9, (12, hidden), generator=g) / 4).to(dtype)
-        got, got_sum = triton_norm.rms_norm(x, norm.weight, EPS, residual)
+        got, got_sum = triton_norm.rms_norm(*_on(triton_device, x, norm.weight), EPS,
+                                            residual.to(triton_device))
         expected, expected_sum = norm(x, residual)
-        assert torch.equal(got_sum, expected_sum)
+        assert torch.equal(got_sum.cpu(), expected_sum)
     else:
-        got, expected = triton_norm.rms_norm(x, norm.weight, EPS), norm(x)
-    assert got.dtype == dtype and torch.equal(got, expected)
+        got, expected = triton_norm.rms_norm(*_on(triton_device, x, norm.weight), EPS), norm(x)
+    assert got.dtype == dtype and torch.equal(got.cpu(), expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [80, 960, 2048])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_matches_the_reference_on_random_inputs(dtype, hidden, with_residual):
+def test_rms_norm_matches_the_reference_on_random_inputs(dtype, hidden, with_residual,
+                                                         triton_device):
     g = torch.Generator().manual_seed(100 + hidden + with_residual)
     x = (3 * torch.randn(16, hidden, generator=g)).to(dtype)
-    x_before = x.clone()
+    x_on = x.to(triton_device)
+    x_before = x_on.clone()
     norm = _norm(hidden, dtype, g)
     if with_residual:
         residual = (3 * torch.randn(16, hidden, generator=g)).to(dtype)
-        got, got_sum = triton_norm.rms_norm(x, norm.weight, EPS, residual)
+        got, got_sum = triton_norm.rms_norm(x_on, norm.weight.to(triton_device), EPS,
+                                            residual.to(triton_device))
         expected, expected_sum = norm(x, residual)
         # The add is elementwise: rounded to the model dtype exactly as torch does.
-        assert torch.equal(got_sum, expected_sum)
+        assert torch.equal(got_sum.cpu(), expected_sum)
     else:
-        got, expected = triton_norm.rms_norm(x, norm.weight, EPS), norm(x)
-    _assert_norm_close(got, expected)
-    assert torch.equal(x, x_before)
+        got, expected = triton_norm.rms_norm(x_on, norm.weight.to(triton_device), EPS), norm(x)
+    _assert_norm_close(got.cpu(), expected)
+    assert torch.equal(x_on, x_before)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_rms_norm_per_head_on_a_strided_qkv_slice(dtype):
+def test_rms_norm_per_head_on_a_strided_qkv_slice(dtype, triton_device):
     # Qwen3's q/k norm: [T, H, D] over the last dim, on a view into the fused qkv output.
     g = torch.Generator().manual_seed(3)
     num_tokens, num_heads, head_dim = 7, 4, 128
     qkv = torch.randn(num_tokens, (num_heads + 4) * head_dim, generator=g).to(dtype)
+    qkv = qkv.to(triton_device)  # the view is taken on the device, as the model takes it
     k = qkv[:, num_heads * head_dim:(2 * num_heads) * head_dim].unflatten(-1, (num_heads, -1))
     assert not k.is_contiguous()
     qkv_before = qkv.clone()
     norm = _norm(head_dim, dtype, g)
-    got = triton_norm.rms_norm(k, norm.weight, EPS)
-    _assert_norm_close(got, norm(k))
+    got = triton_norm.rms_norm(k, norm.weight.to(triton_device), EPS)
+    _assert_norm_close(got.cpu(), norm(k.cpu()))
     assert torch.equal(qkv, qkv_before)
 
 
-def test_rms_norm_promotes_a_float32_weight_like_torch():
+def test_rms_norm_promotes_a_float32_weight_like_torch(triton_device):
     g = torch.Generator().manual_seed(5)
     x = (torch.randint(-8, 9, (5, 96), generator=g) / 4).to(torch.bfloat16)
     weight = 1 + 0.25 * torch.randn(96, generator=g)
     x32 = x.float()
     expected = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
-    got = triton_norm.rms_norm(x, weight, EPS)
-    assert got.dtype == torch.float32 and torch.equal(got, expected)
+    got = triton_norm.rms_norm(*_on(triton_device, x, weight), EPS)
+    assert got.dtype == torch.float32 and torch.equal(got.cpu(), expected)
 
 
-def _rotary_inputs(dtype: torch.dtype, head_dim: int, g: torch.Generator
+def _rotary_inputs(dtype: torch.dtype, head_dim: int, g: torch.Generator,
+                   device: torch.device | str = "cpu"
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A strided [T, H, D] view into a wider qkv-like tensor (every other head, so both the token
-    and the head strides differ from a packed tensor's), and cos/sin views of one table."""
+    and the head strides differ from a packed tensor's), and cos/sin views of one table, all on
+    ``device`` (the views taken there)."""
     num_tokens, num_heads, total_heads = 9, 3, 8
-    big = (4 * torch.randn(num_tokens, total_heads, head_dim, generator=g)).to(dtype)
+    big = (4 * torch.randn(num_tokens, total_heads, head_dim, generator=g)).to(dtype).to(device)
     x = big[:, 1:1 + 2 * num_heads:2]
     angles = 1000 * torch.rand(num_tokens, head_dim // 2, generator=g)
-    table = torch.cat((angles.cos(), angles.sin()), -1).to(dtype).unsqueeze(1)
+    table = torch.cat((angles.cos(), angles.sin()), -1).to(dtype).unsqueeze(1).to(device)
     cos, sin = table.chunk(2, dim=-1)
     return big, x, cos, sin
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
-def test_rotary_matches_the_reference_bit_for_bit(dtype, head_dim):
+def test_rotary_matches_the_reference_bit_for_bit(dtype, head_dim, triton_device):
     g = torch.Generator().manual_seed(head_dim)
-    big, x, cos, sin = _rotary_inputs(dtype, head_dim, g)
+    big, x, cos, sin = _rotary_inputs(dtype, head_dim, g, triton_device)
     assert not x.is_contiguous() and not cos.is_contiguous()
     big_before = big.clone()
-    got = triton_rotary.apply_rotary(x, cos, sin)
+    got = triton_rotary.apply_rotary(x, cos, sin).cpu()
+    x, cos, sin = x.cpu(), cos.cpu(), sin.cpu()
     expected = reference_rotary(x, cos, sin)
     assert got.dtype == dtype and torch.equal(got, expected)
     assert torch.equal(big, big_before)
@@ -159,18 +173,19 @@ def test_rotary_matches_the_reference_bit_for_bit(dtype, head_dim):
         assert not torch.equal(once, expected)
 
 
-def test_rotary_copies_a_head_dim_with_non_unit_stride():
+def test_rotary_copies_a_head_dim_with_non_unit_stride(triton_device):
     g = torch.Generator().manual_seed(11)
-    _, _, cos, sin = _rotary_inputs(torch.bfloat16, 80, g)
+    _, _, cos, sin = _rotary_inputs(torch.bfloat16, 80, g, triton_device)
     # [T, D, H] transposed to [T, H, D]: the last stride is H, so the wrapper copies first.
-    x = torch.randn(9, 80, 5, generator=g).to(torch.bfloat16).transpose(1, 2)
+    x = torch.randn(9, 80, 5, generator=g).to(torch.bfloat16).to(triton_device).transpose(1, 2)
     assert x.stride(-1) != 1
-    assert torch.equal(triton_rotary.apply_rotary(x, cos, sin), reference_rotary(x, cos, sin))
+    got = triton_rotary.apply_rotary(x, cos, sin).cpu()
+    assert torch.equal(got, reference_rotary(x.cpu(), cos.cpu(), sin.cpu()))
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_conversions_round_like_torch_casts(dtype):
+def test_conversions_round_like_torch_casts(dtype, triton_device):
     triton = pytest.importorskip("triton")
     tl = pytest.importorskip("triton.language")
 
@@ -189,9 +204,11 @@ def test_conversions_round_like_torch_casts(dtype):
     bits[:4096] &= 0x807FFFFF
     bits[4096:8192] = (bits[4096:8192] & ~0xFFFF) | 0x8000
     wide = bits.view(torch.float32)
-    narrowed, widened = torch.empty_like(narrow), torch.empty_like(wide)
-    convert[(1,)](narrow, wide, narrowed, widened, KIND=triton_norm.DTYPE_KIND[dtype],
-                  BLOCK=2**16)
+    narrowed = torch.empty_like(narrow, device=triton_device)
+    widened = torch.empty_like(wide, device=triton_device)
+    convert[(1,)](narrow.to(triton_device), wide.to(triton_device), narrowed, widened,
+                  KIND=triton_norm.DTYPE_KIND[dtype], BLOCK=2**16)
+    narrowed, widened = narrowed.cpu(), widened.cpu()
     expected_wide = narrow.float()
     assert torch.equal(widened.isnan(), expected_wide.isnan())
     assert torch.equal(widened.nan_to_num(), expected_wide.nan_to_num())
@@ -202,16 +219,20 @@ def test_conversions_round_like_torch_casts(dtype):
     assert torch.equal(narrowed[keep].view(torch.int16), expected_narrow[keep].view(torch.int16))
 
 
-def test_empty_inputs_give_empty_outputs():
-    weight = torch.ones(64)
-    assert triton_norm.rms_norm(torch.zeros(0, 64), weight, EPS).shape == (0, 64)
-    out, res = triton_norm.rms_norm(torch.zeros(0, 64), weight, EPS, torch.zeros(0, 64))
+def test_empty_inputs_give_empty_outputs(triton_device):
+    def zeros(*shape: int) -> torch.Tensor:
+        return torch.zeros(shape, device=triton_device)
+
+    weight = torch.ones(64, device=triton_device)
+    assert triton_norm.rms_norm(zeros(0, 64), weight, EPS).shape == (0, 64)
+    out, res = triton_norm.rms_norm(zeros(0, 64), weight, EPS, zeros(0, 64))
     assert out.shape == res.shape == (0, 64)
-    assert triton_rotary.apply_rotary(torch.zeros(0, 2, 64), torch.zeros(0, 1, 32),
-                                      torch.zeros(0, 1, 32)).shape == (0, 2, 64)
+    assert triton_rotary.apply_rotary(zeros(0, 2, 64), zeros(0, 1, 32),
+                                      zeros(0, 1, 32)).shape == (0, 2, 64)
 
 
 def test_bad_inputs_raise_value_errors_naming_the_problem():
+    # Every check fails before a launch, so these run wherever the tensors are.
     x = torch.zeros(4, 64)
     with pytest.raises(ValueError, match="weight has shape"):
         triton_norm.rms_norm(x, torch.ones(80), EPS)

@@ -20,6 +20,7 @@ from engine.sampling_params import SamplingParams
 from engine.core.scheduler_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
                                     StepStatus)
 from kernels import AttentionMetadata, padded_block_tables, select_backend
+from kernels.variants import KernelWarmup
 from workers.kv_cache import allocate_kv_caches
 from workers.layers.cpu_prepack import prepack_available, prepack_linear_weights
 from workers.models import build_model
@@ -94,6 +95,8 @@ class ModelRunner:
                                             self.model.num_kv_heads, self.model.head_dim,
                                             dtype, device)
         self.sampler = Sampler(seed, device)
+        # What the startup warm-up compiled (workers.kernel_warmup; None: not run, or not Triton).
+        self.kernel_warmup: KernelWarmup | None = None
         self.suspended = SuspendedChunks()
         # Set by the worker when mid-forward preemption is on; consulted only on steps the
         # scheduler marked preemptible (decode-only steps never vote).

@@ -33,6 +33,7 @@ class Worker:
         one machine, so it defaults to ``rank``. Never read from the environment here: spawned
         ranks inherit their parent's, which may be a torchrun rank's."""
         from engine.runtime.model_setup import load_hf_config, resolve_dtype
+        from workers.kernel_warmup import warm_up_kernels
         from workers.kv_memory import measure_kv_pool
         from workers.model_runner import ModelRunner
 
@@ -66,6 +67,13 @@ class Worker:
             self.runner.kv_caches = resized_kv_caches(self.runner.kv_caches,
                                                       self._agree_on_pool(fits))
         self.num_kv_blocks = num_kv_blocks(self.runner.kv_caches)
+        try:
+            # Every rank runs the same steps (their collectives must match), before any request.
+            self.runner.kernel_warmup = warm_up_kernels(self.runner, config.max_model_len,
+                                                        config.max_num_seqs)
+        except Exception:
+            report_error(self.groups, traceback.format_exc())
+            raise
         if config.mid_forward_preemption:
             self._install_vote(config)
         # Nobody starts stepping before every shard is loaded (and a failed load surfaces here).

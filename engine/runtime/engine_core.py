@@ -90,6 +90,7 @@ class EngineCore:
 
     def _in_process_executor(self, signal: PreemptSignal | None) -> Executor:
         from workers.kv_cache import num_kv_blocks, resized_kv_caches
+        from workers.kernel_warmup import warm_up_kernels
         from workers.kv_memory import measure_kv_pool
         from workers.model_runner import ModelRunner
 
@@ -103,6 +104,9 @@ class EngineCore:
         plan = kv_pool_plan(config, m)
         if plan is not None:
             runner.kv_caches = resized_kv_caches(runner.kv_caches, measure_kv_pool(runner, plan))
+        # Before any request: no compile may stall serving.
+        runner.kernel_warmup = warm_up_kernels(runner, m.max_model_len,
+                                               config.scheduler.max_num_seqs)
         if signal is not None:
             from workers.preempt_vote import PreemptVote
 

@@ -56,6 +56,10 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     num_blocks: int | None
     kv_pool_plan: KVPoolPlan | None = None
     block_size: int
+    # The longest sequence and the most sequences a step can hold: the kernel warm-up
+    # (workers.kernel_warmup) launches every variant such steps can need.
+    max_model_len: int
+    max_num_seqs: int
     seed: int
     tp_size: int
     # torch.distributed rendezvous: "tcp://host:port" or "env://" (torchrun).
@@ -82,7 +86,8 @@ def make_worker_config(config: EngineConfig, model: ResolvedModel, init_method: 
         model_dir=model.model_dir, dtype=config.model.dtype, device=config.model.device,
         attention_backend=config.model.attention_backend, fused_ops=config.model.fused_ops,
         load_format=config.model.load_format, num_blocks=model.num_blocks, kv_pool_plan=kv_pool_plan(config, model),
-        block_size=config.cache.block_size, seed=config.model.seed,
+        block_size=config.cache.block_size, max_model_len=model.max_model_len,
+        max_num_seqs=config.scheduler.max_num_seqs, seed=config.model.seed,
         tp_size=config.tensor_parallel_size, init_method=init_method,
         collective_timeout_s=config.collective_timeout_s)
 
