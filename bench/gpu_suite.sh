@@ -87,7 +87,7 @@ step tests-cuda 80 $py -m pytest -q -p no:cacheprovider "${test_mode[@]}" \
     tests/test_cuda.py tests/test_gpu_memory_utilization.py
 step tests-triton-compiled 60 env TRITON_INTERPRET=$([[ $device == cuda ]] && echo 0 || echo 1) \
     $py -m pytest -q -p no:cacheprovider "${test_mode[@]}" tests/test_triton_kernels.py \
-    tests/test_triton_fused.py tests/test_triton_engine.py
+    tests/test_triton_fused.py tests/test_triton_engine.py tests/test_kernel_warmup.py
 step equality 75 $py -m bench.gpu_equality --device "$device" "${smoke_flag[@]}" \
     --out "$out/equality.json"
 step throughput 110 $py -m bench.gpu_throughput --device "$device" "${smoke_flag[@]}" \

@@ -58,7 +58,8 @@ def _json(path: Path) -> Any:
 def _tests(out: Path, steps: dict[str, dict[str, int]]) -> list[str]:
     lines = ["## GPU tests", ""]
     for name, label in (("tests-cuda", "tests/test_cuda.py, tests/test_gpu_memory_utilization.py"),
-                        ("tests-triton-compiled", "tests/test_triton_*.py, kernels compiled")):
+                        ("tests-triton-compiled",
+                         "tests/test_triton_*.py, tests/test_kernel_warmup.py, kernels compiled")):
         log = _log(out, name)
         lines.append(f"- {label}: {_outcome(steps.get(name))}; pytest: "
                      f"`{_pytest_totals(out, name) or 'no totals line'}`")
