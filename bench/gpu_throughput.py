@@ -199,7 +199,11 @@ def _decode_max_tokens(batch: int, context: int, budget: int, steps: int) -> int
 
 
 def bench_engine(model_dir: str, device: torch.device, dtype: torch.dtype,
-                 sizes: dict[str, Any], seed: int) -> dict[str, Any]:
+                 sizes: dict[str, Any], seed: int, profile_steps: int = 0,
+                 profile_deadline: float | None = None) -> dict[str, Any]:
+    """The timed figures; with profile_steps, then a torch.profiler summary of that many steps
+    of each kind under "profile" (bench.engine_profile), started only before `profile_deadline`
+    (a perf_counter time)."""
     import statistics
 
     from bench.throughput import _decode_seconds_per_step, _prompts, _record_steps
@@ -261,9 +265,75 @@ def bench_engine(model_dir: str, device: torch.device, dtype: torch.dtype,
                 "step_ms_max": 1000 * max(s["end"] - s["start"] for s in full)}
             _progress(f"engine decode {batch} x {context}: {batch / step_s:.1f} tok/s, "
                       f"TPOT {1000 * step_s:.2f} ms")
+        if profile_steps:
+            # After every timed figure: profiling slows the steps it records.
+            result["profile"] = profile_engine(llm, steps_log, device, vocab, sizes, seed,
+                                               result, profile_steps, profile_deadline)
     finally:
         llm.shutdown()
     return result
+
+
+def profile_engine(llm: Any, steps_log: list[dict], device: torch.device, vocab: int,
+                   sizes: dict[str, Any], seed: int, timed: dict[str, Any], steps: int,
+                   deadline: float | None) -> dict[str, Any]:
+    """Each step kind of the timed run, profiled over `steps` steady-state steps: one
+    whole-budget prefill step per prompt, then decode at each batch. A kind not started by the
+    deadline is left out (and named), so a time-limited run still ends in time."""
+    from bench.engine_profile import StepWindow
+    from bench.throughput import _prompts
+    from engine import SamplingParams
+
+    budget, context = sizes["prefill_len"], sizes["context"]
+    # Fresh prompts (no prefix caching either way); the window needs steps + 3 of a kind: one
+    # unprofiled, the profiler's warm-up step, the measured ones and one that ends the last.
+    needed = steps + 3
+    kinds: list[tuple[str, dict[str, Any], Any, Any, float]] = []
+    prefill_prompts = _prompts(vocab, needed, budget, seed + 20_000)
+    kinds.append((f"prefill {budget}", {"phase": "prefill", "batch": 1, "tokens": budget},
+                  lambda: llm.generate([{"prompt_token_ids": p} for p in prefill_prompts],
+                                       SamplingParams(temperature=0, max_tokens=1,
+                                                      ignore_eos=True)),
+                  lambda s: len(s["requests"]) == 1 and s["requests"][0][1] == budget,
+                  timed["prefill"]["step_ms"]))
+    for batch in sizes["batches"]:
+        def run(batch: int = batch) -> None:
+            prompts = _prompts(vocab, batch, context, seed + 20_000 + batch)
+            llm.generate([{"prompt_token_ids": p} for p in prompts],
+                         SamplingParams(temperature=0, ignore_eos=True, max_tokens=(
+                             _decode_max_tokens(batch, context, budget, needed))))
+
+        kinds.append((f"decode {batch}", {"phase": "decode", "batch": batch, "tokens": batch},
+                      run, lambda s, batch=batch: len(s["requests"]) == batch
+                      and all(n == 1 for _, n in s["requests"]),
+                      timed["decode"][str(batch)]["tpot_ms"]))
+
+    window = StepWindow(llm, steps_log, device)
+    out: dict[str, Any] = {"device": device.type, "steps": steps, "kinds": {}}
+    skipped = []
+    try:
+        for label, info, run_kind, wanted, timed_ms in kinds:
+            if deadline is not None and time.perf_counter() > deadline:
+                skipped.append(label)
+                continue
+            started = time.perf_counter()
+            try:
+                summary = window.run(run_kind, wanted, steps, timed_ms)
+            except Exception as exc:  # noqa: BLE001 - one kind failing keeps the others
+                _progress(f"profile {label}: {type(exc).__name__}: {exc}")
+                out["kinds"][label] = {**info, "error": f"{type(exc).__name__}: {exc}"}
+                continue
+            out["kinds"][label] = {**info, **summary, "profile_s": time.perf_counter() - started}
+            busy = summary["busy_pct"]
+            _progress(f"profile {label}: {summary['ops_per_step']} ops/step"
+                      + ("" if busy is None else f", GPU busy {busy:.0f}% of the step")
+                      + f" ({time.perf_counter() - started:.1f} s)")
+    finally:
+        window.restore()
+    if skipped:
+        out["skipped"] = (f"{', '.join(skipped)} (the run had reached its --profile-until-s "
+                          f"before they started)")
+    return out
 
 
 def _vocab(model_dir: str) -> int:
@@ -341,6 +411,10 @@ def markdown(result: dict[str, Any]) -> str:
     for side in ("engine", "hf"):
         if "error" in result[side]:
             lines += ["", f"**{side} not measured:** {result[side]['error']}"]
+    if result.get("profile"):
+        from bench.engine_profile import markdown as profile_markdown
+
+        lines += profile_markdown(result["profile"])
     return "\n".join(lines)
 
 
@@ -382,6 +456,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers side")
     parser.add_argument("--hf-timeout-s", type=float, default=600.0)
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timed runs, profile the engine (torch.profiler) over a "
+                             "few steady-state steps of prefill and of decode at each batch: "
+                             "kernels (CPU: aten ops) per step, GPU busy against wall time, "
+                             "the top kernels and host functions (JSON 'profile', markdown "
+                             "after the table)")
+    parser.add_argument("--profile-steps", type=int, default=3,
+                        help="profiled steps per step kind (after one warm-up step)")
+    parser.add_argument("--profile-until-s", type=float, default=None, metavar="S",
+                        help="start no profile of a step kind once the run is this many "
+                             "seconds old (the kinds left out are named), so that a run under "
+                             "a time limit ends in time")
     parser.add_argument("--out", default=None, metavar="PATH", help="write the JSON here")
     args = parser.parse_args(argv)
     for key, value in (SMOKE if args.smoke else FULL).items():
@@ -390,6 +476,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for key in ("prefill_len", "prefill_prompts", "context", "decode_steps", "matmul_size"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be at least 1")
+    if args.profile_steps < 1:
+        parser.error("--profile-steps must be at least 1")
     if min(args.batches) < 1:
         parser.error("--batches must be at least 1")
     if max(args.batches) >= args.prefill_len:
@@ -441,7 +529,13 @@ def main(argv: list[str] | None = None) -> int:
         hf = ({"error": "skipped (--no-hf)"} if args.no_hf else _guarded(
             lambda: bench_hf(model_dir, device, dtype, sizes, args.seed, scratch,
                              args.hf_timeout_s)))
-        engine = _guarded(lambda: bench_engine(model_dir, device, dtype, sizes, args.seed))
+        deadline = (None if args.profile_until_s is None
+                    else wall_started + args.profile_until_s)
+        engine = _guarded(lambda: bench_engine(
+            model_dir, device, dtype, sizes, args.seed,
+            profile_steps=args.profile_steps if args.profile else 0, profile_deadline=deadline))
+    # Under its own key: the profile is no figure of the side-by-side table.
+    profile = engine.pop("profile", None)
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     for side in (engine, hf):
         if "error" not in side:
@@ -456,11 +550,19 @@ def main(argv: list[str] | None = None) -> int:
         "engine": engine, "hf": hf,
         "rows": table_rows(engine, hf),
         "wall_s": time.perf_counter() - wall_started}
+    if profile is not None:
+        result["profile"] = profile
+    # The JSON carries the markdown printed below (bench/gpu_summary.py quotes it).
+    result["markdown"] = markdown(result)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))
-    print(markdown(result))
+    print(result["markdown"])
     failed = "error" in engine or ("error" in hf and not args.no_hf)
+    if args.profile and "error" not in engine:
+        # Asked for and not there: a failure (a kind left out by --profile-until-s is not).
+        failed = failed or profile is None or any(
+            "error" in k for k in profile["kinds"].values())
     return 1 if failed else 0
 
 

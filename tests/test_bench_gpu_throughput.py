@@ -1,6 +1,8 @@
-"""bench/gpu_throughput.py without timing anything: its --smoke run (a tiny Llama on the CPU)
-goes end to end through the limits, the HF process and the engine, and reports every figure
-beside its bound; the bounds match a hand count; --device auto and cuda resolve as documented.
+"""bench/gpu_throughput.py without timing anything: its --smoke run (a tiny Llama on the CPU,
+with --profile) goes end to end through the limits, the HF process, the engine and the engine's
+profile, and reports every figure beside its bound; the bounds match a hand count; the profile's
+per-step figures match a hand count on a synthetic GPU timeline; --device auto and cuda resolve
+as documented.
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory) -> tuple[dict, str]:
     """(the JSON, stdout) of one smoke run, float32 (the quickest on any CPU), with the small
-    tokenizer the bench trains itself when given none."""
+    tokenizer the bench trains itself when given none, and the engine profiled after it."""
     out = tmp_path_factory.mktemp("gpu-throughput") / "result.json"
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     run = subprocess.run(
         [sys.executable, "-m", "bench.gpu_throughput", "--smoke", "--device", "cpu",
-         "--dtype", "float32", "--out", str(out)],
+         "--dtype", "float32", "--profile", "--profile-steps", "2", "--out", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(out.read_text()), run.stdout
@@ -88,7 +90,13 @@ def test_smoke_run_prints_one_markdown_table(smoke):
     assert stdout.startswith("### bench/gpu_throughput:")
     lines = stdout.strip().splitlines()
     assert "SMOKE RUN" in stdout
-    table = [line for line in lines if line.startswith("|")]
+    # The throughput table is the first one (the profile's tables follow it).
+    first = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    table = []
+    for line in lines[first:]:
+        if not line.startswith("|"):
+            break
+        table.append(line)
     assert len(table) == 2 + len(rows)  # header, alignment, one line per row
     assert all(line.count("|") == table[0].count("|") for line in table)
     assert "engine % of bound" in table[0] and "HF TPOT ms" in table[0]
@@ -159,3 +167,142 @@ def test_sizes_are_checked():
     args = gpu_throughput.parse_args(["--smoke", "--batches", "2", "3"])
     assert args.batches == [2, 3] and args.context == gpu_throughput.SMOKE["context"]
     assert gpu_throughput.parse_args([]).batches == [1, 16, 64, 128]
+
+
+# ---------------------------------------------------------------------------------------------
+# --profile
+
+
+def test_smoke_profile_counts_each_step_kind(smoke):
+    result, stdout = smoke
+    profile = result["profile"]
+    sizes = result["sizes"]
+    assert profile["device"] == "cpu" and profile["steps"] == 2
+    assert "skipped" not in profile
+    labels = [f"prefill {sizes['prefill_len']}"] + [f"decode {b}" for b in sizes["batches"]]
+    assert list(profile["kinds"]) == labels
+    timed = result["engine"]
+    for label, kind in profile["kinds"].items():
+        assert "error" not in kind, (label, kind)
+        assert kind["steps"] == 2 and len(kind["step_indices"]) == 2
+        # The CPU has no kernel events: torch ops dispatched are counted, and say so.
+        assert "CPU: no kernel events" in kind["ops_counted"]
+        assert isinstance(kind["ops_per_step"], int) and kind["ops_per_step"] > 0
+        assert all(isinstance(n, int) and n > 0 for n in kind["ops_each_step"])
+        # No device timeline: busy time is marked unavailable, not made up.
+        assert kind["busy_pct"] is None and kind["busy_ms_per_step"] is None
+        assert kind["busy_unavailable"]
+        _positive(kind["wall_ms_per_step"], f"{label} wall")
+        assert 1 <= len(kind["top_ops"]) <= 10 and 1 <= len(kind["top_host"]) <= 10
+        shares = [op["share_pct"] for op in kind["top_ops"]]
+        assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 100 + 1e-6
+        assert all("::" in op["name"] for op in kind["top_ops"])
+        assert all(0 <= h["pct_of_wall"] <= 100 for h in kind["top_host"])
+        # The profile ran after the timed figures, which it names beside its own.
+        expected = (timed["prefill"]["step_ms"] if kind["phase"] == "prefill"
+                    else timed["decode"][str(kind["batch"])]["tpot_ms"])
+        assert kind["timed_step_ms"] == expected
+        # The measured steps are the kind's: one whole-budget prefill, or a decode step of the
+        # full batch (not the batch's own prefill steps).
+        assert kind["scheduled"] == [{"requests": kind["batch"], "tokens": kind["tokens"]}] * 2
+    assert profile["kinds"][labels[0]]["tokens"] == sizes["prefill_len"]
+
+    # The markdown carries the section, after the throughput table, one row per kind; the JSON
+    # carries the same markdown (bench/gpu_summary.py quotes it).
+    assert result["markdown"] == stdout.rstrip("\n")
+    section = stdout[stdout.index("#### Engine profile (torch.profiler)"):]
+    assert stdout.index("| phase | batch |") < stdout.index("#### Engine profile")
+    assert "torch ops dispatched" in section
+    for label in labels:
+        kind = profile["kinds"][label]
+        assert f"| {label} | 2 | {kind['ops_per_step']:,} | - |" in section
+        assert f"**{label}**: top torch ops" in section
+
+
+def test_profile_summary_on_a_gpu_timeline_matches_a_hand_count():
+    from bench.engine_profile import MARK, MARK_END, PYTHON_OUTSIDE_OPS, Event, summarize_steps
+
+    def mark(index, start, self_us=0.0):
+        return Event(f"{MARK}{index}", "marker", start, start + 900, self_us)
+
+    def kernel(name, start, end):
+        return Event(name, "device", start, end)
+
+    def call(name, start, self_us):
+        return Event(name, "cpu", start, start + self_us, self_us)
+
+    events = [
+        mark(4, 0), kernel("warm-up kernel", 500, 600), call("cudaLaunchKernel", 400, 99),
+        # Step 5, [1000, 2000): two overlapping kernels, a copy, one running into step 6.
+        mark(5, 1000, self_us=300), kernel("void gemv<bf16>", 1100, 1400),
+        kernel("rmsnorm", 1300, 1500), kernel("Memcpy HtoD (Pageable -> Device)", 1600, 1650),
+        kernel("attn", 1950, 2100),
+        *[call("cudaLaunchKernel", 1010 + 20 * i, 10) for i in range(3)],
+        call("aten::mm", 1100, 5),
+        # Step 6, [2000, 3000).
+        mark(6, 2000, self_us=100), kernel("void gemv<bf16>", 2100, 2400),
+        call("cudaLaunchKernel", 2010, 10), call("cudaEventSynchronize", 2500, 200),
+        Event(MARK_END, "marker", 3000, 3001), kernel("after the window", 3100, 3200)]
+    summary = summarize_steps(events, [5, 6], on_gpu=True, timed_step_ms=0.8)
+
+    assert summary["steps"] == 2 and summary["ops_each_step"] == [3, 1]
+    assert summary["ops_per_step"] == 2 and summary["copies_per_step"] == 0  # medians of 1, 0
+    assert summary["launch_calls_per_step"] == 2
+    assert summary["wall_ms_per_step"] == pytest.approx(1.0)
+    # Busy: 1100-1500 (overlap counted once), 1600-1650, 1950-2000 (clipped), 2100-2400.
+    assert summary["busy_ms_per_step"] == pytest.approx((400 + 50 + 50 + 300) / 2 / 1000)
+    assert summary["busy_pct"] == pytest.approx(40.0)
+    assert summary["busy_pct_of_timed_step"] == pytest.approx(50.0)
+    assert [(op["name"], op["share_pct"]) for op in summary["top_ops"]] == [
+        ("void gemv<bf16>", pytest.approx(60.0)), ("rmsnorm", pytest.approx(20.0)),
+        ("attn", pytest.approx(15.0)), ("Memcpy HtoD (Pageable -> Device)", pytest.approx(5.0))]
+    assert summary["top_ops"][0]["calls_per_step"] == 1.0
+    host = {h["name"]: h for h in summary["top_host"]}
+    assert list(host)[:2] == [PYTHON_OUTSIDE_OPS, "cudaEventSynchronize"]
+    assert host[PYTHON_OUTSIDE_OPS]["self_ms_per_step"] == pytest.approx(0.2)
+    assert host["cudaEventSynchronize"]["pct_of_wall"] == pytest.approx(10.0)
+    assert host["cudaLaunchKernel"]["calls_per_step"] == 2.0  # the warm-up step's is not counted
+    assert host["cudaLaunchKernel"]["self_ms_per_step"] == pytest.approx(0.02)
+
+    with pytest.raises(ValueError, match=r"steps \[7\] have no complete marked interval"):
+        summarize_steps(events, [6, 7], on_gpu=True)
+
+
+def test_profiler_events_keep_kernels_and_drop_gpu_annotations():
+    from torch.autograd import DeviceType
+
+    from bench.engine_profile import MARK, events_from_profiler
+
+    def fe(name, device, start, end, **extra):
+        return SimpleNamespace(name=name, device_type=device, is_async=False,
+                               time_range=SimpleNamespace(start=start, end=end),
+                               self_cpu_time_total=end - start, **extra)
+
+    events = events_from_profiler([
+        fe(f"{MARK}3", DeviceType.CPU, 0, 10, is_user_annotation=True),
+        fe(f"{MARK}3", DeviceType.CUDA, 2, 8, is_user_annotation=True),  # its GPU copy
+        fe("gpu_user_annotation of an op", DeviceType.CUDA, 2, 8, is_user_annotation=True),
+        fe("cudaLaunchKernel", DeviceType.CPU, 1, 2),
+        fe("ampere_bf16_gemm", DeviceType.CUDA, 3, 5),
+        SimpleNamespace(**{**vars(fe("async", DeviceType.CPU, 0, 1)), "is_async": True})])
+    assert [(e.name, e.kind) for e in events] == [
+        (f"{MARK}3", "marker"), ("cudaLaunchKernel", "cpu"), ("ampere_bf16_gemm", "device")]
+
+
+def test_profile_markdown_names_a_failed_or_skipped_kind():
+    from bench.engine_profile import markdown as profile_markdown
+
+    lines = profile_markdown({"device": "cuda", "steps": 3, "kinds": {
+        "decode 64": {"error": "RuntimeError: the profile window never opened"}},
+        "skipped": "decode 128 (the run had reached its --profile-until-s before they started)"})
+    text = "\n".join(lines)
+    assert "| decode 64 | not profiled: RuntimeError: the profile window never opened |" in text
+    assert "Not profiled: decode 128" in text
+    assert "| step | steps | kernels/step | launch calls/step |" in text
+
+
+def test_profile_flags_are_checked():
+    with pytest.raises(SystemExit):
+        gpu_throughput.parse_args(["--smoke", "--profile", "--profile-steps", "0"])
+    args = gpu_throughput.parse_args(["--smoke", "--profile", "--profile-until-s", "75"])
+    assert args.profile and args.profile_steps == 3 and args.profile_until_s == 75
