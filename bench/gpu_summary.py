@@ -93,11 +93,16 @@ def _equality(out: Path) -> list[str]:
 
 
 def _throughput(out: Path) -> list[str]:
+    """bench.gpu_throughput's markdown (its table, and with --profile the engine profile
+    after it) as its JSON carries it; else what it printed last in its log."""
     report = _json(out / "throughput.json")
     lines = ["## Throughput against the hardware bound and HF transformers", ""]
     if report is not None and isinstance(report, dict) and report.get("markdown"):
         return lines + [report["markdown"].rstrip(), ""]
     log = _log(out, "throughput")
+    heading = "### bench/gpu_throughput:"
+    if heading in log:  # stdout, printed after everything on stderr
+        return lines + [log[log.rindex(heading):].rstrip(), ""]
     table = [line for line in log.splitlines() if line.startswith("|")]
     return lines + (table if table else ["No table (see throughput.log):", "",
                                          *_fenced(_tail(log))]) + [""]

@@ -306,3 +306,18 @@ def test_profile_flags_are_checked():
         gpu_throughput.parse_args(["--smoke", "--profile", "--profile-steps", "0"])
     args = gpu_throughput.parse_args(["--smoke", "--profile", "--profile-until-s", "75"])
     assert args.profile and args.profile_steps == 3 and args.profile_until_s == 75
+
+
+def test_the_gpu_suite_summary_quotes_the_table_and_the_profile(smoke, tmp_path):
+    from bench import gpu_summary
+
+    result, stdout = smoke
+    (tmp_path / "throughput.json").write_text(json.dumps(result))
+    section = "\n".join(gpu_summary._throughput(tmp_path))
+    assert result["markdown"] in section and "#### Engine profile (torch.profiler)" in section
+    # No JSON (an older run, or none written): what the bench printed last in its log.
+    (tmp_path / "throughput.json").unlink()
+    (tmp_path / "throughput.log").write_text("engine decode 4 x 32: progress on stderr\n"
+                                             + stdout)
+    section = "\n".join(gpu_summary._throughput(tmp_path))
+    assert stdout.strip() in section and "progress on stderr" not in section
