@@ -21,8 +21,14 @@ Bounds (the FLOP and byte counts of bench/roofline.py for the shape):
   FLOPs / matmul TFLOP/s when that is longer (never at these batches on a GPU).
 
 Prints a markdown table (engine and HF side by side, each as % of the bound) on stdout that
-bench/RESULTS.md can take as is; progress and the engine's log go to stderr; --out writes JSON.
-Nothing here asserts a timing.
+bench/RESULTS.md can take as is; progress and the engine's log go to stderr; --out writes JSON
+(with the printed markdown under "markdown"). Nothing here asserts a timing.
+
+--profile: after every timed figure, the engine runs each step kind again under torch.profiler
+for a few steady-state steps (bench/engine_profile.py): kernels per step (on the CPU, torch ops
+dispatched), GPU busy time against the step's wall time, the top kernels and host functions.
+JSON "profile", and a markdown section after the table. --profile-until-s starts no kind late
+in a time-limited run.
 """
 
 from __future__ import annotations

@@ -321,3 +321,19 @@ def test_the_gpu_suite_summary_quotes_the_table_and_the_profile(smoke, tmp_path)
                                              + stdout)
     section = "\n".join(gpu_summary._throughput(tmp_path))
     assert stdout.strip() in section and "progress on stderr" not in section
+
+
+def test_a_profile_past_its_deadline_names_the_kinds_it_left_out():
+    def step():
+        raise AssertionError("no step runs past the deadline")
+
+    llm = SimpleNamespace(engine=SimpleNamespace(step=step),
+                          generate=lambda *a, **k: pytest.fail("no generate past the deadline"))
+    sizes = {**gpu_throughput.SMOKE}
+    timed = {"prefill": {"step_ms": 1.0},
+             "decode": {str(b): {"tpot_ms": 1.0} for b in sizes["batches"]}}
+    profile = gpu_throughput.profile_engine(llm, [], torch.device("cpu"), 512, sizes, 0, timed,
+                                            steps=2, deadline=0.0)
+    assert profile["kinds"] == {}
+    assert profile["skipped"].startswith("prefill 64, decode 1, decode 4 (")
+    assert llm.engine.step is step  # the step wrapper is taken off again
