@@ -288,8 +288,8 @@ def markdown(profile: dict[str, Any]) -> list[str]:
     ops = "kernels" if on_gpu else "torch ops"
     lines = ["", "#### Engine profile (torch.profiler)", "",
              f"{profile['steps']} steady-state steps of each kind, profiled after the timed runs "
-             f"(profiling slows the host, so the profiled wall time per step exceeds the "
-             f"table's). " + (
+             f"(profiling slows the host: the table's step times are the measurement, the "
+             f"profiled wall time is the base of the busy and host shares). " + (
                  "Kernels: CUDA kernel events per step; launch calls: the host's "
                  "kernel and graph launches. GPU busy: the union of kernel, memcpy and memset "
                  "intervals on the device timeline, against the profiled step and against the "

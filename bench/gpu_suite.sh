@@ -90,8 +90,12 @@ step tests-triton-compiled 50 env TRITON_INTERPRET=$([[ $device == cuda ]] && ec
     tests/test_triton_fused.py tests/test_triton_engine.py tests/test_kernel_warmup.py
 step equality 70 $py -m bench.gpu_equality --device "$device" "${smoke_flag[@]}" \
     --out "$out/equality.json"
+# --profile: the engine's torch.profiler summary after the timed runs (about 15 s on an H100 at
+# the full sizes, estimated: the decode batches' prefills again, ~5 profiled steps per kind and
+# their parsing). No kind starts after 70 s of the run, so the step stays inside its limit.
 step throughput 100 $py -m bench.gpu_throughput --device "$device" "${smoke_flag[@]}" \
-    --shape "$shape" --out "$out/throughput.json"
+    --shape "$shape" --profile --profile-until-s $((70 * limit_scale)) \
+    --out "$out/throughput.json"
 if [[ $device == cuda ]]; then
     step kernels 30 $py -m bench.gpu_kernels --repeats 10 --json "$out/kernels.json"
 else
