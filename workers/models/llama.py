@@ -13,14 +13,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import AttentionMetadata, KernelBackend, select_backend
 from workers.preempt_vote import StepPreempted
 from workers.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                             RMSNorm, RowParallelLinear, VocabParallelEmbedding, apply_rotary,
-                            get_rotary_embedding)
+                            get_rotary_embedding, silu_and_mul)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 # attention_op(layer_idx, q, k, v, attn_meta, kv_cache) -> attention output [T, Hq, D]
@@ -108,10 +107,11 @@ class DecoderMLP(nn.Module):
                                                        bias=bias, **par.args())
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias,
                                            **par.args(with_group=True))
+        # The backend's fused kernel where it has one (LlamaForCausalLM.use_kernels).
+        self.silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -218,13 +218,16 @@ class LlamaForCausalLM(nn.Module):
         self.use_kernels(self.kernels)
 
     def use_kernels(self, kernels: KernelBackend) -> None:
-        """Run attention, and the norms and rotary where the backend fuses them, on ``kernels``."""
+        """Run attention, and the norms, rotary and SwiGLU activation where the backend fuses
+        them, on ``kernels``."""
         self.kernels = kernels
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.fused = kernels.rms_norm
             elif isinstance(module, DecoderAttention):
                 module.apply_rotary = kernels.apply_rotary or apply_rotary
+            elif isinstance(module, DecoderMLP):
+                module.silu_and_mul = kernels.silu_and_mul or silu_and_mul
 
     @staticmethod
     def _sliding_window(config: Any) -> int | None:
