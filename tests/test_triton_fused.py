@@ -340,3 +340,103 @@ def test_bad_inputs_raise_value_errors_naming_the_problem():
         triton_activation.silu_and_mul(torch.zeros(4, 2, 64))
     with pytest.raises(ValueError, match="unsupported dtype"):
         triton_activation.silu_and_mul(torch.zeros(4, 64, dtype=torch.float64))
+
+
+# ---- the model's layers on the fused kernels: no per-layer casts or copies ------------------
+
+# Ops a decoder layer may run on the fused path besides kernel launches: the four projections
+# (GEMMs) and the allocation of each kernel's output. Anything else that is not a view (a cast,
+# a copy, an eager add or multiply) would be an extra kernel per layer on a GPU.
+_GEMMS = {"aten::linear", "aten::mm", "aten::addmm", "aten::matmul"}
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _is_view(func, args, kwargs, out) -> bool:
+    """The op wrote nothing and every tensor it returned aliases one of its inputs."""
+    if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
+        return False
+    storages = {t.untyped_storage().data_ptr() for t in _tensors((args, list(kwargs.values())))}
+    outs = _tensors(out)
+    return bool(outs) and all(t.untyped_storage().data_ptr() in storages for t in outs)
+
+
+def _layer_ops(runner, step) -> list[list[str]]:
+    """Per decoder layer, the ops of one forward pass that are neither a GEMM, an allocation, a
+    view nor a non-tensor query (kernel launches are stubbed out and not seen here)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    layers: list[list[str]] = []
+    current: list[list[str]] = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            name = func._schema.name
+            if current and not (name in _GEMMS or name.startswith("aten::empty")
+                                or not _tensors(out) or _is_view(func, args, kwargs, out)):
+                current[-1].append(name)
+            return out
+
+    def enter(_module, _args) -> None:
+        current.append([])
+
+    def leave(_module, _args, _out) -> None:
+        layers.append(current.pop())
+
+    hooks = [h for layer in runner.model.model.layers
+             for h in (layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave))]
+    inputs = runner.prepare_inputs(step.requests)
+    try:
+        with Spy():
+            runner.model.forward(inputs.input_ids, inputs.positions, inputs.attn_meta,
+                                 runner.kv_caches)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return layers
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fused_layers_make_no_casts_or_copies(tiny_model, arch, triton_device, monkeypatch):
+    from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+    from engine.runtime.model_setup import load_hf_config
+    from engine.sampling_params import SamplingParams
+    from kernels import variants
+    from workers.model_runner import ModelRunner
+
+    # Launches are recorded but not run: what is left is the host-side work of each layer.
+    monkeypatch.setattr(variants, "_run", lambda *args: None)
+    model_dir = tiny_model(arch)
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    # A mixed step: a prefill chunk over a cached prefix and a decode.
+    step = SchedulerOutput(step_id=1, requests=[
+        ScheduledRequest(req_id="p", token_ids=[5, 6, 7], start_pos=16, block_ids=[0, 1],
+                         sample=True, sampling_params=greedy),
+        ScheduledRequest(req_id="d", token_ids=[9], start_pos=20, block_ids=[2, 3],
+                         sample=True, sampling_params=greedy)])
+
+    def runner(fused_ops: str) -> ModelRunner:
+        # bfloat16, the GPU's dtype (float32 CPU weights would be prepacked for oneDNN).
+        return ModelRunner(model_dir, load_hf_config(model_dir), torch.bfloat16, triton_device,
+                           4, 16, attention_backend="triton", fused_ops=fused_ops)
+
+    fused = runner("auto")
+    with variants.recording() as launched:
+        layers = _layer_ops(fused, step)
+    assert len(layers) == fused.model.num_layers
+    # The first layer also builds the step's attention plan, once (AttentionMetadata.derived).
+    assert layers[1:] == [[]] * (len(layers) - 1)
+    # Probe: every fused kernel was launched, so the layers really ran on them.
+    assert {"_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel", "_write_kv_kernel",
+            "_paged_attention_kernel"} <= {v.kernel for v in launched}
+    # Probe: the spy sees the casts of the PyTorch layers (fused ops off).
+    eager = _layer_ops(runner("off"), step)
+    assert "aten::to" in eager[1] and "aten::mul" in eager[1]

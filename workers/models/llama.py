@@ -257,6 +257,9 @@ class LlamaForCausalLM(nn.Module):
             first_layer = 0
         meta = attn_meta.without_last_prefills(len(pending))
         attention_op = self.attention_op
+        # The rows of the tokens active at a layer: all of them, or fewer below a join's layer.
+        # Sliced only when that count changes (at a join), not once per layer.
+        layer_cos, layer_sin = cos, sin
         try:
             for layer_idx in range(first_layer, self.num_layers):
                 if pending and pending[0].layer == layer_idx:
@@ -266,8 +269,10 @@ class LlamaForCausalLM(nn.Module):
                     meta = attn_meta.without_last_prefills(len(pending))
                 assert hidden_states is not None
                 n = hidden_states.shape[0]
+                if layer_cos.shape[0] != n:
+                    layer_cos, layer_sin = cos[:n], sin[:n]
                 hidden_states, residual = self.model.layers[layer_idx](
-                    layer_idx, hidden_states, residual, cos[:n], sin[:n], meta,
+                    layer_idx, hidden_states, residual, layer_cos, layer_sin, meta,
                     kv_caches[layer_idx], attention_op)
         except StepPreempted as stop:
             stop.hidden_states, stop.residual = hidden_states, residual
