@@ -1,5 +1,5 @@
-"""GPU kernel benchmark: the Triton paged-attention kernel (and the fused RMSNorm / rotary
-kernels, when they exist) against what PyTorch would run instead, on one CUDA device.
+"""GPU kernel benchmark: the Triton paged-attention kernel (and the fused RMSNorm / rotary /
+SiLU-and-mul kernels, when they exist) against what PyTorch would run instead, on one CUDA device.
 
 Decode (one query token per sequence over its whole cached context) is memory-bound: a step
 reads every cached K and V vector of every sequence once and does two dot products per vector.
@@ -59,10 +59,13 @@ TOLERANCE = {torch.bfloat16: 5e-2, torch.float16: 1e-2, torch.float32: 2e-3}
 FULL = {"batches": [1, 8, 32, 128], "contexts": [1024, 4096, 16384, 32768],
         "chunks": [512, 2048], "prefixes": [0, 2048, 8192], "num_heads": 32, "num_kv_heads": 8,
         "head_dim": 128, "block_size": 16, "warmup": 5, "repeats": 20, "long_context": 16384,
-        "hidden_size": 4096, "fused_tokens": [1, 32, 256, 2048, 16384]}
+        "hidden_size": 4096, "intermediate_size": 14336, "fused_tokens": [1, 32, 256, 2048, 16384]}
 SMOKE = {"batches": [1, 3], "contexts": [40, 100], "chunks": [8, 24], "prefixes": [0, 40],
          "num_heads": 4, "num_kv_heads": 2, "head_dim": 32, "block_size": 16, "warmup": 1,
-         "repeats": 2, "long_context": 100, "hidden_size": 64, "fused_tokens": [1, 5]}
+         "repeats": 2, "long_context": 100, "hidden_size": 64, "intermediate_size": 96,
+         "fused_tokens": [1, 5]}
+
+SECTIONS = ("decode", "prefill", "norm", "rotary", "silu")
 
 # ---------------------------------------------------------------------------------------------
 # Report helpers
@@ -325,6 +328,34 @@ def bench_rotary(args: argparse.Namespace, triton_rotary: Any, timer: Timer,
     report_mismatches(bad)
 
 
+def bench_silu_and_mul(args: argparse.Namespace, triton_activation: Any, timer: Timer,
+                       device: torch.device, peak: float) -> None:
+    from workers.layers.activation import silu_and_mul
+
+    dtype, width = args.dtype, args.intermediate_size
+    esize = torch.empty((), dtype=dtype).element_size()
+    headers = ["tokens", "width", "triton_ms", "torch_ms", "speedup", "GB/s", "%peak",
+               "max|diff|"]
+    rows: list[list[str]] = []
+    bad: list[str] = []
+    for tokens in args.fused_tokens:
+        # The gate_up projection's output: [T, 2 * intermediate], gate first.
+        x = torch.empty((tokens, 2 * width), dtype=dtype, device=device).normal_(0.0, 2.0)
+        diff = max_diff(triton_activation.silu_and_mul(x), silu_and_mul(x))
+        triton_ms = timer(lambda: triton_activation.silu_and_mul(x))
+        torch_ms = timer(lambda: silu_and_mul(x))
+        # Reads gate and up, writes the product.
+        moved = 3 * tokens * width * esize
+        gbps = moved / (triton_ms / 1000) / 1e9
+        rows.append([str(tokens), str(width), f"{triton_ms:.4f}", f"{torch_ms:.4f}",
+                     f"{torch_ms / triton_ms:.2f}x", f"{gbps:.0f}", f"{100 * gbps / peak:.1f}",
+                     diff_cell(diff, dtype, bad, f"silu_and_mul tokens {tokens}")])
+    print_table(f"silu_and_mul: x [T, 2 x {width}], {str(dtype).removeprefix('torch.')}; triton "
+                f"kernels.triton_activation.silu_and_mul vs workers.layers.activation."
+                f"silu_and_mul (eager F.silu(gate) * up)", headers, rows)
+    report_mismatches(bad)
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -365,10 +396,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--target-pct", type=float, default=70.0,
                         help="decode bandwidth target on long contexts, %% of peak")
     parser.add_argument("--hidden-size", type=int, help="RMSNorm width")
+    parser.add_argument("--intermediate-size", type=int, help="SiLU-and-mul width (MLP size)")
     parser.add_argument("--fused-tokens", type=int, nargs="+",
-                        help="token counts for the RMSNorm and rotary sections")
-    parser.add_argument("--sections", nargs="+", default=["decode", "prefill", "norm", "rotary"],
-                        choices=["decode", "prefill", "norm", "rotary"])
+                        help="token counts for the RMSNorm, rotary and SiLU-and-mul sections")
+    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="PATH",
                         help="also write every table (title, headers, rows) as JSON here")
@@ -431,6 +462,11 @@ def main(argv: list[str] | None = None) -> int:
         if triton_rotary is not None:
             with torch.inference_mode():
                 bench_rotary(args, triton_rotary, timer, device, peak)
+    if "silu" in args.sections:
+        triton_activation = optional_module("kernels.triton_activation")
+        if triton_activation is not None:
+            with torch.inference_mode():
+                bench_silu_and_mul(args, triton_activation, timer, device, peak)
     if args.smoke:
         print(f"\n{SMOKE_BANNER}")
     if args.json:

@@ -141,8 +141,9 @@ class ModelConfig:
     seed: int = 0
     # Kernels: "auto" (Triton on CUDA, PyTorch on CPU), or force "torch" / "triton".
     attention_backend: str = "auto"
-    # The Triton fused RMSNorm(+residual) and rotary kernels (opt-in until measured on a GPU).
-    fused_ops: bool = False
+    # The Triton fused RMSNorm(+residual), rotary and SiLU-and-mul kernels: "auto" (on with the
+    # Triton backend, off with PyTorch's), "on" (needs Triton) or "off". A bool means on/off.
+    fused_ops: str = "auto"
     # A local tokenizer folder other than the model's (vLLM's --tokenizer); None: the model's.
     tokenizer: str | None = None
     # Jinja text replacing the tokenizer's chat template (build_engine_config reads a file).
@@ -163,11 +164,12 @@ class ModelConfig:
             raise ValueError("simulate runs no model on any device: leave device as auto or cpu")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        from kernels.backend import BACKENDS
+        from kernels.backend import BACKENDS, fused_ops_setting
 
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got "
                              f"{self.attention_backend!r}")
+        self.fused_ops = fused_ops_setting(self.fused_ops)
 
 
 @dataclass
@@ -190,7 +192,7 @@ class EngineConfig:
 
 
 def build_engine_config(model: str, *, dtype: str = "auto", device: str = "auto",
-                        attention_backend: str = "auto", fused_ops: bool = False,
+                        attention_backend: str = "auto", fused_ops: str | bool = "auto",
                         tokenizer: str | None = None, chat_template: str | None = None,
                         load_format: str = "auto", simulate: str | None = None,
                         max_model_len: int | None = None,

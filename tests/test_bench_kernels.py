@@ -64,7 +64,8 @@ def test_smoke_run_prints_every_table():
     assert "SDPA time excludes gathering" in out
     # Triton and the PyTorch baselines agree, so the bench's layouts are right.
     assert "WARNING" not in out
-    for module, title in (("triton_norm", "rms_norm:"), ("triton_rotary", "rotary:")):
+    for module, title in (("triton_norm", "rms_norm:"), ("triton_rotary", "rotary:"),
+                          ("triton_activation", "silu_and_mul:")):
         if (REPO / "kernels" / f"{module}.py").exists():
             assert _section(out, title), f"no {title} rows"
         else:

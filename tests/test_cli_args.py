@@ -86,6 +86,24 @@ def test_tensor_parallel_size_defaults_to_one() -> None:
     assert engine_kwargs(args)["tensor_parallel_size"] == 3
 
 
+@pytest.mark.parametrize("flags,expected", [
+    ([], "auto"), (["--fused-ops"], "on"), (["--fused-ops", "off"], "off"),
+    (["--fused-ops", "on"], "on"), (["--fused-ops", "auto"], "auto"),
+    # The bare flag, as before it took a value, followed by another option.
+    (["--fused-ops", "--seed", "3"], "on"),
+])
+def test_fused_ops_is_tri_state_and_the_bare_flag_means_on(flags, expected) -> None:
+    args = build_parser().parse_args(["generate", "hi", *flags])
+    assert engine_kwargs(args)["fused_ops"] == expected
+
+
+def test_a_bad_fused_ops_value_is_a_usage_error(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["generate", "hi", "--fused-ops", "yes"])
+    assert exc.value.code == 2
+    assert "argument --fused-ops: invalid choice: 'yes'" in capsys.readouterr().err
+
+
 def test_a_default_below_the_floor_is_still_an_error(capsys) -> None:
     assert main(["serve", "--model", "/nonexistent", "--default-ttft-slo-ms", "50",
                  "--min-ttft-slo-ms", "100"]) == 2

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engine import LLM
-from kernels.backend import BACKEND_ENV, resolve_backend_name
+from engine.config import ModelConfig
+from kernels.backend import BACKEND_ENV, resolve_backend_name, resolve_fused_ops
 
 
 def test_cuda_without_a_gpu_is_a_clear_error(tiny_model, monkeypatch):
@@ -83,6 +84,30 @@ def test_fused_ops_need_the_triton_backend(tiny_model):
     with pytest.raises(ValueError, match="fused_ops are Triton kernels; the attention backend "
                                          "here is 'torch'"):
         LLM(model=tiny_model("llama"), fused_ops=True)
+
+
+def test_fused_ops_default_to_on_where_the_triton_kernels_run(monkeypatch):
+    # "auto" (the default) follows the backend: on with Triton, off with PyTorch's layers.
+    assert ModelConfig(model="unused", device="cpu").fused_ops == "auto"
+    assert resolve_fused_ops("auto", "triton") is True
+    assert resolve_fused_ops("auto", "torch") is False
+    assert resolve_fused_ops("off", "triton") is False
+    assert resolve_fused_ops("on", "triton") is True
+    # The flag's earlier boolean form still means on / off.
+    assert ModelConfig(model="unused", device="cpu", fused_ops=True).fused_ops == "on"
+    assert ModelConfig(model="unused", device="cpu", fused_ops=False).fused_ops == "off"
+    assert resolve_fused_ops(False, "triton") is False
+    with pytest.raises(ValueError, match="fused_ops must be one of auto, on, off"):
+        ModelConfig(model="unused", device="cpu", fused_ops="yes")
+    with pytest.raises(ValueError, match="fused_ops are Triton kernels"):
+        resolve_fused_ops("on", "torch")
+    # Through the backend's resolution: the CPU default runs the PyTorch layers without error,
+    # a CUDA device (or a forced Triton backend) the fused kernels.
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_backend_name("cpu", "auto", "auto") == "torch"
+    assert resolve_backend_name("cuda", "auto", "auto") == "triton"
+    assert resolve_backend_name("cpu", "triton", "off") == "triton"
 
 
 def test_forcing_triton_on_the_cpu_needs_the_interpreter(tiny_model, monkeypatch):

@@ -35,7 +35,7 @@ MAX_MODEL_LEN = 1024  # the tiny models' max_position_embeddings
 MAX_NUM_SEQS = 40
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 ALL_KERNELS = {"_paged_attention_kernel", "_merge_splits_kernel", "_write_kv_kernel",
-               "_rms_norm_kernel", "_rotary_kernel"}
+               "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel"}
 
 
 @pytest.mark.parametrize("num_kv_heads", [1, 2, 8])

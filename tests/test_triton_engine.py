@@ -25,15 +25,16 @@ LENGTHS = [5, 150, 17, 60, 1, 33]  # the 150-token prompt spans three 64-token c
 
 def _generate(model_dir: str, backend: str, device: str,
               **overrides) -> tuple[list[list[int]], dict[str, int]]:
+    # fused_ops left at its default ("auto"): on with the Triton kernels, off with PyTorch's.
     llm = LLM(model=model_dir, dtype="float32", block_size=16, max_num_batched_tokens=64,
-              enable_prefix_caching=True, attention_backend=backend,
-              fused_ops=backend == "triton", device=device, **overrides)
+              enable_prefix_caching=True, attention_backend=backend, device=device,
+              **overrides)
     try:
         runner = llm.engine.executor.runner
         # The startup warm-up ran the Triton kernels (and only those) before any request.
         assert (runner.kernel_warmup is not None) == (backend == "triton")
         model_obj = runner.model
-        calls = {"paged_attention": 0, "rms_norm": 0, "apply_rotary": 0}
+        calls = {"paged_attention": 0, "rms_norm": 0, "apply_rotary": 0, "silu_and_mul": 0}
         model_obj.use_kernels(_counting(model_obj.kernels, calls))
         rng = random.Random(3)
         shared = [rng.randrange(1, llm.engine.vocab_size) for _ in range(40)]
@@ -66,12 +67,13 @@ def test_triton_kernels_give_the_torch_kernels_tokens(tiny_model, arch, triton_d
     want, torch_calls = _generate(model_dir, "torch", triton_device.type)
     got, triton_calls = _generate(model_dir, "triton", triton_device.type)
     assert got == want
-    # Probe: the Triton run really used Triton attention and the fused norm and rotary kernels
-    # (the PyTorch backend has none of the latter).
+    # Probe: the Triton run really used Triton attention and, by default, the fused norm, rotary
+    # and SiLU-and-mul kernels (the PyTorch backend has none of the latter).
     assert triton_calls["paged_attention"] > 0 and triton_calls["paged_attention"] == \
         torch_calls["paged_attention"]
-    assert triton_calls["rms_norm"] > 0 and triton_calls["apply_rotary"] > 0
-    assert torch_calls["rms_norm"] == 0 and torch_calls["apply_rotary"] == 0
+    fused = ("rms_norm", "apply_rotary", "silu_and_mul")
+    assert all(triton_calls[name] > 0 for name in fused)
+    assert all(torch_calls[name] == 0 for name in fused)
 
 
 @pytest.mark.timeout(300)

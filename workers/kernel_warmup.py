@@ -8,7 +8,7 @@ paths (split across programs or not) when both are reachable. ``warm_up_kernels`
 the model and its KV cache exist and before any request, one dummy step per decode path
 (``kernels.triton_attention.decode_variant_shapes``, the function the launch path's split
 choice comes from), with a short prefill chunk in the first; a forward pass reaches every other
-kernel and call site. With ``--fused-ops`` that includes the norm and rotary kernels.
+kernel and call site, the fused norm, rotary and SiLU·mul kernels among them.
 
 The steps write only block 0 of the pool (every table lists block 0 only; nothing reads what
 they leave there, since a context length bounds every read) and keep every sequence within

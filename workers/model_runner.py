@@ -73,7 +73,7 @@ class ModelRunner:
     def __init__(self, model_dir: str, hf_config, dtype: torch.dtype, device: torch.device,
                  num_blocks: int, block_size: int, seed: int = 0,
                  tp_rank: int = 0, tp_size: int = 1, tp_group=None, sample: bool = True,
-                 attention_backend: str = "auto", fused_ops: bool = False,
+                 attention_backend: str = "auto", fused_ops: str | bool = "auto",
                  load_format: str = "auto") -> None:
         self.device = device
         # Only the rank that reports results samples; the others still join the LM head's

@@ -39,10 +39,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
                    help="kernels: auto = Triton on CUDA, PyTorch on CPU (triton on CPU needs "
                         "TRITON_INTERPRET=1)")
-    g.add_argument("--fused-ops", action="store_true",
-                   help="Triton fused RMSNorm+residual and rotary kernels (needs the triton "
-                        "backend; off by default until `python -m bench.gpu_kernels` shows they "
-                        "help on your GPU)")
+    g.add_argument("--fused-ops", nargs="?", const="on", default="auto",
+                   choices=["auto", "on", "off"],
+                   help="Triton fused RMSNorm+residual, rotary and SiLU-and-mul kernels: auto "
+                        "(default) = on with the triton backend, off with torch's; on (also "
+                        "the bare flag) needs the triton backend; off keeps PyTorch's layers. "
+                        "A bare --fused-ops reads a positional argument right after it (the "
+                        "prompt, the model) as its value: write --fused-ops on there")
     g.add_argument("--max-model-len", type=positive_int, default=None)
     g.add_argument("--block-size", type=positive_int, default=16)
     g.add_argument("--num-kv-blocks", type=positive_int, default=None,

@@ -50,7 +50,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     dtype: str
     device: str
     attention_backend: str = "auto"
-    fused_ops: bool = False
+    fused_ops: str = "auto"  # ModelConfig.fused_ops
     load_format: str = "auto"
     # None: the workers measure the pool as kv_pool_plan says.
     num_blocks: int | None

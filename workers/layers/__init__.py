@@ -1,5 +1,7 @@
-"""Model building blocks: norms, rotary embedding, tensor-parallel linears and vocab layers."""
+"""Model building blocks: norms, rotary embedding, the SwiGLU activation, tensor-parallel linears
+and vocab layers."""
 
+from workers.layers.activation import silu_and_mul
 from workers.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
                                    QKVParallelLinear, RowParallelLinear, default_weight_loader)
 from workers.layers.norm import RMSNorm
@@ -10,5 +12,5 @@ from workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 __all__ = [
     "ColumnParallelLinear", "MergedColumnParallelLinear", "ParallelLMHead", "QKVParallelLinear",
     "RMSNorm", "RotaryEmbedding", "RowParallelLinear", "VocabParallelEmbedding", "apply_rotary",
-    "default_weight_loader", "get_rotary_embedding", "rope_parameters",
+    "default_weight_loader", "get_rotary_embedding", "rope_parameters", "silu_and_mul",
 ]

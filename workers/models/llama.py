@@ -13,14 +13,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import AttentionMetadata, KernelBackend, select_backend
 from workers.preempt_vote import StepPreempted
 from workers.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                             RMSNorm, RowParallelLinear, VocabParallelEmbedding, apply_rotary,
-                            get_rotary_embedding)
+                            get_rotary_embedding, silu_and_mul)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 # attention_op(layer_idx, q, k, v, attn_meta, kv_cache) -> attention output [T, Hq, D]
@@ -108,10 +107,11 @@ class DecoderMLP(nn.Module):
                                                        bias=bias, **par.args())
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias,
                                            **par.args(with_group=True))
+        # The backend's fused kernel where it has one (LlamaForCausalLM.use_kernels).
+        self.silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -218,13 +218,16 @@ class LlamaForCausalLM(nn.Module):
         self.use_kernels(self.kernels)
 
     def use_kernels(self, kernels: KernelBackend) -> None:
-        """Run attention, and the norms and rotary where the backend fuses them, on ``kernels``."""
+        """Run attention, and the norms, rotary and SwiGLU activation where the backend fuses
+        them, on ``kernels``."""
         self.kernels = kernels
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.fused = kernels.rms_norm
             elif isinstance(module, DecoderAttention):
                 module.apply_rotary = kernels.apply_rotary or apply_rotary
+            elif isinstance(module, DecoderMLP):
+                module.silu_and_mul = kernels.silu_and_mul or silu_and_mul
 
     @staticmethod
     def _sliding_window(config: Any) -> int | None:
@@ -254,6 +257,9 @@ class LlamaForCausalLM(nn.Module):
             first_layer = 0
         meta = attn_meta.without_last_prefills(len(pending))
         attention_op = self.attention_op
+        # The rows of the tokens active at a layer: all of them, or fewer below a join's layer.
+        # Sliced only when that count changes (at a join), not once per layer.
+        layer_cos, layer_sin = cos, sin
         try:
             for layer_idx in range(first_layer, self.num_layers):
                 if pending and pending[0].layer == layer_idx:
@@ -263,8 +269,10 @@ class LlamaForCausalLM(nn.Module):
                     meta = attn_meta.without_last_prefills(len(pending))
                 assert hidden_states is not None
                 n = hidden_states.shape[0]
+                if layer_cos.shape[0] != n:
+                    layer_cos, layer_sin = cos[:n], sin[:n]
                 hidden_states, residual = self.model.layers[layer_idx](
-                    layer_idx, hidden_states, residual, cos[:n], sin[:n], meta,
+                    layer_idx, hidden_states, residual, layer_cos, layer_sin, meta,
                     kv_caches[layer_idx], attention_op)
         except StepPreempted as stop:
             stop.hidden_states, stop.residual = hidden_states, residual

@@ -1,0 +1,16 @@
+"""SwiGLU's activation: ``silu(gate) * up`` over the merged gate_up projection's output."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] of shape [..., 2 * I] -> ``F.silu(gate) * up`` [..., I] in x's dtype.
+
+    HF's LlamaMLP computes ``act_fn(gate_proj(x)) * up_proj(x)``: silu rounded to the model dtype,
+    then the product rounded again; this is the same two ops, so bf16 results match it. A fused
+    kernel with this contract (kernels.KernelBackend.silu_and_mul) replaces it on Triton."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
