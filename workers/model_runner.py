@@ -241,7 +241,8 @@ class ModelRunner:
 
         num_decodes = len(decodes)
         decode_tables = padded_block_tables(block_tables[:num_decodes])
-        decode_context_lens = torch.tensor([r.start_pos + 1 for r in decodes], dtype=torch.long)
+        context_lens = [r.start_pos + 1 for r in decodes]
+        decode_context_lens = torch.tensor(context_lens, dtype=torch.long)
 
         device = self.device
         attn_meta = AttentionMetadata(
@@ -252,6 +253,8 @@ class ModelRunner:
             prefill_query_lens=[len(r.token_ids) for r in prefills],
             prefill_context_lens=[r.start_pos + len(r.token_ids) for r in prefills],
             prefill_block_tables=[t.to(device) for t in block_tables[num_decodes:]],
+            decode_max_context=max(context_lens, default=0),
+            decode_min_context=min(context_lens, default=0),
         )
         return ModelInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
