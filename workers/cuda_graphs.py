@@ -162,8 +162,15 @@ class DecodeGraphs:
         resumed chunk in it, a vote to cast, more decodes than the largest size, or buffers
         that moved since the capture)."""
         requests = scheduler_output.requests
+        if self.runner.buffers.generation != self.generation:
+            if self.graphs:
+                # A step outgrew the limits the buffers were sized for: a bug upstream, and
+                # from now on every decode runs eager (slower, still correct).
+                logger.warning("CUDA graphs: the step buffers grew after the capture; decode "
+                               "steps run eager from now on")
+                self.graphs.clear()
+            return None
         if (scheduler_output.preemptible or not requests
-                or self.runner.buffers.generation != self.generation
                 or any(len(r.token_ids) != 1 or r.resume for r in requests)):
             return None
         size = padded_batch_size(len(requests), self.sizes)
