@@ -142,3 +142,63 @@ def test_graphs_are_off_under_enforce_eager_and_on_the_cpu(tiny_model, runner) -
     backend = FakeGraphs()
     assert capture_decode_graphs(eager, MAX_NUM_SEQS, MAX_MODEL_LEN, backend=backend) is None
     assert backend.captured == []
+    # Tensor parallel on CUDA: off too (before anything touches the GPU).
+    from types import SimpleNamespace
+
+    tp_rank = SimpleNamespace(device=torch.device("cuda", 0), enforce_eager=False)
+    assert capture_decode_graphs(tp_rank, MAX_NUM_SEQS, MAX_MODEL_LEN, tp_size=2) is None
+
+
+def test_the_cuda_backend_warms_up_on_a_side_stream_then_captures_into_one_pool(
+        monkeypatch) -> None:
+    """CudaGraphBackend's calls into torch.cuda, in order, with torch.cuda faked (no GPU)."""
+    from contextlib import contextmanager
+
+    from workers.cuda_graphs import CudaGraphBackend
+
+    calls: list[str] = []
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_stream(self, other: Stream) -> None:
+            calls.append(f"{self.name} waits for {other.name}")
+
+    class Graph:
+        def replay(self) -> None:
+            calls.append("replay")
+
+    @contextmanager
+    def on_stream(stream: Stream):
+        calls.append(f"enter {stream.name}")
+        yield
+        calls.append(f"leave {stream.name}")
+
+    @contextmanager
+    def capturing(graph: Graph, pool: object):
+        calls.append(f"capture into {pool}")
+        yield
+        calls.append("end capture")
+
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(cuda, "Stream", lambda device: Stream("side"))
+    monkeypatch.setattr(cuda, "current_stream", lambda device: Stream("main"))
+    monkeypatch.setattr(cuda, "stream", on_stream)
+    monkeypatch.setattr(cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(cuda, "graph", capturing)
+
+    backend = CudaGraphBackend(torch.device("cuda", 0), warmup_runs=2)
+
+    def forward() -> torch.Tensor:
+        calls.append("forward")
+        return torch.zeros(1)
+
+    for _ in range(2):  # two sizes share the pool
+        graph, out = backend.capture(forward)
+        assert isinstance(graph, Graph) and out.shape == (1,)
+    backend.replay(graph)
+    one = ["side waits for main", "enter side", "forward", "forward", "leave side",
+           "main waits for side", "capture into pool", "forward", "end capture"]
+    assert calls == one + one + ["replay"]
