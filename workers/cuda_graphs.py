@@ -112,6 +112,17 @@ class DecodeGraphs:
         self.capture_seconds = 0.0
         self.replays = 0
 
+    @property
+    def table_width(self) -> int | None:
+        """How wide ``prepare_inputs`` writes the block tables of a replayed step. The Triton
+        kernels read no column past a row's context, so the columns past the step's longest
+        table may hold anything (no upload of max_model_len's width per row: 8 MB a step for
+        128 rows of a 128k context). The PyTorch kernels gather the whole captured width, so
+        there every column must be a block id of the pool (zeros past each table)."""
+        if self.runner.model.kernels.name == "triton":
+            return None
+        return self.runner.buffers.max_blocks
+
     def _static_metadata(self, size: int) -> AttentionMetadata:
         buffers = self.runner.buffers
         return AttentionMetadata(
@@ -148,7 +159,8 @@ class DecodeGraphs:
         self.generation = runner.buffers.generation
         for size in sorted(self.sizes, reverse=True):
             # Dummy decodes at position 0 over block 0, as the kernel warm-up writes: nothing
-            # reads what they leave there before a request owns the block.
+            # reads what they leave there before a request owns the block. The tables are
+            # zeroed at full width once, so no column holds anything but a block id.
             runner.prepare_inputs(_dummy_decodes(size), table_width=runner.buffers.max_blocks)
             graph, output = self.backend.capture(self._forward(size))
             self.graphs[size] = _Captured(graph, output)

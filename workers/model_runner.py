@@ -135,7 +135,7 @@ class ModelRunner:
             # The padding rows repeat the last decode (workers.cuda_graphs); only the real
             # rows are sampled.
             inputs = self.prepare_inputs(padded(requests, graph_size),
-                                         table_width=self.buffers.max_blocks)
+                                         table_width=graphs.table_width)
             real = sum(r.sample for r in requests)
             inputs.sampled, inputs.logits_indices = (inputs.sampled[:real],
                                                      inputs.logits_indices[:real])
