@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+import tests.triton_device  # noqa: F401  (Triton's interpreter, before any kernels.triton_*)
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.runtime.model_setup import load_hf_config
 from engine.sampling_params import SamplingParams
@@ -90,7 +91,24 @@ def _capture(runner: ModelRunner) -> DecodeGraphs:
     return graphs
 
 
-def test_replayed_decodes_equal_eager_ones(runner) -> None:
+@pytest.fixture
+def triton_runner(tiny_model) -> ModelRunner:
+    """The runner on the Triton kernels (interpreted on the CPU): the captured launch covers
+    max_model_len, whatever the context, and reads the tables only up to each row's context."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels are compiled in this process (no CPU run)")
+    model = tiny_model("llama", num_hidden_layers=2)
+    return ModelRunner(model, load_hf_config(model), torch.float32, torch.device("cpu"),
+                       num_blocks=64, block_size=BLOCK, attention_backend="triton",
+                       limits=StepLimits(256, MAX_NUM_SEQS, MAX_MODEL_LEN))
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_replayed_decodes_equal_eager_ones(kernels, request) -> None:
+    runner = request.getfixturevalue("runner" if kernels == "torch" else "triton_runner")
+    assert runner.model.kernels.name == kernels
     eager = _generate(runner, first_block=0)
     graphs = _capture(runner)
     assert sorted(graphs.graphs) == [1, 2, 4, 8]
