@@ -144,6 +144,9 @@ class ModelConfig:
     # The Triton fused RMSNorm(+residual), rotary and SiLU-and-mul kernels: "auto" (on with the
     # Triton backend, off with PyTorch's), "on" (needs Triton) or "off". A bool means on/off.
     fused_ops: str = "auto"
+    # vLLM's --enforce-eager: never replay CUDA graphs (workers.graph_shapes); every step runs
+    # its kernels one launch at a time. No effect on the CPU, which has no graphs.
+    enforce_eager: bool = False
     # A local tokenizer folder other than the model's (vLLM's --tokenizer); None: the model's.
     tokenizer: str | None = None
     # Jinja text replacing the tokenizer's chat template (build_engine_config reads a file).
@@ -193,7 +196,8 @@ class EngineConfig:
 
 def build_engine_config(model: str, *, dtype: str = "auto", device: str = "auto",
                         attention_backend: str = "auto", fused_ops: str | bool = "auto",
-                        tokenizer: str | None = None, chat_template: str | None = None,
+                        enforce_eager: bool = False, tokenizer: str | None = None,
+                        chat_template: str | None = None,
                         load_format: str = "auto", simulate: str | None = None,
                         max_model_len: int | None = None,
                         block_size: int = 16, num_kv_blocks: int | None = None,
@@ -221,7 +225,7 @@ def build_engine_config(model: str, *, dtype: str = "auto", device: str = "auto"
     return EngineConfig(
         model=ModelConfig(model=model, dtype=dtype, device=device,
                           attention_backend=attention_backend, fused_ops=fused_ops,
-                          max_model_len=max_model_len,
+                          enforce_eager=enforce_eager, max_model_len=max_model_len,
                           seed=seed, tokenizer=tokenizer, load_format=load_format,
                           simulate=simulate,
                           chat_template=None if chat_template is None

@@ -23,10 +23,22 @@ class AttentionMetadata:
     prefill_query_lens: list[int]
     prefill_context_lens: list[int]
     prefill_block_tables: list[torch.Tensor]
+    # The longest and shortest decode context, as host ints: the kernels size their work by
+    # them, and reading them back from decode_context_lens inside the forward pass would stall
+    # the host on the device at every step (and cannot be captured in a CUDA graph). The model
+    # runner computes them from the scheduler's host-side lengths; left at -1, they are read
+    # from decode_context_lens here, before any forward pass (tests and benchmarks).
+    decode_max_context: int = -1
+    decode_min_context: int = -1
     # Per-step values the kernels derive from the fields above (gather indices, masks). Every layer
     # of a step sees the same metadata, so they are built once on the first layer and reused by the
     # other layers. Owned by the implementation; never set it.
     derived: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.num_decodes > 0 and (self.decode_max_context < 0 or self.decode_min_context < 0):
+            lens = self.decode_context_lens.tolist()
+            self.decode_max_context, self.decode_min_context = max(lens), min(lens)
 
     def without_last_prefills(self, count: int) -> AttentionMetadata:
         """The metadata of this batch minus its last ``count`` prefill chunks: the layers below
@@ -43,7 +55,9 @@ class AttentionMetadata:
             decode_context_lens=self.decode_context_lens,
             prefill_query_lens=self.prefill_query_lens[:kept],
             prefill_context_lens=self.prefill_context_lens[:kept],
-            prefill_block_tables=self.prefill_block_tables[:kept])
+            prefill_block_tables=self.prefill_block_tables[:kept],
+            decode_max_context=self.decode_max_context,
+            decode_min_context=self.decode_min_context)
 
 
 def padded_block_tables(tables: Sequence[torch.Tensor | Sequence[int]],

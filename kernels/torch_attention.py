@@ -61,7 +61,8 @@ def _decode_plan(meta: AttentionMetadata,
     plan = meta.derived.get("decode")
     if plan is None:
         context_lens = meta.decode_context_lens
-        longest, shortest = int(context_lens.max()), int(context_lens.min())
+        # Host ints from the metadata: no read-back from the device inside the forward pass.
+        longest, shortest = meta.decode_max_context, meta.decode_min_context
         # Trim the padded tables to the longest context: the padding would only be masked out.
         n_blocks = -(-longest // block_size)
         block_ids = meta.decode_block_tables[:, :n_blocks].reshape(-1)

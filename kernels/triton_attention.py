@@ -186,7 +186,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        block_size)
     if meta.num_decodes > 0:
         splits = num_kv_splits or decode_splits(
-            meta.num_decodes, num_kv_heads, meta.decode_block_tables.shape[1] * block_size,
+            meta.num_decodes, num_kv_heads, _decode_span(meta, block_size),
             target_programs(query.device))
         launcher.decodes(meta, splits)
     if meta.prefill_query_lens:
@@ -220,8 +220,9 @@ class _Launch:
             meta.derived["triton_decode"] = plan
         seqs, zeros, ones = plan
         tables = meta.decode_block_tables
-        # The padded tables bound the longest context without reading it back from the device.
-        split_len = -(-tables.shape[1] * self.block_size // splits)
+        # The longest context is a host int in the metadata (no read-back from the device); the
+        # tables may be wider (a static buffer), and the columns past it are never read.
+        split_len = -(-_decode_span(meta, self.block_size) // splits)
         split_len = -(-split_len // DECODE_TILE_N) * DECODE_TILE_N
         block_m = max(16, triton.next_power_of_2(self.group))
         partial_out = partial_lse = self.out  # unused unless split
@@ -290,6 +291,11 @@ def _prefill_plan(meta: AttentionMetadata, block_q: int,
     columns = [c.to(device, non_blocking=True) for c in columns]
     tables = padded_block_tables(meta.prefill_block_tables)
     return (tables, *columns)
+
+
+def _decode_span(meta: AttentionMetadata, block_size: int) -> int:
+    """Keys the decode launch covers: the longest decode context rounded up to whole blocks."""
+    return -(-meta.decode_max_context // block_size) * block_size
 
 
 def _interpreting() -> bool:

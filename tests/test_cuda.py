@@ -165,6 +165,31 @@ def test_seeded_sampling_on_the_gpu_is_reproducible(tiny_model, device):
     assert placement[:2] == (device, device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_graphs_equal_enforce_eager(tiny_model, device):
+    """On a GPU the decode-only steps replay CUDA graphs captured at startup (workers.cuda_graphs;
+    off with enforce_eager): the greedy tokens equal the eager run's. The CPU captures none."""
+    model_dir = tiny_model("llama")
+    tokens, replays = [], []
+    for enforce_eager in (True, False):
+        llm = LLM(model=model_dir, dtype="float32", block_size=16, max_num_batched_tokens=128,
+                  device=device, enforce_eager=enforce_eager)
+        try:
+            outs = llm.generate(_prompts(llm.engine.vocab_size, LENGTHS), GREEDY)
+            tokens.append([o.token_ids for o in outs])
+            graphs = llm.engine.executor.runner.graphs
+            replays.append(None if graphs is None else graphs.replays)
+        finally:
+            llm.shutdown()
+    assert tokens[0] == tokens[1]
+    # Probe: graphs replayed decode steps on the GPU only, and never under enforce_eager.
+    assert replays[0] is None
+    if device == "cuda":
+        assert replays[1] is not None and replays[1] > 0
+    else:
+        assert replays[1] is None
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["pause", "suspend"])

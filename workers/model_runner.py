@@ -27,6 +27,8 @@ from workers.models import build_model
 from workers.models import LayerJoin
 from workers.preempt_vote import PreemptVote, StepPreempted, discarded_share
 from workers.run_ahead import RunAheadLimit
+from workers.cuda_graphs import DecodeGraphs, padded
+from workers.step_buffers import StepBuffers, StepLimits
 from workers.suspension import SuspendedChunks
 from workers.logits_processors import TokenHistory
 from workers.logprobs import logprobs_of
@@ -74,7 +76,12 @@ class ModelRunner:
                  num_blocks: int, block_size: int, seed: int = 0,
                  tp_rank: int = 0, tp_size: int = 1, tp_group=None, sample: bool = True,
                  attention_backend: str = "auto", fused_ops: str | bool = "auto",
-                 load_format: str = "auto") -> None:
+                 load_format: str = "auto", limits: StepLimits | None = None,
+                 enforce_eager: bool = False) -> None:
+        """``limits``: the largest step the scheduler hands over, which sizes the input buffers
+        (left out, they grow with the steps: fine for tests, not for CUDA graphs).
+        ``enforce_eager``: never replay CUDA graphs (vLLM's --enforce-eager)."""
+        self.enforce_eager = enforce_eager
         self.device = device
         # Only the rank that reports results samples; the others still join the LM head's
         # collective.
@@ -95,6 +102,9 @@ class ModelRunner:
                                             self.model.num_kv_heads, self.model.head_dim,
                                             dtype, device)
         self.sampler = Sampler(seed, device)
+        self.buffers = StepBuffers(device, limits or StepLimits(), block_size)
+        # Captured decode steps (workers.cuda_graphs), set at startup on CUDA; None: all eager.
+        self.graphs: DecodeGraphs | None = None
         # What the startup warm-up compiled (workers.kernel_warmup; None: not run, or not Triton).
         self.kernel_warmup: KernelWarmup | None = None
         self.suspended = SuspendedChunks()
@@ -116,7 +126,19 @@ class ModelRunner:
             # The engine had nothing to compute but suspended chunks to free (every rank frees
             # its own copy; no collective is entered).
             return ModelRunnerOutput(step_id=scheduler_output.step_id)
-        inputs = self.prepare_inputs(scheduler_output.requests)
+        requests = scheduler_output.requests
+        graphs = self.graphs
+        graph_size = graphs.size_for(scheduler_output) if graphs is not None else None
+        if graph_size is None:
+            inputs = self.prepare_inputs(requests)
+        else:
+            # The padding rows repeat the last decode (workers.cuda_graphs); only the real
+            # rows are sampled.
+            inputs = self.prepare_inputs(padded(requests, graph_size),
+                                         table_width=graphs.table_width)
+            real = sum(r.sample for r in requests)
+            inputs.sampled, inputs.logits_indices = (inputs.sampled[:real],
+                                                     inputs.logits_indices[:real])
         resumed_layers = {r.req_id: self.suspended.layer_of(r)
                           for r in scheduler_output.requests if r.resume}
         vote = self.vote if scheduler_output.preemptible else None
@@ -129,8 +151,11 @@ class ModelRunner:
                 vote.progress_lag = self.run_ahead.window
                 self.model.before_attention = self.run_ahead.pace(vote)
         try:
-            hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn_meta,
-                                        self.kv_caches, inputs.joins)
+            if graphs is not None and graph_size is not None:
+                hidden = graphs.replay(graph_size)
+            else:
+                hidden = self.model.forward(inputs.input_ids, inputs.positions,
+                                            inputs.attn_meta, self.kv_caches, inputs.joins)
         except StepPreempted as stop:
             suspended: list[str] = []
             if scheduler_output.suspend_on_unwind:
@@ -203,7 +228,10 @@ class ModelRunner:
             # The client sees this line, never the traceback (which is in the log above).
             failed[req.req_id] = f"sampling failed: {error_line(exc)}"
 
-    def prepare_inputs(self, requests: list[ScheduledRequest]) -> ModelInputs:
+    def prepare_inputs(self, requests: list[ScheduledRequest],
+                       table_width: int | None = None) -> ModelInputs:
+        """``table_width``: write every block table row this wide (a captured graph's launches
+        read the buffer's full width); default: as wide as the longest table of the step."""
         # The attention kernels expect decodes (one query token) first, then prefill chunks;
         # chunks resuming a suspended pass go last, in order of the layer they join at, so that
         # the tokens active at any layer are a prefix of the batch.
@@ -221,13 +249,16 @@ class ModelRunner:
         sampled: list[ScheduledRequest] = []
         prefill_rows: list[tuple[ScheduledRequest, int]] = []
         prompt_logprob_rows: list[tuple[ScheduledRequest, int]] = []
-        block_tables = [torch.tensor(r.block_ids, dtype=torch.long) for r in ordered]
+        # Every sequence's table, decodes first, padded to the longest (one upload for all).
+        longest = max(len(r.block_ids) for r in ordered)
+        tables = padded_block_tables([r.block_ids for r in ordered],
+                                     extra_columns=max(0, (table_width or 0) - longest))
         row = 0
-        for req, table in zip(ordered, block_tables):
+        for i, req in enumerate(ordered):
             n = len(req.token_ids)
             pos = torch.arange(req.start_pos, req.start_pos + n)
             positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
+            slots.append(tables[i, pos // bs] * bs + pos % bs)
             if not req.resume:
                 input_ids.extend(req.token_ids)
             if n > 1:
@@ -240,24 +271,32 @@ class ModelRunner:
                 sampled.append(req)
 
         num_decodes = len(decodes)
-        decode_tables = padded_block_tables(block_tables[:num_decodes])
-        decode_context_lens = torch.tensor([r.start_pos + 1 for r in decodes], dtype=torch.long)
-
-        device = self.device
+        context_lens = [r.start_pos + 1 for r in decodes]
+        # Every device input goes into the runner's persistent buffers (workers.step_buffers):
+        # fixed addresses for CUDA graphs, and no allocation per step.
+        buffers = self.buffers
+        buffers.reserve(row, len(ordered), tables.shape[1])
+        upload = buffers.upload
+        device_tables = upload(buffers.block_tables, tables)
         attn_meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(device),
+            slot_mapping=upload(buffers.slot_mapping, torch.cat(slots)),
             num_decodes=num_decodes,
-            decode_block_tables=decode_tables.to(device),
-            decode_context_lens=decode_context_lens.to(device),
+            decode_block_tables=device_tables[:num_decodes],
+            decode_context_lens=upload(buffers.context_lens,
+                                       torch.tensor(context_lens, dtype=torch.long)),
             prefill_query_lens=[len(r.token_ids) for r in prefills],
             prefill_context_lens=[r.start_pos + len(r.token_ids) for r in prefills],
-            prefill_block_tables=[t.to(device) for t in block_tables[num_decodes:]],
+            prefill_block_tables=[device_tables[num_decodes + i, :len(r.block_ids)]
+                                  for i, r in enumerate(prefills)],
+            decode_max_context=max(context_lens, default=0),
+            decode_min_context=min(context_lens, default=0),
         )
         return ModelInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-            positions=torch.cat(positions).to(device),
+            input_ids=upload(buffers.input_ids, torch.tensor(input_ids, dtype=torch.long)),
+            positions=upload(buffers.positions, torch.cat(positions)),
             attn_meta=attn_meta,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
+            logits_indices=upload(buffers.logits_indices,
+                                  torch.tensor(logits_indices, dtype=torch.long)),
             sampled=sampled,
             joins=[self.suspended.join_for(r) for r in resumed],
             prefill_rows=prefill_rows,

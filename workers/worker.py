@@ -33,9 +33,11 @@ class Worker:
         one machine, so it defaults to ``rank``. Never read from the environment here: spawned
         ranks inherit their parent's, which may be a torchrun rank's."""
         from engine.runtime.model_setup import load_hf_config, resolve_dtype
+        from workers.cuda_graphs import capture_decode_graphs
         from workers.kernel_warmup import warm_up_kernels
         from workers.kv_memory import measure_kv_pool
         from workers.model_runner import ModelRunner
+        from workers.step_buffers import StepLimits
 
         # Ranks sharing a machine split its cores; oversubscribed OpenMP threads spin each other.
         local = local_world_size or config.tp_size
@@ -57,7 +59,11 @@ class Worker:
                                       tp_group=self.groups.tensor_group, sample=rank == 0,
                                       attention_backend=config.attention_backend,
                                       fused_ops=config.fused_ops,
-                                      load_format=config.load_format)
+                                      load_format=config.load_format,
+                                      limits=StepLimits(config.max_num_batched_tokens,
+                                                        config.max_num_seqs,
+                                                        config.max_model_len),
+                                      enforce_eager=config.enforce_eager)
             fits = (None if config.kv_pool_plan is None
                     else measure_kv_pool(self.runner, config.kv_pool_plan))
         except Exception:
@@ -71,6 +77,8 @@ class Worker:
             # Every rank runs the same steps (their collectives must match), before any request.
             self.runner.kernel_warmup = warm_up_kernels(self.runner, config.max_model_len,
                                                         config.max_num_seqs)
+            self.runner.graphs = capture_decode_graphs(self.runner, config.max_num_seqs,
+                                                       config.max_model_len, config.tp_size)
         except Exception:
             report_error(self.groups, traceback.format_exc())
             raise

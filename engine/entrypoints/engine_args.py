@@ -46,6 +46,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "the bare flag) needs the triton backend; off keeps PyTorch's layers. "
                         "A bare --fused-ops reads a positional argument right after it (the "
                         "prompt, the model) as its value: write --fused-ops on there")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="never use CUDA graphs: every step launches its kernels one by one "
+                        "(as vLLM's flag; no effect on the CPU)")
     g.add_argument("--max-model-len", type=positive_int, default=None)
     g.add_argument("--block-size", type=positive_int, default=16)
     g.add_argument("--num-kv-blocks", type=positive_int, default=None,
@@ -123,6 +126,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 load_format=args.load_format, simulate=args.simulate,
                 dtype=args.dtype, device=args.device,
                 attention_backend=args.attention_backend, fused_ops=args.fused_ops,
+                enforce_eager=args.enforce_eager,
                 max_model_len=args.max_model_len,
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory_gb=args.kv_cache_memory_gb,

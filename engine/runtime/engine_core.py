@@ -90,9 +90,11 @@ class EngineCore:
 
     def _in_process_executor(self, signal: PreemptSignal | None) -> Executor:
         from workers.kv_cache import num_kv_blocks, resized_kv_caches
+        from workers.cuda_graphs import capture_decode_graphs
         from workers.kernel_warmup import warm_up_kernels
         from workers.kv_memory import measure_kv_pool
         from workers.model_runner import ModelRunner
+        from workers.step_buffers import StepLimits
 
         m, config = self.model, self.config
         # No pool size given: an empty pool until the GPU's memory is measured.
@@ -100,13 +102,19 @@ class EngineCore:
                              config.cache.block_size, seed=config.model.seed,
                              attention_backend=config.model.attention_backend,
                              fused_ops=config.model.fused_ops,
-                             load_format=config.model.load_format)
+                             load_format=config.model.load_format,
+                             limits=StepLimits(config.scheduler.max_num_batched_tokens,
+                                               config.scheduler.max_num_seqs, m.max_model_len),
+                             enforce_eager=config.model.enforce_eager)
         plan = kv_pool_plan(config, m)
         if plan is not None:
             runner.kv_caches = resized_kv_caches(runner.kv_caches, measure_kv_pool(runner, plan))
         # Before any request: no compile may stall serving.
         runner.kernel_warmup = warm_up_kernels(runner, m.max_model_len,
                                                config.scheduler.max_num_seqs)
+        # After the warm-up (every kernel compiled), before any request.
+        runner.graphs = capture_decode_graphs(runner, config.scheduler.max_num_seqs,
+                                              m.max_model_len)
         if signal is not None:
             from workers.preempt_vote import PreemptVote
 

@@ -51,6 +51,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     device: str
     attention_backend: str = "auto"
     fused_ops: str = "auto"  # ModelConfig.fused_ops
+    enforce_eager: bool = False
     load_format: str = "auto"
     # None: the workers measure the pool as kv_pool_plan says.
     num_blocks: int | None
@@ -60,6 +61,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     # (workers.kernel_warmup) launches every variant such steps can need.
     max_model_len: int
     max_num_seqs: int
+    # The most tokens a step holds (sizes the runner's input buffers; 0: they grow on demand).
+    max_num_batched_tokens: int = 0
     seed: int
     tp_size: int
     # torch.distributed rendezvous: "tcp://host:port" or "env://" (torchrun).
@@ -85,9 +88,11 @@ def make_worker_config(config: EngineConfig, model: ResolvedModel, init_method: 
         preempt_signal_ranks=signal_ranks if preempt_signal_name else 0,
         model_dir=model.model_dir, dtype=config.model.dtype, device=config.model.device,
         attention_backend=config.model.attention_backend, fused_ops=config.model.fused_ops,
+        enforce_eager=config.model.enforce_eager,
         load_format=config.model.load_format, num_blocks=model.num_blocks, kv_pool_plan=kv_pool_plan(config, model),
         block_size=config.cache.block_size, max_model_len=model.max_model_len,
-        max_num_seqs=config.scheduler.max_num_seqs, seed=config.model.seed,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens, seed=config.model.seed,
         tp_size=config.tensor_parallel_size, init_method=init_method,
         collective_timeout_s=config.collective_timeout_s)
 

@@ -1,0 +1,232 @@
+"""Full CUDA graphs for decode-only steps (issue 26, item 1): one capture per padded batch size.
+
+A decode step of an 8B model launches about a thousand kernels whose host-side launch cost is
+larger than their device time at small batches. Captured as a graph, the step is one launch.
+Decode-only steps are never preemptible (the scheduler marks only prefill-carrying steps), so a
+graph that runs all the layers at once skips no vote; preemptible steps stay eager.
+
+How a step is replayed:
+
+- Every input the forward pass reads lives in the runner's persistent buffers
+  (``workers.step_buffers``): the capture reads them at the addresses it was made with, and each
+  step's ``prepare_inputs`` rewrites them in place.
+- A batch of n decodes replays the smallest captured size B >= n
+  (``workers.graph_shapes``); the B - n padding rows repeat the last real decode (same token,
+  position, slot and table), so they compute the same values and write the same K/V to the same
+  slot: no other sequence's cache is touched, and no kernel needs a "skip this row" slot.
+- The captured metadata is the same for every replay of a size: B decodes, block tables at their
+  full max_model_len width, and a longest context of max_model_len, so the attention launch's
+  arguments (split count, split length, table stride) hold for any context; each row's real
+  context length is read from the buffer on the device.
+
+The graph object is an interface (``GraphBackend``) so that the replay logic runs on the CPU in
+tests: a fake "capture" keeps the callable, a fake "replay" runs it again with no arguments,
+which gives the right tokens only if every input really went through the static buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.sampling_params import SamplingParams
+from kernels import AttentionMetadata
+from workers.graph_shapes import capture_sizes, padded_batch_size
+
+if TYPE_CHECKING:
+    from workers.step_buffers import StepBuffers
+
+logger = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    """What a capture reads of the model runner (workers.model_runner.Runner)."""
+
+    device: torch.device
+    enforce_eager: bool
+    buffers: StepBuffers
+    model: Any
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+
+    def prepare_inputs(self, requests: list[ScheduledRequest],
+                       table_width: int | None = None) -> Any: ...
+
+
+class GraphBackend(Protocol):
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        """Run ``fn`` under capture; returns (graph handle, its static output)."""
+        ...
+
+    def replay(self, graph: Any) -> None: ...
+
+
+class CudaGraphBackend:
+    """torch.cuda.CUDAGraph, one memory pool shared by every size (captured largest first, as
+    vLLM does, so the smaller ones fit in what the largest left)."""
+
+    def __init__(self, device: torch.device, warmup_runs: int = 2) -> None:
+        self.device = device
+        self.warmup_runs = warmup_runs
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        # Warm-up runs on a side stream before capture (cuBLAS workspaces, lazy inits), as
+        # torch.cuda.graphs documents.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(self.warmup_runs):
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn()
+        return graph, out
+
+    def replay(self, graph: Any) -> None:
+        graph.replay()
+
+
+@dataclass
+class _Captured:
+    graph: Any
+    output: torch.Tensor
+
+
+class DecodeGraphs:
+    def __init__(self, runner: Runner, sizes: Sequence[int], backend: GraphBackend,
+                 max_model_len: int) -> None:
+        self.runner = runner
+        self.sizes = sorted(sizes)
+        self.max_model_len = max_model_len
+        self.backend = backend
+        self.graphs: dict[int, _Captured] = {}
+        # The buffers' generation the graphs read (a grown buffer is a new address).
+        self.generation = -1
+        self.capture_seconds = 0.0
+        self.replays = 0
+
+    @property
+    def table_width(self) -> int | None:
+        """How wide ``prepare_inputs`` writes the block tables of a replayed step. The Triton
+        kernels read no column past a row's context, so the columns past the step's longest
+        table may hold anything (no upload of max_model_len's width per row: 8 MB a step for
+        128 rows of a 128k context). The PyTorch kernels gather the whole captured width, so
+        there every column must be a block id of the pool (zeros past each table)."""
+        if self.runner.model.kernels.name == "triton":
+            return None
+        return self.runner.buffers.max_blocks
+
+    def _static_metadata(self, size: int) -> AttentionMetadata:
+        buffers = self.runner.buffers
+        return AttentionMetadata(
+            slot_mapping=buffers.slot_mapping[:size], num_decodes=size,
+            decode_block_tables=buffers.block_tables[:size],
+            decode_context_lens=buffers.context_lens[:size],
+            prefill_query_lens=[], prefill_context_lens=[], prefill_block_tables=[],
+            decode_max_context=buffers.max_blocks * buffers.block_size,
+            # Every slot past 1 is masked by each row's length (read on the device).
+            decode_min_context=1)
+
+    def _forward(self, size: int) -> Callable[[], torch.Tensor]:
+        runner, buffers = self.runner, self.runner.buffers
+        meta = self._static_metadata(size)
+
+        def forward() -> torch.Tensor:
+            # The plans the kernels derive from the metadata are built inside the pass (and so
+            # captured), never carried over from an earlier run.
+            meta.derived.clear()
+            return runner.model.forward(buffers.input_ids[:size], buffers.positions[:size], meta,
+                                        runner.kv_caches)
+
+        return forward
+
+    def capture(self) -> float:
+        """Capture every size, largest first; returns the seconds it took."""
+        started = time.perf_counter()
+        runner = self.runner
+        # Room for the largest size, and tables as wide as the longest sequence: the captured
+        # launches cover every context up to it.
+        largest = self.sizes[-1]
+        blocks = -(-self.max_model_len // runner.buffers.block_size)
+        runner.buffers.reserve(largest, largest, blocks)
+        self.generation = runner.buffers.generation
+        for size in sorted(self.sizes, reverse=True):
+            # Dummy decodes at position 0 over block 0, as the kernel warm-up writes: nothing
+            # reads what they leave there before a request owns the block. The tables are
+            # zeroed at full width once, so no column holds anything but a block id.
+            runner.prepare_inputs(_dummy_decodes(size), table_width=runner.buffers.max_blocks)
+            graph, output = self.backend.capture(self._forward(size))
+            self.graphs[size] = _Captured(graph, output)
+        if runner.buffers.generation != self.generation:
+            raise RuntimeError("the step buffers grew while capturing CUDA graphs")
+        self.capture_seconds = time.perf_counter() - started
+        return self.capture_seconds
+
+    def size_for(self, scheduler_output: SchedulerOutput) -> int | None:
+        """The padded size this step replays at, or None: it runs eager (a prefill or a
+        resumed chunk in it, a vote to cast, more decodes than the largest size, or buffers
+        that moved since the capture)."""
+        requests = scheduler_output.requests
+        if self.runner.buffers.generation != self.generation:
+            if self.graphs:
+                # A step outgrew the limits the buffers were sized for: a bug upstream, and
+                # from now on every decode runs eager (slower, still correct).
+                logger.warning("CUDA graphs: the step buffers grew after the capture; decode "
+                               "steps run eager from now on")
+                self.graphs.clear()
+            return None
+        if (scheduler_output.preemptible or not requests
+                or any(len(r.token_ids) != 1 or r.resume for r in requests)):
+            return None
+        size = padded_batch_size(len(requests), self.sizes)
+        return size if size in self.graphs else None
+
+    def replay(self, size: int) -> torch.Tensor:
+        """Run the captured step of ``size`` over what the buffers hold; its hidden states."""
+        captured = self.graphs[size]
+        self.backend.replay(captured.graph)
+        self.replays += 1
+        return captured.output
+
+
+def padded(requests: list[ScheduledRequest], size: int) -> list[ScheduledRequest]:
+    """``requests`` and ``size - len(requests)`` repeats of the last one (padding rows)."""
+    return requests + [requests[-1]] * (size - len(requests))
+
+
+def _dummy_decodes(size: int) -> list[ScheduledRequest]:
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    return [ScheduledRequest(req_id=f"graph-capture-{i}", token_ids=[0], start_pos=0,
+                             block_ids=[0], sample=False, sampling_params=greedy)
+            for i in range(size)]
+
+
+def capture_decode_graphs(runner: Runner, max_num_seqs: int, max_model_len: int,
+                          tp_size: int = 1,
+                          backend: GraphBackend | None = None) -> DecodeGraphs | None:
+    """Capture the decode graphs at startup, after the kernel warm-up; None where graphs are
+    off: --enforce-eager, not on CUDA (unless a test passes a backend), or tensor parallel
+    (the all-reduces inside a captured step are not yet tested)."""
+    if runner.enforce_eager:
+        logger.info("CUDA graphs: off (--enforce-eager)")
+        return None
+    if backend is None:
+        if runner.device.type != "cuda":
+            return None
+        if tp_size > 1:
+            logger.info("CUDA graphs: off with tensor parallelism (every step runs eager)")
+            return None
+        backend = CudaGraphBackend(runner.device)
+    sizes = capture_sizes(max_num_seqs)
+    graphs = DecodeGraphs(runner, sizes, backend, max_model_len)
+    seconds = graphs.capture()
+    logger.info("CUDA graphs: captured %d decode batch sizes (%d..%d) in %.2f s", len(sizes),
+                sizes[0], sizes[-1], seconds)
+    return graphs

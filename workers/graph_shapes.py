@@ -1,0 +1,35 @@
+"""Which decode batches run as captured CUDA graphs, and at what padded size.
+
+A CUDA graph replays fixed shapes, so decode-only steps are captured for a few batch sizes and
+a step runs the smallest captured size that holds it, its extra rows padding (vLLM's scheme,
+whose default sizes these are: 1, 2, 4, then every multiple of 8). A step that fits no captured
+size (more decodes than the largest, any prefill, or graphs off with ``--enforce-eager``) runs
+eager. Decode-only steps are never preemptible, so replaying one whole skips no vote.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+# vLLM's cap on the captured sizes: past it, a graph per size costs more memory and startup time
+# than the launches it saves (a large batch's step is dominated by its matmuls).
+MAX_CAPTURE_SIZE = 512
+
+
+def capture_sizes(max_num_seqs: int, limit: int = MAX_CAPTURE_SIZE) -> list[int]:
+    """The decode batch sizes to capture: [1, 2, 4] and the multiples of 8, up to
+    min(max_num_seqs, limit), ascending."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    top = min(max_num_seqs, limit)
+    return [size for size in [1, 2, 4, *range(8, top + 1, 8)] if size <= top]
+
+
+def padded_batch_size(num_decodes: int, sizes: Sequence[int]) -> int | None:
+    """The smallest captured size (``sizes`` ascending) that holds ``num_decodes`` decodes, or
+    None when none does (the step runs eager)."""
+    if num_decodes < 1:
+        return None
+    index = bisect.bisect_left(sizes, num_decodes)
+    return sizes[index] if index < len(sizes) else None
