@@ -15,7 +15,10 @@ The batch is launched twice with different tile shapes: decodes with one query t
 (the rows are just the group's heads), prefill chunks with many tokens per tile so that each K/V
 tile read is reused by many rows. Decodes over long contexts with few (sequence, KV head) pairs
 cannot fill a GPU, so their context is split across programs (flash-decoding): each split writes
-a normalized partial output and its log-sum-exp, and a second kernel merges them.
+a normalized partial output and its log-sum-exp, and a second kernel merges them. The launch fixes
+only the split count; each row divides its own context among the splits inside the kernel, so a
+plan made for a longer context (a CUDA graph captured for max_model_len) still spreads a short
+row's keys over every split.
 
 No compile-time constant depends on the batch: the split count is a runtime argument (only
 whether a decode launch splits at all is a constexpr), and every integer argument that changes
@@ -55,13 +58,13 @@ MAX_SPLITS = 32
 
 # Arguments that change with the batch would otherwise be specialized (to a constant when 1, as
 # a multiple of 16 when one) and compile a new variant mid-serving.
-@triton.jit(do_not_specialize=["stride_bt", "split_len", "num_splits"])
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _paged_attention_kernel(
         out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr,
         tile_seq_ptr, tile_query_offset_ptr, query_start_ptr, query_len_ptr, context_len_ptr,
         partial_out_ptr, partial_lse_ptr,
         qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-        cache_stride_block, cache_stride_slot, cache_stride_head, head_dim, split_len, num_splits,
+        cache_stride_block, cache_stride_slot, cache_stride_head, head_dim, num_splits,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         TILE_N: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
@@ -92,9 +95,17 @@ def _paged_attention_kernel(
     # Keys past the tile's last token are invisible to every row of it.
     last_token = tl.minimum(query_offset + BLOCK_Q, query_len)
     kv_end = context_len - query_len + last_token
-    kv_lo = split * split_len
+    kv_lo = 0
     kv_hi = kv_end
     if SPLIT:
+        # Each row shares its own keys evenly among the splits, in whole tiles. The split count
+        # may be planned for a far longer context than this row's (a CUDA graph captured for
+        # max_model_len freezes it), so a length derived from the launch's longest context would
+        # leave a short row's keys all in its first split. A split past the row's keys runs no
+        # iteration and writes lse -inf, which the merge weighs at zero.
+        split_len = (kv_end + num_splits - 1) // num_splits
+        split_len = (split_len + TILE_N - 1) // TILE_N * TILE_N
+        kv_lo = split * split_len
         kv_hi = tl.minimum(kv_end, kv_lo + split_len)
 
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -220,10 +231,8 @@ class _Launch:
             meta.derived["triton_decode"] = plan
         seqs, zeros, ones = plan
         tables = meta.decode_block_tables
-        # The longest context is a host int in the metadata (no read-back from the device); the
-        # tables may be wider (a static buffer), and the columns past it are never read.
-        split_len = -(-_decode_span(meta, self.block_size) // splits)
-        split_len = -(-split_len // DECODE_TILE_N) * DECODE_TILE_N
+        # The tables may be wider than the longest context (a static buffer): the kernel reads
+        # no column past a row's own context, and sizes each row's splits from it.
         block_m = max(16, triton.next_power_of_2(self.group))
         partial_out = partial_lse = self.out  # unused unless split
         if splits > 1:
@@ -232,7 +241,7 @@ class _Launch:
                                       device=device)
             partial_lse = torch.empty((n, heads, splits), dtype=torch.float32, device=device)
         self._run(tables, seqs, zeros, seqs, ones, meta.decode_context_lens, partial_out,
-                  partial_lse, split_len, block_q=1, block_m=block_m, tile_n=DECODE_TILE_N,
+                  partial_lse, block_q=1, block_m=block_m, tile_n=DECODE_TILE_N,
                   splits=splits)
         if splits > 1:
             launch(_merge_splits_kernel, (n, self.num_kv_heads * self.group),
@@ -248,13 +257,13 @@ class _Launch:
         if plan is None:
             plan = _prefill_plan(meta, block_q, self.query.device)
             meta.derived[key] = plan
-        # Unsplit: the partial buffers and the split length are never read.
-        self._run(*plan, self.out, self.out, 0, block_q=block_q, block_m=block_m,
+        # Unsplit: the partial buffers are never read.
+        self._run(*plan, self.out, self.out, block_q=block_q, block_m=block_m,
                   tile_n=_PREFILL_TILE_N, splits=1)
 
     def _run(self, tables: torch.Tensor, tile_seq: torch.Tensor, tile_offset: torch.Tensor,
              query_start: torch.Tensor, query_len: torch.Tensor, context_len: torch.Tensor,
-             partial_out: torch.Tensor, partial_lse: torch.Tensor, split_len: int, *,
+             partial_out: torch.Tensor, partial_lse: torch.Tensor, *,
              block_q: int, block_m: int, tile_n: int, splits: int) -> None:
         q, cache, out = self.query, self.key_cache, self.out
         grid = (tile_seq.numel(), self.num_kv_heads, splits)
@@ -263,7 +272,7 @@ class _Launch:
                query_len, context_len, partial_out, partial_lse,
                self.scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                tables.stride(0), cache.stride(0), cache.stride(1), cache.stride(2), self.head_dim,
-               split_len, splits, GROUP=self.group, BLOCK_Q=block_q, BLOCK_M=block_m,
+               splits, GROUP=self.group, BLOCK_Q=block_q, BLOCK_M=block_m,
                TILE_N=tile_n, HEAD_PAD=self.head_pad, BLOCK_SIZE=self.block_size,
                SPLIT=splits > 1, DOT_PRECISION=self.precision, DOT_UPCAST=self.upcast)
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 # Must come before the kernels are decorated (on import): it picks interpreted or compiled.
 import tests.triton_device  # noqa: F401,I001
 
+import dataclasses  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels import torch_attention  # noqa: E402
+from kernels import torch_attention, variants  # noqa: E402
 from tests.attention_cases import MIXED, MIXED_DECODES, Case, make_case  # noqa: E402
 
 triton_cache = pytest.importorskip("kernels.triton_cache")
@@ -127,6 +129,51 @@ def test_split_decodes_merge_to_the_same_answer(num_kv_splits, group, triton_dev
     # Probe: the merged path really ran (a split launch differs from the unsplit one in rounding).
     unsplit = _triton(case, triton_device, num_kv_splits=1)
     assert not torch.equal(split, unsplit)
+
+
+def test_each_row_spreads_its_own_keys_over_a_plan_made_for_a_longer_context(triton_device,
+                                                                             monkeypatch):
+    # A CUDA graph captures the split decode once for max_model_len: 8 splits and block tables
+    # as wide as 4096 keys, replayed for rows of any length (here 1, TILE_N - 1, TILE_N + 1 and
+    # 700 keys). Each row must still share its keys among the splits, not pile them into the
+    # first ones as a split length sized for 4096 keys (512) would.
+    splits, planned = 8, 4096
+    tile = triton_attention.DECODE_TILE_N
+    contexts = [1, tile - 1, tile + 1, 700]
+    case = make_case([(c - 1, 1) for c in contexts], len(contexts), 4, 2, 64, 16,
+                     torch.bfloat16, seed=5)
+    on = case.to(triton_device)
+    width = planned // 16
+    tables = on.meta.decode_block_tables
+    wide = torch.zeros((len(contexts), width), dtype=torch.long, device=triton_device)
+    wide[:, :tables.shape[1]] = tables
+    # A copy: on the CPU `to` returns the case itself, whose metadata the reference reads.
+    on = dataclasses.replace(on, meta=dataclasses.replace(
+        on.meta, decode_block_tables=wide, decode_max_context=planned, decode_min_context=1))
+    merged: list[torch.Tensor] = []
+    launch = triton_attention.launch
+
+    def spy(kernel, grid, *args, **constants):
+        launch(kernel, grid, *args, **constants)
+        if kernel is triton_attention._merge_splits_kernel:
+            merged.append(args[2].cpu())  # the partial log-sum-exps, [token, head, split]
+
+    monkeypatch.setattr(triton_attention, "launch", spy)
+    with variants.recording() as seen:
+        out = triton_attention.paged_attention(on.query, on.new_keys, on.new_values,
+                                               on.key_cache, on.value_cache, on.meta, on.scale,
+                                               num_kv_splits=splits).cpu()
+    _check(case, out, torch.bfloat16)
+    # Probe: one split launch of 8 programs per row, then the merge.
+    attention = [v for v in seen if v.kernel == "_paged_attention_kernel"]
+    assert [v.constant("SPLIT") for v in attention] == [True] and len(merged) == 1
+    # Splits holding keys, per row: ceil(c / 8) keys rounded up to whole tiles each, so 1, 1, 2
+    # and all 8 (a 512-key split would give 1, 1, 1, 2); the rest hold none and log -inf.
+    lse = merged[0]
+    assert lse.shape == (len(contexts), 4, splits)
+    used = torch.isfinite(lse).sum(-1)
+    assert used.tolist() == [[n] * 4 for n in (1, 1, 2, 8)]
+    assert torch.isfinite(lse).all(-1).tolist() == [[False] * 4] * 3 + [[True] * 4]
 
 
 def test_long_chunks_span_several_query_tiles(triton_device):
