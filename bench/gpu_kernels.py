@@ -9,7 +9,9 @@ and its fraction of the device's peak; the target is >= 70% of peak on long cont
 baseline is PyTorch SDPA (enable_gqa=True) over K/V already gathered into contiguous
 [B, Hkv, ctx, D] tensors: the same attention with an ideal memory layout, so a speedup below 1
 is the cost of reading through block tables. The gather is done once, untimed: counting it would
-make the baseline strawman-slow. Prefill chunks (many query tokens over a cached prefix) are
+make the baseline strawman-slow. A second decode table times the shorter contexts under the
+split plan of the longest (as a CUDA graph captured for max_model_len replays them) next to the
+eager launch's own plan. Prefill chunks (many query tokens over a cached prefix) are
 compute-bound, so they report TFLOP/s instead; SDPA gets a lower-right causal mask over the
 gathered prefix + chunk.
 
@@ -29,6 +31,7 @@ exercised where there is no GPU; its figures are not measurements.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import math
@@ -182,6 +185,56 @@ def bench_decode(args: argparse.Namespace, attention: Any, timer: Timer, device:
           f"peak -> " + (f"met in {met}/{len(verdicts)} rows" + ("" if met == len(verdicts)
                                                                  else " (MISSED in the others)")
                          if verdicts else "no long-context row was run"))
+    report_mismatches(bad)
+
+
+def bench_graph_plan_decode(args: argparse.Namespace, triton_attention: Any, timer: Timer,
+                            device: torch.device) -> None:
+    """Decodes at the shorter contexts under the split plan of the longest one, as a CUDA graph
+    captured for max_model_len replays them (the split count and table width are frozen at
+    capture), against the eager launch's own plan and SDPA."""
+    dtype, hq, hkv, d, bs = args.dtype, args.num_heads, args.num_kv_heads, args.head_dim, \
+        args.block_size
+    planned = max(args.contexts)
+    scale = 1 / math.sqrt(d)
+    headers = ["batch", "context", "splits", "graph_ms", "eager_ms", "sdpa_ms", "speedup",
+               "max|diff|"]
+    rows: list[list[str]] = []
+    bad: list[str] = []
+    for batch_size in args.batches:
+        # The interpreter's target is one program (no split); split anyway so --smoke runs it.
+        splits = max(triton_attention.decode_splits(
+            batch_size, hkv, -(-planned // bs) * bs, triton_attention.target_programs(device)),
+            1 if device.type == "cuda" else 2)
+        for ctx in [c for c in args.contexts if c < planned]:
+            kv = batch_size * ctx * kv_bytes_per_token(hkv, d, dtype)
+            skip = fits(device, 2 * kv + kv // batch_size + (16 << 20))
+            if skip:
+                rows.append([str(batch_size), str(ctx), str(splits), skip])
+                continue
+            batch = build_batch([ctx] * batch_size, [], hq, hkv, d, bs, dtype, device, args.seed)
+            tables = torch.zeros((batch_size, -(-planned // bs)), dtype=torch.long, device=device)
+            tables[:, :batch.meta.decode_block_tables.shape[1]] = batch.meta.decode_block_tables
+            meta = dataclasses.replace(batch.meta, decode_block_tables=tables,
+                                       decode_max_context=planned)
+            tensors = (batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache)
+            graph_call = partial(triton_attention.paged_attention, *tensors, meta, scale,
+                                 num_kv_splits=splits)
+            eager_call = partial(triton_attention.paged_attention, *tensors, batch.meta, scale)
+            k, v = gathered(batch, 0, batch_size, ctx)
+            sdpa_call = partial(F.scaled_dot_product_attention, batch.query.unsqueeze(2), k, v,
+                                scale=scale, enable_gqa=True)
+            graph_ms, eager_ms, sdpa_ms = timer(graph_call), timer(eager_call), timer(sdpa_call)
+            diff = max_diff(graph_call(), sdpa_call().squeeze(2))
+            rows.append([str(batch_size), str(ctx), str(splits), f"{graph_ms:.3f}",
+                         f"{eager_ms:.3f}", f"{sdpa_ms:.3f}", f"{sdpa_ms / graph_ms:.2f}x",
+                         diff_cell(diff, dtype, bad, f"graph-plan decode batch {batch_size} "
+                                                     f"ctx {ctx}")])
+            del batch, meta, k, v, graph_call, eager_call, sdpa_call
+            release(device)
+    print_table(f"graph-plan decode: contexts under the split plan of context {planned} "
+                f"(a CUDA graph captured for it); graph_ms uses that plan, eager_ms the launch's "
+                f"own; speedup = sdpa_ms / graph_ms", headers, rows)
     report_mismatches(bad)
 
 
@@ -450,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
             with torch.inference_mode():
                 if "decode" in args.sections:
                     bench_decode(args, triton_attention.paged_attention, timer, device, peak)
+                    bench_graph_plan_decode(args, triton_attention, timer, device)
                 if "prefill" in args.sections:
                     bench_prefill(args, triton_attention.paged_attention, timer, device)
     if "norm" in args.sections:

@@ -62,6 +62,11 @@ def test_smoke_run_prints_every_table():
     assert {decode[1][-1], decode[3][-1]} <= {"met", "MISSED"}
     assert "target: decode at context >= 100" in out
     assert "SDPA time excludes gathering" in out
+    # The shorter context under the longer one's split plan (forced to 2 splits on the CPU).
+    graph_plan = _section(out, "graph-plan decode:")
+    assert [(r[0], r[1], r[2]) for r in graph_plan] == [("1", "40", "2"), ("3", "40", "2")]
+    for row in graph_plan:
+        assert row[6].endswith("x") and all(float(c) > 0 for c in row[3:6]), row
     # Triton and the PyTorch baselines agree, so the bench's layouts are right.
     assert "WARNING" not in out
     for module, title in (("triton_norm", "rms_norm:"), ("triton_rotary", "rotary:"),
