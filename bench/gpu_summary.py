@@ -55,8 +55,10 @@ def _json(path: Path) -> Any:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def _tests(out: Path, steps: dict[str, dict[str, int]]) -> list[str]:
+def _tests(out: Path, steps: dict[str, dict[str, int]], smoke: bool) -> list[str]:
     lines = ["## GPU tests", ""]
+    if smoke:
+        lines += ["Smoke: the GPU tests are collected, not run (CI runs them on the CPU).", ""]
     for name, label in (("tests-cuda", "tests/test_cuda.py, tests/test_gpu_memory_utilization.py"),
                         ("tests-triton-compiled",
                          "tests/test_triton_*.py, tests/test_kernel_warmup.py, kernels compiled")):
@@ -222,7 +224,7 @@ def summarize(out: Path, device: str, smoke: bool) -> str:
              "| step | result | seconds |", "|---|---|---:|"]
     lines += [f"| {name} | {_outcome(step)} | {step['seconds']} |" for name, step in steps.items()]
     lines.append("")
-    for section in (_tests(out, steps), _equality(out), _throughput(out), _kernels(out),
+    for section in (_tests(out, steps, smoke), _equality(out), _throughput(out), _kernels(out),
                     _preempt_latency(out), _stream_gaps(out), _burst(out)):
         lines += section
     failed = [name for name, step in steps.items() if step["rc"] != 0]
