@@ -220,3 +220,17 @@ def test_the_cuda_backend_warms_up_on_a_side_stream_then_captures_into_one_pool(
     one = ["side waits for main", "enter side", "forward", "forward", "leave side",
            "main waits for side", "capture into pool", "forward", "end capture"]
     assert calls == one + one + ["replay"]
+
+
+def test_a_failed_capture_is_a_startup_error_naming_the_size_and_the_way_out(runner) -> None:
+    class FailingGraphs(FakeGraphs):
+        def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
+            if self.captured:  # the largest size captures, the next one fails
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return super().capture(fn)
+
+    backend = FailingGraphs()
+    with pytest.raises(RuntimeError, match=r"capture failed at decode batch 4: RuntimeError: "
+                       r"operation not permitted .*--enforce-eager"):
+        capture_decode_graphs(runner, MAX_NUM_SEQS, MAX_MODEL_LEN, backend=backend)
+    assert backend.captured == [8]  # probe: the capture really ran, largest size first

@@ -162,7 +162,12 @@ class DecodeGraphs:
             # reads what they leave there before a request owns the block. The tables are
             # zeroed at full width once, so no column holds anything but a block id.
             runner.prepare_inputs(_dummy_decodes(size), table_width=runner.buffers.max_blocks)
-            graph, output = self.backend.capture(self._forward(size))
+            try:
+                graph, output = self.backend.capture(self._forward(size))
+            except Exception as exc:
+                raise RuntimeError(f"CUDA graph capture failed at decode batch {size}: "
+                                   f"{type(exc).__name__}: {exc} (--enforce-eager runs every "
+                                   f"step without graphs)") from exc
             self.graphs[size] = _Captured(graph, output)
         if runner.buffers.generation != self.generation:
             raise RuntimeError("the step buffers grew while capturing CUDA graphs")
