@@ -110,7 +110,8 @@ def _greedy(max_tokens: int) -> Any:
 def odd_lengths(model: str, hf: Any, shapes: Shapes, device: str) -> Scenario:
     from engine import LLM
 
-    llm = LLM(model=model, dtype="float32", device=device,
+    # No deadlines here: the predictor's startup calibration would only cost time.
+    llm = LLM(model=model, dtype="float32", device=device, startup_calibration=False,
               max_num_batched_tokens=shapes.budget, max_model_len=max(shapes.odd_lengths) + 64)
     try:
         prompts = _prompts(list(shapes.odd_lengths), shapes.model["vocab_size"], seed=1)
@@ -130,6 +131,7 @@ def cramped_pool(model: str, hf: Any, shapes: Shapes, device: str) -> Scenario:
     from engine import LLM
 
     llm = LLM(model=model, dtype="float32", device=device, block_size=16,
+              startup_calibration=False,
               num_kv_blocks=shapes.cramped_blocks, max_num_batched_tokens=shapes.budget,
               max_model_len=shapes.cramped_prompt_len + 4 * shapes.max_new_tokens,
               enable_prefix_caching=False)

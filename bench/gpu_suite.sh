@@ -78,40 +78,47 @@ else
     test_mode=()
     limit_scale=1
     long_prompt=16384; trials=10; contexts=(16 500 3000 12000)
-    burst=(--num-requests 24 --rates 1)
+    burst=(--num-requests 16 --rates 2)
 fi
 load=(--load-format dummy)
 [[ $smoke == 1 ]] && load=(--load-format auto)
 
-step tests-cuda 70 $py -m pytest -q -p no:cacheprovider "${test_mode[@]}" \
+step tests-cuda 60 $py -m pytest -q -p no:cacheprovider "${test_mode[@]}" \
     tests/test_cuda.py tests/test_gpu_memory_utilization.py
-step tests-triton-compiled 50 env TRITON_INTERPRET=$([[ $device == cuda ]] && echo 0 || echo 1) \
+step tests-triton-compiled 45 env TRITON_INTERPRET=$([[ $device == cuda ]] && echo 0 || echo 1) \
     $py -m pytest -q -p no:cacheprovider "${test_mode[@]}" tests/test_triton_kernels.py \
     tests/test_triton_fused.py tests/test_triton_engine.py tests/test_kernel_warmup.py
-step equality 70 $py -m bench.gpu_equality --device "$device" "${smoke_flag[@]}" \
+step equality 75 $py -m bench.gpu_equality --device "$device" "${smoke_flag[@]}" \
     --out "$out/equality.json"
 # --profile: the engine's torch.profiler summary after the timed runs (about 15 s on an H100 at
 # the full sizes, estimated: the decode batches' prefills again, ~5 profiled steps per kind and
-# their parsing). No kind starts after 70 s of the run, so the step stays inside its limit.
-step throughput 100 $py -m bench.gpu_throughput --device "$device" "${smoke_flag[@]}" \
-    --shape "$shape" --profile --profile-until-s $((70 * limit_scale)) \
+# their parsing). No kind starts after 62 s of the run, so the step stays inside its limit.
+step throughput 90 $py -m bench.gpu_throughput --device "$device" "${smoke_flag[@]}" \
+    --shape "$shape" --profile --profile-until-s $((62 * limit_scale)) \
     --out "$out/throughput.json"
 if [[ $device == cuda ]]; then
-    step kernels 30 $py -m bench.gpu_kernels --repeats 10 --json "$out/kernels.json"
+    step kernels 25 $py -m bench.gpu_kernels --repeats 10 --json "$out/kernels.json"
 else
-    step kernels 30 $py -m bench.gpu_kernels --smoke --sections decode --json "$out/kernels.json"
+    step kernels 25 $py -m bench.gpu_kernels --smoke --sections decode --json "$out/kernels.json"
 fi
-step preempt-latency 35 $py -m bench.preempt_latency --model "$model" "${load[@]}" \
+step preempt-latency 30 $py -m bench.preempt_latency --model "$model" "${load[@]}" \
     --device "$device" --prompt-tokens "$long_prompt" --trials "$trials" \
     --json "$out/preempt_latency.json"
-step stream-gaps 45 $py -m bench.stream_gaps --model "$model" "${load[@]}" --device "$device" \
+step stream-gaps 55 $py -m bench.stream_gaps --model "$model" "${load[@]}" --device "$device" \
     --contexts "${contexts[@]}" --out "$out/stream_gaps.json"
-for runner in inprocess http; do
-    step "burst-$runner" 60 $py -m engine bench run --model "$model" "${load[@]}" \
-        --device "$device" --workload burst --arrival gamma --burstiness 4 "${burst[@]}" \
-        --seeds 0 --policies fcfs slo+mf-conservative-suspend --budgets 2048 \
-        --runner "$runner" --output-dir "$out/burst-$runner"
-done
+# The in-process run calibrates the TTFT line (it sizes the documents and sets the SLOs); the
+# HTTP run reuses it, so both replay the same trace and its servers skip their own calibration.
+burst_args=(--model "$model" "${load[@]}" --device "$device" --workload burst --arrival gamma
+            --burstiness 4 "${burst[@]}" --seeds 0 --budgets 2048
+            --policies fcfs slo+mf-conservative-suspend)
+step burst-inprocess 75 $py -m engine bench run "${burst_args[@]}" --runner inprocess \
+    --output-dir "$out/burst-inprocess"
+line=()
+if [[ -f $out/burst-inprocess/ttft_model.json ]]; then
+    line=(--ttft-model "$out/burst-inprocess/ttft_model.json")
+fi
+step burst-http 65 $py -m engine bench run "${burst_args[@]}" "${line[@]}" --runner http \
+    --output-dir "$out/burst-http"
 
 $py -m bench.gpu_summary "$out" --device "$device" $([[ $smoke == 1 ]] && echo --smoke)
 awk -F'\t' '$2 != 0 { bad = 1 } END { exit bad }' "$out/steps.tsv"
