@@ -33,10 +33,9 @@ class Worker:
         one machine, so it defaults to ``rank``. Never read from the environment here: spawned
         ranks inherit their parent's, which may be a torchrun rank's."""
         from engine.runtime.model_setup import load_hf_config, resolve_dtype
-        from workers.cuda_graphs import capture_decode_graphs
-        from workers.kernel_warmup import warm_up_kernels
         from workers.kv_memory import measure_kv_pool
         from workers.model_runner import ModelRunner
+        from workers.serving_startup import prepare_for_serving
         from workers.step_buffers import StepLimits
 
         # Ranks sharing a machine split its cores; oversubscribed OpenMP threads spin each other.
@@ -74,11 +73,8 @@ class Worker:
                                                       self._agree_on_pool(fits))
         self.num_kv_blocks = num_kv_blocks(self.runner.kv_caches)
         try:
-            # Every rank runs the same steps (their collectives must match), before any request.
-            self.runner.kernel_warmup = warm_up_kernels(self.runner, config.max_model_len,
-                                                        config.max_num_seqs)
-            self.runner.graphs = capture_decode_graphs(self.runner, config.max_num_seqs,
-                                                       config.max_model_len, config.tp_size)
+            prepare_for_serving(self.runner, config.max_model_len, config.max_num_seqs,
+                                config.tp_size)
         except Exception:
             report_error(self.groups, traceback.format_exc())
             raise

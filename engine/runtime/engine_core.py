@@ -90,10 +90,9 @@ class EngineCore:
 
     def _in_process_executor(self, signal: PreemptSignal | None) -> Executor:
         from workers.kv_cache import num_kv_blocks, resized_kv_caches
-        from workers.cuda_graphs import capture_decode_graphs
-        from workers.kernel_warmup import warm_up_kernels
         from workers.kv_memory import measure_kv_pool
         from workers.model_runner import ModelRunner
+        from workers.serving_startup import prepare_for_serving
         from workers.step_buffers import StepLimits
 
         m, config = self.model, self.config
@@ -109,12 +108,7 @@ class EngineCore:
         plan = kv_pool_plan(config, m)
         if plan is not None:
             runner.kv_caches = resized_kv_caches(runner.kv_caches, measure_kv_pool(runner, plan))
-        # Before any request: no compile may stall serving.
-        runner.kernel_warmup = warm_up_kernels(runner, m.max_model_len,
-                                               config.scheduler.max_num_seqs)
-        # After the warm-up (every kernel compiled), before any request.
-        runner.graphs = capture_decode_graphs(runner, config.scheduler.max_num_seqs,
-                                              m.max_model_len)
+        prepare_for_serving(runner, m.max_model_len, config.scheduler.max_num_seqs)
         if signal is not None:
             from workers.preempt_vote import PreemptVote
 
