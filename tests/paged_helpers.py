@@ -83,3 +83,20 @@ class StopAt:
 
     def finish(self) -> None:
         pass
+
+
+def bypass_the_position_buffer(monkeypatch) -> None:
+    """Make every step's positions a fresh tensor instead of the runner's position buffer: a
+    captured graph keeps reading the buffer (stale positions), so its tokens change (the probe
+    that replays really go through the static buffers)."""
+    from workers.step_buffers import StepBuffers
+
+    upload = StepBuffers.upload
+
+    def stale_positions(buffers: StepBuffers, buffer: torch.Tensor,
+                        host: torch.Tensor) -> torch.Tensor:
+        if buffer is buffers.positions:
+            return host.clone()
+        return upload(buffers, buffer, host)
+
+    monkeypatch.setattr(StepBuffers, "upload", stale_positions)

@@ -34,6 +34,7 @@ from tests.test_mid_forward_preemption import (  # noqa: E402,F401 (the fixture)
 from tests.test_tp_engine import _run as run_tp  # noqa: E402
 from tests.test_tp_preemption import check_tp2_remote_rank_unwinds_with_rank0  # noqa: E402
 from tests.triton_device import kernels_interpreted  # noqa: E402
+from workers.cuda_graphs import FAKE_GRAPHS_ENV  # noqa: E402
 
 GPU_REASON = ("needs an NVIDIA GPU (torch.cuda.is_available() is False); the same scenario runs "
               "on the CPU in the 'device_cpu' case")
@@ -166,9 +167,13 @@ def test_seeded_sampling_on_the_gpu_is_reproducible(tiny_model, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_decode_graphs_equal_enforce_eager(tiny_model, device):
-    """On a GPU the decode-only steps replay CUDA graphs captured at startup (workers.cuda_graphs;
-    off with enforce_eager): the greedy tokens equal the eager run's. The CPU captures none."""
+def test_cuda_graphs_equal_enforce_eager(tiny_model, device, monkeypatch):
+    """On a GPU, decode-only steps replay whole CUDA graphs and steps with prefill tokens
+    replay pieces between the attention ops, all captured at startup (workers.cuda_graphs,
+    workers.piecewise_graphs; off with enforce_eager): the greedy tokens equal the eager run's.
+    The CPU captures none, so there the same paths run on the CPU stand-in for graphs."""
+    if device == "cpu":
+        monkeypatch.setenv(FAKE_GRAPHS_ENV, "1")
     model_dir = tiny_model("llama")
     tokens, replays = [], []
     for enforce_eager in (True, False):
@@ -177,17 +182,15 @@ def test_decode_graphs_equal_enforce_eager(tiny_model, device):
         try:
             outs = llm.generate(_prompts(llm.engine.vocab_size, LENGTHS), GREEDY)
             tokens.append([o.token_ids for o in outs])
-            graphs = llm.engine.executor.runner.graphs
-            replays.append(None if graphs is None else graphs.replays)
+            runner = llm.engine.executor.runner
+            replays.append(None if runner.graphs is None else
+                           (runner.graphs.replays, runner.piecewise.replays))
         finally:
             llm.shutdown()
     assert tokens[0] == tokens[1]
-    # Probe: graphs replayed decode steps on the GPU only, and never under enforce_eager.
+    # Probe: both kinds of graph replayed steps, and none ran under enforce_eager.
     assert replays[0] is None
-    if device == "cuda":
-        assert replays[1] is not None and replays[1] > 0
-    else:
-        assert replays[1] is None
+    assert replays[1] is not None and min(replays[1]) > 0
 
 
 @pytest.mark.timeout(300)

@@ -16,9 +16,10 @@ import tests.triton_device  # noqa: F401  (Triton's interpreter, before any kern
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.runtime.model_setup import load_hf_config
 from engine.sampling_params import SamplingParams
+from tests.paged_helpers import bypass_the_position_buffer
 from workers.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from workers.model_runner import ModelRunner
-from workers.step_buffers import StepBuffers, StepLimits
+from workers.step_buffers import StepLimits
 
 BLOCK = 16
 MAX_MODEL_LEN = 128
@@ -121,15 +122,7 @@ def test_replayed_decodes_equal_eager_ones(kernels, request) -> None:
 def test_an_input_that_bypasses_the_buffers_changes_the_tokens(runner, monkeypatch) -> None:
     eager = _generate(runner, first_block=0)
     _capture(runner)
-    upload = StepBuffers.upload
-
-    def stale_positions(buffers: StepBuffers, buffer: torch.Tensor,
-                        host: torch.Tensor) -> torch.Tensor:
-        if buffer is buffers.positions:
-            return host.clone()  # a fresh tensor: the buffer keeps the capture's positions
-        return upload(buffers, buffer, host)
-
-    monkeypatch.setattr(StepBuffers, "upload", stale_positions)
+    bypass_the_position_buffer(monkeypatch)
     assert _generate(runner, first_block=32) != eager
 
 

@@ -18,6 +18,7 @@ from engine.runtime.engine_core import EngineCore
 from engine.core.request import Request
 from engine.sampling_params import SamplingParams
 from monitor.predictor import LinearTTFT
+from workers.cuda_graphs import FAKE_GRAPHS_ENV
 from workers.model_runner import LAYER_DELAY_ENV
 
 NUM_LAYERS = 8
@@ -94,11 +95,12 @@ def _on_long_step(engine: EngineCore, layer: int, action: Callable[[], None],
     reached = threading.Event()
 
     def hook(_module, args) -> None:
-        if args[1].shape[0] >= min_tokens and not reached.is_set():
+        if args[0].shape[0] >= min_tokens and not reached.is_set():
             reached.set()
 
+    # On the layer's input norm, which an eager pass and a replayed piece both run.
     layers = engine.executor.runner.model.model.layers
-    layers[layer].register_forward_pre_hook(hook)
+    layers[layer].input_layernorm.register_forward_pre_hook(hook)
 
     def fire() -> None:
         if reached.wait(timeout=30):
@@ -108,7 +110,7 @@ def _on_long_step(engine: EngineCore, layer: int, action: Callable[[], None],
 
 
 def _reference_outputs(model: str, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
-    engine = _engine(model, mid_forward_preemption=False)
+    engine = _engine(model, mid_forward_preemption=False, enforce_eager=True)
     try:
         requests = {k: _request(k, p, None) for k, p in prompts.items()}
         for r in requests.values():
@@ -120,22 +122,34 @@ def _reference_outputs(model: str, prompts: dict[str, list[int]]) -> dict[str, l
 
 
 def _count_tokens_per_layer(engine: EngineCore) -> list[int]:
-    """Tokens that entered each decoder layer, summed over the run."""
+    """Tokens that entered each decoder layer, summed over the run (a step replayed as pieces
+    counts its padded rows at every layer alike)."""
     layers = engine.executor.runner.model.model.layers
     counts = [0] * len(layers)
 
     def counter(index: int):
         def hook(_module, args) -> None:
-            counts[index] += args[1].shape[0]
+            counts[index] += args[0].shape[0]
         return hook
 
     for i, layer in enumerate(layers):
-        layer.register_forward_pre_hook(counter(i))
+        layer.input_layernorm.register_forward_pre_hook(counter(i))
     return counts
 
 
 @pytest.mark.parametrize("mode", ["recompute", "pause", "suspend"])
 def test_urgent_arrival_unwinds_long_prefill(model: str, mode: str) -> None:
+    check_urgent_arrival_unwinds_long_prefill(model, mode)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "suspend"])
+def test_urgent_arrival_unwinds_a_step_replayed_as_pieces(model: str, mode: str,
+                                                          monkeypatch) -> None:
+    """CUDA graphs on (their CPU stand-in, workers.cuda_graphs.EagerReplayBackend): the long
+    prefill runs as pieces between the attention ops, the vote between two pieces stops it,
+    and every output equals an eager run's (the check probes that the pieces ran and
+    unwound)."""
+    monkeypatch.setenv(FAKE_GRAPHS_ENV, "1")
     check_urgent_arrival_unwinds_long_prefill(model, mode)
 
 
@@ -195,6 +209,12 @@ def check_urgent_arrival_unwinds_long_prefill(model: str, mode: str, check_timin
             assert urgent.first_token_time < long.first_token_time
         assert {"long": long.output_token_ids, "urgent": urgent.output_token_ids} == expected
         assert engine.scheduler.kv_cache_manager.num_free_blocks == 160
+        pieces = engine.executor.runner.piecewise
+        if pieces is not None:
+            # With graphs on, the long step (400 tokens) was replayed as pieces and the vote
+            # between two of them stopped it; steps ran as pieces and decodes as whole graphs.
+            assert pieces.unwinds == 1 and pieces.replays > 0
+            assert engine.executor.runner.graphs.replays > 0
     finally:
         engine.shutdown()
 

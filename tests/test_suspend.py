@@ -1,7 +1,9 @@
 """Suspended passes on the model runner (mode `suspend`): a prefill chunk whose pass was
 unwound between two layers resumes at that layer from the activations the runner kept, and its
 logits equal those of an uninterrupted pass, whatever else shares the steps (fresh chunks,
-decodes, a second unwind before or after the chunk joined)."""
+decodes, a second unwind before or after the chunk joined). Every scenario runs eager and with
+the steps replayed as pieces between the attention ops (workers.piecewise_graphs, through the
+CPU stand-in for CUDA graphs): a stop there must suspend the same activations."""
 
 from __future__ import annotations
 
@@ -13,16 +15,22 @@ from engine.sampling_params import SamplingParams
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput, StepStatus
 from workers.model_runner import ModelRunner
 from tests.paged_helpers import StopAt
+from workers.cuda_graphs import EagerReplayBackend
+from workers.piecewise_graphs import capture_piecewise_graphs
+from workers.step_buffers import StepLimits
 
 NUM_LAYERS = 8
 BLOCK = 16
 
 
-@pytest.fixture(scope="module")
-def runner(tiny_model) -> ModelRunner:
+@pytest.fixture(scope="module", params=["eager", "piecewise"])
+def runner(tiny_model, request) -> ModelRunner:
     model = tiny_model("llama", num_hidden_layers=NUM_LAYERS)
-    return ModelRunner(model, load_hf_config(model), torch.float32, torch.device("cpu"),
-                       num_blocks=64, block_size=BLOCK)
+    runner = ModelRunner(model, load_hf_config(model), torch.float32, torch.device("cpu"),
+                         num_blocks=64, block_size=BLOCK, limits=StepLimits(128, 4, 128))
+    if request.param == "piecewise":
+        runner.piecewise = capture_piecewise_graphs(runner, 128, EagerReplayBackend())
+    return runner
 
 
 @pytest.fixture
@@ -72,11 +80,16 @@ def _execute(runner: ModelRunner, requests: list[ScheduledRequest], stop_at: int
              free: list[str] | None = None):
     step_id = next(_step_ids)
     runner.vote = StopAt(stop_at) if stop_at is not None else None
+    pieces = runner.piecewise
+    unwinds = pieces.unwinds if pieces is not None else 0
     out = runner.execute(SchedulerOutput(step_id=step_id, requests=requests,
                                          preemptible=stop_at is not None,
                                          suspend_on_unwind=stop_at is not None,
                                          free_suspended=free or []))
     runner.vote = None
+    if pieces is not None and stop_at is not None and not any(r.resume for r in requests):
+        # Probe: the step ran as pieces and the stop came between two of them.
+        assert pieces.unwinds == unwinds + 1
     return out
 
 

@@ -27,6 +27,7 @@ which gives the right tokens only if every input really went through the static 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -213,22 +214,58 @@ def _dummy_decodes(size: int) -> list[ScheduledRequest]:
             for i in range(size)]
 
 
+# Test hook: on a machine without CUDA, "capture" graphs with EagerReplayBackend, so that the
+# engine's graph paths (static buffers, padding, piecewise steps with the vote between pieces)
+# run end to end on the CPU. Set in the environment, so spawned TP workers inherit it.
+FAKE_GRAPHS_ENV = "SLOSERVE_TEST_FAKE_CUDA_GRAPHS"
+
+
+class EagerReplayBackend:
+    """The CPU stand-in for CUDA graphs: "capture" keeps the function and a copy of its output
+    (a graph's output lives at a fixed address), "replay" calls the function again with no
+    arguments and writes its result there. A replay gives the right result only if every input
+    went through the static buffers the capture closed over, which is what tests check."""
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        out = fn().clone()
+        return (fn, out), out
+
+    def replay(self, graph: Any) -> None:
+        fn, out = graph
+        out.copy_(fn())
+
+
+def select_graph_backend(runner: Runner, tp_size: int = 1) -> GraphBackend | None:
+    """How this runner captures graphs, or None where graphs are off: --enforce-eager, not on
+    CUDA (unless FAKE_GRAPHS_ENV asks for the CPU stand-in), or tensor parallel (the
+    all-reduces inside a captured step are not yet tested on GPUs)."""
+    if runner.enforce_eager:
+        logger.info("CUDA graphs: off (--enforce-eager)")
+        return None
+    if os.environ.get(FAKE_GRAPHS_ENV) == "1":
+        logger.warning("CUDA graphs: %s=1, replaying captured steps eagerly (a test stand-in)",
+                       FAKE_GRAPHS_ENV)
+        return EagerReplayBackend()
+    if runner.device.type != "cuda":
+        return None
+    if tp_size > 1:
+        logger.info("CUDA graphs: off with tensor parallelism (every step runs eager)")
+        return None
+    return CudaGraphBackend(runner.device)
+
+
 def capture_decode_graphs(runner: Runner, max_num_seqs: int, max_model_len: int,
                           tp_size: int = 1,
                           backend: GraphBackend | None = None) -> DecodeGraphs | None:
     """Capture the decode graphs at startup, after the kernel warm-up; None where graphs are
-    off: --enforce-eager, not on CUDA (unless a test passes a backend), or tensor parallel
-    (the all-reduces inside a captured step are not yet tested)."""
+    off (``select_graph_backend``, unless a test passes a backend; --enforce-eager always
+    wins)."""
     if runner.enforce_eager:
-        logger.info("CUDA graphs: off (--enforce-eager)")
         return None
     if backend is None:
-        if runner.device.type != "cuda":
+        backend = select_graph_backend(runner, tp_size)
+        if backend is None:
             return None
-        if tp_size > 1:
-            logger.info("CUDA graphs: off with tensor parallelism (every step runs eager)")
-            return None
-        backend = CudaGraphBackend(runner.device)
     sizes = capture_sizes(max_num_seqs)
     graphs = DecodeGraphs(runner, sizes, backend, max_model_len)
     seconds = graphs.capture()

@@ -28,6 +28,7 @@ from workers.models import LayerJoin
 from workers.preempt_vote import PreemptVote, StepPreempted, discarded_share
 from workers.run_ahead import RunAheadLimit
 from workers.cuda_graphs import DecodeGraphs, padded
+from workers.piecewise_graphs import PiecewiseGraphs
 from workers.step_buffers import StepBuffers, StepLimits
 from workers.suspension import SuspendedChunks
 from workers.logits_processors import TokenHistory
@@ -46,13 +47,21 @@ LAYER_DELAY_ENV = "SLOSERVE_TEST_LAYER_DELAY_US_PER_TOKEN"
 PROMPT_LOGPROB_ROWS = 256
 
 
-def _slow_down_layers(model: torch.nn.Module, seconds_per_token: float) -> None:
-    def delay(_module: torch.nn.Module, args: tuple) -> None:
-        hidden_states = args[1]  # layer(layer_idx, hidden_states, ...)
-        time.sleep(seconds_per_token * hidden_states.shape[0])
+class LayerDelay:
+    """The LAYER_DELAY_ENV test hook: sleeps per token on each layer's input norm, which an
+    eager pass and a piece of a (test stand-in) graph both run. Paused during the startup
+    passes (kernel warm-up, graph capture), which no test times."""
 
-    for layer in model.model.layers:
-        layer.register_forward_pre_hook(delay)
+    def __init__(self, model: torch.nn.Module, seconds_per_token: float) -> None:
+        self.seconds_per_token = seconds_per_token
+        self.paused = False
+        for layer in model.model.layers:
+            layer.input_layernorm.register_forward_pre_hook(self._delay)
+
+    def _delay(self, _module: torch.nn.Module, args: tuple) -> None:
+        if not self.paused:
+            hidden_states = args[0]  # input_layernorm(hidden_states[, residual])
+            time.sleep(self.seconds_per_token * hidden_states.shape[0])
 
 
 @dataclass
@@ -103,8 +112,10 @@ class ModelRunner:
                                             dtype, device)
         self.sampler = Sampler(seed, device)
         self.buffers = StepBuffers(device, limits or StepLimits(), block_size)
-        # Captured decode steps (workers.cuda_graphs), set at startup on CUDA; None: all eager.
+        # Captured decode steps (workers.cuda_graphs) and the pieces of steps with prefill tokens
+        # (workers.piecewise_graphs), set at startup on CUDA; None: those steps run eager.
         self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
         # What the startup warm-up compiled (workers.kernel_warmup; None: not run, or not Triton).
         self.kernel_warmup: KernelWarmup | None = None
         self.suspended = SuspendedChunks()
@@ -115,8 +126,7 @@ class ModelRunner:
         # a preemptible step, or its votes come too early to stop anything.
         self.run_ahead = RunAheadLimit() if device.type == "cuda" else None
         delay = os.environ.get(LAYER_DELAY_ENV)
-        if delay:
-            _slow_down_layers(self.model, float(delay) * 1e-6)
+        self.layer_delay = LayerDelay(self.model, float(delay) * 1e-6) if delay else None
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -127,8 +137,11 @@ class ModelRunner:
             # its own copy; no collective is entered).
             return ModelRunnerOutput(step_id=scheduler_output.step_id)
         requests = scheduler_output.requests
-        graphs = self.graphs
+        graphs, piecewise = self.graphs, self.piecewise
         graph_size = graphs.size_for(scheduler_output) if graphs is not None else None
+        piece_size = None
+        if graph_size is None and piecewise is not None:
+            piece_size = piecewise.size_for(scheduler_output)
         if graph_size is None:
             inputs = self.prepare_inputs(requests)
         else:
@@ -153,6 +166,9 @@ class ModelRunner:
         try:
             if graphs is not None and graph_size is not None:
                 hidden = graphs.replay(graph_size)
+            elif piecewise is not None and piece_size is not None:
+                hidden = piecewise.run(piece_size, inputs.input_ids.shape[0], inputs.attn_meta,
+                                       self.kv_caches)
             else:
                 hidden = self.model.forward(inputs.input_ids, inputs.positions,
                                             inputs.attn_meta, self.kv_caches, inputs.joins)

@@ -74,9 +74,9 @@ class DecoderAttention(nn.Module):
         # The backend's fused rotary kernel where it has one (LlamaForCausalLM.use_kernels).
         self.apply_rotary: Callable[..., torch.Tensor] = apply_rotary
 
-    def forward(self, layer_idx: int, hidden_states: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, attn_meta: AttentionMetadata, kv_cache: KVCache,
-                attention_op: AttentionOp) -> torch.Tensor:
+    def project_qkv(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D] and k [T, Hkv, D] rotated, and v [T, Hkv, D]: the attention op's inputs."""
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
         q_size = self.num_heads * self.head_dim
@@ -86,14 +86,21 @@ class DecoderAttention(nn.Module):
             # q and k are adjacent in qkv, so one rotary pass covers both.
             qk = qkv[:, :q_size + kv_size].view(num_tokens, -1, self.head_dim)
             qk = self.apply_rotary(qk, cos, sin)
-            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        else:
-            q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
-            k = qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
-            q = self.apply_rotary(self.q_norm(q), cos, sin)
-            k = self.apply_rotary(self.k_norm(k), cos, sin)
-        out = attention_op(layer_idx, q, k, v, attn_meta, kv_cache)
-        return self.o_proj(out.reshape(num_tokens, q_size))
+            return qk[:, :self.num_heads], qk[:, self.num_heads:], v
+        q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        return (self.apply_rotary(self.q_norm(q), cos, sin),
+                self.apply_rotary(self.k_norm(k), cos, sin), v)
+
+    def project_out(self, attention_out: torch.Tensor) -> torch.Tensor:
+        """The attention op's output [T, Hq, D] through o_proj: [T, hidden]."""
+        return self.o_proj(attention_out.reshape(attention_out.shape[0], -1))
+
+    def forward(self, layer_idx: int, hidden_states: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, attn_meta: AttentionMetadata, kv_cache: KVCache,
+                attention_op: AttentionOp) -> torch.Tensor:
+        q, k, v = self.project_qkv(hidden_states, cos, sin)
+        return self.project_out(attention_op(layer_idx, q, k, v, attn_meta, kv_cache))
 
 
 class DecoderMLP(nn.Module):
@@ -127,19 +134,34 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=par.dtype,
                                                 device=par.device)
 
-    def forward(self, layer_idx: int, hidden_states: torch.Tensor, residual: torch.Tensor | None,
-                cos: torch.Tensor, sin: torch.Tensor, attn_meta: AttentionMetadata,
-                kv_cache: KVCache, attention_op: AttentionOp
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def before_attention(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                         cos: torch.Tensor, sin: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer up to its attention op: (q, k, v, residual stream entering the layer plus
+        ``hidden_states``). ``residual`` None: the first layer, whose input is the residual."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(layer_idx, hidden_states, cos, sin, attn_meta, kv_cache,
-                                       attention_op)
+        q, k, v = self.self_attn.project_qkv(hidden_states, cos, sin)
+        return q, k, v, residual
+
+    def after_attention(self, attention_out: torch.Tensor, residual: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer after its attention op: (MLP output, residual stream), the next layer's
+        inputs."""
+        hidden_states = self.self_attn.project_out(attention_out)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
+
+    def forward(self, layer_idx: int, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                cos: torch.Tensor, sin: torch.Tensor, attn_meta: AttentionMetadata,
+                kv_cache: KVCache, attention_op: AttentionOp
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, residual = self.before_attention(hidden_states, residual, cos, sin)
+        return self.after_attention(attention_op(layer_idx, q, k, v, attn_meta, kv_cache),
+                                    residual)
 
 
 class DecoderModel(nn.Module):
