@@ -56,7 +56,8 @@ def recording() -> Iterator[set[Variant]]:
     try:
         yield seen
     finally:
-        _RECORDERS.remove(seen)
+        # By identity: sets compare by value, and nested recordings may hold equal sets.
+        del _RECORDERS[next(i for i, r in enumerate(_RECORDERS) if r is seen)]
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **constants: Any) -> None:

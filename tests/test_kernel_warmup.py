@@ -23,7 +23,10 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 from kernels import variants  # noqa: E402
 from workers.kernel_warmup import (missing_decode_paths, warm_up_kernels,  # noqa: E402
                                    warmup_steps)
+from workers.cuda_graphs import FAKE_GRAPHS_ENV  # noqa: E402
 from workers.model_runner import ModelRunner  # noqa: E402
+from workers.serving_startup import prepare_for_serving  # noqa: E402
+from workers.step_buffers import StepLimits  # noqa: E402
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
@@ -33,6 +36,7 @@ H100_PROGRAMS = 2 * 132
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 1024  # the tiny models' max_position_embeddings
 MAX_NUM_SEQS = 40
+MAX_NUM_BATCHED_TOKENS = 256
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 ALL_KERNELS = {"_paged_attention_kernel", "_merge_splits_kernel", "_write_kv_kernel",
                "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel"}
@@ -108,7 +112,8 @@ def _zero_floats(kernel, grid, args, constants) -> None:
 
 def _runner(model_dir: str, device: torch.device, num_blocks: int = 8) -> ModelRunner:
     return ModelRunner(model_dir, load_hf_config(model_dir), torch.float32, device, num_blocks,
-                       BLOCK_SIZE, attention_backend="triton", fused_ops=True)
+                       BLOCK_SIZE, attention_backend="triton", fused_ops=True,
+                       limits=StepLimits(MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, MAX_MODEL_LEN))
 
 
 def _step(decode_contexts: list[int], chunks: list[tuple[int, int]]) -> SchedulerOutput:
@@ -125,9 +130,21 @@ def _step(decode_contexts: list[int], chunks: list[tuple[int, int]]) -> Schedule
     return SchedulerOutput(step_id=1, requests=requests)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_the_warm_up_launches_every_variant_serving_launches(tiny_model, arch, monkeypatch,
-                                                             triton_device, request):
+# Two heads of 8 dims: an eager pass's q/k rows are 24 elements apart (not a multiple of 16, which
+# Triton specializes on), the pieces' static q buffer's 16, so with graphs on the attention op
+# between pieces needs other variants than the eager warm-up launched.
+NARROW_HEADS = dict(hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                    num_key_value_heads=1)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "llama-narrow-heads"])
+def test_the_warm_up_launches_every_variant_serving_launches(tiny_model, arch, graphs,
+                                                             monkeypatch, triton_device,
+                                                             request):
+    """``cuda-graphs``: the startup (warm-up, capture, warm-up through the graphs) with the CPU
+    stand-in for graphs, and the sweep served through decode graphs and pieces, whose attention
+    ops read q/k/v from the pieces' static buffers."""
     monkeypatch.setattr(variants, "_run", _zero_floats)
     # Hundreds of tiny steps: one thread, so the CPU's matmuls never wait on idle threads.
     threads = torch.get_num_threads()
@@ -135,9 +152,16 @@ def test_the_warm_up_launches_every_variant_serving_launches(tiny_model, arch, m
     torch.set_num_threads(1)
     # The split choice of an H100 (132 multiprocessors), wherever this runs.
     monkeypatch.setattr(triton_attention, "target_programs", lambda device: H100_PROGRAMS)
-    runner = _runner(tiny_model(arch), triton_device)
+    model = (tiny_model("llama", **NARROW_HEADS) if arch == "llama-narrow-heads"
+             else tiny_model(arch))
+    runner = _runner(model, triton_device)
     with variants.recording() as warm:
-        warmup = warm_up_kernels(runner, MAX_MODEL_LEN, MAX_NUM_SEQS)
+        if graphs:
+            monkeypatch.setenv(FAKE_GRAPHS_ENV, "1")
+            prepare_for_serving(runner, MAX_MODEL_LEN, MAX_NUM_SEQS)
+            warmup = runner.kernel_warmup
+        else:
+            warmup = warm_up_kernels(runner, MAX_MODEL_LEN, MAX_NUM_SEQS)
     assert warmup is not None and warmup.variants == frozenset(warm)
 
     served: set[variants.Variant] = set()
@@ -150,6 +174,9 @@ def test_the_warm_up_launches_every_variant_serving_launches(tiny_model, arch, m
                 runner.execute(_step([context] * count, chunks))
         # Mixed decode contexts in one batch.
         runner.execute(_step([1, 40, MAX_MODEL_LEN, 3], [(0, 5)]))
+    if graphs:
+        # Probe: the sweep went through both kinds of graph.
+        assert runner.graphs.replays > 0 and runner.piecewise.replays > 0
 
     # Probes: the sweep launched both decode paths, the merge, and every fused kernel.
     decodes = {v.constant("SPLIT") for v in served if v.kernel == "_paged_attention_kernel"

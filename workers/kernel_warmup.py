@@ -17,6 +17,7 @@ they leave there, since a context length bounds every read) and keep every seque
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -37,9 +38,10 @@ MERGE_KERNEL = "_merge_splits_kernel"
 
 
 def warmup_steps(decode_shapes: dict[bool, tuple[int, int]], max_model_len: int,
-                 block_size: int) -> list[SchedulerOutput]:
+                 block_size: int, prefill_in_every_step: bool = False) -> list[SchedulerOutput]:
     """One step per decode path (``decode_shapes``: split -> (decodes, context length)), the
-    first with a two-token prefill chunk (one token would be scheduled as a decode)."""
+    first (or, with ``prefill_in_every_step``, each) with a two-token prefill chunk (one token
+    would be scheduled as a decode)."""
     greedy = SamplingParams(max_tokens=1, temperature=0.0)
     steps: list[list[ScheduledRequest]] = []
     for split in sorted(decode_shapes):  # unsplit first: it takes the prefill
@@ -51,8 +53,10 @@ def warmup_steps(decode_shapes: dict[bool, tuple[int, int]], max_model_len: int,
     if max_model_len >= 2:
         if not steps:
             steps.append([])
-        steps[0].append(ScheduledRequest(req_id="warmup-prefill", token_ids=[0, 0], start_pos=0,
-                                         block_ids=[0], sample=True, sampling_params=greedy))
+        for requests in steps if prefill_in_every_step else steps[:1]:
+            requests.append(ScheduledRequest(req_id="warmup-prefill", token_ids=[0, 0],
+                                             start_pos=0, block_ids=[0], sample=True,
+                                             sampling_params=greedy))
     return [SchedulerOutput(step_id=0, requests=requests) for requests in steps if requests]
 
 
@@ -68,17 +72,10 @@ def warm_up_kernels(runner: ModelRunner, max_model_len: int,
         # The engine refuses such a pool next, naming what to change; nothing to warm up on.
         logger.warning("the KV pool is empty: Triton kernels not warmed up")
         return None
-    shapes = triton_attention.decode_variant_shapes(
-        runner.model.num_kv_heads, runner.block_size, max_model_len, max_num_seqs,
-        triton_attention.target_programs(runner.device))
-    steps = warmup_steps(shapes, max_model_len, runner.block_size)
+    shapes, steps = _plan(runner, max_model_len, max_num_seqs)
     started = time.perf_counter()
     with recording() as seen:
-        for step in steps:
-            output = runner.execute(step)
-            if output.status is not StepStatus.OK:
-                raise RuntimeError(f"a kernel warm-up step failed: {output.status.name} "
-                                   f"{output.error or ''}".rstrip())
+        run_steps(runner, steps)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     warmup = KernelWarmup(variants=frozenset(seen), seconds=time.perf_counter() - started,
@@ -92,6 +89,46 @@ def warm_up_kernels(runner: ModelRunner, max_model_len: int,
                 "compiled" if warmup.compiled else "run in the interpreter", warmup.seconds,
                 describe(warmup.variants))
     return warmup
+
+
+def _plan(runner: ModelRunner, max_model_len: int, max_num_seqs: int,
+          prefill_in_every_step: bool = False
+          ) -> tuple[dict[bool, tuple[int, int]], list[SchedulerOutput]]:
+    from kernels import triton_attention
+
+    shapes = triton_attention.decode_variant_shapes(
+        runner.model.num_kv_heads, runner.block_size, max_model_len, max_num_seqs,
+        triton_attention.target_programs(runner.device))
+    return shapes, warmup_steps(shapes, max_model_len, runner.block_size,
+                                prefill_in_every_step)
+
+
+def run_steps(runner: ModelRunner, steps: list[SchedulerOutput]) -> None:
+    for step in steps:
+        output = runner.execute(step)
+        if output.status is not StepStatus.OK:
+            raise RuntimeError(f"a kernel warm-up step failed: {output.status.name} "
+                               f"{output.error or ''}".rstrip())
+
+
+def warm_up_graph_paths(runner: ModelRunner, warmup: KernelWarmup, max_model_len: int,
+                        max_num_seqs: int, captured: set[Variant]) -> KernelWarmup:
+    """After the CUDA graph capture: the warm-up steps again, each with a prefill chunk so that
+    it runs as pieces (where it fits one), whose attention ops read q/k/v from the pieces'
+    static buffers: other strides than an eager pass's views, which Triton may specialize on.
+    ``warmup`` plus what they and the capture (``captured``) launched."""
+    _, steps = _plan(runner, max_model_len, max_num_seqs, prefill_in_every_step=True)
+    started = time.perf_counter()
+    with recording() as seen:
+        run_steps(runner, steps)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    added = (frozenset(seen) | captured) - warmup.variants
+    if added:
+        logger.info("Triton kernels: %d more variants for the CUDA graph paths in %.2f s (%s)",
+                    len(added), time.perf_counter() - started, describe(added))
+    return dataclasses.replace(warmup, variants=warmup.variants | added,
+                               seconds=warmup.seconds + time.perf_counter() - started)
 
 
 def missing_decode_paths(variants: frozenset[Variant] | set[Variant],

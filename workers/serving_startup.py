@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from workers.cuda_graphs import capture_decode_graphs, select_graph_backend
-from workers.kernel_warmup import warm_up_kernels
+from kernels.variants import recording
+from workers.kernel_warmup import warm_up_graph_paths, warm_up_kernels
 from workers.piecewise_graphs import capture_piecewise_graphs
 
 if TYPE_CHECKING:
@@ -40,10 +41,14 @@ def _warm_up_and_capture(runner: ModelRunner, max_model_len: int, max_num_seqs: 
     if backend is None:
         return
     before = _device_memory(runner.device)
-    runner.graphs = capture_decode_graphs(runner, max_num_seqs, max_model_len,
-                                          backend=backend)
-    runner.piecewise = capture_piecewise_graphs(runner, runner.buffers.max_tokens, backend)
+    with recording() as captured:
+        runner.graphs = capture_decode_graphs(runner, max_num_seqs, max_model_len,
+                                              backend=backend)
+        runner.piecewise = capture_piecewise_graphs(runner, runner.buffers.max_tokens, backend)
     after = _device_memory(runner.device)
+    if runner.kernel_warmup is not None:
+        runner.kernel_warmup = warm_up_graph_paths(runner, runner.kernel_warmup, max_model_len,
+                                                   max_num_seqs, captured)
     if before is not None and after is not None:
         # They come out of the headroom --gpu-memory-utilization leaves (the KV pool was sized
         # before the capture, whose graphs read its addresses), as in vLLM.
