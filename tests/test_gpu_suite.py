@@ -79,3 +79,18 @@ def test_gpu_suite_needs_an_output_folder() -> None:
     proc = subprocess.run(["bash", "bench/gpu_suite.sh"], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2 and "usage" in proc.stderr
+
+
+def test_gpu_suite_header_states_the_sum_of_its_step_limits() -> None:
+    """The header's total is what the steps' limits add up to (a step in both branches of an
+    if counts once), and it stays under 540 s (9 minutes)."""
+    import re
+
+    script = (ROOT / "bench" / "gpu_suite.sh").read_text()
+    limits: dict[str, int] = {}
+    for name, limit in re.findall(r"^\s*step (\S+) (\d+) ", script, flags=re.MULTILINE):
+        limits[name] = max(limits.get(name, 0), int(limit))
+    assert list(limits) == STEPS
+    stated = re.search(r"they add up to (\d+) s", script)
+    assert stated is not None
+    assert sum(limits.values()) == int(stated.group(1)) < 540
