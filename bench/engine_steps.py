@@ -70,7 +70,9 @@ class MixedWorkload:
     Two scheduler settings make the steps steady (`scheduler_settings`): the chunk cap
     (long_prefill_token_threshold) and one sequence slot beyond the decodes (max_num_seqs), so
     the next long prompt waits for the previous one instead of taking the budget's rest as a
-    second chunk. Each prompt is a whole number of chunks, so no chunk is short."""
+    second chunk. Each prompt is a whole number of chunks, so no chunk is short once the decodes
+    are all decoding (the first prompt's may be, beside their prefill: `is_mixed_step` leaves
+    those steps out, and `for_sizes` adds a prompt for them)."""
 
     decodes: int
     context: int
