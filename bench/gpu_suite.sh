@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One call that measures everything on a GPU machine: the GPU tests, greedy equality against HF
-# transformers, throughput against the hardware bound and against HF, the kernels, preemption
+# transformers, throughput against the hardware bound and against HF (and CUDA graphs against
+# --enforce-eager: decode and mixed prefill-and-decode steps), the kernels, preemption
 # latency, the first requests after startup, and the SLO burst in process and over HTTP. No
 # network: real shapes are config-only folders (bench/model_shapes.py) with --load-format dummy.
 #
 #   bash bench/gpu_suite.sh OUT_DIR                    # on a GPU machine, under 9 minutes
 #   bash bench/gpu_suite.sh OUT_DIR --device cpu --smoke   # tiny shapes on a CPU (CI)
 #
-# Every step has its own time limit (they add up to 520 s, under 9 minutes), writes its log
+# Every step has its own time limit (they add up to 538 s, under 9 minutes), writes its log
 # and JSON under OUT_DIR, and a failed or timed-out step does not stop the others.
 # OUT_DIR/summary.md (printed at the end) is what bench/RESULTS.md takes as is, and
 # OUT_DIR/suite.json holds every step's figures. Exit status: 0 when every step passed.
@@ -90,11 +91,14 @@ step tests-triton-compiled 45 env TRITON_INTERPRET=$([[ $device == cuda ]] && ec
     tests/test_triton_fused.py tests/test_triton_engine.py tests/test_kernel_warmup.py
 step equality 75 $py -m bench.gpu_equality --device "$device" "${smoke_flag[@]}" \
     --out "$out/equality.json"
-# --profile: the engine's torch.profiler summary after the timed runs (about 15 s on an H100 at
-# the full sizes, estimated: the decode batches' prefills again, ~5 profiled steps per kind and
-# their parsing). No kind starts after 62 s of the run, so the step stays inside its limit.
-step throughput 90 $py -m bench.gpu_throughput --device "$device" "${smoke_flag[@]}" \
-    --shape "$shape" --profile --profile-until-s $((62 * limit_scale)) \
+# The graphs comparison adds about 18 s on an H100, estimated: an engine with --enforce-eager
+# (startup ~5 s, decode batch 1 and 64 ~3 s, the mixed kind ~1.5 s), the graphs engine's mixed
+# kind ~1.5 s and its profile ~3 s; hence 108 s, not 90. --profile: the engine's
+# torch.profiler summary after the timed runs (about 18 s at the full sizes, estimated: the
+# decode batches' prefills again, ~5 profiled steps per kind and their parsing). No kind starts
+# after 80 s of the run, so the step stays inside its limit.
+step throughput 108 $py -m bench.gpu_throughput --device "$device" "${smoke_flag[@]}" \
+    --shape "$shape" --profile --profile-until-s $((80 * limit_scale)) \
     --out "$out/throughput.json"
 if [[ $device == cuda ]]; then
     step kernels 25 $py -m bench.gpu_kernels --repeats 10 --json "$out/kernels.json"

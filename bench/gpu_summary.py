@@ -94,13 +94,29 @@ def _equality(out: Path) -> list[str]:
     return lines + [""]
 
 
+def _graphs_headline(report: dict[str, Any]) -> list[str]:
+    """What the CUDA graphs buy, in one line above the throughput section's tables."""
+    rows = report.get("graphs_vs_eager") or []
+    if not rows:
+        return []
+    cells = []
+    for row in rows:
+        kind = (f"{row['phase']} {row['batch']}" if row.get("chunk") is None
+                else f"{row['phase']} {row['batch']} + {row['chunk']}")
+        speedup = "-" if row["speedup"] is None else f"{row['speedup']:.2f}x"
+        cells.append(f"{kind} {speedup}")
+    return [f"CUDA graphs against --enforce-eager (speed-up = eager ms per step / graphs ms): "
+            f"{', '.join(cells)}.", ""]
+
+
 def _throughput(out: Path) -> list[str]:
-    """bench.gpu_throughput's markdown (its table, and with --profile the engine profile
-    after it) as its JSON carries it; else what it printed last in its log."""
+    """bench.gpu_throughput's markdown (its table, graphs against eager, and with --profile
+    the engine profile after them) as its JSON carries it, below a line with the graphs'
+    speed-ups; else what it printed last in its log."""
     report = _json(out / "throughput.json")
     lines = ["## Throughput against the hardware bound and HF transformers", ""]
     if report is not None and isinstance(report, dict) and report.get("markdown"):
-        return lines + [report["markdown"].rstrip(), ""]
+        return lines + _graphs_headline(report) + [report["markdown"].rstrip(), ""]
     log = _log(out, "throughput")
     heading = "### bench/gpu_throughput:"
     if heading in log:  # stdout, printed after everything on stderr

@@ -1,4 +1,5 @@
-"""Engine and HF transformers throughput on one device against the device's own limits.
+"""Engine and HF transformers throughput on one device against the device's own limits, and
+what the engine's CUDA graphs buy against --enforce-eager.
 
     python -m bench.gpu_throughput --shape llama-3.1-8b --out throughput.json
     python -m bench.gpu_throughput --smoke --device cpu        # tiny shapes, keeps it from rotting
@@ -10,24 +11,35 @@ device, one dtype (auto: bf16 on a GPU, the CPU's native choice otherwise). In t
    bench.kernel_harness.copy_gbps) and square-matmul TFLOP/s in the run's dtype;
 2. HF transformers in a second process (bench/hf_throughput.py), so that its memory and CUDA
    state are its own: prefill tokens/s, and decode tokens/s and TPOT at each batch;
-3. the engine in this process (`LLM(..., load_format="dummy")`): prefill tokens/s over prompts
-   of the whole token budget (one step each), and decode tokens/s and TPOT (median time from
-   one full-batch decode step's start to the next's, so output processing counts) at each batch
-   over random prompts of --context tokens, no prefix caching (every request reads its own K/V).
+3. the engine with enforce_eager=True (bench/engine_steps.py, in this process; its memory is
+   freed before the next engine starts): decode at --eager-batches and the mixed kind;
+4. the engine as configured, CUDA graphs on a GPU (`LLM(..., load_format="dummy")`): prefill
+   tokens/s over prompts of the whole token budget (one step each); decode tokens/s and TPOT
+   (median time from one full-batch decode step's start to the next's, so output processing
+   counts) at each batch over random prompts of --context tokens, no prefix caching (every
+   request reads its own K/V); and the mixed kind: --mixed-decodes running decodes at
+   --context tokens plus one --mixed-chunk-token chunk of a long prompt per step (the kind
+   issue 26's piecewise graphs replay), median step time (the decodes' TPOT) and tokens/s of
+   decodes and chunk together.
 
 Bounds (the FLOP and byte counts of bench/roofline.py for the shape):
 - prefill: a prompt's FLOPs (linear layers, one LM-head row, causal attention) / matmul TFLOP/s;
 - decode: a step's bytes (the weights once, each request's K/V) / copy bandwidth, or the step's
-  FLOPs / matmul TFLOP/s when that is longer (never at these batches on a GPU).
+  FLOPs / matmul TFLOP/s when that is longer (never at these batches on a GPU);
+- mixed: the same for the step's decodes and chunk (the chunk's bytes are the K/V of its prefix
+  and its own; its FLOPs, its linear layers and its attention over prefix and itself).
 
-Prints a markdown table (engine and HF side by side, each as % of the bound) on stdout that
-bench/RESULTS.md can take as is; progress and the engine's log go to stderr; --out writes JSON
-(with the printed markdown under "markdown"). Nothing here asserts a timing.
+Prints markdown on stdout that bench/RESULTS.md can take as is: the table (engine and HF side
+by side, each as % of the bound; HF has no mixed step), then graphs against eager (ms per step
+of each, speed-up = eager / graphs; on a CPU there are no graphs, so both ran the same code).
+Progress and the engine's log go to stderr; --out writes JSON (with the printed markdown under
+"markdown"; "eager" holds the eager engine's figures, "graphs_vs_eager" the comparison). Nothing
+here asserts a timing.
 
 --profile: after every timed figure, the engine runs each step kind again under torch.profiler
 for a few steady-state steps (bench/engine_profile.py): kernels per step (on the CPU, torch ops
 dispatched), GPU busy time against the step's wall time, the top kernels and host functions.
-JSON "profile", and a markdown section after the table. --profile-until-s starts no kind late
+JSON "profile", and a markdown section after the tables. --profile-until-s starts no kind late
 in a time-limited run.
 """
 
@@ -35,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -46,16 +57,21 @@ from typing import Any
 
 import torch
 
-from bench.roofline import (ModelShape, decode_bytes_per_step, decode_flops_per_step,
-                            prefill_flops)
+from bench.engine_steps import bench_eager, bench_engine
+from bench.roofline import (ModelShape, attention_flops, decode_bytes_per_step,
+                            decode_flops_per_step, prefill_flops)
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Full runs: the 8B shape on one H100 in about 2 minutes. --smoke: a tiny Llama on a CPU.
+# Full runs: the 8B shape on one H100 in about 2 minutes. The eager engine covers
+# two decode batches, not four: batch 16 and 128 again would cost about 7 s more, past what
+# bench/gpu_suite.sh's time limits leave. --smoke: a tiny Llama on a CPU.
 FULL = {"prefill_len": 2048, "prefill_prompts": 4, "batches": [1, 16, 64, 128], "context": 512,
-        "decode_steps": 16, "matmul_size": 8192}
+        "decode_steps": 16, "matmul_size": 8192, "mixed_decodes": 16, "mixed_chunk": 256,
+        "eager_batches": [1, 64]}
 SMOKE = {"prefill_len": 64, "prefill_prompts": 2, "batches": [1, 4], "context": 32,
-         "decode_steps": 4, "matmul_size": 256}
+         "decode_steps": 4, "matmul_size": 256, "mixed_decodes": 2, "mixed_chunk": 16,
+         "eager_batches": [1, 4]}
 # The smoke model: the --shape's fields with tiny dimensions (vocab_size: the tokenizer's).
 SMOKE_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
@@ -159,6 +175,23 @@ def decode_bound(shape: ModelShape, batch: int, mean_context: float, dtype_bytes
             "tokens_per_s": batch / step_s}
 
 
+def mixed_bound(shape: ModelShape, figures: dict[str, Any], dtype_bytes: int,
+                limits: dict[str, Any]) -> dict[str, float]:
+    """A mixed step: the decodes as in `decode_bound`, and the chunk's linear layers, its
+    attention over its prefix and itself, and the K/V of both that it reads."""
+    decodes = [round(figures["mean_context"])] * figures["batch"]
+    chunk, start = figures["chunk"], round(figures["mean_chunk_start"])
+    nbytes = decode_bytes_per_step(shape, [*decodes, start + chunk], dtype_bytes)["total"]
+    flops = (sum(decode_flops_per_step(shape, decodes).values())
+             + 2 * shape.linear_params * chunk + attention_flops(shape, start, chunk))
+    memory_s = nbytes / (limits["copy_bandwidth_gbs"] * 1e9)
+    compute_s = flops / (limits["matmul_tflops"] * 1e12)
+    step_s = max(memory_s, compute_s)
+    return {"bytes_per_step": nbytes, "flops_per_step": flops, "memory_ms": 1000 * memory_s,
+            "compute_ms": 1000 * compute_s, "tpot_ms": 1000 * step_s,
+            "tokens_per_s": figures["tokens_per_step"] / step_s}
+
+
 def add_bounds(side: dict[str, Any], shape: ModelShape, dtype_bytes: int,
                limits: dict[str, Any]) -> None:
     """Each figure of one side (engine or HF) beside the bound at its own sizes."""
@@ -168,10 +201,14 @@ def add_bounds(side: dict[str, Any], shape: ModelShape, dtype_bytes: int,
     for row in side["decode"].values():
         row["bound"] = decode_bound(shape, row["batch"], row["mean_context"], dtype_bytes, limits)
         row["pct_of_bound"] = 100 * row["tokens_per_s"] / row["bound"]["tokens_per_s"]
+    if "mixed" in side:
+        mixed = side["mixed"]
+        mixed["bound"] = mixed_bound(shape, mixed, dtype_bytes, limits)
+        mixed["pct_of_bound"] = 100 * mixed["tokens_per_s"] / mixed["bound"]["tokens_per_s"]
 
 
 # ---------------------------------------------------------------------------------------------
-# The two sides
+# HF transformers
 
 
 def bench_hf(model_dir: str, device: torch.device, dtype: torch.dtype, sizes: dict[str, Any],
@@ -193,180 +230,35 @@ def bench_hf(model_dir: str, device: torch.device, dtype: torch.dtype, sizes: di
     return json.loads(out_path.read_text())
 
 
-# Tokens each warm-up prompt generates (the whole-budget one too: the context must hold them).
-WARMUP_TOKENS = 4
-
-
-def _decode_max_tokens(batch: int, context: int, budget: int, steps: int) -> int:
-    """Enough tokens that every request is still decoding once the last prompt is prefilled:
-    the first ones start decoding while later prompts take the budget's remaining tokens."""
-    prefill_steps = math.ceil(batch * context / max(budget - batch, 1))
-    return prefill_steps + steps + 2
-
-
-def bench_engine(model_dir: str, device: torch.device, dtype: torch.dtype,
-                 sizes: dict[str, Any], seed: int, profile_steps: int = 0,
-                 profile_deadline: float | None = None) -> dict[str, Any]:
-    """The timed figures; with profile_steps, then a torch.profiler summary of that many steps
-    of each kind under "profile" (bench.engine_profile), started only before `profile_deadline`
-    (a perf_counter time)."""
-    import statistics
-
-    from bench.throughput import _decode_seconds_per_step, _prompts, _record_steps
-    from engine import LLM, SamplingParams
-
-    budget, context, steps = sizes["prefill_len"], sizes["context"], sizes["decode_steps"]
-    biggest = max(sizes["batches"])
-    decode_len = context + _decode_max_tokens(biggest, context, budget, steps)
-    # A pool for the biggest batch plus two prefills: --num-kv-blocks sizes it without the GPU
-    # memory profile, and no figure here depends on a pool bigger than that.
-    block = 16
-    blocks = (biggest * math.ceil((decode_len + 1) / block)
-              + 2 * math.ceil((budget + 1) / block) + 16)
-    started = time.perf_counter()
-    llm = LLM(model=model_dir, load_format="dummy", device=device.type,
-              dtype=str(dtype).removeprefix("torch."), enable_prefix_caching=False,
-              max_num_batched_tokens=budget, max_num_seqs=biggest,
-              max_model_len=max(budget + WARMUP_TOKENS, decode_len) + 1, block_size=block, num_kv_blocks=blocks,
-              startup_calibration=False, seed=seed)
-    result: dict[str, Any] = {"startup_s": time.perf_counter() - started, "kv_blocks": blocks}
-    vocab = _vocab(model_dir)
-    steps_log = _record_steps(llm)
-    try:
-        # Warm-up: first-use kernel compiles (a prefill of the budget, decodes) are not timed.
-        warm = _prompts(vocab, 2, budget, seed=seed + 10_000)
-        llm.generate([{"prompt_token_ids": p[:n]} for p, n in zip(warm, (budget, context))],
-                     SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS, ignore_eos=True))
-
-        prompts = _prompts(vocab, sizes["prefill_prompts"] + 1, budget, seed)[1:]
-        one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-        steps_log.clear()
-        started = time.perf_counter()
-        llm.generate([{"prompt_token_ids": p} for p in prompts], one)
-        elapsed = time.perf_counter() - started
-        walls = [s["end"] - s["start"] for s in steps_log]
-        result["prefill"] = {"prompt_len": budget, "prompts": len(prompts),
-                             "steps": len(steps_log),
-                             "tokens_per_s": budget * len(prompts) / elapsed,
-                             "step_ms": 1000 * statistics.median(walls)}
-        _progress(f"engine prefill {budget}: {result['prefill']['tokens_per_s']:.0f} tok/s")
-
-        result["decode"] = {}
-        for batch in sizes["batches"]:
-            batch_prompts = _prompts(vocab, batch, context, seed + batch)
-            params = SamplingParams(temperature=0, ignore_eos=True,
-                                    max_tokens=_decode_max_tokens(batch, context, budget, steps))
-            steps_log.clear()
-            llm.generate([{"prompt_token_ids": p} for p in batch_prompts], params)
-            step_s, contexts, measured = _decode_seconds_per_step(steps_log, batch)
-            if measured == 0:
-                raise RuntimeError(f"decode batch {batch}: no step decoded the whole batch "
-                                   f"(the scheduler never ran all {batch} requests together)")
-            full = [s for s in steps_log if len(s["requests"]) == batch
-                    and all(n == 1 for _, n in s["requests"])]
-            result["decode"][str(batch)] = {
-                "batch": batch, "context": context, "mean_context": contexts[0],
-                "steps_measured": measured, "tokens_per_s": batch / step_s,
-                "tpot_ms": 1000 * step_s,
-                "step_ms_max": 1000 * max(s["end"] - s["start"] for s in full)}
-            _progress(f"engine decode {batch} x {context}: {batch / step_s:.1f} tok/s, "
-                      f"TPOT {1000 * step_s:.2f} ms")
-        if profile_steps:
-            # After every timed figure: profiling slows the steps it records.
-            result["profile"] = profile_engine(llm, steps_log, device, vocab, sizes, seed,
-                                               result, profile_steps, profile_deadline)
-    finally:
-        llm.shutdown()
-    return result
-
-
-def profile_engine(llm: Any, steps_log: list[dict], device: torch.device, vocab: int,
-                   sizes: dict[str, Any], seed: int, timed: dict[str, Any], steps: int,
-                   deadline: float | None) -> dict[str, Any]:
-    """Each step kind of the timed run, profiled over `steps` steady-state steps: one
-    whole-budget prefill step per prompt, then decode at each batch. A kind not started by the
-    deadline is left out (and named), so a time-limited run still ends in time."""
-    from bench.engine_profile import StepWindow
-    from bench.throughput import _prompts
-    from engine import SamplingParams
-
-    budget, context = sizes["prefill_len"], sizes["context"]
-    # Fresh prompts (no prefix caching either way); the window needs steps + 3 of a kind: one
-    # unprofiled, the profiler's warm-up step, the measured ones and one that ends the last.
-    needed = steps + 3
-    kinds: list[tuple[str, dict[str, Any], Any, Any, float]] = []
-    prefill_prompts = _prompts(vocab, needed, budget, seed + 20_000)
-    kinds.append((f"prefill {budget}", {"phase": "prefill", "batch": 1, "tokens": budget},
-                  lambda: llm.generate([{"prompt_token_ids": p} for p in prefill_prompts],
-                                       SamplingParams(temperature=0, max_tokens=1,
-                                                      ignore_eos=True)),
-                  lambda s: len(s["requests"]) == 1 and s["requests"][0][1] == budget,
-                  timed["prefill"]["step_ms"]))
-    for batch in sizes["batches"]:
-        def run(batch: int = batch) -> None:
-            prompts = _prompts(vocab, batch, context, seed + 20_000 + batch)
-            llm.generate([{"prompt_token_ids": p} for p in prompts],
-                         SamplingParams(temperature=0, ignore_eos=True, max_tokens=(
-                             _decode_max_tokens(batch, context, budget, needed))))
-
-        kinds.append((f"decode {batch}", {"phase": "decode", "batch": batch, "tokens": batch},
-                      run, lambda s, batch=batch: len(s["requests"]) == batch
-                      and all(n == 1 for _, n in s["requests"]),
-                      timed["decode"][str(batch)]["tpot_ms"]))
-
-    window = StepWindow(llm, steps_log, device)
-    out: dict[str, Any] = {"device": device.type, "steps": steps, "kinds": {}}
-    skipped = []
-    try:
-        for label, info, run_kind, wanted, timed_ms in kinds:
-            if deadline is not None and time.perf_counter() > deadline:
-                skipped.append(label)
-                continue
-            started = time.perf_counter()
-            try:
-                summary = window.run(run_kind, wanted, steps, timed_ms)
-            except Exception as exc:  # noqa: BLE001 - one kind failing keeps the others
-                _progress(f"profile {label}: {type(exc).__name__}: {exc}")
-                out["kinds"][label] = {**info, "error": f"{type(exc).__name__}: {exc}"}
-                continue
-            out["kinds"][label] = {**info, **summary, "profile_s": time.perf_counter() - started}
-            busy = summary["busy_pct"]
-            _progress(f"profile {label}: {summary['ops_per_step']} ops/step"
-                      + ("" if busy is None else f", GPU busy {busy:.0f}% of the step")
-                      + f" ({time.perf_counter() - started:.1f} s)")
-    finally:
-        window.restore()
-    if skipped:
-        out["skipped"] = (f"{', '.join(skipped)} (the run had reached its --profile-until-s "
-                          f"before they started)")
-    return out
-
-
-def _vocab(model_dir: str) -> int:
-    from engine.runtime.model_setup import load_hf_config
-
-    return load_hf_config(model_dir).vocab_size
-
-
 # ---------------------------------------------------------------------------------------------
 # Report
 
 
-def table_rows(engine: dict[str, Any], hf: dict[str, Any]) -> list[dict[str, Any]]:
-    """Prefill, then decode at each batch: engine and HF side by side (None for a side that
-    failed). Both sides ran the same sizes in the same order."""
-    def figures(side: dict[str, Any]) -> list[dict[str, Any]]:
-        return [] if "error" in side else [side["prefill"], *side["decode"].values()]
+def _side_figures(side: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """A side's figures by row label, in table order: prefill, decode at each batch, mixed
+    (each that the side measured: the eager engine has no prefill)."""
+    if "error" in side:
+        return {}
+    figures = {"prefill": ("prefill", side["prefill"])} if "prefill" in side else {}
+    figures.update({f"decode {b}": ("decode", row) for b, row in side["decode"].items()})
+    if "mixed" in side:
+        figures["mixed"] = ("mixed", side["mixed"])
+    return figures
 
-    ours, theirs = figures(engine), figures(hf)
+
+def table_rows(engine: dict[str, Any], hf: dict[str, Any]) -> list[dict[str, Any]]:
+    """Prefill, decode at each batch, then the mixed kind (the engine's alone: HF has no such
+    step): engine and HF side by side (None for a side that failed or has no such figure)."""
+    ours, theirs = _side_figures(engine), _side_figures(hf)
     rows = []
-    for i in range(max(len(ours), len(theirs))):
-        a, b = (ours[i] if ours else None), (theirs[i] if theirs else None)
-        base: dict[str, Any] = a or b  # type: ignore[assignment]
+    for label in [*ours, *(k for k in theirs if k not in ours)]:
+        phase, base = ours.get(label) or theirs[label]
+        a, b = ours.get(label, (None, None))[1], theirs.get(label, (None, None))[1]
         rows.append({
-            "phase": "prefill" if i == 0 else "decode",
-            "batch": 1 if i == 0 else base["batch"],
-            "context": base["prompt_len"] if i == 0 else round(base["mean_context"]),
+            "phase": phase,
+            "batch": base.get("batch", 1),
+            "chunk": base.get("chunk"),
+            "context": base["prompt_len"] if phase == "prefill" else round(base["mean_context"]),
             "engine_tokens_per_s": a and a["tokens_per_s"],
             "hf_tokens_per_s": b and b["tokens_per_s"],
             "bound_tokens_per_s": base["bound"]["tokens_per_s"],
@@ -378,10 +270,33 @@ def table_rows(engine: dict[str, Any], hf: dict[str, Any]) -> list[dict[str, Any
     return rows
 
 
+def graphs_vs_eager_rows(engine: dict[str, Any], eager: dict[str, Any]) -> list[dict[str, Any]]:
+    """The eager engine's kinds (decode at --eager-batches, mixed) beside the same kinds of the
+    graphs engine: ms per step, tokens/s, speed-up = eager ms / graphs ms (None where a side
+    failed)."""
+    graphs = _side_figures(engine)
+    rows = []
+    for label, (phase, slow) in _side_figures(eager).items():
+        fast = graphs.get(label, (None, None))[1]
+        g_ms, e_ms = fast and fast["tpot_ms"], slow["tpot_ms"]
+        rows.append({
+            "phase": phase, "batch": slow["batch"], "chunk": slow.get("chunk"),
+            "tokens_per_step": slow.get("tokens_per_step", slow["batch"]),
+            "graphs_step_ms": g_ms, "eager_step_ms": e_ms,
+            "graphs_tokens_per_s": fast and fast["tokens_per_s"],
+            "eager_tokens_per_s": slow["tokens_per_s"],
+            "speedup": e_ms / g_ms if g_ms and e_ms else None})
+    return rows
+
+
 def _cell(value: float | None, digits: int = 1) -> str:
     if value is None:
         return "-"
     return f"{value:,.{digits}f}"
+
+
+def _batch_cell(row: dict[str, Any]) -> str:
+    return str(row["batch"]) if row["chunk"] is None else f"{row['batch']} + {row['chunk']}"
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -401,7 +316,10 @@ def markdown(result: dict[str, Any]) -> str:
         f"random prompts, no prefix caching, median over at least {sizes['decode_steps']} "
         f"full-batch steps; "
         f"bound = weights + K/V bytes per step at the copy bandwidth; TPOT = ms per output "
-        f"token of one sequence; context = mean keys per decode step.", "",
+        f"token of one sequence; context = mean keys per decode step. Mixed (batch "
+        f"D + C): D decodes and one C-token chunk of a {sizes['prefill_len']}-token prompt per "
+        f"step; tok/s counts both, TPOT is the step, bound as decode's with the chunk's FLOPs "
+        f"and K/V reads added.", "",
         "| phase | batch | context | engine tok/s | HF tok/s | engine / HF | bound tok/s "
         "| engine % of bound | HF % of bound | engine TPOT ms | HF TPOT ms | bound TPOT ms |",
         "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
@@ -409,7 +327,7 @@ def markdown(result: dict[str, Any]) -> str:
         ours, theirs = row["engine_tokens_per_s"], row["hf_tokens_per_s"]
         ratio = f"{ours / theirs:.2f}x" if ours and theirs else "-"
         lines.append(
-            f"| {row['phase']} | {row['batch']} | {row['context']} | {_cell(ours)} "
+            f"| {row['phase']} | {_batch_cell(row)} | {row['context']} | {_cell(ours)} "
             f"| {_cell(theirs)} | {ratio} | {_cell(row['bound_tokens_per_s'])} "
             f"| {_cell(row['engine_pct_of_bound'])} | {_cell(row['hf_pct_of_bound'])} "
             f"| {_cell(row['engine_tpot_ms'], 2)} | {_cell(row['hf_tpot_ms'], 2)} "
@@ -417,11 +335,55 @@ def markdown(result: dict[str, Any]) -> str:
     for side in ("engine", "hf"):
         if "error" in result[side]:
             lines += ["", f"**{side} not measured:** {result[side]['error']}"]
+    lines += graphs_markdown(result)
     if result.get("profile"):
         from bench.engine_profile import markdown as profile_markdown
 
         lines += profile_markdown(result["profile"])
     return "\n".join(lines)
+
+
+def _graphs_used(side: dict[str, Any]) -> str:
+    probe = side.get("graphs") or {}
+    sizes, replays = probe.get("decode_graph_sizes"), probe.get("decode_graph_replays")
+    if sizes is None:
+        return "not known (the runner is in another process)"
+    if not sizes:
+        return "no decode graphs captured"
+    return (f"decode graphs for {len(sizes)} batch sizes ({sizes[0]}..{sizes[-1]}), "
+            f"{replays} replays")
+
+
+def graphs_markdown(result: dict[str, Any]) -> list[str]:
+    """The graphs-against-eager table (lines), after the throughput table."""
+    if "eager" not in result:
+        return []
+    engine, eager = result["engine"], result["eager"]
+    lines = ["", "#### CUDA graphs against --enforce-eager", ""]
+    if "error" in eager:
+        return lines + [f"**eager engine not measured:** {eager['error']}"]
+    lines += [
+        "The same step kinds, same sizes and prompts, on a second engine with "
+        "enforce_eager=True (this process, before the graphs engine; "
+        + ("memory it left allocated: "
+           f"{eager['memory_left_gb']:.2f} GB" if eager.get("memory_left_gb") is not None
+           else "CPU: no device memory to free")
+        + "). ms/step: median step, start to next start (decode: TPOT); speed-up = eager ms "
+        "/ graphs ms. Graphs engine: " + ("-" if "error" in engine else _graphs_used(engine))
+        + "; eager engine: " + _graphs_used(eager) + "."
+        + (" On the CPU there are no CUDA graphs: both columns ran the same eager code, and the "
+           "speed-up is noise around 1." if result["device"]["type"] == "cpu" else ""), "",
+        "| step | batch | tokens/step | graphs ms/step | eager ms/step | graphs tok/s "
+        "| eager tok/s | speed-up |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|"]
+    for row in result["graphs_vs_eager"]:
+        speedup = "-" if row["speedup"] is None else f"{row['speedup']:.2f}x"
+        lines.append(
+            f"| {row['phase']} | {_batch_cell(row)} | {row['tokens_per_step']} "
+            f"| {_cell(row['graphs_step_ms'], 2)} | {_cell(row['eager_step_ms'], 2)} "
+            f"| {_cell(row['graphs_tokens_per_s'])} | {_cell(row['eager_tokens_per_s'])} "
+            f"| {speedup} |")
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------
@@ -459,12 +421,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, help="decode prompt length")
     parser.add_argument("--decode-steps", type=int, help="timed full-batch decode steps")
     parser.add_argument("--matmul-size", type=int, help="n of the n x n x n limit matmul")
+    parser.add_argument("--mixed-decodes", type=int,
+                        help="mixed kind: running decodes (of --context-token prompts) per step")
+    parser.add_argument("--mixed-chunk", type=int,
+                        help="mixed kind: tokens of the long prompt's chunk per step")
+    parser.add_argument("--eager-batches", type=int, nargs="+",
+                        help="decode batches measured again with --enforce-eager (each one of "
+                             "--batches), beside the mixed kind")
+    parser.add_argument("--no-eager", action="store_true",
+                        help="skip the engine with --enforce-eager (no graphs comparison)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers side")
     parser.add_argument("--hf-timeout-s", type=float, default=600.0)
     parser.add_argument("--profile", action="store_true",
                         help="after the timed runs, profile the engine (torch.profiler) over a "
-                             "few steady-state steps of prefill and of decode at each batch: "
+                             "few steady-state steps of prefill, mixed and decode at each batch: "
                              "kernels (CPU: aten ops) per step, GPU busy against wall time, "
                              "the top kernels and host functions (JSON 'profile', markdown "
                              "after the table)")
@@ -479,7 +450,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for key, value in (SMOKE if args.smoke else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    for key in ("prefill_len", "prefill_prompts", "context", "decode_steps", "matmul_size"):
+    for key in ("prefill_len", "prefill_prompts", "context", "decode_steps", "matmul_size",
+                "mixed_decodes"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be at least 1")
     if args.profile_steps < 1:
@@ -490,6 +462,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         # The budget is the engine's token budget per step: a step cannot decode more.
         parser.error(f"--batches: a decode step of {max(args.batches)} requests needs a token "
                      f"budget (--prefill-len, {args.prefill_len}) above it")
+    if not 2 <= args.mixed_chunk <= args.prefill_len - args.mixed_decodes:
+        # A one-token chunk would look like one more decode in the step log.
+        parser.error(f"--mixed-chunk must be at least 2 and fit the token budget beside the "
+                     f"decodes (--prefill-len {args.prefill_len} - --mixed-decodes "
+                     f"{args.mixed_decodes})")
+    if not set(args.eager_batches) <= set(args.batches):
+        parser.error("--eager-batches: each must be one of --batches (the graphs figure it is "
+                     "compared with)")
     return args
 
 
@@ -515,6 +495,34 @@ def _guarded(fn: Any) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
+def measure_sides(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
+                  sizes: dict[str, Any], model_dir: str, scratch: Path,
+                  wall_started: float) -> dict[str, dict[str, Any]]:
+    """HF, then the eager engine, then the graphs engine (with its profile, the only part that
+    a --profile-until-s deadline cuts short, last). Each side is its figures or {"error": ...}."""
+    sides = {"hf": {"error": "skipped (--no-hf)"} if args.no_hf else _guarded(
+        lambda: bench_hf(model_dir, device, dtype, sizes, args.seed, scratch,
+                         args.hf_timeout_s))}
+    sides["eager"] = ({"error": "skipped (--no-eager)"} if args.no_eager else _guarded(
+        lambda: bench_eager(model_dir, device, dtype, sizes, args.seed)))
+    deadline = None if args.profile_until_s is None else wall_started + args.profile_until_s
+    sides["engine"] = _guarded(lambda: bench_engine(
+        model_dir, device, dtype, sizes, args.seed,
+        profile_steps=args.profile_steps if args.profile else 0, profile_deadline=deadline))
+    return sides
+
+
+def _failed(args: argparse.Namespace, result: dict[str, Any]) -> bool:
+    engine, profile = result["engine"], result.get("profile")
+    failed = ("error" in engine or ("error" in result["hf"] and not args.no_hf)
+              or ("error" in result["eager"] and not args.no_eager))
+    if args.profile and "error" not in engine:
+        # Asked for and not there: a failure (a kind left out by --profile-until-s is not).
+        failed = failed or profile is None or any(
+            "error" in k for k in profile["kinds"].values())
+    return failed
+
+
 def main(argv: list[str] | None = None) -> int:
     from engine.log import configure_logging
 
@@ -532,14 +540,8 @@ def main(argv: list[str] | None = None) -> int:
 
         shape = ModelShape.from_hf_config(load_hf_config(model_dir))
         limits = measure_limits(device, dtype, args.matmul_size)
-        hf = ({"error": "skipped (--no-hf)"} if args.no_hf else _guarded(
-            lambda: bench_hf(model_dir, device, dtype, sizes, args.seed, scratch,
-                             args.hf_timeout_s)))
-        deadline = (None if args.profile_until_s is None
-                    else wall_started + args.profile_until_s)
-        engine = _guarded(lambda: bench_engine(
-            model_dir, device, dtype, sizes, args.seed,
-            profile_steps=args.profile_steps if args.profile else 0, profile_deadline=deadline))
+        sides = measure_sides(args, device, dtype, sizes, model_dir, scratch, wall_started)
+    engine, hf, eager = sides["engine"], sides["hf"], sides["eager"]
     # Under its own key: the profile is no figure of the side-by-side table.
     profile = engine.pop("profile", None)
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
@@ -553,8 +555,9 @@ def main(argv: list[str] | None = None) -> int:
             "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")},
         "device": _device_info(device), "dtype": str(dtype).removeprefix("torch."),
         "torch": torch.__version__, "sizes": sizes, "limits": limits,
-        "engine": engine, "hf": hf,
+        "engine": engine, "hf": hf, "eager": eager,
         "rows": table_rows(engine, hf),
+        "graphs_vs_eager": [] if "error" in eager else graphs_vs_eager_rows(engine, eager),
         "wall_s": time.perf_counter() - wall_started}
     if profile is not None:
         result["profile"] = profile
@@ -564,12 +567,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))
     print(result["markdown"])
-    failed = "error" in engine or ("error" in hf and not args.no_hf)
-    if args.profile and "error" not in engine:
-        # Asked for and not there: a failure (a kind left out by --profile-until-s is not).
-        failed = failed or profile is None or any(
-            "error" in k for k in profile["kinds"].values())
-    return 1 if failed else 0
+    return 1 if _failed(args, result) else 0
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """bench/gpu_throughput.py without timing anything: its --smoke run (a tiny Llama on the CPU,
-with --profile) goes end to end through the limits, the HF process, the engine and the engine's
-profile, and reports every figure beside its bound; the bounds match a hand count; the profile's
-per-step figures match a hand count on a synthetic GPU timeline; --device auto and cuda resolve
-as documented.
+with --profile) goes end to end through the limits, the HF process, the eager engine, the
+engine and the engine's profile, and reports every figure beside its bound, the mixed kind and
+the graphs-against-eager columns included; the bounds match a hand count; the profile's per-step
+figures match a hand count on a synthetic GPU timeline; --device auto and cuda resolve as
+documented.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bench import gpu_throughput
+from bench import engine_steps, gpu_throughput
 from bench.roofline import ModelShape
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,16 +76,93 @@ def test_smoke_run_reports_both_sides_against_the_bounds(smoke):
     # The engine's prefill ran one prompt per step (the prompt is the whole token budget).
     assert result["engine"]["prefill"]["steps"] == result["engine"]["prefill"]["prompts"]
     assert result["hf"]["transformers"]
+    assert "mixed" not in result["hf"]  # HF has no step of decodes and a chunk together
+
+
+def _check_mixed(mixed: dict, sizes: dict, what: str) -> None:
+    decodes, chunk = sizes["mixed_decodes"], sizes["mixed_chunk"]
+    assert (mixed["batch"], mixed["chunk"], mixed["context"]) == (decodes, chunk,
+                                                                  sizes["context"])
+    assert mixed["tokens_per_step"] == decodes + chunk
+    # Probe: the steps timed ran every decode and one chunk, as many as the decode figures.
+    assert mixed["steps_measured"] >= sizes["decode_steps"], (what, mixed)
+    assert mixed["mean_context"] > sizes["context"]  # the decodes were past their prompts
+    assert 0 < mixed["mean_chunk_start"] < mixed["prompt_len"]  # chunks of a long prompt
+    assert mixed["prompt_len"] % chunk == 0 and mixed["long_prompts"] >= 2
+    for key in ("step_ms", "tpot_ms", "tokens_per_s", "decode_tokens_per_s"):
+        _positive(mixed[key], f"{what} mixed {key}")
+    assert mixed["tokens_per_s"] == pytest.approx(mixed["tokens_per_step"] * 1000
+                                                  / mixed["step_ms"])
+    assert mixed["preemptible"] is False  # a 16-token chunk is under preempt_min_tokens
+
+
+def test_smoke_run_times_the_mixed_kind_against_its_bound(smoke):
+    result, _ = smoke
+    mixed = result["engine"]["mixed"]
+    _check_mixed(mixed, result["sizes"], "engine")
+    _positive(mixed["pct_of_bound"], "mixed % of bound")
+    for key in ("tokens_per_s", "tpot_ms", "memory_ms", "compute_ms", "bytes_per_step"):
+        _positive(mixed["bound"][key], f"mixed bound {key}")
+    row = result["rows"][-1]
+    assert (row["phase"], row["batch"], row["chunk"]) == ("mixed", mixed["batch"],
+                                                          mixed["chunk"])
+    assert row["hf_tokens_per_s"] is None and row["engine_tpot_ms"] == mixed["step_ms"]
+
+
+def test_smoke_run_sets_graphs_beside_eager(smoke):
+    result, stdout = smoke
+    sizes, engine, eager = result["sizes"], result["engine"], result["eager"]
+    assert "error" not in eager, eager
+    # Probe: the second engine really ran with enforce_eager, the first without; on the CPU
+    # neither captured a graph (so both ran the same code).
+    assert eager["enforce_eager"] is True and engine["enforce_eager"] is False
+    for side in (engine, eager):
+        assert side["graphs"] == {"decode_graph_sizes": [], "decode_graph_replays": 0}
+    assert eager["memory_left_gb"] is None  # the CPU has no device allocator
+    assert "prefill" not in eager  # prefill never replays a graph: not measured twice
+    assert list(eager["decode"]) == [str(b) for b in sizes["eager_batches"]]
+    for batch, row in eager["decode"].items():
+        assert row["steps_measured"] >= sizes["decode_steps"]
+        _positive(row["tpot_ms"], f"eager decode {batch}")
+    _check_mixed(eager["mixed"], sizes, "eager")
+
+    rows = result["graphs_vs_eager"]
+    assert [(r["phase"], r["batch"]) for r in rows] == (
+        [("decode", b) for b in sizes["eager_batches"]] + [("mixed", sizes["mixed_decodes"])])
+    for row in rows:
+        for key in ("graphs_step_ms", "eager_step_ms", "graphs_tokens_per_s",
+                    "eager_tokens_per_s", "speedup"):
+            _positive(row[key], f"{row['phase']} {row['batch']} {key}")
+        assert row["speedup"] == pytest.approx(row["eager_step_ms"] / row["graphs_step_ms"])
+    assert rows[0]["graphs_step_ms"] == engine["decode"]["1"]["tpot_ms"]
+    assert rows[-1]["eager_step_ms"] == eager["mixed"]["step_ms"]
+
+    # The markdown table after the throughput table, one line per row, each with numbers.
+    section = stdout[stdout.index("#### CUDA graphs against --enforce-eager"):]
+    assert stdout.index("| phase | batch |") < stdout.index("#### CUDA graphs against")
+    assert "On the CPU there are no CUDA graphs" in section
+    header = ("| step | batch | tokens/step | graphs ms/step | eager ms/step | graphs tok/s "
+              "| eager tok/s | speed-up |")
+    lines = section.splitlines()
+    first = lines.index(header)
+    table = lines[first + 2:first + 2 + len(rows)]
+    assert [line.split(" | ")[0] for line in table] == ["| decode"] * (len(rows) - 1) + ["| mixed"]
+    for line, row in zip(table, rows):
+        assert f"| {row['speedup']:.2f}x |" in line and " - " not in line
 
 
 def test_smoke_run_prints_one_markdown_table(smoke):
     result, stdout = smoke
     rows = result["rows"]
+    sizes = result["sizes"]
     assert [(r["phase"], r["batch"]) for r in rows] == \
-        [("prefill", 1)] + [("decode", b) for b in result["sizes"]["batches"]]
+        [("prefill", 1)] + [("decode", b) for b in sizes["batches"]] \
+        + [("mixed", sizes["mixed_decodes"])]
     for row in rows:
-        for key in ("engine_tokens_per_s", "hf_tokens_per_s", "bound_tokens_per_s",
-                    "engine_pct_of_bound", "hf_pct_of_bound"):
+        keys = ("engine_tokens_per_s", "bound_tokens_per_s", "engine_pct_of_bound")
+        if row["phase"] != "mixed":
+            keys += ("hf_tokens_per_s", "hf_pct_of_bound")
+        for key in keys:
             _positive(row[key], f"{row['phase']} {row['batch']} {key}")
     # stdout is the markdown alone (progress, logs and the HF process's output go to stderr).
     assert stdout.startswith("### bench/gpu_throughput:")
@@ -101,6 +179,7 @@ def test_smoke_run_prints_one_markdown_table(smoke):
     assert all(line.count("|") == table[0].count("|") for line in table)
     assert "engine % of bound" in table[0] and "HF TPOT ms" in table[0]
     assert table[2].startswith("| prefill | 1 |")
+    assert table[-1].startswith(f"| mixed | {sizes['mixed_decodes']} + {sizes['mixed_chunk']} |")
 
 
 def test_a_failed_side_leaves_the_other_in_the_table(smoke):
@@ -138,11 +217,86 @@ def test_bounds_match_a_hand_count():
     assert decode["tokens_per_s"] == pytest.approx(2 / (decode["tpot_ms"] / 1000))
 
 
+def test_mixed_bound_matches_a_hand_count():
+    shape = ModelShape.from_hf_config(SimpleNamespace(
+        hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=None, vocab_size=100))
+    limits = {"copy_bandwidth_gbs": 1e-6, "matmul_tflops": 1e-9}  # 1000 B/s, 1000 FLOP/s
+    # 2 decodes at 10 keys and a 3-token chunk after 5 cached tokens, float32.
+    figures = {"batch": 2, "mean_context": 10.0, "chunk": 3, "mean_chunk_start": 5.0,
+               "tokens_per_step": 5}
+    bound = gpu_throughput.mixed_bound(shape, figures, 4, limits)
+    per_layer = 64 + 32 + 32 + 64 + 128 + 128 + 128
+    kv_per_token = 2 * 2 * 2 * 2 * 4  # K and V, layers, KV heads, head_dim, bytes
+    # The weights once, the decodes' K/V, and the chunk's prefix and its own K/V.
+    assert bound["bytes_per_step"] == (2 * per_layer + 800) * 4 + kv_per_token * (10 + 10 + 8)
+    attention = 4 * 2 * 4 * 2  # FLOPs per key: QK^T and PV, layers, heads, head_dim
+    decodes = 2 * 2 * per_layer * 2 + 2 * 800 * 2 + attention * 10 * 2
+    chunk = 2 * 2 * per_layer * 3 + attention * (3 * 5 + 1 + 2 + 3)
+    assert bound["flops_per_step"] == decodes + chunk
+    assert bound["memory_ms"] == pytest.approx(bound["bytes_per_step"])
+    assert bound["tpot_ms"] == pytest.approx(decodes + chunk)  # compute-bound here
+    assert bound["tokens_per_s"] == pytest.approx(5 / ((decodes + chunk) / 1000))
+
+
+def test_mixed_workload_keeps_every_step_steady():
+    workload = engine_steps.MixedWorkload.for_sizes(gpu_throughput.FULL, 17)
+    # 2048-token prompts in 8 whole chunks; three of them give the 17 steps and a spare prompt
+    # for the first one's chunks that run beside the decodes' prefill.
+    assert (workload.prompt_len, workload.prompts) == (2048, 4)
+    # The decodes outlast every chunk: their own prefill (16 x 512 tokens beside a chunk),
+    # every chunk, and two more.
+    assert workload.decode_max_tokens == math.ceil(16 * 512 / (2048 - 16 - 256)) + 32 + 2
+    steady = {"requests": [(600, 1)] * 16 + [(512, 256)]}
+    assert workload.is_mixed_step(steady)
+    assert not workload.is_mixed_step({"requests": [(600, 1)] * 16 + [(1792, 200)]})
+    assert not workload.is_mixed_step({"requests": [(600, 1)] * 15 + [(512, 256)]})
+    assert not workload.is_mixed_step({"requests": [(0, 256)] * 8})
+
+    limits = engine_steps.engine_limits(gpu_throughput.FULL)
+    assert limits["max_num_seqs"] == 128
+    # The context the full run had before the mixed kind: the decode graphs' captured table
+    # width (and so their attention launch) stays the same.
+    assert limits["max_model_len"] == 2048 + engine_steps.WARMUP_TOKENS + 1
+    small = {**gpu_throughput.FULL, "batches": [1, 4]}
+    limits = engine_steps.engine_limits(small)
+    assert limits["max_num_seqs"] == 17  # the mixed kind's decodes and one long prompt
+    needs = 16 * math.ceil((512 + workload.decode_max_tokens + 1) / 16) + 2048 // 16 + 1
+    assert limits["num_kv_blocks"] >= needs
+
+
+def test_scheduler_settings_are_put_back():
+    config = SimpleNamespace(long_prefill_token_threshold=0, max_num_seqs=128)
+    llm = SimpleNamespace(engine=SimpleNamespace(scheduler=SimpleNamespace(config=config)))
+    with pytest.raises(RuntimeError, match="inside"):
+        with engine_steps.scheduler_settings(llm, long_prefill_token_threshold=256,
+                                             max_num_seqs=17):
+            assert (config.long_prefill_token_threshold, config.max_num_seqs) == (256, 17)
+            raise RuntimeError("inside")
+    assert (config.long_prefill_token_threshold, config.max_num_seqs) == (0, 128)
+    with pytest.raises(AttributeError, match="no max_num_batched"):
+        with engine_steps.scheduler_settings(llm, max_num_batched=1):
+            pass
+
+
+def test_a_failed_eager_engine_leaves_the_graphs_figures(smoke):
+    result, _ = smoke
+    failed = {**result, "eager": {"error": "RuntimeError: out of memory"},
+              "graphs_vs_eager": []}
+    text = gpu_throughput.markdown(failed)
+    assert "**eager engine not measured:** RuntimeError: out of memory" in text
+    assert "| phase | batch |" in text  # the throughput table is all there
+    args = gpu_throughput.parse_args(["--smoke"])
+    assert gpu_throughput._failed(args, failed) and not gpu_throughput._failed(args, result)
+    args = gpu_throughput.parse_args(["--smoke", "--no-eager"])
+    assert not gpu_throughput._failed(args, failed)
+
+
 def test_enough_tokens_that_the_whole_batch_decodes_together():
     # 128 prompts of 512 tokens in a 2048-token budget: the last is prefilled by step 35 (each
     # step's decodes take budget from the prefill); 16 full-batch steps must follow.
-    assert gpu_throughput._decode_max_tokens(128, 512, 2048, 16) == 35 + 16 + 2
-    assert gpu_throughput._decode_max_tokens(1, 512, 2048, 16) == 1 + 16 + 2
+    assert engine_steps._decode_max_tokens(128, 512, 2048, 16) == 35 + 16 + 2
+    assert engine_steps._decode_max_tokens(1, 512, 2048, 16) == 1 + 16 + 2
 
 
 def test_device_auto_follows_cuda_availability(monkeypatch, capsys):
@@ -164,9 +318,18 @@ def test_sizes_are_checked():
         gpu_throughput.parse_args(["--batches", "0"])
     with pytest.raises(SystemExit):  # a 64-token budget cannot decode 64 requests in a step
         gpu_throughput.parse_args(["--smoke", "--batches", "64"])
-    args = gpu_throughput.parse_args(["--smoke", "--batches", "2", "3"])
+    with pytest.raises(SystemExit):  # 2 decodes and a 63-token chunk overflow a 64 budget
+        gpu_throughput.parse_args(["--smoke", "--mixed-chunk", "63"])
+    with pytest.raises(SystemExit):  # a 1-token chunk would be one more decode
+        gpu_throughput.parse_args(["--smoke", "--mixed-chunk", "1"])
+    with pytest.raises(SystemExit):  # no graphs figure to set batch 3 beside
+        gpu_throughput.parse_args(["--smoke", "--eager-batches", "3"])
+    args = gpu_throughput.parse_args(["--smoke", "--batches", "2", "3", "--eager-batches", "3"])
     assert args.batches == [2, 3] and args.context == gpu_throughput.SMOKE["context"]
-    assert gpu_throughput.parse_args([]).batches == [1, 16, 64, 128]
+    assert args.eager_batches == [3] and args.mixed_chunk == gpu_throughput.SMOKE["mixed_chunk"]
+    full = gpu_throughput.parse_args([])
+    assert full.batches == [1, 16, 64, 128] and full.eager_batches == [1, 64]
+    assert (full.mixed_decodes, full.mixed_chunk) == (16, 256)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,7 +342,9 @@ def test_smoke_profile_counts_each_step_kind(smoke):
     sizes = result["sizes"]
     assert profile["device"] == "cpu" and profile["steps"] == 2
     assert "skipped" not in profile
-    labels = [f"prefill {sizes['prefill_len']}"] + [f"decode {b}" for b in sizes["batches"]]
+    mixed_label = f"mixed {sizes['mixed_decodes']} + {sizes['mixed_chunk']}"
+    labels = ([f"prefill {sizes['prefill_len']}", mixed_label]
+              + [f"decode {b}" for b in sizes["batches"]])
     assert list(profile["kinds"]) == labels
     timed = result["engine"]
     for label, kind in profile["kinds"].items():
@@ -199,13 +364,17 @@ def test_smoke_profile_counts_each_step_kind(smoke):
         assert all("::" in op["name"] for op in kind["top_ops"])
         assert all(0 <= h["pct_of_wall"] <= 100 for h in kind["top_host"])
         # The profile ran after the timed figures, which it names beside its own.
-        expected = (timed["prefill"]["step_ms"] if kind["phase"] == "prefill"
-                    else timed["decode"][str(kind["batch"])]["tpot_ms"])
-        assert kind["timed_step_ms"] == expected
-        # The measured steps are the kind's: one whole-budget prefill, or a decode step of the
-        # full batch (not the batch's own prefill steps).
+        expected = {"prefill": lambda: timed["prefill"]["step_ms"],
+                    "mixed": lambda: timed["mixed"]["step_ms"],
+                    "decode": lambda: timed["decode"][str(kind["batch"])]["tpot_ms"]}
+        assert kind["timed_step_ms"] == expected[kind["phase"]]()
+        # The measured steps are the kind's: one whole-budget prefill, the decodes beside one
+        # chunk, or a decode step of the full batch (not the batch's own prefill steps).
         assert kind["scheduled"] == [{"requests": kind["batch"], "tokens": kind["tokens"]}] * 2
     assert profile["kinds"][labels[0]]["tokens"] == sizes["prefill_len"]
+    mixed = profile["kinds"][mixed_label]
+    assert (mixed["batch"], mixed["tokens"]) == (sizes["mixed_decodes"] + 1,
+                                                 sizes["mixed_decodes"] + sizes["mixed_chunk"])
 
     # The markdown carries the section, after the throughput table, one row per kind; the JSON
     # carries the same markdown (bench/gpu_summary.py quotes it).
@@ -315,6 +484,10 @@ def test_the_gpu_suite_summary_quotes_the_table_and_the_profile(smoke, tmp_path)
     (tmp_path / "throughput.json").write_text(json.dumps(result))
     section = "\n".join(gpu_summary._throughput(tmp_path))
     assert result["markdown"] in section and "#### Engine profile (torch.profiler)" in section
+    # The graphs' speed-ups, one line at the section's top.
+    headline = next(line for line in section.splitlines() if line.startswith("CUDA graphs"))
+    for row in result["graphs_vs_eager"]:
+        assert f"{row['speedup']:.2f}x" in headline
     # No JSON (an older run, or none written): what the bench printed last in its log.
     (tmp_path / "throughput.json").unlink()
     (tmp_path / "throughput.log").write_text("engine decode 4 x 32: progress on stderr\n"
@@ -330,10 +503,10 @@ def test_a_profile_past_its_deadline_names_the_kinds_it_left_out():
     llm = SimpleNamespace(engine=SimpleNamespace(step=step),
                           generate=lambda *a, **k: pytest.fail("no generate past the deadline"))
     sizes = {**gpu_throughput.SMOKE}
-    timed = {"prefill": {"step_ms": 1.0},
+    timed = {"prefill": {"step_ms": 1.0}, "mixed": {"step_ms": 1.0},
              "decode": {str(b): {"tpot_ms": 1.0} for b in sizes["batches"]}}
-    profile = gpu_throughput.profile_engine(llm, [], torch.device("cpu"), 512, sizes, 0, timed,
-                                            steps=2, deadline=0.0)
+    profile = engine_steps.profile_engine(llm, [], torch.device("cpu"), 512, sizes, 0, timed,
+                                          steps=2, deadline=0.0)
     assert profile["kinds"] == {}
-    assert profile["skipped"].startswith("prefill 64, decode 1, decode 4 (")
+    assert profile["skipped"].startswith("prefill 64, mixed 2 + 16, decode 1, decode 4 (")
     assert llm.engine.step is step  # the step wrapper is taken off again

@@ -36,7 +36,12 @@ def test_gpu_suite_smoke_runs_every_step_and_summarizes_them(tmp_path: Path) -> 
         assert scenarios["cramped_pool"]["probe"]["kv_preemptions"] > 0
         assert scenarios["urgent_mid_prefill"]["probe"]["slo_preemptions"] >= 1
     throughput = json.loads((out / "throughput.json").read_text())
-    assert throughput  # its structure is tests/test_bench_gpu_throughput.py's business
+    # Its structure is tests/test_bench_gpu_throughput.py's business; here: the suite's run has
+    # the mixed kind and graphs beside eager, with numbers.
+    assert throughput["engine"]["mixed"]["steps_measured"] > 0
+    speedups = [row["speedup"] for row in throughput["graphs_vs_eager"]]
+    assert [row["phase"] for row in throughput["graphs_vs_eager"]][-1] == "mixed"
+    assert speedups and all(isinstance(x, float) and x > 0 for x in speedups)
     gaps = json.loads((out / "stream_gaps.json").read_text())
     assert [r["context"] for r in gaps["rows"]] == [16, 200]
     assert all(r["first"]["gaps_ms"] and r["decode_step_ms"] > 0 for r in gaps["rows"])
@@ -64,6 +69,8 @@ def test_gpu_suite_smoke_runs_every_step_and_summarizes_them(tmp_path: Path) -> 
                     "## SLO burst"):
         assert heading in summary, heading
     assert "FAILED" not in summary and "TIMED OUT" not in summary
+    assert "CUDA graphs against --enforce-eager (speed-up" in summary
+    assert "#### CUDA graphs against --enforce-eager" in summary
     assert "| llama | urgent_mid_prefill | 2/2 |" in summary
     assert "| http | slo+mf-conservative-suspend |" in summary
 
@@ -79,3 +86,18 @@ def test_gpu_suite_needs_an_output_folder() -> None:
     proc = subprocess.run(["bash", "bench/gpu_suite.sh"], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2 and "usage" in proc.stderr
+
+
+def test_gpu_suite_header_states_the_sum_of_its_step_limits() -> None:
+    """The header's total is what the steps' limits add up to (a step in both branches of an
+    if counts once), and it stays under 540 s (9 minutes)."""
+    import re
+
+    script = (ROOT / "bench" / "gpu_suite.sh").read_text()
+    limits: dict[str, int] = {}
+    for name, limit in re.findall(r"^\s*step (\S+) (\d+) ", script, flags=re.MULTILINE):
+        limits[name] = max(limits.get(name, 0), int(limit))
+    assert list(limits) == STEPS
+    stated = re.search(r"they add up to (\d+) s", script)
+    assert stated is not None
+    assert sum(limits.values()) == int(stated.group(1)) < 540
