@@ -196,10 +196,14 @@ def graph_probe(llm: Any) -> dict[str, Any]:
     the CPU or under enforce_eager; None where the runner is in another process)."""
     runner = getattr(llm.engine.executor, "runner", None)
     if runner is None:
-        return {"decode_graph_sizes": None, "decode_graph_replays": None}
+        return {"decode_graph_sizes": None, "decode_graph_replays": None,
+                "piecewise_step_sizes": None, "piecewise_replays": None}
     graphs = getattr(runner, "graphs", None)
+    pieces = getattr(runner, "piecewise", None)
     return {"decode_graph_sizes": sorted(graphs.graphs) if graphs is not None else [],
-            "decode_graph_replays": graphs.replays if graphs is not None else 0}
+            "decode_graph_replays": graphs.replays if graphs is not None else 0,
+            "piecewise_step_sizes": sorted(pieces.graphs) if pieces is not None else [],
+            "piecewise_replays": pieces.replays if pieces is not None else 0}
 
 
 def free_device_memory(device: torch.device, baseline_bytes: int) -> float | None:

@@ -350,8 +350,13 @@ def _graphs_used(side: dict[str, Any]) -> str:
         return "not known (the runner is in another process)"
     if not sizes:
         return "no decode graphs captured"
-    return (f"decode graphs for {len(sizes)} batch sizes ({sizes[0]}..{sizes[-1]}), "
+    used = (f"decode graphs for {len(sizes)} batch sizes ({sizes[0]}..{sizes[-1]}), "
             f"{replays} replays")
+    pieces = probe.get("piecewise_step_sizes") or []
+    if pieces:
+        used += (f"; pieces for {len(pieces)} step sizes ({pieces[0]}..{pieces[-1]} tokens), "
+                 f"{probe.get('piecewise_replays')} replayed steps")
+    return used
 
 
 def graphs_markdown(result: dict[str, Any]) -> list[str]:
