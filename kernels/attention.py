@@ -31,8 +31,10 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention for a flattened mixed batch. query [T, Hq, D]; key/value [T, Hkv, D] are this
-    step's new K/V (already written to the cache). Returns [T, Hq, D]. GQA: Hq % Hkv == 0."""
+    step's new K/V (already written to the cache). Returns [T, Hq, D], written into ``out``
+    when given (a CUDA graph's static buffer). GQA: Hq % Hkv == 0."""
     return select_backend(query.device).paged_attention(
-        query, key, value, key_cache, value_cache, meta, scale)
+        query, key, value, key_cache, value_cache, meta, scale, out=out)

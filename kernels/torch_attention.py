@@ -30,12 +30,17 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
-    out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype,
+                          device=query.device)
+    elif out.shape != query.shape:
+        raise ValueError(f"out has shape {tuple(out.shape)}, the query {tuple(query.shape)}")
     num_decodes = meta.num_decodes
     if num_decodes > 0:
         out[:num_decodes] = _decode_attention(query[:num_decodes], key_cache, value_cache, meta,

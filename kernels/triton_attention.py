@@ -180,7 +180,8 @@ def _merge_splits_kernel(out_ptr, partial_out_ptr, partial_lse_ptr, stride_ot, s
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, *,
-                    num_kv_splits: int | None = None) -> torch.Tensor:
+                    num_kv_splits: int | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """See `kernels.attention.paged_attention`. ``num_kv_splits`` fixes how many programs share
     each decode's context (default: chosen from the device's size and the batch; at most
     MAX_SPLITS)."""
@@ -190,7 +191,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   head_dim, cache_head_dim)
     if query.stride(-1) != 1:
         query = query.contiguous()
-    out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    out = _output(query, out)
     if num_kv_splits is not None and not 1 <= num_kv_splits <= MAX_SPLITS:
         raise ValueError(f"num_kv_splits {num_kv_splits} is outside 1..{MAX_SPLITS}")
     launcher = _Launch(query, key_cache, value_cache, out, scale, num_heads // num_kv_heads,
@@ -300,6 +301,19 @@ def _prefill_plan(meta: AttentionMetadata, block_q: int,
     columns = [c.to(device, non_blocking=True) for c in columns]
     tables = padded_block_tables(meta.prefill_block_tables)
     return (tables, *columns)
+
+
+def _output(query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``out`` checked against the query (same shape, dtype and device, unit stride in the last
+    dim), or a new tensor."""
+    if out is None:
+        return torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
+        raise ValueError(f"out is {tuple(out.shape)} {out.dtype} on {out.device}; the query is "
+                         f"{tuple(query.shape)} {query.dtype} on {query.device}")
+    if out.stride(-1) != 1:
+        raise ValueError("out must have unit stride in its last dimension")
+    return out
 
 
 def _decode_span(meta: AttentionMetadata, block_size: int) -> int:

@@ -31,6 +31,19 @@ def test_mixed_batch_matches_dense(block_size: int, num_heads: int, num_kv_heads
     torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
 
 
+def test_attention_writes_into_a_given_output() -> None:
+    case = make_case(MIXED, MIXED_DECODES, 4, 2, HEAD_DIM, 16, torch.float32, 0)
+    buffer = torch.full((case.query.shape[0] + 3, 4, HEAD_DIM), float("nan"))
+    rows = buffer[:case.query.shape[0]]
+    out = paged_attention(case.query, case.new_keys, case.new_values, case.key_cache,
+                          case.value_cache, case.meta, case.scale, out=rows)
+    assert out is rows and buffer[case.query.shape[0]:].isnan().all()
+    torch.testing.assert_close(out.double(), case.dense_reference(), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="out has shape"):
+        paged_attention(case.query, case.new_keys, case.new_values, case.key_cache,
+                        case.value_cache, case.meta, case.scale, out=buffer)
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
 def test_decode_only_and_prefill_only(num_heads: int, num_kv_heads: int) -> None:
     out, ref = _run([(3, 1), (50, 1), (15, 1)], 3, num_heads, num_kv_heads, 16, torch.float32)

@@ -202,6 +202,22 @@ def test_strided_query_view(triton_device):
     _check(case, _triton(case, triton_device, query=query), torch.float32)
 
 
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
+def test_attention_writes_into_a_given_output(num_kv_splits, triton_device):
+    """``out``: a static buffer's rows (the CUDA graph pieces' attention output), split decodes'
+    merge included; a buffer of the wrong shape or dtype is refused."""
+    case = make_case(MIXED, MIXED_DECODES, 4, 2, 64, 16, torch.float32)
+    buffer = torch.full((case.query.shape[0] + 5, 4, 64), float("nan"), device=triton_device)
+    rows = buffer[:case.query.shape[0]]
+    returned = _triton(case, triton_device, num_kv_splits=num_kv_splits, out=rows)
+    assert torch.equal(returned, rows.cpu())
+    _check(case, rows.cpu(), torch.float32)
+    assert buffer[case.query.shape[0]:].isnan().all()  # nothing written past the step's rows
+    for wrong in (buffer[:3], rows.double()):
+        with pytest.raises(ValueError, match="out is"):
+            _triton(case, triton_device, out=wrong)
+
+
 def test_split_counts_beyond_the_merge_width_are_refused(triton_device):
     case = make_case([(3, 1)], 1, 2, 2, 64, 16, torch.float32)
     with pytest.raises(ValueError, match="num_kv_splits 33 is outside 1..32"):

@@ -178,9 +178,8 @@ class PiecewiseGraphs:
         try:
             for layer in range(self.num_layers):
                 replay(pieces[layer])
-                out = model.attention_op(layer, self.query[:n], self.key[:n], self.value[:n],
-                                         attn_meta, kv_caches[layer])
-                self.attention_out[:n].copy_(out)
+                model.attention_op(layer, self.query[:n], self.key[:n], self.value[:n],
+                                   attn_meta, kv_caches[layer], out=self.attention_out[:n])
             replay(pieces[self.num_layers])
         except StepPreempted as stop:
             self.unwinds += 1

@@ -304,15 +304,18 @@ class LlamaForCausalLM(nn.Module):
         return hidden_states
 
     def attention_op(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     attn_meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
-        """The single entry point of every attention computation: hook, cache write, attention."""
+                     attn_meta: AttentionMetadata, kv_cache: KVCache,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """The single entry point of every attention computation: hook, cache write, attention
+        (into ``out`` when given)."""
         hook = self.before_attention
         if hook is not None:
             hook(layer_idx)
         key_cache, value_cache = kv_cache
         kernels = self.kernels
         kernels.write_kv_cache(k, v, key_cache, value_cache, attn_meta.slot_mapping)
-        return kernels.paged_attention(q, k, v, key_cache, value_cache, attn_meta, self.scale)
+        return kernels.paged_attention(q, k, v, key_cache, value_cache, attn_meta, self.scale,
+                                       out=out)
 
     @torch.inference_mode()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
