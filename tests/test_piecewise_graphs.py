@@ -171,3 +171,48 @@ def test_steps_that_do_not_fit_the_pieces_run_eager(runner) -> None:
     runner.buffers.reserve(10_000, 1, 1)  # the buffers moved: the pieces read old addresses
     assert size([chunk(3)]) is None
     assert pieces.graphs == {}
+
+
+def test_no_piece_spans_an_attention_op_or_the_vote(runner, monkeypatch) -> None:
+    """docs/design.md section 9: no graph spans an attention op of a preemptible step (the vote
+    lives there). Every piece, captured and replayed, runs with the attention op and the vote
+    hook booby-trapped; the step between the replays calls both, once per layer."""
+    inside_piece = [False]
+    calls: list[str] = []
+
+    class Trapped(EagerReplayBackend):
+        def capture(self, fn):
+            return super().capture(self._trap(fn))
+
+        @staticmethod
+        def _trap(fn):
+            def piece():
+                inside_piece[0] = True
+                try:
+                    return fn()
+                finally:
+                    inside_piece[0] = False
+            return piece
+
+    attention_op = runner.model.attention_op
+
+    def watched_attention(layer, *args, **kwargs):
+        assert not inside_piece[0], f"layer {layer}'s attention op ran inside a piece"
+        calls.append(f"attention {layer}")
+        return attention_op(layer, *args, **kwargs)
+
+    monkeypatch.setattr(runner.model, "attention_op", watched_attention)
+    _capture(runner, Trapped())
+
+    class Vote(StopAt):
+        def __call__(self, layer: int) -> None:
+            assert not inside_piece[0], f"the vote of layer {layer} ran inside a piece"
+            calls.append(f"vote {layer}")
+
+    runner.vote = Vote(None)
+    chunk = ScheduledRequest(req_id="p", token_ids=PROMPTS[1][:CHUNK], start_pos=0,
+                             block_ids=[0], sample=True, sampling_params=_greedy)
+    out = runner.execute(SchedulerOutput(step_id=1, requests=[chunk], preemptible=True))
+    assert out.status.name == "OK" and runner.piecewise.replays == 1  # probe: it ran as pieces
+    # The attention op's first act is the vote.
+    assert calls == [f"{kind} {layer}" for layer in range(3) for kind in ("attention", "vote")]
