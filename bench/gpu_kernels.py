@@ -23,6 +23,10 @@ the L2 cache is flushed (a 256 MiB write) before every repetition, since small s
 L2 and repeated calls would otherwise overstate HBM bandwidth. Each row also prints the largest
 difference between the two outputs: a fast wrong kernel is not a result.
 
+`--sweep-configs` times the attention kernel's candidate launch configs (tiles, warps, pipeline
+stages) on the decode and prefill shapes instead, and prints the one a default should be
+(bench/attention_sweep.py).
+
 Without CUDA it prints one line and exits 0. `--smoke` runs tiny shapes on the CPU under
 Triton's interpreter (timed with perf_counter) so that every code path of this script is
 exercised where there is no GPU; its figures are not measurements.
@@ -38,6 +42,7 @@ import math
 import os
 import platform
 import sys
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -45,7 +50,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.kernel_harness import Timer, build_batch, gathered, kv_bytes_per_token, peak_bandwidth
+from bench.kernel_harness import (TABLES, TOLERANCE, Timer, build_batch, fits, gathered,
+                                  kv_bytes_per_token, max_diff, peak_bandwidth, print_table,
+                                  release)
 
 NEEDS_GPU = ("bench.gpu_kernels needs an NVIDIA GPU (CUDA is not available here); kernel correctness "
              "is covered by tests/test_triton_kernels.py in Triton's interpreter, and "
@@ -55,9 +62,6 @@ SMOKE_BANNER = ("SMOKE RUN: tiny shapes on the CPU under Triton's interpreter, t
                 "script's code paths run.")
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# Largest |triton - reference| before a row is flagged (bf16 rounds outputs of magnitude ~2-4
-# to steps of 1/64, and the two sides round at different points).
-TOLERANCE = {torch.bfloat16: 5e-2, torch.float16: 1e-2, torch.float32: 2e-3}
 # Shapes: full runs (GPU) and --smoke (CPU interpreter); any shape flag overrides either.
 FULL = {"batches": [1, 8, 32, 128], "contexts": [1024, 4096, 16384, 32768],
         "chunks": [512, 2048], "prefixes": [0, 2048, 8192], "num_heads": 32, "num_kv_heads": 8,
@@ -68,31 +72,13 @@ SMOKE = {"batches": [1, 3], "contexts": [40, 100], "chunks": [8, 24], "prefixes"
          "repeats": 2, "long_context": 100, "hidden_size": 64, "intermediate_size": 96,
          "fused_tokens": [1, 5]}
 
+# --smoke --sweep-configs: one tiny shape per kind (each of its configs runs on it).
+SWEEP_SMOKE_SHAPES = {"batches": [2], "contexts": [100], "chunks": [24], "prefixes": [40]}
+
 SECTIONS = ("decode", "prefill", "norm", "rotary", "silu")
 
 # ---------------------------------------------------------------------------------------------
 # Report helpers
-
-
-# Every table printed, for --json.
-TABLES: list[dict[str, Any]] = []
-
-
-def print_table(title: str, headers: list[str], rows: list[list[str]]) -> None:
-    TABLES.append({"title": title, "headers": headers, "rows": rows})
-    widths = [max([len(h)] + [len(r[i]) for r in rows if len(r) == len(headers)])
-              for i, h in enumerate(headers)]
-    print(f"\n{title}")
-    print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
-    for row in rows:
-        if len(row) == len(headers):
-            print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
-        else:  # a skipped shape: its leading cells, then a note
-            print("  ".join(c.rjust(w) for c, w in zip(row[:-1], widths)) + "  " + row[-1])
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item()
 
 
 def diff_cell(diff: float, dtype: torch.dtype, bad: list[str], label: str) -> str:
@@ -105,22 +91,6 @@ def diff_cell(diff: float, dtype: torch.dtype, bad: list[str], label: str) -> st
 def report_mismatches(bad: list[str]) -> None:
     for line in bad:
         print(f"WARNING: outputs differ beyond tolerance at {line}")
-
-
-def fits(device: torch.device, needed: int) -> str | None:
-    """None if `needed` bytes fit in 90% of the free device memory, else a skip note."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.empty_cache()
-    free = torch.cuda.mem_get_info(device)[0]
-    if needed <= 0.9 * free:
-        return None
-    return f"skipped: needs {needed / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
-
-
-def release(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -456,7 +426,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="PATH",
                         help="also write every table (title, headers, rows) as JSON here")
+    parser.add_argument("--sweep-configs", action="store_true",
+                        help="instead of the sections: time the attention kernel's candidate "
+                             "launch configs on the decode and prefill shapes (those of "
+                             "--sections) against SDPA and print the best")
+    parser.add_argument("--sweep-until-s", type=float, default=None, metavar="S",
+                        help="with --sweep-configs: start no config after S seconds from the "
+                             "script's start, and report what was measured")
     args = parser.parse_args(argv)
+    if args.sweep_until_s is not None and not args.sweep_configs:
+        parser.error("--sweep-until-s needs --sweep-configs")
+    if args.smoke and args.sweep_configs:
+        # One tiny shape per kind: the interpreter runs every config on each.
+        for key, value in SWEEP_SMOKE_SHAPES.items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
     for key, value in (SMOKE if args.smoke else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -467,6 +451,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
     args = parse_args(argv)
     if args.smoke:
         # Before any Triton kernel module is imported: @triton.jit reads it when decorating.
@@ -497,7 +482,13 @@ def main(argv: list[str] | None = None) -> int:
     peak, source = peak_bandwidth(device, args.peak_gbps, timer)
     print(f"peak bandwidth: {peak:.0f} GB/s ({source})")
 
-    if {"decode", "prefill"} & set(args.sections):
+    sweep = None
+    if args.sweep_configs:
+        # Imported here: it decorates the kernels, which must follow TRITON_INTERPRET above.
+        from bench import attention_sweep
+
+        sweep = attention_sweep.run_sweep(args, timer, device, peak, started, sdpa_prefill)
+    elif {"decode", "prefill"} & set(args.sections):
         triton_attention = optional_module("kernels.triton_attention")
         if triton_attention is not None:
             with torch.inference_mode():
@@ -506,17 +497,17 @@ def main(argv: list[str] | None = None) -> int:
                     bench_graph_plan_decode(args, triton_attention, timer, device)
                 if "prefill" in args.sections:
                     bench_prefill(args, triton_attention.paged_attention, timer, device)
-    if "norm" in args.sections:
+    if "norm" in args.sections and not args.sweep_configs:
         triton_norm = optional_module("kernels.triton_norm")
         if triton_norm is not None:
             with torch.inference_mode():
                 bench_rms_norm(args, triton_norm, timer, device, peak)
-    if "rotary" in args.sections:
+    if "rotary" in args.sections and not args.sweep_configs:
         triton_rotary = optional_module("kernels.triton_rotary")
         if triton_rotary is not None:
             with torch.inference_mode():
                 bench_rotary(args, triton_rotary, timer, device, peak)
-    if "silu" in args.sections:
+    if "silu" in args.sections and not args.sweep_configs:
         triton_activation = optional_module("kernels.triton_activation")
         if triton_activation is not None:
             with torch.inference_mode():
@@ -528,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
 
         with open(args.json, "w") as f:
             json.dump({"device": str(device), "smoke": args.smoke, "peak_gbps": peak,
-                       "peak_source": source, "tables": TABLES}, f, indent=2)
+                       "peak_source": source, "tables": TABLES, "sweep": sweep}, f, indent=2)
     return 0
 
 

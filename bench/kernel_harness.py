@@ -1,5 +1,6 @@
-"""The GPU kernel benchmark's harness (bench/gpu_kernels.py): timing with CUDA events, the device's
-peak memory bandwidth, and paged attention inputs laid out as the model runner lays them out."""
+"""The GPU kernel benchmark's harness (bench/gpu_kernels.py and its launch-config sweep,
+bench/attention_sweep.py): timing with CUDA events, the device's peak memory bandwidth, paged
+attention inputs laid out as the model runner lays them out, and the printed tables."""
 
 from __future__ import annotations
 
@@ -43,6 +44,51 @@ DATASHEET_GBPS: list[tuple[tuple[str, ...], float, str]] = [
     (("V100",), 900, "V100"),
     (("T4",), 320, "T4"),
 ]
+
+
+# Largest |triton - reference| before a row is flagged (bf16 rounds outputs of magnitude ~2-4
+# to steps of 1/64, and the two sides round at different points).
+TOLERANCE = {torch.bfloat16: 5e-2, torch.float16: 1e-2, torch.float32: 2e-3}
+
+# ---------------------------------------------------------------------------------------------
+# Report helpers
+
+
+# Every table printed, for --json.
+TABLES: list[dict[str, Any]] = []
+
+
+def print_table(title: str, headers: list[str], rows: list[list[str]]) -> None:
+    TABLES.append({"title": title, "headers": headers, "rows": rows})
+    widths = [max([len(h)] + [len(r[i]) for r in rows if len(r) == len(headers)])
+              for i, h in enumerate(headers)]
+    print(f"\n{title}")
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
+    for row in rows:
+        if len(row) == len(headers):
+            print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+        else:  # a skipped shape: its leading cells, then a note
+            print("  ".join(c.rjust(w) for c, w in zip(row[:-1], widths)) + "  " + row[-1])
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def fits(device: torch.device, needed: int) -> str | None:
+    """None if `needed` bytes fit in 90% of the free device memory, else a skip note."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info(device)[0]
+    if needed <= 0.9 * free:
+        return None
+    return f"skipped: needs {needed / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+
+
+def release(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,3 +261,28 @@ def gathered(batch: PagedBatch, first: int, count: int, ctx: int) -> tuple[torch
             gather(cache, batch.tables[first + row], ctx, out[row])
         result.append(out)
     return tuple(result)
+
+
+def decode_subset(batch: PagedBatch, count: int, ctx: int) -> PagedBatch:
+    """The first ``count`` decodes of a decode-only batch, each cut to its first ``ctx`` tokens
+    (the decoded token is then the ctx-th): views of the same paged cache, so every decode shape
+    of a sweep shares one allocation, sized for the largest."""
+    from kernels.metadata import AttentionMetadata
+
+    _, block_size, num_kv_heads, head_dim = batch.key_cache.shape
+    width = -(-ctx // block_size)
+    tables = [t[:width] for t in batch.tables[:count]]
+    last = ctx - 1
+    slot_mapping = torch.stack([t[last // block_size] * block_size + last % block_size
+                                for t in tables])
+    key = batch.key_cache.view(-1, num_kv_heads, head_dim).index_select(0, slot_mapping)
+    value = batch.value_cache.view(-1, num_kv_heads, head_dim).index_select(0, slot_mapping)
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping, num_decodes=count,
+        decode_block_tables=batch.meta.decode_block_tables[:count, :width].contiguous(),
+        decode_context_lens=torch.full((count,), ctx, dtype=torch.long,
+                                       device=batch.query.device),
+        prefill_query_lens=[], prefill_context_lens=[], prefill_block_tables=[],
+        decode_max_context=ctx, decode_min_context=ctx)
+    return PagedBatch(batch.query[:count], key, value, batch.key_cache, batch.value_cache, meta,
+                      tables, [ctx] * count)

@@ -26,13 +26,20 @@ with the batch is listed in ``do_not_specialize``. So a model compiles at most f
 decode, split decode, merge and prefill; ``decode_variant_shapes`` names a batch that takes each
 decode path, and the engine launches them all at startup (``workers.kernel_warmup``).
 
+The tile sizes and Triton's launch options (warps, pipelining stages) are data, an
+``AttentionLaunchConfig`` per kind of launch. The engine runs ``DEFAULT_ATTENTION_CONFIG``;
+``python -m bench.gpu_kernels --sweep-configs`` times candidates against SDPA on a GPU and prints
+the one a default should be, and the default changes only from such measured figures.
+
 Runs compiled on CUDA, and on CPU under Triton's interpreter (TRITON_INTERPRET=1) for tests.
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import triton
@@ -45,15 +52,95 @@ if TYPE_CHECKING:
     from kernels.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
-# Keys per inner-loop tile. Independent of the KV block size: every key looks its block up.
-DECODE_TILE_N = 32
-_PREFILL_TILE_N = 64
-# Query rows per prefill program (tokens x group heads, padded to a power of two).
-_PREFILL_BLOCK_M = 64
 # A decode split covers at least this many keys: shorter ones cost more to merge than they save.
 _MIN_SPLIT_KEYS = 256
 # At most this many splits per decode: the merge kernel's (compile-time) width.
 MAX_SPLITS = 32
+
+
+def _is_power_of_two(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0
+
+
+def _check_launch_options(kind: str, num_warps: int, num_stages: int) -> None:
+    if not _is_power_of_two(num_warps) or num_warps > 16:
+        raise ValueError(f"{kind} num_warps {num_warps} is not a power of two in 1..16")
+    if num_stages < 1:
+        raise ValueError(f"{kind} num_stages {num_stages} is below 1")
+
+
+def _check_tile(kind: str, name: str, value: int) -> None:
+    # tl.dot needs every dimension of its operands to be a power of two of at least 16.
+    if not _is_power_of_two(value) or value < 16:
+        raise ValueError(f"{kind} {name} {value} is not a power of two >= 16")
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """How decodes are launched. A decode program's rows are its KV head's group of query heads
+    (one token), padded to a power of two of at least 16, so only the key tile is free."""
+
+    # Keys per inner-loop tile. Independent of the KV block size: every key looks its block up.
+    tile_n: int
+    # Triton launch options: warps per program, software-pipelining depth of the K/V loads.
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        _check_tile("decode", "tile_n", self.tile_n)
+        # Splits are whole tiles: a tile longer than the shortest split decode_splits plans would
+        # leave planned splits empty (correct, but a launch of programs that do nothing).
+        if self.tile_n > _MIN_SPLIT_KEYS:
+            raise ValueError(f"decode tile_n {self.tile_n} is longer than the shortest split "
+                             f"({_MIN_SPLIT_KEYS} keys)")
+        _check_launch_options("decode", self.num_warps, self.num_stages)
+
+
+@dataclass(frozen=True)
+class PrefillLaunch:
+    """How prefill chunks are launched."""
+
+    # Query rows per program (tokens x group heads); a group wider than this gets a tile of one
+    # token with the group's heads (padded to a power of two).
+    block_m: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        _check_tile("prefill", "block_m", self.block_m)
+        _check_tile("prefill", "tile_n", self.tile_n)
+        _check_launch_options("prefill", self.num_warps, self.num_stages)
+
+
+@dataclass(frozen=True)
+class AttentionLaunchConfig:
+    """Tile sizes and launch options of the attention kernel, per kind of launch (the two are
+    independent: a decode launch never runs the prefill tiling and the other way round).
+    ``python -m bench.gpu_kernels --sweep-configs`` times candidates on a GPU and prints the best
+    as a literal of this class; the default changes only from such measured figures."""
+
+    decode: DecodeLaunch
+    prefill: PrefillLaunch
+
+    def literal(self) -> str:
+        """Python source that builds this config (the sweep prints it, ready to paste)."""
+        return (f"AttentionLaunchConfig(\n"
+                f"    decode=DecodeLaunch(tile_n={self.decode.tile_n}, "
+                f"num_warps={self.decode.num_warps}, num_stages={self.decode.num_stages}),\n"
+                f"    prefill=PrefillLaunch(block_m={self.prefill.block_m}, "
+                f"tile_n={self.prefill.tile_n}, num_warps={self.prefill.num_warps}, "
+                f"num_stages={self.prefill.num_stages}))")
+
+
+# What the kernel ran before launch configs existed: its tiles then, and Triton's CUDA defaults
+# for the launch options (4 warps, 3 stages; tests/test_attention_configs.py checks them against
+# the installed Triton), so the compiled kernels are the same until a sweep measures better.
+DEFAULT_ATTENTION_CONFIG = AttentionLaunchConfig(
+    decode=DecodeLaunch(tile_n=32, num_warps=4, num_stages=3),
+    prefill=PrefillLaunch(block_m=64, tile_n=64, num_warps=4, num_stages=3))
+# The default decode tile, by its old name (tests tell decode launches apart by it).
+DECODE_TILE_N = DEFAULT_ATTENTION_CONFIG.decode.tile_n
 
 
 # Arguments that change with the batch would otherwise be specialized (to a constant when 1, as
@@ -181,10 +268,12 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, *,
                     num_kv_splits: int | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None,
+                    config: AttentionLaunchConfig | None = None) -> torch.Tensor:
     """See `kernels.attention.paged_attention`. ``num_kv_splits`` fixes how many programs share
     each decode's context (default: chosen from the device's size and the batch; at most
-    MAX_SPLITS)."""
+    MAX_SPLITS). ``config``: the tiles and launch options (default: DEFAULT_ATTENTION_CONFIG,
+    looked up at each call; the benchmark's sweep and the tests pass others)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
     _check_inputs(query, key_cache, value_cache, meta, num_tokens, num_heads, num_kv_heads,
@@ -195,7 +284,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if num_kv_splits is not None and not 1 <= num_kv_splits <= MAX_SPLITS:
         raise ValueError(f"num_kv_splits {num_kv_splits} is outside 1..{MAX_SPLITS}")
     launcher = _Launch(query, key_cache, value_cache, out, scale, num_heads // num_kv_heads,
-                       block_size)
+                       block_size, config or DEFAULT_ATTENTION_CONFIG)
     if meta.num_decodes > 0:
         splits = num_kv_splits or decode_splits(
             meta.num_decodes, num_kv_heads, _decode_span(meta, block_size),
@@ -210,9 +299,10 @@ class _Launch:
     """The arguments every launch of one call shares."""
 
     def __init__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 out: torch.Tensor, scale: float, group: int, block_size: int) -> None:
+                 out: torch.Tensor, scale: float, group: int, block_size: int,
+                 config: AttentionLaunchConfig) -> None:
         self.query, self.key_cache, self.value_cache, self.out = query, key_cache, value_cache, out
-        self.group, self.block_size = group, block_size
+        self.group, self.block_size, self.config = group, block_size, config
         self.num_kv_heads, self.head_dim = key_cache.shape[2], key_cache.shape[3]
         self.head_pad = max(16, triton.next_power_of_2(self.head_dim))
         self.scale = scale * _LOG2E
@@ -241,9 +331,10 @@ class _Launch:
             partial_out = torch.empty((n, heads, splits, self.head_pad), dtype=torch.float32,
                                       device=device)
             partial_lse = torch.empty((n, heads, splits), dtype=torch.float32, device=device)
+        decode = self.config.decode
         self._run(tables, seqs, zeros, seqs, ones, meta.decode_context_lens, partial_out,
-                  partial_lse, block_q=1, block_m=block_m, tile_n=DECODE_TILE_N,
-                  splits=splits)
+                  partial_lse, block_q=1, block_m=block_m, tile_n=decode.tile_n,
+                  splits=splits, num_warps=decode.num_warps, num_stages=decode.num_stages)
         if splits > 1:
             launch(_merge_splits_kernel, (n, self.num_kv_heads * self.group),
                    self.out, partial_out, partial_lse, self.out.stride(0), self.out.stride(1),
@@ -251,7 +342,8 @@ class _Launch:
                    SPLITS_PAD=MAX_SPLITS, HEAD_PAD=self.head_pad)
 
     def prefills(self, meta: AttentionMetadata) -> None:
-        block_m = max(_PREFILL_BLOCK_M, triton.next_power_of_2(self.group))
+        prefill = self.config.prefill
+        block_m = max(prefill.block_m, triton.next_power_of_2(self.group))
         block_q = block_m // self.group
         key = f"triton_prefill{block_q}"
         plan = meta.derived.get(key)
@@ -260,12 +352,14 @@ class _Launch:
             meta.derived[key] = plan
         # Unsplit: the partial buffers are never read.
         self._run(*plan, self.out, self.out, block_q=block_q, block_m=block_m,
-                  tile_n=_PREFILL_TILE_N, splits=1)
+                  tile_n=prefill.tile_n, splits=1, num_warps=prefill.num_warps,
+                  num_stages=prefill.num_stages)
 
     def _run(self, tables: torch.Tensor, tile_seq: torch.Tensor, tile_offset: torch.Tensor,
              query_start: torch.Tensor, query_len: torch.Tensor, context_len: torch.Tensor,
              partial_out: torch.Tensor, partial_lse: torch.Tensor, *,
-             block_q: int, block_m: int, tile_n: int, splits: int) -> None:
+             block_q: int, block_m: int, tile_n: int, splits: int, num_warps: int,
+             num_stages: int) -> None:
         q, cache, out = self.query, self.key_cache, self.out
         grid = (tile_seq.numel(), self.num_kv_heads, splits)
         launch(_paged_attention_kernel, grid,
@@ -275,7 +369,8 @@ class _Launch:
                tables.stride(0), cache.stride(0), cache.stride(1), cache.stride(2), self.head_dim,
                splits, GROUP=self.group, BLOCK_Q=block_q, BLOCK_M=block_m,
                TILE_N=tile_n, HEAD_PAD=self.head_pad, BLOCK_SIZE=self.block_size,
-               SPLIT=splits > 1, DOT_PRECISION=self.precision, DOT_UPCAST=self.upcast)
+               SPLIT=splits > 1, DOT_PRECISION=self.precision, DOT_UPCAST=self.upcast,
+               num_warps=num_warps, num_stages=num_stages)
 
 
 def _prefill_plan(meta: AttentionMetadata, block_q: int,
@@ -354,6 +449,19 @@ def decode_variant_shapes(num_kv_heads: int, block_size: int, max_model_len: int
             split = decode_splits(num_decodes, num_kv_heads, width * block_size, target) > 1
             shapes.setdefault(split, (num_decodes, context))
     return shapes
+
+
+def is_decode_launch(constants: Mapping[str, Any],
+                     config: AttentionLaunchConfig | None = None) -> bool:
+    """Whether a recorded launch of the attention kernel (``kernels.variants.Variant``'s
+    constants) is a decode launch under ``config`` (default: DEFAULT_ATTENTION_CONFIG). Decodes
+    run one token per tile with the decode launch's tile and options; a prefill launch can share
+    the tile size, so that alone would not tell them apart (one with the same constants as well
+    is the same compiled variant)."""
+    decode = (config or DEFAULT_ATTENTION_CONFIG).decode
+    return (constants.get("BLOCK_Q") == 1 and constants.get("TILE_N") == decode.tile_n
+            and constants.get("num_warps") == decode.num_warps
+            and constants.get("num_stages") == decode.num_stages)
 
 
 _SM_COUNTS: dict[int, int] = {}

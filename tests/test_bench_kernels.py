@@ -4,6 +4,7 @@ section and print its table rows, so the script cannot rot untested."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -75,6 +76,61 @@ def test_smoke_run_prints_every_table():
             assert _section(out, title), f"no {title} rows"
         else:
             assert f"kernels.{module} not found" in out
+
+
+def _block(stdout: str, title: str) -> list[list[str]]:
+    """The rows (cells) of the table whose title line starts with `title`, header excluded."""
+    block = next(b for b in stdout.split("\n\n") if b.startswith(title))
+    return [line.split() for line in block.splitlines()[2:] if line.strip()]
+
+
+def test_smoke_sweep_runs_every_config_and_prints_the_choice(tmp_path):
+    """``--sweep-configs --smoke``: the sweep's code path in the interpreter, two configs per
+    kind on one tiny shape each, ending with the chosen config as a literal that builds."""
+    path = tmp_path / "sweep.json"
+    result = _run("--smoke", "--sweep-configs", "--json", str(path))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.startswith("SMOKE RUN") and "WARNING" not in out and "STOPPED" not in out
+    assert "sweep: 4 configs (2 decode, 2 prefill)" in out
+    decode = _block(out, "decode sweep:")
+    prefill = _block(out, "prefill sweep:")
+    assert [r[0] for r in decode] == ["t32w4s3", "t64w4s2"]
+    assert [r[0] for r in prefill] == ["m64t64w4s3", "m128t32w8s3"]
+    for row in decode + prefill:
+        assert row[-1] == "ok" and row[1].endswith("x") and "/" in row[1], row
+    assert [r[0] for r in _block(out, "decode: the best config per shape")] == ["2x100"]
+    assert [r[0] for r in _block(out, "prefill: the best config per shape")] == ["24+40"]
+    assert "decode: best over all shapes" in out and "prefill: best over all shapes" in out
+    # The literal builds one of the swept configs.
+    from kernels import triton_attention
+
+    literal = out.split("DEFAULT_ATTENTION_CONFIG = ", 1)[1].split("\n\n")[0].split("\n(")[0]
+    chosen = eval(literal, vars(triton_attention))  # noqa: S307 - the script's own literal
+    assert chosen.decode.tile_n in (32, 64) and chosen.prefill.block_m in (64, 128)
+    sweep = json.loads(path.read_text())["sweep"]
+    assert (sweep["configs_run"], sweep["configs_queued"], sweep["stopped_early"]) \
+        == (4, 4, False)
+    assert eval(sweep["literal"], vars(triton_attention)) == chosen  # noqa: S307
+    for kind, shape in (("decode", "2x100"), ("prefill", "24+40")):
+        configs = sweep["kinds"][kind]["configs"]
+        assert [c["status"] for c in configs] == ["ok", "ok"]
+        assert all(set(c["shapes"]) == {shape} and c["shapes"][shape]["ratio"] > 0
+                   for c in configs)
+
+
+def test_sweep_until_s_starts_no_config_past_its_time(tmp_path):
+    path = tmp_path / "sweep.json"
+    result = _run("--smoke", "--sweep-configs", "--sweep-until-s", "0", "--sections", "decode",
+                  "--json", str(path))
+    assert result.returncode == 0, result.stderr
+    assert "STOPPED: --sweep-until-s 0 reached after 0 of 2 configs" in result.stdout
+    assert "decode: no config run" in result.stdout and "prefill sweep" not in result.stdout
+    sweep = json.loads(path.read_text())["sweep"]
+    # Probe: the limit stopped it (2 queued, none run), and the default stands.
+    assert (sweep["configs_run"], sweep["configs_queued"], sweep["stopped_early"]) \
+        == (0, 2, True)
+    assert "(the same as the current default)" in result.stdout
 
 
 def test_peak_bandwidth_sources(monkeypatch):

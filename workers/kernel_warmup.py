@@ -134,10 +134,10 @@ def warm_up_graph_paths(runner: ModelRunner, warmup: KernelWarmup, max_model_len
 def missing_decode_paths(variants: frozenset[Variant] | set[Variant],
                          shapes: dict[bool, tuple[int, int]]) -> list[str]:
     """The decode paths (and the merge a split needs) in ``shapes`` that no variant covers."""
-    from kernels.triton_attention import DECODE_TILE_N
+    from kernels.triton_attention import is_decode_launch
 
     decode_splits = {v.constant("SPLIT") for v in variants
-                     if v.kernel == DECODE_KERNEL and v.constant("TILE_N") == DECODE_TILE_N}
+                     if v.kernel == DECODE_KERNEL and is_decode_launch(dict(v.constants))}
     missing = [f"the {'split' if split else 'unsplit'} decode" for split in sorted(shapes)
                if split not in decode_splits]
     if True in shapes and not any(v.kernel == MERGE_KERNEL for v in variants):
