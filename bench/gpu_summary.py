@@ -13,6 +13,7 @@ import argparse
 import datetime
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -132,11 +133,52 @@ def _kernels(out: Path) -> list[str]:
 
 
 def _preempt_latency(out: Path) -> list[str]:
+    """A row per prompt size from bench/preempt_latency.py's JSON ({"sizes": [...]}); from an
+    older single-size JSON, or none, its log's `key: value` lines (each size's block starts with
+    its `layers: ..., prompt_tokens: N` line)."""
+    lines = ["## Preemption latency (bench/preempt_latency.py)", ""]
+    report = _json(out / "preempt_latency.json")
+    if isinstance(report, dict) and report.get("sizes"):
+        return lines + _preempt_latency_table(report) + [""]
     log = _log(out, "preempt-latency")
     keyed = [line for line in log.splitlines() if re.match(r"^[a-z_0-9]+: ", line)
              or line.startswith("target:")]
-    return ["## Preemption latency (bench/preempt_latency.py)", "",
-            *_fenced("\n".join(keyed) if keyed else _tail(log)), ""]
+    return lines + [*_fenced("\n".join(keyed) if keyed else _tail(log)), ""]
+
+
+def _nearest_rank(values: list[float], q: float) -> float:
+    """bench/preempt_latency.py's percentile (nearest rank), so the table quotes its figures."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def _preempt_latency_table(report: dict[str, Any]) -> list[str]:
+    lines = [f"{report['layers']} layers, device {report['device']}; the urgent request alone: "
+             f"{report['urgent_ttft_alone_ms']:.1f} ms. Target: p99 arrival to unwind < one "
+             f"layer + 5 ms. Steps of up to 512 prefill tokens replay as pieces with CUDA "
+             f"graphs, the vote between pieces; larger ones run eager.", "",
+             "| prompt tokens | long step ran as | unwinds between pieces | long step median "
+             "(ms) | layer (ms) | urgent SLO (ms) | unwound / trials | arrival to unwind p50 "
+             "(ms) | p99 (ms) | p99 (layers) | target |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for size in report["sizes"]:
+        ms, layer_ms = size["arrival_to_unwind_ms"], size["layer_ms"]
+        unwinds = size.get("unwinds_between_pieces")
+        ran_as = size.get("long_step_ran_as", "-")
+        if ran_as == "mixed":
+            ran_as += f" ({size['long_steps_as_pieces']}/{size['long_steps']} as pieces)"
+        step_ms = statistics.median(size["long_step_ms"]) if size["long_step_ms"] else None
+        if ms:
+            p50, p99 = _nearest_rank(ms, 50), _nearest_rank(ms, 99)
+            tail = (f"{p50:.2f} | {p99:.2f} | {p99 / layer_ms:.2f} | "
+                    f"{'met' if p99 < layer_ms + 5 else 'NOT met'} |")
+        else:
+            tail = "- | - | - | nothing unwound |"
+        lines.append(f"| {size['prompt_tokens']} | {ran_as} | "
+                     f"{'-' if unwinds is None else unwinds} | {_ms(step_ms)} | "
+                     f"{layer_ms:.2f} | {size['urgent_slo_ms']:.1f} | "
+                     f"{size['unwound']}/{size['trials']} | {tail}")
+    return lines
 
 
 def _stream_gaps(out: Path) -> list[str]:

@@ -55,8 +55,13 @@ def test_gpu_suite_smoke_runs_every_step_and_summarizes_them(tmp_path: Path) -> 
     assert set(suite["steps"]) == set(STEPS)
     for key in ("equality", "throughput", "kernels", "preempt_latency", "stream_gaps"):
         assert suite[key], key
-    assert suite["preempt_latency"]["trials"] == 3
-    assert len(suite["preempt_latency"]["long_step_ms"]) == 3
+    # Two sizes on one engine: the long prompt and the smallest preemptible step (128 tokens);
+    # no graphs on the CPU, so both ran eager.
+    latency = suite["preempt_latency"]
+    assert [size["prompt_tokens"] for size in latency["sizes"]] == [400, 128]
+    for size in latency["sizes"]:
+        assert size["trials"] == 3 and len(size["long_step_ms"]) == 3
+        assert size["long_step_ran_as"] == "eager" and size["unwinds_between_pieces"] == 0
     assert suite["kernels"]["tables"] and suite["kernels"]["smoke"]
     assert set(suite["burst"]) == {"inprocess", "http"}
     assert all(suite["tests"].values())  # each pytest step printed its totals
@@ -72,6 +77,7 @@ def test_gpu_suite_smoke_runs_every_step_and_summarizes_them(tmp_path: Path) -> 
     assert "CUDA graphs against --enforce-eager (speed-up" in summary
     assert "#### CUDA graphs against --enforce-eager" in summary
     assert "| llama | urgent_mid_prefill | 2/2 |" in summary
+    assert "| 400 | eager | 0 |" in summary and "| 128 | eager | 0 |" in summary
     assert "| http | slo+mf-conservative-suspend |" in summary
 
 
