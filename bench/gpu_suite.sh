@@ -2,7 +2,8 @@
 # One call that measures everything on a GPU machine: the GPU tests, greedy equality against HF
 # transformers, throughput against the hardware bound and against HF (and CUDA graphs against
 # --enforce-eager: decode and mixed prefill-and-decode steps), the kernels, preemption
-# latency, the first requests after startup, and the SLO burst in process and over HTTP. No
+# latency (a 16k-token step, eager, and a 512-token one, replayed as CUDA graph pieces), the
+# first requests after startup, and the SLO burst in process and over HTTP. No
 # network: real shapes are config-only folders (bench/model_shapes.py) with --load-format dummy.
 #
 #   bash bench/gpu_suite.sh OUT_DIR                    # on a GPU machine, under 9 minutes
