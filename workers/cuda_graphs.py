@@ -26,12 +26,14 @@ which gives the right tokens only if every input really went through the static 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
+from unittest import mock
 
 import torch
 
@@ -75,6 +77,7 @@ class CudaGraphBackend:
         self.device = device
         self.warmup_runs = warmup_runs
         self.pool = torch.cuda.graph_pool_handle()
+        self.captures = 0
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
         # Warm-up runs on a side stream before capture (cuBLAS workspaces, lazy inits), as
@@ -86,12 +89,29 @@ class CudaGraphBackend:
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with self._cache_flush_once(), torch.cuda.graph(graph, pool=self.pool):
             out = fn()
+        self.captures += 1
         return graph, out
+
+    def _cache_flush_once(self) -> contextlib.AbstractContextManager[Any]:
+        """torch.cuda.graph empties the device and pinned-host caches before every capture;
+        the startup captures thousands of pieces in a row, so only the first does (vLLM does
+        the same)."""
+        if self.captures == 0:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(mock.patch.object(torch.cuda, "empty_cache", _no_op))
+        stack.enter_context(mock.patch.object(torch._C, "_host_emptyCache", _no_op,
+                                              create=True))
+        return stack
 
     def replay(self, graph: Any) -> None:
         graph.replay()
+
+
+def _no_op() -> None:
+    pass
 
 
 @dataclass
