@@ -133,7 +133,8 @@ class Sampler:
             tokens = torch.zeros(num_rows, dtype=torch.long, device=logits.device)
         if random.rows:
             index = random_rows.long()
-            scaled = work.index_select(0, index) / temperature.float()[:, None]
+            # In place where it can: on a CPU each fresh [rows, vocab] buffer costs page faults.
+            scaled = work.index_select(0, index).div_(temperature.float()[:, None])
             masked = _filtered(scaled, random, top_k_index.long(), log_min_p.float(),
                                top_p.float())
             uniforms = self._uniforms(masked, random, params, output_indices, errors)
@@ -240,7 +241,8 @@ def _race(masked: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, t
     exponential = uniforms.clamp_min_(_TINY).log_().neg_()
     # exp(masked - peak) is p up to the row's normaliser, which argmax does not need; dropped
     # tokens have p = 0 and lose to the most likely token, whose key is at least 1 / 87.
-    keys = (masked - peak).exp_().div_(exponential)
+    # (``masked`` is the sampler's own copy, needed no more: overwritten in place.)
+    keys = masked.sub_(peak).exp_().div_(exponential)
     return keys.argmax(dim=-1), peak[:, 0]
 
 
