@@ -72,16 +72,16 @@ def test_sampling_fault_fails_only_its_request(llm, monkeypatch, caplog):
     clean = [prompts[i] for i in (0, 2, 3)]
     want = llm.generate(clean, [params[i] for i in (0, 2, 3)])
 
-    real = Sampler._sample_row
+    real = Sampler._seeded_uniforms  # the seeded row's own draw, made on the host
     fired: list[int] = []
 
-    def faulty(self, logits, sp, index):
+    def faulty(self, out, sp, index):
         if sp.seed == FAULTY_SEED and index == 3:  # mid-decode, after three good tokens
             fired.append(index)
             raise RuntimeError("injected sampling fault")
-        return real(self, logits, sp, index)
+        return real(out, sp, index)
 
-    monkeypatch.setattr(Sampler, "_sample_row", faulty)
+    monkeypatch.setattr(Sampler, "_seeded_uniforms", faulty)
     got = llm.generate(prompts, params)
     assert fired == [3]  # probe: the fault really fired, once
     failed = got[1]

@@ -155,16 +155,17 @@ def test_an_exception_in_one_row_leaves_the_others(monkeypatch):
     logits = _logits(rows=3)
     params = [SamplingParams(temperature=1.0, seed=s) for s in (1, 666, 2)]
     clean = Sampler(seed=0)(logits, params, [0, 0, 0]).token_ids
-    real = Sampler._sample_row
+    # The seeded draw is the one host-side step every seeded row takes on its own.
+    real = Sampler._seeded_uniforms
     fired = []
 
-    def faulty(self, row_logits, sp, index):
+    def faulty(self, out, sp, index):
         if sp.seed == 666:
             fired.append(index)
             raise RuntimeError("injected")
-        return real(self, row_logits, sp, index)
+        return real(out, sp, index)
 
-    monkeypatch.setattr(Sampler, "_sample_row", faulty)
+    monkeypatch.setattr(Sampler, "_seeded_uniforms", faulty)
     out = Sampler(seed=0)(logits, params, [0, 0, 0])
     assert fired == [0]
     assert out.token_ids == [clean[0], None, clean[2]]

@@ -3,6 +3,10 @@ min_tokens mask and the penalties (vLLM's order, and vLLM's / OpenAI's definitio
 
 The worker keeps no per-request state: the scheduler sends each sampling row the token history
 the penalties need (``TokenHistory``), so a rollback or preemption has nothing here to undo.
+
+Processing stays per row (few requests use these parameters), but no row waits for the device:
+token ids go up without a blocking copy (workers.host_transfer), and counts are scattered rather
+than ``bincount``ed (which reads the largest id back on a GPU).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
+from workers.host_transfer import upload, upload_ids
 
 
 @dataclass(frozen=True)
@@ -42,14 +47,15 @@ def process_logits(logits: torch.Tensor, sp: SamplingParams,
     logits = logits.clone()
     if sp.logit_bias:
         ids = _token_tensor(list(sp.logit_bias), vocab, "logit_bias", logits.device)
-        logits.index_add_(0, ids, torch.tensor(list(sp.logit_bias.values()),
-                                               dtype=logits.dtype, device=logits.device))
+        (biases,) = upload([list(sp.logit_bias.values())], logits.device)
+        logits.index_add_(0, ids, biases.to(logits.dtype))
     if history.blocked_token_ids:
         blocked = _token_tensor(history.blocked_token_ids, vocab, "stop token", logits.device)
         logits[blocked] = float("-inf")
     if sp.has_penalties:
         output = _token_tensor(history.output_token_ids, vocab, "output token", logits.device)
-        counts = torch.bincount(output, minlength=vocab).to(logits.dtype)
+        counts = torch.zeros_like(logits).index_add_(
+            0, output, torch.ones(output.shape, dtype=logits.dtype, device=logits.device))
         if sp.repetition_penalty != 1.0:
             prompt = _token_tensor(history.prompt_token_ids, vocab, "prompt token",
                                    logits.device)
@@ -64,14 +70,8 @@ def process_logits(logits: torch.Tensor, sp: SamplingParams,
     return logits
 
 
-def min_p_filter(probs: torch.Tensor, min_p: float) -> torch.Tensor:
-    """Drop tokens less likely than min_p times the most likely one (renormalized)."""
-    kept = probs.masked_fill(probs < min_p * probs.max(), 0.0)
-    return kept / kept.sum()
-
-
 def _token_tensor(ids: Sequence[int], vocab: int, what: str,
                   device: torch.device) -> torch.Tensor:
     if ids and max(ids) >= vocab:
         raise ValueError(f"{what} id {max(ids)} is outside the vocabulary (size {vocab})")
-    return torch.tensor(list(ids), dtype=torch.long, device=device)
+    return upload_ids(ids, device)
