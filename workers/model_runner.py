@@ -188,10 +188,6 @@ class ModelRunner:
         self.suspended.free([r.req_id for r in scheduler_output.requests if r.resume])
         if vote is not None:
             vote.finish()
-        if self.device.type == "cuda":
-            # The step's time feeds the TTFT predictor: it must include the device's work, not
-            # only the launches (a middle prefill chunk samples nothing, so nothing else waits).
-            torch.cuda.synchronize(self.device)
         output = ModelRunnerOutput(step_id=scheduler_output.step_id,
                                    resumed_layers=resumed_layers)
         # Every rank computes logits (the LM head may be a collective); one samples.
@@ -202,6 +198,12 @@ class ModelRunner:
             self._sample(logits, inputs.sampled, output)
         if self.sample:
             output.prompt_logprobs = prompt_logprobs
+        if self.device.type == "cuda":
+            # The step's time feeds the TTFT predictor: it must include the device's work, not
+            # only the launches. Waiting here rather than after the forward pass lets the LM head
+            # and the sampler queue behind it; where a token was sampled, its read-back has
+            # waited already, and a middle prefill chunk (nothing sampled) waits here.
+            torch.cuda.synchronize(self.device)
         output.execute_seconds = time.perf_counter() - started
         return output
 
