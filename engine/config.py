@@ -147,6 +147,10 @@ class ModelConfig:
     # vLLM's --enforce-eager: never replay CUDA graphs (workers.graph_shapes); every step runs
     # its kernels one launch at a time. No effect on the CPU, which has no graphs.
     enforce_eager: bool = False
+    # vLLM's max_cudagraph_capture_size: the largest decode batch and the largest step (in
+    # tokens) captured as CUDA graphs (workers.graph_shapes); larger ones run eager. Fewer
+    # sizes: a faster startup and less graph memory.
+    max_cudagraph_capture_size: int = 512
     # A local tokenizer folder other than the model's (vLLM's --tokenizer); None: the model's.
     tokenizer: str | None = None
     # Jinja text replacing the tokenizer's chat template (build_engine_config reads a file).
@@ -167,6 +171,9 @@ class ModelConfig:
             raise ValueError("simulate runs no model on any device: leave device as auto or cpu")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.max_cudagraph_capture_size < 1:
+            raise ValueError(f"max_cudagraph_capture_size must be >= 1, got "
+                             f"{self.max_cudagraph_capture_size}")
         from kernels.backend import BACKENDS, fused_ops_setting
 
         if self.attention_backend not in BACKENDS:
@@ -196,7 +203,8 @@ class EngineConfig:
 
 def build_engine_config(model: str, *, dtype: str = "auto", device: str = "auto",
                         attention_backend: str = "auto", fused_ops: str | bool = "auto",
-                        enforce_eager: bool = False, tokenizer: str | None = None,
+                        enforce_eager: bool = False, max_cudagraph_capture_size: int = 512,
+                        tokenizer: str | None = None,
                         chat_template: str | None = None,
                         load_format: str = "auto", simulate: str | None = None,
                         max_model_len: int | None = None,
@@ -225,7 +233,9 @@ def build_engine_config(model: str, *, dtype: str = "auto", device: str = "auto"
     return EngineConfig(
         model=ModelConfig(model=model, dtype=dtype, device=device,
                           attention_backend=attention_backend, fused_ops=fused_ops,
-                          enforce_eager=enforce_eager, max_model_len=max_model_len,
+                          enforce_eager=enforce_eager,
+                          max_cudagraph_capture_size=max_cudagraph_capture_size,
+                          max_model_len=max_model_len,
                           seed=seed, tokenizer=tokenizer, load_format=load_format,
                           simulate=simulate,
                           chat_template=None if chat_template is None

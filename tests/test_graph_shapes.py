@@ -49,3 +49,28 @@ def test_enforce_eager_is_off_unless_asked(tiny_model) -> None:
     assert config.model.enforce_eager is True
     # It reaches the TP workers' configuration.
     assert make_worker_config(config, resolve(config)).enforce_eager is True
+
+
+def test_max_cudagraph_capture_size_caps_both_kinds_of_graph(tiny_model) -> None:
+    assert engine_kwargs(_serve_args())["max_cudagraph_capture_size"] == 512
+    kwargs = engine_kwargs(_serve_args("--max-cudagraph-capture-size", "16"))
+    assert kwargs["max_cudagraph_capture_size"] == 16
+    model = tiny_model("llama", num_hidden_layers=2)
+    config = build_engine_config(model, max_cudagraph_capture_size=16, device="cpu")
+    assert make_worker_config(config, resolve(config)).max_cudagraph_capture_size == 16
+    with pytest.raises(ValueError, match="max_cudagraph_capture_size must be >= 1, got 0"):
+        build_engine_config(model, max_cudagraph_capture_size=0)
+    # The engine's runner captures no decode batch and no step larger than the cap.
+    from engine import LLM
+    from workers.cuda_graphs import FAKE_GRAPHS_ENV
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(FAKE_GRAPHS_ENV, "1")
+        llm = LLM(model=model, dtype="float32", device="cpu", max_num_seqs=32,
+                  max_num_batched_tokens=64, max_cudagraph_capture_size=16)
+    try:
+        runner = llm.engine.executor.runner
+        assert sorted(runner.graphs.graphs) == [1, 2, 4, 8, 16]
+        assert sorted(runner.piecewise.graphs) == [1, 2, 4, 8, 16]
+    finally:
+        llm.shutdown()

@@ -53,6 +53,7 @@ class Runner(Protocol):
 
     device: torch.device
     enforce_eager: bool
+    max_cudagraph_capture_size: int
     buffers: StepBuffers
     model: Any
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -286,7 +287,7 @@ def capture_decode_graphs(runner: Runner, max_num_seqs: int, max_model_len: int,
         backend = select_graph_backend(runner, tp_size)
         if backend is None:
             return None
-    sizes = capture_sizes(max_num_seqs)
+    sizes = capture_sizes(max_num_seqs, runner.max_cudagraph_capture_size)
     graphs = DecodeGraphs(runner, sizes, backend, max_model_len)
     seconds = graphs.capture()
     logger.info("CUDA graphs: captured %d decode batch sizes (%d..%d) in %.2f s", len(sizes),

@@ -1,10 +1,11 @@
-"""Which decode batches run as captured CUDA graphs, and at what padded size.
+"""Which shapes run as captured CUDA graphs, and at what padded size.
 
-A CUDA graph replays fixed shapes, so decode-only steps are captured for a few batch sizes and
-a step runs the smallest captured size that holds it, its extra rows padding (vLLM's scheme,
-whose default sizes these are: 1, 2, 4, then every multiple of 8). A step that fits no captured
-size (more decodes than the largest, any prefill, or graphs off with ``--enforce-eager``) runs
-eager. Decode-only steps are never preemptible, so replaying one whole skips no vote.
+A CUDA graph replays fixed shapes, so decode-only steps are captured for a few batch sizes
+(workers.cuda_graphs) and steps with prefill tokens for a few token counts
+(workers.piecewise_graphs), and a step runs the smallest captured size that holds it, its extra
+rows padding (vLLM's scheme, whose default sizes these are: 1, 2, 4, then every multiple of 8,
+up to --max-cudagraph-capture-size). A step that fits no captured size, or every step under
+``--enforce-eager``, runs eager.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-# vLLM's cap on the captured sizes: past it, a graph per size costs more memory and startup time
-# than the launches it saves (a large batch's step is dominated by its matmuls).
+# vLLM's default cap on the captured sizes (--max-cudagraph-capture-size): past it, a graph per
+# size costs more memory and startup time than the launches it saves (a large batch's step is
+# dominated by its matmuls).
 MAX_CAPTURE_SIZE = 512
 
 

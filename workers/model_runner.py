@@ -88,11 +88,13 @@ class ModelRunner:
                  tp_rank: int = 0, tp_size: int = 1, tp_group=None, sample: bool = True,
                  attention_backend: str = "auto", fused_ops: str | bool = "auto",
                  load_format: str = "auto", limits: StepLimits | None = None,
-                 enforce_eager: bool = False) -> None:
+                 enforce_eager: bool = False, max_cudagraph_capture_size: int = 512) -> None:
         """``limits``: the largest step the scheduler hands over, which sizes the input buffers
         (left out, they grow with the steps: fine for tests, not for CUDA graphs).
-        ``enforce_eager``: never replay CUDA graphs (vLLM's --enforce-eager)."""
+        ``enforce_eager``: never replay CUDA graphs (vLLM's --enforce-eager);
+        ``max_cudagraph_capture_size``: the largest decode batch and step (tokens) captured."""
         self.enforce_eager = enforce_eager
+        self.max_cudagraph_capture_size = max_cudagraph_capture_size
         self.device = device
         # Only the rank that reports results samples; the others still join the LM head's
         # collective.

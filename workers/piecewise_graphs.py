@@ -204,9 +204,9 @@ class PiecewiseGraphs:
 def capture_piecewise_graphs(runner: Runner, max_num_batched_tokens: int,
                              backend: GraphBackend) -> PiecewiseGraphs:
     """Capture the pieces for every token count of ``capture_sizes`` up to the step budget
-    (at most MAX_CAPTURE_SIZE: larger steps are compute-bound, their launches hide behind the
-    matmuls)."""
-    sizes = capture_sizes(max_num_batched_tokens)
+    (at most the runner's max_cudagraph_capture_size, 512 by default: larger steps are
+    compute-bound, their launches hide behind the matmuls)."""
+    sizes = capture_sizes(max_num_batched_tokens, runner.max_cudagraph_capture_size)
     graphs = PiecewiseGraphs(runner, sizes, backend)
     seconds = graphs.capture()
     logger.info("CUDA graphs: captured %d pieces for each of %d step sizes (%d..%d tokens) in "

@@ -62,7 +62,9 @@ class Worker:
                                       limits=StepLimits(config.max_num_batched_tokens,
                                                         config.max_num_seqs,
                                                         config.max_model_len),
-                                      enforce_eager=config.enforce_eager)
+                                      enforce_eager=config.enforce_eager,
+                                      max_cudagraph_capture_size=(
+                                          config.max_cudagraph_capture_size))
             fits = (None if config.kv_pool_plan is None
                     else measure_kv_pool(self.runner, config.kv_pool_plan))
         except Exception:

@@ -49,6 +49,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true",
                    help="never use CUDA graphs: every step launches its kernels one by one "
                         "(as vLLM's flag; no effect on the CPU)")
+    g.add_argument("--max-cudagraph-capture-size", type=positive_int, default=512,
+                   metavar="N",
+                   help="the largest decode batch and the largest step (tokens) captured as "
+                        "CUDA graphs at startup (as vLLM's max_cudagraph_capture_size); larger "
+                        "ones run eager. Default 512")
     g.add_argument("--max-model-len", type=positive_int, default=None)
     g.add_argument("--block-size", type=positive_int, default=16)
     g.add_argument("--num-kv-blocks", type=positive_int, default=None,
@@ -127,6 +132,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 dtype=args.dtype, device=args.device,
                 attention_backend=args.attention_backend, fused_ops=args.fused_ops,
                 enforce_eager=args.enforce_eager,
+                max_cudagraph_capture_size=args.max_cudagraph_capture_size,
                 max_model_len=args.max_model_len,
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory_gb=args.kv_cache_memory_gb,

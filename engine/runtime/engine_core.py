@@ -104,7 +104,8 @@ class EngineCore:
                              load_format=config.model.load_format,
                              limits=StepLimits(config.scheduler.max_num_batched_tokens,
                                                config.scheduler.max_num_seqs, m.max_model_len),
-                             enforce_eager=config.model.enforce_eager)
+                             enforce_eager=config.model.enforce_eager,
+                             max_cudagraph_capture_size=config.model.max_cudagraph_capture_size)
         plan = kv_pool_plan(config, m)
         if plan is not None:
             runner.kv_caches = resized_kv_caches(runner.kv_caches, measure_kv_pool(runner, plan))

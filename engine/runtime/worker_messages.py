@@ -52,6 +52,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     attention_backend: str = "auto"
     fused_ops: str = "auto"  # ModelConfig.fused_ops
     enforce_eager: bool = False
+    max_cudagraph_capture_size: int = 512
     load_format: str = "auto"
     # None: the workers measure the pool as kv_pool_plan says.
     num_blocks: int | None
@@ -89,6 +90,7 @@ def make_worker_config(config: EngineConfig, model: ResolvedModel, init_method: 
         model_dir=model.model_dir, dtype=config.model.dtype, device=config.model.device,
         attention_backend=config.model.attention_backend, fused_ops=config.model.fused_ops,
         enforce_eager=config.model.enforce_eager,
+        max_cudagraph_capture_size=config.model.max_cudagraph_capture_size,
         load_format=config.model.load_format, num_blocks=model.num_blocks, kv_pool_plan=kv_pool_plan(config, model),
         block_size=config.cache.block_size, max_model_len=model.max_model_len,
         max_num_seqs=config.scheduler.max_num_seqs,
