@@ -50,3 +50,31 @@ def test_flush_emits_incomplete_tail(tokenizer):
     assert detok.output_text == ""  # held back: an incomplete character
     detok.flush()
     assert detok.output_text == tokenizer.decode(ids[:-1])
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_fast_decode_equals_the_tokenizers_decode(tokenizer, skip, monkeypatch):
+    import random
+
+    from engine.processing.detokenizer import fast_decode
+
+    rng = random.Random(0)
+    vocab = len(tokenizer)
+    sequences = [tokenizer.encode(TEXT)] + [[rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
+                                            for _ in range(300)]
+    sequences += [[tokenizer.all_special_ids[0], *tokenizer.encode(" a b")]]
+    expected = [tokenizer.decode(ids, skip_special_tokens=skip) for ids in sequences]
+    decode = fast_decode(tokenizer)
+    # Probe: the fast path never calls the transformers wrapper.
+    monkeypatch.setattr(tokenizer, "decode", lambda *a, **k: pytest.fail("wrapper called"))
+    assert [decode(ids, skip) for ids in sequences] == expected
+
+
+def test_fast_decode_keeps_the_wrapper_where_it_cleans_up_spaces(tokenizer, monkeypatch):
+    from engine.processing.detokenizer import fast_decode
+
+    calls = []
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
+    monkeypatch.setattr(tokenizer, "decode",
+                        lambda ids, skip_special_tokens: calls.append(ids) or "text")
+    assert fast_decode(tokenizer)([5, 6], True) == "text" and calls == [[5, 6]]
