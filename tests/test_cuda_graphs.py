@@ -17,7 +17,7 @@ from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.runtime.model_setup import load_hf_config
 from engine.sampling_params import SamplingParams
 from tests.paged_helpers import bypass_the_position_buffer
-from workers.cuda_graphs import DecodeGraphs, capture_decode_graphs
+from workers.cuda_graphs import DecodeGraphs, EagerReplayBackend, capture_decode_graphs
 from workers.model_runner import ModelRunner
 from workers.step_buffers import StepLimits
 
@@ -27,22 +27,17 @@ MAX_NUM_SEQS = 8
 DECODE_STEPS = 6
 
 
-class FakeGraphs:
-    """Stands in for torch.cuda.CUDAGraph: "capture" runs the forward once and keeps it with a
-    copy of its output (a graph's output lives at a fixed address); "replay" reruns it with no
-    arguments and writes the result there."""
+class FakeGraphs(EagerReplayBackend):
+    """The CPU stand-in for torch.cuda.CUDAGraph (workers.cuda_graphs.EagerReplayBackend),
+    noting the batch size of every capture."""
 
     def __init__(self) -> None:
         self.captured: list[int] = []
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
-        out = fn().clone()
+        graph, out = super().capture(fn)
         self.captured.append(out.shape[0])
-        return (fn, out), out
-
-    def replay(self, graph: Any) -> None:
-        fn, out = graph
-        out.copy_(fn())
+        return graph, out
 
 
 @pytest.fixture

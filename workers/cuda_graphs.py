@@ -121,18 +121,55 @@ class _Captured:
     output: torch.Tensor
 
 
-class DecodeGraphs:
-    def __init__(self, runner: Runner, sizes: Sequence[int], backend: GraphBackend,
-                 max_model_len: int) -> None:
+class CapturedSteps:
+    """What both kinds of captured step (DecodeGraphs, workers.piecewise_graphs) share: the
+    sizes, the backend, the step buffers' generation the captures read, and the counters."""
+
+    kind = "captured"  # which steps, for the log
+
+    def __init__(self, runner: Runner, sizes: Sequence[int], backend: GraphBackend) -> None:
         self.runner = runner
         self.sizes = sorted(sizes)
-        self.max_model_len = max_model_len
         self.backend = backend
-        self.graphs: dict[int, _Captured] = {}
+        self.graphs: dict[int, Any] = {}
         # The buffers' generation the graphs read (a grown buffer is a new address).
         self.generation = -1
         self.capture_seconds = 0.0
         self.replays = 0
+
+    def _capture_one(self, fn: Callable[[], torch.Tensor],
+                     what: str) -> tuple[Any, torch.Tensor]:
+        try:
+            return self.backend.capture(fn)
+        except Exception as exc:
+            raise RuntimeError(f"CUDA graph capture failed at {what}: {type(exc).__name__}: "
+                               f"{exc} (--enforce-eager runs every step without graphs)"
+                               ) from exc
+
+    def _check_buffers_held_still(self) -> None:
+        if self.runner.buffers.generation != self.generation:
+            raise RuntimeError("the step buffers grew while capturing CUDA graphs")
+
+    def _buffers_moved(self) -> bool:
+        """Whether the step buffers grew after the capture, so the graphs read old addresses:
+        a step outgrew the limits the buffers were sized for (a bug upstream). The graphs are
+        dropped, and from then on those steps run eager (slower, still correct)."""
+        if self.runner.buffers.generation == self.generation:
+            return False
+        if self.graphs:
+            logger.warning("CUDA graphs: the step buffers grew after the capture; %s steps run "
+                           "eager from now on", self.kind)
+            self.graphs.clear()
+        return True
+
+
+class DecodeGraphs(CapturedSteps):
+    kind = "decode"
+
+    def __init__(self, runner: Runner, sizes: Sequence[int], backend: GraphBackend,
+                 max_model_len: int) -> None:
+        super().__init__(runner, sizes, backend)
+        self.max_model_len = max_model_len
 
     @property
     def table_width(self) -> int | None:
@@ -184,15 +221,9 @@ class DecodeGraphs:
             # reads what they leave there before a request owns the block. The tables are
             # zeroed at full width once, so no column holds anything but a block id.
             runner.prepare_inputs(_dummy_decodes(size), table_width=runner.buffers.max_blocks)
-            try:
-                graph, output = self.backend.capture(self._forward(size))
-            except Exception as exc:
-                raise RuntimeError(f"CUDA graph capture failed at decode batch {size}: "
-                                   f"{type(exc).__name__}: {exc} (--enforce-eager runs every "
-                                   f"step without graphs)") from exc
+            graph, output = self._capture_one(self._forward(size), f"decode batch {size}")
             self.graphs[size] = _Captured(graph, output)
-        if runner.buffers.generation != self.generation:
-            raise RuntimeError("the step buffers grew while capturing CUDA graphs")
+        self._check_buffers_held_still()
         self.capture_seconds = time.perf_counter() - started
         return self.capture_seconds
 
@@ -201,13 +232,7 @@ class DecodeGraphs:
         resumed chunk in it, a vote to cast, more decodes than the largest size, or buffers
         that moved since the capture)."""
         requests = scheduler_output.requests
-        if self.runner.buffers.generation != self.generation:
-            if self.graphs:
-                # A step outgrew the limits the buffers were sized for: a bug upstream, and
-                # from now on every decode runs eager (slower, still correct).
-                logger.warning("CUDA graphs: the step buffers grew after the capture; decode "
-                               "steps run eager from now on")
-                self.graphs.clear()
+        if self._buffers_moved():
             return None
         if (scheduler_output.preemptible or not requests
                 or any(len(r.token_ids) != 1 or r.resume for r in requests)):

@@ -38,6 +38,7 @@ import torch
 
 from engine.core.scheduler_output import SchedulerOutput
 from kernels import AttentionMetadata
+from workers.cuda_graphs import CapturedSteps
 from workers.graph_shapes import capture_sizes, padded_batch_size
 from workers.preempt_vote import StepPreempted
 
@@ -47,18 +48,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class PiecewiseGraphs:
+class PiecewiseGraphs(CapturedSteps):
+    kind = "prefill"
+
     def __init__(self, runner: Runner, sizes: Sequence[int], backend: GraphBackend) -> None:
-        self.runner = runner
-        self.sizes = sorted(sizes)
-        self.backend = backend
-        model = runner.model
-        self.num_layers: int = model.num_layers
+        super().__init__(runner, sizes, backend)
+        self.num_layers: int = runner.model.num_layers
         # graphs[size][i]: piece i (0..num_layers) of a step padded to ``size`` tokens.
         self.graphs: dict[int, list[Any]] = {}
-        self.generation = -1
-        self.capture_seconds = 0.0
-        self.replays = 0
         # Replayed steps a vote stopped between two pieces.
         self.unwinds = 0
         self._allocate(self.sizes[-1])
@@ -135,28 +132,18 @@ class PiecewiseGraphs:
         for size in reversed(self.sizes):
             pieces = []
             for index in range(self.num_layers + 1):
-                try:
-                    graph, _ = self.backend.capture(self._piece(size, index))
-                except Exception as exc:
-                    raise RuntimeError(
-                        f"CUDA graph capture failed at piece {index} of a {size}-token step: "
-                        f"{type(exc).__name__}: {exc} (--enforce-eager runs every step without "
-                        f"graphs)") from exc
+                graph, _ = self._capture_one(self._piece(size, index),
+                                             f"piece {index} of a {size}-token step")
                 pieces.append(graph)
             self.graphs[size] = pieces
-        if buffers.generation != self.generation:
-            raise RuntimeError("the step buffers grew while capturing CUDA graphs")
+        self._check_buffers_held_still()
         self.capture_seconds = time.perf_counter() - started
         return self.capture_seconds
 
     def size_for(self, scheduler_output: SchedulerOutput) -> int | None:
         """The padded token count this step replays at, or None: it runs eager (it resumes a
         suspended chunk, it is larger than the largest size, or the buffers moved)."""
-        if self.runner.buffers.generation != self.generation:
-            if self.graphs:
-                logger.warning("CUDA graphs: the step buffers grew after the capture; prefill "
-                               "steps run eager from now on")
-                self.graphs.clear()
+        if self._buffers_moved():
             return None
         requests = scheduler_output.requests
         if not requests or any(r.resume for r in requests):
@@ -192,13 +179,6 @@ class PiecewiseGraphs:
             raise
         self.replays += 1
         return self.hidden_out[:n]
-
-    @property
-    def memory_bytes(self) -> int:
-        """The static buffers' size (the graphs' own pool is measured at capture)."""
-        return sum(t.numel() * t.element_size()
-                   for t in (self.query, self.key, self.value, self.attention_out,
-                             self.residual, self.hidden_out, self.cos, self.sin))
 
 
 def capture_piecewise_graphs(runner: Runner, max_num_batched_tokens: int,
