@@ -5,12 +5,12 @@ import multiprocessing as mp
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from engine.runtime.model_setup import load_hf_config
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput, StepStatus
 from monitor.preempt_signal import NO_TARGET, PreemptSignal
+from workers.distributed import destroy, init_distributed
 from workers.model_runner import ModelRunner
 from workers.preempt_vote import PreemptVote, StepPreempted
 
@@ -110,14 +110,14 @@ def test_unwound_step_output_matches_a_clean_rerun(runner, signal):
 
 
 def _vote_rank(rank: int, store_dir: str, signal_name: str, results) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank,
-                            world_size=2)
+    groups = init_distributed(rank, 2, f"file://{store_dir}/store", torch.device("cpu"),
+                              timeout_s=120)
     try:
         # Rank 1 has no view of the signal (as on another node): it votes 0 and learns the
         # outcome from the collective.
         signal = PreemptSignal.attach(signal_name) if rank == 0 else None
         vote = PreemptVote(signal, num_layers=10, stubborn_fraction=0.85,
-                           cpu_group=dist.group.WORLD)
+                           cpu_group=groups.cpu_group)
         outcomes = []
         for step_id in (7, 8):  # step 7 is the target; step 8 must run to its end
             vote.step_id = step_id
@@ -131,12 +131,11 @@ def _vote_rank(rank: int, store_dir: str, signal_name: str, results) -> None:
             except StepPreempted as stop:
                 stopped_at = stop.layer
             outcomes.append(stopped_at)
-        dist.barrier()
         results.put((rank, outcomes, vote.stats.collectives))
         if signal is not None:
             signal.close()
     finally:
-        dist.destroy_process_group()
+        destroy(groups)
 
 
 def test_tp_vote_ranks_unwind_together_one_layer_after_the_ballot(tmp_path):

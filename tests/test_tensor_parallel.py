@@ -10,12 +10,12 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from tests.paged_helpers import PagedSequence, make_kv_caches, paged_step  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
+from workers.distributed import destroy, init_distributed  # noqa: E402
 from workers.models import build_model  # noqa: E402
 from workers.weight_loader import load_weights  # noqa: E402
 
@@ -36,13 +36,14 @@ def _tokens(n: int, vocab: int, seed: int) -> list[int]:
 
 def _run_rank(rank: int, model_dirs: list[str], out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank,
-                            world_size=TP_SIZE)
+    # As the workers join: workers.distributed's set-up is what lets the group go at destroy.
+    groups = init_distributed(rank, TP_SIZE, f"file://{out_dir}/store", torch.device("cpu"),
+                              timeout_s=120)
     try:
         for model_dir in model_dirs:
             config = AutoConfig.from_pretrained(model_dir)
             model = build_model(config, torch.float32, torch.device("cpu"), tp_rank=rank,
-                                tp_size=TP_SIZE, tp_group=dist.group.WORLD)
+                                tp_size=TP_SIZE, tp_group=groups.tensor_group)
             load_weights(model, model_dir)
             kv_caches = make_kv_caches(model, num_blocks=16, block_size=16)
             a = PagedSequence(_tokens(50, config.vocab_size, 1), blocks=[7, 2, 11, 4])
@@ -51,9 +52,8 @@ def _run_rank(rank: int, model_dirs: list[str], out_dir: str) -> None:
             paged_step(model, kv_caches, [(b, 1), (a, 20)], num_decodes=1)
             torch.save({"a": torch.stack(a.logits), "b": torch.stack(b.logits)},
                        f"{model_dir}/logits_rank{rank}.pt")
-        dist.barrier()  # no rank tears its gloo pairs down while the other still reads them
     finally:
-        dist.destroy_process_group()
+        destroy(groups)
 
 
 def test_two_rank_tensor_parallel_matches_hf(tmp_path: Path) -> None:

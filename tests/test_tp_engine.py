@@ -41,6 +41,8 @@ def _run(model: str, tp: int, params: SamplingParams = GREEDY, **overrides):
         outs = llm.generate(_prompts(llm.engine.vocab_size), params)
     finally:
         llm.shutdown()
+    if tp > 1:  # every worker left cleanly (none aborted in its interpreter's teardown)
+        assert [p.exitcode for p in llm.engine.executor._procs] == [0] * tp
     return outs
 
 

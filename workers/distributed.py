@@ -18,6 +18,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# Imported before any process group exists, on purpose: its functions take `group=group.WORLD`
+# as a default argument, evaluated at import. Imported after init_process_group (transformers
+# does so lazily inside AutoConfig.from_pretrained, which every worker calls after joining), the
+# defaults pin the default group past destroy_process_group; gloo's threads then live until the
+# interpreter's teardown, which kills them mid-flight and aborts the process with SIGABRT
+# ("terminate called without an active exception") after a clean shutdown.
+import torch.distributed.nn  # noqa: F401
+
 _ERROR_KEY = "sloserve/error/{rank}"
 
 
@@ -86,8 +94,7 @@ def collect_errors(groups: ParallelGroups, wait_s: float = 3.0) -> dict[int, str
 
 def destroy(groups: ParallelGroups | None = None) -> None:
     """Leave the process group. With `groups`, an orderly exit: every rank passes a barrier
-    first, so no rank tears its gloo connections down while a peer still uses them (that race
-    aborts the peer with "terminate called without an active exception")."""
+    first, so no rank tears its gloo connections down while a peer still reads from them."""
     if not dist.is_initialized():
         return
     if groups is not None:

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import socket
 import traceback
@@ -16,6 +17,8 @@ from typing import Protocol
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
 from engine.runtime.worker_messages import (ExecuteStep, Shutdown, WorkerConfig, decode_output,
                                             decode_pool_size, encode)
+
+logger = logging.getLogger(__name__)
 
 
 class Executor(Protocol):
@@ -133,8 +136,15 @@ class MultiprocExecutor:
             pass
         for proc in self._procs:
             proc.join(timeout=10)
-        for proc in self._procs:
+        for rank, proc in enumerate(self._procs):
+            # A worker that left after Shutdown exits 0; anything else (a crash in its teardown,
+            # a hang) is worth a line even though the engine's work is done.
+            if proc.exitcode not in (0, None):
+                logger.warning("TP worker rank %d exited with code %s after shutdown", rank,
+                               proc.exitcode)
             if proc.is_alive():
+                logger.warning("TP worker rank %d did not exit within 10 s of shutdown; "
+                               "terminating it", rank)
                 proc.terminate()
                 proc.join(timeout=5)
             if proc.is_alive():
