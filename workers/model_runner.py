@@ -7,10 +7,12 @@ behind here that needs undoing.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,20 +52,43 @@ PROMPT_LOGPROB_ROWS = 256
 
 
 class LayerDelay:
-    """The LAYER_DELAY_ENV test hook: sleeps per token on each layer's input norm, which an
-    eager pass and a piece of a (test stand-in) graph both run. Paused during the startup
-    passes (kernel warm-up, graph capture), which no test times."""
+    """The LAYER_DELAY_ENV test hook: sleeps per token at every layer's attention op, before
+    the vote.
+
+    The attention op is what runs eagerly both in an eager pass and between the replayed pieces
+    of a piecewise-graph step (workers.piecewise_graphs): a hook inside a piece (a layer's
+    norm, say) runs on the CPU stand-in, whose "replay" calls the captured Python again, but
+    never in a real CUDA graph replay, where a GPU test's long step would then not be slow at
+    all. A decode step replayed as one whole graph runs no Python between its layers on a GPU,
+    so it is not slowed on the CPU stand-in either. Paused during the startup passes (kernel
+    warm-up, graph capture), which no test times."""
 
     def __init__(self, model: torch.nn.Module, seconds_per_token: float) -> None:
         self.seconds_per_token = seconds_per_token
         self.paused = False
-        for layer in model.model.layers:
-            layer.input_layernorm.register_forward_pre_hook(self._delay)
+        # Wraps the instance's attention op: the eager forward pass and the piecewise runner
+        # both call it through the instance, never the class.
+        undelayed = model.attention_op
 
-    def _delay(self, _module: torch.nn.Module, args: tuple) -> None:
+        def delayed_attention_op(layer_idx: int, q: torch.Tensor, *args, **kwargs):
+            self._delay(q.shape[0])  # q: the tokens active at this layer, padding excluded
+            return undelayed(layer_idx, q, *args, **kwargs)
+
+        model.attention_op = delayed_attention_op
+
+    def _delay(self, num_tokens: int) -> None:
         if not self.paused:
-            hidden_states = args[0]  # input_layernorm(hidden_states[, residual])
-            time.sleep(self.seconds_per_token * hidden_states.shape[0])
+            time.sleep(self.seconds_per_token * num_tokens)
+
+    @contextlib.contextmanager
+    def paused_for_a_whole_graph(self) -> Iterator[None]:
+        """Around a whole-graph replay (on the CPU stand-in, which calls the captured pass
+        again): a GPU replay runs none of it in Python, so nothing is slowed."""
+        was_paused, self.paused = self.paused, True
+        try:
+            yield
+        finally:
+            self.paused = was_paused
 
 
 @dataclass
@@ -169,7 +194,9 @@ class ModelRunner:
                 self.model.before_attention = self.run_ahead.pace(vote)
         try:
             if graphs is not None and graph_size is not None:
-                hidden = graphs.replay(graph_size)
+                with (self.layer_delay.paused_for_a_whole_graph()
+                      if self.layer_delay is not None else contextlib.nullcontext()):
+                    hidden = graphs.replay(graph_size)
             elif piecewise is not None and piece_size is not None:
                 hidden = piecewise.run(piece_size, inputs.input_ids.shape[0], inputs.attn_meta,
                                        self.kv_caches)
