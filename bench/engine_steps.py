@@ -15,6 +15,15 @@ batches of the graphs comparison and the mixed kind again on an engine with
 `enforce_eager=True`; bench/gpu_throughput.py starts it in this process before the graphs engine
 and frees its memory first (`free_device_memory`).
 
+Each figure is handed to a `record(kind, figures)` callback the moment it is measured (kinds
+`startup`, `prefill`, `decode`, `mixed`, `graphs`), so that bench/gpu_throughput.py writes it
+to its JSON-lines file before the next one starts: a run killed at its time limit keeps them.
+
+An engine's startup (`startup`): wall seconds to build the `LLM` (load, warm-up compile, graph
+capture), the bench's own warm-up requests after it, and the runner's `startup_report` (warm-up
+and capture seconds, graph memory, counts: workers/serving_startup.py) where the runner has one
+and is in this process.
+
 Why one process for both engines, not a subprocess: the fixed pool (`num_kv_blocks`) needs no
 memory profile, so even an engine whose memory were not all given back leaves the next one
 room (the 8B shape's weights and pool are about a third of an H100), and the second engine
@@ -24,6 +33,7 @@ What the first engine left allocated is measured and reported (`memory_left_gb`)
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import statistics
@@ -39,6 +49,13 @@ import torch
 # Tokens each warm-up prompt generates (the whole-budget one too: the context must hold them).
 WARMUP_TOKENS = 4
 BLOCK_SIZE = 16
+
+# record(kind, figures): one figure as it is measured (bench/gpu_throughput.py writes it out).
+Record = Callable[[str, dict[str, Any]], None]
+
+
+def _no_record(kind: str, figures: dict[str, Any]) -> None:
+    pass
 
 
 def _progress(line: str) -> None:
@@ -164,7 +181,8 @@ def engine_limits(sizes: dict[str, Any]) -> dict[str, int]:
 def start_engine(model_dir: str, device: torch.device, dtype: torch.dtype, sizes: dict[str, Any],
                  seed: int, enforce_eager: bool) -> tuple[Any, list[dict], dict[str, Any]]:
     """(the LLM, its step log, what it started with), warmed up: a whole-budget prefill and a
-    few decodes ran, so first-use kernel compiles are not timed."""
+    few decodes ran, so first-use kernel compiles are not timed. What it started with carries
+    its `startup` (`startup_figures`)."""
     from bench.throughput import _prompts, _record_steps
     from engine import LLM, SamplingParams
 
@@ -177,24 +195,61 @@ def start_engine(model_dir: str, device: torch.device, dtype: torch.dtype, sizes
               max_model_len=limits["max_model_len"], block_size=BLOCK_SIZE,
               num_kv_blocks=limits["num_kv_blocks"], startup_calibration=False, seed=seed,
               enforce_eager=enforce_eager)
-    info = {"startup_s": time.perf_counter() - started, "kv_blocks": limits["num_kv_blocks"],
+    build_s = time.perf_counter() - started
+    info = {"startup_s": build_s, "kv_blocks": limits["num_kv_blocks"],
             "enforce_eager": llm.engine.config.model.enforce_eager}
     steps_log = _record_steps(llm)
     try:
         warm = _prompts(_vocab(model_dir), 2, budget, seed=seed + 10_000)
         lengths = (budget, sizes["context"])
+        warmed = time.perf_counter()
         llm.generate([{"prompt_token_ids": p[:n]} for p, n in zip(warm, lengths)],
                      SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS, ignore_eos=True))
+        info["startup"] = startup_figures(llm, build_s, time.perf_counter() - warmed)
     except BaseException:
-        llm.shutdown()
+        release_engine(llm)
         raise
     return llm, steps_log, info
+
+
+def startup_figures(llm: Any, build_s: float, bench_warmup_s: float) -> dict[str, Any]:
+    """How the engine started: `build_s`, the wall seconds of `LLM(...)` (weights, the
+    engine's kernel warm-up, CUDA graph capture); `bench_warmup_s`, this bench's own warm-up
+    requests after it (any first-use compile the engine's warm-up missed); `report`, the
+    runner's `startup_report` as a dict (None where the runner has none, or is in another
+    process)."""
+    report = getattr(runner_of(llm), "startup_report", None)
+    if report is not None:
+        report = (dataclasses.asdict(report) if dataclasses.is_dataclass(report)
+                  else dict(vars(report)))
+    return {"build_s": build_s, "bench_warmup_s": bench_warmup_s,
+            "enforce_eager": llm.engine.config.model.enforce_eager, "report": report}
+
+
+def runner_of(llm: Any) -> Any:
+    """The model runner where it is in this process (the in-process executor's), else None."""
+    return getattr(getattr(llm.engine, "executor", None), "runner", None)
+
+
+def release_engine(llm: Any) -> None:
+    """Shut the engine down and take off what `_record_steps` put on it: its step and execute
+    wrappers close over the engine's own bound methods (engine -> wrapper -> engine), a cycle
+    that only the garbage collector would free; without them, dropping the last reference to
+    the LLM frees it and its device memory at once."""
+    try:
+        llm.shutdown()
+    finally:
+        engine = llm.engine
+        vars(engine).pop("step", None)
+        executor = getattr(engine, "executor", None)
+        if executor is not None:
+            vars(executor).pop("execute_model", None)
 
 
 def graph_probe(llm: Any) -> dict[str, Any]:
     """What the engine replayed: its captured decode graph sizes and replays so far (none on
     the CPU or under enforce_eager; None where the runner is in another process)."""
-    runner = getattr(llm.engine.executor, "runner", None)
+    runner = runner_of(llm)
     if runner is None:
         return {"decode_graph_sizes": None, "decode_graph_replays": None,
                 "piecewise_step_sizes": None, "piecewise_replays": None}
@@ -204,6 +259,15 @@ def graph_probe(llm: Any) -> dict[str, Any]:
             "decode_graph_replays": graphs.replays if graphs is not None else 0,
             "piecewise_step_sizes": sorted(pieces.graphs) if pieces is not None else [],
             "piecewise_replays": pieces.replays if pieces is not None else 0}
+
+
+def _drop_frames(exc: BaseException) -> None:
+    """The finished frames of a failed measurement (a `measure_*` call's) hold the LLM as an
+    argument for as long as the exception lives: their locals are cleared, so the engine is
+    freed when this bench lets go of it, not when the caller drops the exception."""
+    import traceback
+
+    traceback.clear_frames(exc.__traceback__)
 
 
 def free_device_memory(device: torch.device, baseline_bytes: int) -> float | None:
@@ -309,36 +373,51 @@ def measure_mixed(llm: Any, steps_log: list[dict], vocab: int, sizes: dict[str, 
 
 def bench_engine(model_dir: str, device: torch.device, dtype: torch.dtype,
                  sizes: dict[str, Any], seed: int, profile_steps: int = 0,
-                 profile_deadline: float | None = None) -> dict[str, Any]:
-    """Every kind on the engine as configured (CUDA graphs on a GPU); with profile_steps, then a
-    torch.profiler summary of that many steps of each kind under "profile"
-    (bench.engine_profile), started only before `profile_deadline` (a perf_counter time)."""
+                 profile_deadline: float | None = None,
+                 record: Record = _no_record) -> dict[str, Any]:
+    """Every kind on the engine as configured (CUDA graphs on a GPU), each handed to `record`
+    as it is measured; with profile_steps, then a torch.profiler summary of that many steps of
+    each kind under "profile" (bench.engine_profile), started only before `profile_deadline` (a
+    perf_counter time)."""
     llm, steps_log, result = start_engine(model_dir, device, dtype, sizes, seed,
                                           enforce_eager=False)
+    record("startup", result["startup"])
     vocab = _vocab(model_dir)
     try:
         result["prefill"] = measure_prefill(llm, steps_log, vocab, sizes, seed)
-        result["decode"] = {str(batch): measure_decode(llm, steps_log, vocab, sizes, batch, seed)
-                            for batch in sizes["batches"]}
+        record("prefill", result["prefill"])
+        result["decode"] = {}
+        for batch in sizes["batches"]:
+            result["decode"][str(batch)] = measure_decode(llm, steps_log, vocab, sizes, batch,
+                                                          seed)
+            record("decode", result["decode"][str(batch)])
         result["mixed"] = measure_mixed(llm, steps_log, vocab, sizes, seed)
+        record("mixed", result["mixed"])
         result["graphs"] = graph_probe(llm)
+        record("graphs", result["graphs"])
         if profile_steps:
             # After every timed figure: profiling slows the steps it records.
             result["profile"] = profile_engine(llm, steps_log, device, vocab, sizes, seed,
                                                result, profile_steps, profile_deadline)
+    except BaseException as exc:
+        _drop_frames(exc)
+        raise
     finally:
-        llm.shutdown()
+        release_engine(llm)
+        # The caller's next engine must not find this one's memory still taken.
+        del llm
     return result
 
 
 def bench_eager(model_dir: str, device: torch.device, dtype: torch.dtype,
-                sizes: dict[str, Any], seed: int) -> dict[str, Any]:
+                sizes: dict[str, Any], seed: int, record: Record = _no_record) -> dict[str, Any]:
     """The graphs comparison's decode batches (`eager_batches`) and the mixed kind on an engine
-    with enforce_eager=True, same sizes and prompts as `bench_engine`'s. The engine's memory is
-    given back before this returns, failed or not: the graphs engine starts next."""
+    with enforce_eager=True, same sizes and prompts as `bench_engine`'s, each handed to
+    `record` as it is measured. The engine's memory is given back before this returns, failed
+    or not: the graphs engine starts next."""
     baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     try:
-        result = _eager_figures(model_dir, device, dtype, sizes, seed)
+        result = _eager_figures(model_dir, device, dtype, sizes, seed, record)
     finally:
         left = free_device_memory(device, baseline)
     result["memory_left_gb"] = left
@@ -346,17 +425,27 @@ def bench_eager(model_dir: str, device: torch.device, dtype: torch.dtype,
 
 
 def _eager_figures(model_dir: str, device: torch.device, dtype: torch.dtype,
-                   sizes: dict[str, Any], seed: int) -> dict[str, Any]:
+                   sizes: dict[str, Any], seed: int, record: Record) -> dict[str, Any]:
     llm, steps_log, result = start_engine(model_dir, device, dtype, sizes, seed,
                                           enforce_eager=True)
+    record("startup", result["startup"])
     vocab = _vocab(model_dir)
     try:
-        result["decode"] = {str(batch): measure_decode(llm, steps_log, vocab, sizes, batch, seed)
-                            for batch in sizes["eager_batches"]}
+        result["decode"] = {}
+        for batch in sizes["eager_batches"]:
+            result["decode"][str(batch)] = measure_decode(llm, steps_log, vocab, sizes, batch,
+                                                          seed)
+            record("decode", result["decode"][str(batch)])
         result["mixed"] = measure_mixed(llm, steps_log, vocab, sizes, seed)
+        record("mixed", result["mixed"])
         result["graphs"] = graph_probe(llm)
+        record("graphs", result["graphs"])
+    except BaseException as exc:
+        _drop_frames(exc)
+        raise
     finally:
-        llm.shutdown()
+        release_engine(llm)
+        del llm
     return result
 
 

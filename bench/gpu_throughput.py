@@ -41,6 +41,27 @@ for a few steady-state steps (bench/engine_profile.py): kernels per step (on the
 dispatched), GPU busy time against the step's wall time, the top kernels and host functions.
 JSON "profile", and a markdown section after the tables. --profile-until-s starts no kind late
 in a time-limited run.
+
+Each engine's startup (JSON "startup", and the engine's "startup"; a markdown section): wall
+seconds of `LLM(...)` (load, the engine's warm-up, capture), the bench's own warm-up after it, and
+the runner's `startup_report` as far as it has one (bench/engine_steps.startup_figures).
+
+Figures as they are measured: with --out PATH, PATH's .jsonl twin (`throughput.json` ->
+`throughput.jsonl`, bench/figures.py) gets one JSON line per figure the moment it exists, so a
+run killed at a time limit keeps what it measured. Record kinds, in order: `run` (shape, device,
+dtype, sizes), `limits`, then per engine (`side`: `hf`, `eager`, `engine` = the graphs engine)
+`startup`, `prefill`, `decode` (one per batch), `mixed` (each with its `bound` and
+`pct_of_bound`), `graphs` (the graph probe); a `graphs_vs_eager` row as soon as the graphs
+engine has the kind the eager one measured; `error` for a side that failed; `done` at the end.
+HF's figures come at once, when its process ends. The final JSON is written as before.
+
+One engine on the device at a time: the eager engine is shut down and every reference to it
+dropped (bench/engine_steps.release_engine, the failed side's frames cleared too) before the
+graphs engine starts.
+
+The GPU suite's core call: `--shape llama-3.1-8b --no-hf --batches 1 64` (eager batches follow:
+1 and 64): decode TPOT against the HBM bound, graphs against eager, prefill against the
+linear-layer bound, each engine's startup; without HF the table has no HF columns.
 """
 
 from __future__ import annotations
@@ -52,12 +73,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench.engine_steps import bench_eager, bench_engine
+from bench.figures import FigureLog, jsonl_twin
 from bench.roofline import (ModelShape, attention_flops, decode_bytes_per_step,
                             decode_flops_per_step, prefill_flops)
 
@@ -192,19 +215,63 @@ def mixed_bound(shape: ModelShape, figures: dict[str, Any], dtype_bytes: int,
             "tokens_per_s": figures["tokens_per_step"] / step_s}
 
 
+def bound_of(kind: str, figures: dict[str, Any], shape: ModelShape, dtype_bytes: int,
+             limits: dict[str, Any]) -> dict[str, Any]:
+    """{"bound", "pct_of_bound"} of one figure (kind prefill, decode or mixed) at its own
+    sizes."""
+    if kind == "prefill":
+        bound = prefill_bound(shape, figures["prompt_len"], limits)
+    elif kind == "decode":
+        bound = decode_bound(shape, figures["batch"], figures["mean_context"], dtype_bytes,
+                             limits)
+    else:
+        bound = mixed_bound(shape, figures, dtype_bytes, limits)
+    return {"bound": bound, "pct_of_bound": 100 * figures["tokens_per_s"] / bound["tokens_per_s"]}
+
+
 def add_bounds(side: dict[str, Any], shape: ModelShape, dtype_bytes: int,
                limits: dict[str, Any]) -> None:
     """Each figure of one side (engine or HF) beside the bound at its own sizes."""
-    prefill = side["prefill"]
-    prefill["bound"] = prefill_bound(shape, prefill["prompt_len"], limits)
-    prefill["pct_of_bound"] = 100 * prefill["tokens_per_s"] / prefill["bound"]["tokens_per_s"]
+    side["prefill"].update(bound_of("prefill", side["prefill"], shape, dtype_bytes, limits))
     for row in side["decode"].values():
-        row["bound"] = decode_bound(shape, row["batch"], row["mean_context"], dtype_bytes, limits)
-        row["pct_of_bound"] = 100 * row["tokens_per_s"] / row["bound"]["tokens_per_s"]
+        row.update(bound_of("decode", row, shape, dtype_bytes, limits))
     if "mixed" in side:
-        mixed = side["mixed"]
-        mixed["bound"] = mixed_bound(shape, mixed, dtype_bytes, limits)
-        mixed["pct_of_bound"] = 100 * mixed["tokens_per_s"] / mixed["bound"]["tokens_per_s"]
+        side["mixed"].update(bound_of("mixed", side["mixed"], shape, dtype_bytes, limits))
+
+
+class FigureRecorder:
+    """Writes each figure to the run's JSON-lines file as it is measured (bench.figures), its
+    bound beside it (the limits are measured first), and each graphs-against-eager row as
+    soon as its graphs figure exists (the eager engine runs first): a run killed at its time
+    limit keeps every figure it had."""
+
+    def __init__(self, log: FigureLog, shape: ModelShape, dtype_bytes: int,
+                 limits: dict[str, Any]) -> None:
+        self.log, self.shape, self.dtype_bytes, self.limits = log, shape, dtype_bytes, limits
+        # The eager engine's figures by table label, for the graphs engine's rows.
+        self.eager: dict[str, dict[str, Any]] = {}
+
+    def for_side(self, side: str) -> Callable[[str, dict[str, Any]], None]:
+        def record(kind: str, figures: dict[str, Any]) -> None:
+            fields = dict(figures)
+            if kind in ("prefill", "decode", "mixed"):
+                fields.update(bound_of(kind, figures, self.shape, self.dtype_bytes, self.limits))
+            self.log.write(kind, side=side, **fields)
+            if kind not in ("decode", "mixed"):
+                return
+            label = kind if kind == "mixed" else f"decode {figures['batch']}"
+            if side == "eager":
+                self.eager[label] = figures
+            elif side == "engine" and label in self.eager:
+                self.log.write("graphs_vs_eager", **graphs_vs_eager_row(
+                    kind, figures, self.eager[label]))
+        return record
+
+    def hf(self, hf: dict[str, Any]) -> None:
+        """HF's figures, all at once: its process reports when it ends."""
+        record = self.for_side("hf")
+        for label, (kind, figures) in _side_figures(hf).items():
+            record(kind, figures)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,23 +337,26 @@ def table_rows(engine: dict[str, Any], hf: dict[str, Any]) -> list[dict[str, Any
     return rows
 
 
+def graphs_vs_eager_row(phase: str, fast: dict[str, Any] | None,
+                        slow: dict[str, Any]) -> dict[str, Any]:
+    """One kind of the eager engine (`slow`) beside the graphs engine's (`fast`, None where
+    that side failed): ms per step, tokens/s, speed-up = eager ms / graphs ms."""
+    g_ms, e_ms = fast and fast["tpot_ms"], slow["tpot_ms"]
+    return {
+        "phase": phase, "batch": slow["batch"], "chunk": slow.get("chunk"),
+        "tokens_per_step": slow.get("tokens_per_step", slow["batch"]),
+        "graphs_step_ms": g_ms, "eager_step_ms": e_ms,
+        "graphs_tokens_per_s": fast and fast["tokens_per_s"],
+        "eager_tokens_per_s": slow["tokens_per_s"],
+        "speedup": e_ms / g_ms if g_ms and e_ms else None}
+
+
 def graphs_vs_eager_rows(engine: dict[str, Any], eager: dict[str, Any]) -> list[dict[str, Any]]:
     """The eager engine's kinds (decode at --eager-batches, mixed) beside the same kinds of the
-    graphs engine: ms per step, tokens/s, speed-up = eager ms / graphs ms (None where a side
-    failed)."""
+    graphs engine (`graphs_vs_eager_row`)."""
     graphs = _side_figures(engine)
-    rows = []
-    for label, (phase, slow) in _side_figures(eager).items():
-        fast = graphs.get(label, (None, None))[1]
-        g_ms, e_ms = fast and fast["tpot_ms"], slow["tpot_ms"]
-        rows.append({
-            "phase": phase, "batch": slow["batch"], "chunk": slow.get("chunk"),
-            "tokens_per_step": slow.get("tokens_per_step", slow["batch"]),
-            "graphs_step_ms": g_ms, "eager_step_ms": e_ms,
-            "graphs_tokens_per_s": fast and fast["tokens_per_s"],
-            "eager_tokens_per_s": slow["tokens_per_s"],
-            "speedup": e_ms / g_ms if g_ms and e_ms else None})
-    return rows
+    return [graphs_vs_eager_row(phase, graphs.get(label, (None, None))[1], slow)
+            for label, (phase, slow) in _side_figures(eager).items()]
 
 
 def _cell(value: float | None, digits: int = 1) -> str:
@@ -301,14 +371,17 @@ def _batch_cell(row: dict[str, Any]) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     limits, sizes = result["limits"], result["sizes"]
+    with_hf = not result["hf"].get("skipped")
     title = (f"### bench/gpu_throughput: {result['shape']} on {result['device']['name']} "
              f"({result['device']['type']}), {result['dtype']}")
     lines = [title, ""]
     if result["smoke"]:
         lines += ["**SMOKE RUN** (tiny shapes): the figures are not measurements.", ""]
+    hf_note = (f"transformers {result['hf'].get('transformers', '?')} (HF: a second process, "
+               f"sdpa attention, its own KV cache, greedy)" if with_hf
+               else "HF transformers not measured (--no-hf)")
     lines += [
-        f"torch {result['torch']}, transformers {result['hf'].get('transformers', '?')} (HF: "
-        f"a second process, sdpa attention, its own KV cache, greedy). Limits measured in this "
+        f"torch {result['torch']}, {hf_note}. Limits measured in this "
         f"run: copy bandwidth {limits['copy_bandwidth_gbs']:,.0f} GB/s (bytes read + written), "
         f"{limits['matmul_dtype']} matmul {limits['matmul_tflops']:,.3g} TFLOP/s "
         f"({limits['matmul_size']}^3). Prefill: {sizes['prefill_len']}-token prompts, one per "
@@ -319,12 +392,25 @@ def markdown(result: dict[str, Any]) -> str:
         f"token of one sequence; context = mean keys per decode step. Mixed (batch "
         f"D + C): D decodes and one C-token chunk of a {sizes['prefill_len']}-token prompt per "
         f"step; tok/s counts both, TPOT is the step, bound as decode's with the chunk's FLOPs "
-        f"and K/V reads added.", "",
-        "| phase | batch | context | engine tok/s | HF tok/s | engine / HF | bound tok/s "
-        "| engine % of bound | HF % of bound | engine TPOT ms | HF TPOT ms | bound TPOT ms |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+        f"and K/V reads added.", ""]
+    if with_hf:
+        lines += [
+            "| phase | batch | context | engine tok/s | HF tok/s | engine / HF | bound tok/s "
+            "| engine % of bound | HF % of bound | engine TPOT ms | HF TPOT ms | bound TPOT ms |",
+            "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    else:
+        # No HF columns to leave empty: the engine against the bound alone.
+        lines += ["| phase | batch | context | engine tok/s | bound tok/s | engine % of bound "
+                  "| engine TPOT ms | bound TPOT ms |",
+                  "|---|--:|--:|--:|--:|--:|--:|--:|"]
     for row in result["rows"]:
         ours, theirs = row["engine_tokens_per_s"], row["hf_tokens_per_s"]
+        if not with_hf:
+            lines.append(
+                f"| {row['phase']} | {_batch_cell(row)} | {row['context']} | {_cell(ours)} "
+                f"| {_cell(row['bound_tokens_per_s'])} | {_cell(row['engine_pct_of_bound'])} "
+                f"| {_cell(row['engine_tpot_ms'], 2)} | {_cell(row['bound_tpot_ms'], 2)} |")
+            continue
         ratio = f"{ours / theirs:.2f}x" if ours and theirs else "-"
         lines.append(
             f"| {row['phase']} | {_batch_cell(row)} | {row['context']} | {_cell(ours)} "
@@ -333,14 +419,52 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {_cell(row['engine_tpot_ms'], 2)} | {_cell(row['hf_tpot_ms'], 2)} "
             f"| {_cell(row['bound_tpot_ms'], 2)} |")
     for side in ("engine", "hf"):
-        if "error" in result[side]:
+        if "error" in result[side] and not result[side].get("skipped"):
             lines += ["", f"**{side} not measured:** {result[side]['error']}"]
     lines += graphs_markdown(result)
+    lines += startup_markdown(result.get("startup") or {})
     if result.get("profile"):
         from bench.engine_profile import markdown as profile_markdown
 
         lines += profile_markdown(result["profile"])
     return "\n".join(lines)
+
+
+def _report_cell(key: str, value: Any) -> str:
+    """One field of a runner's startup report: bytes also in GiB, seconds to 3 digits."""
+    if isinstance(value, bool) or value is None:
+        return "-" if value is None else str(value)
+    if isinstance(value, int) and key.endswith("bytes"):
+        return f"{value:,} ({value / 2**30:.2f} GiB)"
+    if isinstance(value, float):
+        return f"{value:,.3g}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def startup_markdown(startup: dict[str, dict[str, Any]]) -> list[str]:
+    """Each engine's start (lines): wall seconds of `LLM(...)`, this bench's warm-up after it,
+    and the runner's own startup report, field by field, as far as it has one."""
+    if not startup:
+        return []
+    lines = ["", "#### Engine startup", "",
+             "build s: `LLM(...)` wall time (weights, the engine's kernel warm-up, CUDA graph "
+             "capture); bench warm-up s: this bench's first requests after it (a first-use "
+             "compile the engine's warm-up missed shows here); the rest: the runner's startup "
+             "report (workers/serving_startup.py).", "",
+             "| engine | build s | bench warm-up s | runner's startup report |",
+             "|---|--:|--:|---|"]
+    names = {"engine": "graphs (as configured)", "eager": "--enforce-eager"}
+    for name, figures in startup.items():
+        report = figures.get("report")
+        if report is None:
+            described = "none (the runner reports none, or is in another process)"
+        else:
+            described = ", ".join(f"{key} {_report_cell(key, value)}"
+                                  for key, value in report.items()
+                                  if not isinstance(value, (dict, list))) or "empty"
+        lines.append(f"| {names.get(name, name)} | {_cell(figures.get('build_s'), 2)} "
+                     f"| {_cell(figures.get('bench_warmup_s'), 2)} | {described} |")
+    return lines
 
 
 def _graphs_used(side: dict[str, Any]) -> str:
@@ -432,7 +556,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="mixed kind: tokens of the long prompt's chunk per step")
     parser.add_argument("--eager-batches", type=int, nargs="+",
                         help="decode batches measured again with --enforce-eager (each one of "
-                             "--batches), beside the mixed kind")
+                             "--batches), beside the mixed kind (default: the preset's that "
+                             "are among --batches, else all of --batches)")
     parser.add_argument("--no-eager", action="store_true",
                         help="skip the engine with --enforce-eager (no graphs comparison)")
     parser.add_argument("--seed", type=int, default=0)
@@ -450,9 +575,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="start no profile of a step kind once the run is this many "
                              "seconds old (the kinds left out are named), so that a run under "
                              "a time limit ends in time")
-    parser.add_argument("--out", default=None, metavar="PATH", help="write the JSON here")
+    parser.add_argument("--out", default=None, metavar="PATH",
+                        help="write the JSON here at the end, and each figure as it is "
+                             "measured to PATH's .jsonl twin (throughput.json -> "
+                             "throughput.jsonl)")
     args = parser.parse_args(argv)
-    for key, value in (SMOKE if args.smoke else FULL).items():
+    preset = SMOKE if args.smoke else FULL
+    if args.eager_batches is None and args.batches is not None:
+        args.eager_batches = default_eager_batches(preset["eager_batches"], args.batches)
+    for key, value in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     for key in ("prefill_len", "prefill_prompts", "context", "decode_steps", "matmul_size",
@@ -478,6 +609,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def default_eager_batches(preset: list[int], batches: list[int]) -> list[int]:
+    """The eager engine's batches when --batches is given and --eager-batches is not: the
+    preset's that are among --batches, else every one of --batches (an eager batch needs its
+    graphs figure, so the preset's own may not fit a --batches of others)."""
+    return [b for b in preset if b in batches] or list(batches)
+
+
 def _device_info(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         return {"type": "cuda", "name": torch.cuda.get_device_name(device),
@@ -497,24 +635,44 @@ def _guarded(fn: Any) -> dict[str, Any]:
         return fn()
     except Exception as exc:  # noqa: BLE001 - reported in the JSON and the table
         traceback.print_exc()
+        # The failed side's frames may still hold its engine: cleared, so that the next
+        # engine does not start beside it.
+        traceback.clear_frames(exc.__traceback__)
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def measure_sides(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
                   sizes: dict[str, Any], model_dir: str, scratch: Path,
-                  wall_started: float) -> dict[str, dict[str, Any]]:
+                  wall_started: float, recorder: FigureRecorder) -> dict[str, dict[str, Any]]:
     """HF, then the eager engine, then the graphs engine (with its profile, the only part that
-    a --profile-until-s deadline cuts short, last). Each side is its figures or {"error": ...}."""
-    sides = {"hf": {"error": "skipped (--no-hf)"} if args.no_hf else _guarded(
-        lambda: bench_hf(model_dir, device, dtype, sizes, args.seed, scratch,
-                         args.hf_timeout_s))}
-    sides["eager"] = ({"error": "skipped (--no-eager)"} if args.no_eager else _guarded(
-        lambda: bench_eager(model_dir, device, dtype, sizes, args.seed)))
+    a --profile-until-s deadline cuts short, last). Each side is its figures or {"error": ...};
+    each figure goes to `recorder` as it is measured. One engine at a time: the eager one is
+    shut down and freed (bench_eager) before the graphs engine starts."""
+    if args.no_hf:
+        sides = {"hf": {"error": "skipped (--no-hf)", "skipped": True}}
+    else:
+        sides = {"hf": _guarded(lambda: bench_hf(model_dir, device, dtype, sizes, args.seed,
+                                                 scratch, args.hf_timeout_s))}
+        if "error" not in sides["hf"]:
+            recorder.hf(sides["hf"])
+    if args.no_eager:
+        sides["eager"] = {"error": "skipped (--no-eager)", "skipped": True}
+    else:
+        sides["eager"] = _guarded(lambda: bench_eager(model_dir, device, dtype, sizes, args.seed,
+                                                      record=recorder.for_side("eager")))
+    _log_side_error(recorder.log, "eager", sides["eager"])
     deadline = None if args.profile_until_s is None else wall_started + args.profile_until_s
     sides["engine"] = _guarded(lambda: bench_engine(
         model_dir, device, dtype, sizes, args.seed,
-        profile_steps=args.profile_steps if args.profile else 0, profile_deadline=deadline))
+        profile_steps=args.profile_steps if args.profile else 0, profile_deadline=deadline,
+        record=recorder.for_side("engine")))
+    _log_side_error(recorder.log, "engine", sides["engine"])
     return sides
+
+
+def _log_side_error(log: FigureLog, side: str, figures: dict[str, Any]) -> None:
+    if "error" in figures and not figures.get("skipped"):
+        log.write("error", side=side, error=figures["error"])
 
 
 def _failed(args: argparse.Namespace, result: dict[str, Any]) -> bool:
@@ -534,9 +692,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging()
     wall_started = time.perf_counter()
+    # Each figure as it is measured, beside the final JSON (bench.figures).
+    with FigureLog(jsonl_twin(args.out) if args.out else None) as log:
+        result = run(args, log, wall_started)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    print(result["markdown"])
+    return 1 if _failed(args, result) else 0
+
+
+def run(args: argparse.Namespace, log: FigureLog, wall_started: float) -> dict[str, Any]:
+    """The whole run: the result JSON (with its markdown), every figure also written to `log`
+    as it is measured."""
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     sizes = {k: getattr(args, k) for k in FULL}
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
     with tempfile.TemporaryDirectory(prefix="sloserve-gpu-throughput-") as tmp:
         scratch = Path(tmp)
         model_dir, label = prepare_model(args, scratch)
@@ -544,12 +716,17 @@ def main(argv: list[str] | None = None) -> int:
         from engine.runtime.model_setup import load_hf_config
 
         shape = ModelShape.from_hf_config(load_hf_config(model_dir))
+        log.write("run", smoke=args.smoke, shape=label, device=_device_info(device),
+                  dtype=str(dtype).removeprefix("torch."), sizes=sizes, no_hf=args.no_hf,
+                  no_eager=args.no_eager)
         limits = measure_limits(device, dtype, args.matmul_size)
-        sides = measure_sides(args, device, dtype, sizes, model_dir, scratch, wall_started)
+        log.write("limits", **limits)
+        recorder = FigureRecorder(log, shape, dtype_bytes, limits)
+        sides = measure_sides(args, device, dtype, sizes, model_dir, scratch, wall_started,
+                              recorder)
     engine, hf, eager = sides["engine"], sides["hf"], sides["eager"]
     # Under its own key: the profile is no figure of the side-by-side table.
     profile = engine.pop("profile", None)
-    dtype_bytes = torch.empty((), dtype=dtype).element_size()
     for side in (engine, hf):
         if "error" not in side:
             add_bounds(side, shape, dtype_bytes, limits)
@@ -561,6 +738,10 @@ def main(argv: list[str] | None = None) -> int:
         "device": _device_info(device), "dtype": str(dtype).removeprefix("torch."),
         "torch": torch.__version__, "sizes": sizes, "limits": limits,
         "engine": engine, "hf": hf, "eager": eager,
+        # Each engine's start (bench.engine_steps.startup_figures), graphs engine first.
+        "startup": {name: side["startup"] for name, side in (("engine", engine),
+                                                             ("eager", eager))
+                    if "startup" in side},
         "rows": table_rows(engine, hf),
         "graphs_vs_eager": [] if "error" in eager else graphs_vs_eager_rows(engine, eager),
         "wall_s": time.perf_counter() - wall_started}
@@ -568,11 +749,8 @@ def main(argv: list[str] | None = None) -> int:
         result["profile"] = profile
     # The JSON carries the markdown printed below (bench/gpu_summary.py quotes it).
     result["markdown"] = markdown(result)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2))
-    print(result["markdown"])
-    return 1 if _failed(args, result) else 0
+    log.write("done", wall_s=result["wall_s"])
+    return result
 
 
 if __name__ == "__main__":

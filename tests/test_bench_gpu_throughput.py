@@ -513,3 +513,210 @@ def test_a_profile_past_its_deadline_names_the_kinds_it_left_out():
     assert profile["kinds"] == {}
     assert profile["skipped"].startswith("prefill 64, mixed 2 + 16, decode 1, decode 4 (")
     assert llm.engine.step is step  # the step wrapper is taken off again
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures as they are measured, each engine's startup, one engine at a time
+
+
+def _records(path: Path) -> list[dict]:
+    from bench.figures import read_figures
+
+    return read_figures(path)
+
+
+def test_smoke_run_writes_every_figure_to_its_jsonl_twin(smoke, tmp_path_factory):
+    result, _ = smoke
+    out = next(Path(p) for p in tmp_path_factory.getbasetemp().glob("gpu-throughput*/result.json"))
+    records = _records(out.with_suffix(".jsonl"))
+    kinds = [r["kind"] for r in records]
+    assert kinds[:2] == ["run", "limits"] and kinds[-1] == "done"
+    assert records[1]["matmul_tflops"] == result["limits"]["matmul_tflops"]
+    # Each side's figures as the final JSON has them, bound included, in the order measured:
+    # HF (at once, when its process ends), the eager engine, then the graphs engine.
+    by_side = [(r["side"], r["kind"]) for r in records if "side" in r]
+    assert [side for side, _ in by_side] == sorted(
+        [side for side, _ in by_side], key=["hf", "eager", "engine"].index)
+    for side in ("engine", "hf", "eager"):
+        figures = result[side]
+        mine = {(r["kind"], r.get("batch")): r for r in records if r.get("side") == side
+                and r["kind"] in ("prefill", "decode", "mixed")}
+        expected = {("decode", int(b)): row for b, row in figures["decode"].items()}
+        if "prefill" in figures:
+            expected[("prefill", None)] = figures["prefill"]
+        if "mixed" in figures:  # HF has no mixed step
+            expected[("mixed", figures["mixed"]["batch"])] = figures["mixed"]
+        assert set(mine) == set(expected), side
+        for key, row in expected.items():
+            record = {k: v for k, v in mine[key].items() if k not in ("kind", "side")}
+            if side == "eager":  # the final JSON has no bounds for the eager side
+                record.pop("bound"), record.pop("pct_of_bound")
+            assert record == row, (side, key)
+    # Each graphs-against-eager row, the moment the graphs engine had its kind.
+    assert [{k: v for k, v in r.items() if k != "kind"} for r in records
+            if r["kind"] == "graphs_vs_eager"] == result["graphs_vs_eager"]
+    startups = [r for r in records if r["kind"] == "startup"]
+    assert [r["side"] for r in startups] == ["eager", "engine"]
+
+
+def test_smoke_run_reports_each_engines_startup(smoke):
+    result, stdout = smoke
+    assert set(result["startup"]) == {"engine", "eager"}
+    for name, startup in result["startup"].items():
+        assert startup == result[name]["startup"]
+        _positive(startup["build_s"], f"{name} build")
+        _positive(startup["bench_warmup_s"], f"{name} warm-up")
+        assert startup["enforce_eager"] is (name == "eager")
+    section = stdout[stdout.index("#### Engine startup"):]
+    assert "| graphs (as configured) |" in section and "| --enforce-eager |" in section
+
+
+def test_startup_figures_take_the_runners_report_as_it_is():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Report:
+        warmup_s: float
+        capture_s: float
+        graph_memory_bytes: int | None
+        graphs: int
+
+    def llm(runner):
+        return SimpleNamespace(engine=SimpleNamespace(
+            executor=SimpleNamespace(runner=runner),
+            config=SimpleNamespace(model=SimpleNamespace(enforce_eager=False))))
+
+    with_report = SimpleNamespace(startup_report=Report(1.5, 2.25, 3 * 2**30, 51))
+    figures = engine_steps.startup_figures(llm(with_report), 9.0, 0.5)
+    assert figures == {"build_s": 9.0, "bench_warmup_s": 0.5, "enforce_eager": False,
+                       "report": {"warmup_s": 1.5, "capture_s": 2.25,
+                                  "graph_memory_bytes": 3 * 2**30, "graphs": 51}}
+    # A runner without the report (an older one), one whose report is None, or none here.
+    for runner in (SimpleNamespace(), SimpleNamespace(startup_report=None), None):
+        assert engine_steps.startup_figures(llm(runner), 1.0, 0.1)["report"] is None
+    text = "\n".join(gpu_throughput.startup_markdown({"engine": figures, "eager": {
+        **figures, "report": {**figures["report"], "graph_memory_bytes": None}}}))
+    assert "| graphs (as configured) | 9.00 | 0.50 | warmup_s 1.5, capture_s 2.25, " \
+           "graph_memory_bytes 3,221,225,472 (3.00 GiB), graphs 51 |" in text
+    assert "| --enforce-eager | 9.00 | 0.50 | warmup_s 1.5, capture_s 2.25, " \
+           "graph_memory_bytes -, graphs 51 |" in text
+
+
+def test_without_hf_the_table_has_no_hf_columns(smoke):
+    result, _ = smoke
+    skipped = {**result, "hf": {"error": "skipped (--no-hf)", "skipped": True}}
+    skipped["rows"] = gpu_throughput.table_rows(skipped["engine"], skipped["hf"])
+    text = gpu_throughput.markdown(skipped)
+    assert "HF transformers not measured (--no-hf)" in text and "hf not measured" not in text
+    header = next(line for line in text.splitlines() if line.startswith("| phase |"))
+    assert header == ("| phase | batch | context | engine tok/s | bound tok/s | engine % of "
+                      "bound | engine TPOT ms | bound TPOT ms |")
+    lines = text.splitlines()
+    first = lines.index(header) + 2
+    rows = lines[first:first + len(result["rows"])]
+    # Prefill, decode at each batch and mixed, each with the engine's figure and its bound.
+    assert [row.split(" | ")[0] for row in rows] == [f"| {r['phase']}" for r in result["rows"]]
+    assert all(row.count("|") == header.count("|") for row in rows)
+    assert all(" - | - |" not in row for row in rows[1:])  # decodes and mixed have TPOTs
+    engine_decode_1 = result["engine"]["decode"]["1"]
+    assert f"| {engine_decode_1['tpot_ms']:,.2f} | {engine_decode_1['bound']['tpot_ms']:,.2f} |" \
+        in text
+
+
+def test_eager_batches_follow_batches():
+    core = gpu_throughput.parse_args(["--shape", "llama-3.1-8b", "--no-hf", "--batches", "1",
+                                      "64"])
+    assert core.batches == [1, 64] and core.eager_batches == [1, 64] and core.no_hf
+    # The preset's eager batches that --batches has; else every one of --batches.
+    assert gpu_throughput.parse_args(["--batches", "1", "16"]).eager_batches == [1]
+    assert gpu_throughput.parse_args(["--batches", "2", "16"]).eager_batches == [2, 16]
+    assert gpu_throughput.parse_args(["--smoke", "--batches", "2"]).eager_batches == [2]
+
+
+@pytest.mark.parametrize("eager_fails", [False, True])
+def test_one_engine_at_a_time_freed_without_the_garbage_collector(tmp_path, monkeypatch,
+                                                                  eager_fails):
+    """When the graphs engine starts, the eager engine (its EngineCore and runner) is gone by
+    reference counting alone, whether it measured everything or failed part way (its failure's
+    frames hold it): with the garbage collector off, on a GPU the next engine would otherwise
+    find its memory still taken."""
+    import gc
+    import time
+    import weakref
+
+    from bench.figures import FigureLog
+
+    args = gpu_throughput.parse_args(["--smoke", "--device", "cpu", "--dtype", "float32",
+                                      "--no-hf"])
+    alive_at_start: list[list[bool]] = []
+    earlier: list[weakref.ref] = []
+    start_engine = engine_steps.start_engine
+
+    def probed_start(*a, **k):
+        alive_at_start.append([ref() is not None for ref in earlier])
+        llm, steps_log, info = start_engine(*a, **k)
+        earlier.extend([weakref.ref(llm), weakref.ref(llm.engine),
+                        weakref.ref(llm.engine.executor.runner)])
+        return llm, steps_log, info
+
+    monkeypatch.setattr(engine_steps, "start_engine", probed_start)
+    if eager_fails:
+        def fail(*a, **k):
+            raise RuntimeError("the mixed kind failed")
+
+        monkeypatch.setattr(engine_steps, "measure_mixed", fail)
+    monkeypatch.setattr(gc, "collect", lambda *a: 0)
+    model_dir, _ = gpu_throughput.prepare_model(args, tmp_path)
+    from bench.roofline import ModelShape
+    from engine.runtime.model_setup import load_hf_config
+
+    shape = ModelShape.from_hf_config(load_hf_config(model_dir))
+    recorder = gpu_throughput.FigureRecorder(
+        FigureLog(None), shape, 4, {"copy_bandwidth_gbs": 1.0, "matmul_tflops": 1.0})
+    sizes = {k: getattr(args, k) for k in gpu_throughput.FULL}
+    gc.disable()
+    try:
+        sides = gpu_throughput.measure_sides(args, torch.device("cpu"), torch.float32, sizes,
+                                             model_dir, tmp_path, time.perf_counter(), recorder)
+    finally:
+        gc.enable()
+    assert ("error" in sides["eager"]) is eager_fails, sides["eager"]
+    assert alive_at_start == [[], [False, False, False]]
+    assert all(ref() is None for ref in earlier)
+
+
+def test_a_killed_run_keeps_the_figures_it_measured(tmp_path):
+    """SIGKILL once the eager engine's first decode figure is in the .jsonl: the limits, the
+    startup and that figure (with its bound) stay there, whole; no final JSON is written."""
+    import signal
+    import time
+
+    from workers.model_runner import LAYER_DELAY_ENV
+
+    out = tmp_path / "throughput.json"
+    twin = out.with_suffix(".jsonl")
+    # Slowed layers, so the run is still going when the first figure lands.
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **{LAYER_DELAY_ENV: "3000"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.gpu_throughput", "--smoke", "--device", "cpu",
+         "--dtype", "float32", "--no-hf", "--out", str(out)],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while not any(r["kind"] == "decode" for r in _records(twin)):
+            assert proc.poll() is None, "the run ended before its first decode figure"
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not out.exists()
+    records = _records(twin)
+    kinds = [r["kind"] for r in records]
+    assert kinds[:3] == ["run", "limits", "startup"] and "done" not in kinds
+    decode = next(r for r in records if r["kind"] == "decode")
+    assert decode["side"] == "eager" and decode["batch"] == 1
+    _positive(decode["tpot_ms"], "decode TPOT")
+    _positive(decode["bound"]["tpot_ms"], "decode bound")
