@@ -24,7 +24,12 @@ test must stop the step. A fixed SLO that outlasts the step (2 s against an 8B m
 step on a GPU) rightly makes the monitor wait, and measures nothing.
 
 `--json` writes {"model", "device", "layers", "threads", "urgent_ttft_alone_ms", "sizes": [one
-object per size, in the order given: its figures and every trial's times]}.
+object per size, in the order given: its figures and every trial's times]} at the end. As they
+are measured, its .jsonl twin (`preempt_latency.json` -> `preempt_latency.jsonl`,
+bench/figures.py) gets one JSON line each: `run` (model, device, layers, threads), `urgent_alone`
+(urgent_ttft_alone_ms), a `trial` per trial (prompt_tokens, trial, clean long step ms, the SLO,
+and the unwind's times or `unwound: false`), a `size` per size (the figures the JSON's "sizes"
+holds) and `done`; a run killed at a time limit keeps every trial it finished.
 """
 
 from __future__ import annotations
@@ -35,11 +40,14 @@ import random
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from bench.figures import FigureLog, jsonl_twin
 
 from engine.config import build_engine_config
 from engine.runtime.engine_core import EngineCore
@@ -100,11 +108,14 @@ def ran_as(pieces: int, steps: int) -> str:
 
 
 class LatencyBench:
-    """One engine, measured at one prompt size after another."""
+    """One engine, measured at one prompt size after another; each trial and size handed to
+    `record(kind, **fields)` as it ends (a FigureLog's write)."""
 
-    def __init__(self, engine: EngineCore, seed: int, urgent_slo_ms: float | None) -> None:
+    def __init__(self, engine: EngineCore, seed: int, urgent_slo_ms: float | None,
+                 record: Callable[..., None] = FigureLog(None).write) -> None:
         assert engine.preemption is not None, "the engine must run the SLO monitor"
         self.engine = engine
+        self.record = record
         self.num_layers: int = engine.model.hf_config.num_hidden_layers
         self.urgent_slo_ms = urgent_slo_ms
         self.rng = random.Random(seed)
@@ -159,6 +170,15 @@ class LatencyBench:
                 missed += 1  # arrived too late for the Rule 2 window (or not at all)
             else:
                 events.append((urgent, event))
+            self.record("trial", prompt_tokens=prompt_tokens, trial=trial,
+                        long_step_ms=step_times[-1] * 1000, urgent_slo_ms=slo_ms,
+                        unwound=event is not None, **({} if event is None else {
+                            "arrival_to_unwind_ms": (event.unwound_at - urgent.arrival_time)
+                            * 1000,
+                            "arrival_to_decision_ms": (event.decided_at - urgent.arrival_time)
+                            * 1000,
+                            "decision_to_unwind_ms": (event.unwound_at - event.decided_at)
+                            * 1000}))
         counters_after = graph_counters(engine)
         figures = {
             "prompt_tokens": prompt_tokens, "trials": trials,
@@ -171,6 +191,7 @@ class LatencyBench:
                                        for u, e in events],
             "decision_to_unwind_ms": [(e.unwound_at - e.decided_at) * 1000 for _, e in events]}
         figures.update(_how_long_steps_ran(counters_before, counters_after, 2 * trials))
+        self.record("size", **figures)
         return figures
 
     def _clean_step(self, req_id: str, prompt_tokens: int) -> float:
@@ -272,7 +293,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the GPU-timed simulation (engine/simulation) at this profile's "
                              "speed; --model: a folder of its shape")
     parser.add_argument("--json", default=None, metavar="PATH",
-                        help="also write the raw figures (every trial's) as JSON here")
+                        help="also write the raw figures (every trial's) as JSON here at the "
+                             "end, and each trial and size as it ends to PATH's .jsonl twin")
     parser.add_argument("--urgent-slo-ms", type=float, default=None,
                         help="default: the urgent request's isolated TTFT + 10%% of the long "
                              "step, both measured")
@@ -291,11 +313,17 @@ def main(argv: list[str] | None = None) -> None:
                                  device=args.device, dtype=args.dtype,
                                  load_format=args.load_format, simulate=args.simulate)
     engine = EngineCore(config)
-    bench = LatencyBench(engine, args.seed, args.urgent_slo_ms)
+    # Each trial and size as it ends, beside the final JSON (bench.figures).
+    log = FigureLog(jsonl_twin(args.json) if args.json else None)
+    bench = LatencyBench(engine, args.seed, args.urgent_slo_ms, record=log.write)
+    log.write("run", model=model, device=config.model.device, layers=bench.num_layers,
+              threads=torch.get_num_threads(), prompt_tokens=args.prompt_tokens,
+              trials=args.trials)
     try:
         # The engine is warm before the urgent request's own TTFT is timed.
         bench.warm_up(args.prompt_tokens[0])
         short_s = bench.measure_urgent_alone()
+        log.write("urgent_alone", urgent_ttft_alone_ms=short_s * 1000)
         sizes = [bench.measure_size(n, args.trials) for n in args.prompt_tokens]
     finally:
         engine.shutdown()
@@ -308,6 +336,8 @@ def main(argv: list[str] | None = None) -> None:
                   "threads": torch.get_num_threads(), "urgent_ttft_alone_ms": short_s * 1000,
                   "sizes": sizes}
         Path(args.json).write_text(json.dumps(report, indent=2))
+    log.write("done")
+    log.close()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import json
 import re
 from pathlib import Path
 
+from bench.figures import read_figures
 from bench.preempt_latency import main
 from workers.cuda_graphs import FAKE_GRAPHS_ENV
 from workers.model_runner import LAYER_DELAY_ENV
@@ -45,7 +46,27 @@ def _run(tiny_model, tmp_path: Path, capsys) -> tuple[dict[int, dict[str, str]],
     main(["--model", model, "--device", "cpu", "--dtype", "float32", "--prompt-tokens",
           str(EAGER_SIZE), str(PIECES_SIZE), "--trials", str(TRIALS), "--seed", str(SEED),
           "--json", str(report_path)])
-    return _blocks(capsys.readouterr().out), json.loads(report_path.read_text())
+    report = json.loads(report_path.read_text())
+    _check_lines(read_figures(report_path.with_suffix(".jsonl")), report)
+    return _blocks(capsys.readouterr().out), report
+
+
+def _check_lines(records: list[dict], report: dict) -> None:
+    """The .jsonl twin, written as the run went: the run, the urgent request alone, each
+    trial, each size's figures as the JSON has them, done."""
+    kinds = [r["kind"] for r in records]
+    per_size = ["trial"] * TRIALS + ["size"]
+    assert kinds == ["run", "urgent_alone", *per_size, *per_size, "done"]
+    assert records[0]["layers"] == report["layers"] and records[0]["device"] == report["device"]
+    assert records[1]["urgent_ttft_alone_ms"] == report["urgent_ttft_alone_ms"]
+    sizes = [{k: v for k, v in r.items() if k != "kind"} for r in records if r["kind"] == "size"]
+    assert sizes == report["sizes"]
+    for size in report["sizes"]:
+        trials = [r for r in records if r["kind"] == "trial"
+                  and r["prompt_tokens"] == size["prompt_tokens"]]
+        assert [t["long_step_ms"] for t in trials] == size["long_step_ms"]
+        assert [t["arrival_to_unwind_ms"] for t in trials if t["unwound"]] == \
+            size["arrival_to_unwind_ms"]
 
 
 def _check_blocks(blocks: dict[int, dict[str, str]], report: dict) -> None:
@@ -91,3 +112,41 @@ def test_the_small_size_replays_as_pieces_and_unwinds_between_them(tiny_model, t
     # Every unwind of the small size happened between two pieces; the probe that one did.
     assert pieces["unwinds_between_pieces"] == pieces["unwound"]
     assert pieces["unwound"] > 0, blocks[PIECES_SIZE]
+
+
+def test_a_killed_run_keeps_the_trials_it_finished(tiny_model, tmp_path) -> None:
+    """SIGKILL once the first trial is in the .jsonl: it stays there, whole, and no JSON is
+    written (it is written at exit)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    model = tiny_model("llama", num_hidden_layers=4, max_position_embeddings=1024)
+    report_path = tmp_path / "latency.json"
+    env = {**os.environ, LAYER_DELAY_ENV: str(DELAY_US_PER_TOKEN), "HF_HUB_OFFLINE": "1"}
+    env.pop(FAKE_GRAPHS_ENV, None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.preempt_latency", "--model", model, "--device", "cpu",
+         "--dtype", "float32", "--prompt-tokens", str(EAGER_SIZE), "--trials", "50",
+         "--json", str(report_path)], cwd=Path(__file__).resolve().parents[1], env=env,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    twin = report_path.with_suffix(".jsonl")
+    try:
+        deadline = time.monotonic() + 240
+        while not any(r["kind"] == "trial" for r in read_figures(twin)):
+            assert proc.poll() is None, "the run ended before its first trial"
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not report_path.exists()
+    records = read_figures(twin)
+    assert [r["kind"] for r in records][:3] == ["run", "urgent_alone", "trial"]
+    trial = records[2]
+    assert trial["prompt_tokens"] == EAGER_SIZE and trial["trial"] == 0
+    assert trial["long_step_ms"] > 0 and "done" not in [r["kind"] for r in records]
