@@ -19,7 +19,7 @@ from engine.core.request import Request
 from engine.sampling_params import SamplingParams
 from monitor.predictor import LinearTTFT
 from workers.cuda_graphs import FAKE_GRAPHS_ENV
-from workers.model_runner import LAYER_DELAY_ENV
+from workers.model_runner import LAYER_DELAY_ENV, observe_attention_ops
 
 NUM_LAYERS = 8
 # 400 prompt tokens x 150 us = 60 ms per layer (480 ms for the long step); 44 tokens: 7 ms.
@@ -58,7 +58,10 @@ def _prompt(n: int, seed: int, prefix: list[int] | None = None) -> list[int]:
 
 
 def _engine(model: str, **overrides) -> EngineCore:
-    args = dict(dtype="float32", num_kv_blocks=160, block_size=16, max_num_batched_tokens=1024,
+    # The CPU unless a case names another device: left at "auto", a GPU machine would run these
+    # CPU-timed scenarios (and their references) on CUDA, capturing graphs over Triton kernels
+    # that a pytest process interpreting them cannot capture.
+    args = dict(device="cpu", dtype="float32", num_kv_blocks=160, block_size=16, max_num_batched_tokens=1024,
                 scheduling_policy="slo", preempt_min_tokens=32, enable_prefix_caching=True,
                 ttft_model=_TTFT_FILE.get("path"))
     args.update(overrides)
@@ -94,13 +97,13 @@ def _on_long_step(engine: EngineCore, layer: int, action: Callable[[], None],
     (the arrival races the forward pass, as it would over HTTP)."""
     reached = threading.Event()
 
-    def hook(_module, args) -> None:
-        if args[0].shape[0] >= min_tokens and not reached.is_set():
+    def observer(layer_idx: int, num_tokens: int) -> None:
+        if layer_idx == layer and num_tokens >= min_tokens:
             reached.set()
 
-    # On the layer's input norm, which an eager pass and a replayed piece both run.
-    layers = engine.executor.runner.model.model.layers
-    layers[layer].input_layernorm.register_forward_pre_hook(hook)
+    # At the layer's attention op, which an eager pass and a step replayed as CUDA graph
+    # pieces both run in Python (a hook inside a piece never runs in a real replay).
+    observe_attention_ops(engine.executor.runner.model, observer)
 
     def fire() -> None:
         if reached.wait(timeout=30):
@@ -122,18 +125,16 @@ def _reference_outputs(model: str, prompts: dict[str, list[int]]) -> dict[str, l
 
 
 def _count_tokens_per_layer(engine: EngineCore) -> list[int]:
-    """Tokens that entered each decoder layer, summed over the run (a step replayed as pieces
-    counts its padded rows at every layer alike)."""
-    layers = engine.executor.runner.model.model.layers
-    counts = [0] * len(layers)
+    """Tokens that reached each layer's attention op, summed over the run (a step replayed as
+    pieces counts its real rows; a decode step replayed as one graph is counted at every layer
+    alike on the CPU stand-in, and at none on a GPU)."""
+    model = engine.executor.runner.model
+    counts = [0] * model.num_layers
 
-    def counter(index: int):
-        def hook(_module, args) -> None:
-            counts[index] += args[0].shape[0]
-        return hook
+    def counter(layer_idx: int, num_tokens: int) -> None:
+        counts[layer_idx] += num_tokens
 
-    for i, layer in enumerate(layers):
-        layer.input_layernorm.register_forward_pre_hook(counter(i))
+    observe_attention_ops(model, counter)
     return counts
 
 
@@ -314,13 +315,14 @@ def _target_last_layer(engine: EngineCore):
     """Publish a target for the running step from the forward pass itself, just before the
     last layer (synchronous: the vote of that very layer sees it). Returns the signal."""
     signal = engine.preemption.signal
+    published: list[bool] = []
 
-    def target_running_step(_module, args) -> None:
-        signal.publish(engine.scheduler.step_id, "long", "", time.monotonic())
-        handle.remove()
+    def target_running_step(layer_idx: int, _num_tokens: int) -> None:
+        if layer_idx == NUM_LAYERS - 1 and not published:
+            published.append(True)
+            signal.publish(engine.scheduler.step_id, "long", "", time.monotonic())
 
-    layers = engine.executor.runner.model.model.layers
-    handle = layers[NUM_LAYERS - 1].register_forward_pre_hook(target_running_step)
+    observe_attention_ops(engine.executor.runner.model, target_running_step)
     return signal
 
 
@@ -393,15 +395,14 @@ def test_rule1_adversarial_urgent_stream_cannot_preempt_anyone_twice(model: str)
             engine.add_request(r)
         pending = list(urgents.items())
 
-        def arrive_on_every_long_step(_module, args) -> None:
-            if args[1].shape[0] >= 200 and pending:
+        def arrive_on_every_long_step(layer_idx: int, num_tokens: int) -> None:
+            if layer_idx == 1 and num_tokens >= 200 and pending:
                 req_id, prompt = pending.pop(0)
                 requests[req_id] = _request(req_id, prompt, slo_ms=URGENT_SLO_MS)
                 # From another thread, as the HTTP reader would hand it over.
                 threading.Thread(target=engine.submit_request, args=(requests[req_id],)).start()
 
-        engine.executor.runner.model.model.layers[1].register_forward_pre_hook(
-            arrive_on_every_long_step)
+        observe_attention_ops(engine.executor.runner.model, arrive_on_every_long_step)
         _run(engine)
 
         events = engine.preemption.events
@@ -438,18 +439,17 @@ def test_suspend_lifts_rule1_and_the_same_stream_wastes_no_prefill_work(model: s
         runner = engine.executor.runner
         fired: set[int] = set()
 
-        def arrive_once_per_long_step(_module, args) -> None:
+        def arrive_once_per_long_step(layer_idx: int, num_tokens: int) -> None:
             # The first layer of a step where the long chunk is in the batch (a resumed chunk
             # joins at the layer its pass stopped at).
             step = runner.vote.step_id if runner.vote is not None else -1
-            if args[1].shape[0] >= 200 and pending and step not in fired:
+            if 1 <= layer_idx < 5 and num_tokens >= 200 and pending and step not in fired:
                 fired.add(step)
                 req_id, prompt = pending.pop(0)
                 requests[req_id] = _request(req_id, prompt, slo_ms=URGENT_SLO_MS)
                 threading.Thread(target=engine.submit_request, args=(requests[req_id],)).start()
 
-        for layer in runner.model.model.layers[1:5]:
-            layer.register_forward_pre_hook(arrive_once_per_long_step)
+        observe_attention_ops(runner.model, arrive_once_per_long_step)
         tokens_per_layer = _count_tokens_per_layer(engine)
         _run(engine)
 

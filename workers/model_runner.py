@@ -12,8 +12,9 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,30 +52,47 @@ LAYER_DELAY_ENV = "SLOSERVE_TEST_LAYER_DELAY_US_PER_TOKEN"
 PROMPT_LOGPROB_ROWS = 256
 
 
-class LayerDelay:
-    """The LAYER_DELAY_ENV test hook: sleeps per token at every layer's attention op, before
-    the vote.
+def observe_attention_ops(model: torch.nn.Module,
+                          observer: Callable[[int, int], None]) -> Callable[[], None]:
+    """Call ``observer(layer_idx, num_tokens)`` before every attention op of ``model`` (before
+    the vote), for the tokens active at that layer (padding excluded); returns a function that
+    stops it. For tests and benchmarks that slow a layer or act when a step reaches it.
 
     The attention op is what runs eagerly both in an eager pass and between the replayed pieces
-    of a piecewise-graph step (workers.piecewise_graphs): a hook inside a piece (a layer's
-    norm, say) runs on the CPU stand-in, whose "replay" calls the captured Python again, but
-    never in a real CUDA graph replay, where a GPU test's long step would then not be slow at
-    all. A decode step replayed as one whole graph runs no Python between its layers on a GPU,
-    so it is not slowed on the CPU stand-in either. Paused during the startup passes (kernel
-    warm-up, graph capture), which no test times."""
+    of a piecewise-graph step (workers.piecewise_graphs). A hook inside a piece (a module
+    forward hook on a layer or its norm) runs on the CPU stand-in for graphs, whose "replay"
+    calls the captured Python again, but never in a real CUDA graph replay. A decode step
+    replayed as one whole graph runs no attention op in Python on a GPU."""
+    inner = model.attention_op
+    observing = [True]
+
+    # Wraps the instance's attention op: the eager forward pass and the piecewise runner both
+    # call it through the instance, never the class.
+    def observed_attention_op(layer_idx: int, q: torch.Tensor, *args: Any, **kwargs: Any
+                              ) -> torch.Tensor:
+        if observing[0]:
+            observer(layer_idx, q.shape[0])  # q: [tokens active at this layer, heads, dim]
+        return inner(layer_idx, q, *args, **kwargs)
+
+    model.attention_op = observed_attention_op
+
+    def stop() -> None:
+        observing[0] = False
+
+    return stop
+
+
+class LayerDelay:
+    """The LAYER_DELAY_ENV test hook: sleeps per token at every layer's attention op, before
+    the vote: where an eager pass and a piecewise-graph step both run Python, so a GPU test's
+    long step is slow with graphs on too (observe_attention_ops). A decode step replayed as one
+    whole graph is not slowed, on a GPU nor on the CPU stand-in. Paused during the startup
+    passes (kernel warm-up, graph capture), which no test times."""
 
     def __init__(self, model: torch.nn.Module, seconds_per_token: float) -> None:
         self.seconds_per_token = seconds_per_token
         self.paused = False
-        # Wraps the instance's attention op: the eager forward pass and the piecewise runner
-        # both call it through the instance, never the class.
-        undelayed = model.attention_op
-
-        def delayed_attention_op(layer_idx: int, q: torch.Tensor, *args, **kwargs):
-            self._delay(q.shape[0])  # q: the tokens active at this layer, padding excluded
-            return undelayed(layer_idx, q, *args, **kwargs)
-
-        model.attention_op = delayed_attention_op
+        observe_attention_ops(model, lambda _layer_idx, num_tokens: self._delay(num_tokens))
 
     def _delay(self, num_tokens: int) -> None:
         if not self.paused:
