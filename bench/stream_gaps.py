@@ -8,6 +8,13 @@ new decode-attention variant compiled for about a second mid-stream).
 
     python -m bench.model_shapes llama-3.1-8b /tmp/llama-8b
     python -m bench.stream_gaps --model /tmp/llama-8b --load-format dummy --out gaps.json
+
+With --out PATH: the JSON at the end; as the run goes, PATH's .jsonl twin (`gaps.jsonl`,
+bench/figures.py) gets `run` (model, contexts), `startup` (server start to healthy, the log's
+warm-up lines), a `row` per context as soon as both its requests are measured, and `done`; and
+the server's own log, at info level, goes to `gaps.server.log` beside it as the server writes
+it (not only on a failure), so a run killed at its time limit leaves both. Without --out the
+server's log is a temporary file, quoted only if the server fails to start.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.attainment.server import free_port, stop_server, wait_until_healthy
+from bench.figures import FigureLog, jsonl_twin
 
 # A gap is a stall when it is over this multiple of the warm decode step.
 STALL_MULTIPLE = 2.0
@@ -55,7 +63,14 @@ def _stream(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
             "gaps_ms": [round(g, 2) for g in gaps]}
 
 
-def measure(url: str, contexts: list[int], max_tokens: int, vocab: int) -> list[dict[str, Any]]:
+def server_log_path(out: str | Path) -> Path:
+    """Where the server's log goes beside the JSON: `gaps.json` -> `gaps.server.log`."""
+    return Path(out).with_suffix(".server.log")
+
+
+def measure(url: str, contexts: list[int], max_tokens: int, vocab: int,
+            log: FigureLog | None = None) -> list[dict[str, Any]]:
+    """A row per context, each written to `log` as soon as it is measured."""
     import random
 
     rng = random.Random(0)
@@ -74,6 +89,8 @@ def measure(url: str, contexts: list[int], max_tokens: int, vocab: int) -> list[
                      "warm_max_gap_ms": max(warm["gaps_ms"], default=0.0),
                      "max_gap_over_step": round(ratio, 2) if ratio is not None else None,
                      "stalled": ratio is not None and ratio > STALL_MULTIPLE})
+        if log is not None:
+            log.write("row", **rows[-1])
     return rows
 
 
@@ -89,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                         help="one more `sloserve serve` argument (repeat; e.g. "
                              "--serve-arg=--max-model-len=16384)")
-    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--out", default=None,
+                        help="write the rows as JSON here at the end; each row as measured to "
+                             "its .jsonl twin, the server's log to its .server.log twin")
     args = parser.parse_args(argv)
 
     from transformers import AutoConfig
@@ -102,20 +121,35 @@ def main(argv: list[str] | None = None) -> int:
     command = [sys.executable, "-m", "engine", "serve", "--model", model, "--port", str(port),
                "--load-format", args.load_format, "--dtype", args.dtype,
                "--max-model-len", str(max(args.contexts) + args.max_tokens + 64),
+               # Info level: the startup's warm-up and capture lines are what the report quotes.
+               "--log-level", "info",
                *(["--device", args.device] if args.device != "auto" else []), *args.serve_arg]
-    log = tempfile.NamedTemporaryFile(prefix="stream-gaps-", suffix=".log", delete=False)
+    figures = FigureLog(jsonl_twin(args.out) if args.out else None)
+    figures.write("run", model=model, contexts=args.contexts, max_tokens=args.max_tokens)
+    if args.out:
+        # The server's log in the output folder as it runs: a step killed at its time limit
+        # still leaves what the server was doing.
+        log_path = server_log_path(args.out)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = log_path.open("wb")
+    else:
+        log = tempfile.NamedTemporaryFile(prefix="stream-gaps-", suffix=".log", delete=False)
+        log_path = Path(log.name)
     started = time.monotonic()
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     url = f"http://127.0.0.1:{port}"
 
     def log_text() -> str:
-        return Path(log.name).read_text(errors="replace")
+        return log_path.read_text(errors="replace")
 
     try:
         wait_until_healthy(proc, url, args.startup_timeout_s, lambda: log_text()[-3000:])
         startup_s = time.monotonic() - started
-        rows = measure(url, args.contexts, args.max_tokens, vocab)
+        startup_lines = [line for line in log_text().splitlines()
+                         if "warm" in line.lower() or "compil" in line.lower()]
+        figures.write("startup", startup_s=round(startup_s, 1), startup_log=startup_lines[-5:])
+        rows = measure(url, args.contexts, args.max_tokens, vocab, figures)
     finally:
         stop_server(proc)
         log.close()
@@ -138,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{STALL_MULTIPLE:g}x the decode step")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
-    os.unlink(log.name)
+    else:
+        os.unlink(log_path)
+    figures.write("done", stalled=report["stalled"])
+    figures.close()
     return 0
 
 
