@@ -289,6 +289,31 @@ def test_json_round_trip(tmp_path: Path) -> None:
     assert back_cells == json.loads(json.dumps(cells))
 
 
+def test_a_run_as_figure_records_rebuilds_the_run_and_its_summary(tmp_path: Path) -> None:
+    """`sloserve bench run` writes each finished run to results.jsonl as these records: a
+    `request` per request (with its cell), then the `run` with its summary."""
+    from bench.figures import FigureLog, read_figures
+
+    run = hand_run()
+    path = tmp_path / "results.jsonl"
+    with FigureLog(path) as log:
+        for kind, record in run.figure_records():
+            log.write(kind, **record)
+    records = read_figures(path)
+    assert [r["kind"] for r in records] == ["request"] * len(run.requests) + ["run"]
+    cell = {"runner": "inprocess", "policy": "fcfs", "budget": 512, "workload": "mixed",
+            "rate": 2.0, "seed": 0}
+    assert all({k: r[k] for k in cell} == cell for r in records)
+    last = records[-1]
+    assert last["summary"] == json.loads(json.dumps(summarize(run)))
+    assert last["num_requests"] == len(run.requests) and "requests" not in last
+    # The lines hold the whole run: results.json's form of it comes back from them.
+    requests = [{k: v for k, v in r.items() if k not in ("kind", *cell)} for r in records[:-1]]
+    rebuilt = {**{k: v for k, v in last.items() if k not in ("kind", "num_requests")},
+               "requests": requests}
+    assert RunResult.from_json(rebuilt) == run
+
+
 def test_markdown_table_rows() -> None:
     cells = aggregate(sample_runs())
     assert urgent_tier(cells) == "urgent"  # the tightest SLO

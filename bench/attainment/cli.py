@@ -4,6 +4,12 @@
   run     replay traces against policies x budgets x rates x seeds; JSON, Markdown, plots
   sweep   find the rate where fcfs attainment is about 50%, then run the grid at 0.5x/1x/1.5x
   report  rebuild the Markdown table and plots from a results JSON
+
+`run` and `sweep` write OUTPUT_DIR/results.json, summary.md and the plots at the end; as each
+run (one trace, policy and budget) ends, OUTPUT_DIR/results.jsonl gets its `request` records and
+its `run` record with the run's summary (bench/figures.py; `done` after the last), so a benchmark
+killed at a time limit keeps every run it finished. The HTTP runner's servers (started per run
+unless --url names one) append their info-level logs to OUTPUT_DIR/server.log as they run.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.attainment.policies import DEFAULT_SWEEP_POLICIES, resolve_policies
+from bench.figures import FigureLog
 
 
 @dataclass
@@ -29,8 +36,13 @@ class BenchSetup:
     engine_overrides: dict[str, Any] = field(default_factory=dict)
     # In-process runner: engines reused across the runs (bench.attainment.runners.EnginePool).
     engines: Any = None
+    # Each finished run's records (OUTPUT_DIR/results.jsonl for run and sweep).
+    figures: FigureLog = field(default_factory=lambda: FigureLog(None))
+    # Where the HTTP runner's servers append their logs (None: a temporary file each).
+    server_log: Path | None = None
 
     def close(self) -> None:
+        self.figures.close()
         if self.engines is not None:
             self.engines.close()
 
@@ -140,12 +152,18 @@ def _run_cell(setup: BenchSetup, args: argparse.Namespace, trace, policy, budget
     elif args.runner == "http":
         from bench.attainment.server import serve
 
-        with serve(policy, budget, setup.model, **setup.engine_overrides) as url:
+        meta = trace.meta if isinstance(getattr(trace, "meta", None), dict) else {}
+        header = ", ".join(f"{k} {meta[k]}" for k in ("workload", "rate", "seed") if k in meta)
+        with serve(policy, budget, setup.model, log_path=setup.server_log, log_header=header,
+                   **setup.engine_overrides) as url:
             run = run_http(trace, url, policy, budget)
     else:
         run = run_inprocess(trace, policy, setup.model, budget, pool=setup.engines,
                             **setup.engine_overrides)
     run.clairvoyant = clairvoyant_attainment(trace, setup.predict_ttft_s, budget_tokens=budget)
+    # On disk as the run ends: a benchmark killed in a later run keeps this one.
+    for kind, record in run.figure_records():
+        setup.figures.write(kind, **record)
     return run
 
 
@@ -204,10 +222,19 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _record_as_it_runs(setup: BenchSetup, out_dir: Path) -> None:
+    """Each finished run to OUTPUT_DIR/results.jsonl, each server's log to server.log."""
+    setup.figures = FigureLog(out_dir / "results.jsonl")
+    setup.server_log = out_dir / "server.log"
+    # A rerun into the same folder starts the servers' log afresh, as it does results.jsonl.
+    setup.server_log.unlink(missing_ok=True)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     setup = _setup(args, out_dir)
+    _record_as_it_runs(setup, out_dir)
     try:
         if args.trace:
             runs = []
@@ -219,6 +246,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                         runs.append(_run_cell(setup, args, trace, policy, budget))
         else:
             runs = _grid(setup, args, args.rates)
+        setup.figures.write("done", runs=len(runs))
     finally:
         setup.close()
     _write_outputs(runs, out_dir)
@@ -278,12 +306,15 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     setup = _setup(args, out_dir)
+    # The search's fcfs runs are recorded too: they are finished runs.
+    _record_as_it_runs(setup, out_dir)
     try:
         rate = args.rate or find_half_attainment_rate(setup, args)
         print(f"sweep around {rate:.3f} req/s (fcfs attainment about "
               f"{args.target_attainment:.0%})", file=sys.stderr)
         rates = [round(rate * f, 4) for f in (0.5, 1.0, 1.5)]
         runs = _grid(setup, args, rates)
+        setup.figures.write("done", runs=len(runs))
     finally:
         setup.close()
     _write_outputs(runs, out_dir)

@@ -19,6 +19,10 @@ Conventions (the ones a reader of the numbers needs):
   good requests per second of run duration.
 - Per-tier throughputs divide by the whole run's duration, so tiers add up to the overall figure.
 - Percentiles are numpy's default linear interpolation, as `vllm bench serve` computes them.
+
+`RunResult.figure_records` is a finished run as JSON lines (`request` records, then the `run`
+with its summary): `sloserve bench run` appends them to OUTPUT_DIR/results.jsonl as each run
+ends, before results.json is written at the end.
 """
 
 from __future__ import annotations
@@ -113,6 +117,24 @@ class RunResult:
 
     def to_json(self) -> dict[str, Any]:
         return json_safe(asdict(self))
+
+    def cell(self) -> dict[str, Any]:
+        """What tells this run from the others of one invocation."""
+        return {"runner": self.runner, "policy": self.policy, "budget": self.budget,
+                "workload": self.workload, "rate": self.rate, "seed": self.seed}
+
+    def figure_records(self) -> list[tuple[str, dict[str, Any]]]:
+        """The run as JSON-lines records (bench/figures.py), written as it ends so that a
+        benchmark killed later keeps it: a `request` per request (its cell's fields beside
+        its own), then the `run` (as in results.json, its `summary` included, the requests
+        left to their own lines)."""
+        cell = self.cell()
+        records: list[tuple[str, dict[str, Any]]] = [
+            ("request", {**cell, **json_safe(asdict(r))}) for r in self.requests]
+        run = {k: v for k, v in self.to_json().items() if k != "requests"}
+        records.append(("run", {**run, "num_requests": len(self.requests),
+                                "summary": summarize(self)}))
+        return records
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> RunResult:

@@ -1,5 +1,10 @@
 """A `sloserve serve` subprocess per benchmark cell, so that the HTTP runner measures each policy
-on a fresh server (no prefix-cache hits carried over from the previous run)."""
+on a fresh server (no prefix-cache hits carried over from the previous run).
+
+`serve(..., log_path=PATH)` appends the server's log (info level) to PATH as the server writes
+it, after a header line naming the cell, so the output folder keeps what each server did even
+when the benchmark is killed; without a path the log is a temporary file at warning level,
+quoted only when the server fails to start."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -73,11 +79,14 @@ def stop_server(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
 
 @contextmanager
 def serve(policy: PolicySpec, budget: int, model: str, startup_timeout_s: float = 300.0,
+          log_path: str | Path | None = None, log_header: str = "",
           **engine_overrides: Any) -> Iterator[str]:
-    """Yields the base URL of a server running `policy` at `budget`; stops it afterwards."""
+    """Yields the base URL of a server running `policy` at `budget`; stops it afterwards. With
+    `log_path`, the server's info-level log is appended there (after `log_header`'s line)."""
     port = free_port()
     args = [sys.executable, "-m", "engine", "serve", "--model", model, "--port", str(port),
-            "--max-num-batched-tokens", str(budget), "--log-level", "warning",
+            "--max-num-batched-tokens", str(budget),
+            "--log-level", "info" if log_path is not None else "warning",
             *policy.serve_args()]
     for key, value in engine_overrides.items():
         if key == "enable_prefix_caching":
@@ -87,12 +96,26 @@ def serve(policy: PolicySpec, budget: int, model: str, startup_timeout_s: float 
             raise ValueError(f"engine setting {key!r} has no `sloserve serve` flag")
         if value is not None:
             args += [_FLAGS[key], str(value)]
-    log = tempfile.TemporaryFile()
+    if log_path is not None:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        log = open(log_path, "ab")  # noqa: SIM115 - closed in the finally below
+        log.write(f"== sloserve serve: policy {policy.name}, budget {budget}"
+                  f"{', ' + log_header if log_header else ''} ==\n".encode())
+        log.flush()
+        start_offset = log.tell()
+    else:
+        log = tempfile.TemporaryFile()
+        start_offset = 0
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     url = f"http://127.0.0.1:{port}"
 
     def log_tail() -> str:
+        # This server's part of the log only (an appended file holds the earlier ones too).
+        if log_path is not None:
+            with open(log_path, "rb") as f:
+                f.seek(start_offset)
+                return f.read().decode(errors="replace")[-3000:]
         log.seek(0)
         return log.read().decode(errors="replace")[-3000:]
 
