@@ -131,6 +131,22 @@ def engine_top_two(llm: Any) -> TopTwoAfter:
     return top_two_after
 
 
+def fresh_engine_top_two(model: str, **llm_args: Any) -> TopTwoAfter:
+    """``engine_top_two`` of an engine built for each question and shut down after it: for a
+    reference that has already been shut down (divergences are rare; a process should not hold
+    a second engine on a GPU meanwhile)."""
+    def top_two_after(tokens: list[int]) -> TopTwo:
+        from engine import LLM
+
+        llm = LLM(model=model, **llm_args)
+        try:
+            return engine_top_two(llm)(tokens)
+        finally:
+            llm.shutdown()
+
+    return top_two_after
+
+
 def hf_top_two(model: Any) -> TopTwoAfter:
     """The top two next tokens of an HF transformers causal LM, from its logits."""
     import torch

@@ -20,7 +20,8 @@ from workers.model_runner import LAYER_DELAY_ENV
 
 @pytest.mark.timeout(300)
 def test_tp2_remote_rank_unwinds_with_rank0(tiny_model, monkeypatch, tmp_path) -> None:
-    check_tp2_remote_rank_unwinds_with_rank0(tiny_model, monkeypatch, tmp_path)
+    # The CPU case (tests/test_cuda.py runs it on GPUs): never "auto", which picks CUDA.
+    check_tp2_remote_rank_unwinds_with_rank0(tiny_model, monkeypatch, tmp_path, device="cpu")
 
 
 def check_tp2_remote_rank_unwinds_with_rank0(tiny_model, monkeypatch, tmp_path,
@@ -38,7 +39,10 @@ def check_tp2_remote_rank_unwinds_with_rank0(tiny_model, monkeypatch, tmp_path,
                 scheduling_policy="slo", preempt_min_tokens=32, collective_timeout_s=60,
                 ttft_model=str(ttft))
 
-    reference = EngineCore(build_engine_config(model, mid_forward_preemption=False, **args))
+    # The reference pins the CPU: at "auto" a GPU machine would build it on CUDA (graphs
+    # captured over Triton kernels that a process interpreting them cannot capture).
+    reference = EngineCore(build_engine_config(model, mid_forward_preemption=False,
+                                               device="cpu", **args))
     try:
         ref = {k: _request(k, p, None) for k, p in prompts.items()}
         for r in ref.values():
