@@ -11,8 +11,11 @@ must be equal token for token. Three scenarios per architecture:
   in one step, probed: that step was stopped mid-forward (an SLO preemption), and both outputs
   still equal the reference.
 
-A mismatch is reported with the reference's top-1 lead over the runner-up at the first diverging
-position: a lead near float32 noise is a near-tie of random weights, a clear one is a bug.
+At an output's first diverging token the reference is asked for its top two next tokens: where
+the engine's and the reference's tokens are those two and the lead is below
+``bench.greedy_divergence.NEAR_TIE_MARGIN``, the divergence is a near-tie of random weights
+(CUDA graphs, other kernels and HF sum in other orders), reported as such and passed; a clear
+lead, or a token outside the top two, is a mismatch and fails the scenario.
 
     python -m bench.gpu_equality --device cuda --out equality.json
     python -m bench.gpu_equality --device cpu --smoke    # tiny shapes, for CI
@@ -34,7 +37,8 @@ from typing import Any
 
 import torch
 
-from bench.hf_reference import hf_greedy, load_hf_model, top2_margin
+from bench.greedy_divergence import compare_greedy, hf_top_two
+from bench.hf_reference import hf_greedy, load_hf_model
 from bench.random_checkpoints import make_random_model, save_small_tokenizer
 
 
@@ -73,13 +77,15 @@ class Scenario:
     prompts: int
     equal: int
     mismatches: list[dict[str, Any]] = field(default_factory=list)
+    # Outputs that diverged where the reference's top two nearly tie (accepted).
+    near_ties: list[dict[str, Any]] = field(default_factory=list)
     probe: dict[str, Any] = field(default_factory=dict)
     probe_ok: bool = True
     seconds: float = 0.0
 
     @property
     def passed(self) -> bool:
-        return self.equal == self.prompts and self.probe_ok
+        return self.equal + len(self.near_ties) == self.prompts and self.probe_ok
 
 
 def _prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
@@ -89,15 +95,16 @@ def _prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
 
 def _compare(name: str, hf: Any, prompts: list[list[int]], got: list[list[int]],
              want: list[list[int]]) -> Scenario:
-    scenario = Scenario(name, prompts=len(prompts), equal=0)
-    for prompt, g, w in zip(prompts, got, want):
-        if g == w:
-            scenario.equal += 1
-            continue
-        at = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
-        scenario.mismatches.append({
-            "prompt_len": len(prompt), "first_diff": at, "engine": g[at:at + 4],
-            "reference": w[at:at + 4], "reference_top2_margin": top2_margin(hf, prompt + w[:at])})
+    divergences = compare_greedy(prompts, got, want, hf_top_two(hf))
+    scenario = Scenario(name, prompts=len(prompts), equal=len(prompts) - len(divergences))
+    for d in divergences:
+        entry = {"prompt_len": len(prompts[d.output]), **d.as_dict(),
+                 "engine": got[d.output][d.position:d.position + 4],
+                 "reference": want[d.output][d.position:d.position + 4],
+                 # The names bench/gpu_summary.py reads (NaN: the outputs' lengths differ).
+                 "first_diff": d.position,
+                 "reference_top2_margin": d.top_two.margin if d.top_two else float("nan")}
+        (scenario.near_ties if d.near_tie else scenario.mismatches).append(entry)
     return scenario
 
 
@@ -157,6 +164,7 @@ def urgent_mid_prefill(model: str, hf: Any, shapes: Shapes, device: str) -> Scen
     from engine.config import build_engine_config
     from engine.core.request import Request
     from engine.runtime.engine_core import EngineCore
+    from workers.model_runner import observe_attention_ops
 
     vocab = shapes.model["vocab_size"]
     long_prompt, urgent_prompt = _prompts([shapes.long_prompt, 33], vocab, seed=3)
@@ -191,12 +199,13 @@ def urgent_mid_prefill(model: str, hf: Any, shapes: Shapes, device: str) -> Scen
         long_step_s, alone_s = min(long_steps), min(alone)
         slo_ms = 1000 * (alone_s + 0.1 * long_step_s)
 
-        layers = engine.executor.runner.model.model.layers
+        runner = engine.executor.runner
+        num_layers = runner.model.num_layers
         arrived: list[Request] = []
         reached = threading.Event()
 
-        def pre_hook(_module: Any, args: Any) -> None:
-            if args[1].shape[0] >= shapes.long_prompt:
+        def observer(layer_idx: int, num_tokens: int) -> None:
+            if layer_idx == num_layers // 4 and num_tokens >= shapes.long_prompt:
                 reached.set()
 
         def arrive() -> None:
@@ -204,12 +213,14 @@ def urgent_mid_prefill(model: str, hf: Any, shapes: Shapes, device: str) -> Scen
                 arrived.append(request("urgent", urgent_prompt, slo_ms))
                 engine.submit_request(arrived[0])
 
-        handle = layers[len(layers) // 4].register_forward_pre_hook(pre_hook)
+        # At the attention op: it runs in Python in an eager pass and between the pieces of a
+        # step replayed as CUDA graphs alike (a module hook inside a piece would never fire).
+        stop_observing = observe_attention_ops(runner.model, observer)
         long = request("long", long_prompt, 600_000)
         engine.add_request(long)
         threading.Thread(target=arrive, daemon=True).start()
         drain()
-        handle.remove()
+        stop_observing()
         assert engine.preemption is not None
         events = [e for e in engine.preemption.events if e.victim_id == "long"]
         got = [long.output_token_ids, arrived[0].output_token_ids if arrived else []]
@@ -219,12 +230,12 @@ def urgent_mid_prefill(model: str, hf: Any, shapes: Shapes, device: str) -> Scen
             "long_prompt": shapes.long_prompt, "long_step_ms": round(long_step_s * 1000, 2),
             "urgent_alone_ms": round(alone_s * 1000, 2), "urgent_slo_ms": round(slo_ms, 2),
             "slo_preemptions": len(events),
-            "stopped_at_layer": [e.layer for e in events], "num_layers": len(layers),
+            "stopped_at_layer": [e.layer for e in events], "num_layers": num_layers,
             "urgent_ttft_ms": (round((arrived[0].first_token_time - arrived[0].arrival_time)
                                      * 1000, 2)
                                if arrived and arrived[0].first_token_time else None)}
         scenario.probe_ok = bool(arrived) and len(events) >= 1 and all(
-            0 < e.layer < len(layers) for e in events)
+            0 < e.layer < num_layers for e in events)
         return scenario
     finally:
         engine.shutdown()
@@ -268,6 +279,7 @@ def run(archs: list[str], shapes: Shapes, device: str, scenarios: list[str]
                 results[name] = {**asdict(scenario), "passed": scenario.passed}
                 print(f"{arch} {name}: {scenario.equal}/{scenario.prompts} equal, probe "
                       f"{'ok' if scenario.probe_ok else 'FAILED'} {scenario.probe}"
+                      + (f", near-ties {scenario.near_ties}" if scenario.near_ties else "")
                       + (f", mismatches {scenario.mismatches}" if scenario.mismatches else ""),
                       flush=True)
             report["archs"][arch] = results
