@@ -468,7 +468,9 @@ def startup_markdown(startup: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def _graphs_used(side: dict[str, Any]) -> str:
-    probe = side.get("graphs") or {}
+    if "graphs" not in side:  # a run cut short (bench/gpu_summary.py's partial figures)
+        return "not probed (the run ended before)"
+    probe = side["graphs"] or {}
     sizes, replays = probe.get("decode_graph_sizes"), probe.get("decode_graph_replays")
     if sizes is None:
         return "not known (the runner is in another process)"
@@ -496,7 +498,8 @@ def graphs_markdown(result: dict[str, Any]) -> list[str]:
         "enforce_eager=True (this process, before the graphs engine; "
         + ("memory it left allocated: "
            f"{eager['memory_left_gb']:.2f} GB" if eager.get("memory_left_gb") is not None
-           else "CPU: no device memory to free")
+           else "CPU: no device memory to free" if result["device"]["type"] == "cpu"
+           else "memory it left allocated: not measured")
         + "). ms/step: median step, start to next start (decode: TPOT); speed-up = eager ms "
         "/ graphs ms. Graphs engine: " + ("-" if "error" in engine else _graphs_used(engine))
         + "; eager engine: " + _graphs_used(eager) + "."
@@ -717,7 +720,8 @@ def run(args: argparse.Namespace, log: FigureLog, wall_started: float) -> dict[s
 
         shape = ModelShape.from_hf_config(load_hf_config(model_dir))
         log.write("run", smoke=args.smoke, shape=label, device=_device_info(device),
-                  dtype=str(dtype).removeprefix("torch."), sizes=sizes, no_hf=args.no_hf,
+                  dtype=str(dtype).removeprefix("torch."), torch=torch.__version__,
+                  sizes=sizes, no_hf=args.no_hf,
                   no_eager=args.no_eager)
         limits = measure_limits(device, dtype, args.matmul_size)
         log.write("limits", **limits)
