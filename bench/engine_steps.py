@@ -374,13 +374,13 @@ def measure_mixed(llm: Any, steps_log: list[dict], vocab: int, sizes: dict[str, 
 def bench_engine(model_dir: str, device: torch.device, dtype: torch.dtype,
                  sizes: dict[str, Any], seed: int, profile_steps: int = 0,
                  profile_deadline: float | None = None,
-                 record: Record = _no_record) -> dict[str, Any]:
+                 record: Record = _no_record, enforce_eager: bool = False) -> dict[str, Any]:
     """Every kind on the engine as configured (CUDA graphs on a GPU), each handed to `record`
     as it is measured; with profile_steps, then a torch.profiler summary of that many steps of
     each kind under "profile" (bench.engine_profile), started only before `profile_deadline` (a
-    perf_counter time)."""
+    perf_counter time). `enforce_eager`: as the GPU suite runs it after a failed capture."""
     llm, steps_log, result = start_engine(model_dir, device, dtype, sizes, seed,
-                                          enforce_eager=False)
+                                          enforce_eager=enforce_eager)
     record("startup", result["startup"])
     vocab = _vocab(model_dir)
     try:

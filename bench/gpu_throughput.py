@@ -79,7 +79,8 @@ from typing import Any
 
 import torch
 
-from bench.engine_steps import bench_eager, bench_engine
+from bench import engine_steps
+from bench.engine_steps import bench_eager, bench_engine, engine_limits
 from bench.figures import FigureLog, jsonl_twin
 from bench.roofline import (ModelShape, attention_flops, decode_bytes_per_step,
                             decode_flops_per_step, prefill_flops)
@@ -563,6 +564,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "are among --batches, else all of --batches)")
     parser.add_argument("--no-eager", action="store_true",
                         help="skip the engine with --enforce-eager (no graphs comparison)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="the engine itself runs without CUDA graphs (the GPU suite's "
+                             "steps after a failed capture); no second, eager engine then")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers side")
     parser.add_argument("--hf-timeout-s", type=float, default=600.0)
@@ -660,6 +664,9 @@ def measure_sides(args: argparse.Namespace, device: torch.device, dtype: torch.d
             recorder.hf(sides["hf"])
     if args.no_eager:
         sides["eager"] = {"error": "skipped (--no-eager)", "skipped": True}
+    elif args.enforce_eager:
+        sides["eager"] = {"error": "skipped (--enforce-eager: the engine itself ran eager)",
+                          "skipped": True}
     else:
         sides["eager"] = _guarded(lambda: bench_eager(model_dir, device, dtype, sizes, args.seed,
                                                       record=recorder.for_side("eager")))
@@ -668,7 +675,7 @@ def measure_sides(args: argparse.Namespace, device: torch.device, dtype: torch.d
     sides["engine"] = _guarded(lambda: bench_engine(
         model_dir, device, dtype, sizes, args.seed,
         profile_steps=args.profile_steps if args.profile else 0, profile_deadline=deadline,
-        record=recorder.for_side("engine")))
+        record=recorder.for_side("engine"), enforce_eager=args.enforce_eager))
     _log_side_error(recorder.log, "engine", sides["engine"])
     return sides
 
@@ -681,7 +688,8 @@ def _log_side_error(log: FigureLog, side: str, figures: dict[str, Any]) -> None:
 def _failed(args: argparse.Namespace, result: dict[str, Any]) -> bool:
     engine, profile = result["engine"], result.get("profile")
     failed = ("error" in engine or ("error" in result["hf"] and not args.no_hf)
-              or ("error" in result["eager"] and not args.no_eager))
+              or ("error" in result["eager"] and not args.no_eager
+                  and not result["eager"].get("skipped")))
     if args.profile and "error" not in engine:
         # Asked for and not there: a failure (a kind left out by --profile-until-s is not).
         failed = failed or profile is None or any(
@@ -705,12 +713,43 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if _failed(args, result) else 0
 
 
+def _dry_run() -> bool:
+    """Under `bench/gpu_suite.sh --dry-run` (engine/dry_run.py)."""
+    try:
+        from engine.dry_run import enabled
+    except ImportError:
+        return False
+    return enabled()
+
+
+def _stop_at_the_engine_configuration(args: argparse.Namespace, sizes: dict[str, Any]) -> None:
+    """The dry run: write the model folder and build the first engine's configuration as the
+    GPU run would, with the device named and no device touched (no limits measured); the
+    configuration's builder ends the process there (engine.dry_run.stop_if_dry_run)."""
+    from engine.config import build_engine_config
+
+    limits = engine_limits(sizes)
+    device = "cuda" if args.device == "auto" else args.device
+    with tempfile.TemporaryDirectory(prefix="sloserve-gpu-throughput-") as tmp:
+        model_dir, _ = prepare_model(args, Path(tmp))
+        build_engine_config(model_dir, load_format="dummy", device=device, dtype=args.dtype,
+                            enable_prefix_caching=False, max_num_batched_tokens=sizes[
+                                "prefill_len"], max_num_seqs=limits["max_num_seqs"],
+                            max_model_len=limits["max_model_len"],
+                            block_size=engine_steps.BLOCK_SIZE,
+                            num_kv_blocks=limits["num_kv_blocks"], startup_calibration=False,
+                            seed=args.seed, enforce_eager=args.enforce_eager)
+    raise SystemExit("dry run: the engine configuration was built but the dry run did not stop")
+
+
 def run(args: argparse.Namespace, log: FigureLog, wall_started: float) -> dict[str, Any]:
     """The whole run: the result JSON (with its markdown), every figure also written to `log`
     as it is measured."""
+    sizes = {k: getattr(args, k) for k in FULL}
+    if _dry_run():
+        _stop_at_the_engine_configuration(args, sizes)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    sizes = {k: getattr(args, k) for k in FULL}
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     with tempfile.TemporaryDirectory(prefix="sloserve-gpu-throughput-") as tmp:
         scratch = Path(tmp)

@@ -63,6 +63,15 @@ def _stream(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
             "gaps_ms": [round(g, 2) for g in gaps]}
 
 
+def _dry_run() -> bool:
+    """Under `bench/gpu_suite.sh --dry-run` (engine/dry_run.py)."""
+    try:
+        from engine.dry_run import enabled
+    except ImportError:
+        return False
+    return enabled()
+
+
 def server_log_path(out: str | Path) -> Path:
     """Where the server's log goes beside the JSON: `gaps.json` -> `gaps.server.log`."""
     return Path(out).with_suffix(".server.log")
@@ -102,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--contexts", type=int, nargs="+", default=[16, 500, 3000, 12000])
     parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="the server without CUDA graphs (the GPU suite's steps after a "
+                             "failed capture)")
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                         help="one more `sloserve serve` argument (repeat; e.g. "
@@ -123,7 +135,12 @@ def main(argv: list[str] | None = None) -> int:
                "--max-model-len", str(max(args.contexts) + args.max_tokens + 64),
                # Info level: the startup's warm-up and capture lines are what the report quotes.
                "--log-level", "info",
-               *(["--device", args.device] if args.device != "auto" else []), *args.serve_arg]
+               *(["--device", args.device] if args.device != "auto" else []),
+               *(["--enforce-eager"] if args.enforce_eager else []), *args.serve_arg]
+    if _dry_run():
+        # `gpu_suite.sh --dry-run`: the server builds its configuration and exits there.
+        return subprocess.run(command, stdin=subprocess.DEVNULL,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"}).returncode
     figures = FigureLog(jsonl_twin(args.out) if args.out else None)
     figures.write("run", model=model, contexts=args.contexts, max_tokens=args.max_tokens)
     if args.out:

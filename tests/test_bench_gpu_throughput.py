@@ -720,3 +720,21 @@ def test_a_killed_run_keeps_the_figures_it_measured(tmp_path):
     assert decode["side"] == "eager" and decode["batch"] == 1
     _positive(decode["tpot_ms"], "decode TPOT")
     _positive(decode["bound"]["tpot_ms"], "decode bound")
+
+
+def test_the_suites_dry_run_and_enforce_eager_flags(tmp_path):
+    """`gpu_suite.sh --dry-run` runs the core call's command with --enforce-eager (as after a
+    failed capture) on a CPU: it builds the engine configuration for CUDA and stops there."""
+    dry_run = pytest.importorskip("engine.dry_run")
+    args = gpu_throughput.parse_args(["--smoke", "--enforce-eager"])
+    assert args.enforce_eager
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **{dry_run.DRY_RUN_ENV: "1"})
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_throughput", "--device", "cuda", "--shape",
+         "llama-3.1-8b", "--no-hf", "--batches", "1", "64", "--enforce-eager",
+         "--out", str(tmp_path / "throughput.json")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith(dry_run.DONE_PREFIX) and "device cuda" in last
+    assert "enforce_eager True" in last

@@ -66,6 +66,8 @@ def _setup(args: argparse.Namespace, out_dir: Path) -> BenchSetup:
         overrides["load_format"] = args.load_format
     if args.num_kv_blocks:
         overrides["num_kv_blocks"] = args.num_kv_blocks
+    if getattr(args, "enforce_eager", False):
+        overrides["enforce_eager"] = True
     if args.ttft_model:
         path = args.ttft_model
         line = LinearTTFT.load(path)
@@ -230,7 +232,34 @@ def _record_as_it_runs(setup: BenchSetup, out_dir: Path) -> None:
     setup.server_log.unlink(missing_ok=True)
 
 
+def _stop_if_dry_run(args: argparse.Namespace) -> None:
+    """Under `bench/gpu_suite.sh --dry-run` (engine/dry_run.py): build the engine
+    configuration the first run would use, as the GPU run would, and stop there (the builder
+    exits). The TTFT line is not read: the dry run's calibrate step writes none."""
+    try:
+        from engine.dry_run import enabled
+    except ImportError:
+        return
+    if not enabled():
+        return
+    from engine.config import build_engine_config
+    from engine.entrypoints.default_model import model_path_or_default
+
+    budgets = [int(b) for b in args.budgets if b != "large"] or [2048]
+    overrides: dict[str, Any] = {"dtype": args.dtype, "enable_prefix_caching": False,
+                                 "enforce_eager": args.enforce_eager}
+    for key in ("device", "load_format"):
+        if getattr(args, key) != "auto":
+            overrides[key] = getattr(args, key)
+    for key in ("num_kv_blocks", "max_model_len", "simulate"):
+        if getattr(args, key):
+            overrides[key] = getattr(args, key)
+    build_engine_config(model_path_or_default(args.model), max_num_batched_tokens=max(budgets),
+                        **overrides)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
+    _stop_if_dry_run(args)
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     setup = _setup(args, out_dir)
@@ -343,6 +372,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                         "(python -m bench.model_shapes)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="engines and servers without CUDA graphs (the GPU suite's steps after "
+                        "a failed capture)")
     p.add_argument("--ttft-model", default=None, metavar="FILE",
                    help="TTFT line from `sloserve calibrate` (default: calibrate first)")
     p.add_argument("--calibration-repeats", type=int, default=3)

@@ -92,6 +92,9 @@ def serve(policy: PolicySpec, budget: int, model: str, startup_timeout_s: float 
         if key == "enable_prefix_caching":
             args += [] if value else ["--no-prefix-caching"]
             continue
+        if key == "enforce_eager":
+            args += ["--enforce-eager"] if value else []
+            continue
         if key not in _FLAGS:
             raise ValueError(f"engine setting {key!r} has no `sloserve serve` flag")
         if value is not None:
