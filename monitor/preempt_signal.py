@@ -4,6 +4,13 @@ The monitor thread writes it; the TP rank(s) on EngineCore's node read the targe
 attention-op boundary of a preemptible step. The signal is a step id, never a boolean: step ids
 only grow, so a value written for step N can never stop step N+1 (docs/design.md section 5).
 
+Its owner (`create()`) removes the segment; everyone else `attach()`es and only unmaps it. Under
+`sloserve serve` the owner is the API server process, not EngineCore's: the owner must outlive
+every process that maps the segment, and EngineCore's process is the one that may die without a
+word (engine/ipc/async_client.py). An engine run in-process (LLM, `sloserve generate`) owns its
+own. An owner killed by SIGKILL leaves the segment to multiprocessing's resource tracker, which
+removes it with a "leaked shared_memory" warning: every other way out must close() first.
+
 Layout (little-endian): int64 target step id | uint8 len + 63 bytes victim id |
 uint8 len + 63 bytes waiter id | float64 decision time (time.monotonic()) | int64 progress |
 float64 progress time.

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bench.attainment.cli import add_bench_parser
 from engine.entrypoints.arg_types import (float_in, int_in, non_negative_float, positive_float,
@@ -14,6 +16,10 @@ from engine.entrypoints.arg_types import (float_in, int_in, non_negative_float, 
 from engine.entrypoints.calibrate import add_calibrate_parser
 from engine.entrypoints.engine_args import add_engine_args, engine_kwargs, under_torchrun
 from engine.log import configure_logging
+
+if TYPE_CHECKING:
+    from engine.entrypoints.llm import LLM
+    from engine.sampling_params import SamplingParams
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -24,9 +30,24 @@ def _generate(args: argparse.Namespace) -> int:
                             top_p=args.top_p, top_k=args.top_k, seed=args.sample_seed,
                             stop=args.stop or [])
     kwargs = engine_kwargs(args)
+    # SIGTERM (torchrun stops every rank with it, `timeout` too) unwinds like Ctrl-C does:
+    # through llm.shutdown() and the finalizers, which its default action would skip, leaving
+    # the engine's shared memory to the resource tracker's "leaked" warning.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     if (code := under_torchrun(args, kwargs)) is not None:
         return code
     llm = LLM(**kwargs)
+    try:
+        return _generate_with(llm, args, params)
+    finally:
+        llm.shutdown()
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _generate_with(llm: LLM, args: argparse.Namespace, params: SamplingParams) -> int:
     chat = not args.no_chat and getattr(llm.tokenizer, "chat_template", None)
     started = time.monotonic()
     if chat:
@@ -41,7 +62,6 @@ def _generate(args: argparse.Namespace) -> int:
     ttft = f"{m.ttft * 1000:.0f} ms" if m and m.ttft is not None else "n/a"
     print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}, TTFT {ttft}, "
           f"total {elapsed:.2f} s]", file=sys.stderr)
-    llm.shutdown()
     return 0
 
 
@@ -199,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     try:
         return args.func(args)
+    except KeyboardInterrupt:
+        # Ctrl-C. `serve` has shut down gracefully by now (uvicorn re-raises the signal once
+        # it has); either way the shell's status for it, without a traceback.
+        return 128 + signal.SIGINT
     except ValueError as exc:  # bad input: a clear message, not a traceback
         print(f"sloserve: error: {exc}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ fans its outputs back out to one asyncio queue per request."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import multiprocessing
@@ -23,6 +24,7 @@ from engine.processing.input_processor import InputProcessor, validate_prompt
 from engine.processing.output_processor import OutputProcessor
 from engine.outputs import RequestOutput, SchedulerStats
 from engine.sampling_params import SamplingParams
+from monitor.preempt_signal import PreemptSignal
 
 
 class OutputObserver(Protocol):
@@ -74,13 +76,47 @@ class AsyncEngineClient:
         self._process: multiprocessing.process.BaseProcess | None = None
         self._reader_task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        # The preempt signal's shared-memory segment. This process creates and owns it, not the
+        # EngineCore process that uses it: the owner unlinks it, and this process outlives an
+        # EngineCore that dies without a word (SIGKILL, a crash in a kernel), which would leave
+        # it to the resource tracker's "leaked shared_memory" clean-up at exit.
+        self._preempt_signal: PreemptSignal | None = None
+        self._starting = False
+        self._stopping = False  # the server was told to stop (stop_soon)
 
     # ---- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Starts the EngineCore process and waits until it is ready. Told to stop meanwhile
+        (stop_soon), it returns without an engine (`dead` says why) instead of failing: the
+        server is stopping, not failing to start."""
+        self._starting = True
+        try:
+            await self._start()
+        except (EngineDeadError, asyncio.IncompleteReadError, ConnectionError):
+            await self._reap()
+            if not self._stopping:
+                self._release_signal()
+                raise
+            logger.info("the server was told to stop while the engine started")
+            self.dead = "the server is shutting down"
+        except BaseException:
+            await self._reap()
+            self._release_signal()
+            raise
+        finally:
+            self._starting = False
+
+    async def _start(self) -> None:
         from engine.ipc.core_process import run_core_process
 
         self.loop = asyncio.get_running_loop()
+        if self.config.preemption.mid_forward_preemption:  # EngineCore's own condition for one
+            self._preempt_signal = PreemptSignal.create()
+            target = functools.partial(run_core_process,
+                                       preempt_signal_name=self._preempt_signal.name)
+        else:
+            target = run_core_process
         # Any local process may connect to the port below while it is open; only the peer that
         # shows this token first gets the channel (and so every prompt). The token travels in
         # the spawned process's arguments, through a pipe, never on a command line.
@@ -102,7 +138,9 @@ class AsyncEngineClient:
 
         server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        self._process = self._spawn_core(run_core_process, port, token)
+        self._process = self._spawn_core(target, port, token)
+        if self._stopping:  # told to stop before there was a process to tell
+            self._process.terminate()
         try:
             reader, self._writer = await self._wait_for(connected)
             ready = from_core_decoder.decode(await self._wait_for(read_frame(reader)))
@@ -148,7 +186,19 @@ class AsyncEngineClient:
         """End every in-flight request with an error (server shutdown)."""
         self._fail_all(EngineDeadError(reason))
 
+    def stop_soon(self) -> None:
+        """The server got SIGTERM or SIGINT and will shut down; safe to call from a signal
+        handler. An EngineCore that is still starting (loading weights, capturing graphs: minutes
+        for a large model) is told at once with SIGTERM, on which it stops what it started, so
+        that start() returns early and the server does not wait out a load only to undo it. One
+        that serves already is stopped by shutdown(), between two steps."""
+        self._stopping = True
+        if self._starting and self._process is not None:
+            self._process.terminate()  # the core ignores SIGINT: the API server decides
+
     async def shutdown(self) -> None:
+        """Stops the EngineCore process and waits for it, then removes the preempt signal's
+        segment. Idempotent; also right after a failed start()."""
         self._fail_all(EngineDeadError("the server is shutting down"))
         if self._writer is not None and not self._writer.is_closing():
             try:
@@ -157,8 +207,17 @@ class AsyncEngineClient:
             except (ConnectionError, RuntimeError):
                 pass
         await self._reap()
+        if self._writer is not None:
+            self._writer.close()
         if self._reader_task is not None:
             self._reader_task.cancel()
+        self._release_signal()
+
+    def _release_signal(self) -> None:
+        # After the EngineCore process is gone: nothing maps the segment any more.
+        if self._preempt_signal is not None:
+            self._preempt_signal.close()
+            self._preempt_signal = None
 
     async def _reap(self) -> None:
         process = self._process

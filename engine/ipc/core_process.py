@@ -9,11 +9,13 @@ HTTP while this process is inside a long forward pass.
 
 from __future__ import annotations
 
+import logging
 import queue
 import signal
 import socket
 import threading
 import traceback
+from types import FrameType
 
 from engine.ipc.core_messages import (AbortRequests, AddRequest, CoreFailed, CoreHello, CoreOutputs,
                                   CoreReady, FrameSocket, RequestRejected, ShutdownCore,
@@ -21,37 +23,90 @@ from engine.ipc.core_messages import (AbortRequests, AddRequest, CoreFailed, Cor
 from engine.runtime.engine_core import EngineCore
 from engine.log import configure_logging
 from engine.core.request import Request, RequestStatus
+from monitor.preempt_signal import PreemptSignal
+
+logger = logging.getLogger(__name__)
 
 
-def run_core_process(config_bytes: bytes, port: int, token: bytes) -> None:
+class _Terminated(BaseException):
+    """SIGTERM while the engine starts: unwinds EngineCore's constructor, whose clean-up stops
+    whatever it had started. A BaseException, so that no `except Exception` on the way (the
+    constructor's, run_core_process's own) turns it into a start-up failure."""
+
+
+class _StopOnSigterm:
+    """SIGTERM reaches this process alone (`kill` on its pid) or together with the API server
+    (a signal to the process group: torchrun's kill of each rank, `timeout`, systemd's
+    control-group kill). Either way it must end the way a ShutdownCore does, through
+    EngineCore.shutdown() and the `finally`s, never by the default action: that exits at once,
+    skips every finalizer and leaves the TP workers and the mapped segment to whoever notices.
+
+    While the engine starts there is no loop to tell, so the handler raises; once it serves, the
+    handler only queues a stop (SimpleQueue.put is safe in a signal handler) and the loop ends
+    between two steps, never in the middle of one."""
+
+    def __init__(self) -> None:
+        self.events: queue.SimpleQueue | None = None
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self.events is None:
+            raise _Terminated()
+        self.events.put(_TERMINATED)
+
+
+def run_core_process(config_bytes: bytes, port: int, token: bytes,
+                     preempt_signal_name: str | None = None) -> None:
+    """`preempt_signal_name`: the preempt signal's segment, which the API server created and
+    owns (it unlinks it whatever becomes of this process); this process only maps it."""
     # The API server decides when to stop (it forwards SIGINT/SIGTERM as a ShutdownCore message);
     # a Ctrl-C delivered to the whole process group must not kill this loop mid-step.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    on_sigterm = _StopOnSigterm()
+    signal.signal(signal.SIGTERM, on_sigterm)
     configure_logging()  # a spawned process starts with logging unconfigured
-    channel = FrameSocket(socket.create_connection(("127.0.0.1", port)))
-    channel.send(CoreHello(token=token))  # before anything else: how the server knows us
+    channel: FrameSocket | None = None
+    preempt_signal: PreemptSignal | None = None
+    core: EngineCore | None = None
     try:
-        core = EngineCore(config_decoder.decode(config_bytes))
-    except Exception as exc:
-        channel.send(CoreFailed(error=f"{type(exc).__name__}: {exc}"
-                                if isinstance(exc, ValueError) else traceback.format_exc()))
-        return
-    channel.send(CoreReady(max_model_len=core.max_model_len, vocab_size=core.vocab_size,
-                           num_blocks=core.model.num_blocks))
-    try:
-        _serve(core, channel)
-    except Exception:
+        channel = FrameSocket(socket.create_connection(("127.0.0.1", port)))
+        channel.send(CoreHello(token=token))  # before anything else: how the server knows us
+        if preempt_signal_name is not None:
+            preempt_signal = PreemptSignal.attach(preempt_signal_name)
         try:
-            channel.send(CoreFailed(error=traceback.format_exc()))
-        except OSError:
-            pass
+            core = EngineCore(config_decoder.decode(config_bytes), preempt_signal=preempt_signal)
+        except Exception as exc:
+            channel.send(CoreFailed(error=f"{type(exc).__name__}: {exc}"
+                                    if isinstance(exc, ValueError) else traceback.format_exc()))
+            return
+        channel.send(CoreReady(max_model_len=core.max_model_len, vocab_size=core.vocab_size,
+                               num_blocks=core.model.num_blocks))
+        if _serve(core, channel, on_sigterm) is _TERMINATED:
+            logger.info("EngineCore: SIGTERM, shutting down")
+    except _Terminated:
+        # Stopped while starting: EngineCore's constructor stopped what it had started.
+        logger.info("EngineCore: SIGTERM while starting, shutting down")
+    except Exception:
+        if channel is None:  # no API server to tell
+            traceback.print_exc()
+        else:
+            try:
+                channel.send(CoreFailed(error=traceback.format_exc()))
+            except OSError:  # the API server is gone
+                pass
     finally:
-        core.shutdown()
+        # Nothing is left to unwind but this clean-up: from here SIGTERM has its default
+        # action again (a second one means stop now), instead of queueing a stop no loop reads.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if core is not None:
+            core.shutdown()
+        if preempt_signal is not None:
+            preempt_signal.close()  # unmaps it; the API server unlinks it
 
 
 _ABORT_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "error": RequestStatus.FINISHED_ERROR}
 
 _CLOSED = object()  # the API server's side of the socket is gone
+_TERMINATED = object()  # SIGTERM: stop as ShutdownCore does
 _ARRIVED = object()  # a request was handed to the engine: wake the loop
 
 
@@ -81,8 +136,10 @@ def _read_messages(core: EngineCore, channel: FrameSocket, events: queue.SimpleQ
                 return
 
 
-def _serve(core: EngineCore, channel: FrameSocket) -> None:
+def _serve(core: EngineCore, channel: FrameSocket, on_sigterm: _StopOnSigterm) -> object:
+    """Runs until the API server or a signal says stop; returns what said so."""
     events: queue.SimpleQueue = queue.SimpleQueue()
+    on_sigterm.events = events
     threading.Thread(target=_read_messages, args=(core, channel, events),
                      name="sloserve-core-reader", daemon=True).start()
     while True:
@@ -91,8 +148,8 @@ def _serve(core: EngineCore, channel: FrameSocket) -> None:
         try:
             event = events.get(block=not busy)
             while True:
-                if event is _CLOSED or isinstance(event, ShutdownCore):
-                    return
+                if event is _CLOSED or event is _TERMINATED or isinstance(event, ShutdownCore):
+                    return event
                 if isinstance(event, RequestRejected):
                     channel.send(event)
                 elif isinstance(event, AbortRequests):

@@ -30,12 +30,17 @@ class EngineStepError(RuntimeError):
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None,
+                 preempt_signal: PreemptSignal | None = None) -> None:
+        """`preempt_signal`: one another process owns, that this engine uses instead of creating
+        its own (the API server's, which outlives an EngineCore process that dies)."""
         self.config = config
         self.model: ResolvedModel = resolve(config)
         preemption = config.preemption
         ttft_seed = LinearTTFT.load(preemption.ttft_model) if preemption.ttft_model else None
-        signal = PreemptSignal.create() if preemption.mid_forward_preemption else None
+        signal = None
+        if preemption.mid_forward_preemption:
+            signal = preempt_signal if preempt_signal is not None else PreemptSignal.create()
         self.preemption: SLOPreemptionControl | None = None
         self.startup_calibration: StartupCalibration | None = None
         started: Executor | None = None

@@ -80,9 +80,15 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
         try:
             await client.start()
             yield
-            await client.shutdown()
         finally:
-            tokenize_pool.shutdown(wait=False, cancel_futures=True)
+            # On every way out: a normal shutdown, a failed start, and the lifespan task
+            # cancelled (uvicorn skips the lifespan shutdown on a forced exit, a second Ctrl-C,
+            # and asyncio.run then cancels the task): the EngineCore process is stopped and the
+            # preempt signal's shared memory removed before the process exits.
+            try:
+                await client.shutdown()
+            finally:
+                tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="sloserve", version=VERSION, lifespan=lifespan,
                   default_response_class=JSONBody)
@@ -391,6 +397,9 @@ def run_server(config: EngineConfig, settings: ServerSettings, host: str, port: 
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
+            # A signal handler: only what is safe there (a flag, a kill); the rest goes through
+            # the event loop.
+            client.stop_soon()
             loop = client.loop
             if loop is not None and not loop.is_closed():
                 loop.call_soon_threadsafe(client.fail_all, "the server is shutting down")
