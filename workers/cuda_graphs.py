@@ -22,15 +22,23 @@ How a step is replayed:
 The graph object is an interface (``GraphBackend``) so that the replay logic runs on the CPU in
 tests: a fake "capture" keeps the callable, a fake "replay" runs it again with no arguments,
 which gives the right tokens only if every input really went through the static buffers.
+
+The runner holds its captured steps, so the captured steps never hold the runner (nor does
+anything they capture): they keep the model, the step buffers and the KV cache they read. With
+no reference cycle, an engine's weights and KV pool are freed by reference counting the moment
+it is dropped, not whenever the garbage collector next runs; on a GPU the next engine in the
+process sizes its KV pool from the memory left free. The capture itself runs with the garbage
+collector off (``no_collection_while_capturing``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 from unittest import mock
@@ -121,14 +129,41 @@ class _Captured:
     output: torch.Tensor
 
 
+@contextlib.contextmanager
+def no_collection_while_capturing() -> Iterator[None]:
+    """Collect once, then no automatic garbage collection until the capture ends (as vLLM
+    does): a collection that ran mid-capture could free a tensor or a graph a capture in
+    progress still refers to. Every object alive now is frozen (moved out of the collector's
+    reach) as well, unless something else froze objects before, whose freeze an unfreeze here
+    would undo; the collector is off either way. Restored on every exit, a failed capture's
+    included."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    freezing = gc.get_freeze_count() == 0
+    if freezing:
+        gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if freezing:
+            gc.unfreeze()
+        if was_enabled:
+            gc.enable()
+
+
 class CapturedSteps:
     """What both kinds of captured step (DecodeGraphs, workers.piecewise_graphs) share: the
-    sizes, the backend, the step buffers' generation the captures read, and the counters."""
+    sizes, the backend, the step buffers' generation the captures read, and the counters.
+
+    It keeps the model and the step buffers it reads, never the runner (which holds it): see
+    the module docstring."""
 
     kind = "captured"  # which steps, for the log
 
     def __init__(self, runner: Runner, sizes: Sequence[int], backend: GraphBackend) -> None:
-        self.runner = runner
+        self.model = runner.model
+        self.buffers = runner.buffers
         self.sizes = sorted(sizes)
         self.backend = backend
         self.graphs: dict[int, Any] = {}
@@ -147,14 +182,14 @@ class CapturedSteps:
                                ) from exc
 
     def _check_buffers_held_still(self) -> None:
-        if self.runner.buffers.generation != self.generation:
+        if self.buffers.generation != self.generation:
             raise RuntimeError("the step buffers grew while capturing CUDA graphs")
 
     def _buffers_moved(self) -> bool:
         """Whether the step buffers grew after the capture, so the graphs read old addresses:
         a step outgrew the limits the buffers were sized for (a bug upstream). The graphs are
         dropped, and from then on those steps run eager (slower, still correct)."""
-        if self.runner.buffers.generation == self.generation:
+        if self.buffers.generation == self.generation:
             return False
         if self.graphs:
             logger.warning("CUDA graphs: the step buffers grew after the capture; %s steps run "
@@ -170,6 +205,8 @@ class DecodeGraphs(CapturedSteps):
                  max_model_len: int) -> None:
         super().__init__(runner, sizes, backend)
         self.max_model_len = max_model_len
+        # The pool the graphs write to: the final one (the pool is sized before the capture).
+        self.kv_caches = runner.kv_caches
 
     @property
     def table_width(self) -> int | None:
@@ -178,12 +215,12 @@ class DecodeGraphs(CapturedSteps):
         table may hold anything (no upload of max_model_len's width per row: 8 MB a step for
         128 rows of a 128k context). The PyTorch kernels gather the whole captured width, so
         there every column must be a block id of the pool (zeros past each table)."""
-        if self.runner.model.kernels.name == "triton":
+        if self.model.kernels.name == "triton":
             return None
-        return self.runner.buffers.max_blocks
+        return self.buffers.max_blocks
 
     def _static_metadata(self, size: int) -> AttentionMetadata:
-        buffers = self.runner.buffers
+        buffers = self.buffers
         return AttentionMetadata(
             slot_mapping=buffers.slot_mapping[:size], num_decodes=size,
             decode_block_tables=buffers.block_tables[:size],
@@ -194,35 +231,40 @@ class DecodeGraphs(CapturedSteps):
             decode_min_context=1)
 
     def _forward(self, size: int) -> Callable[[], torch.Tensor]:
-        runner, buffers = self.runner, self.runner.buffers
+        # Locals only: a graph (the CPU stand-in's keeps this function) must not hold this
+        # object, which holds the graphs.
+        model, buffers, kv_caches = self.model, self.buffers, self.kv_caches
         meta = self._static_metadata(size)
 
         def forward() -> torch.Tensor:
             # The plans the kernels derive from the metadata are built inside the pass (and so
             # captured), never carried over from an earlier run.
             meta.derived.clear()
-            return runner.model.forward(buffers.input_ids[:size], buffers.positions[:size], meta,
-                                        runner.kv_caches)
+            return model.forward(buffers.input_ids[:size], buffers.positions[:size], meta,
+                                 kv_caches)
 
         return forward
 
-    def capture(self) -> float:
-        """Capture every size, largest first; returns the seconds it took."""
+    def capture(self, runner: Runner) -> float:
+        """Capture every size, largest first; returns the seconds it took. ``runner`` writes
+        the dummy steps' inputs; it is not kept."""
         started = time.perf_counter()
-        runner = self.runner
+        buffers = self.buffers
         # Room for the largest size, and tables as wide as the longest sequence: the captured
         # launches cover every context up to it.
         largest = self.sizes[-1]
-        blocks = -(-self.max_model_len // runner.buffers.block_size)
-        runner.buffers.reserve(largest, largest, blocks)
-        self.generation = runner.buffers.generation
-        for size in sorted(self.sizes, reverse=True):
-            # Dummy decodes at position 0 over block 0, as the kernel warm-up writes: nothing
-            # reads what they leave there before a request owns the block. The tables are
-            # zeroed at full width once, so no column holds anything but a block id.
-            runner.prepare_inputs(_dummy_decodes(size), table_width=runner.buffers.max_blocks)
-            graph, output = self._capture_one(self._forward(size), f"decode batch {size}")
-            self.graphs[size] = _Captured(graph, output)
+        blocks = -(-self.max_model_len // buffers.block_size)
+        buffers.reserve(largest, largest, blocks)
+        self.generation = buffers.generation
+        with no_collection_while_capturing():
+            for size in sorted(self.sizes, reverse=True):
+                # Dummy decodes at position 0 over block 0, as the kernel warm-up writes:
+                # nothing reads what they leave there before a request owns the block. The
+                # tables are zeroed at full width once, so no column holds anything but a
+                # block id.
+                runner.prepare_inputs(_dummy_decodes(size), table_width=buffers.max_blocks)
+                graph, output = self._capture_one(self._forward(size), f"decode batch {size}")
+                self.graphs[size] = _Captured(graph, output)
         self._check_buffers_held_still()
         self.capture_seconds = time.perf_counter() - started
         return self.capture_seconds
@@ -314,7 +356,7 @@ def capture_decode_graphs(runner: Runner, max_num_seqs: int, max_model_len: int,
             return None
     sizes = capture_sizes(max_num_seqs, runner.max_cudagraph_capture_size)
     graphs = DecodeGraphs(runner, sizes, backend, max_model_len)
-    seconds = graphs.capture()
+    seconds = graphs.capture(runner)
     logger.info("CUDA graphs: captured %d decode batch sizes (%d..%d) in %.2f s", len(sizes),
                 sizes[0], sizes[-1], seconds)
     return graphs

@@ -32,13 +32,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.core.scheduler_output import SchedulerOutput
 from kernels import AttentionMetadata
-from workers.cuda_graphs import CapturedSteps
+from workers.cuda_graphs import CapturedSteps, no_collection_while_capturing
 from workers.graph_shapes import capture_sizes, padded_batch_size
 from workers.preempt_vote import StepPreempted
 
@@ -46,6 +47,44 @@ if TYPE_CHECKING:
     from workers.cuda_graphs import GraphBackend, Runner
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PieceBuffers:
+    """The static tensors that cross the boundaries between pieces, [rows, ...] each."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    attention_out: torch.Tensor
+    residual: torch.Tensor
+    hidden_out: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def allocate(cls, model: Any, rows: int) -> PieceBuffers:
+        attn = model.model.layers[0].self_attn
+        hidden_size = model.config.hidden_size
+        head_dim = attn.head_dim
+        half_rotary = model.model.rotary_emb.rotary_dim // 2
+
+        def empty(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=model.dtype, device=model.device)
+
+        return cls(query=empty(rows, attn.num_heads, head_dim),
+                   key=empty(rows, attn.num_kv_heads, head_dim),
+                   value=empty(rows, attn.num_kv_heads, head_dim),
+                   attention_out=empty(rows, attn.num_heads, head_dim),
+                   residual=empty(rows, hidden_size), hidden_out=empty(rows, hidden_size),
+                   cos=empty(rows, 1, half_rotary), sin=empty(rows, 1, half_rotary))
+
+    def store(self, size: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              residual: torch.Tensor) -> None:
+        self.query[:size].copy_(q)
+        self.key[:size].copy_(k)
+        self.value[:size].copy_(v)
+        self.residual[:size].copy_(residual)
 
 
 class PiecewiseGraphs(CapturedSteps):
@@ -58,63 +97,41 @@ class PiecewiseGraphs(CapturedSteps):
         self.graphs: dict[int, list[Any]] = {}
         # Replayed steps a vote stopped between two pieces.
         self.unwinds = 0
-        self._allocate(self.sizes[-1])
-
-    def _allocate(self, rows: int) -> None:
-        model = self.runner.model
-        attn = model.model.layers[0].self_attn
-        hidden_size = model.config.hidden_size
-        head_dim = attn.head_dim
-
-        def empty(*shape: int) -> torch.Tensor:
-            return torch.zeros(shape, dtype=model.dtype, device=model.device)
-
-        self.query = empty(rows, attn.num_heads, head_dim)
-        self.key = empty(rows, attn.num_kv_heads, head_dim)
-        self.value = empty(rows, attn.num_kv_heads, head_dim)
-        self.attention_out = empty(rows, attn.num_heads, head_dim)
-        self.residual = empty(rows, hidden_size)
-        self.hidden_out = empty(rows, hidden_size)
-        half_rotary = model.model.rotary_emb.rotary_dim // 2
-        self.cos = empty(rows, 1, half_rotary)
-        self.sin = empty(rows, 1, half_rotary)
+        # A separate object, so that the pieces (which the CPU stand-in's graphs keep) can
+        # close over it without closing over this one, which holds the graphs.
+        self.static = PieceBuffers.allocate(self.model, self.sizes[-1])
 
     # -- the pieces ------------------------------------------------------------------------
 
-    def _store(self, size: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               residual: torch.Tensor) -> None:
-        self.query[:size].copy_(q)
-        self.key[:size].copy_(k)
-        self.value[:size].copy_(v)
-        self.residual[:size].copy_(residual)
-
     def _piece(self, size: int, index: int) -> Callable[[], torch.Tensor]:
-        """Piece ``index`` of a ``size``-token step, reading and writing only static buffers."""
-        model = self.runner.model.model
+        """Piece ``index`` of a ``size``-token step, reading and writing only static buffers.
+        It closes over locals only (never ``self``: see ``self.static``)."""
+        model = self.model.model
         layers = model.layers
-        buffers = self.runner.buffers
-        cos, sin = self.cos[:size], self.sin[:size]
+        buffers = self.buffers
+        static = self.static
+        cos, sin = static.cos[:size], static.sin[:size]
 
         def first() -> torch.Tensor:
             step_cos, step_sin = model.rotary_emb(buffers.positions[:size])
             cos.copy_(step_cos)
             sin.copy_(step_sin)
             hidden = model.embed_tokens(buffers.input_ids[:size])
-            self._store(size, *layers[0].before_attention(hidden, None, cos, sin))
-            return self.query[:size]
+            static.store(size, *layers[0].before_attention(hidden, None, cos, sin))
+            return static.query[:size]
 
         def middle() -> torch.Tensor:
-            hidden, residual = layers[index - 1].after_attention(self.attention_out[:size],
-                                                                 self.residual[:size])
-            self._store(size, *layers[index].before_attention(hidden, residual, cos, sin))
-            return self.query[:size]
+            hidden, residual = layers[index - 1].after_attention(static.attention_out[:size],
+                                                                 static.residual[:size])
+            static.store(size, *layers[index].before_attention(hidden, residual, cos, sin))
+            return static.query[:size]
 
         def last() -> torch.Tensor:
-            hidden, residual = layers[index - 1].after_attention(self.attention_out[:size],
-                                                                 self.residual[:size])
+            hidden, residual = layers[index - 1].after_attention(static.attention_out[:size],
+                                                                 static.residual[:size])
             hidden, _ = model.norm(hidden, residual)
-            self.hidden_out[:size].copy_(hidden)
-            return self.hidden_out[:size]
+            static.hidden_out[:size].copy_(hidden)
+            return static.hidden_out[:size]
 
         if index == 0:
             return first
@@ -126,16 +143,17 @@ class PiecewiseGraphs(CapturedSteps):
     def capture(self) -> float:
         """Capture every piece of every size, largest size first; returns the seconds taken."""
         started = time.perf_counter()
-        buffers = self.runner.buffers
+        buffers = self.buffers
         buffers.reserve(self.sizes[-1], 1, 1)
         self.generation = buffers.generation
-        for size in reversed(self.sizes):
-            pieces = []
-            for index in range(self.num_layers + 1):
-                graph, _ = self._capture_one(self._piece(size, index),
-                                             f"piece {index} of a {size}-token step")
-                pieces.append(graph)
-            self.graphs[size] = pieces
+        with no_collection_while_capturing():
+            for size in reversed(self.sizes):
+                pieces = []
+                for index in range(self.num_layers + 1):
+                    graph, _ = self._capture_one(self._piece(size, index),
+                                                 f"piece {index} of a {size}-token step")
+                    pieces.append(graph)
+                self.graphs[size] = pieces
         self._check_buffers_held_still()
         self.capture_seconds = time.perf_counter() - started
         return self.capture_seconds
@@ -157,7 +175,7 @@ class PiecewiseGraphs(CapturedSteps):
         """The step's final-normed hidden states [num_tokens, hidden] (a view of a static
         buffer, valid until the next step). The attention ops run eager on the real rows, with
         the vote before each; a stop raises StepPreempted carrying the stopped layer's inputs."""
-        model = self.runner.model
+        model, static = self.model, self.static
         pieces = self.graphs[size]
         n = num_tokens
         replay = self.backend.replay
@@ -165,12 +183,12 @@ class PiecewiseGraphs(CapturedSteps):
         try:
             for layer in range(self.num_layers):
                 replay(pieces[layer])
-                model.attention_op(layer, self.query[:n], self.key[:n], self.value[:n],
-                                   attn_meta, kv_caches[layer], out=self.attention_out[:n])
+                model.attention_op(layer, static.query[:n], static.key[:n], static.value[:n],
+                                   attn_meta, kv_caches[layer], out=static.attention_out[:n])
             replay(pieces[self.num_layers])
         except StepPreempted as stop:
             self.unwinds += 1
-            stream = self.residual[:n].clone()
+            stream = static.residual[:n].clone()
             if layer == 0:
                 # As an eager pass reports it: the embedding, and no residual yet.
                 stop.hidden_states, stop.residual = stream, None
@@ -178,7 +196,7 @@ class PiecewiseGraphs(CapturedSteps):
                 stop.hidden_states, stop.residual = stream, torch.zeros_like(stream)
             raise
         self.replays += 1
-        return self.hidden_out[:n]
+        return static.hidden_out[:n]
 
 
 def capture_piecewise_graphs(runner: Runner, max_num_batched_tokens: int,

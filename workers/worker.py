@@ -8,11 +8,13 @@ to EngineCore over a pipe) and started by torchrun (the driver lives in EngineCo
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 import traceback
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import torch
 
@@ -22,6 +24,13 @@ from engine.runtime.worker_messages import (ExecuteStep, KVPoolSize, Shutdown, W
 from workers.distributed import (ParallelGroups, broadcast_bytes, collect_errors, destroy,
                                  init_distributed, report_error)
 from workers.kv_cache import num_kv_blocks, resized_kv_caches
+from workers.runner_release import collector_off, outlived, runner_probes
+
+# Test hook: a folder where each rank writes, when it releases its runner at shutdown, which of
+# the runner, its weights and its KV cache outlived the release, checked with the garbage
+# collector off (tests/test_engine_release.py). Set in the environment, so spawned ranks inherit
+# it.
+RELEASE_REPORT_ENV = "SLOSERVE_TEST_RELEASE_REPORT_DIR"
 
 
 class Worker:
@@ -120,6 +129,28 @@ class Worker:
         if vote is not None and vote.signal is not None:
             vote.signal.close()
 
+    def release(self) -> None:
+        """At shutdown: unmap the signal and drop the model runner. This is the last reference
+        to it in the process and nothing it reaches refers back to it (workers.cuda_graphs),
+        so its weights, KV pool and graphs are freed here, not at the next garbage collection
+        (torchrun's rank 0 lives on in EngineCore's process)."""
+        self.close_signal()
+        report_dir = os.environ.get(RELEASE_REPORT_ENV)
+        if report_dir is None or self.runner is None:
+            self.runner = None
+            return
+        runner = self.runner
+        report = {"rank": self.rank,
+                  "graphs_captured": runner.graphs is not None and runner.piecewise is not None,
+                  "replays": sum(graphs.replays for graphs in (runner.graphs, runner.piecewise)
+                                 if graphs is not None)}
+        probes = runner_probes(runner)
+        del runner
+        with collector_off():
+            self.runner = None
+            report.update(probed=sorted(probes), outlived=outlived(probes))
+        Path(report_dir, f"rank{self.rank}.json").write_text(json.dumps(report))
+
 
 class DriverWorker(Worker):
     """Rank 0. `execute_model` never raises: failures come back as a structured ERROR status."""
@@ -153,13 +184,14 @@ class DriverWorker(Worker):
             output.error = f"step {output.step_id}: ranks unwound at different layers {layers}"
 
     def shutdown(self) -> None:
-        self.close_signal()
         try:
             broadcast_bytes(encode(Shutdown()), self.groups.cpu_group)
         except Exception:  # a broken group: the followers are gone or will time out
             destroy()
-            return
-        destroy(self.groups)
+        else:
+            destroy(self.groups)
+        finally:
+            self.release()
 
 
 def _with_peer_errors(groups: ParallelGroups, own: str) -> str:
@@ -179,7 +211,7 @@ def follower_loop(worker: Worker) -> int:
     try:
         return _follow(worker)
     finally:
-        worker.close_signal()
+        worker.release()
 
 
 def _follow(worker: Worker) -> int:

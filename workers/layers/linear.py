@@ -7,6 +7,8 @@ checkpoint tensor per shard_id. With tp_size == 1 every slice is the whole tenso
 
 from __future__ import annotations
 
+import types
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,10 +42,30 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
+def weakly_bound(loader: WeightLoader) -> WeightLoader:
+    """``loader`` as a parameter may carry it: a method of the module that owns the parameter
+    is called through a weak reference to that module. A bound method would make module ->
+    parameter -> method -> module a reference cycle, and every weight would outlive its model
+    until the garbage collector ran (on a GPU, the next engine in the process would find its
+    memory still taken)."""
+    if not isinstance(loader, types.MethodType):
+        return loader
+    module_ref = weakref.ref(loader.__self__)
+    function = loader.__func__
+
+    def load(*args: Any, **kwargs: Any) -> None:
+        module = module_ref()
+        if module is None:
+            raise RuntimeError("the module that owns this parameter is gone")
+        function(module, *args, **kwargs)
+
+    return load
+
+
 def _new_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
                loader: WeightLoader) -> nn.Parameter:
     param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-    param.weight_loader = loader  # type: ignore[attr-defined]
+    param.weight_loader = weakly_bound(loader)  # type: ignore[attr-defined]
     return param
 
 

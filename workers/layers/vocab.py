@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.layers.cpu_prepack import linear
+from workers.layers.linear import weakly_bound
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -31,7 +32,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(
             torch.zeros(self.num_embeddings_per_partition, embedding_dim, dtype=dtype,
                         device=device), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        # Weakly: no module <-> parameter cycle (workers.layers.linear.weakly_bound).
+        self.weight.weight_loader = weakly_bound(self.weight_loader)  # type: ignore[attr-defined]
 
     def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor,
                       shard_id: Any = None) -> None:
