@@ -20,6 +20,7 @@ import pytest
 from engine import LLM, SamplingParams
 from workers.cuda_graphs import FAKE_GRAPHS_ENV
 from workers.layers.cpu_prepack import PREPACK_ENV
+from workers.model_runner import LAYER_DELAY_ENV
 from workers.runner_release import outlived, runner_probes
 from workers.worker import RELEASE_REPORT_ENV
 
@@ -48,9 +49,16 @@ def like_a_gpu(monkeypatch) -> None:
     monkeypatch.setenv(PREPACK_ENV, "0")
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("enforce_eager, layer_delay", [(False, False), (True, False),
+                                                      (False, True)],
+                         ids=["graphs", "eager", "graphs-layer-delay"])
 def test_engine_memory_is_freed_at_shutdown_without_a_collection(
-        tiny_model, like_a_gpu, collector_off, enforce_eager: bool) -> None:
+        tiny_model, like_a_gpu, collector_off, monkeypatch, enforce_eager: bool,
+        layer_delay: bool) -> None:
+    """``layer_delay``: the tests' slow-layer hook wraps the model's attention op
+    (workers.model_runner.observe_attention_ops), a wrapper the model keeps."""
+    if layer_delay:
+        monkeypatch.setenv(LAYER_DELAY_ENV, "1")
     llm = LLM(model=tiny_model("llama", num_hidden_layers=2), enforce_eager=enforce_eager,
               **ENGINE_ARGS)
     runner = llm.engine.executor.runner
@@ -58,6 +66,7 @@ def test_engine_memory_is_freed_at_shutdown_without_a_collection(
     # weights still carrying their loaders (not replaced by the CPU's prepack).
     assert (runner.graphs is None) == (runner.piecewise is None) == enforce_eager
     assert runner.vote is not None
+    assert (runner.layer_delay is not None) == layer_delay
     assert hasattr(runner.model.model.layers[0].mlp.down_proj.weight, "weight_loader")
     probes = runner_probes(runner)
 

@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ from kernels import AttentionMetadata, select_backend
 from kernels.variants import KernelWarmup
 from workers.kv_cache import allocate_kv_caches
 from workers.layers.cpu_prepack import prepack_available, prepack_linear_weights
+from workers.layers.linear import weakly_bound
 from workers.models import build_model
 from workers.models import LayerJoin
 from workers.preempt_vote import PreemptVote, StepPreempted, discarded_share
@@ -40,6 +41,9 @@ from workers.logits_processors import TokenHistory
 from workers.logprobs import logprobs_of
 from workers.sampler import Sampler
 from workers.weight_loader import init_dummy_weights, load_weights
+
+if TYPE_CHECKING:
+    from workers.serving_startup import ServingStartup
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +67,9 @@ def observe_attention_ops(model: torch.nn.Module,
     forward hook on a layer or its norm) runs on the CPU stand-in for graphs, whose "replay"
     calls the captured Python again, but never in a real CUDA graph replay. A decode step
     replayed as one whole graph runs no attention op in Python on a GPU."""
-    inner = model.attention_op
+    # Weakly bound: the model keeps the wrapper, which must not keep the model (a cycle would
+    # hold its weights until the next garbage collection).
+    inner = weakly_bound(model.attention_op)
     observing = [True]
 
     # Wraps the instance's attention op: the eager forward pass and the piecewise runner both
@@ -165,6 +171,8 @@ class ModelRunner:
         self.piecewise: PiecewiseGraphs | None = None
         # What the startup warm-up compiled (workers.kernel_warmup; None: not run, or not Triton).
         self.kernel_warmup: KernelWarmup | None = None
+        # What the startup before serving cost (workers.serving_startup); None until it ran.
+        self.startup_report: ServingStartup | None = None
         self.suspended = SuspendedChunks()
         # Set by the worker when mid-forward preemption is on; consulted only on steps the
         # scheduler marked preemptible (decode-only steps never vote).

@@ -42,24 +42,25 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
-def weakly_bound(loader: WeightLoader) -> WeightLoader:
-    """``loader`` as a parameter may carry it: a method of the module that owns the parameter
-    is called through a weak reference to that module. A bound method would make module ->
-    parameter -> method -> module a reference cycle, and every weight would outlive its model
-    until the garbage collector ran (on a GPU, the next engine in the process would find its
-    memory still taken)."""
-    if not isinstance(loader, types.MethodType):
-        return loader
-    module_ref = weakref.ref(loader.__self__)
-    function = loader.__func__
+def weakly_bound(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method``, where a bound method is called through a weak reference to its object (any
+    other callable is returned as it is). For a callable that the object itself keeps, such as
+    a parameter's ``weight_loader`` (a method of the module that owns the parameter): a bound
+    method there would make module -> parameter -> method -> module a reference cycle, and every
+    weight would outlive its model until the garbage collector ran (on a GPU, the next engine
+    in the process would find its memory still taken)."""
+    if not isinstance(method, types.MethodType):
+        return method
+    owner_ref = weakref.ref(method.__self__)
+    function = method.__func__
 
-    def load(*args: Any, **kwargs: Any) -> None:
-        module = module_ref()
-        if module is None:
-            raise RuntimeError("the module that owns this parameter is gone")
-        function(module, *args, **kwargs)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        owner = owner_ref()
+        if owner is None:
+            raise RuntimeError(f"{function.__qualname__}: its object is gone")
+        return function(owner, *args, **kwargs)
 
-    return load
+    return call
 
 
 def _new_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
