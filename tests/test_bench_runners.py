@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -142,6 +143,88 @@ def test_engine_pool_reuses_one_engine_and_reports_each_runs_own_counters(tiny_m
     expected = sum(len(r.prompt_token_ids) + r.output_tokens - 1 for r in trace.requests)
     assert first.engine["computed_tokens"] == second.engine["computed_tokens"] == expected
     assert all(r.ttft_s is not None for r in second.requests)
+
+
+class _EngineLedger:
+    """Stands in for EngineCore in an EnginePool: which engines are alive, and how many were
+    alive when each was built."""
+
+    def __init__(self) -> None:
+        self.alive: list[Any] = []
+        self.alive_at_build: list[int] = []
+
+    def engine_class(self) -> type:
+        ledger = self
+
+        class LedgerEngine:
+            def __init__(self, config: Any) -> None:
+                self.device = config.model.device
+                ledger.alive_at_build.append(len(ledger.alive))
+                ledger.alive.append(self)
+
+            def shutdown(self) -> None:
+                ledger.alive.remove(self)
+
+        return LedgerEngine
+
+
+@pytest.fixture
+def engine_ledger(monkeypatch) -> _EngineLedger:
+    import engine.runtime.engine_core as engine_core
+
+    ledger = _EngineLedger()
+    monkeypatch.setattr(engine_core, "EngineCore", ledger.engine_class())
+    return ledger
+
+
+def _three_engines(pool: Any) -> list[Any]:
+    from bench.attainment.policies import POLICIES
+
+    return [pool.get(POLICIES[name], budget)
+            for name, budget in (("fcfs", 128), ("slo", 128), ("fcfs", 256))]
+
+
+@pytest.mark.parametrize("device", ["cuda", "auto"])
+def test_engine_pool_holds_one_engine_at_a_time_on_cuda(tiny_model, engine_ledger, monkeypatch,
+                                                         device):
+    """On a GPU the next engine would size its KV pool from memory the previous one still
+    holds: the pool shuts the previous one down before building the next. ``auto`` resolves
+    to CUDA where torch sees a GPU (faked here)."""
+    import engine.device
+    from bench.attainment.policies import POLICIES
+    from bench.attainment.runners import EnginePool
+
+    monkeypatch.setattr(engine.device, "auto_device", lambda: ("cuda", "a faked GPU"))
+    with EnginePool(tiny_model("llama"), device=device, dtype="float32") as pool:
+        engines = _three_engines(pool)
+        assert {e.device for e in engines} == {"cuda"}  # probe: the device was resolved
+        assert engine_ledger.alive_at_build == [0, 0, 0]
+        assert engine_ledger.alive == [engines[-1]]
+        assert pool.get(POLICIES["fcfs"], 256) is engines[-1]  # the one alive is reused
+    assert engine_ledger.alive == []
+
+
+def test_engine_pool_keeps_more_engines_on_cuda_when_asked(tiny_model, engine_ledger):
+    from bench.attainment.runners import EnginePool
+
+    with EnginePool(tiny_model("llama"), max_engines=2, device="cuda", dtype="float32") as pool:
+        engines = _three_engines(pool)
+        assert engine_ledger.alive_at_build == [0, 1, 1]
+        assert engine_ledger.alive == engines[1:]  # the oldest went
+    assert engine_ledger.alive == []
+
+
+def test_engine_pool_keeps_several_engines_on_the_cpu(tiny_model, engine_ledger):
+    from bench.attainment.runners import CPU_MAX_ENGINES, EnginePool
+
+    with EnginePool(tiny_model("llama"), device="cpu", dtype="float32") as pool:
+        engines = _three_engines(pool)
+        assert engine_ledger.alive_at_build == [0, 1, 2]
+        assert engine_ledger.alive == engines
+        assert pool.engine_limit("cpu") == CPU_MAX_ENGINES > len(engines)
+    assert engine_ledger.alive == []
+    with pytest.raises(ValueError, match="max_engines"):
+        EnginePool(tiny_model("llama"), max_engines=0)
 
 
 def test_inprocess_runner_hands_the_engine_both_objectives(tiny_model, monkeypatch):

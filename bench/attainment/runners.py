@@ -40,15 +40,36 @@ def _meta(trace: Trace) -> tuple[str, float, int]:
 
 # ---- in process -----------------------------------------------------------------------------
 
+# Engines an EnginePool keeps at once where they run on the CPU, unless told otherwise.
+CPU_MAX_ENGINES = 8
+
+
 class EnginePool:
     """In-process engines kept alive across the runs of a grid, one per (policy, budget), so a
     run pays no model load and warm-up. Between runs an engine is idle: every request of the
     previous trace finished. Counters are read as differences over a run. Run with prefix
-    caching off (the bench does), or prompts of an earlier trace could hit the cache."""
+    caching off (the bench does), or prompts of an earlier trace could hit the cache.
 
-    def __init__(self, model: str, max_engines: int = 8, **engine_overrides: Any) -> None:
+    On a CUDA device the pool holds one engine at a time unless ``max_engines`` says more: an
+    engine sizes its KV pool from the device memory left free, so a second 8B engine beside the
+    first finds none. The engine that makes room is shut down and dropped before the next one
+    is built (an engine's memory is freed at once when it is dropped: workers.cuda_graphs)."""
+
+    def __init__(self, model: str, max_engines: int | None = None,
+                 **engine_overrides: Any) -> None:
+        """``max_engines``: how many engines may be alive at once; left out, one on a CUDA
+        device and CPU_MAX_ENGINES elsewhere."""
+        if max_engines is not None and max_engines < 1:
+            raise ValueError(f"max_engines must be at least 1, got {max_engines}")
         self.model, self.max_engines, self.overrides = model, max_engines, engine_overrides
         self._engines: dict[tuple[str, int], Any] = {}
+
+    def engine_limit(self, device: str) -> int:
+        """How many engines may be alive at once for engines on ``device`` ('cpu' or 'cuda',
+        as the engine configuration resolved it)."""
+        if self.max_engines is not None:
+            return self.max_engines
+        return 1 if device == "cuda" else CPU_MAX_ENGINES
 
     def get(self, policy: PolicySpec, budget: int) -> Any:
         from engine.config import build_engine_config
@@ -56,11 +77,12 @@ class EnginePool:
 
         key = (policy.name, budget)
         if key not in self._engines:
-            if len(self._engines) >= self.max_engines:  # memory: the oldest one goes
-                oldest = next(iter(self._engines))
-                self._engines.pop(oldest).shutdown()
             config = build_engine_config(self.model, max_num_batched_tokens=budget,
                                          **{**policy.engine_kwargs(), **self.overrides})
+            limit = self.engine_limit(config.model.device)
+            while len(self._engines) >= limit:  # memory: the oldest ones go first
+                oldest = next(iter(self._engines))
+                self._engines.pop(oldest).shutdown()
             self._engines[key] = EngineCore(config)
         return self._engines[key]
 
