@@ -136,9 +136,13 @@ class Worker:
         (torchrun's rank 0 lives on in EngineCore's process)."""
         self.close_signal()
         report_dir = os.environ.get(RELEASE_REPORT_ENV)
-        if report_dir is None or self.runner is None:
-            self.runner = None
-            return
+        if report_dir is not None and self.runner is not None:
+            self._release_and_report(Path(report_dir))
+        self.runner = None
+
+    def _release_and_report(self, report_dir: Path) -> None:
+        """RELEASE_REPORT_ENV: drop the runner with the collector off and write down what
+        outlived it, and whether its graphs were captured and replayed (the test's probes)."""
         runner = self.runner
         report = {"rank": self.rank,
                   "graphs_captured": runner.graphs is not None and runner.piecewise is not None,
@@ -149,7 +153,7 @@ class Worker:
         with collector_off():
             self.runner = None
             report.update(probed=sorted(probes), outlived=outlived(probes))
-        Path(report_dir, f"rank{self.rank}.json").write_text(json.dumps(report))
+        (report_dir / f"rank{self.rank}.json").write_text(json.dumps(report))
 
 
 class DriverWorker(Worker):

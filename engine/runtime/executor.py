@@ -43,6 +43,9 @@ class InProcessExecutor:
                                      error=traceback.format_exc())
 
     def shutdown(self) -> None:
+        # The last reference to the runner: nothing it reaches refers back to it
+        # (workers.cuda_graphs), so its weights, KV pool and graphs are freed here, not at the
+        # next garbage collection (tests/test_engine_release.py).
         self.runner = None
 
 
@@ -60,7 +63,7 @@ class ExternalExecutor:
         return self.driver.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
-        self.driver.shutdown()
+        self.driver.shutdown()  # drops its runner (workers.worker.Worker.release)
 
 
 class WorkerStartupError(RuntimeError):
