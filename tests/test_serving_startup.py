@@ -18,7 +18,7 @@ from engine.runtime.model_setup import load_hf_config
 from workers.cuda_graphs import FAKE_GRAPHS_ENV, EagerReplayBackend, capture_decode_graphs
 from workers.model_runner import ModelRunner
 from workers.piecewise_graphs import capture_piecewise_graphs
-from workers.serving_startup import ServingStartup
+from workers.startup_report import ServingStartup
 from workers.step_buffers import StepLimits
 
 MAX_MODEL_LEN = 128

@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,15 +35,13 @@ from workers.preempt_vote import PreemptVote, StepPreempted, discarded_share
 from workers.run_ahead import RunAheadLimit
 from workers.cuda_graphs import DecodeGraphs, padded
 from workers.piecewise_graphs import PiecewiseGraphs
+from workers.startup_report import ServingStartup
 from workers.step_buffers import StepBuffers, StepLimits
 from workers.suspension import SuspendedChunks
 from workers.logits_processors import TokenHistory
 from workers.logprobs import logprobs_of
 from workers.sampler import Sampler
 from workers.weight_loader import init_dummy_weights, load_weights
-
-if TYPE_CHECKING:
-    from workers.serving_startup import ServingStartup
 
 logger = logging.getLogger(__name__)
 

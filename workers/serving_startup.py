@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,32 +13,12 @@ from workers.cuda_graphs import capture_decode_graphs, select_graph_backend
 from kernels.variants import recording
 from workers.kernel_warmup import warm_up_graph_paths, warm_up_kernels
 from workers.piecewise_graphs import capture_piecewise_graphs
+from workers.startup_report import ServingStartup
 
 if TYPE_CHECKING:
     from workers.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ServingStartup:
-    """What getting ready to serve cost (the GPU suite reports it: an 8B engine captures about
-    2,200 graphs at every start)."""
-
-    # The kernel warm-up's steps, before the capture and after it (the graph paths).
-    warmup_s: float
-    # Capturing every graph; 0.0 with graphs off.
-    capture_s: float
-    # Device memory the capture took (graph pools and static buffers); None off CUDA, or with
-    # graphs off.
-    graph_memory_bytes: int | None
-    # Decode batch sizes captured as whole graphs.
-    decode_sizes: int
-    # Step sizes (tokens) captured as pieces, and the pieces over all of them.
-    piece_sizes: int
-    pieces: int
-    # Every graph captured: decode_sizes + pieces (a field, so that dataclasses.asdict has it).
-    graphs: int
 
 
 def prepare_for_serving(runner: ModelRunner, max_model_len: int, max_num_seqs: int,
