@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from engine import dry_run
+
 from bench.greedy_divergence import compare_greedy, hf_top_two
 from bench.hf_reference import hf_greedy, load_hf_model
 from bench.random_checkpoints import make_random_model, save_small_tokenizer
@@ -259,7 +261,7 @@ def run(archs: list[str], shapes: Shapes, device: str, scenarios: list[str]
         os.environ[LAYER_DELAY_ENV] = str(shapes.layer_delay_us)
     report: dict[str, Any] = {"device": device, "torch": torch.__version__,
                               "model": shapes.model, "archs": {}}
-    if device == "cuda":
+    if device == "cuda" and not dry_run.enabled():
         report["gpu"] = torch.cuda.get_device_name()
         # float32 means float32: TF32 matmuls would make the reference itself drift.
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -269,7 +271,10 @@ def run(archs: list[str], shapes: Shapes, device: str, scenarios: list[str]
             folder = Path(tmp) / arch
             save_small_tokenizer(folder)
             make_random_model(folder, arch, seed=0, **shapes.model)
-            hf = load_hf_model(str(folder), torch.float32, device)
+            # Under the suite's --dry-run the first scenario's engine configuration is what
+            # is checked (engine/dry_run.py): no HF reference is loaded on a device the dry run
+            # does not have.
+            hf = None if dry_run.enabled() else load_hf_model(str(folder), torch.float32, device)
             results = {}
             for name in scenarios:
                 started = time.monotonic()

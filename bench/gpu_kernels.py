@@ -50,6 +50,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.dry_run import stop_if_dry_run_without_engine
 from bench.kernel_harness import (TABLES, TOLERANCE, Timer, build_batch, fits, gathered,
                                   kv_bytes_per_token, max_diff, peak_bandwidth, print_table,
                                   release)
@@ -453,6 +454,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     args = parse_args(argv)
+    stop_if_dry_run_without_engine(
+        f"the kernels at {'smoke' if args.smoke else 'full'} sizes, {args.repeats} repeats")
     if args.smoke:
         # Before any Triton kernel module is imported: @triton.jit reads it when decorating.
         os.environ["TRITON_INTERPRET"] = "1"

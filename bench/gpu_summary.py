@@ -473,7 +473,7 @@ def _smoke(out: Path, steps: dict[str, Step]) -> list[str]:
         # Each phase is written when its engine started and again when it ended: the last.
         phases: dict[Any, dict[str, Any]] = {}
         for r in records:
-            if r.get("kind") == "engine":
+            if r.get("kind") in ("engine_started", "engine"):
                 phases[r.get("enforce_eager")] = r
         verdict = next((r["verdict"] for r in records if r.get("kind") == "verdict"), None)
         if not phases:

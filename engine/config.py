@@ -228,9 +228,10 @@ def build_engine_config(model: str, *, dtype: str = "auto", device: str = "auto"
                         startup_calibration: bool = True) -> EngineConfig:
     """The flat engine arguments (as vLLM names them) grouped into an EngineConfig.
     ``chat_template``: a file path or the template itself (read and checked here)."""
+    from engine.dry_run import stop_if_dry_run
     from engine.processing.chat_template import load_chat_template  # jinja2: only when needed
 
-    return EngineConfig(
+    config = EngineConfig(
         model=ModelConfig(model=model, dtype=dtype, device=device,
                           attention_backend=attention_backend, fused_ops=fused_ops,
                           enforce_eager=enforce_eager,
@@ -264,3 +265,6 @@ def build_engine_config(model: str, *, dtype: str = "auto", device: str = "auto"
         distributed_executor=distributed_executor,  # type: ignore[arg-type]
         collective_timeout_s=collective_timeout_s,
     )
+    # Under `gpu_suite.sh --dry-run` every command stops here (engine/dry_run.py).
+    stop_if_dry_run(config)
+    return config

@@ -1,32 +1,239 @@
-"""`bench/gpu_suite.sh` on the CPU (`--device cpu --smoke`, tiny shapes), so the one call that
-measures everything on a GPU machine cannot rot where CI has no GPU: every step runs, writes its
-JSON or log, and the summary quotes each of them."""
+"""`bench/gpu_suite.sh` on the CPU, so that the two calls a lent GPU runs cannot rot where CI has
+no GPU:
+
+- `--dry-run`: every step of both calls with its exact full-size flags (the 8B shape, `--device
+  cuda`) up to its engine configuration; a probe shows a renamed flag fails it;
+- `--core --device cpu --smoke`: the core call end to end at tiny shapes, with one step killed at
+  its limit (the summary still comes out, with what the killed step had measured), and the
+  suite itself interrupted mid-step;
+- `--device cpu --smoke`: the full call end to end.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ["tests-cuda", "tests-triton-compiled", "equality", "throughput", "kernels",
-         "preempt-latency", "stream-gaps", "burst-inprocess", "burst-http"]
+SCRIPT = ROOT / "bench" / "gpu_suite.sh"
+CORE_STEPS = ["smoke", "throughput", "calibrate", "burst-http-2048", "burst-http-unchunked",
+              "stream-gaps"]
+FULL_STEPS = ["equality", "tests-cuda", "preempt-latency", "throughput-hf", "kernels",
+              "tests-triton-compiled", "burst-inprocess"]
+# The pytest steps have no engine: their dry run is a collection.
+TEST_STEPS = {"tests-cuda", "tests-triton-compiled"}
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHON": sys.executable, "SLOSERVE_STARTUP_CALIBRATION_S": "0.3",
+            **extra}
+
+
+def _steps(out: Path) -> dict[str, list[str]]:
+    rows = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines()]
+    return {row[0]: row[1:] for row in rows}
+
+
+def _last_line(out: Path, step: str) -> str:
+    lines = [line for line in (out / f"{step}.log").read_text().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _run(args: list[str], timeout: float, script: Path = SCRIPT,
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(script), *args], cwd=ROOT, env=env or _env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(400)
+def test_dry_run_builds_every_steps_engine_configuration_at_full_size(tmp_path: Path) -> None:
+    out = tmp_path / "dry"
+    proc = _run([str(out), "--dry-run"], timeout=380)
+    steps = _steps(out)
+    assert list(steps) == CORE_STEPS + FULL_STEPS
+    failed = {name: _last_line(out, name) for name, (rc, *_) in steps.items() if rc != "0"}
+    assert not failed, failed
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in steps:
+        last = _last_line(out, name)
+        if name in TEST_STEPS:
+            assert re.search(r"\d+ tests collected", last), (name, last)
+        elif name == "kernels":
+            assert last.startswith("dry run: arguments parsed: the kernels at full sizes"), last
+        else:
+            # The GPU's command line, not a smoke size: the 8B shape on CUDA.
+            assert last.startswith("dry run: engine configuration built:"), (name, last)
+            assert "device cuda" in last and "enforce_eager False" in last, (name, last)
+            if name == "smoke":
+                assert "model-llama-3.1-8b-2-layers (2 layers)" in last, last
+            elif name != "equality":  # equality runs float32 models of its own
+                assert "(32 layers)" in last and "load format dummy" in last, (name, last)
+    assert "budget 32768 tokens" in _last_line(out, "calibrate")
+    # Unchunked: a budget larger than any prompt, not the chunked run's.
+    assert "budget 2048 tokens" in _last_line(out, "burst-http-2048")
+    assert "budget 131072 tokens" in _last_line(out, "burst-http-unchunked")
+    summary = (out / "summary.md").read_text()
+    assert "dry run" in summary.lower()
+
+
+@pytest.mark.timeout(200)
+def test_dry_run_checks_the_enforce_eager_commands_and_survives_a_step_at_its_limit(
+        tmp_path: Path) -> None:
+    """What the core call runs after a failed graph capture: every engine --enforce-eager. One
+    step's limit is cut to a second (no Python with torch starts that fast): it is killed, the
+    steps after it still run, and the summary says so."""
+    out = tmp_path / "dry-eager"
+    proc = _run([str(out), "--dry-run", "--core", "--assume-capture-failed",
+                 "--limit", "calibrate=1"], timeout=180)
+    steps = _steps(out)
+    assert list(steps) == CORE_STEPS
+    assert steps["calibrate"][0] == "124"  # timeout's status for a step it stopped
+    assert all(rc == "0" for name, (rc, *_) in steps.items() if name != "calibrate"), steps
+    assert proc.returncode == 1
+    for name in CORE_STEPS[1:]:  # the smoke step tries graphs first, always
+        if name != "calibrate":
+            assert "enforce_eager True" in _last_line(out, name), name
+    assert "--assume-capture-failed" in (out / "notes.txt").read_text()
+    summary = (out / "summary.md").read_text()
+    assert "| calibrate | TIMED OUT" in summary
+
+
+@pytest.mark.timeout(200)
+def test_dry_run_fails_a_step_whose_flag_was_renamed(tmp_path: Path) -> None:
+    """The probe for the dry run: the same script with one flag misspelt fails that step (and
+    only that one) on the CPU."""
+    bench = tmp_path / "copy" / "bench"
+    bench.mkdir(parents=True)
+    text = SCRIPT.read_text()
+    assert text.count("--eager-batches 1 64") == 1  # the full-size flags
+    (bench / "gpu_suite.sh").write_text(text.replace("--eager-batches 1 64",
+                                                     "--eager-batch-sizes 1 64"))
+    # The copy runs from its own folder; the project comes from ROOT.
+    env = _env(PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    out = tmp_path / "dry"
+    proc = _run([str(out), "--dry-run", "--core"], timeout=180, script=bench / "gpu_suite.sh",
+                env=env)
+    steps = _steps(out)
+    assert steps["throughput"][0] == "2"  # argparse: unrecognized arguments
+    assert "unrecognized arguments: --eager-batch-sizes" in (out / "throughput.log").read_text()
+    assert all(rc == "0" for name, (rc, *_) in steps.items() if name != "throughput")
+    assert proc.returncode != 0
+
+
+def _kill_when_it_has_measured(proc: subprocess.Popen, figures: Path, command: str,
+                               timeout_s: float) -> None:
+    """SIGKILL the process running ``command`` once ``figures`` holds a line."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if figures.exists() and figures.read_text().count("\n") >= 1:
+            subprocess.run(["pkill", "-KILL", "-f", command], check=False)
+            return
+        time.sleep(0.02)
+    pytest.fail(f"{figures} never got a line")
 
 
 @pytest.mark.timeout(1500)
-def test_gpu_suite_smoke_runs_every_step_and_summarizes_them(tmp_path: Path) -> None:
-    out = tmp_path / "suite"
-    env = {**os.environ, "PYTHON": sys.executable, "SLOSERVE_STARTUP_CALIBRATION_S": "0.3"}
-    proc = subprocess.run(["bash", "bench/gpu_suite.sh", str(out), "--device", "cpu", "--smoke"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1400)
-    steps = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines()]
-    assert [s[0] for s in steps] == STEPS
-    failed = {name: (out / f"{name}.log").read_text()[-2000:] for name, rc, *_ in steps
-              if rc != "0"}
+def test_core_smoke_runs_every_step_and_summarizes_a_killed_one(tmp_path: Path) -> None:
+    """The core call end to end at tiny shapes, the throughput step killed once it has written
+    its first figures: the steps after it still run, and the summary quotes what it measured."""
+    out = tmp_path / "core"
+    proc = subprocess.Popen(["bash", str(SCRIPT), str(out), "--core", "--device", "cpu",
+                             "--smoke"], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _kill_when_it_has_measured(proc, out / "throughput.jsonl",
+                                   f"bench.gpu_throughput .*--out {out}/throughput.json", 300)
+        stdout, stderr = proc.communicate(timeout=1300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    steps = _steps(out)
+    assert list(steps) == CORE_STEPS
+    assert steps["throughput"][0] == "137", steps  # killed (128 + SIGKILL)
+    failed = {name: (out / f"{name}.log").read_text()[-2000:]
+              for name, (rc, *_) in steps.items() if name != "throughput" and rc != "0"}
+    assert not failed, failed
+    assert proc.returncode == 1, stderr[-3000:]  # a killed step is a failed call
+
+    # What the killed step had measured landed line by line, and the summary quotes it.
+    assert not (out / "throughput.json").exists()
+    records = [json.loads(line) for line in (out / "throughput.jsonl").read_text().splitlines()]
+    assert records and records[0]["kind"] == "run"
+    summary = (out / "summary.md").read_text()
+    assert summary == stdout[stdout.index("# GPU suite"):]
+    assert "| throughput | TIMED OUT" in summary and "partial" in summary
+
+    smoke = json.loads((out / "smoke.json").read_text())
+    assert smoke["verdict"] == "no graphs on this device"  # a CPU: eager, and it served
+    assert smoke["phases"][0]["tokens"] > 0
+    assert json.loads((out / "ttft_model.json").read_text())
+    for budget in ("2048", "unchunked"):
+        results = json.loads((out / f"burst-http-{budget}" / "results.json").read_text())
+        assert {r["policy"] for r in results["runs"]} == {"fcfs", "slo+mf-conservative-suspend"}
+        for run in results["runs"]:  # the client's TTFT and the server's, side by side
+            assert all(r["server_ttft_s"] is not None for r in run["requests"]
+                       if r["error"] is None)
+        # The servers' logs, at info level, as they ran.
+        assert "INFO" in (out / f"burst-http-{budget}" / "server.log").read_text()
+    gaps = json.loads((out / "stream_gaps.json").read_text())
+    assert [r["context"] for r in gaps["rows"]] == [16, 200]
+    for heading in ("## Smoke", "## SLO burst", "## First requests after startup"):
+        assert heading in summary, heading
+
+
+@pytest.mark.timeout(300)
+def test_an_interrupted_suite_still_writes_its_summary(tmp_path: Path) -> None:
+    """SIGTERM to the suite mid-step: the step is stopped, its row says killed, and the EXIT
+    trap writes the summary of what ran."""
+    out = tmp_path / "core"
+    proc = subprocess.Popen(["bash", str(SCRIPT), str(out), "--core", "--device", "cpu",
+                             "--smoke"], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            tsv = out / "steps.tsv"
+            if tsv.exists() and "throughput\trunning" in tsv.read_text():
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("the throughput step never started")
+        time.sleep(3)
+        proc.send_signal(signal.SIGTERM)
+        stdout, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    steps = _steps(out)
+    assert list(steps) == ["smoke", "throughput"]  # nothing started after the signal
+    assert steps["smoke"][0] == "0" and steps["throughput"][0] == "killed"
+    assert proc.returncode == 143
+    summary = (out / "summary.md").read_text()
+    assert summary == stdout[stdout.index("# GPU suite"):]
+    assert "## Smoke" in summary and "killed" in summary
+    # No process of the killed step outlives it.
+    leftover = subprocess.run(["pgrep", "-f", f"--out {out}/throughput.json"],
+                              capture_output=True, text=True)
+    assert leftover.stdout.strip() == ""
+
+
+@pytest.mark.timeout(1500)
+def test_full_call_smoke_runs_every_step_and_summarizes_them(tmp_path: Path) -> None:
+    out = tmp_path / "full"
+    proc = _run([str(out), "--device", "cpu", "--smoke"], timeout=1400)
+    steps = _steps(out)
+    assert list(steps) == FULL_STEPS
+    failed = {name: (out / f"{name}.log").read_text()[-2000:]
+              for name, (rc, *_) in steps.items() if rc != "0"}
     assert not failed, failed
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -35,25 +242,12 @@ def test_gpu_suite_smoke_runs_every_step_and_summarizes_them(tmp_path: Path) -> 
     for scenarios in equality["archs"].values():
         assert scenarios["cramped_pool"]["probe"]["kv_preemptions"] > 0
         assert scenarios["urgent_mid_prefill"]["probe"]["slo_preemptions"] >= 1
-    throughput = json.loads((out / "throughput.json").read_text())
-    # Its structure is tests/test_bench_gpu_throughput.py's business; here: the suite's run has
-    # the mixed kind and graphs beside eager, with numbers.
+    throughput = json.loads((out / "throughput-hf.json").read_text())
     assert throughput["engine"]["mixed"]["steps_measured"] > 0
-    speedups = [row["speedup"] for row in throughput["graphs_vs_eager"]]
-    assert [row["phase"] for row in throughput["graphs_vs_eager"]][-1] == "mixed"
-    assert speedups and all(isinstance(x, float) and x > 0 for x in speedups)
-    gaps = json.loads((out / "stream_gaps.json").read_text())
-    assert [r["context"] for r in gaps["rows"]] == [16, 200]
-    assert all(r["first"]["gaps_ms"] and r["decode_step_ms"] > 0 for r in gaps["rows"])
-    http = json.loads((out / "burst-http" / "results.json").read_text())
-    assert {r["policy"] for r in http["runs"]} == {"fcfs", "slo+mf-conservative-suspend"}
-    for run in http["runs"]:  # the client's TTFT and the server's, side by side
-        assert all(r["server_ttft_s"] is not None for r in run["requests"] if r["error"] is None)
 
-    # Every step's figures, in one JSON document beside the summary.
     suite = json.loads((out / "suite.json").read_text())
-    assert set(suite["steps"]) == set(STEPS)
-    for key in ("equality", "throughput", "kernels", "preempt_latency", "stream_gaps"):
+    assert set(suite["steps"]) == set(FULL_STEPS)
+    for key in ("equality", "kernels", "preempt_latency"):
         assert suite[key], key
     # Two sizes on one engine: the long prompt and the smallest preemptible step (128 tokens);
     # no graphs on the CPU, so both ran eager.
@@ -63,47 +257,48 @@ def test_gpu_suite_smoke_runs_every_step_and_summarizes_them(tmp_path: Path) -> 
         assert size["trials"] == 3 and len(size["long_step_ms"]) == 3
         assert size["long_step_ran_as"] == "eager" and size["unwinds_between_pieces"] == 0
     assert suite["kernels"]["tables"] and suite["kernels"]["smoke"]
-    assert set(suite["burst"]) == {"inprocess", "http"}
     assert all(suite["tests"].values())  # each pytest step printed its totals
 
     summary = (out / "summary.md").read_text()
     assert summary == proc.stdout[proc.stdout.index("# GPU suite"):]
     for heading in ("## GPU tests", "## Greedy equality against HF transformers",
                     "## Throughput against the hardware bound", "## Kernels",
-                    "## Preemption latency", "## First requests after startup",
-                    "## SLO burst"):
+                    "## Preemption latency", "## SLO burst"):
         assert heading in summary, heading
     assert "FAILED" not in summary and "TIMED OUT" not in summary
-    assert "CUDA graphs against --enforce-eager (speed-up" in summary
-    assert "#### CUDA graphs against --enforce-eager" in summary
     assert "| llama | urgent_mid_prefill | 2/2 |" in summary
     assert "| 400 | eager | 0 |" in summary and "| 128 | eager | 0 |" in summary
-    assert "| http | slo+mf-conservative-suspend |" in summary
 
 
 def test_gpu_suite_refuses_the_full_shapes_without_a_gpu(tmp_path: Path) -> None:
-    proc = subprocess.run(["bash", "bench/gpu_suite.sh", str(tmp_path), "--device", "cpu"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = _run([str(tmp_path), "--device", "cpu"], timeout=60)
     assert proc.returncode == 2 and "pass --smoke" in proc.stderr
     assert not (tmp_path / "steps.tsv").exists()  # nothing ran
 
 
 def test_gpu_suite_needs_an_output_folder() -> None:
-    proc = subprocess.run(["bash", "bench/gpu_suite.sh"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
     assert proc.returncode == 2 and "usage" in proc.stderr
 
 
-def test_gpu_suite_header_states_the_sum_of_its_step_limits() -> None:
-    """The header's total is what the steps' limits add up to (a step in both branches of an
-    if counts once), and it stays under 540 s (9 minutes)."""
-    import re
-
-    script = (ROOT / "bench" / "gpu_suite.sh").read_text()
-    limits: dict[str, int] = {}
-    for name, limit in re.findall(r"^\s*step (\S+) (\d+) ", script, flags=re.MULTILINE):
-        limits[name] = max(limits.get(name, 0), int(limit))
-    assert list(limits) == STEPS
-    stated = re.search(r"they add up to (\d+) s", script)
+def test_each_call_runs_its_steps_in_order_of_value_under_its_deadline() -> None:
+    """The script's calls hold the steps this file expects, in that order, and the header
+    states the deadlines the script uses."""
+    script = SCRIPT.read_text()
+    core = script[script.index("run_core() {"):script.index("run_full() {")]
+    full = script[script.index("run_full() {"):script.rindex("case $call in")]
+    names = re.compile(r'^\s*step "?([a-z0-9-]+)', flags=re.MULTILINE)
+    assert [n for n in names.findall(core)] == ["smoke", "throughput", "calibrate", "burst-http-",
+                                                "stream-gaps"]
+    assert list(dict.fromkeys(names.findall(full))) == FULL_STEPS
+    deadlines = dict(re.findall(r"^\s*(core|full)\) deadline_s=\$\(\((\d+) \*", script,
+                                flags=re.MULTILINE))
+    stated = re.search(r"core (\d+) s, full (\d+) s", script)
     assert stated is not None
-    assert sum(limits.values()) == int(stated.group(1)) < 540
+    assert (deadlines["core"], deadlines["full"]) == stated.groups()
+    # The core call fits the tool's 10-minute command with its wheels and its summary, and
+    # start + core + full fits a 15-minute lease (CONTRIBUTING.md, GPU tests).
+    assert int(deadlines["core"]) <= 360 and 180 + int(deadlines["core"]) + 30 \
+        + int(deadlines["full"]) + 30 <= 900
+    assert shutil.which("timeout")

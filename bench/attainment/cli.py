@@ -245,7 +245,15 @@ def _stop_if_dry_run(args: argparse.Namespace) -> None:
     from engine.config import build_engine_config
     from engine.entrypoints.default_model import model_path_or_default
 
-    budgets = [int(b) for b in args.budgets if b != "large"] or [2048]
+    model = model_path_or_default(args.model)
+    budgets = [int(b) for b in args.budgets if b != "large"]
+    if "large" in args.budgets:
+        # The real run sizes it from its traces (larger than any prompt, which the TTFT line
+        # sizes); the model's longest context bounds it.
+        from transformers import AutoConfig
+
+        budgets.append(args.max_model_len or getattr(AutoConfig.from_pretrained(model),
+                                                     "max_position_embeddings", 2048))
     overrides: dict[str, Any] = {"dtype": args.dtype, "enable_prefix_caching": False,
                                  "enforce_eager": args.enforce_eager}
     for key in ("device", "load_format"):
@@ -254,7 +262,7 @@ def _stop_if_dry_run(args: argparse.Namespace) -> None:
     for key in ("num_kv_blocks", "max_model_len", "simulate"):
         if getattr(args, key):
             overrides[key] = getattr(args, key)
-    build_engine_config(model_path_or_default(args.model), max_num_batched_tokens=max(budgets),
+    build_engine_config(model, max_num_batched_tokens=max(budgets),
                         **overrides)
 
 
