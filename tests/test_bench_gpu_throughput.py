@@ -21,6 +21,7 @@ import torch
 
 from bench import engine_steps, gpu_throughput
 from bench.roofline import ModelShape
+from tests.figures_wait import wait_for_figures
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -689,7 +690,6 @@ def test_a_killed_run_keeps_the_figures_it_measured(tmp_path):
     """SIGKILL once the eager engine's first decode figure is in the .jsonl: the limits, the
     startup and that figure (with its bound) stay there, whole; no final JSON is written."""
     import signal
-    import time
 
     from workers.model_runner import LAYER_DELAY_ENV
 
@@ -702,11 +702,8 @@ def test_a_killed_run_keeps_the_figures_it_measured(tmp_path):
          "--dtype", "float32", "--no-hf", "--out", str(out)],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 240
-        while not any(r["kind"] == "decode" for r in _records(twin)):
-            assert proc.poll() is None, "the run ended before its first decode figure"
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_for_figures(proc, twin, lambda rs: any(r["kind"] == "decode" for r in rs),
+                         "its first decode figure")
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:

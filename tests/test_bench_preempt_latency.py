@@ -13,6 +13,7 @@ from bench.figures import read_figures
 from bench.preempt_latency import main
 from workers.cuda_graphs import FAKE_GRAPHS_ENV
 from workers.model_runner import LAYER_DELAY_ENV
+from tests.figures_wait import wait_for_figures
 
 # Above the largest size replayed as pieces (512), and one below it that the scheduler still marks
 # preemptible (preempt_min_tokens, 128).
@@ -121,7 +122,6 @@ def test_a_killed_run_keeps_the_trials_it_finished(tiny_model, tmp_path) -> None
     import signal
     import subprocess
     import sys
-    import time
 
     model = tiny_model("llama", num_hidden_layers=4, max_position_embeddings=1024)
     report_path = tmp_path / "latency.json"
@@ -134,11 +134,8 @@ def test_a_killed_run_keeps_the_trials_it_finished(tiny_model, tmp_path) -> None
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     twin = report_path.with_suffix(".jsonl")
     try:
-        deadline = time.monotonic() + 240
-        while not any(r["kind"] == "trial" for r in read_figures(twin)):
-            assert proc.poll() is None, "the run ended before its first trial"
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_for_figures(proc, twin, lambda rs: any(r["kind"] == "trial" for r in rs),
+                         "its first trial")
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ import pytest
 from bench.figures import read_figures
 from engine.entrypoints.cli import main
 from monitor.predictor import LinearTTFT
+from tests.figures_wait import wait_for_figures
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,11 +63,8 @@ def test_a_killed_bench_run_keeps_the_runs_it_finished(tiny_model, tmp_path) -> 
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     jsonl = tmp_path / "out" / "results.jsonl"
     try:
-        deadline = time.monotonic() + 240
-        while not any(r["kind"] == "run" for r in read_figures(jsonl)):
-            assert proc.poll() is None, "the benchmark ended before its first run"
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_for_figures(proc, jsonl, lambda rs: any(r["kind"] == "run" for r in rs),
+                         "its first run")
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:

@@ -9,11 +9,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from bench.figures import read_figures
 from bench.stream_gaps import main, server_log_path
+from tests.figures_wait import wait_for_figures
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,11 +49,8 @@ def test_a_killed_run_keeps_its_first_row_and_the_server_log(tiny_model, tmp_pat
     twin = out.with_suffix(".jsonl")
     server: list[psutil.Process] = []
     try:
-        deadline = time.monotonic() + 240
-        while not any(r["kind"] == "row" for r in read_figures(twin)):
-            assert proc.poll() is None, "the run ended before its first row"
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_for_figures(proc, twin, lambda rs: any(r["kind"] == "row" for r in rs),
+                         "its first row")
         # The bench's server outlives a SIGKILL of the bench (the suite's `timeout` kills
         # the whole process group); this test stops it itself.
         server = psutil.Process(proc.pid).children(recursive=True)

@@ -11,7 +11,6 @@ and with it the loader each parameter carries)."""
 
 from __future__ import annotations
 
-import gc
 import json
 from collections.abc import Iterator
 
@@ -21,7 +20,7 @@ from engine import LLM, SamplingParams
 from workers.cuda_graphs import FAKE_GRAPHS_ENV
 from workers.layers.cpu_prepack import PREPACK_ENV
 from workers.model_runner import LAYER_DELAY_ENV
-from workers.runner_release import outlived, runner_probes
+from workers.runner_release import collector_off, outlived, runner_probes
 from workers.worker import RELEASE_REPORT_ENV
 
 ENGINE_ARGS = dict(dtype="float32", device="cpu", max_model_len=128,
@@ -32,15 +31,10 @@ PROMPT = {"prompt_token_ids": list(range(5, 85))}
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
-@pytest.fixture
-def collector_off() -> Iterator[None]:
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+@pytest.fixture(name="collector_off")
+def collector_off_fixture() -> Iterator[None]:
+    with collector_off():
         yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 @pytest.fixture
