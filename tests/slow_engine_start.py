@@ -3,8 +3,8 @@ SLOSERVE_TEST_START_HOLD_S seconds (default 600) just before the startup calibra
 weights are loaded, as a large model's load or graph capture would hold it; it logs HOLD_MARKER
 when the hold begins (tests/test_clean_exit.py stops the server then).
 
-The patch is made on import, not under `__main__`: the EngineCore process, spawned, imports this
-module again (as `__mp_main__`), and the hold must happen there."""
+The patch is made on import as the program, not only under `__main__`: the EngineCore process,
+spawned, imports this module again (as `__mp_main__`), and the hold must happen there."""
 
 from __future__ import annotations
 
@@ -28,7 +28,11 @@ def _held_calibrate(*args, **kwargs):
     return _calibrate(*args, **kwargs)
 
 
-engine_core.calibrate_at_startup = _held_calibrate
+# Only where this module is the program: the command run by the test (`__main__`) and its
+# spawned EngineCore (`__mp_main__`); a test that imports HOLD_MARKER must not hold its own
+# engines' starts.
+if __name__ in ("__main__", "__mp_main__"):
+    engine_core.calibrate_at_startup = _held_calibrate
 
 if __name__ == "__main__":
     from engine.entrypoints.cli import main
