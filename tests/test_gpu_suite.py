@@ -88,31 +88,13 @@ def test_dry_run_builds_every_steps_engine_configuration_at_full_size(tmp_path: 
 
 
 @pytest.mark.timeout(200)
-def test_dry_run_checks_the_enforce_eager_commands_and_survives_a_step_at_its_limit(
+def test_dry_run_checks_the_enforce_eager_commands_a_renamed_flag_and_a_killed_step(
         tmp_path: Path) -> None:
-    """What the core call runs after a failed graph capture: every engine --enforce-eager. One
-    step's limit is cut to a second (no Python with torch starts that fast): it is killed, the
-    steps after it still run, and the summary says so."""
-    out = tmp_path / "dry-eager"
-    proc = _run([str(out), "--dry-run", "--core", "--assume-capture-failed",
-                 "--limit", "calibrate=1"], timeout=180)
-    steps = _steps(out)
-    assert list(steps) == CORE_STEPS
-    assert steps["calibrate"][0] == "124"  # timeout's status for a step it stopped
-    assert all(rc == "0" for name, (rc, *_) in steps.items() if name != "calibrate"), steps
-    assert proc.returncode == 1
-    for name in CORE_STEPS[1:]:  # the smoke step tries graphs first, always
-        if name != "calibrate":
-            assert "enforce_eager True" in _last_line(out, name), name
-    assert "--assume-capture-failed" in (out / "notes.txt").read_text()
-    summary = (out / "summary.md").read_text()
-    assert "| calibrate | TIMED OUT" in summary
-
-
-@pytest.mark.timeout(200)
-def test_dry_run_fails_a_step_whose_flag_was_renamed(tmp_path: Path) -> None:
-    """The probe for the dry run: the same script with one flag misspelt fails that step (and
-    only that one) on the CPU."""
+    """The core call's commands after a failed graph capture (every engine --enforce-eager),
+    run from a copy of the script with one flag misspelt and one step's limit cut to a second
+    (no Python with torch starts that fast). The probe for the dry run: the misspelt flag fails
+    exactly its step. The killed step does not stop the steps after it, and the summary says
+    so."""
     bench = tmp_path / "copy" / "bench"
     bench.mkdir(parents=True)
     text = SCRIPT.read_text()
@@ -121,14 +103,22 @@ def test_dry_run_fails_a_step_whose_flag_was_renamed(tmp_path: Path) -> None:
                                                      "--eager-batch-sizes 1 64"))
     # The copy runs from its own folder; the project comes from ROOT.
     env = _env(PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    out = tmp_path / "dry"
-    proc = _run([str(out), "--dry-run", "--core"], timeout=180, script=bench / "gpu_suite.sh",
-                env=env)
+    out = tmp_path / "dry-eager"
+    proc = _run([str(out), "--dry-run", "--core", "--assume-capture-failed",
+                 "--limit", "calibrate=1"], timeout=180, script=bench / "gpu_suite.sh", env=env)
     steps = _steps(out)
+    assert list(steps) == CORE_STEPS
     assert steps["throughput"][0] == "2"  # argparse: unrecognized arguments
     assert "unrecognized arguments: --eager-batch-sizes" in (out / "throughput.log").read_text()
-    assert all(rc == "0" for name, (rc, *_) in steps.items() if name != "throughput")
-    assert proc.returncode != 0
+    assert steps["calibrate"][0] == "124"  # timeout's status for a step it stopped
+    assert all(rc == "0" for name, (rc, *_) in steps.items()
+               if name not in ("throughput", "calibrate")), steps
+    assert proc.returncode == 1
+    for name in ("burst-http-2048", "burst-http-unchunked", "stream-gaps"):
+        assert "enforce_eager True" in _last_line(out, name), name
+    assert "--assume-capture-failed" in (out / "notes.txt").read_text()
+    summary = (out / "summary.md").read_text()
+    assert "| calibrate | TIMED OUT" in summary and "| throughput | FAILED (exit 2)" in summary
 
 
 @pytest.mark.timeout(1500)

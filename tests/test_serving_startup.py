@@ -100,7 +100,9 @@ def test_an_earlier_freeze_is_left_in_place(runner) -> None:
         backend = CollectorProbe()
         _capture_both(runner, backend)
         assert all(not enabled for enabled, _ in backend.seen)
-        assert gc.isenabled() and gc.get_freeze_count() >= frozen
+        # Frozen objects may still be freed by reference counting meanwhile, so the count can
+        # drop a little; an unfreeze here would have emptied it.
+        assert gc.isenabled() and gc.get_freeze_count() > frozen // 2
     finally:
         gc.unfreeze()
 
