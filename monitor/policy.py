@@ -78,10 +78,9 @@ def urgency(view: RequestView, now: float, predict: Callable[[int], float],
 
 
 def view_of(request: Request) -> RequestView:
-    """The policy's view of an engine Request. A request whose first token is out has met or
-    missed its TTFT objective for good: it no longer has a deadline to protect."""
-    deadline = request.deadline if request.first_token_time is None else None
-    return RequestView(request.request_id, deadline,
+    """The policy's view of an engine Request. A request whose client has its first output
+    has met or missed its TTFT objective for good: it no longer has a deadline to protect."""
+    return RequestView(request.request_id, request.live_deadline,
                        max(0, request.num_tokens - request.num_computed_tokens),
                        slo_preempted=request.num_slo_preemptions > 0)
 

@@ -80,6 +80,14 @@ class Request:
     # the scheduler had, reported per request by the benchmark.
     slack_at_admission_s: float | None = None
     first_token_time: float | None = None
+    # The consumer (the API server, the offline LLM, a benchmark) reports when the request's
+    # first *visible* output reached its client (`EngineCore.note_first_output`): until then
+    # the TTFT deadline stays live, whatever was sampled (a special token, a partial UTF-8
+    # sequence and held-back stop-string text show nothing). Unset: the first sampled token
+    # counts as delivered (a caller of EngineCore that reports nothing).
+    reports_first_output: bool = False
+    # When its first visible output reached the client (time.monotonic()), as reported.
+    first_output_time: float | None = None
     # When the latest output token was sampled: the next one is due tpot_slo_ms after it.
     last_token_time: float | None = None
     finish_time: float | None = None
@@ -121,6 +129,21 @@ class Request:
     def deadline(self) -> float | None:
         """time.monotonic() by which the first token is due, or None without an SLO."""
         return None if self.ttft_slo_ms is None else self.arrival_time + self.ttft_slo_ms / 1000
+
+    @property
+    def awaiting_first_output(self) -> bool:
+        """Whether its client has yet to see its first output: its TTFT objective is still to
+        be met (docs/design.md section 9). A request that finished without one is not waiting
+        for it any more."""
+        if self.first_token_time is None:
+            return True
+        return (self.reports_first_output and self.first_output_time is None
+                and not self.is_finished)
+
+    @property
+    def live_deadline(self) -> float | None:
+        """Its TTFT deadline while its first output is still owed to the client, else None."""
+        return self.deadline if self.awaiting_first_output else None
 
     def append_output_token(self, token_id: int, logprobs: LogprobsLists | None = None) -> None:
         self.output_token_ids.append(token_id)

@@ -268,7 +268,7 @@ class SlackPolicy:
         the running set, instead of getting what budget the running set leaves."""
         now = time.monotonic()
         running_prefills = [self._running_urgency[r.request_id] for r in ops.running
-                            if r.first_token_time is None and r.request_id not in self.held
+                            if r.awaiting_first_output and r.request_id not in self.held
                             and r.request_id not in step]
         if not running_prefills:
             return  # nothing to jump over: the usual order serves them just as well
@@ -378,7 +378,7 @@ class SlackPolicy:
         running, and not held itself) is more urgent than it."""
         now = time.monotonic()
         contenders = [r for r in (*ops.waiting, *ops.running)
-                      if r.request_id not in self.held and r.first_token_time is None]
+                      if r.request_id not in self.held and r.awaiting_first_output]
         best = max((self.urgency(r, now) for r in contenders), default=-math.inf)
         for req_id in list(self.held):
             request = ops.get_request(req_id)
@@ -386,7 +386,7 @@ class SlackPolicy:
             waiter_id = self.yielding_to.get(req_id)
             if waiter_id is not None:
                 waiter = ops.get_request(waiter_id)
-                if waiter is not None and waiter.first_token_time is None:
+                if waiter is not None and waiter.awaiting_first_output:
                     continue
                 del self.yielding_to[req_id]
             if req_id not in self.victims or self.urgency(request, now) >= best:

@@ -121,15 +121,15 @@ class StepInProgress:
     num_tokens: int = 0
     attention: int = 0
     decode_context: int = 0
-    # The requests this step gives their first token while their TTFT deadline is live: the
-    # ones the slo policy's caps protect.
+    # The requests this step gives an output token while their TTFT deadline is live (their
+    # client has seen no output yet): the ones the slo policy's caps protect.
     with_deadline: dict[str, Request] = field(default_factory=dict)
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.scheduled[request.request_id] = (request, num_tokens)
         self.budget -= num_tokens
         self._count(request, num_tokens, 1)
-        if (request.deadline is not None and request.first_token_time is None
+        if (request.live_deadline is not None
                 and request.num_computed_tokens + num_tokens >= request.num_tokens):
             self.with_deadline[request.request_id] = request
 
