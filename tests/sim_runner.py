@@ -15,15 +15,20 @@ from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, Ste
 from tests.test_scheduler import next_token
 
 
+def _tail(segment: tuple[int, int, int], num_tokens: int) -> list[tuple[int, int, int]]:
+    start, held, layer = segment
+    return [] if num_tokens == held else [(start + num_tokens, held - num_tokens, layer)]
+
+
 class SimWorker:
     def __init__(self, pool: BlockPool, block_size: int) -> None:
         self.pool = pool
         self.block_size = block_size
         self.kv: dict[tuple[int, int], int] = {}
         self.completed_kv: dict[tuple[int, int], int] = {}
-        # req_id -> (start_pos, num_tokens, layer) of the chunks whose stopped pass this worker
-        # holds, and the layer it resumes at.
-        self.suspended: dict[str, tuple[int, int, int]] = {}
+        # req_id -> the segments (start_pos, num_tokens, layer) of the chunks whose stopped pass
+        # this worker holds, in token order: the first resumes next, maybe in pieces.
+        self.suspended: dict[str, list[tuple[int, int, int]]] = {}
         self.num_frees = 0
 
     def execute(self, out: SchedulerOutput, stop_layer: int | None = None) -> ModelRunnerOutput:
@@ -37,8 +42,10 @@ class SimWorker:
         for r in out.requests:
             assert r.token_ids, f"{r.req_id}: an empty chunk"
             if r.resume:
-                # workers/suspension.py refuses a resume of other tokens than were suspended.
-                assert self.suspended.get(r.req_id, ())[:2] == (r.start_pos, len(r.token_ids)), (
+                # workers/suspension.py refuses a resume of other tokens than the first ones of
+                # the first segment.
+                first = self.suspended.get(r.req_id, [(-1, 0, 0)])[0]
+                assert first[0] == r.start_pos and len(r.token_ids) <= first[1], (
                     f"{r.req_id} resumes [{r.start_pos}, +{len(r.token_ids)}) but the worker "
                     f"holds {self.suspended.get(r.req_id)}")
             for i, tok in enumerate(r.token_ids):
@@ -54,8 +61,11 @@ class SimWorker:
         self.completed_kv.update(writes)
         sampled: dict[str, int] = {}
         for r in out.requests:
-            if r.resume:
-                del self.suspended[r.req_id]  # resumed and finished with the step
+            if r.resume:  # resumed and finished with the step: the rest stays held
+                segments = self.suspended[r.req_id]
+                segments[:1] = _tail(segments[0], len(r.token_ids))
+                if not segments:
+                    del self.suspended[r.req_id]
             if r.sample:
                 end = r.start_pos + len(r.token_ids)
                 history = [self.kv[(r.block_ids[p // bs], p % bs)] for p in range(end)]
@@ -69,13 +79,17 @@ class SimWorker:
                 if len(r.token_ids) < 2:
                     continue  # decodes are never suspended
                 held = self.suspended.get(r.req_id) if r.resume else None
-                join = held[2] if held is not None else 0
-                if layer > 0 and join <= layer:
-                    self.suspended[r.req_id] = (r.start_pos, len(r.token_ids), layer)
+                join = held[0][2] if held is not None else 0
+                piece = (r.start_pos, len(r.token_ids), layer)
+                if layer > join:
+                    if held is None:
+                        self.suspended[r.req_id] = [piece]
+                    else:  # a piece that ran past its layer goes ahead of the rest
+                        held[:1] = [piece, *_tail(held[0], len(r.token_ids))]
                 elif held is None:
                     # Stopped before the first layer finished: a fresh chunk has nothing to
-                    # keep. A resumed one that had not joined yet keeps the activations (and
-                    # the layer) it had.
+                    # keep. A resumed one that had not got past its layer keeps the
+                    # activations (and the layer) it had.
                     continue
                 suspended.append(r.req_id)
         return ModelRunnerOutput(step_id=out.step_id, status=StepStatus.PREEMPTED,

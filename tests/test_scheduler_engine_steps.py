@@ -17,8 +17,9 @@ NUM_LAYERS = 4
 
 
 def _suspended(engine) -> dict[str, tuple[int, int]]:
-    """The scheduler's suspended chunks as (start_pos, num_tokens)."""
-    return {req_id: chunk[:2] for req_id, chunk in engine.scheduler.slack.suspended.items()}
+    """The scheduler's suspended chunks as (start_pos, num_tokens) of their first segment."""
+    return {req_id: segments[0][:2]
+            for req_id, segments in engine.scheduler.slack.suspended.items()}
 
 
 @pytest.fixture

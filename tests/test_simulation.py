@@ -156,7 +156,7 @@ def test_an_unwound_step_suspends_its_chunks_and_they_resume_at_their_layer(sign
     assert out.suspended_req_ids == []  # stopped before a layer finished: nothing to keep
     out = run(2, _request("a", 100), _request("d", 1, start=50), stop_before=2)
     assert out.status is StepStatus.PREEMPTED and out.preempted_layer == 2
-    assert out.suspended_req_ids == ["a"] and executor.suspended == {"a": (0, 100, 2)}
+    assert out.suspended_req_ids == ["a"] and executor.suspended == {"a": [(0, 100, 2)]}
     # Two layers of 101 tokens, then the unwind.
     assert out.execute_seconds == pytest.approx(2 * 0.101 / 4 + PROFILE.unwind_s)
     # Resumed beside a fresh chunk: layers 0-1 hold the fresh 40 tokens only, 2-3 all 140.

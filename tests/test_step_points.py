@@ -79,7 +79,7 @@ def test_the_engine_observes_unwound_and_resumed_steps(engine):
     engine.add_request(_request("long", 64, seed=1))
     online = engine.scheduler.slack.predictor
     _suspend_first_step(engine)  # unwound before layer 2 (of 4): layers 0 and 1 ran
-    assert engine.scheduler.slack.suspended == {"long": (0, 64, 2)}  # probe: suspended
+    assert engine.scheduler.slack.suspended == {"long": [(0, 64, 2)]}  # probe: suspended
     unwound = online._recent[-1]
     assert (unwound.tokens, unwound.attention, unwound.share) == (32, 64 * 64 / 2, 0.5)
     (output,) = engine.step()  # resumes at layer 2: layers 2 and 3 ran

@@ -155,13 +155,45 @@ def test_stopped_before_the_first_layer_keeps_nothing(runner) -> None:
     assert len(runner.suspended) == 0
 
 
+def _piece(req_id: str, first_block: int, start: int, end: int | None = None,
+           resume: bool = True) -> ScheduledRequest:
+    """Tokens [start, end) of a prompt's chunk; it samples only when it ends the prompt."""
+    chunk = _chunk(req_id, first_block, resume=resume)
+    end = len(chunk.token_ids) if end is None else end
+    chunk.token_ids, chunk.start_pos = chunk.token_ids[start:end], start
+    chunk.sample = end == len(PROMPTS[req_id])
+    return chunk
+
+
+def test_a_suspended_chunk_resumes_in_pieces(runner, logits, reference) -> None:
+    """The engine resumes a suspended chunk's first tokens only (the rest stays held at its
+    layer); each piece attends over the KV the pieces before it wrote: the logits are those of
+    an uninterrupted pass, beside a fresh chunk and with a second unwind on a piece."""
+    _execute(runner, [_chunk("a", 0)], stop_at=3)
+    out = _execute(runner, [_piece("a", 0, 0, 16), _chunk("b", 4)])
+    assert out.status is StepStatus.OK and out.resumed_layers == {"a": 3}
+    assert runner.suspended.layer_of(_piece("a", 0, 16)) == 3  # probe: the rest is held
+    # The next piece is unwound at layer 6, past its layer: it is held there, ahead of the rest.
+    out = _execute(runner, [_piece("a", 0, 16, 24)], stop_at=6)
+    assert out.status is StepStatus.PREEMPTED and out.suspended_req_ids == ["a"]
+    assert runner.suspended.layer_of(_piece("a", 0, 16, 24)) == 6
+    with pytest.raises(ValueError, match=r"resumes tokens \[16, 40\) but the suspended chunk "
+                                         r"is \[16, 24\)"):
+        _execute(runner, [_piece("a", 0, 16)])
+    out = _execute(runner, [_piece("a", 0, 16, 24)])
+    assert out.status is StepStatus.OK and out.resumed_layers == {"a": 6}
+    assert runner.suspended.layer_of(_piece("a", 0, 24)) == 3
+    out = _execute(runner, [_piece("a", 0, 24)])
+    assert out.status is StepStatus.OK and set(out.sampled_token_ids) == {"a"}
+    _assert_matches(logits, reference, "a", "b")
+    assert len(runner.suspended) == 0
+
+
 def test_resuming_other_tokens_than_were_suspended_is_an_error(runner) -> None:
     _execute(runner, [_chunk("a", 0)], stop_at=4)
-    other = _chunk("a", 0, resume=True)
-    other.token_ids = other.token_ids[:32]
-    with pytest.raises(ValueError, match=r"resumes tokens \[0, 32\) but the suspended chunk "
+    with pytest.raises(ValueError, match=r"resumes tokens \[8, 40\) but the suspended chunk "
                                          r"is \[0, 40\)"):
-        _execute(runner, [other])
+        _execute(runner, [_piece("a", 0, 8)])
     with pytest.raises(ValueError, match="did not suspend"):
         _execute(runner, [_chunk("b", 4, resume=True)])
     _execute(runner, [_chunk("b", 4)], free=["a"])

@@ -54,16 +54,29 @@ def test_chunks_kept_from_the_unwound_step_wait_for_the_waiters_first_token(wait
                                        victim_id="A", waiter_id="W", stopped_layer=9)
     # Probe: the step really was unwound, both chunks kept at the stopped layer.
     assert applied == "suspend" and kept_tokens == 24_600
-    assert {k: c.layer for k, c in sched.slack.suspended.items()} == {"A": 9, "C": 9}
+    assert {k: c[0].layer for k, c in sched.slack.suspended.items()} == {"A": 9, "C": 9}
     sched.check_invariants()
 
     serving, _ = step(sched, runner)
     assert scheduled(serving) == {"W": 128}  # the waiter's step is its own
     assert sched.get_request("W").first_token_time is not None
     resumed, _ = step(sched, runner)
-    # Its first token is out: the kept chunks resume at their layer.
-    assert scheduled(resumed) == {"W": 1, "A": 24_000, "C": 600}
+    # Its first token is out: the kept chunks resume at their layer, but only in pieces that
+    # keep the turn streaming (issue 32): its next token within two decode-only steps. Before:
+    # the whole 24,600 tokens resumed beside its decode, a 1.2 s gap.
+    served = scheduled(resumed)
+    assert served["W"] == 1 and 0 < served["A"] < 24_000 and "C" not in served
     assert all(r.resume for r in resumed.requests if r.req_id in ("A", "C"))
+    decode_step = H100_LINE.predict(1, 128)
+    assert H100_LINE.predict_step(resumed.num_scheduled_tokens, resumed.attention_work,
+                                  resumed.decode_context) <= 2 * decode_step
+    while sched.get_request("W") is not None:
+        step(sched, runner)
+    # The turn is done: the rest of A resumes at once, whole, with C.
+    done = sched.get_request("A").num_computed_tokens
+    assert 0 < done < 24_000  # probe: A advanced in pieces while the turn streamed
+    rest, _ = step(sched, runner)
+    assert scheduled(rest) == {"A": 24_000 - done, "C": 600}
 
 
 def test_chunks_joining_an_urgent_turn_are_charged_their_attention_over_the_prefix():

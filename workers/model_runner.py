@@ -238,7 +238,7 @@ class ModelRunner:
                                      execute_seconds=time.perf_counter() - started)
         finally:
             self.model.before_attention = None
-        self.suspended.free([r.req_id for r in scheduler_output.requests if r.resume])
+        self.suspended.consume([r for r in scheduler_output.requests if r.resume])
         if vote is not None:
             vote.finish()
         output = ModelRunnerOutput(step_id=scheduler_output.step_id,

@@ -33,6 +33,9 @@ from engine.core.step_record import StepInProgress, StepRecord
 from engine.outputs import SchedulerStats
 from monitor.predictor import LinearTTFT
 
+# The smallest piece a suspended segment resumes in, and the least it leaves held.
+MIN_RESUME_PIECE = 16
+
 
 class Scheduler:
     def __init__(
@@ -260,8 +263,9 @@ class Scheduler:
     def _tokens_for_running(self, request: Request, budget: int) -> int:
         suspended = self.slack.suspended_chunk(request.request_id)
         if suspended is not None:
-            # The workers hold its stopped pass: it resumes whole or waits for room.
-            return suspended.num_tokens if suspended.num_tokens <= budget else 0
+            # The workers hold its stopped pass: it resumes as much of its first segment as the
+            # budget (capped by the deadlines and TPOT of the step) allows.
+            return resume_piece(suspended.num_tokens, budget)
         return chunk_size(request.num_tokens_owed, budget, self.config.long_prefill_token_threshold)
 
     def _admit_waiting(self, step: StepInProgress) -> None:
@@ -282,7 +286,8 @@ class Scheduler:
             end = start + num_new
             resume = self.slack.is_suspended(request.request_id)
             held = self.slack.suspended_chunk(request.request_id)
-            assert not resume or held is not None and held[:2] == (start, num_new)
+            assert not resume or (held is not None and held.start_pos == start
+                                  and num_new <= held.num_tokens)
             scheduled = ScheduledRequest(
                 req_id=request.request_id,
                 token_ids=request.all_token_ids[start:end],
@@ -352,7 +357,7 @@ class Scheduler:
         for sr in live:
             request = self.requests[sr.req_id]
             if sr.resume:
-                self.slack.resumed(sr.req_id)
+                self.slack.resumed(sr.req_id, len(sr.token_ids))
             if (error := runner_output.failed.get(sr.req_id)) is not None:
                 self.fail_request(request, error)
                 outputs.append(request)
@@ -450,6 +455,16 @@ class Scheduler:
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r.status.name
             assert r.num_computed_tokens == 0
+
+
+def resume_piece(held: int, budget: int) -> int:
+    """Tokens of a suspended segment of `held` tokens to resume within `budget`: all of it,
+    else a piece of at least MIN_RESUME_PIECE tokens that leaves at least that many (a
+    one-token piece would look like a decode to everything that counts steps), else none."""
+    if held <= budget:
+        return held
+    piece = min(budget, held - MIN_RESUME_PIECE)
+    return piece if piece >= MIN_RESUME_PIECE else 0
 
 
 def _add_sampling_history(scheduled: ScheduledRequest, request: Request) -> None:

@@ -82,19 +82,45 @@ def _running_rank(request: Request, urgency: float, contested: bool) -> tuple[in
 
 
 def _is_tpot_decode(request: Request) -> bool:
-    """A decoding request with a TPOT objective: its next token is due. (One recomputing its
-    sequence after a KV preemption owes more than a token: it is prefilling.)"""
-    return (request.tpot_slo_ms is not None and request.last_token_time is not None
-            and request.num_tokens_owed <= 1)
+    """A decoding request with an inter-token objective: a TPOT objective, or the gap of an
+    interactive turn (a request a mid-forward preemption was made for, see `gap_objective`):
+    its next token is due. (One recomputing its sequence after a KV preemption owes more than
+    a token: it is prefilling.)"""
+    return ((request.tpot_slo_ms is not None or request.served_urgently)
+            and request.last_token_time is not None and request.num_tokens_owed <= 1)
+
+
+# An interactive turn's next token is due within this many decode-only steps of its last one.
+INTERACTIVE_GAP_STEPS = 2.0
+
+
+def gap_objective(request: Request, decode_step_s: float) -> float:
+    """Seconds its next token may take after its last one: its TPOT objective; a request a
+    mid-forward preemption was made for streams as an interactive turn, within
+    max(2 x its TPOT objective, 2 x a decode-only step) (docs/design.md section 9). Its TPOT
+    objective alone is the tighter of the two where it has one, and is what binds."""
+    if request.tpot_slo_ms is not None:
+        return request.tpot_slo_ms / 1000
+    return INTERACTIVE_GAP_STEPS * decode_step_s
 
 
 class SuspendedChunk(NamedTuple):
-    """A prefill chunk whose stopped pass the workers hold; it resumes whole or not at all, and
-    joins the resuming pass at `layer` (the layers below it are done)."""
+    """Tokens of a prefill chunk whose stopped pass the workers hold: they join a resuming pass
+    at `layer` (the layers below it are done). A chunk may resume in pieces, its first tokens
+    first (docs/design.md section 4): a request's suspended tokens are a list of these
+    segments, in token order, the first starting at its computed tokens."""
 
     start_pos: int
     num_tokens: int
     layer: int = 0
+
+
+def _tail(segment: SuspendedChunk, num_tokens: int) -> list[SuspendedChunk]:
+    """What is left of a suspended segment once its first `num_tokens` resumed."""
+    if num_tokens == segment.num_tokens:
+        return []
+    return [segment._replace(start_pos=segment.start_pos + num_tokens,
+                             num_tokens=segment.num_tokens - num_tokens)]
 
 
 class SlackPolicy:
@@ -108,22 +134,22 @@ class SlackPolicy:
         # The slo policy ranks by slack, which needs predicted prefill times.
         self.predictor = OnlineTTFT(ttft_seed, error_quantile=error_quantile)
         # Not scheduled: victims of mid-forward preemptions and the chunks kept from the steps
-        # they stopped, held back until their waiter has its first token (and victims until
-        # no request with prefill left is more urgent than they are). A paused one stays running
+        # they stopped, held back until their waiter's client has its first output (and
+        # victims until no request with prefill left is more urgent than they are). A paused one stays running
         # with its KV; a recomputed one waits and is not admitted (else it would share the very
         # next step with the waiter it made room for).
         self.held: set[str] = set()
         # Held request -> the waiter of the preemption that held it: whatever else, it stays
-        # held until that waiter has its first token (or is gone), so that the waiter's step is
-        # its own (the victim, and every chunk kept from the unwound step).
+        # held until that waiter's client has its first output (or it is gone), so that the
+        # waiter's steps are its own (the victim, and every chunk kept from the unwound step).
         self.yielding_to: dict[str, str] = {}
         # The held requests that are victims: once their waiter is served, they also wait
         # until they are the most urgent again.
         self.victims: set[str] = set()
         # The waiter a mid-forward preemption made room for: admitted first by the next step.
         self.urgent_waiter_id: str | None = None
-        # Suspend mode: request id -> the chunk whose activations the workers hold.
-        self.suspended: dict[str, SuspendedChunk] = {}
+        # Suspend mode: request id -> the segments whose activations the workers hold.
+        self.suspended: dict[str, list[SuspendedChunk]] = {}
         # Suspended chunks the workers can free; sent with the next step.
         self.unneeded_suspensions: list[str] = []
         self.num_slo_preemptions = 0
@@ -219,7 +245,9 @@ class SlackPolicy:
         return req_id in self.held
 
     def suspended_chunk(self, req_id: str) -> SuspendedChunk | None:
-        return self.suspended.get(req_id)
+        """The segment it resumes next (its first), or None."""
+        segments = self.suspended.get(req_id)
+        return segments[0] if segments else None
 
     def is_suspended(self, req_id: str) -> bool:
         return req_id in self.suspended
@@ -355,16 +383,43 @@ class SlackPolicy:
         line = self.predictor.current
         context = self._decode_context
         minimal = step.num_tokens + len(decodes)
+        decode_step = line.predict(len(decodes), context)
         allowed = step.budget
+        # Interactive turns only: the tokens their gaps allow (enforced unless that pace would
+        # make a prefill with a deadline miss it).
+        interactive_allowed, interactive_gap = step.budget, 0.0
         for request in decodes:
-            assert request.tpot_slo_ms is not None and request.last_token_time is not None
-            time_left = request.last_token_time + request.tpot_slo_ms / 1000 - now
+            assert request.last_token_time is not None
+            gap = gap_objective(request, decode_step)
+            time_left = request.last_token_time + gap - now
             if line.predict(minimal, context) > time_left:
                 continue  # missed even by a step of decodes alone
             usable = self._usable(time_left)
-            allowed = min(allowed, max(len(decodes), line.max_tokens_within(usable, context)
-                                       - step.num_tokens))
+            fits = max(len(decodes), line.max_tokens_within(usable, context) - step.num_tokens)
+            if request.tpot_slo_ms is None:
+                interactive_allowed = min(interactive_allowed, fits)
+                interactive_gap = max(interactive_gap, gap)
+            else:
+                allowed = min(allowed, fits)
+        if interactive_allowed < allowed and not self._pace_misses_a_deadline(
+                ops, interactive_allowed - len(decodes), interactive_gap, now):
+            allowed = interactive_allowed
         return allowed
+
+    def _pace_misses_a_deadline(self, ops: SchedulerOps, prefill_per_step: int,
+                                step_s: float, now: float) -> bool:
+        """Whether a request with prefill left and a live deadline (running or waiting, not
+        held) would meet it at full speed but miss it at `prefill_per_step` tokens a step of
+        `step_s`: an interactive turn's pace must not cost another request its deadline."""
+        for request in (*ops.running, *ops.waiting):
+            deadline = request.live_deadline
+            owed = request.num_tokens_owed
+            if deadline is None or owed <= 1 or request.request_id in self.held:
+                continue
+            paced = math.ceil(owed / max(1, prefill_per_step)) * step_s
+            if self.predict_prefill(owed) <= deadline - now < paced:
+                return True
+        return False
 
     def _usable(self, time_left: float) -> float:
         """The part of `time_left` a cap may fill: DEADLINE_HEADROOM stays free, and the rest
@@ -373,7 +428,8 @@ class SlackPolicy:
         return time_left * (1 - DEADLINE_HEADROOM) / (1 + self.predictor.current.relative_error)
 
     def _release_held(self, ops: SchedulerOps) -> None:
-        """A held request runs again once the waiter it yielded to has its first token (or is
+        """A held request runs again once the client of the waiter it yielded to has its first
+        output (a first token with no text is not enough; docs/design.md section 9) (or it is
         gone); a held victim only once, also, no request with prefill left (waiting or
         running, and not held itself) is more urgent than it."""
         now = time.monotonic()
@@ -418,12 +474,15 @@ class SlackPolicy:
         start, which is what "recompute" reports.
 
         ``kept``: the chunks the rollback kept (suspend mode). They, and the victim, are held
-        until the waiter has its first token: a chunk resumed beside the waiter would make the
-        step that serves it as long as the one just stopped."""
+        until the waiter's client has its first output: a chunk resumed beside the waiter would
+        make the step that serves it as long as the one just stopped."""
         victim = ops.get_request(victim_id)
         if victim is None or self.protected_by_rule1(victim):
             return None
         self.urgent_waiter_id = waiter_id
+        waiter = ops.get_request(waiter_id)
+        if waiter is not None:
+            waiter.served_urgently = True
         victim.num_preemptions += 1
         victim.num_slo_preemptions += 1
         self.num_slo_preemptions += 1
@@ -433,7 +492,6 @@ class SlackPolicy:
         self.victims.add(victim_id)
         if victim.status is not RequestStatus.RUNNING:
             return "recompute"
-        waiter = ops.get_request(waiter_id)
         # The victim may keep its KV and its sequence slot only if the next step (which
         # admits the waiter first, before anything else changes) admits the waiter beside it:
         # else it would be held for a waiter that never comes in.
@@ -453,17 +511,28 @@ class SlackPolicy:
     # ---- suspended chunks and the end of a request -------------------------------------------
 
     def suspend(self, req_id: str, start_pos: int, num_tokens: int, layer: int) -> None:
-        """A rollback kept this chunk, whose pass stopped before `layer`: the workers hold it,
-        to be resumed whole. A resumed chunk that had not joined that pass yet keeps its own
-        (later) layer, as the workers do (workers/suspension.py)."""
-        held = self.suspended.get(req_id)
-        if held is not None and held.layer > layer:
-            layer = held.layer
-        self.suspended[req_id] = SuspendedChunk(start_pos, num_tokens, layer)
+        """A rollback kept this chunk, whose pass stopped before `layer`: the workers hold it.
+        For a resumed piece (of the request's first segment), by the workers' rules
+        (workers/suspension.py): if the stop came before its own layer, or at it, nothing
+        changed; past it, the piece is held at `layer`, ahead of the rest of its segment."""
+        segments = self.suspended.get(req_id)
+        if segments is None:
+            self.suspended[req_id] = [SuspendedChunk(start_pos, num_tokens, layer)]
+            return
+        first = segments[0]
+        assert first.start_pos == start_pos and num_tokens <= first.num_tokens, \
+            f"{req_id}: rolled back [{start_pos}, +{num_tokens}) but holds {first}"
+        if layer > first.layer:
+            segments[:1] = [SuspendedChunk(start_pos, num_tokens, layer),
+                            *_tail(first, num_tokens)]
 
-    def resumed(self, req_id: str) -> None:
-        """Its suspended chunk completed in a step: the workers dropped it with that step."""
-        del self.suspended[req_id]
+    def resumed(self, req_id: str, num_tokens: int) -> None:
+        """The first `num_tokens` of its first segment completed in a step: the workers
+        dropped them with that step and hold the rest."""
+        segments = self.suspended[req_id]
+        segments[:1] = _tail(segments[0], num_tokens)
+        if not segments:
+            del self.suspended[req_id]
 
     def drop_suspensions(self, req_ids: Iterable[str]) -> None:
         """These suspended chunks will not resume: the workers free them with the next step."""

@@ -128,10 +128,16 @@ class LLM:
                                   request.ttft_slo_ms, request.tpot_slo_ms)
             self.engine.add_request(request)
         finals: dict[str, RequestOutput] = {}
+        # A TTFT deadline stays live until the request's first non-empty text (see Request).
+        awaiting_text = {r.request_id for r in requests if r.reports_first_output}
         progress = tqdm(total=len(requests), desc="Generating", disable=not use_tqdm)
         try:
             while processor.num_unfinished:
                 processed = processor.process(self.engine.step())
+                for out in processed.outputs:
+                    if out.text and out.request_id in awaiting_text:
+                        awaiting_text.discard(out.request_id)
+                        self.engine.note_first_output(out.request_id, time.monotonic())
                 if processed.stopped:
                     self.engine.abort_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)
                 if processed.failed:  # frees their KV in the core
@@ -156,7 +162,8 @@ class LLM:
         return Request(request_id=str(next(self._ids)), prompt_token_ids=ids,
                        sampling_params=params, eos_token_id=eos, arrival_time=time.monotonic(),
                        priority=priority, ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms,
-                       prefill_after=prefill_after)
+                       prefill_after=prefill_after,
+                       reports_first_output=ttft_slo_ms is not None)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -17,7 +17,7 @@ from typing import Protocol
 
 from engine.config import EngineConfig
 from engine.ipc.core_messages import (HELLO_MAX_BYTES, AbortRequests, AddRequest, CoreFailed,
-                                  CoreOutputs, CoreReady, RequestRejected, ShutdownCore,
+                                  CoreOutputs, CoreReady, FirstOutputDelivered, RequestRejected, ShutdownCore,
                                   encode_config, frame, from_core_decoder, hello_decoder,
                                   read_frame)
 from engine.processing.input_processor import InputProcessor, validate_prompt
@@ -261,7 +261,8 @@ class AsyncEngineClient:
                                   sampling_params=params, arrival_time=arrival_time,
                                   priority=priority, ttft_slo_ms=ttft_slo_ms,
                                   tpot_slo_ms=tpot_slo_ms, eos_token_id=eos,
-                                  prefill_after=prefill_after))
+                                  prefill_after=prefill_after,
+                                  reports_first_output=ttft_slo_ms is not None))
             while True:
                 item = await queue.get()
                 if isinstance(item, _Finished):
@@ -276,6 +277,12 @@ class AsyncEngineClient:
             if not finished:
                 self._processor.remove(request_id)
                 self._send(AbortRequests(request_ids=[request_id]), quiet=True)
+
+    def note_first_output(self, request_id: str, delivered_at: float) -> None:
+        """The request's first visible output was written to its client: tell EngineCore,
+        which keeps its TTFT deadline live until then (requests with a TTFT objective)."""
+        self._send(FirstOutputDelivered(request_id=request_id, delivered_at=delivered_at),
+                   quiet=True)
 
     def _send(self, message, quiet: bool = False) -> None:
         """Queue a frame to EngineCore; `quiet` for best-effort messages (aborts) that have

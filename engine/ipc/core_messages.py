@@ -34,6 +34,16 @@ class AddRequest(msgspec.Struct, tag="add", kw_only=True):
     eos_token_id: int | None = None
     # A parallel sample: the sibling whose prefill it waits for (engine.core.sibling_gate).
     prefill_after: str | None = None
+    # The API server will send FirstOutputDelivered for it (requests with a TTFT objective).
+    reports_first_output: bool = False
+
+
+class FirstOutputDelivered(msgspec.Struct, tag="delivered", kw_only=True):
+    """The request's first visible output was written to its client at `delivered_at`
+    (time.monotonic()): its TTFT objective is met or missed for good."""
+
+    request_id: str
+    delivered_at: float
 
 
 class AbortRequests(msgspec.Struct, tag="abort", kw_only=True):
@@ -47,7 +57,7 @@ class ShutdownCore(msgspec.Struct, tag="shutdown"):
     pass
 
 
-ToCore = Union[AddRequest, AbortRequests, ShutdownCore]
+ToCore = Union[AddRequest, FirstOutputDelivered, AbortRequests, ShutdownCore]
 
 
 # ---- EngineCore -> API server -------------------------------------------------------------------

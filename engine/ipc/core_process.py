@@ -18,6 +18,7 @@ import traceback
 from types import FrameType
 
 from engine.ipc.core_messages import (AbortRequests, AddRequest, CoreFailed, CoreHello, CoreOutputs,
+                                      FirstOutputDelivered,
                                   CoreReady, FrameSocket, RequestRejected, ShutdownCore,
                                   config_decoder, to_core_decoder)
 from engine.runtime.engine_core import EngineCore
@@ -130,6 +131,9 @@ def _read_messages(core: EngineCore, channel: FrameSocket, events: queue.SimpleQ
                     events.put(_ARRIVED)
                 except ValueError as exc:
                     events.put(RequestRejected(request_id=message.request_id, error=str(exc)))
+            elif isinstance(message, FirstOutputDelivered):
+                # Read by the next schedule(): the loop need not wake for it.
+                core.note_first_output(message.request_id, message.delivered_at)
             else:
                 events.put(message)
             if isinstance(message, ShutdownCore):
@@ -173,4 +177,5 @@ def _to_request(message: AddRequest) -> Request:
                    sampling_params=message.sampling_params, eos_token_id=message.eos_token_id,
                    arrival_time=message.arrival_time, priority=message.priority,
                    ttft_slo_ms=message.ttft_slo_ms, tpot_slo_ms=message.tpot_slo_ms,
-                   prefill_after=message.prefill_after)
+                   prefill_after=message.prefill_after,
+                   reports_first_output=message.reports_first_output)

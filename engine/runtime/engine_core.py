@@ -75,6 +75,8 @@ class EngineCore:
         self.dead: str | None = None
         # Requests handed over by other threads (submit_request), with their arrival number.
         self._inbox: queue.SimpleQueue[tuple[int, Request]] = queue.SimpleQueue()
+        # (request id, when) of first visible outputs the consumer reported (note_first_output).
+        self._first_outputs: queue.SimpleQueue[tuple[str, float]] = queue.SimpleQueue()
         self._arrival_seq = itertools.count(1)
         self._drained_arrivals = 0
         # (request id, error) for handed-over requests the scheduler refused.
@@ -186,7 +188,25 @@ class EngineCore:
         if self.preemption is not None and request.prefill_after is None:
             self.preemption.note_arrival(seq, request)
 
+    def note_first_output(self, request_id: str, delivered_at: float) -> None:
+        """From any thread: the request's first visible output reached its client at
+        ``delivered_at`` (time.monotonic()). For requests with ``reports_first_output``: until
+        this arrives their TTFT deadline stays live (docs/design.md section 9). Unknown or
+        finished requests are ignored (the note may overtake an abort)."""
+        self._first_outputs.put((request_id, delivered_at))
+
+    def _drain_first_outputs(self) -> None:
+        while True:
+            try:
+                request_id, delivered_at = self._first_outputs.get_nowait()
+            except queue.Empty:
+                return
+            request = self.scheduler.get_request(request_id)
+            if request is not None and request.first_output_time is None:
+                request.first_output_time = delivered_at
+
     def _drain_inbox(self) -> None:
+        self._drain_first_outputs()
         while True:
             try:
                 seq, request = self._inbox.get_nowait()

@@ -89,7 +89,8 @@ class SLOPreemptionControl:
         for sr in output.requests:
             request = scheduler.requests[sr.req_id]
             if len(sr.token_ids) > 1:
-                running.append(RequestView(sr.req_id, request.live_deadline, request.num_tokens - sr.start_pos,
+                running.append(RequestView(sr.req_id, request.live_deadline,
+                                           request.num_tokens - sr.start_pos,
                                            slo_preempted=slack.protected_by_rule1(request)))
         line = slack.predictor.current
         chunks = [(sr.start_pos, len(sr.token_ids), self._join_layer(sr))

@@ -288,7 +288,10 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
                               tokens_as_ids=body.return_tokens_as_token_ids)
         num_top = params.logprobs or 0
         # TTFT and TPOT as the client sees them: stamped where the tokens are sent to it.
-        clock = EdgeClock(len(choices), metrics)
+        # The engine keeps a TTFT deadline live until the client has output (a first token
+        # with no text, e.g. a special one, sends nothing): told as each choice's is written.
+        clock = EdgeClock(len(choices), metrics, on_first_output=None if slo is None else (
+            lambda position, when: client.note_first_output(child_ids[position], when)))
         if body.stream:
             events = stream_events(ctx, choices,
                                    _forget_on_exit(merged(sources), metrics, child_ids),

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,7 @@ from engine.serving.metrics import ServerMetrics
 
 @dataclass
 class _ChoiceStamps:
+    position: int
     # The engine's metrics of the choice's request (arrival, SLOs, the engine's own stamps).
     engine: RequestMetrics | None = None
     first_token_time: float | None = None
@@ -51,9 +52,13 @@ class EdgeClock:
     """The edge stamps of one HTTP response's choices (by position in the response's list of
     engine requests), reported to /metrics as each is taken."""
 
-    def __init__(self, num_choices: int, metrics: ServerMetrics) -> None:
-        self._choices = [_ChoiceStamps() for _ in range(num_choices)]
+    def __init__(self, num_choices: int, metrics: ServerMetrics,
+                 on_first_output: Callable[[int, float], None] | None = None) -> None:
+        """``on_first_output(position, when)``: called as each choice's first output is
+        stamped (the API server tells EngineCore, whose TTFT deadline for it ends there)."""
+        self._choices = [_ChoiceStamps(position) for position in range(num_choices)]
         self._metrics = metrics
+        self._on_first_output = on_first_output
         # Choices whose first output is in the chunk being written: stamped once `send` returns.
         self._awaiting_write: list[_ChoiceStamps] = []
 
@@ -108,6 +113,8 @@ class EdgeClock:
 
     def _stamp_first_token(self, stamps: _ChoiceStamps, now: float) -> None:
         stamps.first_token_time = now
+        if self._on_first_output is not None:
+            self._on_first_output(stamps.position, now)
         if (edge := _edge_metrics(stamps)) is not None:
             self._metrics.on_edge_first_token(edge)
 

@@ -52,8 +52,9 @@ class SimulatedExecutor:
         self.avoid_token_ids = frozenset(avoid_token_ids)
         self.vote = vote
         self._sleep, self._clock = sleep, clock
-        # req_id -> (start_pos, num_tokens, layer) of the chunks whose stopped pass is "held".
-        self.suspended: dict[str, tuple[int, int, int]] = {}
+        # req_id -> the segments (start_pos, num_tokens, layer) of its chunks whose stopped pass
+        # is "held", in token order (workers/suspension.py: a chunk may resume in pieces).
+        self.suspended: dict[str, list[tuple[int, int, int]]] = {}
         self.num_steps = 0
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -85,7 +86,10 @@ class SimulatedExecutor:
                                      execute_seconds=self._clock() - started)
         for r in scheduler_output.requests:
             if r.resume:
-                del self.suspended[r.req_id]
+                segments = self.suspended[r.req_id]
+                segments[:1] = _tail(segments[0], len(r.token_ids))
+                if not segments:
+                    del self.suspended[r.req_id]
         sampled = {r.req_id: self._next_token(r) for r in scheduler_output.requests if r.sample}
         return ModelRunnerOutput(step_id=scheduler_output.step_id, sampled_token_ids=sampled,
                                  resumed_layers=resumed_layers,
@@ -100,12 +104,12 @@ class SimulatedExecutor:
         n = len(r.token_ids)
         join = 0
         if r.resume:
-            held = self.suspended.get(r.req_id)
-            # As workers/suspension.py: a resume must be of the very chunk that was suspended.
-            if held is None or held[:2] != (r.start_pos, n):
+            segments = self.suspended.get(r.req_id)
+            # As workers/suspension.py: a resume is of the first tokens of the first segment.
+            if not segments or segments[0][0] != r.start_pos or n > segments[0][1]:
                 raise ValueError(f"request {r.req_id!r} resumes [{r.start_pos}, +{n}) but the "
-                                 f"executor holds {held}")
-            join = held[2]
+                                 f"executor holds {segments}")
+            join = segments[0][2]
         if n == 1:
             return _Chunk(1, 0, r.start_pos + 1, join)
         return _Chunk(n, n * (2 * r.start_pos + n), 0, join)
@@ -141,17 +145,24 @@ class SimulatedExecutor:
                  layer: int) -> list[str]:
         """What the model runner keeps of an unwound pass (workers/suspension.py): stopped
         before the first layer finished, nothing new; otherwise every prefill chunk active at
-        `layer` is held at `layer`, and a resumed chunk that had not joined yet keeps its own."""
+        `layer` is held at `layer`, and a resumed piece the stop came before (or at its own
+        layer) keeps its own; one that ran past it is held at `layer` ahead of the rest of its
+        chunk."""
         if not scheduler_output.suspend_on_unwind:
             return []
         kept: list[str] = []
         for r in scheduler_output.requests:
             chunk = chunks[r.req_id]
-            if chunk.tokens < 2:
+            if chunk.tokens < 2 and not r.resume:
                 continue  # decodes are never suspended
-            if layer > 0 and chunk.join <= layer:
-                self.suspended[r.req_id] = (r.start_pos, chunk.tokens, layer)
-            elif not (r.resume and r.req_id in self.suspended):
+            segments = self.suspended.get(r.req_id) if r.resume else None
+            if layer > chunk.join:
+                piece = (r.start_pos, chunk.tokens, layer)
+                if segments is None:
+                    self.suspended[r.req_id] = [piece]
+                else:
+                    segments[:1] = [piece, *_tail(segments[0], chunk.tokens)]
+            elif segments is None:
                 continue
             kept.append(r.req_id)
         return kept
@@ -162,3 +173,9 @@ class SimulatedExecutor:
         while token in self.avoid_token_ids:
             token = (token + 1) % self.vocab_size
         return token
+
+
+def _tail(segment: tuple[int, int, int], num_tokens: int) -> list[tuple[int, int, int]]:
+    """What is left of a suspended segment once its first ``num_tokens`` resumed."""
+    start, held, layer = segment
+    return [] if num_tokens == held else [(start + num_tokens, held - num_tokens, layer)]
