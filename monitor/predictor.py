@@ -33,8 +33,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -55,6 +56,11 @@ FLOOR_TOLERANCE = 0.1
 # Online fits weight a point by 2 ** (-age / RECENCY_HALF_LIFE), age counted in its window's
 # steps: the machine's speed drifts (other processes, clocks) and recent steps tell it best.
 RECENCY_HALF_LIFE = 64
+# Online refits: a mixed (prefill and decodes) or partial (unwound, resumed) step weighs this
+# much of a whole step of one kind, and fits no decode term (OnlineTTFT._refit).
+MIXED_WEIGHT = 0.25
+# Decode-only steps determine the decode term once their contexts per decode differ this much.
+DECODE_SPREAD = 2.0
 
 
 class StepPoint(NamedTuple):
@@ -108,6 +114,43 @@ def step_point(chunks: Iterable[tuple[int, int, int, int]], num_layers: int,
     return StepPoint(tokens, attention, context, seconds, (last - first) / num_layers)
 
 
+def _beyond(value: float, limit: float, share: float) -> bool:
+    """Whether a feature of a step that ran `share` of the layers lies past `limit` (a
+    whole-step value): partial steps are compared as the whole steps they are shares of."""
+    return value > limit * share * (1 + 1e-9) and value > 0
+
+
+def _term(coef: float, edge: float | None, limit: float | None, value: float,
+          share: float) -> float:
+    """One term of the step model: `coef * value` inside the calibrated range, and past its
+    end (`limit`, scaled to the step's share) the end's cost plus the edge cost per unit."""
+    if limit is None or not _beyond(value, limit, share):
+        return coef * value
+    end = limit * share
+    return coef * end + (coef if edge is None else edge) * (value - end)
+
+
+def _most_within(fits: Callable[[int], bool], start: int) -> int:
+    """The largest n <= MAX_TOKENS_WITHIN with fits(n), for fits monotone (true up to some n),
+    searched from `start` (a closed form's answer, at most a rounding away from fitting)."""
+    low = max(0, start)
+    while low > 0 and not fits(low):
+        low -= 1
+    if not fits(low):
+        return 0
+    high = low + 1
+    while high <= MAX_TOKENS_WITHIN and fits(high):
+        low, high = high, 2 * high
+    high = min(high, MAX_TOKENS_WITHIN + 1)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
 def _as_point(point: Sequence[float]) -> StepPoint:
     return point if isinstance(point, StepPoint) else StepPoint(*point)
 
@@ -135,6 +178,20 @@ class LinearTTFT:
     # How much faster than predicted steps ran, relative, at the low error quantile (0.2: 20%
     # faster): `optimistic` shrinks a prediction by it.
     relative_speedup: float = 0.0
+    # The calibrated range (None: unknown, as for the default seed and files written before it
+    # was kept): the largest whole-step value of each feature (tokens, attention work, decode
+    # context; see StepPoint.full) among the points the model was fitted on. Beyond it a term
+    # is charged at its edge cost (below) and `extrapolated` names it.
+    calibrated_tokens: float | None = None
+    calibrated_attention: float | None = None
+    calibrated_decode_context: float | None = None
+    # Seconds per unit of each feature beyond its calibrated range (None: the coefficient): the
+    # cost per unit that the longest measured point implies (edge_unit_cost), never more than
+    # the coefficient. A slope fitted on short contexts, or dragged by other steps, is not
+    # extrapolated 15x past the longest context anyone timed.
+    edge_seconds_per_token: float | None = None
+    edge_seconds_per_token_sq: float | None = None
+    edge_seconds_per_decode_context: float | None = None
 
     def margin(self, seconds: float) -> float:
         """The safety margin to add to a predicted duration of `seconds`."""
@@ -155,10 +212,47 @@ class LinearTTFT:
     def predict_step(self, tokens: float, attention: float, decode_context: float = 0,
                      share: float = 1.0) -> float:
         """Seconds for a step of `tokens` tokens with `attention` work and `decode_context`
-        (see attention_work and decode_context) that runs `share` of the layers."""
-        terms = (self.seconds_per_token * tokens + self.seconds_per_token_sq * attention
-                 + self.seconds_per_decode_context * decode_context + self.intercept_s * share)
-        return max(0.0, self.floor_s * share, terms)
+        (see attention_work and decode_context) that runs `share` of the layers. A feature
+        beyond the calibrated range is charged at its edge cost past the range's end
+        (`extrapolated` says which)."""
+        return max(0.0, self.floor_s * share, self._terms(tokens, attention, decode_context,
+                                                          share))
+
+    def _terms(self, tokens: float, attention: float, decode_context: float,
+               share: float) -> float:
+        """The sum of the terms, without the floor."""
+        return (_term(self.seconds_per_token, self.edge_seconds_per_token,
+                      self.calibrated_tokens, tokens, share)
+                + _term(self.seconds_per_token_sq, self.edge_seconds_per_token_sq,
+                        self.calibrated_attention, attention, share)
+                + _term(self.seconds_per_decode_context, self.edge_seconds_per_decode_context,
+                        self.calibrated_decode_context, decode_context, share)
+                + self.intercept_s * share)
+
+    @property
+    def has_range(self) -> bool:
+        """Whether the model knows the range it was calibrated on (a fitted one does)."""
+        return any(limit is not None for limit in (self.calibrated_tokens,
+                                                   self.calibrated_attention,
+                                                   self.calibrated_decode_context))
+
+    def extrapolated(self, tokens: float, attention: float, decode_context: float = 0,
+                     share: float = 1.0) -> tuple[str, ...]:
+        """The features of a step (predict_step's arguments) that lie beyond the range the
+        model was fitted on: "tokens", "attention", "decode_context"; empty inside it, or when
+        the range is unknown. Such a prediction rests on the edge cost, not on a measurement."""
+        features = (("tokens", self.calibrated_tokens, tokens),
+                    ("attention", self.calibrated_attention, attention),
+                    ("decode_context", self.calibrated_decode_context, decode_context))
+        return tuple(name for name, limit, value in features
+                     if limit is not None and _beyond(value, limit, share))
+
+    def is_extrapolated(self, tokens: float, attention: float | None = None,
+                        decode_context: float = 0, share: float = 1.0) -> bool:
+        """Whether a prediction left the calibrated range: a step's (predict_step's
+        arguments), or with `attention` None a fresh prompt's (predict's)."""
+        attention = tokens * tokens if attention is None else attention
+        return bool(self.extrapolated(tokens, attention, decode_context, share))
 
     def predict_point(self, point: StepPoint) -> float:
         return self.predict_step(point.tokens, point.attention, point.decode_context,
@@ -168,7 +262,10 @@ class LinearTTFT:
         """The most tokens of one fresh prompt that `predict` keeps within `seconds` beside
         decodes reading `decode_context` KV tokens (at most MAX_TOKENS_WITHIN: a client's
         objective of 1e308 ms is no reason to overflow)."""
-        budget = seconds - self.intercept_s - self.seconds_per_decode_context * decode_context
+        if self.has_range:
+            budget = seconds - self._terms(0, 0, decode_context, 1.0)
+        else:
+            budget = seconds - self.intercept_s - self.seconds_per_decode_context * decode_context
         if budget <= 0 or seconds < self.floor_s:
             return 0
         a, b = self.seconds_per_token, self.seconds_per_token_sq
@@ -176,7 +273,13 @@ class LinearTTFT:
             tokens = budget / a
         else:
             tokens = (-a + math.sqrt(a * a + 4 * b * budget)) / (2 * b)
-        return int(min(tokens, MAX_TOKENS_WITHIN))
+        tokens = int(min(tokens, MAX_TOKENS_WITHIN))
+        if not self.has_range:
+            return tokens
+        # Past the range the terms grow by their edge costs (at most the coefficients): the
+        # closed form above is a lower bound, the most that fits is found by search from it.
+        return _most_within(lambda n: self._terms(n, n * n, decode_context, 1.0) <= seconds,
+                            tokens)
 
     def max_chunk_within(self, seconds: float, tokens: int, attention: int,
                          decode_context: int, prefix: int) -> int:
@@ -195,7 +298,11 @@ class LinearTTFT:
         a = self.seconds_per_token + 2 * self.seconds_per_token_sq * prefix
         b = self.seconds_per_token_sq
         n = budget / a if b <= 0 else (-a + math.sqrt(a * a + 4 * b * budget)) / (2 * b)
-        return int(min(n, MAX_TOKENS_WITHIN))
+        n = int(min(n, MAX_TOKENS_WITHIN))
+        if not self.has_range:
+            return n
+        return _most_within(lambda m: self._terms(tokens + m, attention + m * (2 * prefix + m),
+                                                  decode_context, 1.0) <= seconds, n)
 
     @classmethod
     def fit(cls, points: Iterable[tuple[int, float]]) -> LinearTTFT:
@@ -235,7 +342,8 @@ class LinearTTFT:
 
     @classmethod
     def fit_step(cls, points: Iterable[Sequence[float]], *, quadratic: bool, decode: bool,
-                 weights: Sequence[float] | None = None, floor_s: float = 0.0) -> LinearTTFT:
+                 weights: Sequence[float] | None = None, floor_s: float = 0.0,
+                 decode_s: float | None = None) -> LinearTTFT:
         """Least squares on step points (StepPoint, or (tokens, attention, decode_context,
         seconds) tuples): the line plus the attention term if `quadratic` and the decode term if
         `decode` (the attention term only where three or more prefill shapes determine it). A
@@ -249,13 +357,18 @@ class LinearTTFT:
         Residuals are weighted by 1 / seconds, so the fit minimizes relative errors: steps range
         from 60 ms decodes to 10 s prefills, and in plain least squares the long ones would
         decide every coefficient, the decode term included (on the default model that halved
-        it), while the scheduler's margin and caps work in relative error."""
+        it), while the scheduler's margin and caps work in relative error.
+
+        With `decode_s`, the decode coefficient is that value, not fitted (OnlineTTFT fits it
+        on the steps that determine it, and the rest with it fixed). The model keeps the range
+        of the points (see calibrated_tokens and edge_unit_costs)."""
         import numpy as np
 
         # Columns: share (the intercept's feature), tokens, attention, decode_context, seconds.
         rows = [(p.share, p.tokens, p.attention, p.decode_context, p.seconds)
                 for p in map(_as_point, points)]
         table = np.array(rows, dtype=float).reshape(-1, 5)
+        measured = table
         extra = np.ones(len(table)) if weights is None else np.asarray(weights, dtype=float)
         if floor_s > 0:
             kept = table[:, 4] > floor_s * table[:, 0] * (1 + FLOOR_TOLERANCE)
@@ -270,7 +383,9 @@ class LinearTTFT:
         quadratic = quadratic and len(shapes) >= 3  # else the term is not determined
         features, y = table[:, :4], table[:, 4]
         weight = extra / np.maximum(y, 1e-6)
-        weighted, target = features * weight[:, None], y * weight
+        fixed = 0.0 if decode_s is None else decode_s
+        weighted, target = features * weight[:, None], (y - fixed * features[:, 3]) * weight
+        decode = decode and decode_s is None
         terms = [column for column, on in ((2, quadratic), (3, decode)) if on]
         while True:
             columns = [0, 1, *terms]
@@ -284,16 +399,68 @@ class LinearTTFT:
                 break
             terms.remove(dropped[0])
         if coef[1] <= 0:
-            line = cls.fit(zip(table[:, 1] / table[:, 0], y / table[:, 0]))
-            return dataclasses.replace(line, floor_s=floor_s)
+            line = cls.fit(zip(table[:, 1] / table[:, 0],
+                               (y - fixed * features[:, 3]) / table[:, 0]))
+            return dataclasses.replace(line, floor_s=floor_s, seconds_per_decode_context=fixed
+                                       ).with_range(measured)
         full = np.zeros(4)
         full[[0, 1, *terms]] = coef
+        full[3] = full[3] if decode_s is None else fixed
         residual = y - features @ full
         ss_tot = float(((y - y.mean()) ** 2).sum())
         r2 = 1.0 - float((residual ** 2).sum()) / ss_tot if ss_tot > 0 else 1.0
         return cls(seconds_per_token=float(full[1]), intercept_s=float(full[0]), r2=r2,
                    seconds_per_token_sq=float(full[2]),
-                   seconds_per_decode_context=float(full[3]), floor_s=floor_s)
+                   seconds_per_decode_context=float(full[3]), floor_s=floor_s
+                   ).with_range(measured)
+
+    def with_range(self, points: Iterable[Sequence[float]]) -> LinearTTFT:
+        """This model calibrated on `points` (StepPoints, or rows of share, tokens, attention,
+        decode_context, seconds as fit_step tabulates them): the largest whole-step value of
+        each feature among them, and each term's edge cost.
+
+        The edge cost of a term is what a unit of its feature cost at the point where that
+        feature is largest (the longest measured point): that point's time less the model's
+        other terms, per unit, between 0 and the coefficient (the median over points tied at
+        the top; the coefficient itself where the point is the floor's). Past the range, a
+        term grows by it rather than by a coefficient that points elsewhere determined: a decode
+        slope fitted on 259-token contexts once charged 0.24 s for 3949 tokens of context that
+        cost about half that."""
+        rows = [(p.share, p.tokens, p.attention, p.decode_context, p.seconds)
+                if isinstance(p, StepPoint) else tuple(p) for p in points]
+        rows = [r for r in rows if r[0] > 0]
+        if not rows:
+            return self
+        coefs = (self.seconds_per_token, self.seconds_per_token_sq,
+                 self.seconds_per_decode_context)
+        limits: list[float] = []
+        edges: list[float | None] = []
+        for j in range(3):
+            whole = [r[1 + j] / r[0] for r in rows]
+            limit = max(whole)
+            limits.append(limit)
+            edges.append(self._edge_cost(j, [r for r, w in zip(rows, whole)
+                                             if w >= limit * (1 - 1e-9)], coefs))
+        edges = [None if e is None else float(e) for e in edges]
+        return dataclasses.replace(
+            self, calibrated_tokens=float(limits[0]), calibrated_attention=float(limits[1]),
+            calibrated_decode_context=float(limits[2]), edge_seconds_per_token=edges[0],
+            edge_seconds_per_token_sq=edges[1], edge_seconds_per_decode_context=edges[2])
+
+    def _edge_cost(self, j: int, tops: list[tuple[float, ...]],
+                   coefs: tuple[float, float, float]) -> float | None:
+        """Feature j's edge cost from the points where it is largest (see with_range)."""
+        implied = []
+        for share, *features, seconds in tops:
+            if features[j] <= 0 or coefs[j] <= 0:
+                return None  # nothing measured, or no term: nothing to charge differently
+            if seconds <= self.floor_s * share * (1 + FLOOR_TOLERANCE):
+                return None  # the floor's point says nothing of the terms
+            others = self.intercept_s * share + sum(c * x for i, (c, x)
+                                                    in enumerate(zip(coefs, features))
+                                                    if i != j)
+            implied.append((seconds - others) / features[j])
+        return min(coefs[j], max(0.0, statistics.median(implied)))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -301,7 +468,8 @@ class LinearTTFT:
     @classmethod
     def load(cls, path: str | Path) -> LinearTTFT:
         """A file `save` wrote; fields added since (the floor, the speedup) default to 0 when an
-        older file lacks them."""
+        older file lacks them, the calibrated range and edge costs to None (unknown: the terms
+        are trusted everywhere, as before)."""
         try:
             data = json.loads(Path(path).read_text())
             model = cls(seconds_per_token=float(data["seconds_per_token"]),
@@ -311,7 +479,8 @@ class LinearTTFT:
                         seconds_per_decode_context=float(
                             data.get("seconds_per_decode_context", 0.0)),
                         floor_s=float(data.get("floor_s", 0.0)),
-                        relative_speedup=float(data.get("relative_speedup", 0.0)))
+                        relative_speedup=float(data.get("relative_speedup", 0.0)),
+                        **{name: _optional_float(data.get(name)) for name in _RANGE_FIELDS})
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"ttft model {str(path)!r} is not a calibration file written by "
                              f"`sloserve calibrate`: {exc}") from exc
@@ -324,11 +493,26 @@ class LinearTTFT:
         if not 0 <= model.relative_error < math.inf:
             raise ValueError(f"ttft model {str(path)!r}: relative_error must be a finite number "
                              f">= 0, got {model.relative_error}")
+        bad_range = [name for name in _RANGE_FIELDS
+                     if not 0 <= (getattr(model, name) or 0.0) < math.inf]
+        if bad_range:
+            raise ValueError(f"ttft model {str(path)!r}: {', '.join(bad_range)} must be finite "
+                             f"numbers >= 0 (or null)")
         if not 0 <= model.floor_s < math.inf or not 0 <= model.relative_speedup < 1:
             raise ValueError(f"ttft model {str(path)!r}: floor_s must be a finite number >= 0 "
                              f"and relative_speedup in [0, 1), got {model.floor_s} and "
                              f"{model.relative_speedup}")
         return model
+
+
+# The optional fields of the calibrated range (LinearTTFT.with_range).
+_RANGE_FIELDS = ("calibrated_tokens", "calibrated_attention", "calibrated_decode_context",
+                 "edge_seconds_per_token", "edge_seconds_per_token_sq",
+                 "edge_seconds_per_decode_context")
+
+
+def _optional_float(value: object) -> float | None:
+    return None if value is None else float(value)  # type: ignore[arg-type]
 
 
 def optimistic_prefill(model: LinearTTFT, tokens: int, decode_context: int = 0) -> float:
@@ -437,23 +621,77 @@ class OnlineTTFT:
     def _refit(self) -> LinearTTFT | None:
         """The model fitted on both windows (recent points weigh more), keeping the current
         floor; None while the prefill steps span too few distinct sizes (decodes alone say
-        nothing about prompts)."""
+        nothing about prompts).
+
+        The decode term is fitted first, on whole decode-only steps (_decode_coefficient),
+        and the other terms then on every point with it fixed, mixed and partial points
+        weighing MIXED_WEIGHT each. Why: a mixed step's decode context is large and varies
+        independently of its prefill, and a partial step's features are the layers' shares,
+        so whatever such a step costs that the model does not account for (an unwind's or a
+        resume's own work, decodes and a prefill contending for the caches) was fitted into
+        the decode term, where it has the most leverage; and the decode term is a small share
+        of such steps, so they say little about it anyway. On a server where nearly every step
+        carries a prefill chunk, the online fit once doubled the decode term that way
+        (tests/test_predictor_refit_decode.py)."""
         points = [*self._points, *self._decode_points]
         weights = [*recency_weights(len(self._points)),
                    *recency_weights(len(self._decode_points))]
         first = self._points[0].full_tokens if self._points else 0.0
         if not any(abs(p.full_tokens - first) > 1e-6 for p in self._points):
             return None  # one prefill size at most
+        decode = any(p.decode_context > 0 for p in points)
+        decode_s = self._decode_coefficient(points, weights) if decode else None
+        weights = [w * (1.0 if _single_kind(p) else MIXED_WEIGHT)
+                   for p, w in zip(points, weights)]
         try:
-            return LinearTTFT.fit_step(points, quadratic=True,
-                                       decode=any(p.decode_context > 0 for p in points),
-                                       weights=weights,
-                                       floor_s=self.current.floor_s)
+            return LinearTTFT.fit_step(points, quadratic=True, decode=decode, weights=weights,
+                                       floor_s=self.current.floor_s, decode_s=decode_s)
         except ValueError:  # too few distinct sizes (above the floor)
             return None
 
+    def _decode_coefficient(self, points: Sequence[StepPoint],
+                            weights: Sequence[float]) -> float | None:
+        """The decode term as the whole decode-only steps (the seed's among them, until served
+        steps push them out) show it: what they cost beyond the intercept and the per-token
+        cost of a fit on every point (mixed and partial ones weighing MIXED_WEIGHT), per KV
+        token read. The intercept and the per-token cost are determined by every step; the
+        decode term, the one coefficient left, only by the steps where it is all the rest.
+        None (a joint fit: the other steps are all the evidence there is) where no whole
+        decode-only step is in the windows."""
+        fallback = None
+        decodes = [(p, w) for p, w in zip(points, weights)
+                   if _single_kind(p) and p.attention <= 0 and p.decode_context > 0]
+        if not decodes:
+            return fallback
+        try:
+            joint = LinearTTFT.fit_step(
+                points, quadratic=True, decode=True, floor_s=self.current.floor_s,
+                weights=[w * (1.0 if _single_kind(p) else MIXED_WEIGHT)
+                         for p, w in zip(points, weights)])
+        except ValueError:
+            return fallback
+        # Weighted least squares of relative residuals, one coefficient: d = sum(w x r) /
+        # sum(w x x), x the context and r what the step cost beyond the other terms, both
+        # relative to its time (as fit_step weighs them).
+        num = den = 0.0
+        for point, weight in decodes:
+            if point.seconds <= joint.floor_s * (1 + FLOOR_TOLERANCE):
+                continue  # the floor's
+            rest = point.seconds - joint.intercept_s - joint.seconds_per_token * point.tokens
+            x = point.decode_context / point.seconds
+            num += weight * x * rest / point.seconds
+            den += weight * x * x
+        if den <= 0:
+            return fallback
+        return max(0.0, num / den)
+
     def predict(self, tokens: int, decode_context: int = 0) -> float:
         return self.current.predict(tokens, decode_context)
+
+
+def _single_kind(point: StepPoint) -> bool:
+    """A whole step of decodes only or of prefill chunks only (see OnlineTTFT._refit)."""
+    return point.share >= 1.0 - 1e-9 and (point.attention <= 0 or point.decode_context <= 0)
 
 
 def _residual(model: LinearTTFT, point: StepPoint) -> float:

@@ -8,6 +8,10 @@ predictor and no `--ttft-model` file is given, EngineCore runs, within a time bu
 - prompt sizes from 16 tokens up to the step budget (x4 apart, the budget itself last), each
   once untimed (a GPU compiles kernels for new shapes on first use) and then timed (median of
   up to three runs), the last run decoding a few tokens over that context;
+- one prompt as long as the longest context a served decode can read (max_model_len or the KV
+  pool; halved until the time left affords it), prefilled in chunks and then decoding: a share
+  of the budget is kept for it, so the decode term is measured at serving's contexts even when
+  the prompt sizes run the budget short;
 - a batch of eight short prompts decoding together;
 - one prompt prefilled in chunks, whose chunks over ever deeper prefixes show the attention
   term (the first two untimed; the median chunk is the point).
@@ -70,6 +74,12 @@ DECODE_BATCH = 8
 DECODE_STEPS = 4  # the first untimed
 # Chunks of the deep-prefix prompt: at most this many, of a size at most a third of the budget.
 MAX_CHUNKS = 8
+# Share of the budget kept for one decode over a long context (the longest a served decode can
+# have, or the longest that share affords): decodes timed only after short prompts once left
+# the decode term to be extrapolated 15x past the longest context measured.
+LONG_DECODE_SHARE = 0.35
+# A long-context decode is timed only if it reaches this many times the longest context timed.
+LONG_DECODE_GAIN = 1.5
 
 
 @dataclass
@@ -208,14 +218,15 @@ def _prompt_ladder(limit: int) -> list[int]:
     return [*sizes, limit]
 
 
-def _time_prompts(scratch: _Scratch, plan: _Plan, limit: int) -> None:
-    """The prompt sizes, cheapest first, while the budget lasts. The last timed run of each
-    size also decodes a few tokens: decodes over the longest context come almost free."""
+def _time_prompts(scratch: _Scratch, plan: _Plan, limit: int, reserve_s: float = 0.0) -> None:
+    """The prompt sizes, cheapest first, while the budget less `reserve_s` lasts. The last
+    timed run of each size also decodes a few tokens: decodes over the longest context come
+    almost free."""
     for size in _prompt_ladder(limit):
         one_run = plan.estimate(size, size * size)
         repeats = TIMED_REPEATS if one_run < ONE_REPEAT_SHARE * plan.budget_s else 1
         decodes = DECODE_STEPS * plan.estimate(1, 0, size)
-        if plan.prefills and (1 + repeats) * one_run + decodes > plan.left_s:
+        if plan.prefills and (1 + repeats) * one_run + decodes > plan.left_s - reserve_s:
             break  # each larger size costs more
         scratch.run([size], max_tokens=1)  # first use of the shape, untimed
         timed = [point for _ in range(repeats - 1)
@@ -231,6 +242,46 @@ def _keep_decodes(plan: _Plan, batch: int, context: int,
     decodes = [point for point, decode_only in steps if decode_only][1:]  # first use untimed
     if decodes:
         plan.decodes[(batch, context)] = _median_point(decodes)
+
+
+def longest_decode_context(scratch: _Scratch, max_len: int) -> int:
+    """The longest context a served decode can read: a sequence of max_model_len tokens, or
+    all of the KV pool (one block spare), less the decodes timed over it."""
+    block = scratch.scheduler.kv_cache_manager.block_size
+    return min(max_len - 1, scratch.kv_tokens - block) - DECODE_STEPS
+
+
+def _prefill_estimate(plan: _Plan, length: int, chunk: int) -> float:
+    """A prompt of `length` prefilled in chunks of at most `chunk` tokens (the step budget)."""
+    cost, prefix = 0.0, 0
+    while prefix < length:
+        n = min(chunk, length - prefix)
+        cost += plan.estimate(n, n * (2 * prefix + n))
+        prefix += n
+    return cost
+
+
+def _time_long_decode(scratch: _Scratch, plan: _Plan, step_tokens: int, max_len: int) -> None:
+    """One decode over the longest context the budget left affords, up to the longest a
+    served decode can read (halving from there): the decode term is then measured where
+    serving uses it, not extrapolated from the short contexts the prompt ladder reached. The
+    prompt is prefilled in chunks where it exceeds a step; the first decode is untimed."""
+    timed = max((context for _, context in plan.decodes), default=0)
+    context = longest_decode_context(scratch, max_len)
+    while context >= LONG_DECODE_GAIN * max(timed, 1):
+        cost = (_prefill_estimate(plan, context, step_tokens)
+                + DECODE_STEPS * plan.estimate(1, 0, context))
+        if cost <= plan.left_s:
+            break
+        context //= 2
+    else:
+        return
+    scratch.set_chunk(step_tokens)
+    try:
+        steps = scratch.run([context], max_tokens=1 + DECODE_STEPS, deadline=plan.deadline)
+    finally:
+        scratch.set_chunk(0)
+    _keep_decodes(plan, 1, context, steps)
 
 
 def _time_decode_batch(scratch: _Scratch, plan: _Plan, max_seqs: int) -> None:
@@ -296,12 +347,18 @@ def calibrate_at_startup(executor: Executor, config: EngineConfig, model: Resolv
         limit = min(limit, sched.long_prefill_token_threshold)
     plan = _Plan(budget_s)
     if limit >= 2:
-        _time_prompts(scratch, plan, limit)
+        # The prompt sizes leave a share of the budget to one long-context decode, unless
+        # the longest prompt already reaches the longest context a decode can read.
+        reserve = (LONG_DECODE_SHARE * budget_s
+                   if longest_decode_context(scratch, model.max_model_len) > limit else 0.0)
+        _time_prompts(scratch, plan, limit, reserve)
     if len(plan.prefills) < 2:
         logger.info("startup calibration skipped: %s prompt size(s) fit the limits (step "
                     "budget, max_model_len, KV pool, %.1f s); the predictor starts from its "
                     "default and fits online", len(plan.prefills), budget_s)
         return None
+    _time_long_decode(scratch, plan, min(sched.max_num_batched_tokens, limit),
+                      model.max_model_len)
     _time_decode_batch(scratch, plan, sched.max_num_seqs)
     _time_chunks(scratch, plan, limit, model.max_model_len)
     fitted, errors = choose_step_model(plan.points, config.preemption.predictor_error_quantile)
