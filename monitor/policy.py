@@ -1,30 +1,52 @@
-"""Slack-EDF policy (docs/design.md section 5): slack, priority, and the preemption gate.
+"""Slack-EDF policy (docs/design.md section 5): slack, priority, the ranking and the
+preemption gate.
 
 time_to_deadline = deadline - now; slack = time_to_deadline - predicted remaining TTFT;
-priority = sign(slack) / |time_to_deadline|: rescuable requests first, the most urgent first;
-doomed ones (late even under the optimistic estimate) last. A request without a deadline has infinite time and priority 0.
+priority = sign(slack) / |time_to_deadline|, the sign taken against the optimistic estimate: a
+request late even then is *doomed*. A request without a deadline has infinite time and
+priority 0.
 
-Aging bounds how long "last" lasts: a request still without its first token more than
-`aging_bound_s` past its deadline is *aged*. It goes ahead of every other request (the longest
-overdue first), and a step that serves it is never stopped for someone else, so no stream of
-tighter objectives can hold it back for good.
+The order (`rank`) is not a sort by that scalar: late as little as possible. Rescuable requests
+go by priority (the most urgent first); doomed ones among themselves by deadline (the most
+overdue first), each ahead of every rescuable request whose slack covers its predicted prefill
+(what the doomed ones placed ahead of it already take counted), behind those whose slack does
+not; requests without a deadline after all of them, in the order given (arrival: with no
+deadline anywhere the order is fcfs's).
+
+Aging bounds how long a request can be kept behind: one still without its first token past its
+deadline by more than AGING_SLO_MULTIPLE x its own objective (at most `aging_bound_s`) is
+*aged*. It goes ahead of every other request (the longest overdue first), and a step that serves
+it is never stopped for someone else, so no stream of tighter objectives can hold it back for
+good.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 if TYPE_CHECKING:
     from engine.core.request import Request
 
 PreemptPolicy = Literal["conservative", "aggressive"]
+T = TypeVar("T")
 
 # Priority of an aged request: its seconds overdue on top of this, above any 1 / time_to_deadline
 # a live deadline can give (that would need one closer than a picosecond).
 AGED_PRIORITY = 1e12
+
+# A request is aged once overdue by this many times its own TTFT objective (`aging_bound_s` is
+# the ceiling). 1: its first token is then twice as late as its client asked, and the ranking has
+# had that long to serve it ahead of everyone whose slack could afford it; what still holds it
+# back is a stream of requests that could not (slack tighter than its prefill), and past that
+# point it goes first. Lateness is thus bounded in the request's own units (a 150 ms turn waits
+# about 150 ms more, not a fixed 5 s, 30x its objective). A larger multiple only lengthens the
+# wait of exactly the requests the ranking failed to serve; 0 would age every doomed request at
+# its deadline, putting overdue requests ahead of rescuable ones, and under overload turn every
+# deadline into a miss (EDF's domino effect).
+AGING_SLO_MULTIPLE = 1.0
 
 
 @dataclass(frozen=True)
@@ -37,6 +59,8 @@ class RequestView:
     remaining_prefill_tokens: int
     # Rule 1: a request the monitor preempted once is never a victim again.
     slo_preempted: bool = False
+    # Its TTFT objective in seconds (None: not known to the view): aging counts in it.
+    slo_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -49,10 +73,23 @@ class Urgency:
     # done for it now can save its deadline. A request whose point slack is negative but whose
     # optimistic slack is not is still rescuable, and is treated as such.
     doomed: bool = False
+    # Predicted seconds of its remaining prefill (point estimate; 0 without a deadline): what
+    # serving it costs the requests behind it.
+    prefill: float = 0.0
 
     @property
     def aged(self) -> bool:
         return self.priority >= AGED_PRIORITY
+
+
+def aging_threshold(slo_s: float | None, aging_bound_s: float | None) -> float | None:
+    """Seconds past its deadline after which a request is aged: AGING_SLO_MULTIPLE x its
+    objective, at most `aging_bound_s` (None: aging is off; an unknown objective: the bound)."""
+    if aging_bound_s is None:
+        return None
+    if slo_s is None:
+        return aging_bound_s
+    return min(AGING_SLO_MULTIPLE * slo_s, aging_bound_s)
 
 
 def urgency(view: RequestView, now: float, predict: Callable[[int], float],
@@ -69,12 +106,70 @@ def urgency(view: RequestView, now: float, predict: Callable[[int], float],
     best_case = predicted if optimistic is None else min(
         predicted, optimistic(view.remaining_prefill_tokens))
     doomed = time_to_deadline - best_case <= 0
-    if aging_bound_s is not None and -time_to_deadline > aging_bound_s:
-        return Urgency(time_to_deadline, slack, AGED_PRIORITY - time_to_deadline, doomed=True)
+    threshold = aging_threshold(view.slo_s, aging_bound_s)
+    if threshold is not None and -time_to_deadline > threshold:
+        return Urgency(time_to_deadline, slack, AGED_PRIORITY - time_to_deadline, doomed=True,
+                       prefill=predicted)
     if time_to_deadline == 0:
-        return Urgency(0.0, slack, -math.inf, doomed=True)
+        return Urgency(0.0, slack, -math.inf, doomed=True, prefill=predicted)
     return Urgency(time_to_deadline, slack,
-                   (-1.0 if doomed else 1.0) / abs(time_to_deadline), doomed=doomed)
+                   (-1.0 if doomed else 1.0) / abs(time_to_deadline), doomed=doomed,
+                   prefill=predicted)
+
+
+def order(scored: Sequence[tuple[Urgency, T]]) -> list[tuple[Urgency, T]]:
+    """The ranking (see the module's docstring), most urgent first; ties keep the given order.
+
+    Aged requests first, the longest overdue first. Then the rescuable ones by priority merged
+    with the doomed ones by deadline: the next doomed one is placed as soon as the least slack
+    among the rescuable ones still behind, less the predicted prefill of the doomed ones placed
+    ahead of them, covers its own predicted prefill; else the next rescuable one is. Then those
+    without a deadline. O(n log n)."""
+    aged: list[tuple[Urgency, T]] = []
+    rescuable: list[tuple[Urgency, T]] = []
+    doomed: list[tuple[Urgency, T]] = []
+    free: list[tuple[Urgency, T]] = []
+    for item in scored:
+        u = item[0]
+        if u.aged:
+            aged.append(item)
+        elif u.time_to_deadline == math.inf:
+            free.append(item)
+        elif u.doomed:
+            doomed.append(item)
+        else:
+            rescuable.append(item)
+    aged.sort(key=lambda item: -item[0].priority)
+    rescuable.sort(key=lambda item: -item[0].priority)
+    doomed.sort(key=lambda item: item[0].time_to_deadline)
+    # least_slack[i]: the least slack among rescuable[i:] (what a doomed one placed before
+    # rescuable[i] delays).
+    least_slack = [math.inf] * (len(rescuable) + 1)
+    for i in range(len(rescuable) - 1, -1, -1):
+        least_slack[i] = min(rescuable[i][0].slack, least_slack[i + 1])
+    merged: list[tuple[Urgency, T]] = []
+    i = spent = 0
+    for item in doomed:
+        while least_slack[i] - spent < item[0].prefill:
+            merged.append(rescuable[i])
+            i += 1
+        merged.append(item)
+        spent += item[0].prefill
+    merged += rescuable[i:]
+    return aged + merged + free
+
+
+def rank(items: Iterable[T], now: float, predict: Callable[[int], float],
+         aging_bound_s: float | None = None,
+         optimistic: Callable[[int], float] | None = None,
+         view: Callable[[T], RequestView] | None = None) -> list[T]:
+    """`items` in the ranking's order (see `order`); `view`: each item's RequestView (default:
+    the items are views)."""
+    def as_view(item: T) -> RequestView:
+        return view(item) if view is not None else item  # type: ignore[return-value]
+
+    return [item for _, item in order([(urgency(as_view(item), now, predict, aging_bound_s,
+                                                optimistic), item) for item in items])]
 
 
 def view_of(request: Request) -> RequestView:
@@ -82,7 +177,8 @@ def view_of(request: Request) -> RequestView:
     has met or missed its TTFT objective for good: it no longer has a deadline to protect."""
     return RequestView(request.request_id, request.live_deadline,
                        max(0, request.num_tokens - request.num_computed_tokens),
-                       slo_preempted=request.num_slo_preemptions > 0)
+                       slo_preempted=request.num_slo_preemptions > 0,
+                       slo_s=None if request.ttft_slo_ms is None else request.ttft_slo_ms / 1000)
 
 
 def request_urgency(request: Request, now: float, predict: Callable[[int], float],
@@ -91,20 +187,46 @@ def request_urgency(request: Request, now: float, predict: Callable[[int], float
     return urgency(view_of(request), now, predict, aging_bound_s, optimistic).priority
 
 
+def rank_requests(requests: Iterable[Request], now: float, predict: Callable[[int], float],
+                  aging_bound_s: float | None = None,
+                  optimistic: Callable[[int], float] | None = None) -> list[Request]:
+    """Engine requests in the ranking's order (the scheduler's waiting queue and running set)."""
+    return rank(requests, now, predict, aging_bound_s, optimistic, view=view_of)
+
+
 @dataclass(frozen=True)
 class PreemptDecision:
     victim_id: str
     waiter_id: str
 
 
-def should_preempt(waiter: Urgency, running: Urgency, margin: float) -> bool:
-    """The four sign cases. Branch on signs first: a multiplicative margin on a negative
-    priority would flip the inequality."""
-    if waiter.doomed:  # W doomed (whether or not the running one is): never
+def should_preempt(waiter: Urgency, running: Urgency, margin: float,
+                   step_remaining_s: float | None = None, relative_error: float = 0.0) -> bool:
+    """Whether waiter W may stop a step for running request R. The four sign cases, branched
+    on first: a multiplicative margin on a negative priority would flip the inequality.
+
+    - both rescuable: W's priority must exceed `margin` x R's;
+    - only R doomed: always (it gives up its slot);
+    - only W doomed: only where serving W now makes it less late than waiting and costs R
+      nothing: the step's time left (`step_remaining_s`) exceeds W's predicted prefill (W saves
+      more lateness than the step's requests are delayed by), and R's slack covers W's
+      predicted prefill plus the predictor's error on both predictions (`relative_error`);
+    - both doomed: the same time test, and W's deadline is not later than R's (the ranking's
+      order among doomed requests: the most overdue first).
+
+    Without `step_remaining_s` a doomed waiter never preempts. Aged requests are out of it: a
+    step serving one is never stopped, and an aged waiter does not preempt."""
+    if waiter.aged or running.aged:
         return False
-    if running.doomed:  # only the running one is doomed: it gives up its slot
-        return True
-    return waiter.priority > margin * running.priority
+    if not waiter.doomed:
+        if running.doomed:
+            return True
+        return waiter.priority > margin * running.priority
+    if step_remaining_s is None or step_remaining_s <= waiter.prefill:
+        return False  # waiting for the step costs it no more than serving it costs the others
+    if running.doomed:
+        return waiter.time_to_deadline <= running.time_to_deadline
+    return running.slack >= waiter.prefill + relative_error * (waiter.prefill + running.prefill)
 
 
 def choose_preemption(waiting: Sequence[RequestView], running: Sequence[RequestView],
@@ -116,16 +238,21 @@ def choose_preemption(waiting: Sequence[RequestView], running: Sequence[RequestV
                       aging_bound_s: float | None = None,
                       optimistic: Callable[[int], float] | None = None
                       ) -> PreemptDecision | None:
-    """Whether the best waiter should stop the running step, and whom to preempt.
+    """Whether a waiter should stop the running step, and whom to preempt.
 
-    The gate compares the best waiter W with the MOST urgent eligible running request
-    (conservative: W must beat every one of them) or the LEAST urgent one (aggressive). The
-    victim is always the least urgent eligible running request: the step is unwound for all of
-    them anyway, and that is the one whose delay costs least. Rule 1: requests already preempted
-    by the monitor are not eligible.
+    The victim is always the least urgent eligible running request (the last in the ranking,
+    `order`): the step is unwound for all of them anyway, and that is the one whose delay costs
+    least. Rule 1: requests already preempted by the monitor are not eligible.
 
-    Doomed is judged against `optimistic` (see urgency): a waiter is written off only if even
-    its fastest likely prefill misses its deadline.
+    A doomed waiter first: the one the ranking puts ahead of every other waiter, if any, stops
+    the step where `should_preempt` allows it against every running request (eligible or not:
+    the whole step waits for it), whatever the policy. Doomed is judged against `optimistic`
+    (see urgency): a waiter is written off only if even its fastest likely prefill misses its
+    deadline.
+
+    Else the best rescuable waiter W (highest priority) is weighed against the eligible running
+    requests: conservative, W must beat every one of them (in effect the MOST urgent one);
+    aggressive, one of them (the LEAST urgent).
 
     `step_remaining_s` (the running step's time left, from its measured progress) adds a
     necessity test: a waiter
@@ -135,8 +262,9 @@ def choose_preemption(waiting: Sequence[RequestView], running: Sequence[RequestV
     remaining prefill and the step's remaining time: waiting is safe only if the slack covers
     the step plus what the two may run over.
 
-    Aging (`aging_bound_s`): a step serving an aged request is never stopped, and an aged waiter
-    (doomed by definition) neither preempts nor keeps a rescuable waiter from preempting.
+    Aging (`aging_bound_s`, see aging_threshold): a step serving an aged request is never
+    stopped, and an aged waiter (doomed by definition) neither preempts nor keeps another
+    waiter from preempting.
     """
     if policy not in ("conservative", "aggressive"):
         raise ValueError(f"preempt policy must be conservative or aggressive, got {policy!r}")
@@ -148,16 +276,23 @@ def choose_preemption(waiting: Sequence[RequestView], running: Sequence[RequestV
     scored_all = [(urgency(r, now, predict, aging_bound_s, optimistic), r) for r in running]
     if not scored_waiting or any(u.aged for u, _ in scored_all):
         return None
-    scored_running = sorted(((u, r) for u, r in scored_all if not r.slo_preempted),
-                            key=lambda item: item[0].priority)
-    if not scored_running:
+    eligible = [(u, r) for u, r in scored_all if not r.slo_preempted]
+    if not eligible:
         return None
+    victim_id = order(eligible)[-1][1].request_id
+    head_urgency, head = order(scored_waiting)[0]
+    if head_urgency.doomed and all(
+            should_preempt(head_urgency, u, margin, step_remaining_s, relative_error)
+            for u, _ in scored_all):
+        return PreemptDecision(victim_id=victim_id, waiter_id=head.request_id)
     best_urgency, best = max(scored_waiting, key=lambda item: item[0].priority)
+    if best_urgency.doomed:
+        return None  # every waiter is doomed, and the first of them may not stop the step
     if step_remaining_s is not None:
-        safety = relative_error * (predict(best.remaining_prefill_tokens) + step_remaining_s)
+        safety = relative_error * (best_urgency.prefill + step_remaining_s)
         if best_urgency.slack >= step_remaining_s + safety:
             return None
-    reference = scored_running[-1] if policy == "conservative" else scored_running[0]
-    if not should_preempt(best_urgency, reference[0], margin):
+    verdicts = (should_preempt(best_urgency, u, margin) for u, _ in eligible)
+    if not (all(verdicts) if policy == "conservative" else any(verdicts)):
         return None
-    return PreemptDecision(victim_id=scored_running[0][1].request_id, waiter_id=best.request_id)
+    return PreemptDecision(victim_id=victim_id, waiter_id=best.request_id)

@@ -51,21 +51,26 @@ def test_an_aged_waiter_does_not_keep_a_rescuable_one_from_preempting():
     assert decision is not None and decision.waiter_id == "urgent"
 
 
-@pytest.mark.parametrize("aging_bound_s,served", [(0.05, True), (60.0, False)])
-def test_aging_bounds_how_long_a_doomed_request_waits(aging_bound_s, served):
-    """One sequence slot and a new rescuable request every step: slack-EDF serves the stream
-    and leaves the doomed request last for as long as the stream lasts; with a 50 ms aging
-    bound it is served once it is 50 ms past its deadline. Probe: with a 60 s bound, the same
-    40 steps (over 200 ms) never serve it."""
+@pytest.mark.parametrize("aging_bound_s,slo_ms,threshold_s", [
+    (0.05, 100, 0.05),   # the bound is the ceiling
+    (60.0, 30, 0.03),    # below it, one of its own objectives past its deadline
+    (None, 30, None),    # probe: without aging it is never served
+])
+def test_aging_bounds_how_long_a_doomed_request_waits(aging_bound_s, slo_ms, threshold_s):
+    """One sequence slot and a new rescuable request every step, each with less slack (280 ms)
+    than the doomed request's prefill (0.5 s), so the ranking keeps it behind them: slack-EDF
+    serves the stream and leaves the doomed request behind for as long as the stream lasts,
+    until it is aged: min(its objective, the bound) past its deadline. Probe: without aging
+    the same 40 steps (over 200 ms) never serve it."""
     sched = _slo_scheduler(num_blocks=400, budget=1000, max_num_seqs=1)
     sched.slack.aging_bound_s = aging_bound_s
     runner = FakeRunner(sched)
-    doomed = _request("doomed", 500, 1)  # needs 0.5 s, has 1 ms
+    doomed = _request("doomed", 500, slo_ms)  # needs 0.5 s
     sched.add_request(doomed)
     stream = []
     steps = []  # (before, after) each schedule() call
     for i in range(40):
-        stream.append(_request(f"u{i}", 20, 10_000, max_tokens=1))
+        stream.append(_request(f"u{i}", 20, 300, max_tokens=1))
         sched.add_request(stream[-1])
         before = time.monotonic()
         out = sched.schedule()
@@ -74,10 +79,10 @@ def test_aging_bounds_how_long_a_doomed_request_waits(aging_bound_s, served):
         if doomed.first_scheduled_time is not None:
             break
         time.sleep(0.005)
-    if served:
-        # It ran in the first step that began once it was aging_bound_s past its deadline
-        # (however slow the machine makes the steps), ahead of that step's new arrival.
-        aged_at = doomed.deadline + aging_bound_s
+    if threshold_s is not None:
+        # It ran in the first step that began once it was aged (however slow the machine
+        # makes the steps), ahead of that step's new arrival.
+        aged_at = doomed.deadline + threshold_s
         assert steps[-1][1] >= aged_at and all(before < aged_at for before, _ in steps[:-1])
         assert len(stream) < 40 and stream[-1].first_scheduled_time is None
     else:

@@ -120,19 +120,33 @@ class PriorityQueue(RequestQueue):
 
 
 class UrgencyQueue(RequestQueue):
-    """Slack-EDF (`slo` policy): highest urgency first, ties by arrival.
+    """Slack-EDF (`slo` policy): the slo policy's order, ties by arrival.
 
-    Urgency changes with time, so no heap can hold it: the queue is re-sorted by `refresh()`,
-    which the scheduler calls once per step, and after additions on the next peek.
+    The order is not a sort by one number: a doomed request goes ahead of every request whose
+    slack covers its predicted prefill (monitor.policy.rank). `order` gives it (the requests,
+    in arrival order, in the policy's order); the slack policy hands it to `refresh()` every
+    step and it is kept for later re-sorts. Without one, the queue sorts by the scalar
+    `urgency` (highest first). Urgency changes with time, so no heap can hold it: the queue is
+    re-sorted by `refresh()`, which the scheduler calls once per step, and after additions on
+    the next peek.
     """
 
-    def __init__(self, urgency: Callable[[Request], float]) -> None:
+    def __init__(self, urgency: Callable[[Request], float],
+                 order: Callable[[list[Request]], list[Request]] | None = None) -> None:
         self._urgency = urgency
+        self._order = order
         self._items: list[Request] = []
         self._sorted = True
 
-    def refresh(self) -> None:
-        self._items.sort(key=lambda r: (-self._urgency(r), r.arrival_time))
+    def refresh(self, order: Callable[[list[Request]], list[Request]] | None = None) -> None:
+        """Re-sort now; `order`, if given, replaces the ordering from now on."""
+        if order is not None:
+            self._order = order
+        by_arrival = sorted(self._items, key=lambda r: r.arrival_time)
+        if self._order is not None:
+            self._items = list(self._order(by_arrival))
+        else:
+            self._items = sorted(by_arrival, key=lambda r: -self._urgency(r))
         self._sorted = True
 
     def add(self, request: Request) -> None:
@@ -168,7 +182,10 @@ class UrgencyQueue(RequestQueue):
 
 
 def create_request_queue(policy: str,
-                         urgency: Callable[[Request], float] | None = None) -> RequestQueue:
+                         urgency: Callable[[Request], float] | None = None,
+                         order: Callable[[list[Request]], list[Request]] | None = None
+                         ) -> RequestQueue:
+    """`urgency` and `order`: the slo policy's (see UrgencyQueue)."""
     if policy == "fcfs":
         return FCFSQueue()
     if policy == "priority":
@@ -176,5 +193,5 @@ def create_request_queue(policy: str,
     if policy == "slo":
         if urgency is None:
             raise ValueError("the slo policy needs an urgency function")
-        return UrgencyQueue(urgency)
+        return UrgencyQueue(urgency, order)
     raise ValueError(f"unknown scheduling policy {policy!r} (expected fcfs, priority or slo)")
