@@ -1,7 +1,8 @@
 """`sloserve bench ...`: the SLO-attainment benchmark suite (TTFT and TPOT objectives, goodput).
 
   trace   write a seeded trace (JSONL) of a built-in workload
-  run     replay traces against policies x budgets x rates x seeds; JSON, Markdown, plots
+  run     replay traces against policies x budgets x rates x seeds; JSON, Markdown, plots;
+          with --peer NAME=URL, each trace against other servers too, side by side
   sweep   find the rate where fcfs attainment is about 50%, then run the grid at 0.5x/1x/1.5x
   report  rebuild the Markdown table and plots from a results JSON
 
@@ -10,6 +11,11 @@ run (one trace, policy and budget) ends, OUTPUT_DIR/results.jsonl gets its `requ
 its `run` record with the run's summary (bench/figures.py; `done` after the last), so a benchmark
 killed at a time limit keeps every run it finished. The HTTP runner's servers (started per run
 unless --url names one) append their info-level logs to OUTPUT_DIR/server.log as they run.
+
+Over HTTP the first few tokens of every prompt are salt, drawn afresh for each request of each
+replay (the warm-up included; prompt lengths stay the trace's): a server keeps its prefix cache
+between replays, and no replay may find what an earlier one (another budget, seed or server, or
+an earlier benchmark) left there.
 """
 
 from __future__ import annotations
@@ -21,7 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.attainment.policies import DEFAULT_SWEEP_POLICIES, resolve_policies
+from bench.attainment.salts import PREFIX_SALT_TOKENS
 from bench.figures import FigureLog
+
+# The policy a running `sloserve serve` at --url runs unless told otherwise (the engine's
+# default: slack-EDF with mid-forward preemption in suspend mode).
+DEFAULT_SERVER_POLICY = "slo+mf-conservative-suspend"
 
 
 @dataclass
@@ -145,12 +156,22 @@ def _large_budget(traces: list) -> int:
     return max(2048, longest + 64)
 
 
+def _served_model(url: str, given: str | None, api_key: str | None) -> str:
+    import asyncio
+
+    from bench.attainment.runners import served_model_name
+
+    return given or asyncio.run(served_model_name(url, api_key))
+
+
 def _run_cell(setup: BenchSetup, args: argparse.Namespace, trace, policy, budget: int):
     from bench.attainment.clairvoyant import clairvoyant_attainment
     from bench.attainment.runners import run_http, run_inprocess
 
     if args.runner == "http" and args.url:
-        run = run_http(trace, args.url, policy, budget, api_key=args.api_key)
+        run = run_http(trace, args.url, policy, budget, api_key=args.api_key,
+                       model_name=_served_model(args.url, getattr(args, "url_model", None),
+                                                args.api_key))
     elif args.runner == "http":
         from bench.attainment.server import serve
 
@@ -169,6 +190,24 @@ def _run_cell(setup: BenchSetup, args: argparse.Namespace, trace, policy, budget
     return run
 
 
+def _run_peers(setup: BenchSetup, args: argparse.Namespace, trace) -> list:
+    """The trace against each --peer, one after the other, after sloserve's runs of it."""
+    from bench.attainment.peers import PEER_BUDGET, PEER_POLICY
+    from bench.attainment.runners import run_http
+
+    runs = []
+    for peer in args.peer_list:
+        print(f"peer {peer.name} at {peer.url}", file=sys.stderr)
+        run = run_http(trace, peer.url, PEER_POLICY, PEER_BUDGET, api_key=args.api_key,
+                       model_name=_served_model(peer.url, peer.model, args.api_key),
+                       label=peer.name)
+        run.meta["peer"] = True
+        for kind, record in run.figure_records():
+            setup.figures.write(kind, **record)
+        runs.append(run)
+    return runs
+
+
 def _write_outputs(runs: list, out_dir: Path) -> None:
     from bench.attainment.report import (TABLE_NOTES, markdown_table, plot_attainment_vs_rate,
                                          plot_ttft_cdf, write_json)
@@ -181,7 +220,15 @@ def _write_outputs(runs: list, out_dir: Path) -> None:
     plot_attainment_vs_rate(cells, out_dir / "attainment_vs_rate.png")
     plot_ttft_cdf(runs, out_dir / "ttft_cdf.png")
     print(table)
-    print(f"\nwrote {out_dir}/results.json, summary.md, attainment_vs_rate.png, ttft_cdf.png")
+    written = "results.json, summary.md, attainment_vs_rate.png, ttft_cdf.png"
+    if any(r.meta.get("peer") for r in runs):
+        from bench.attainment.peers import PEER_NOTES, side_by_side
+
+        peers = side_by_side(runs)
+        (out_dir / "peers.md").write_text(peers + "\n" + PEER_NOTES)
+        print(peers)
+        written += ", peers.md"
+    print(f"\nwrote {out_dir}/{written}")
 
 
 def _budgets(args: argparse.Namespace, traces: list) -> list[int]:
@@ -189,11 +236,27 @@ def _budgets(args: argparse.Namespace, traces: list) -> list[int]:
 
 
 def _policies(args: argparse.Namespace) -> list:
-    policies = resolve_policies(args.policies)
+    names = args.policies
+    if names is None:
+        # A running server at --url runs one policy: by default the engine's own.
+        names = [DEFAULT_SERVER_POLICY] if args.runner == "http" and args.url \
+            else DEFAULT_SWEEP_POLICIES
+    policies = resolve_policies(names)
     if args.runner == "http" and args.url and len(policies) > 1:
         raise ValueError("--url names one running server, which runs one policy: pass that "
                          "policy alone, or leave out --url to start a server per policy")
     return policies
+
+
+def _check_peers(args: argparse.Namespace) -> None:
+    """--peer's servers, parsed into args.peer_list (none without --peer)."""
+    from bench.attainment.peers import parse_peers
+
+    args.peer_list = parse_peers(getattr(args, "peer", None), getattr(args, "peer_model", None))
+    if args.peer_list and args.runner != "http":
+        raise ValueError("--peer compares servers over HTTP: add --runner http (with --url for "
+                         "a running sloserve server, or without it for a fresh one per policy "
+                         "and budget)")
 
 
 def _grid(setup: BenchSetup, args: argparse.Namespace, rates: list[float]) -> list:
@@ -209,6 +272,7 @@ def _grid(setup: BenchSetup, args: argparse.Namespace, rates: list[float]) -> li
                 print(f"[{len(runs) + 1}/{total}] rate {rate:g} seed {seed} budget {budget} "
                       f"{policy.name}", file=sys.stderr)
                 runs.append(_run_cell(setup, args, trace, policy, budget))
+        runs += _run_peers(setup, args, trace)
     return runs
 
 
@@ -268,6 +332,7 @@ def _stop_if_dry_run(args: argparse.Namespace) -> None:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     _stop_if_dry_run(args)
+    _check_peers(args)
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     setup = _setup(args, out_dir)
@@ -281,6 +346,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 for budget in budgets:
                     for policy in _policies(args):
                         runs.append(_run_cell(setup, args, trace, policy, budget))
+                runs += _run_peers(setup, args, trace)
         else:
             runs = _grid(setup, args, args.rates)
         setup.figures.write("done", runs=len(runs))
@@ -340,6 +406,7 @@ def find_half_attainment_rate(setup: BenchSetup, args: argparse.Namespace) -> fl
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
+    args.peer_list = []  # sweep compares policies only
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     setup = _setup(args, out_dir)
@@ -398,16 +465,26 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def _add_grid(p: argparse.ArgumentParser, default_policies: list[str]) -> None:
-    p.add_argument("--policies", nargs="+", default=default_policies,
+    p.add_argument("--policies", nargs="+", default=None,
                    help="policy names or `all` (fcfs, priority, slo, slo+mf-{conservative,"
-                        "aggressive}-{pause,recompute})")
+                        f"aggressive}}-{{pause,recompute,suspend}}; default: "
+                        f"{' '.join(default_policies)}, or {DEFAULT_SERVER_POLICY} with --url)")
     p.add_argument("--budgets", nargs="+", default=["512", "large"],
                    help="max_num_batched_tokens values; `large` = larger than any prompt")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--runner", choices=["inprocess", "http"], default="inprocess")
     p.add_argument("--url", default=None,
                    help="http runner: a running server's base URL (default: start a fresh "
-                        "`sloserve serve` per policy and budget)")
+                        "`sloserve serve` per policy and budget). Its settings are its own: "
+                        "--policies (one) and --budgets only label the runs (and set the "
+                        "clairvoyant bound's budget). Every HTTP replay replaces the first "
+                        f"{PREFIX_SALT_TOKENS} tokens of each prompt by salt drawn afresh per "
+                        "request and per replay (the warm-up too; lengths unchanged), so that "
+                        "no replay, of this run or an earlier one, finds its prompts in the "
+                        "server's prefix cache")
+    p.add_argument("--url-model", default=None, metavar="MODEL",
+                   help="the model name to send to --url (default: the first that its "
+                        "/v1/models lists)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--output-dir", default="bench_results")
 
@@ -440,6 +517,20 @@ def add_bench_parser(subparsers: Any) -> None:
                           "(prompt, output_tokens, ttft_slo_ms, arrival_s per line; "
                           "tpot_slo_ms optional)")
     run.add_argument("--rates", type=float, nargs="+", default=[0.5])
+    run.add_argument("--peer", action="append", default=None, metavar="NAME=URL",
+                     help="also replay each trace against this running OpenAI-compatible "
+                          "server (vLLM, SGLang, ...; repeatable), after sloserve's runs of it "
+                          "and never at the same time, and print a table per trace with a "
+                          "column per server (also OUTPUT_DIR/peers.md; every run in "
+                          "results.json). Needs --runner http. The peer must serve the same "
+                          "model: prompts go as token ids of --model's tokenizer. It gets each "
+                          "request's objectives as the body fields ttft_slo_ms and tpot_slo_ms, "
+                          "as sloserve does, and salted prompts like every HTTP replay (see "
+                          "--url)")
+    run.add_argument("--peer-model", action="append", default=None, metavar="NAME=MODEL",
+                     help="the model name to send to peer NAME (default: the first that its "
+                          "/v1/models lists; vLLM serves a model under its path unless started "
+                          "with --served-model-name)")
     run.set_defaults(func=_cmd_run)
 
     sweep = sub.add_parser("sweep", help="the default sweep around fcfs' 50%% rate")

@@ -170,7 +170,9 @@ def markdown_table(aggregate: list[dict[str, Any]], urgent: str | None = None) -
     for c in aggregate:
         m = c["metrics"]
         rows.append([
-            *(str(c[k]) for k in extra), c["policy"], str(c["budget"]), f"{c['rate']:g}",
+            # Budget 0: a peer server's run (bench/attainment/peers.py), at its own settings.
+            *(str(c[k]) for k in extra), c["policy"], str(c["budget"] or "own"),
+            f"{c['rate']:g}",
             str(c["num_seeds"]),
             _fmt(m["ttft_slo_attainment"], 100),
             _fmt(_get(c, "tiers", u, "ttft_slo_attainment"), 100),

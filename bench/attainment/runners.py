@@ -1,6 +1,14 @@
 """Replaying a trace against the engine: in process (exact engine timestamps) or over HTTP
-against a running `sloserve serve` (TTFT and TPOT measured at the client). Both send each
-request's TTFT and TPOT objectives to the engine and return a `RunResult`.
+against a running `sloserve serve`, or any OpenAI-compatible server (TTFT and TPOT measured at
+the client). Both send each request's TTFT and TPOT objectives to the engine and return a
+`RunResult`.
+
+Over HTTP, the first PREFIX_SALT_TOKENS tokens of every prompt are replaced by salt tokens drawn
+afresh for each request of each replay, the warm-up included (bench/attainment/salts.py): a
+server keeps its prefix cache from one replay to the next, and without the salt a second replay
+of a trace (another budget or seed, a warm-up of the first request, another benchmark run
+against the same server) would find its prompts cached. Prompt lengths stay the trace's, so
+every server and every run does the same work.
 
 Arrivals follow the trace's offsets in real time. In process, a separate thread submits each
 request at its time, as the HTTP reader thread would, so the SLO monitor sees arrivals that land
@@ -14,12 +22,14 @@ import json
 import re
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from tqdm import tqdm
 
 from bench.attainment.policies import PolicySpec, tier_priorities
 from bench.attainment.results import RequestResult, RunResult
+from bench.attainment.salts import PREFIX_SALT_TOKENS, PrefixSalts, salted
 from bench.attainment.traces import Trace, TraceRequest
 
 
@@ -185,6 +195,7 @@ def _inprocess_result(tr: TraceRequest, request: Any, start: float) -> RequestRe
 
 # ---- over HTTP ------------------------------------------------------------------------------
 
+# Engine counters of a sloserve server, as RunResult.engine reports them over a run.
 _COUNTERS = {
     "num_preemptions_kv": ("sloserve:num_preemptions_total", 'reason="kv"'),
     "num_preemptions_slo": ("sloserve:num_preemptions_total", 'reason="slo"'),
@@ -194,7 +205,10 @@ _COUNTERS = {
 
 
 def parse_engine_counters(metrics_text: str) -> dict[str, int]:
-    """The engine-side counters a run reports, from the server's Prometheus text."""
+    """The engine-side counters a run reports, from a sloserve server's Prometheus text; {} for
+    another server (a peer's counters under other names are not sloserve's)."""
+    if not re.search(r"^sloserve:", metrics_text, re.MULTILINE):
+        return {}
     found = {key: 0 for key in _COUNTERS}
     for line in metrics_text.splitlines():
         for key, (name, label) in _COUNTERS.items():
@@ -203,12 +217,47 @@ def parse_engine_counters(metrics_text: str) -> dict[str, int]:
     return found
 
 
+def server_counter(metrics_text: str, name: str) -> int | None:
+    """A counter any server may export under its own prefix (`<prefix>:<name>_total`, as
+    sloserve's and vLLM's `request_success` and `prefix_cache_hits`), summed over its labels;
+    None when the server exports no such counter."""
+    total, seen = 0.0, False
+    pattern = re.compile(rf"[a-zA-Z_]\w*:{re.escape(name)}_total[{{ ]")
+    for line in metrics_text.splitlines():
+        if pattern.match(line):
+            total += float(line.rsplit(" ", 1)[1])
+            seen = True
+    return int(total) if seen else None
+
+
+# What every run records of a server's own counters, whichever server it is (RunResult.engine):
+# probes that the run's requests reached it, and that none found its prompt in the prefix cache.
+_SERVER_COUNTERS = {"server_finished_requests": "request_success",
+                    "server_prefix_cache_hit_tokens": "prefix_cache_hits"}
+
+
+async def served_model_name(url: str, api_key: str | None = None) -> str:
+    """The first model a server lists at /v1/models (vLLM serves a model under its path unless
+    started with --served-model-name)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30.0) as client:
+        response = await client.get("/v1/models")
+        response.raise_for_status()
+        models = response.json().get("data") or []
+    if not models:
+        raise ValueError(f"{url}/v1/models lists no model")
+    return str(models[0]["id"])
+
+
 async def _one_http(client: Any, tr: TraceRequest, start: float, priority: int,
-                    model_name: str | None) -> RequestResult:
+                    model_name: str | None, salt: Sequence[int] = ()) -> RequestResult:
     delay = start + tr.arrival_s - time.monotonic()
     if delay > 0:
         await asyncio.sleep(delay)
-    body: dict[str, Any] = {"prompt": tr.prompt_token_ids, "max_tokens": tr.output_tokens,
+    prompt = salted(tr.prompt_token_ids, salt)
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": tr.output_tokens,
                             "temperature": 0, "ignore_eos": True, "stream": True,
                             "stream_options": {"include_usage": True}, "priority": priority}
     if model_name:
@@ -250,7 +299,7 @@ async def _one_http(client: Any, tr: TraceRequest, start: float, priority: int,
     e2e = finished - sent if error is None else None
     tpot = RequestResult.tpot_from(ttft, e2e, output_tokens)
     return RequestResult(request_id=tr.request_id, tier=tr.tier, arrival_s=sent - start,
-                         prompt_tokens=len(tr.prompt_token_ids), output_tokens=output_tokens,
+                         prompt_tokens=len(prompt), output_tokens=output_tokens,
                          ttft_slo_ms=tr.ttft_slo_ms, tpot_slo_ms=tr.tpot_slo_ms, ttft_s=ttft,
                          e2e_s=e2e, tpot_s=tpot,
                          num_preemptions=int(metrics.get("num_preemptions") or 0), error=error,
@@ -263,39 +312,62 @@ async def _one_http(client: Any, tr: TraceRequest, start: float, priority: int,
 
 async def run_http_async(trace: Trace, url: str, policy: PolicySpec, budget: int,
                          api_key: str | None = None, model_name: str | None = None,
-                         progress: bool = True) -> RunResult:
+                         progress: bool = True, label: str | None = None,
+                         salt_tokens: int = PREFIX_SALT_TOKENS) -> RunResult:
+    """Replay `trace` against the server at `url`. `label` names the run in place of the
+    policy's name (a peer server's name: its own settings, not `policy`, run it); every prompt
+    starts with `salt_tokens` fresh salt tokens in place of its own (see the module docstring;
+    0: none)."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     priorities = _priorities(trace, policy)
+    salts = PrefixSalts((r.prompt_token_ids for r in trace.requests), salt_tokens)
     limits = httpx.Limits(max_connections=len(trace.requests) + 4)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=None,
                                  limits=limits) as client:
         # Warm-up outside the measurement, as the in-process runner does: a fresh server's
-        # first steps pay first-call allocations and kernel selection.
+        # first steps pay first-call allocations and kernel selection. Salted like the rest, so
+        # that it leaves nothing in a prefix cache for the first request to find.
         warmup = trace.requests[0]
-        await client.post("/v1/completions", json={
-            "prompt": warmup.prompt_token_ids, "max_tokens": warmup.output_tokens,
-            "temperature": 0, "ignore_eos": True, **({"model": model_name} if model_name else {})})
-        before = parse_engine_counters((await client.get("/metrics")).text)
+        response = await client.post("/v1/completions", json={
+            "prompt": salted(warmup.prompt_token_ids, salts.draw()),
+            "max_tokens": warmup.output_tokens, "temperature": 0, "ignore_eos": True,
+            **({"model": model_name} if model_name else {})})
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}: the warm-up request failed with HTTP "
+                               f"{response.status_code}: {response.text[:300]}")
+        metrics_before = (await client.get("/metrics")).text
+        before = parse_engine_counters(metrics_before)
+        # Drawn before the clock starts: what each request sends is fixed up front.
+        request_salts = {tr.request_id: salts.draw() for tr in trace.requests}
         start = time.monotonic()
-        bar = tqdm(total=len(trace.requests), desc=f"{policy.name} @ {budget} (http)",
+        bar = tqdm(total=len(trace.requests), desc=f"{label or policy.name} @ {budget} (http)",
                    disable=not progress, leave=False)
 
         async def tracked(tr: TraceRequest) -> RequestResult:
-            result = await _one_http(client, tr, start, priorities.get(tr.tier, 0), model_name)
+            result = await _one_http(client, tr, start, priorities.get(tr.tier, 0), model_name,
+                                     request_salts[tr.request_id])
             bar.update()
             return result
 
         results = await asyncio.gather(*(tracked(tr) for tr in trace.requests))
         bar.close()
         end = time.monotonic()
-        after = parse_engine_counters((await client.get("/metrics")).text)
+        metrics_after = (await client.get("/metrics")).text
+        after = parse_engine_counters(metrics_after)
+    engine: dict[str, Any] = {k: after[k] - before[k] for k in after if k in before}
+    for key, name in _SERVER_COUNTERS.items():
+        counted = (server_counter(metrics_before, name), server_counter(metrics_after, name))
+        if None not in counted:
+            engine[key] = counted[1] - counted[0]
     workload, rate, seed = _meta(trace)
-    return RunResult(runner="http", policy=policy.name, budget=budget, workload=workload,
-                     rate=rate, seed=seed, duration_s=end - (start + trace.requests[0].arrival_s),
-                     requests=list(results),
-                     engine={k: after[k] - before[k] for k in _COUNTERS})
+    return RunResult(runner="http", policy=label or policy.name, budget=budget,
+                     workload=workload, rate=rate, seed=seed,
+                     duration_s=end - (start + trace.requests[0].arrival_s),
+                     requests=list(results), engine=engine,
+                     meta={"url": url, "model_name": model_name,
+                           "prefix_salt_tokens": salt_tokens})
 
 
 def run_http(trace: Trace, url: str, policy: PolicySpec, budget: int, **kwargs: Any
