@@ -102,8 +102,10 @@ def test_a_waiter_is_doomed_only_if_late_under_the_optimistic_estimate():
     running = RequestView("r", deadline=now + 60.0, remaining_prefill_tokens=24_000)
     assert urgency(waiter, now, pessimistic).doomed
     assert not urgency(waiter, now, pessimistic, optimistic=optimistic).doomed
+    # The step has 0.15 s left, less than the waiter's prefill: a doomed waiter would lose
+    # more waiting for its prefill than it gains by stopping the step (monitor.policy).
     assert choose_preemption([waiter], [running], now, pessimistic,
-                             step_remaining_s=1.0) is None
-    decision = choose_preemption([waiter], [running], now, pessimistic, step_remaining_s=1.0,
+                             step_remaining_s=0.15) is None
+    decision = choose_preemption([waiter], [running], now, pessimistic, step_remaining_s=0.15,
                                  optimistic=optimistic)
     assert decision is not None and decision.waiter_id == "w"

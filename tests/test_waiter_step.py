@@ -140,3 +140,35 @@ def test_a_turn_admitted_beside_a_document_is_not_held_to_its_whole_prefill():
         predicted = H100_LINE.predict_step(out.num_scheduled_tokens, out.attention_work,
                                            out.decode_context)
         assert predicted <= 0.75 * slo_ms / 1000
+
+
+def test_a_waiter_keeps_its_protection_until_its_client_has_output():
+    """Issue 32: the deadline is met when the client sees the first output, not when a token
+    is sampled. A waiter whose first token shows nothing (a special token) keeps the victim
+    and the kept chunks held, and its next tokens come from steps of its own, until its
+    consumer reports the first visible output; then they resume. Before: the hold ended with
+    the first sampled token, and the victim's whole suspended chunk resumed beside the
+    waiter's next (its first visible) token."""
+    sched = _scheduler(budget=40_000, num_blocks=12_000)
+    runner = FakeRunner(sched)
+    sched.add_request(_request("A", 24_000, 60_000))
+    stopped = sched.schedule()
+    waiter = _request("W", 128, 150.0)
+    waiter.sampling_params.max_tokens = 8
+    waiter.reports_first_output = True
+    sched.add_request(waiter)
+    applied, _ = unwind_step(sched, stopped, ["A"], target=stopped.step_id, victim_id="A",
+                             waiter_id="W", stopped_layer=9)
+    assert applied == "suspend"  # probe: the preemption was made for W
+    serving, _ = step(sched, runner)
+    assert scheduled(serving) == {"W": 128} and waiter.first_token_time is not None
+    # Sampled, not seen: the waiter's deadline is live, the victim stays held.
+    assert waiter.awaiting_first_output and waiter.live_deadline is not None
+    for _ in range(2):
+        alone, _ = step(sched, runner)
+        assert scheduled(alone) == {"W": 1}
+    assert sched.slack.is_held("A")
+    waiter.first_output_time = time.monotonic()  # as EngineCore.note_first_output sets it
+    resumed, _ = step(sched, runner)
+    assert not sched.slack.is_held("A")
+    assert scheduled(resumed)["W"] == 1 and scheduled(resumed).get("A", 0) > 0

@@ -72,7 +72,8 @@ class Scheduler:
                                    and preemption.mid_forward_preemption else None)
         self.requests: dict[str, Request] = {}
         self.siblings = SiblingGate()
-        self.waiting: RequestQueue = create_request_queue(scheduler_config.policy, self.urgency)
+        self.waiting: RequestQueue = create_request_queue(scheduler_config.policy, self.urgency,
+                                                          order=self.slack.rank)
         # Admission order: served first to last, preempted last to first (fcfs).
         self.running: list[Request] = []
         self.step_id = 0

@@ -29,7 +29,7 @@ from engine.config import SchedulingPolicy, SLOPreemptMode
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import RequestQueue, UrgencyQueue
 from engine.core.step_record import StepInProgress
-from monitor.policy import request_urgency
+from monitor.policy import rank_requests, request_urgency
 from monitor.predictor import LinearTTFT, OnlineTTFT, attention_work, optimistic_prefill
 
 
@@ -66,19 +66,20 @@ class SchedulerOps(Protocol):
         """Free a running request's KV and put it at the head of the waiting queue."""
 
 
-def _running_rank(request: Request, urgency: float, contested: bool) -> tuple[int, float]:
+def _running_rank(request: Request, position: int, contested: bool) -> tuple[int, int]:
     """Sort key of the running set under the slo policy: TPOT decodes first; then, while a
-    running prefill has a live deadline (`contested`), every other decode; then by urgency. A
-    decode costs one token of the budget and the caps already count the running decodes' time
+    running prefill has a live deadline (`contested`, a doomed one's too), every other decode;
+    then by `position` in the ranking (SlackPolicy.rank, the waiting queue's order). A decode
+    costs one token of the budget and the caps already count the running decodes' time
     (monitor/predictor.py's decode term); ranked by urgency instead, a request past its first
-    token (priority 0) would wait behind every prefill with a deadline, however relaxed, for each
-    of its next tokens. With no deadline anywhere nothing is contested and every priority is 0:
-    the order stays fcfs's."""
+    token (no deadline) would wait behind every prefill with a deadline, however relaxed or
+    late, for each of its next tokens. With no deadline anywhere nothing is contested and the
+    ranking keeps the given order: the order stays fcfs's."""
     if _is_tpot_decode(request):
-        return (0, 0.0)
+        return (0, 0)
     if contested and request.num_tokens_owed == 1:
-        return (1, 0.0)
-    return (2, -urgency)
+        return (1, 0)
+    return (2, position)
 
 
 def _is_tpot_decode(request: Request) -> bool:
@@ -153,8 +154,6 @@ class SlackPolicy:
         # Suspended chunks the workers can free; sent with the next step.
         self.unneeded_suspensions: list[str] = []
         self.num_slo_preemptions = 0
-        # slo policy: this step's ranking of the running set (begin_step).
-        self._running_urgency: dict[str, float] = {}
         # The running decodes as of begin_step: every step until they finish carries them, so
         # prefills are predicted beside the KV they read.
         self._decodes: list[Request] = []
@@ -167,8 +166,21 @@ class SlackPolicy:
         """Slack-EDF priority of a request (higher is more urgent); ``now`` defaults to now."""
         return request_urgency(request, time.monotonic() if now is None else now,
                                self.predict_prefill, self.aging_bound_s,
-                               lambda tokens: optimistic_prefill(self.predictor.current, tokens,
-                                                                 self._decode_context))
+                               self._optimistic_prefill)
+
+    def rank(self, requests: Iterable[Request], now: float | None = None) -> list[Request]:
+        """The slo policy's order of `requests` (monitor.policy.rank; ties keep the given
+        order): aged first; rescuable by urgency, each doomed one (earliest deadline first)
+        ahead of every one whose slack covers its predicted prefill; then those without a
+        deadline. The waiting queue, the running set, outranking admissions and the release of
+        held victims all follow it."""
+        return rank_requests(requests, time.monotonic() if now is None else now,
+                             self.predict_prefill, self.aging_bound_s, self._optimistic_prefill)
+
+    def _optimistic_prefill(self, tokens: int) -> float:
+        """The fastest `tokens` of prefill are likely to run beside the running decodes: a
+        request is doomed only if late even then."""
+        return optimistic_prefill(self.predictor.current, tokens, self._decode_context)
 
     def predict_prefill(self, tokens: int) -> float:
         """Seconds to prefill `tokens` in steps that also carry the running decodes."""
@@ -180,20 +192,18 @@ class SlackPolicy:
         """slo policy: urgency moves with the clock, so rank running and waiting requests once
         per step; the least urgent running request ends up last, which makes it the
         KV-pressure victim. Then release the held victims whose turn came."""
-        self._running_urgency = {}
         self._decodes = [r for r in ops.running
                          if r.num_tokens_owed == 1 and r.request_id not in self.held]
         self._decode_context = sum(r.num_tokens for r in self._decodes)
         if self.scheduling_policy == "slo":
             now = time.monotonic()
-            ranking = {r.request_id: self.urgency(r, now) for r in ops.running}
-            contested = any(ranking[r.request_id] > 0 for r in ops.running
+            position = {r.request_id: i for i, r in enumerate(self.rank(ops.running, now))}
+            contested = any(r.live_deadline is not None for r in ops.running
                             if r.num_tokens_owed > 1)
-            ops.running.sort(key=lambda r: _running_rank(r, ranking[r.request_id], contested))
+            ops.running.sort(key=lambda r: _running_rank(r, position[r.request_id], contested))
             waiting = ops.waiting
             assert isinstance(waiting, UrgencyQueue)
-            waiting.refresh()
-            self._running_urgency = ranking
+            waiting.refresh(self.rank)
         if self.held:
             self._release_held(ops)
         self._deepest_prefix = max((r.num_computed_tokens for r in ops.running
@@ -214,6 +224,10 @@ class SlackPolicy:
             self._admit_urgent_waiter(ops, step)
         if self.scheduling_policy == "slo":
             self._admit_outranking_waiters(ops, step)
+            # Admitted ahead of the running prefills for their deadlines: they stream as
+            # interactive turns from now on (cap_for_tpot), as a preemption's waiter does.
+            for request in step.with_deadline.values():
+                request.served_urgently = True
             step.budget += reserved
             step.budget = min(self.cap_for_deadlines(step), self.cap_for_tpot(ops, step))
 
@@ -286,24 +300,39 @@ class SlackPolicy:
     def _admit_urgent_waiter(self, ops: SchedulerOps, step: StepInProgress) -> None:
         waiter_id, self.urgent_waiter_id = self.urgent_waiter_id, None
         request = ops.get_request(waiter_id or "")
-        if request is None or request.status is RequestStatus.RUNNING:
-            return  # gone, or already in
+        if request is None:
+            return  # gone
+        # It streams as an interactive turn from now on (cap_for_tpot). Marked here, not when
+        # the preemption is applied: an arrival may reach the scheduler only after that.
+        request.served_urgently = True
+        if request.status is RequestStatus.RUNNING:
+            return  # already in
         if ops.admit(request, step) is not None:
             ops.waiting.remove(request)
 
     def _admit_outranking_waiters(self, ops: SchedulerOps, step: StepInProgress) -> None:
-        """Waiters with a deadline that are more urgent than every running prefill go before
-        the running set, instead of getting what budget the running set leaves."""
+        """Waiters with a deadline that the ranking puts ahead of every running prefill go
+        before the running set, instead of getting what budget the running set leaves (a
+        doomed one too, where every running prefill's slack covers its prefill)."""
         now = time.monotonic()
-        running_prefills = [self._running_urgency[r.request_id] for r in ops.running
+        running_prefills = [r for r in ops.running
                             if r.awaiting_first_output and r.request_id not in self.held
                             and r.request_id not in step]
         if not running_prefills:
             return  # nothing to jump over: the usual order serves them just as well
-        top = max(running_prefills)
+        # Ranked together, running first: a waiter that only ties with a running prefill
+        # does not jump it.
+        waiters = [r for r in ops.waiting
+                   if r.live_deadline is not None and r.request_id not in self.held]
+        running_ids = {r.request_id for r in running_prefills}
+        outranking: set[str] = set()
+        for request in self.rank([*running_prefills, *waiters], now):
+            if request.request_id in running_ids:
+                break
+            outranking.add(request.request_id)
         with self.waiting_past_held(ops.waiting) as next_waiter:
             while step.budget > 0 and (request := next_waiter()) is not None:
-                if request.deadline is None or self.urgency(request, now) <= top:
+                if request.request_id not in outranking:
                     break
                 # Each admission may take only what keeps the ones before it (more urgent)
                 # in time.
@@ -387,36 +416,52 @@ class SlackPolicy:
         allowed = step.budget
         # Interactive turns only: the tokens their gaps allow (enforced unless that pace would
         # make a prefill with a deadline miss it).
-        interactive_allowed, interactive_gap = step.budget, 0.0
+        interactive_allowed, interactive_gap, interactive_steps = step.budget, 0.0, 0
         for request in decodes:
             assert request.last_token_time is not None
             gap = gap_objective(request, decode_step)
             time_left = request.last_token_time + gap - now
-            if line.predict(minimal, context) > time_left:
-                continue  # missed even by a step of decodes alone
-            usable = self._usable(time_left)
-            fits = max(len(decodes), line.max_tokens_within(usable, context) - step.num_tokens)
+            if decode_step > time_left:
+                continue  # missed even by a step of the decodes alone: nothing to protect
+            # The chunks that may join are charged their attention over the deepest running
+            # prefix, as the TTFT cap does: a piece of a suspended 24k-token document is
+            # not priced as a fresh prompt. Where the step already overruns the gap (an urgent
+            # turn's prefill went first), nothing more joins: it overruns as little as can be.
+            fits = len(decodes) + line.max_chunk_within(self._usable(time_left), minimal,
+                                                        step.attention, context,
+                                                        self._deepest_prefix)
             if request.tpot_slo_ms is None:
                 interactive_allowed = min(interactive_allowed, fits)
                 interactive_gap = max(interactive_gap, gap)
+                interactive_steps = max(interactive_steps, request.sampling_params.max_tokens
+                                        - request.num_output_tokens)
             else:
                 allowed = min(allowed, fits)
         if interactive_allowed < allowed and not self._pace_misses_a_deadline(
-                ops, interactive_allowed - len(decodes), interactive_gap, now):
+                ops, step, interactive_allowed - len(decodes), interactive_gap,
+                interactive_steps, now):
             allowed = interactive_allowed
         return allowed
 
-    def _pace_misses_a_deadline(self, ops: SchedulerOps, prefill_per_step: int,
-                                step_s: float, now: float) -> bool:
+    def _pace_misses_a_deadline(self, ops: SchedulerOps, step: StepInProgress,
+                                prefill_per_step: int, step_s: float, num_steps: int,
+                                now: float) -> bool:
         """Whether a request with prefill left and a live deadline (running or waiting, not
-        held) would meet it at full speed but miss it at `prefill_per_step` tokens a step of
-        `step_s`: an interactive turn's pace must not cost another request its deadline."""
+        held, not served by `step` already) would meet it at full speed but miss it if, for
+        the next `num_steps` steps (the interactive turns' tokens left), it got only
+        `prefill_per_step` tokens a step of `step_s`: an interactive turn's pace must not cost
+        another request its deadline."""
+        per_step = max(1, prefill_per_step)
         for request in (*ops.running, *ops.waiting):
             deadline = request.live_deadline
             owed = request.num_tokens_owed
-            if deadline is None or owed <= 1 or request.request_id in self.held:
+            if (deadline is None or owed <= 1 or request.request_id in self.held
+                    or request.request_id in step):
                 continue
-            paced = math.ceil(owed / max(1, prefill_per_step)) * step_s
+            if owed <= per_step * num_steps:
+                paced = math.ceil(owed / per_step) * step_s
+            else:  # at full speed once the turns are done
+                paced = num_steps * step_s + self.predict_prefill(owed - per_step * num_steps)
             if self.predict_prefill(owed) <= deadline - now < paced:
                 return True
         return False
@@ -435,7 +480,11 @@ class SlackPolicy:
         now = time.monotonic()
         contenders = [r for r in (*ops.waiting, *ops.running)
                       if r.request_id not in self.held and r.awaiting_first_output]
-        best = max((self.urgency(r, now) for r in contenders), default=-math.inf)
+
+        def ranks_first(request: Request) -> bool:
+            # Listed first, so that a tie releases it.
+            return self.rank([request, *contenders], now)[0] is request
+
         for req_id in list(self.held):
             request = ops.get_request(req_id)
             assert request is not None, f"held request {req_id} is gone"
@@ -445,7 +494,7 @@ class SlackPolicy:
                 if waiter is not None and waiter.awaiting_first_output:
                     continue
                 del self.yielding_to[req_id]
-            if req_id not in self.victims or self.urgency(request, now) >= best:
+            if req_id not in self.victims or ranks_first(request):
                 self._release(req_id)
 
     def _release(self, req_id: str) -> None:
@@ -480,12 +529,10 @@ class SlackPolicy:
         if victim is None or self.protected_by_rule1(victim):
             return None
         self.urgent_waiter_id = waiter_id
-        waiter = ops.get_request(waiter_id)
-        if waiter is not None:
-            waiter.served_urgently = True
         victim.num_preemptions += 1
         victim.num_slo_preemptions += 1
         self.num_slo_preemptions += 1
+        waiter = ops.get_request(waiter_id)
         for req_id in {victim_id, *kept} - {waiter_id}:
             self.held.add(req_id)
             self.yielding_to[req_id] = waiter_id

@@ -7,6 +7,7 @@ monitor's decision to the victim.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -89,9 +90,9 @@ class SLOPreemptionControl:
         for sr in output.requests:
             request = scheduler.requests[sr.req_id]
             if len(sr.token_ids) > 1:
-                running.append(RequestView(sr.req_id, request.live_deadline,
-                                           request.num_tokens - sr.start_pos,
-                                           slo_preempted=slack.protected_by_rule1(request)))
+                running.append(dataclasses.replace(
+                    view_of(request), remaining_prefill_tokens=request.num_tokens - sr.start_pos,
+                    slo_preempted=slack.protected_by_rule1(request)))
         line = slack.predictor.current
         chunks = [(sr.start_pos, len(sr.token_ids), self._join_layer(sr))
                   for sr in output.requests]
