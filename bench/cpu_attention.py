@@ -6,6 +6,8 @@ model's attention shape (9 query heads, 3 KV heads, head_dim 64, block 16, float
 per layer, the median of repeats, interleaved across implementations so machine noise (other
 processes) hits them alike.
 
+- decode_mixed: decodes of unequal contexts (one 4000-token beside short ones), grouped by
+  context (what the engine runs) against every row padded to the longest, and the ideal.
 - decode: N sequences x context; achieved GB/s of the K/V the step must read, and its share of the
   memory read bandwidth measured in the same run (a sum over a large float32 tensor).
 - prefill: a prompt prefilled in chunks (each chunk's queries against its cached prefix plus
@@ -26,6 +28,7 @@ measured before choosing. Prints one JSON object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -313,6 +316,40 @@ def decode_case(count: int, ctx: int, impls: dict[str, Callable], repeats: int,
     }
 
 
+def mixed_decode_case(contexts: list[int], repeats: int) -> dict:
+    """Decodes of unequal contexts (one long beside short ones, as when a document finishes
+    its prefill beside chat turns): the current kernel with the host context lengths the
+    model runner passes (grouped by context) against the same kernel without them (every row
+    padded to the longest context, as before issue 32), and the rows' ideal cost, each
+    context's decodes timed alone."""
+    scale = HEAD_DIM ** -0.5
+    batch = build_batch(contexts, [], HEADS, KV_HEADS, HEAD_DIM, BLOCK, DTYPE,
+                        torch.device("cpu"), seed=len(contexts) * 31 + max(contexts))
+    grouped_meta = dataclasses.replace(batch.meta, decode_context_list=list(contexts))
+    padded_meta = dataclasses.replace(batch.meta, decode_context_list=None)
+    decode = torch_attention._decode_attention
+
+    def call(meta) -> Callable[[], torch.Tensor]:
+        return lambda: decode(batch.query, batch.key_cache, batch.value_cache, meta, scale)
+
+    alone = {}
+    for ctx in sorted(set(contexts)):
+        rows = [c for c in contexts if c == ctx]
+        part = build_batch(rows, [], HEADS, KV_HEADS, HEAD_DIM, BLOCK, DTYPE,
+                           torch.device("cpu"), seed=ctx)
+        alone[f"alone_{ctx}"] = (lambda b=part: decode(b.query, b.key_cache, b.value_cache,
+                                                       b.meta, scale))
+    fns = {"grouped": call(grouped_meta), "padded": call(padded_meta), **alone}
+    outs = {name: fns[name]() for name in ("grouped", "padded")}
+    ms = _interleaved(fns, repeats)
+    ideal = sum(v for name, v in ms.items() if name.startswith("alone_"))
+    return {"contexts": contexts, "ms": {n: round(v, 3) for n, v in ms.items()},
+            "ideal_ms": round(ideal, 3),
+            "padded_over_grouped": round(ms["padded"] / ms["grouped"], 2),
+            "grouped_over_ideal": round(ms["grouped"] / ideal, 2),
+            "max_abs_diff": _check({"grouped": outs["grouped"]}, outs["padded"])["grouped"]}
+
+
 def _chunk_batches(prompt: int, chunk: int, seed: int) -> list[PagedBatch]:
     return [build_batch([], [(min(chunk, prompt - start), start)], HEADS, KV_HEADS, HEAD_DIM,
                         BLOCK, DTYPE, torch.device("cpu"), seed=seed + start)
@@ -436,6 +473,8 @@ def main() -> None:
         counts = [1, 16] if args.quick else [1, 16, 64]
         result["decode"] = [decode_case(n, ctx, decode_impls, repeats, gbps)
                             for n in counts for ctx in (64, 2000)]
+        result["decode_mixed"] = [mixed_decode_case(c, repeats) for c in (
+            [4000] + [100] * 5, [4000, 2000] + [100] * 14)]
     if args.only in (None, "prefill"):
         chunks = [(3072, 512), (3072, 3072)] if args.quick else [
             (3072, 512), (3072, 2048), (3072, 3072)]

@@ -30,6 +30,11 @@ class AttentionMetadata:
     # from decode_context_lens here, before any forward pass (tests and benchmarks).
     decode_max_context: int = -1
     decode_min_context: int = -1
+    # Every decode's context length as host ints, when the model runner has them (None: a
+    # captured graph's static metadata, whose lengths change at each replay). The CPU kernel
+    # groups decodes of similar contexts with them, instead of padding every row to the
+    # longest (kernels.torch_attention).
+    decode_context_list: list[int] | None = None
     # Per-step values the kernels derive from the fields above (gather indices, masks). Every layer
     # of a step sees the same metadata, so they are built once on the first layer and reused by the
     # other layers. Owned by the implementation; never set it.
@@ -57,7 +62,8 @@ class AttentionMetadata:
             prefill_context_lens=self.prefill_context_lens[:kept],
             prefill_block_tables=self.prefill_block_tables[:kept],
             decode_max_context=self.decode_max_context,
-            decode_min_context=self.decode_min_context)
+            decode_min_context=self.decode_min_context,
+            decode_context_list=self.decode_context_list)
 
 
 def padded_block_tables(tables: Sequence[torch.Tensor | Sequence[int]],

@@ -360,6 +360,7 @@ class ModelRunner:
                                   for i, r in enumerate(prefills)],
             decode_max_context=int(context_lens.max()) if num_decodes else 0,
             decode_min_context=int(context_lens.min()) if num_decodes else 0,
+            decode_context_list=context_lens.tolist(),
         )
         return ModelInputs(
             input_ids=upload(buffers.input_ids, torch.from_numpy(input_ids)),
