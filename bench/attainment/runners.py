@@ -18,6 +18,7 @@ in the middle of a step.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import threading
@@ -121,12 +122,19 @@ def run_inprocess(trace: Trace, policy: PolicySpec, model: str, budget: int,
     engine = pool.get(policy, budget)
     priorities = _priorities(trace, policy)
 
+    # As the API server does, the bench tells the engine when each request's first visible
+    # text is out (a special or partial first token shows nothing): TTFT counts to that.
+    visible = FirstVisibleText(_tokenizer(model))
+
     def make(tr: TraceRequest, req_id: str) -> Request:
-        return Request(request_id=req_id, prompt_token_ids=list(tr.prompt_token_ids),
-                       sampling_params=SamplingParams(max_tokens=tr.output_tokens,
-                                                      temperature=0.0, ignore_eos=True),
-                       ttft_slo_ms=tr.ttft_slo_ms, tpot_slo_ms=tr.tpot_slo_ms,
-                       priority=priorities.get(tr.tier, 0))
+        request = Request(request_id=req_id, prompt_token_ids=list(tr.prompt_token_ids),
+                          sampling_params=SamplingParams(max_tokens=tr.output_tokens,
+                                                         temperature=0.0, ignore_eos=True),
+                          ttft_slo_ms=tr.ttft_slo_ms, tpot_slo_ms=tr.tpot_slo_ms,
+                          priority=priorities.get(tr.tier, 0),
+                          reports_first_output=tr.ttft_slo_ms is not None)
+        visible.add(request)
+        return request
 
     try:
         if engine.scheduler.step_id == 0:
@@ -156,6 +164,8 @@ def run_inprocess(trace: Trace, policy: PolicySpec, model: str, budget: int,
         while submitter.is_alive() or engine.has_unfinished_requests():
             if engine.has_unfinished_requests():
                 outputs = engine.step()
+                for req_id in visible.shown(outputs, time.monotonic()):
+                    engine.note_first_output(req_id, visible.times[req_id])
                 bar.update(sum(1 for o in outputs if o.finish_reason is not None))
             else:
                 time.sleep(0.0005)
@@ -165,7 +175,8 @@ def run_inprocess(trace: Trace, policy: PolicySpec, model: str, budget: int,
         if own_pool:
             pool.close()
 
-    results = [_inprocess_result(tr, r, start) for tr, r in submitted]
+    results = [_inprocess_result(tr, r, start, visible.times.get(r.request_id))
+               for tr, r in submitted]
     end = max((r.finish_time or start) for _, r in submitted)
     workload, rate, seed = _meta(trace)
     return RunResult(
@@ -177,9 +188,51 @@ def run_inprocess(trace: Trace, policy: PolicySpec, model: str, budget: int,
                 "computed_tokens": stats.num_scheduled_tokens - before.num_scheduled_tokens})
 
 
-def _inprocess_result(tr: TraceRequest, request: Any, start: float) -> RequestResult:
-    ttft = (request.first_token_time - request.arrival_time
-            if request.first_token_time is not None else None)
+@functools.lru_cache(maxsize=4)
+def _tokenizer(model: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+class FirstVisibleText:
+    """Detokenizes each request's output as a client would see it, to tell when its first
+    non-empty text is out."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._waiting: dict[str, Any] = {}
+        # Request id -> when its first text was out (time.monotonic()).
+        self.times: dict[str, float] = {}
+
+    def add(self, request: Any) -> None:
+        from engine.processing.detokenizer import IncrementalDetokenizer
+
+        if request.reports_first_output:
+            self._waiting[request.request_id] = IncrementalDetokenizer(
+                self._tokenizer, request.prompt_token_ids)
+
+    def shown(self, outputs: list[Any], now: float) -> list[str]:
+        """The requests whose first text is in these outputs, received at `now` (or that
+        finished without any: nothing more will come)."""
+        shown = []
+        for out in outputs:
+            detokenizer = self._waiting.get(out.req_id)
+            if detokenizer is None:
+                continue
+            detokenizer.update(out.new_token_ids)
+            if detokenizer.output_text or out.finish_reason is not None:
+                del self._waiting[out.req_id]
+                self.times[out.req_id] = now
+                shown.append(out.req_id)
+        return shown
+
+
+def _inprocess_result(tr: TraceRequest, request: Any, start: float,
+                      first_text_at: float | None = None) -> RequestResult:
+    # The first visible output where the bench saw one (else the engine's first token).
+    first = first_text_at or request.first_token_time
+    ttft = first - request.arrival_time if first is not None else None
     e2e = request.finish_time - request.arrival_time if request.finish_time is not None else None
     n = request.num_output_tokens
     tpot = RequestResult.tpot_from(ttft, e2e, n)
