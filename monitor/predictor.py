@@ -682,7 +682,10 @@ class OnlineTTFT:
             num += weight * x * rest / point.seconds
             den += weight * x * x
         if den <= 0:
-            return fallback
+            # Every decode-only step ran at the floor: they show the floor, not what a KV
+            # token costs, and the mixed steps would put the floor's time into the decode
+            # term (in the GPU-timed simulation, 11x the profile's). Keep what it was.
+            return self.current.seconds_per_decode_context
         return max(0.0, num / den)
 
     def predict(self, tokens: int, decode_context: int = 0) -> float:

@@ -40,6 +40,9 @@ from monitor.predictor import LinearTTFT, OnlineTTFT, attention_work, optimistic
 # instead, tests/test_tpot_scheduling.py's inter-token gaps overran their 300 ms objective by up
 # to 7%.
 DEADLINE_HEADROOM = 0.25
+# The share the running decodes may add to the predicted time of a step that already makes an
+# urgent request late: below it they join (its lateness hardly changes, their streams go on).
+DECODES_SHARE = 0.1
 
 
 class SchedulerOps(Protocol):
@@ -388,8 +391,13 @@ class SlackPolicy:
                 if not late_blocks:
                     continue  # late whatever joins it: nothing left to protect
                 # Late whatever joins it, or the running decodes alone would make it late:
-                # nothing joins, so it is as little late as can be.
-                return 0
+                # nothing joins, so it is as little late as can be; nothing but the running
+                # decodes, where they cost the step little (a GPU's step is floor-bound: a few
+                # decodes are free there, and without them every stream stalls a step).
+                decodes_cost = (line.predict_step(tokens, attention, context)
+                                / line.predict_step(step.num_tokens, attention,
+                                                    step.decode_context))
+                return len(pending_decodes) if decodes_cost <= 1 + DECODES_SHARE else 0
             joining = line.max_chunk_within(usable, tokens, attention, context, joining_prefix)
             allowed = min(allowed, len(pending_decodes) + joining)
         return allowed
