@@ -674,18 +674,24 @@ class OnlineTTFT:
         # sum(w x x), x the context and r what the step cost beyond the other terms, both
         # relative to its time (as fit_step weighs them).
         num = den = 0.0
+        # A step at the floor bounds the term instead: its decodes cost no more than the
+        # floor leaves them.
+        bound = math.inf
         for point, weight in decodes:
-            if point.seconds <= joint.floor_s * (1 + FLOOR_TOLERANCE):
-                continue  # the floor's
             rest = point.seconds - joint.intercept_s - joint.seconds_per_token * point.tokens
+            if point.seconds <= joint.floor_s * (1 + FLOOR_TOLERANCE):
+                bound = min(bound, max(0.0, rest) / point.decode_context)
+                continue  # the floor's
             x = point.decode_context / point.seconds
             num += weight * x * rest / point.seconds
             den += weight * x * x
         if den <= 0:
             # Every decode-only step ran at the floor: they show the floor, not what a KV
             # token costs, and the mixed steps would put the floor's time into the decode
-            # term (in the GPU-timed simulation, 11x the profile's). Keep what it was.
-            return self.current.seconds_per_decode_context
+            # term (in the GPU-timed simulation, 11x the profile's). Keep what it was, within
+            # what the floor-bound steps allow (a seed timed on a noisy CPU once said 1.3e-4 s
+            # a KV token, where its decode steps at 2000 tokens of context ran at the floor).
+            return min(self.current.seconds_per_decode_context, bound)
         return max(0.0, num / den)
 
     def predict(self, tokens: int, decode_context: int = 0) -> float:

@@ -115,3 +115,25 @@ def test_floor_bound_decode_steps_leave_the_decode_term_as_it_was():
         decode_only += chunk == 0
     assert decode_only > 50  # probe: decode-only steps were seen, all at the floor
     assert online.current.seconds_per_decode_context <= 2 * truth.seconds_per_decode_context
+
+
+def test_decode_steps_at_the_floor_bound_a_seed_that_overprices_them():
+    """A seed fitted on a noisy start-up (one 256-token decode timed 57 ms among 41 ms ones)
+    put 1.3e-4 s on each KV token a decode reads; the served decode-only steps then ran at the
+    floor with 2000 tokens of context, which that term prices at 0.3 s. They bound it: the
+    term cannot exceed what the floor leaves a step's decodes."""
+    truth = LinearTTFT(seconds_per_token=1.2e-3, intercept_s=0.023, floor_s=0.041,
+                       seconds_per_decode_context=1e-6)
+    seed = dataclasses.replace(truth, seconds_per_decode_context=1.28e-4)
+    points = [StepPoint(n, 0, 0, truth.predict(n)) for n in (64, 256, 1024)]
+    online = OnlineTTFT()
+    online.reseed(seed, points)
+    rng = random.Random(5)
+    for _ in range(60):
+        contexts = [rng.randrange(200, 800) for _ in range(rng.randrange(1, 5))]
+        online.observe(len(contexts), truth.predict_step(len(contexts), 0, sum(contexts)),
+                       attention=0, decode_context=sum(contexts))
+        n = rng.choice([64, 256, 512, 1024])
+        online.observe(n, truth.predict(n))
+    bound = (0.041 * 1.1 - 0.023) / 200
+    assert online.current.seconds_per_decode_context <= bound

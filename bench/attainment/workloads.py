@@ -20,6 +20,10 @@
   share the engine with short interactive turns (64-256 tokens) whose deadline is a few of their
   own isolated TTFTs (150 ms on that H100): an urgent turn that waits out a document's step
   misses by a second. Use gamma arrivals with --burstiness > 1 for bursts.
+- `deadline-burst`: the same shape with the objectives a CPU user would set (issue 32): documents
+  of about DEADLINE_BURST_DOCUMENT_S of isolated prefill each with relaxed objectives, and short
+  turns (32-128 tokens) whose objective is three of their isolated TTFTs, at least 250 ms (on
+  this CPU 250-450 ms). With gamma arrivals, turns land in bursts during documents' prefills.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from bench.attainment.traces import (
     generate_trace,
 )
 
-WORKLOADS: tuple[str, ...] = ("mixed", "flowprefill", "uniform", "burst")
+WORKLOADS: tuple[str, ...] = ("mixed", "flowprefill", "uniform", "burst", "deadline-burst")
 
 # Every built-in request generates this many tokens: the benchmark is mostly about TTFT, and a
 # short decode keeps the engine's time dominated by the prefills that the schedulers compete over
@@ -130,6 +134,24 @@ def burst_tiers(predict_ttft_s: Callable[[int], float],
     ]
 
 
+# `deadline-burst`: a document's isolated prefill on the machine, and the turns' objectives.
+DEADLINE_BURST_DOCUMENT_S = 2.0
+DEADLINE_BURST_TURN = Uniform(32, 128)
+DEADLINE_BURST_TURN_SLO = IsolatedMultipleSLO(multiple=3.0, floor_ms=250.0)
+
+
+def deadline_burst_tiers(predict_ttft_s: Callable[[int], float],
+                         max_prompt_len: int | None = None) -> list[TierSpec]:
+    document = _tokens_within(predict_ttft_s, DEADLINE_BURST_DOCUMENT_S, max_prompt_len)
+    return [
+        TierSpec("urgent", 1.0 - BURST_DOCUMENT_SHARE, DEADLINE_BURST_TURN, OUTPUT_TOKENS,
+                 DEADLINE_BURST_TURN_SLO),
+        TierSpec("document", BURST_DOCUMENT_SHARE,
+                 Uniform(max(1, document * 2 // 3), max(1, document * 4 // 3)), OUTPUT_TOKENS,
+                 IsolatedMultipleSLO(multiple=10.0)),
+    ]
+
+
 def _tokens_within(predict_ttft_s: Callable[[int], float], seconds: float,
                    max_prompt_len: int | None) -> int:
     """The longest prompt whose isolated TTFT is within `seconds` (bisection: the predictor is
@@ -155,6 +177,8 @@ def workload_tiers(name: str, predict_ttft_s: Callable[[int], float],
         return uniform_tiers()
     if name == "burst":
         return burst_tiers(predict_ttft_s, max_prompt_len)
+    if name == "deadline-burst":
+        return deadline_burst_tiers(predict_ttft_s, max_prompt_len)
     raise ValueError(f"unknown workload {name!r}; built-ins: {', '.join(WORKLOADS)}")
 
 
@@ -171,4 +195,5 @@ def build_workload(name: str, num_requests: int, rate: float, seed: int, tokeniz
 
 
 __all__ = ["MIXED_RELAXED_TPOT", "WORKLOADS", "build_workload", "burst_tiers",
-           "flowprefill_tiers", "mixed_tiers", "uniform_tiers", "workload_tiers"]
+           "deadline_burst_tiers", "flowprefill_tiers", "mixed_tiers", "uniform_tiers",
+           "workload_tiers"]

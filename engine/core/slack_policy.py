@@ -470,7 +470,10 @@ class SlackPolicy:
                 paced = math.ceil(owed / per_step) * step_s
             else:  # at full speed once the turns are done
                 paced = num_steps * step_s + self.predict_prefill(owed - per_step * num_steps)
-            if self.predict_prefill(owed) <= deadline - now < paced:
+            # Judged with the caps' margins (DEADLINE_HEADROOM, the predictor's error): a
+            # relaxed document must not find out at its deadline that the turns took its time.
+            if self.predict_prefill(owed) <= deadline - now and paced > self._usable(
+                    deadline - now):
                 return True
         return False
 
