@@ -188,3 +188,27 @@ def test_a_turn_late_anyway_keeps_the_running_decodes_beside_it():
     sched.add_request(_request("W", 128, 20.0))  # 20 ms: late whatever the step holds
     out = sched.schedule()
     assert scheduled(out) == {"W": 128, "D": 1}
+
+
+def test_an_interactive_pace_yields_to_a_deadline_it_would_cost():
+    """A turn served for its deadline streams within two decode steps, so a running document
+    gets only the piece that fits beside its next token; but not where that pace, for the
+    turn's tokens left, would make the document miss a deadline it meets at full speed (judged
+    with the caps' margins). Probe: with its deadline far off, the document gets the piece."""
+    sched = _scheduler(budget=2048, num_blocks=2_000)
+    runner = FakeRunner(sched)
+    document = _request("D", 7_000, 600_000)
+    sched.add_request(document)
+    step(sched, runner)
+    turn = _request("W", 128, 150.0)
+    turn.sampling_params.max_tokens = 64
+    sched.add_request(turn)
+    out, _ = step(sched, runner)
+    assert scheduled(out)["W"] == 128 and turn.served_urgently  # admitted ahead: interactive
+    paced = scheduled(sched.schedule())
+    assert paced["W"] == 1 and 0 < paced.get("D", 0) < 1024
+    sched.rollback(sched.last_step_record)
+    # Its deadline now close: 2048-token chunks still make it, the turn's pace would not.
+    document.ttft_slo_ms = (time.monotonic() + 0.5 - document.arrival_time) * 1000
+    full = scheduled(sched.schedule())
+    assert full["W"] == 1 and full["D"] == 2047
