@@ -26,12 +26,12 @@ import argparse
 import dataclasses
 import random
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.arrivals import submit_on_schedule
 from bench.figures import FigureLog
 
 PROFILE = "h100-llama-3.1-8b"
@@ -130,16 +130,7 @@ def run_once(model: str, budget: int, seed: int, num_docs: int, num_turns: int,
             turns[req_id] = Turn(request, silent)
         else:
             docs[req_id] = request
-    start = time.monotonic()
-
-    def submit() -> None:
-        for offset, request in arrivals:
-            time.sleep(max(0.0, start + offset - time.monotonic()))
-            request.arrival_time = time.monotonic()
-            engine.submit_request(request)
-
-    thread = threading.Thread(target=submit, daemon=True)
-    thread.start()
+    thread = submit_on_schedule(engine, arrivals)
     try:
         while thread.is_alive() or engine.has_unfinished_requests():
             if not engine.has_unfinished_requests():

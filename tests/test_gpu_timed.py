@@ -7,12 +7,12 @@ file, mid-forward preemption in suspend mode."""
 from __future__ import annotations
 
 import random
-import threading
 import time
 from dataclasses import dataclass, field
 
 import pytest
 
+from bench.arrivals import submit_on_schedule
 from engine.config import build_engine_config
 from engine.core.request import Request
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
@@ -58,16 +58,7 @@ def _request(req_id: str, tokens: int, slo_ms: float | None, seed: int) -> Reque
 def _replay(engine: EngineCore, arrivals: list[tuple[float, Request]]) -> None:
     """Submit each request at its offset from a thread (as the HTTP reader does) while the
     engine loop runs, until everything finished."""
-    start = time.monotonic()
-
-    def submit() -> None:
-        for offset, request in arrivals:
-            time.sleep(max(0.0, start + offset - time.monotonic()))
-            request.arrival_time = time.monotonic()
-            engine.submit_request(request)
-
-    thread = threading.Thread(target=submit, daemon=True)
-    thread.start()
+    thread = submit_on_schedule(engine, arrivals)
     while thread.is_alive() or engine.has_unfinished_requests():
         if engine.has_unfinished_requests():
             engine.step()
