@@ -212,3 +212,19 @@ def test_an_interactive_pace_yields_to_a_deadline_it_would_cost():
     document.ttft_slo_ms = (time.monotonic() + 0.5 - document.arrival_time) * 1000
     full = scheduled(sched.schedule())
     assert full["W"] == 1 and full["D"] == 2047
+
+
+def test_a_tight_turn_admitted_in_order_gets_no_document_beside_it():
+    """A turn admitted in queue order (nothing running to jump over) whose own chunk can still
+    make its deadline, but whose step already fills the share of its time a cap may fill
+    (DEADLINE_HEADROOM), gets nothing beside it. Before: such a turn counted as late whatever
+    joined it, and a whole document joined its step (on this CPU a 53-token turn with 150 ms
+    left waited 1.8 s for a 1355-token document). Probe: with room to spare, the document
+    joins with the chunk that fits."""
+    for slo_ms, document_joins in [(40.0, False), (400.0, True)]:
+        sched = _scheduler(budget=4096, num_blocks=2_000)
+        sched.add_request(_request("W", 128, slo_ms))
+        sched.add_request(_request("D", 3_000, 600_000))
+        served = scheduled(sched.schedule())
+        assert served["W"] == 128
+        assert ("D" in served) is document_joins, (slo_ms, served)

@@ -389,7 +389,12 @@ class SlackPolicy:
             usable = self._usable(time_left)
             if alone > time_left or line.predict_step(tokens, attention, context) > usable:
                 if not late_blocks:
-                    continue  # late whatever joins it: nothing left to protect
+                    if alone > time_left:
+                        continue  # late whatever joins it: nothing left to protect
+                    # It can still make it, but the step already fills the share of its time
+                    # a cap may fill: nothing more joins. (Before: a 1355-token document
+                    # joined a 53-token turn with 150 ms left, and both waited 1.8 s.)
+                    return 0
                 # Late whatever joins it, or the running decodes alone would make it late:
                 # nothing joins, so it is as little late as can be; nothing but the running
                 # decodes, where they cost the step little (a GPU's step is floor-bound: a few
