@@ -259,3 +259,30 @@ def sample(samples: dict, name: str, **labels: str) -> float:
     """Sum over the samples named `name` whose labels include `labels` (0 when none)."""
     want = set(labels.items())
     return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+# A tiny model's layers slowed to this many microseconds per token (workers.model_runner's
+# LAYER_DELAY_ENV): a 400-token prefill of 8 layers lasts about a second, long enough for an
+# urgent request to arrive in the middle of it.
+SLOWED_LAYERS = 8
+SLOWED_US_PER_TOKEN = 300
+
+
+def slowed_slo_server(tiny_model, tmp_path: Path, monkeypatch, module: str = "engine"
+                      ) -> ServerProcess:
+    """`sloserve serve` of a tiny model whose layers are slowed, with the slo policy,
+    preemptible steps from 32 prompt tokens and the slowed layers' TTFT line (2.4 ms per
+    token), so that the monitor knows how much of a long step is left when an urgent request
+    arrives. `module`: a test's patched server (see ServerProcess)."""
+    from monitor.predictor import LinearTTFT
+    from workers.model_runner import LAYER_DELAY_ENV
+
+    monkeypatch.setenv(LAYER_DELAY_ENV, str(SLOWED_US_PER_TOKEN))
+    model = tiny_model("llama", num_hidden_layers=SLOWED_LAYERS, max_position_embeddings=1024)
+    ttft = tmp_path / "ttft.json"
+    LinearTTFT(seconds_per_token=SLOWED_LAYERS * SLOWED_US_PER_TOKEN * 1e-6,
+               intercept_s=0.02).save(ttft)
+    return ServerProcess(model, tmp_path / "server.log", "--scheduling-policy", "slo",
+                         "--preempt-min-tokens", "32", "--num-kv-blocks", "160",
+                         "--max-num-batched-tokens", "1024", "--ttft-model", str(ttft),
+                         module=module)

@@ -1,4 +1,5 @@
-"""Over HTTP, timed by the client (issue 32): an urgent request stops a long prefill, and its
+"""Over HTTP, timed by the client (issue 32): an urgent request carrying X-SLO-TTFT-MS stops a
+long prefill mid-forward (/metrics count the preemption, and nothing thrown away), and its
 first sampled token shows nothing (tests/silent_first_token.py blanks it, as a special token
 would). Its TTFT objective is met only when its first *visible* output reaches the client, and
 its stream does not stall behind the rest of the step it interrupted.
@@ -18,20 +19,22 @@ import httpx
 import pytest
 import torch
 
-from monitor.predictor import LinearTTFT
-from tests.server_helpers import ServerProcess
-from workers.model_runner import LAYER_DELAY_ENV
+from tests.server_helpers import slowed_slo_server
 
-NUM_LAYERS = 8
 LONG_PROMPT = 400
-# 400 tokens x 300 us = 120 ms per layer: the long step lasts about a second.
-DELAY_US_PER_TOKEN = 300
 URGENT_SLO_MS = 500
 URGENT_TOKENS = 8
 
 
 def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} {labels} not in /metrics")
 
 
 def _stream(http: httpx.Client, prompt: list[int], slo_ms: int, max_tokens: int
@@ -59,15 +62,8 @@ def _stream(http: httpx.Client, prompt: list[int], slo_ms: int, max_tokens: int
 @pytest.mark.timeout(300)
 def test_an_urgent_stream_is_on_time_when_its_first_token_shows_nothing(
         tiny_model, tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv(LAYER_DELAY_ENV, str(DELAY_US_PER_TOKEN))
-    model = tiny_model("llama", num_hidden_layers=NUM_LAYERS, max_position_embeddings=1024)
-    ttft = tmp_path / "ttft.json"
-    LinearTTFT(seconds_per_token=NUM_LAYERS * DELAY_US_PER_TOKEN * 1e-6, intercept_s=0.02).save(
-        ttft)
-    server = ServerProcess(model, tmp_path / "server.log", "--scheduling-policy", "slo",
-                           "--preempt-min-tokens", "32", "--num-kv-blocks", "160",
-                           "--max-num-batched-tokens", "1024", "--ttft-model", str(ttft),
-                           module="tests.silent_first_token")
+    server = slowed_slo_server(tiny_model, tmp_path, monkeypatch,
+                               module="tests.silent_first_token")
     try:
         with httpx.Client(base_url=server.url, timeout=120) as http:
             long_result: dict = {}
@@ -95,6 +91,15 @@ def test_an_urgent_stream_is_on_time_when_its_first_token_shows_nothing(
             gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
             assert max(gaps) < 0.25, gaps
             assert len(long_arrivals) > 0  # the long request completed
+            assert long_metrics["ttft_ms"] > urgent["ttft_ms"]
+
+            # The server counted the one preemption; the default suspend mode kept the
+            # stopped pass, so nothing was thrown away.
+            text = http.get("/metrics").text
+            assert _metric(text, "sloserve:num_preemptions_total", reason="slo") == 1
+            assert _metric(text, "sloserve:preempt_latency_seconds_count") == 1
+            assert _metric(text, "sloserve:preempt_wasted_tokens_total") == 0
+            assert _metric(text, "sloserve:preempt_wasted_layers_total") == 0
         server.assert_clean_stop()
     finally:
         server.kill()

@@ -291,7 +291,7 @@ class SchedulerSimulation(RuleBasedStateMachine):
 
 
 SchedulerSimulation.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=100, derandomize=True, database=None, deadline=None,
+    max_examples=120, stateful_step_count=100, derandomize=True, database=None, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestSchedulerSimulation = SchedulerSimulation.TestCase
 
