@@ -12,12 +12,8 @@ from __future__ import annotations
 
 from engine.core.block_pool import BlockPool
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
+from engine.simulation.executor import segment_tail
 from tests.test_scheduler import next_token
-
-
-def _tail(segment: tuple[int, int, int], num_tokens: int) -> list[tuple[int, int, int]]:
-    start, held, layer = segment
-    return [] if num_tokens == held else [(start + num_tokens, held - num_tokens, layer)]
 
 
 class SimWorker:
@@ -63,7 +59,7 @@ class SimWorker:
         for r in out.requests:
             if r.resume:  # resumed and finished with the step: the rest stays held
                 segments = self.suspended[r.req_id]
-                segments[:1] = _tail(segments[0], len(r.token_ids))
+                segments[:1] = segment_tail(segments[0], len(r.token_ids))
                 if not segments:
                     del self.suspended[r.req_id]
             if r.sample:
@@ -85,7 +81,7 @@ class SimWorker:
                     if held is None:
                         self.suspended[r.req_id] = [piece]
                     else:  # a piece that ran past its layer goes ahead of the rest
-                        held[:1] = [piece, *_tail(held[0], len(r.token_ids))]
+                        held[:1] = [piece, *segment_tail(held[0], len(r.token_ids))]
                 elif held is None:
                     # Stopped before the first layer finished: a fresh chunk has nothing to
                     # keep. A resumed one that had not got past its layer keeps the

@@ -387,7 +387,8 @@ class SlackPolicy:
             alone = line.predict_step(num_new, attention_work([(request.num_computed_tokens,
                                                                 num_new)]))
             usable = self._usable(time_left)
-            if alone > time_left or line.predict_step(tokens, attention, context) > usable:
+            with_decodes = line.predict_step(tokens, attention, context)
+            if alone > time_left or with_decodes > usable:
                 if not late_blocks:
                     if alone > time_left:
                         continue  # late whatever joins it: nothing left to protect
@@ -399,9 +400,8 @@ class SlackPolicy:
                 # nothing joins, so it is as little late as can be; nothing but the running
                 # decodes, where they cost the step little (a GPU's step is floor-bound: a few
                 # decodes are free there, and without them every stream stalls a step).
-                decodes_cost = (line.predict_step(tokens, attention, context)
-                                / line.predict_step(step.num_tokens, attention,
-                                                    step.decode_context))
+                decodes_cost = with_decodes / line.predict_step(step.num_tokens, attention,
+                                                                step.decode_context)
                 return len(pending_decodes) if decodes_cost <= 1 + DECODES_SHARE else 0
             joining = line.max_chunk_within(usable, tokens, attention, context, joining_prefix)
             allowed = min(allowed, len(pending_decodes) + joining)

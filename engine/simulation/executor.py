@@ -87,7 +87,7 @@ class SimulatedExecutor:
         for r in scheduler_output.requests:
             if r.resume:
                 segments = self.suspended[r.req_id]
-                segments[:1] = _tail(segments[0], len(r.token_ids))
+                segments[:1] = segment_tail(segments[0], len(r.token_ids))
                 if not segments:
                     del self.suspended[r.req_id]
         sampled = {r.req_id: self._next_token(r) for r in scheduler_output.requests if r.sample}
@@ -161,7 +161,7 @@ class SimulatedExecutor:
                 if segments is None:
                     self.suspended[r.req_id] = [piece]
                 else:
-                    segments[:1] = [piece, *_tail(segments[0], chunk.tokens)]
+                    segments[:1] = [piece, *segment_tail(segments[0], chunk.tokens)]
             elif segments is None:
                 continue
             kept.append(r.req_id)
@@ -175,7 +175,7 @@ class SimulatedExecutor:
         return token
 
 
-def _tail(segment: tuple[int, int, int], num_tokens: int) -> list[tuple[int, int, int]]:
+def segment_tail(segment: tuple[int, int, int], num_tokens: int) -> list[tuple[int, int, int]]:
     """What is left of a suspended segment once its first ``num_tokens`` resumed."""
     start, held, layer = segment
     return [] if num_tokens == held else [(start + num_tokens, held - num_tokens, layer)]
