@@ -12,8 +12,10 @@ the device.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
+import string
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +72,50 @@ def write_shape(name: str, folder: str | Path, tokenizer_from: str | Path,
     if vocab > config["vocab_size"]:
         raise ValueError(f"the tokenizer of {tokenizer_from} has {vocab} tokens, more than "
                          f"{name}'s vocabulary of {config['vocab_size']}")
+    if vocab < config["vocab_size"]:
+        cover_vocabulary(folder, config["vocab_size"])
     return folder
+
+
+# Fillers are letters and digits: every byte-level and metaspace BPE decodes them as themselves.
+_FILLER_ALPHABET = string.ascii_letters + string.digits
+
+
+def cover_vocabulary(folder: Path, vocab_size: int) -> None:
+    """Fill the BPE vocabulary of ``folder``'s tokenizer.json up to ``vocab_size`` ids.
+
+    Dummy weights sample ids from the model's whole vocabulary (128256 for Llama 3), and an id
+    the tokenizer lacks decodes to nothing: with a smaller tokenizer (the default model's 49152,
+    the small one's 400) a client would wait for visible text that almost never comes, and
+    every TTFT timed to the first visible output would be missing (the first lent H100 run's
+    bursts were). Each added id is a short string of letters and digits, never produced by
+    encoding (no merge makes it), so prompts tokenize as before and every sampled id shows.
+    """
+    path = folder / "tokenizer.json"
+    if not path.exists():
+        raise ValueError(f"{folder} has no tokenizer.json: the vocabulary of a slow tokenizer "
+                         f"cannot be filled up to {vocab_size} ids")
+    data = json.loads(path.read_text())
+    model = data["model"]
+    if model.get("type") != "BPE":
+        raise ValueError(f"{folder}'s tokenizer is {model.get('type')}, not BPE: its vocabulary "
+                         f"cannot be filled up to {vocab_size} ids")
+    vocab: dict[str, int] = model["vocab"]
+    added = data.get("added_tokens", [])
+    taken = set(vocab) | {token["content"] for token in added}
+    next_id = max([*vocab.values(), *(token["id"] for token in added)]) + 1
+    fillers = ("".join(chars) for length in itertools.count(3)
+               for chars in itertools.product(_FILLER_ALPHABET, repeat=length))
+    for filler in fillers:
+        if next_id >= vocab_size:
+            break
+        if filler not in taken:
+            vocab[filler] = next_id
+            next_id += 1
+    path.write_text(json.dumps(data, ensure_ascii=False))
+    # The slow tokenizer's files would disagree with tokenizer.json now; the fast one is used.
+    for stale in ("vocab.json", "merges.txt"):
+        (folder / stale).unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,23 @@ def test_real_shapes_are_written_with_a_tokenizer(tiny_model, tmp_path):
         write_shape("gpt-5", tmp_path / "x", tiny_model("llama"))
 
 
+def test_every_id_of_the_shape_decodes_to_visible_text(tiny_model, tmp_path):
+    """Dummy weights sample any id of the shape's vocabulary; the tokenizer (here the tiny
+    model's, far smaller) is filled up so that each decodes to text a client sees (the first
+    lent H100's bursts timed no TTFT: their ids decoded to nothing), and prompts encode as
+    before."""
+    from transformers import AutoTokenizer
+
+    source = AutoTokenizer.from_pretrained(tiny_model("llama"))
+    shape = AutoTokenizer.from_pretrained(str(write_shape("llama-3.1-8b", tmp_path / "s",
+                                                          tiny_model("llama"))))
+    vocab_size = SHAPES["llama-3.1-8b"]["vocab_size"]
+    assert len(source) < 1000 and len(shape) == vocab_size  # the probe: it was filled
+    assert all(shape.decode([i]).strip() for i in (len(source), 70_000, vocab_size - 1))
+    text = "The quick brown fox jumps over the lazy dog."
+    assert shape.encode(text) == source.encode(text)
+
+
 def test_dummy_weights_run_a_config_only_model(tiny_model, tmp_path, capsys):
     source = tiny_model("llama")
     folder = tmp_path / "shape"
