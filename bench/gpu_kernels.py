@@ -56,7 +56,7 @@ from bench.kernel_harness import (TABLES, TOLERANCE, Timer, build_batch, fits, g
                                   release)
 
 NEEDS_GPU = ("bench.gpu_kernels needs an NVIDIA GPU (CUDA is not available here); kernel correctness "
-             "is covered by tests/test_triton_kernels.py in Triton's interpreter, and "
+             "is covered by tests/kernels/test_triton_kernels.py in Triton's interpreter, and "
              "`python -m bench.gpu_kernels --smoke` exercises this script on the CPU.")
 SMOKE_BANNER = ("SMOKE RUN: tiny shapes on the CPU under Triton's interpreter, timed with "
                 "perf_counter. The figures below are NOT measurements; they only show that the "

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from workers.sampler import Sampler  # noqa: E402
 
-# Each of these reads a tensor's value into Python (as tests/host_sync.py lists them).
+# Each of these reads a tensor's value into Python (as tests/utils/host_sync.py lists them).
 READING_METHODS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__",
                    "__index__", "__array__")
 

@@ -13,8 +13,8 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """Factory: tiny_model(arch, **overrides) -> folder with seeded random weights and a tokenizer."""
-    from tests.tiny_models import make_tiny_model
-    from tests.tiny_tokenizer import save_tiny_tokenizer
+    from tests.utils.tiny_models import make_tiny_model
+    from tests.utils.tiny_tokenizer import save_tiny_tokenizer
 
     made: dict[tuple, str] = {}
 
@@ -35,9 +35,9 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture
 def triton_device():
-    """The device the Triton kernel tests run on (tests/triton_device.py): the CPU in Triton's
+    """The device the Triton kernel tests run on (tests/utils/triton_device.py): the CPU in Triton's
     interpreter, or a GPU with compiled kernels under TRITON_INTERPRET=0."""
-    from tests.triton_device import triton_device as device
+    from tests.utils.triton_device import triton_device as device
 
     return device()
 
@@ -47,7 +47,7 @@ def sim_model(tmp_path_factory) -> str:
     """A folder of the Llama-3.1-8B shape (config.json and a tiny tokenizer, no weights): what a
     simulated engine (`--simulate h100-llama-3.1-8b`) reads of a model."""
     from bench.model_shapes import write_shape
-    from tests.tiny_tokenizer import save_tiny_tokenizer
+    from tests.utils.tiny_tokenizer import save_tiny_tokenizer
 
     tokenizer = save_tiny_tokenizer(tmp_path_factory.mktemp("sim-tokenizer"))
     return str(write_shape("llama-3.1-8b", tmp_path_factory.mktemp("sim-llama-8b"), tokenizer))

@@ -1,0 +1,85 @@
+"""bench/throughput.py's roofline figures (issue 14) without timing anything: the script runs
+end to end on a tiny random model and prints every field with positive shares, and the FLOP and
+byte accounting of bench/roofline.py matches a hand count for a small config."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+from bench.roofline import (ModelShape, attention_flops, decode_bytes_per_step,
+                            decode_flops_per_step, prefill_flops)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_accounting_matches_a_hand_count():
+    config = SimpleNamespace(hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=None,
+                             vocab_size=100)
+    shape = ModelShape.from_hf_config(config)
+    assert shape.head_dim == 2
+    # Per layer: q 8x8, k 8x4, v 8x4, o 8x8, gate/up 8x16 each, down 16x8.
+    per_layer = 64 + 32 + 32 + 64 + 128 + 128 + 128
+    assert shape.linear_params == 2 * per_layer
+    assert shape.lm_head_params == 800
+
+    flops = prefill_flops(shape, prompt_len=3)
+    assert flops["linear"] == 2 * 2 * per_layer * 3
+    assert flops["lm_head"] == 2 * 800  # the sampled row only
+    # Causal: positions 0, 1, 2 attend to 1, 2, 3 keys; QK and PV at 2 FLOPs per MAC each.
+    assert flops["attention"] == 2 * 4 * 2 * (1 + 2 + 3) * 4
+    assert attention_flops(shape, start=5, length=1) == 2 * 4 * 2 * 6 * 4
+
+    # Decode, 2 requests over 10 and 20 tokens, float32: weights once, each request's K and V.
+    nbytes = decode_bytes_per_step(shape, [10, 20], dtype_bytes=4)
+    assert nbytes["weights"] == (2 * per_layer + 800) * 4
+    assert nbytes["kv"] == 2 * 2 * 2 * 2 * (10 + 20) * 4
+    assert nbytes["total"] == nbytes["weights"] + nbytes["kv"]
+    step = decode_flops_per_step(shape, [10, 20])
+    assert step["linear"] == 2 * 2 * per_layer * 2
+    assert step["attention"] == 4 * 2 * 4 * 2 * (10 + 20)
+
+
+def test_script_prints_roofline_json_on_a_tiny_model(tiny_model):
+    model = tiny_model("llama")
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    run = subprocess.run(
+        [sys.executable, "bench/throughput.py", "--model", model, "--dtype", "float32",
+         "--prefill-lens", "16", "48", "--decode-batches", "1", "3", "--decode-contexts", "8",
+         "40", "--decode-tokens", "4", "--repeats", "1", "--bandwidth-mib", "8",
+         "--prefill-len", "16", "--prefill-prompts", "1", "--concurrency", "2",
+         "--decode-prompt-len", "8", "--max-tokens", "3", "--hf-decode-requests", "1"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout)
+
+    limits = result["roofline"]
+    assert limits["bandwidth_gbs"] > 0 and limits["copy_bandwidth_gbs"] > 0
+    assert limits["matmul_gflops_peak"] > 0 and limits["threads"] >= 1
+    assert set(limits["matmul_gflops"]) == {"16", "48"}
+    for length in ("16", "48"):
+        p = result["prefill"][length]
+        assert p["engine_steps"] == 1
+        for key in ("engine_tokens_per_s", "linear_roofline_tokens_per_s",
+                    "full_roofline_tokens_per_s", "linear_roofline_share", "full_roofline_share",
+                    "attention_roofline_s"):
+            assert p[key] > 0, key
+        assert p["full_roofline_tokens_per_s"] < p["linear_roofline_tokens_per_s"]
+    for batch in ("1", "3"):
+        for ctx in ("8", "40"):
+            d = result["decode"][batch][ctx]
+            assert d["steps_measured"] == 3  # 4 tokens: the first comes from the prefill step
+            assert d["mean_context"] == int(ctx) + 2  # contexts ctx+1 .. ctx+3 while decoding
+            for key in ("engine_tokens_per_s", "bandwidth_bound_tokens_per_s", "bandwidth_share",
+                        "roofline_tokens_per_s", "roofline_share"):
+                assert d[key] > 0, key
+    # The 40-token prompts share their first 24 tokens (one cached 16-token block).
+    assert result["decode"]["3"]["40"]["setup_prefill_tokens"] < 3 * 40
+    # The HF comparison is still there.
+    assert result["prefill_ratio"][0] > 0 and result["decode_ratio"][0] > 0
+    assert result["wall_s"] > 0

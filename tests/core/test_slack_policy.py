@@ -1,0 +1,183 @@
+"""The slack policy through its own interface (engine/core/slack_policy.py), without a scheduler:
+a stand-in for `SchedulerOps` records what the policy asks of the scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from engine.config import SchedulingPolicy, SLOPreemptMode
+from engine.core.request import Request, RequestStatus
+from engine.core.request_queue import FCFSQueue, RequestQueue
+from engine.core.slack_policy import SchedulerOps, SlackPolicy
+from engine.core.step_record import Admission, StepInProgress, StepRecord
+from tests.core.test_scheduler import make_request, make_scheduler
+
+
+@dataclass
+class FakeScheduler:
+    """Admits whatever it is asked to (unless ``admissible`` is False) and records it."""
+
+    waiting: RequestQueue = field(default_factory=FCFSQueue)
+    running: list[Request] = field(default_factory=list)
+    admissible: bool = True
+    admitted: list[str] = field(default_factory=list)
+    requeued: list[str] = field(default_factory=list)
+
+    def get_request(self, req_id: str) -> Request | None:
+        return next((r for r in (*self.running, *self.waiting) if r.request_id == req_id), None)
+
+    def can_admit(self, request: Request) -> bool:
+        return self.admissible
+
+    def admit(self, request: Request, step: StepInProgress,
+              budget: int | None = None) -> int | None:
+        if not self.admissible:
+            return None
+        num_new = min(request.num_tokens_owed, step.budget if budget is None else budget)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        step.add(request, num_new)
+        self.admitted.append(request.request_id)
+        return num_new
+
+    def requeue_for_recompute(self, request: Request) -> None:
+        self.running.remove(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self.waiting.prepend(request)
+        self.requeued.append(request.request_id)
+
+
+def _running(*req_ids: str) -> list[Request]:
+    requests = []
+    for req_id in req_ids:
+        request = make_request(req_id, 16)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = 16
+        requests.append(request)
+    return requests
+
+
+def _step(budget: int = 64) -> StepInProgress:
+    return StepInProgress(StepRecord(step_id=1, prev_scheduled_req_ids=frozenset()), budget)
+
+
+def _policy(mode: SLOPreemptMode = "pause", scheduling: SchedulingPolicy = "fcfs") -> SlackPolicy:
+    return SlackPolicy(scheduling, mode)
+
+
+def test_the_scheduler_and_the_fake_both_offer_what_the_policy_may_ask() -> None:
+    members = {name for name in vars(SchedulerOps) if not name.startswith("_")}
+    assert {"waiting", "running", "admit", "can_admit"} <= members  # probe: read the Protocol
+    fake: SchedulerOps = FakeScheduler()
+    assert members <= set(dir(fake)) and members <= set(dir(make_scheduler()))
+
+
+def test_a_held_request_is_the_kv_victim_before_the_policy_order() -> None:
+    policy = _policy()
+    running = _running("a", "b", "c")
+    assert policy.choose_kv_victim(running, _step()).request_id == "c"  # fcfs: the newest
+    policy.held.add("b")
+    assert policy.choose_kv_victim(running, _step()).request_id == "b"
+
+
+def test_the_kv_victim_is_never_one_this_step_admitted() -> None:
+    policy = _policy(scheduling="priority")
+    running = _running("a", "b", "c")
+    running[2].priority = 9  # the least important, but admitted by this very step
+    running[0].priority = 5
+    step = _step()
+    step.record.admitted.append(Admission(running[2], RequestStatus.WAITING, -1, None))
+    policy.held.add("c")
+    assert policy.choose_kv_victim(running, step).request_id == "a"
+
+
+@pytest.mark.parametrize("mode", ["pause", "recompute"])
+def test_rule1_protects_a_request_the_monitor_preempted_once(mode: SLOPreemptMode) -> None:
+    policy = _policy(mode)
+    ops = FakeScheduler(running=_running("v"))
+    ops.waiting.add(make_request("w", 8))
+    assert policy.preempt_for_slo(ops, "v", "w") is not None
+    victim = ops.get_request("v")
+    assert victim is not None and victim.num_slo_preemptions == 1  # probe: preempted once
+    policy.held.clear()
+    assert policy.protected_by_rule1(victim)
+    assert policy.preempt_for_slo(ops, "v", "w") is None  # the step just re-runs
+    assert victim.num_slo_preemptions == 1 and policy.num_slo_preemptions == 1
+    assert not policy.held
+
+
+def test_suspend_mode_may_preempt_a_victim_again() -> None:
+    policy = _policy("suspend")
+    ops = FakeScheduler(running=_running("v"))
+    ops.waiting.add(make_request("w", 8))
+    policy.suspend("v", 0, 16, 1)
+    assert policy.preempt_for_slo(ops, "v", "w") == "suspend"
+    victim = ops.get_request("v")
+    assert victim is not None and not policy.protected_by_rule1(victim)
+    assert policy.preempt_for_slo(ops, "v", "w") == "suspend"
+    assert victim.num_slo_preemptions == 2
+
+
+def test_pause_falls_back_to_recompute_when_the_waiter_would_not_fit() -> None:
+    for admissible, expected in ((True, "pause"), (False, "recompute")):
+        policy = _policy("pause")
+        ops = FakeScheduler(running=_running("v"), admissible=admissible)
+        ops.waiting.add(make_request("w", 8))
+        assert policy.preempt_for_slo(ops, "v", "w") == expected
+        # Either way the victim is held back and the waiter goes first next step.
+        assert policy.held == {"v"} and policy.urgent_waiter_id == "w"
+        assert ops.requeued == ([] if admissible else ["v"])
+
+
+def test_a_suspended_victim_that_must_recompute_frees_its_chunk() -> None:
+    policy = _policy("suspend")
+    ops = FakeScheduler(running=_running("v"), admissible=False)
+    ops.waiting.add(make_request("w", 8))
+    policy.suspend("v", 0, 16, 1)
+    assert policy.preempt_for_slo(ops, "v", "w") == "recompute"
+    assert not policy.is_suspended("v") and policy.take_unneeded_suspensions() == ["v"]
+    assert policy.take_unneeded_suspensions() == []
+
+
+def test_the_urgent_waiter_is_admitted_first_and_held_victims_wait() -> None:
+    policy = _policy("pause")
+    ops = FakeScheduler(running=_running("v"))
+    for req_id in ("x", "w"):
+        ops.waiting.add(make_request(req_id, 8))
+    assert policy.preempt_for_slo(ops, "v", "w") == "pause"
+    step = _step()
+    policy.admit_first(ops, step)
+    assert ops.admitted == ["w"] and [r.request_id for r in ops.waiting] == ["x"]
+    assert policy.urgent_waiter_id is None and policy.is_held("v")
+    policy.release_all_holds()
+    assert not policy.is_held("v")
+
+
+def test_admission_skips_held_waiters_and_puts_them_back_in_place() -> None:
+    policy = _policy()
+    waiting = FCFSQueue()
+    for req_id in ("h1", "h2", "a", "b"):
+        waiting.add(make_request(req_id, 8))
+    policy.held.update({"h1", "h2"})
+    with policy.waiting_past_held(waiting) as next_waiter:
+        first = next_waiter()
+        assert first is not None and first.request_id == "a"
+        waiting.pop()
+    assert [r.request_id for r in waiting] == ["h1", "h2", "b"]
+
+
+def test_a_finished_request_leaves_no_hold_and_no_suspension() -> None:
+    policy = _policy("suspend")
+    policy.held.add("v")
+    policy.suspend("v", 0, 16, 1)
+    policy.on_finished("v")
+    assert not policy.is_held("v") and not policy.is_suspended("v")
+    assert policy.unneeded_suspensions == ["v"]
+    # A KV-pressure victim stays held (it waits for its turn) but its chunk is gone.
+    policy.held.add("k")
+    policy.suspend("k", 0, 16, 1)
+    policy.on_kv_preempted("k")
+    assert policy.is_held("k") and not policy.is_suspended("k")
