@@ -11,8 +11,7 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.core.scheduler import Scheduler
 from monitor.policy import AGED_PRIORITY, RequestView, choose_preemption, urgency
 from monitor.predictor import LinearTTFT
-from tests.core.test_scheduler import FakeRunner
-from tests.core.test_slo_policy_scheduler import _request, _slo_scheduler
+from tests.utils.scheduling import FakeRunner, _request, _slo_scheduler
 
 PREDICT = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.0).predict
 

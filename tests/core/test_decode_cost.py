@@ -16,8 +16,7 @@ from engine.core.slack_policy import SlackPolicy
 from engine.runtime.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from monitor.predictor import LinearTTFT, OnlineTTFT, attention_work, decode_context
-from tests.core.test_scheduler import make_request
-from tests.core.test_slack_policy import FakeScheduler, _step
+from tests.utils.scheduling import make_request, FakeScheduler, _step
 
 TRUE = LinearTTFT(seconds_per_token=2e-3, intercept_s=0.04, seconds_per_token_sq=1e-7,
                   seconds_per_decode_context=2e-5)

@@ -3,51 +3,14 @@ a stand-in for `SchedulerOps` records what the policy asks of the scheduler."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 
 from engine.config import SchedulingPolicy, SLOPreemptMode
 from engine.core.request import Request, RequestStatus
-from engine.core.request_queue import FCFSQueue, RequestQueue
+from engine.core.request_queue import FCFSQueue
 from engine.core.slack_policy import SchedulerOps, SlackPolicy
-from engine.core.step_record import Admission, StepInProgress, StepRecord
-from tests.core.test_scheduler import make_request, make_scheduler
-
-
-@dataclass
-class FakeScheduler:
-    """Admits whatever it is asked to (unless ``admissible`` is False) and records it."""
-
-    waiting: RequestQueue = field(default_factory=FCFSQueue)
-    running: list[Request] = field(default_factory=list)
-    admissible: bool = True
-    admitted: list[str] = field(default_factory=list)
-    requeued: list[str] = field(default_factory=list)
-
-    def get_request(self, req_id: str) -> Request | None:
-        return next((r for r in (*self.running, *self.waiting) if r.request_id == req_id), None)
-
-    def can_admit(self, request: Request) -> bool:
-        return self.admissible
-
-    def admit(self, request: Request, step: StepInProgress,
-              budget: int | None = None) -> int | None:
-        if not self.admissible:
-            return None
-        num_new = min(request.num_tokens_owed, step.budget if budget is None else budget)
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
-        step.add(request, num_new)
-        self.admitted.append(request.request_id)
-        return num_new
-
-    def requeue_for_recompute(self, request: Request) -> None:
-        self.running.remove(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        self.waiting.prepend(request)
-        self.requeued.append(request.request_id)
+from engine.core.step_record import Admission
+from tests.utils.scheduling import make_request, make_scheduler, FakeScheduler, _step
 
 
 def _running(*req_ids: str) -> list[Request]:
@@ -58,10 +21,6 @@ def _running(*req_ids: str) -> list[Request]:
         request.num_computed_tokens = 16
         requests.append(request)
     return requests
-
-
-def _step(budget: int = 64) -> StepInProgress:
-    return StepInProgress(StepRecord(step_id=1, prev_scheduled_req_ids=frozenset()), budget)
 
 
 def _policy(mode: SLOPreemptMode = "pause", scheduling: SchedulingPolicy = "fcfs") -> SlackPolicy:

@@ -10,7 +10,7 @@ import pytest
 
 from engine.config import SchedulerConfig, build_engine_config
 from engine.entrypoints.cli import build_parser
-from tests.core.test_scheduler import FakeRunner, make_request, make_scheduler
+from tests.utils.scheduling import FakeRunner, make_request, make_scheduler
 
 
 def _schedule_of(policy: str, seed: int) -> tuple[list[list[tuple[str, int, int]]], int]:

@@ -3,23 +3,7 @@ KV-pressure victim ("step-level EDF", without mid-forward preemption)."""
 
 from __future__ import annotations
 
-import time
-
-from monitor.predictor import LinearTTFT
-from tests.core.test_scheduler import FakeRunner, make_request, make_scheduler, run_to_completion
-
-
-def _slo_scheduler(**kwargs):
-    sched = make_scheduler(policy="slo", **kwargs)
-    # 1 ms per token: a 100-token prompt needs 0.1 s.
-    sched.slack.predictor.current = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.0)
-    return sched
-
-
-def _request(rid, tokens, slo_ms, **kwargs):
-    request = make_request(rid, tokens, arrival=time.monotonic(), **kwargs)
-    request.ttft_slo_ms = slo_ms
-    return request
+from tests.utils.scheduling import FakeRunner, run_to_completion, _slo_scheduler, _request
 
 
 def test_admission_order_is_slack_edf():
@@ -101,7 +85,7 @@ def test_slo_policy_outputs_equal_the_reference():
                          ignore_eos=True) for i in range(8)]
     for r in requests:
         sched.add_request(r)
-    from tests.core.test_scheduler import reference_output
+    from tests.utils.scheduling import reference_output
 
     expected = {r.request_id: reference_output(r.prompt_token_ids, r.sampling_params, None,
                                                sched.max_model_len) for r in requests}

@@ -11,8 +11,9 @@ from engine.core.scheduler_output import (ModelRunnerOutput, ScheduledRequest, S
 from engine.runtime.step_observation import layers_run
 from engine.sampling_params import SamplingParams
 from monitor.predictor import LinearTTFT, OnlineTTFT, StepPoint, step_point
-# The 4-layer engine whose first step a stand-in vote unwinds at layer 2.
-from tests.engine.test_scheduler_engine_steps import _request, _suspend_first_step, engine  # noqa: F401
+# The 4-layer engine (the `engine` fixture, tests/core/conftest.py) whose first step a stand-in
+# vote unwinds at layer 2.
+from tests.utils.engine_steps import _request, _suspend_first_step
 
 TRUTH = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.03, seconds_per_token_sq=2e-7,
                    seconds_per_decode_context=1e-5)

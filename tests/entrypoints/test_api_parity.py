@@ -330,7 +330,7 @@ def test_best_of(client):
                                      {"min_tokens": 3, "stop_token_ids": None}])
 def test_penalties_over_http_match_the_reference(client, model_dir, tokenizer, penalty):
     from engine.sampling_params import SamplingParams
-    from tests.entrypoints.test_offline_parity import _reference_greedy
+    from tests.utils.sampling_reference import _reference_greedy
 
     prompt = [5, 17, 42, 42, 99, 3, 17, 250, 8, 8, 61]
     kwargs = dict(prompt=prompt, max_tokens=6, temperature=0, logprobs=0,

@@ -11,9 +11,8 @@ from transformers import AutoModelForCausalLM
 from engine.core.request import RequestStatus
 from engine.entrypoints.llm import LLM
 from engine.sampling_params import SamplingParams
-from tests.worker.test_logits_processors import _reference
+from tests.utils.sampling_reference import PROMPT, _reference_greedy
 
-PROMPT = [5, 17, 42, 42, 99, 3, 17, 250, 8, 8, 61]
 MAX_TOKENS = 10
 
 
@@ -32,24 +31,6 @@ def llm(model_dir):
 @pytest.fixture(scope="module")
 def hf(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-def _reference_greedy(hf, sp: SamplingParams, eos: int | None,
-                      prompt: list[int] = PROMPT) -> list[int]:
-    """Greedy decoding over the HF model with the reference logits processors."""
-    output: list[int] = []
-    for _ in range(sp.max_tokens):
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + output])).logits[0, -1].float()
-        blocked = []
-        if len(output) < sp.min_tokens:
-            blocked = list(sp.stop_token_ids) + ([eos] if eos is not None else [])
-        processed = _reference(logits.tolist(), sp, prompt, output, blocked)
-        token = max(range(len(processed)), key=processed.__getitem__)
-        output.append(token)
-        if token in sp.stop_token_ids and len(output) >= sp.min_tokens:
-            break
-    return output
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -147,7 +147,7 @@ def test_an_enormous_objective_caps_nothing_and_overflows_nothing():
     import time
 
     from monitor.predictor import MAX_TOKENS_WITHIN, LinearTTFT
-    from tests.core.test_scheduler import FakeRunner, make_request, make_scheduler
+    from tests.utils.scheduling import FakeRunner, make_request, make_scheduler
 
     assert LinearTTFT(seconds_per_token=1e-9).max_tokens_within(1e305) == MAX_TOKENS_WITHIN
     sched = make_scheduler(num_blocks=64, budget=64, policy="slo")

@@ -32,10 +32,9 @@ from bench.greedy_divergence import (  # noqa: E402
     NEAR_TIE_MARGIN, assert_no_clear_divergence, compare_greedy, engine_top_two,
     fresh_engine_top_two)
 from engine import LLM, SamplingParams  # noqa: E402
-from tests.preemption.test_mid_forward_preemption import (  # noqa: E402,F401 (the fixture)
-    check_urgent_arrival_unwinds_long_prefill, model)
-from tests.engine.test_tp_engine import _run as run_tp  # noqa: E402
-from tests.preemption.test_tp_preemption import check_tp2_remote_rank_unwinds_with_rank0  # noqa: E402
+from tests.utils.mid_forward import (  # noqa: E402
+    check_tp2_remote_rank_unwinds_with_rank0, check_urgent_arrival_unwinds_long_prefill)
+from tests.utils.tp import _run as run_tp  # noqa: E402
 from tests.utils.triton_device import kernels_interpreted  # noqa: E402
 from workers.cuda_graphs import FAKE_GRAPHS_ENV  # noqa: E402
 

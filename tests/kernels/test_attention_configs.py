@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from kernels import variants  # noqa: E402
 from tests.utils.attention_cases import make_case  # noqa: E402
-from tests.kernels.test_triton_kernels import _check, _triton  # noqa: E402
+from tests.utils.triton_attention_check import _check, _triton  # noqa: E402
 
 triton_attention = pytest.importorskip("kernels.triton_attention")
 attention_sweep = pytest.importorskip("bench.attention_sweep")

@@ -15,9 +15,8 @@ import pytest  # noqa: E402
 from bench.greedy_divergence import (  # noqa: E402
     NEAR_TIE_MARGIN, assert_no_clear_divergence, compare_greedy, fresh_engine_top_two)
 from engine import LLM, SamplingParams  # noqa: E402
-from tests.preemption.test_mid_forward_preemption import (  # noqa: E402,F401 (the fixture)
-    check_urgent_arrival_unwinds_long_prefill, model)
 from tests.utils.kernel_counts import KernelsRan  # noqa: E402
+from tests.utils.mid_forward import check_urgent_arrival_unwinds_long_prefill  # noqa: E402
 
 pytest.importorskip("triton")
 

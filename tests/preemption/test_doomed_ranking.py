@@ -15,8 +15,7 @@ from engine.core.request_queue import UrgencyQueue
 from monitor.policy import (AGING_SLO_MULTIPLE, RequestView, aging_threshold, choose_preemption,
                             order, rank, should_preempt, urgency, view_of)
 from monitor.predictor import LinearTTFT
-from tests.core.test_scheduler import FakeRunner
-from tests.core.test_slo_policy_scheduler import _request, _slo_scheduler
+from tests.utils.scheduling import FakeRunner, _request, _slo_scheduler
 
 NOW = 1000.0
 # 1 ms per token, no intercept: a 300-token prefill takes 0.3 s.

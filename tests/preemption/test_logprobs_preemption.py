@@ -9,8 +9,7 @@ import pytest
 from engine.core.request import Request
 from engine.runtime.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
-from tests.preemption.test_mid_forward_preemption import (_engine, _on_long_step, _prompt, _run,  # noqa: F401
-                                               model)
+from tests.utils.mid_forward import _engine, _on_long_step, _prompt, _run
 
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0, logprobs=2,
                         prompt_logprobs=1)

@@ -8,152 +8,23 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 
 import pytest
-import torch
 
-from bench.greedy_divergence import (NEAR_TIE_MARGIN, assert_no_clear_divergence,
-                                     compare_greedy, fresh_engine_top_two)
-from engine.config import build_engine_config
 from engine.runtime.engine_core import EngineCore
 from engine.core.request import Request
-from engine.sampling_params import SamplingParams
-from monitor.predictor import LinearTTFT
+from tests.utils.mid_forward import (NUM_LAYERS, LONG_PROMPT, MAX_TOKENS, URGENT_SLO_MS, _prompt,
+                                     _engine, _request, _run, _on_long_step, _reference_outputs,
+                                     _count_tokens_per_layer,
+                                     check_urgent_arrival_unwinds_long_prefill)
 from workers.cuda_graphs import FAKE_GRAPHS_ENV
-from workers.model_runner import LAYER_DELAY_ENV, observe_attention_ops
-
-NUM_LAYERS = 8
-# 400 prompt tokens x 150 us = 60 ms per layer (480 ms for the long step); 44 tokens: 7 ms.
-DELAY_US_PER_TOKEN = 150
-LONG_PROMPT = 400
-MAX_TOKENS = 6
-
-
-# The engines' TTFT line, matching the slowed layers (1.2 ms per token), so that the monitor's
-# estimate of the running step's remaining time is right: it preempts only for a waiter whose
-# slack does not cover the rest of the step.
-URGENT_SLO_MS = 300
-_TTFT_FILE: dict[str, str] = {}
+from workers.model_runner import observe_attention_ops
 
 
 def _suspended(engine) -> dict[str, tuple[int, int]]:
     """The scheduler's suspended chunks as (start_pos, num_tokens) of their first segment."""
     return {req_id: segments[0][:2]
             for req_id, segments in engine.scheduler.slack.suspended.items()}
-
-
-@pytest.fixture
-def model(tiny_model, monkeypatch, tmp_path_factory) -> str:
-    monkeypatch.setenv(LAYER_DELAY_ENV, str(DELAY_US_PER_TOKEN))
-    if "path" not in _TTFT_FILE:
-        path = tmp_path_factory.mktemp("ttft") / "ttft.json"
-        LinearTTFT(seconds_per_token=NUM_LAYERS * DELAY_US_PER_TOKEN * 1e-6,
-                   intercept_s=0.02).save(path)
-        _TTFT_FILE["path"] = str(path)
-    return tiny_model("llama", num_hidden_layers=NUM_LAYERS, max_position_embeddings=1024)
-
-
-def _prompt(n: int, seed: int, prefix: list[int] | None = None) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    tail = torch.randint(3, 250, (n - len(prefix or []),), generator=g).tolist()
-    return (prefix or []) + tail
-
-
-def _engine(model: str, **overrides) -> EngineCore:
-    # The CPU unless a case names another device: left at "auto", a GPU machine would run these
-    # CPU-timed scenarios (and their references) on CUDA, capturing graphs over Triton kernels
-    # that a pytest process interpreting them cannot capture.
-    args = dict(device="cpu", dtype="float32", num_kv_blocks=160, block_size=16,
-                max_num_batched_tokens=1024, scheduling_policy="slo", preempt_min_tokens=32, enable_prefix_caching=True,
-                ttft_model=_TTFT_FILE.get("path"))
-    args.update(overrides)
-    return EngineCore(build_engine_config(model, **args))
-
-
-def _request(req_id: str, prompt: list[int], slo_ms: float | None) -> Request:
-    return Request(request_id=req_id, prompt_token_ids=prompt, ttft_slo_ms=slo_ms,
-                   sampling_params=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True,
-                                                  temperature=0.0))
-
-
-def _run(engine: EngineCore, timeout_s: float = 120.0) -> list[tuple[float, float]]:
-    """Steps until every request finished; returns each step's (start, end) time."""
-    deadline = time.monotonic() + timeout_s
-    steps = []
-    while engine.has_unfinished_requests():
-        assert time.monotonic() < deadline, "the engine did not finish its requests"
-        started = time.monotonic()
-        engine.step()
-        steps.append((started, time.monotonic()))
-        engine.scheduler.check_invariants()
-    return steps
-
-
-def _duration_of_step_at(steps: list[tuple[float, float]], t: float) -> float:
-    return next(end - start for start, end in steps if start <= t <= end)
-
-
-def _on_long_step(engine: EngineCore, layer: int, action: Callable[[], None],
-                  min_tokens: int = LONG_PROMPT) -> None:
-    """Run `action` on another thread once the forward pass of a long step reaches `layer`
-    (the arrival races the forward pass, as it would over HTTP)."""
-    reached = threading.Event()
-
-    def observer(layer_idx: int, num_tokens: int) -> None:
-        if layer_idx == layer and num_tokens >= min_tokens:
-            reached.set()
-
-    # At the layer's attention op, which an eager pass and a step replayed as CUDA graph
-    # pieces both run in Python (a hook inside a piece never runs in a real replay).
-    observe_attention_ops(engine.executor.runner.model, observer)
-
-    def fire() -> None:
-        if reached.wait(timeout=30):
-            action()
-
-    threading.Thread(target=fire, daemon=True).start()
-
-
-def _reference_outputs(model: str, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
-    engine = _engine(model, mid_forward_preemption=False, enforce_eager=True)
-    try:
-        requests = {k: _request(k, p, None) for k, p in prompts.items()}
-        for r in requests.values():
-            engine.add_request(r)
-        _run(engine)
-        return {k: r.output_token_ids for k, r in requests.items()}
-    finally:
-        engine.shutdown()
-
-
-def _assert_equal_to_reference(model: str, prompts: dict[str, list[int]],
-                               got: dict[str, list[int]], expected: dict[str, list[int]],
-                               device: str) -> None:
-    """Every output equals the CPU reference's. On a GPU (CUDA graphs, Triton kernels) an
-    argmax may flip where the reference's top two nearly tie: reported and accepted
-    (bench/greedy_divergence.py); on the CPU the runs are exact."""
-    names = sorted(prompts)
-    divergences = compare_greedy(
-        [prompts[k] for k in names], [got[k] for k in names], [expected[k] for k in names],
-        fresh_engine_top_two(model, device="cpu", dtype="float32", enforce_eager=True),
-        tolerance=NEAR_TIE_MARGIN if device == "cuda" else 0.0)
-    for tie in assert_no_clear_divergence(divergences):
-        print(f"accepted {tie.describe()}")
-
-
-def _count_tokens_per_layer(engine: EngineCore) -> list[int]:
-    """Tokens that reached each layer's attention op, summed over the run (a step replayed as
-    pieces counts its real rows; a decode step replayed as one graph is counted at every layer
-    alike on the CPU stand-in, and at none on a GPU)."""
-    model = engine.executor.runner.model
-    counts = [0] * model.num_layers
-
-    def counter(layer_idx: int, num_tokens: int) -> None:
-        counts[layer_idx] += num_tokens
-
-    observe_attention_ops(model, counter)
-    return counts
 
 
 @pytest.mark.parametrize("mode", ["recompute", "pause", "suspend"])
@@ -170,74 +41,6 @@ def test_urgent_arrival_unwinds_a_step_replayed_as_pieces(model: str, mode: str,
     unwound)."""
     monkeypatch.setenv(FAKE_GRAPHS_ENV, "1")
     check_urgent_arrival_unwinds_long_prefill(model, mode)
-
-
-def check_urgent_arrival_unwinds_long_prefill(model: str, mode: str, check_timing: bool = True,
-                                              **engine_args) -> None:
-    """The scenario, with the preempted engine built with ``engine_args`` (another device or
-    kernel backend: the reference run is always the CPU's PyTorch path). ``check_timing=False``
-    where the kernels run far slower than the engine's TTFT line says (Triton's interpreter):
-    the scheduler then plans steps on wrong costs, and only the unwind itself is checked."""
-    long_prompt = _prompt(LONG_PROMPT, seed=1)
-    # The urgent prompt shares the long one's first 32 tokens: the unwound step must not have
-    # committed their prefix-cache hashes, and a hit must still give the same tokens.
-    prompts = {"long": long_prompt, "urgent": _prompt(44, seed=2, prefix=long_prompt[:32])}
-    expected = _reference_outputs(model, prompts)
-
-    engine = _engine(model, slo_preempt_mode=mode, **engine_args)
-    try:
-        long = _request("long", prompts["long"], slo_ms=60_000)
-        engine.add_request(long)
-        arrived: list[Request] = []
-
-        def arrive() -> None:  # the urgent request's arrival time is now, mid-step
-            arrived.append(_request("urgent", prompts["urgent"], slo_ms=URGENT_SLO_MS))
-            engine.submit_request(arrived[0])
-
-        _on_long_step(engine, layer=1, action=arrive)
-        tokens_per_layer = _count_tokens_per_layer(engine)
-        steps = _run(engine)
-        (urgent,) = arrived
-
-        assert engine.preemption is not None
-        (event,) = engine.preemption.events  # probe: the step really was unwound, once
-        assert 0 < event.layer < NUM_LAYERS
-        # The unwound step had admitted the long prompt: unless its chunk was suspended, it is
-        # back in the queue with no KV, which is a recompute whatever the mode.
-        applied = "suspend" if mode == "suspend" else "recompute"
-        assert (event.victim_id, event.waiter_id, event.applied) == ("long", "urgent", applied)
-        if mode == "suspend":
-            # The long prompt went through every layer exactly once: the resumed pass began
-            # at the layer the unwound one stopped at.
-            assert event.wasted_tokens == 0
-            assert tokens_per_layer[0] == tokens_per_layer[-1]
-            assert len(engine.executor.runner.suspended) == 0
-        else:
-            # Paired probe: the unwound pass's layers below the stop were run twice.
-            assert event.wasted_tokens == LONG_PROMPT
-            assert tokens_per_layer[0] == tokens_per_layer[-1] + LONG_PROMPT
-        assert long.num_preemptions == 1 and long.num_slo_preemptions == 1
-        assert urgent.num_preemptions == 0
-        # The urgent request's first token came sooner after its arrival than the long step
-        # takes as a whole (measured in this run: the step that finally prefilled it), so
-        # before that step could have finished had it not been stopped.
-        assert urgent.first_token_time is not None and long.first_token_time is not None
-        if check_timing:
-            long_step_s = _duration_of_step_at(steps, long.first_token_time)
-            assert urgent.first_token_time - urgent.arrival_time < long_step_s
-            assert urgent.first_token_time < long.first_token_time
-        _assert_equal_to_reference(
-            model, prompts, {"long": long.output_token_ids, "urgent": urgent.output_token_ids},
-            expected, engine_args.get("device", "cpu"))
-        assert engine.scheduler.kv_cache_manager.num_free_blocks == 160
-        pieces = engine.executor.runner.piecewise
-        if pieces is not None:
-            # With graphs on, the long step (400 tokens) was replayed as pieces and the vote
-            # between two of them stopped it; steps ran as pieces and decodes as whole graphs.
-            assert pieces.unwinds == 1 and pieces.replays > 0
-            assert engine.executor.runner.graphs.replays > 0
-    finally:
-        engine.shutdown()
 
 
 @pytest.mark.parametrize("mode", ["pause", "suspend"])

@@ -10,7 +10,7 @@ from engine.config import CacheConfig, PreemptionConfig, SchedulerConfig, SLOPre
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from monitor.predictor import LinearTTFT
-from tests.core.test_scheduler import BS, FakeRunner, make_request, run_to_completion, scheduled
+from tests.utils.scheduling import BS, FakeRunner, make_request, run_to_completion, scheduled
 
 
 def _scheduler(mode: SLOPreemptMode = "suspend", *, num_blocks: int = 64, budget: int = 64,

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from tests.core.test_scheduler import (FakeRunner, make_request, make_scheduler, reference_output,
-                                  run_to_completion)
+from tests.utils.scheduling import (FakeRunner, make_request, make_scheduler, reference_output,
+                                    run_to_completion)
 
 
 def _state(sched):

@@ -21,7 +21,7 @@ from engine.config import CacheConfig, PreemptionConfig, SchedulerConfig
 from engine.core.scheduler import Scheduler
 from engine.runtime.slo_preemption import unwind_step
 from monitor.predictor import LinearTTFT
-from tests.core.test_scheduler import BS, FakeRunner, make_request, scheduled, step
+from tests.utils.scheduling import BS, FakeRunner, make_request, scheduled, step
 
 H100_LINE = LinearTTFT(seconds_per_token=3e-5, intercept_s=0.03, seconds_per_token_sq=8.3e-10)
 

@@ -16,7 +16,7 @@ import pytest
 
 from monitor.policy import RequestView, urgency
 from monitor.predictor import LinearTTFT, optimistic_prefill
-from tests.simulation.test_gpu_timed import StepLog, _engine, _replay, _request
+from tests.utils.gpu_timed import StepLog, _engine, _replay, _request
 
 
 def _seed(profile, factor: float) -> LinearTTFT:

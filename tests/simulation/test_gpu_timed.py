@@ -6,64 +6,13 @@ file, mid-forward preemption in suspend mode."""
 
 from __future__ import annotations
 
-import random
-import time
-from dataclasses import dataclass, field
-
 import pytest
 
-from bench.arrivals import submit_on_schedule
-from engine.config import build_engine_config
 from engine.core.request import Request
-from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
-from engine.runtime.engine_core import EngineCore
-from engine.sampling_params import SamplingParams
+from engine.core.scheduler_output import StepStatus
+from tests.utils.gpu_timed import StepLog, _engine, _request, _replay
 
-PROFILE = "h100-llama-3.1-8b"
 URGENT_SLO_MS = 150.0
-
-
-@dataclass
-class StepLog:
-    """Every step the executor ran: its requests, outcome and wall-clock span."""
-
-    steps: list[tuple[SchedulerOutput, StepStatus, float, float]] = field(default_factory=list)
-
-    def wrap(self, engine: EngineCore) -> None:
-        execute = engine.executor.execute_model
-
-        def logged(out: SchedulerOutput) -> ModelRunnerOutput:
-            started = time.monotonic()
-            result = execute(out)
-            self.steps.append((out, result.status, started, time.monotonic()))
-            return result
-
-        engine.executor.execute_model = logged  # type: ignore[method-assign]
-
-
-def _engine(model: str, budget: int, **kwargs) -> EngineCore:
-    return EngineCore(build_engine_config(model, simulate=PROFILE, max_num_batched_tokens=budget,
-                                          max_model_len=40_000, enable_prefix_caching=False,
-                                          **kwargs))
-
-
-def _request(req_id: str, tokens: int, slo_ms: float | None, seed: int) -> Request:
-    rng = random.Random(seed)
-    return Request(request_id=req_id, prompt_token_ids=[rng.randrange(5, 300)
-                                                        for _ in range(tokens)],
-                   sampling_params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                   ttft_slo_ms=slo_ms)
-
-
-def _replay(engine: EngineCore, arrivals: list[tuple[float, Request]]) -> None:
-    """Submit each request at its offset from a thread (as the HTTP reader does) while the
-    engine loop runs, until everything finished."""
-    thread = submit_on_schedule(engine, arrivals)
-    while thread.is_alive() or engine.has_unfinished_requests():
-        if engine.has_unfinished_requests():
-            engine.step()
-        else:
-            time.sleep(0.0005)
 
 
 # Two documents prefilling (24k and 20k tokens) and three urgent turns arriving during them.

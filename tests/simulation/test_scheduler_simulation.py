@@ -35,8 +35,8 @@ from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import StepStatus
 from engine.runtime.slo_preemption import unwind_step
 from monitor.predictor import LinearTTFT
+from tests.utils.scheduling import VOCAB, reference_output
 from tests.utils.sim_runner import SimWorker
-from tests.core.test_scheduler import VOCAB, reference_output
 
 NUM_LAYERS = 6
 DRAIN_STEPS = 5_000

@@ -13,7 +13,7 @@ from __future__ import annotations
 from engine.core.block_pool import BlockPool
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
 from engine.simulation.executor import segment_tail
-from tests.core.test_scheduler import next_token
+from tests.utils.scheduling import next_token
 
 
 class SimWorker:

@@ -1,12 +1,12 @@
 """The sampling parameters vLLM users use, against loop-by-loop reference implementations of
 their OpenAI / vLLM definitions, at the sampler and through the engine on a tiny model."""
 
-import math
 
 import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
+from tests.utils.sampling_reference import _reference
 from workers.logits_processors import TokenHistory, process_logits
 from workers.sampler import Sampler
 
@@ -15,24 +15,6 @@ VOCAB = 40
 
 def _logits(seed: int = 0) -> torch.Tensor:
     return torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
-
-
-def _reference(logits: list[float], sp: SamplingParams, prompt: list[int], output: list[int],
-               blocked: list[int]) -> list[float]:
-    out = list(logits)
-    for token, bias in sp.logit_bias.items():
-        out[token] += bias
-    for token in blocked:
-        out[token] = -math.inf
-    for token in range(len(out)):
-        if token in prompt or token in output:
-            rp = sp.repetition_penalty
-            out[token] = out[token] / rp if out[token] > 0 else out[token] * rp
-        count = output.count(token)
-        out[token] -= sp.frequency_penalty * count
-        if count:
-            out[token] -= sp.presence_penalty
-    return out
 
 
 @pytest.mark.parametrize("kwargs", [
