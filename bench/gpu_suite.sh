@@ -264,8 +264,7 @@ run_core() {
 run_full() {
     step equality 75 $py -m bench.gpu_equality --device "$device" "${smoke_flag[@]}" \
         --out "$out/equality.json"
-    step tests-cuda 60 $py -m pytest -q -p no:cacheprovider "${test_mode[@]}" \
-        tests/gpu/test_cuda.py tests/gpu/test_gpu_memory_utilization.py
+    step tests-cuda 60 $py -m pytest -q -p no:cacheprovider "${test_mode[@]}" -m gpu tests/gpu
     # Two sizes on one engine: the long prompt's step runs eager, a 512-token step replays as
     # pieces with the vote between them (the smoke run's 128 is the smallest preemptible step).
     step preempt-latency 60 $py -m bench.preempt_latency --model "$model" "${load[@]}" \
@@ -293,8 +292,7 @@ run_full() {
     fi
     # Compiles every kernel variant the tests use from an empty Triton cache.
     step tests-triton-compiled 120 env TRITON_INTERPRET=$([[ $device == cuda ]] && echo 0 || echo 1) \
-        $py -m pytest -q -p no:cacheprovider "${test_mode[@]}" tests/kernels/test_triton_kernels.py \
-        tests/kernels/test_triton_fused.py tests/kernels/test_triton_engine.py tests/kernels/test_kernel_warmup.py
+        $py -m pytest -q -p no:cacheprovider "${test_mode[@]}" -m gpu tests/kernels
     step burst-inprocess 90 $py -m engine bench run --model "$model" "${load[@]}" \
         --device "$device" --workload burst --arrival gamma --burstiness 4 "${burst[@]}" \
         --seeds 0 --budgets 2048 --policies fcfs slo+mf-conservative-suspend --runner inprocess \

@@ -140,9 +140,8 @@ def _tests(out: Path, steps: dict[str, Step], smoke: bool) -> list[str]:
     lines = ["## GPU tests", ""]
     if smoke:
         lines += ["Smoke: the GPU tests are collected, not run (CI runs them on the CPU).", ""]
-    for name, label in (("tests-cuda", "tests/gpu/test_cuda.py, tests/gpu/test_gpu_memory_utilization.py"),
-                        ("tests-triton-compiled",
-                         "tests/kernels/test_triton_*.py, tests/kernels/test_kernel_warmup.py, kernels compiled")):
+    for name, label in (("tests-cuda", "-m gpu tests/gpu"),
+                        ("tests-triton-compiled", "-m gpu tests/kernels, kernels compiled")):
         log = _log(out, name)
         lines.append(f"- {label}: {_outcome(steps.get(name))}; pytest: "
                      f"`{_pytest_totals(out, name) or 'no totals line'}`")

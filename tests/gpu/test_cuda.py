@@ -38,6 +38,8 @@ from tests.utils.tp import _run as run_tp  # noqa: E402
 from tests.utils.triton_device import kernels_interpreted  # noqa: E402
 from workers.cuda_graphs import FAKE_GRAPHS_ENV  # noqa: E402
 
+# On a GPU, bench/gpu_suite.sh's tests-cuda step runs the tests marked gpu.
+pytestmark = pytest.mark.gpu
 GPU_REASON = ("needs an NVIDIA GPU (torch.cuda.is_available() is False); the same scenario runs "
               "on the CPU in the 'device_cpu' case")
 DEVICES = [pytest.param("cpu", id="device_cpu"),

@@ -28,6 +28,8 @@ from workers.model_runner import ModelRunner  # noqa: E402
 from workers.serving_startup import prepare_for_serving  # noqa: E402
 from workers.step_buffers import StepLimits  # noqa: E402
 
+# On a GPU, bench/gpu_suite.sh's tests-triton-compiled step runs the tests marked gpu.
+pytestmark = pytest.mark.gpu
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 triton_attention = pytest.importorskip("kernels.triton_attention")

@@ -18,6 +18,8 @@ from engine import LLM, SamplingParams  # noqa: E402
 from tests.utils.kernel_counts import KernelsRan  # noqa: E402
 from tests.utils.mid_forward import check_urgent_arrival_unwinds_long_prefill  # noqa: E402
 
+# On a GPU, bench/gpu_suite.sh's tests-triton-compiled step runs the tests marked gpu.
+pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
