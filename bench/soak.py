@@ -44,7 +44,9 @@ if __package__ in (None, ""):
 import httpx  # noqa: E402
 import psutil  # noqa: E402
 
-from bench.attainment.server import free_port, stop_server, wait_until_healthy  # noqa: E402
+from engine.benchmarks.attainment.server import (  # noqa: E402
+    free_port, stop_server, wait_until_healthy)
+from engine.benchmarks.stats import percentile  # noqa: E402
 from bench.soak_clients import SLOS, Tally, Target, run_clients  # noqa: E402
 
 # Every one of them is 0 on an idle server that freed what its requests held.
@@ -164,19 +166,14 @@ def describe_target(args: argparse.Namespace, url: str, headers: dict[str, str])
 
 # ---- the summary --------------------------------------------------------------------------------
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def ttft_summary(target: Target, ttft_ms: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
     """Client-side time to the first event, per SLO class (hang-ups included: they stream too)."""
     out = {}
     for label, slo in target.slos:
         values = ttft_ms.get(label, [])
         if values:
-            out[label] = {"n": len(values), "p50_ms": round(percentile(values, 0.5), 1),
-                          "p99_ms": round(percentile(values, 0.99), 1)}
+            out[label] = {"n": len(values), "p50_ms": round(percentile(values, 50), 1),
+                          "p99_ms": round(percentile(values, 99), 1)}
             if slo is not None:
                 out[label]["met"] = round(sum(v <= slo for v in values) / len(values), 3)
     return out

@@ -6,11 +6,12 @@ are the client's. The second request's median gap between chunks is the decode s
 context; the first request passes when none of its gaps exceeds twice that step (issue 25: a
 new decode-attention variant compiled for about a second mid-stream).
 
-    python -m bench.model_shapes llama-3.1-8b /tmp/llama-8b
+    sloserve bench shape llama-3.1-8b /tmp/llama-8b
     python -m bench.stream_gaps --model /tmp/llama-8b --load-format dummy --out gaps.json
 
 With --out PATH: the JSON at the end; as the run goes, PATH's .jsonl twin (`gaps.jsonl`,
-bench/figures.py) gets `run` (model, contexts), `startup` (server start to healthy, the log's
+engine/benchmarks/figures.py) gets `run` (model, contexts), `startup` (server start to healthy, the
+log's
 warm-up lines), a `row` per context as soon as both its requests are measured, and `done`; and
 the server's own log, at info level, goes to `gaps.server.log` beside it as the server writes
 it (not only on a failure), so a run killed at its time limit leaves both. Without --out the
@@ -30,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.attainment.server import free_port, stop_server, wait_until_healthy
-from bench.figures import FigureLog, jsonl_twin
+from engine.benchmarks.attainment.server import free_port, stop_server, wait_until_healthy
+from engine.benchmarks.figures import FigureLog, jsonl_twin
 
 # A gap is a stall when it is over this multiple of the warm decode step.
 STALL_MULTIPLE = 2.0

@@ -1,6 +1,7 @@
 """An urgent request whose first token shows nothing, during a long prefill, over HTTP (issue 32).
 
-A long document (default ~1900 tokens of bench/corpus.txt: one step of the default server's
+A long document (default ~1900 tokens of engine/benchmarks/corpus.txt: one step of the default
+server's
 2048-token budget) is sent with a relaxed objective; at 0.3 of its isolated TTFT a short
 completion arrives, "What is two plus two?", whose objective is half that TTFT. On the default
 model its first token is `<|im_end|>` (with `ignore_eos`), which shows no text: the client's
@@ -27,11 +28,11 @@ from pathlib import Path
 
 import httpx
 
-from bench.attainment.server import free_port, stop_server, wait_until_healthy
-from bench.figures import FigureLog
+from engine.benchmarks.attainment.server import free_port, stop_server, wait_until_healthy
+from engine.benchmarks.figures import FigureLog
 
 URGENT_PROMPT = "What is two plus two?"
-CORPUS = Path(__file__).resolve().parent / "corpus.txt"
+from engine.benchmarks.attainment.traces import CORPUS_PATH as CORPUS  # noqa: E402
 
 
 def _stream(client: httpx.Client, model: str, prompt: str | list[int], slo_ms: float,

@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from bench.attainment.policies import PolicySpec
+from engine.benchmarks.attainment.policies import PolicySpec
 
 # Engine overrides that map onto `sloserve serve` flags.
 _FLAGS = {"dtype": "--dtype", "num_kv_blocks": "--num-kv-blocks",
