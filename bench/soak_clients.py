@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from engine.benchmarks.attainment.traces import CORPUS_PATH as CORPUS  # noqa: E402
+from engine.benchmarks.attainment.traces import CORPUS_PATH as CORPUS
 
 # (label, ttft_slo_ms): urgent is tight enough that the scheduler has to put it first.
 SLOS: tuple[tuple[str, float | None], ...] = (("urgent", 500.0), ("relaxed", 5000.0),

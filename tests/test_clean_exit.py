@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.benchmarks.attainment.server import free_port, wait_until_healthy
+from engine.benchmarks.server import free_port, wait_until_healthy
 from tests.server_helpers import REPO, children, cmdline, descendants, wait_gone
 
 SHM = Path("/dev/shm")
