@@ -41,7 +41,7 @@ from engine import dry_run
 
 from bench.greedy_divergence import compare_greedy, hf_top_two
 from bench.hf_reference import hf_greedy, load_hf_model
-from bench.random_checkpoints import make_random_model, save_small_tokenizer
+from engine.benchmarks.random_checkpoints import make_random_model, save_small_tokenizer
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bench.figures import FigureLog, jsonl_twin
+from engine.benchmarks.figures import FigureLog, jsonl_twin
 
 EXIT_GRAPHS_FAILED = 3
 
@@ -116,7 +116,7 @@ def expects_graphs(phase: dict[str, Any]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="model folder (bench/model_shapes.py)")
+    parser.add_argument("--model", required=True, help="model folder (`sloserve bench shape`)")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="dummy")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--dtype", default="auto")

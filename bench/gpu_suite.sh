@@ -179,8 +179,8 @@ if [[ $smoke == 1 ]]; then
     model="$out/model"
     $py -c "
 from pathlib import Path
-from bench.model_shapes import cover_vocabulary
-from bench.random_checkpoints import make_random_model, save_small_tokenizer
+from engine.benchmarks.model_shapes import cover_vocabulary
+from engine.benchmarks.random_checkpoints import make_random_model, save_small_tokenizer
 save_small_tokenizer('$model')
 cover_vocabulary(Path('$model'), 512)  # every id the model samples shows as text
 make_random_model('$model', 'llama', vocab_size=512, hidden_size=64, intermediate_size=128,
@@ -202,8 +202,8 @@ make_random_model('$model', 'llama', vocab_size=512, hidden_size=64, intermediat
 else
     model="$out/model-$shape"
     smoke_model="$out/model-$shape-2-layers"
-    $py -m bench.model_shapes "$shape" "$model" --small-tokenizer > /dev/null \
-        && $py -m bench.model_shapes "$shape" "$smoke_model" --small-tokenizer \
+    $py -m engine bench shape "$shape" "$model" --small-tokenizer > /dev/null \
+        && $py -m engine bench shape "$shape" "$smoke_model" --small-tokenizer \
             --num-hidden-layers 2 > /dev/null \
         || { echo "could not write the $shape shape" >&2; exit 1; }
     load=(--load-format dummy)

@@ -5,7 +5,8 @@ Each section quotes a step's own figures (its JSON, or its log's `key: value` li
 tables); a step that failed or ran out of time says so, with its log's last lines.
 
 Partial results: a benchmark writes its final JSON at exit, and each figure to the JSON's
-.jsonl twin as it is measured (bench/figures.py). A step killed at its limit has no JSON, but
+.jsonl twin as it is measured (engine/benchmarks/figures.py). A step killed at its limit has no
+JSON, but
 its .jsonl holds what it measured: the section reports that, marked "(partial: step timed
 out)" (or killed, failed), instead of nothing.
 
@@ -33,7 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.figures import jsonl_twin, read_figures
+from engine.benchmarks.figures import jsonl_twin, read_figures
+from engine.benchmarks.stats import percentile
 
 _PYTEST_TOTALS = re.compile(r"^=*\s*(\d+ (passed|failed|error|errors|skipped|tests? collected"
                             r"|deselected).*?)\s*=*$")
@@ -132,7 +134,8 @@ def _json(path: Path) -> Any:
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
-    """The .jsonl twin of a step's JSON `path` (bench/figures.py): what it measured so far."""
+    """The .jsonl twin of a step's JSON `path` (engine/benchmarks/figures.py): what it measured so
+    far."""
     return read_figures(jsonl_twin(path))
 
 
@@ -323,12 +326,6 @@ def _preempt_latency_from_records(records: list[dict[str, Any]]) -> dict[str, An
             "unfinished_trials": unfinished, "partial": True}
 
 
-def _nearest_rank(values: list[float], q: float) -> float:
-    """bench/preempt_latency.py's percentile (nearest rank), so the table quotes its figures."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
 def _preempt_latency_table(report: dict[str, Any]) -> list[str]:
     lines = [f"{report['layers']} layers, device {report['device']}; the urgent request alone: "
              f"{report['urgent_ttft_alone_ms']:.1f} ms. Target: p99 arrival to unwind < one "
@@ -346,7 +343,7 @@ def _preempt_latency_table(report: dict[str, Any]) -> list[str]:
             ran_as += f" ({size['long_steps_as_pieces']}/{size['long_steps']} as pieces)"
         step_ms = statistics.median(size["long_step_ms"]) if size["long_step_ms"] else None
         if ms:
-            p50, p99 = _nearest_rank(ms, 50), _nearest_rank(ms, 99)
+            p50, p99 = percentile(ms, 50), percentile(ms, 99)
             tail = (f"{p50:.2f} | {p99:.2f} | {p99 / layer_ms:.2f} | "
                     f"{'met' if p99 < layer_ms + 5 else 'NOT met'} |")
         else:

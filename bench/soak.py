@@ -44,7 +44,8 @@ if __package__ in (None, ""):
 import httpx  # noqa: E402
 import psutil  # noqa: E402
 
-from bench.attainment.server import free_port, stop_server, wait_until_healthy  # noqa: E402
+from engine.benchmarks.server import launched_server  # noqa: E402
+from engine.benchmarks.stats import percentile  # noqa: E402
 from bench.soak_clients import SLOS, Tally, Target, run_clients  # noqa: E402
 
 # Every one of them is 0 on an idle server that freed what its requests held.
@@ -57,23 +58,13 @@ IDLE_GAUGES = ("kv_cache_usage_perc", "num_requests_running", "num_requests_wait
 def started_server(args: argparse.Namespace, server_args: list[str]
                    ) -> Iterator[tuple[str, subprocess.Popen, Path]]:
     """`sloserve serve` on a free loopback port: yields (url, process, log path); SIGTERM after."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "engine", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning", *(["--model", args.model] if args.model else []),
-           *(["--api-key", args.api_key] if args.api_key else []), *server_args]
+    serve_args = ["--log-level", "warning", *(["--model", args.model] if args.model else []),
+                  *(["--api-key", args.api_key] if args.api_key else []), *server_args]
     log_path = Path(args.server_log or tempfile.mkstemp(prefix="soak-server-", suffix=".log")[1])
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    with open(log_path, "wb") as log:
-        # cwd is the repository root: from bench/, bench/gpu_kernels.py would shadow `kernels`.
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_until_healthy(proc, url, args.startup_timeout_s,
-                               lambda: log_path.read_text(errors="replace")[-3000:])
-            yield url, proc, log_path
-        finally:
-            stop_server(proc)
+    log_path.write_bytes(b"")  # this run's log alone
+    with launched_server(serve_args, log_path=log_path,
+                         startup_timeout_s=args.startup_timeout_s) as server:
+        yield server.url, server.process, log_path
 
 
 def listening_pid(url: str) -> int | None:
@@ -164,19 +155,14 @@ def describe_target(args: argparse.Namespace, url: str, headers: dict[str, str])
 
 # ---- the summary --------------------------------------------------------------------------------
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def ttft_summary(target: Target, ttft_ms: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
     """Client-side time to the first event, per SLO class (hang-ups included: they stream too)."""
     out = {}
     for label, slo in target.slos:
         values = ttft_ms.get(label, [])
         if values:
-            out[label] = {"n": len(values), "p50_ms": round(percentile(values, 0.5), 1),
-                          "p99_ms": round(percentile(values, 0.99), 1)}
+            out[label] = {"n": len(values), "p50_ms": round(percentile(values, 50), 1),
+                          "p99_ms": round(percentile(values, 99), 1)}
             if slo is not None:
                 out[label]["met"] = round(sum(v <= slo for v in values) / len(values), 3)
     return out

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-CORPUS = Path(__file__).resolve().parent / "corpus.txt"
+from engine.benchmarks.attainment.traces import CORPUS_PATH as CORPUS
 
 # (label, ttft_slo_ms): urgent is tight enough that the scheduler has to put it first.
 SLOS: tuple[tuple[str, float | None], ...] = (("urgent", 500.0), ("relaxed", 5000.0),
@@ -155,7 +155,8 @@ class Target:
 
 
 class Prompts:
-    """Text slices of bench/corpus.txt. A prompt has at most `budget` characters: every token
+    """Text slices of engine/benchmarks/corpus.txt. A prompt has at most `budget` characters: every
+    token
     of a byte-level or byte-fallback tokenizer covers at least one byte, so it always fits."""
 
     def __init__(self) -> None:

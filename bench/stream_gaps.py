@@ -6,11 +6,12 @@ are the client's. The second request's median gap between chunks is the decode s
 context; the first request passes when none of its gaps exceeds twice that step (issue 25: a
 new decode-attention variant compiled for about a second mid-stream).
 
-    python -m bench.model_shapes llama-3.1-8b /tmp/llama-8b
+    sloserve bench shape llama-3.1-8b /tmp/llama-8b
     python -m bench.stream_gaps --model /tmp/llama-8b --load-format dummy --out gaps.json
 
 With --out PATH: the JSON at the end; as the run goes, PATH's .jsonl twin (`gaps.jsonl`,
-bench/figures.py) gets `run` (model, contexts), `startup` (server start to healthy, the log's
+engine/benchmarks/figures.py) gets `run` (model, contexts), `startup` (server start to healthy, the
+log's
 warm-up lines), a `row` per context as soon as both its requests are measured, and `done`; and
 the server's own log, at info level, goes to `gaps.server.log` beside it as the server writes
 it (not only on a failure), so a run killed at its time limit leaves both. Without --out the
@@ -25,13 +26,12 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.attainment.server import free_port, stop_server, wait_until_healthy
-from bench.figures import FigureLog, jsonl_twin
+from engine.benchmarks.server import free_port, launched_server, serve_command
+from engine.benchmarks.figures import FigureLog, jsonl_twin
 
 # A gap is a stall when it is over this multiple of the warm decode step.
 STALL_MULTIPLE = 2.0
@@ -129,49 +129,35 @@ def main(argv: list[str] | None = None) -> int:
 
     model = model_path_or_default(args.model)
     vocab = AutoConfig.from_pretrained(model).vocab_size
-    port = free_port()
-    command = [sys.executable, "-m", "engine", "serve", "--model", model, "--port", str(port),
-               "--load-format", args.load_format, "--dtype", args.dtype,
-               "--max-model-len", str(max(args.contexts) + args.max_tokens + 64),
-               # Info level: the startup's warm-up and capture lines are what the report quotes.
-               "--log-level", "info",
-               *(["--device", args.device] if args.device != "auto" else []),
-               *(["--enforce-eager"] if args.enforce_eager else []), *args.serve_arg]
+    serve_args = ["--model", model, "--load-format", args.load_format, "--dtype", args.dtype,
+                  "--max-model-len", str(max(args.contexts) + args.max_tokens + 64),
+                  # Info level: the startup's warm-up and capture lines are what the report
+                  # quotes.
+                  "--log-level", "info",
+                  *(["--device", args.device] if args.device != "auto" else []),
+                  *(["--enforce-eager"] if args.enforce_eager else []), *args.serve_arg]
     if _dry_run():
         # `gpu_suite.sh --dry-run`: the server builds its configuration and exits there.
-        return subprocess.run(command, stdin=subprocess.DEVNULL,
+        return subprocess.run(serve_command(*serve_args, port=free_port()),
+                              stdin=subprocess.DEVNULL,
                               env={**os.environ, "HF_HUB_OFFLINE": "1"}).returncode
     figures = FigureLog(jsonl_twin(args.out) if args.out else None)
     figures.write("run", model=model, contexts=args.contexts, max_tokens=args.max_tokens)
-    if args.out:
-        # The server's log in the output folder as it runs: a step killed at its time limit
-        # still leaves what the server was doing.
-        log_path = server_log_path(args.out)
+    # With --out, the server's log in the output folder as it runs: a step killed at its time
+    # limit still leaves what the server was doing.
+    log_path = server_log_path(args.out) if args.out else None
+    if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = log_path.open("wb")
-    else:
-        log = tempfile.NamedTemporaryFile(prefix="stream-gaps-", suffix=".log", delete=False)
-        log_path = Path(log.name)
-    started = time.monotonic()
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    url = f"http://127.0.0.1:{port}"
-
-    def log_text() -> str:
-        return log_path.read_text(errors="replace")
-
-    try:
-        wait_until_healthy(proc, url, args.startup_timeout_s, lambda: log_text()[-3000:])
-        startup_s = time.monotonic() - started
-        startup_lines = [line for line in log_text().splitlines()
+        log_path.write_bytes(b"")
+    with launched_server(serve_args, log_path=log_path,
+                         startup_timeout_s=args.startup_timeout_s) as server:
+        startup_s = server.startup_s
+        startup_lines = [line for line in server.log_text().splitlines()
                          if "warm" in line.lower() or "compil" in line.lower()]
         figures.write("startup", startup_s=round(startup_s, 1), startup_log=startup_lines[-5:])
-        rows = measure(url, args.contexts, args.max_tokens, vocab, figures)
-    finally:
-        stop_server(proc)
-        log.close()
-    startup_lines = [line for line in log_text().splitlines()
-                     if "warm" in line.lower() or "compil" in line.lower()]
+        rows = measure(server.url, args.contexts, args.max_tokens, vocab, figures)
+        startup_lines = [line for line in server.log_text().splitlines()
+                         if "warm" in line.lower() or "compil" in line.lower()]
     report = {"model": model, "startup_s": round(startup_s, 1), "stall_multiple": STALL_MULTIPLE,
               "startup_log": startup_lines[-5:], "rows": rows,
               "stalled": sum(r["stalled"] for r in rows)}

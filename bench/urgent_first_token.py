@@ -1,6 +1,7 @@
 """An urgent request whose first token shows nothing, during a long prefill, over HTTP (issue 32).
 
-A long document (default ~1900 tokens of bench/corpus.txt: one step of the default server's
+A long document (default ~1900 tokens of engine/benchmarks/corpus.txt: one step of the default
+server's
 2048-token budget) is sent with a relaxed objective; at 0.3 of its isolated TTFT a short
 completion arrives, "What is two plus two?", whose objective is half that TTFT. On the default
 model its first token is `<|im_end|>` (with `ignore_eos`), which shows no text: the client's
@@ -17,21 +18,20 @@ between the urgent stream's chunks, and the documents' TTFT.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
-from bench.attainment.server import free_port, stop_server, wait_until_healthy
-from bench.figures import FigureLog
+from engine.benchmarks.attainment.traces import CORPUS_PATH as CORPUS
+from engine.benchmarks.figures import FigureLog
+from engine.benchmarks.server import launched_server
 
 URGENT_PROMPT = "What is two plus two?"
-CORPUS = Path(__file__).resolve().parent / "corpus.txt"
 
 
 def _stream(client: httpx.Client, model: str, prompt: str | list[int], slo_ms: float,
@@ -130,23 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     from engine.entrypoints.default_model import model_path_or_default
 
     tokenizer = AutoTokenizer.from_pretrained(model_path_or_default(None))
-    proc = None
-    url = args.url
-    if url is None:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--host", "127.0.0.1",
-                                 "--port", str(port)], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.STDOUT)
-        wait_until_healthy(proc, url, 600, lambda: "(log not kept)")
-    try:
+    with contextlib.ExitStack() as stack:
+        url = args.url or stack.enter_context(launched_server([])).url
         model = args.model or httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         with FigureLog(args.output) as log:
             run(url, model, tokenizer, args.tries, args.doc_tokens, args.max_tokens, log,
                 args.name)
-    finally:
-        if proc is not None:
-            stop_server(proc)
     return 0
 
 

@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.arrivals import submit_on_schedule
-from bench.figures import FigureLog
+from engine.benchmarks.arrivals import submit_on_schedule
+from engine.benchmarks.figures import FigureLog
+from engine.benchmarks.stats import percentile
 
 PROFILE = "h100-llama-3.1-8b"
 SLO_MS = 150.0
@@ -97,7 +98,7 @@ def _trace(seed: int, num_docs: int, num_turns: int, silent_share: float
 
 
 def _sim_model(folder: Path) -> str:
-    from bench.model_shapes import write_shape
+    from engine.benchmarks.model_shapes import write_shape
     from engine.entrypoints.default_model import model_path_or_default
 
     return str(write_shape("llama-3.1-8b", folder, model_path_or_default(None)))
@@ -165,9 +166,8 @@ def run_once(model: str, budget: int, seed: int, num_docs: int, num_turns: int,
 
 
 def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+    value = percentile(values, q)
+    return float("nan") if value is None else value
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "(a shipped one such as h100-llama-3.1-8b, a profile JSON file, or a "
                         "`sloserve calibrate` file), with the real scheduler, monitor, vote and "
                         "unwind; the model folder gives the shape and tokenizer "
-                        "(python -m bench.model_shapes writes one)")
+                        "(sloserve bench shape writes one)")
     g.add_argument("--dtype", default="auto",
                    help="auto (bfloat16 where the CPU or GPU runs it natively, else float32 on "
                         "a CPU and float16 on a GPU), bfloat16, float16 or float32")

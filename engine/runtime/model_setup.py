@@ -232,7 +232,7 @@ def simulated_profile(config: EngineConfig, hf_config) -> StepTimeProfile:
         raise ValueError(f"simulate: profile {profile.name!r} times a {profile.num_layers}-layer "
                          f"model but {config.model.model!r} has {hf_config.num_hidden_layers} "
                          f"layers: serve a model folder of the profile's shape "
-                         f"(python -m bench.model_shapes)")
+                         f"(sloserve bench shape)")
     if config.tensor_parallel_size != 1:
         raise ValueError("simulate: the simulation runs in one process (a profile's step times "
                          "include its tensor parallelism): leave tensor_parallel_size at 1")

@@ -46,7 +46,7 @@ class StepTimeProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # The KV pool the simulated engine gets when none is configured (GiB at `dtype`).
     kv_cache_memory_gb: float | None = None
     dtype: str = "bfloat16"
-    # The model shape it times (a bench.model_shapes name), for tools that write a model folder.
+    # The model shape it times (a `sloserve bench shape` name), for tools that write a model folder.
     model_shape: str | None = None
     description: str = ""
 

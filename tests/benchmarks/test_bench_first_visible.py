@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
-from bench.attainment.runners import FirstVisibleText
+from engine.benchmarks.attainment.runners import FirstVisibleText
 from engine.core.request import Request
 from engine.outputs import EngineCoreOutput
 from engine.sampling_params import SamplingParams

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench import gpu_smoke
-from bench.random_checkpoints import make_random_model, save_small_tokenizer
+from engine.benchmarks.random_checkpoints import make_random_model, save_small_tokenizer
 from workers.cuda_graphs import FAKE_GRAPHS_ENV, EagerReplayBackend
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench import gpu_summary, gpu_throughput
-from bench.figures import FigureLog, read_figures
+from engine.benchmarks.figures import FigureLog, read_figures
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +176,8 @@ def test_partial_preemption_latency(tmp_path):
                   unwound=True, arrival_to_unwind_ms=1.5)
     summary = _summary(out)
     assert "**(partial: step timed out)**" in summary
-    assert "| 16384 | eager | 0 | 805.0 | 25.00 | 90.0 | 2/2 | 10.00 | 20.00 |" in summary
+    # p50 and p99 of [10, 20], interpolated as every benchmark does (engine/benchmarks/stats.py).
+    assert "| 16384 | eager | 0 | 805.0 | 25.00 | 90.0 | 2/2 | 15.00 | 19.90 |" in summary
     assert "Prompt size 512, not finished: 1 trials, 1 unwound; long step ms 20.0; arrival " \
            "to unwind ms 1.50." in summary
 

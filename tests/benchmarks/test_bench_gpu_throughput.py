@@ -521,7 +521,7 @@ def test_a_profile_past_its_deadline_names_the_kinds_it_left_out():
 
 
 def _records(path: Path) -> list[dict]:
-    from bench.figures import read_figures
+    from engine.benchmarks.figures import read_figures
 
     return read_figures(path)
 
@@ -645,7 +645,7 @@ def test_one_engine_at_a_time_freed_without_the_garbage_collector(tmp_path, monk
     import time
     import weakref
 
-    from bench.figures import FigureLog
+    from engine.benchmarks.figures import FigureLog
 
     args = gpu_throughput.parse_args(["--smoke", "--device", "cpu", "--dtype", "float32",
                                       "--no-hf"])

@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.attainment.policies import POLICIES
-from bench.attainment.salts import PREFIX_SALT_TOKENS, PrefixSalts, salted
-from bench.attainment.traces import Trace, TraceRequest
+from engine.benchmarks.attainment.policies import POLICIES
+from engine.benchmarks.attainment.salts import PREFIX_SALT_TOKENS, PrefixSalts, salted
+from engine.benchmarks.attainment.traces import Trace, TraceRequest
 
 BLOCK = 16  # a prefix cache's block (vLLM's and sloserve's default size)
 
@@ -113,7 +113,7 @@ def test_two_replays_of_one_trace_share_no_prompt_prefix():
     """Against one server, two replays of a trace (two budgets, two seeds, or sloserve then a
     peer sharing it) and their warm-ups send prompts that share no first block, each the trace's
     prompt with its first tokens salted; the server's prefix cache finds nothing."""
-    from bench.attainment.runners import run_http
+    from engine.benchmarks.attainment.runners import run_http
 
     trace = _trace()
     with _stub_server() as (url, recorder):
@@ -152,7 +152,7 @@ def test_salts_come_from_the_prompts_and_never_repeat():
 
 
 def test_peer_options_are_checked():
-    from bench.attainment.peers import Peer, parse_peers
+    from engine.benchmarks.attainment.peers import Peer, parse_peers
 
     assert parse_peers(["vllm=http://127.0.0.1:8001/", "sglang=http://h:30000"],
                        ["vllm=smollm"]) == [Peer("vllm", "http://127.0.0.1:8001", "smollm"),
@@ -174,7 +174,7 @@ def test_peer_needs_the_http_runner(tmp_path, capsys):
 
 
 def _finished(url: str) -> int:
-    from bench.attainment.runners import server_counter
+    from engine.benchmarks.attainment.runners import server_counter
 
     return server_counter(httpx.get(f"{url}/metrics", timeout=10).text, "request_success") or 0
 
@@ -183,7 +183,7 @@ def _finished(url: str) -> int:
 def test_peer_side_by_side_against_two_servers(tiny_model, tmp_path, capsys):
     """Two sloserve servers with different settings stand in for sloserve and its peer: each
     gets the same trace, one after the other, and the table has a column for each."""
-    from bench.attainment.server import serve
+    from engine.benchmarks.attainment.server import serve
     from engine.entrypoints.cli import main
     from monitor.predictor import LinearTTFT
 

@@ -9,7 +9,7 @@ import json
 import re
 from pathlib import Path
 
-from bench.figures import read_figures
+from engine.benchmarks.figures import read_figures
 from bench.preempt_latency import main
 from workers.cuda_graphs import FAKE_GRAPHS_ENV
 from workers.model_runner import LAYER_DELAY_ENV

@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.attainment.clairvoyant import clairvoyant_attainment, prefill_cost_s, simulate_ttft
-from bench.attainment.report import (markdown_table, plot_attainment_vs_rate, plot_ttft_cdf,
-                                     read_json, tpot_tiers, urgent_tier, write_json)
-from bench.attainment.results import RequestResult, RunResult, aggregate, summarize
-from bench.attainment.traces import Trace, TraceRequest
+from engine.benchmarks.attainment.clairvoyant import (clairvoyant_attainment, prefill_cost_s,
+                                                      simulate_ttft)
+from engine.benchmarks.attainment.report import (markdown_table, plot_attainment_vs_rate,
+                                                 plot_ttft_cdf, read_json, tpot_tiers, urgent_tier,
+                                                 write_json)
+from engine.benchmarks.attainment.results import RequestResult, RunResult, aggregate, summarize
+from engine.benchmarks.attainment.traces import Trace, TraceRequest
 
 
 def req(rid: str, tier: str, slo_ms: float | None, ttft: float | None, e2e: float | None,
@@ -292,7 +294,7 @@ def test_json_round_trip(tmp_path: Path) -> None:
 def test_a_run_as_figure_records_rebuilds_the_run_and_its_summary(tmp_path: Path) -> None:
     """`sloserve bench run` writes each finished run to results.jsonl as these records: a
     `request` per request (with its cell), then the `run` with its summary."""
-    from bench.figures import FigureLog, read_figures
+    from engine.benchmarks.figures import FigureLog, read_figures
 
     run = hand_run()
     path = tmp_path / "results.jsonl"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.figures import read_figures
+from engine.benchmarks.figures import read_figures
 from engine.entrypoints.cli import main
 from monitor.predictor import LinearTTFT
 from tests.utils.figures_wait import wait_for_figures

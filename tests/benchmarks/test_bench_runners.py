@@ -123,9 +123,9 @@ def test_sweep_searches_a_rate_and_runs_the_three_rates(tiny_model, tmp_path):
 def test_engine_pool_reuses_one_engine_and_reports_each_runs_own_counters(tiny_model):
     from transformers import AutoTokenizer
 
-    from bench.attainment.policies import POLICIES
-    from bench.attainment.runners import EnginePool, run_inprocess
-    from bench.attainment.workloads import build_workload
+    from engine.benchmarks.attainment.policies import POLICIES
+    from engine.benchmarks.attainment.runners import EnginePool, run_inprocess
+    from engine.benchmarks.attainment.workloads import build_workload
 
     model = tiny_model("llama")
     trace = build_workload("uniform", 8, 40.0, 0, AutoTokenizer.from_pretrained(model),
@@ -178,7 +178,7 @@ def engine_ledger(monkeypatch) -> _EngineLedger:
 
 
 def _three_engines(pool: Any) -> list[Any]:
-    from bench.attainment.policies import POLICIES
+    from engine.benchmarks.attainment.policies import POLICIES
 
     return [pool.get(POLICIES[name], budget)
             for name, budget in (("fcfs", 128), ("slo", 128), ("fcfs", 256))]
@@ -191,8 +191,8 @@ def test_engine_pool_holds_one_engine_at_a_time_on_cuda(tiny_model, engine_ledge
     holds: the pool shuts the previous one down before building the next. ``auto`` resolves
     to CUDA where torch sees a GPU (faked here)."""
     import engine.device
-    from bench.attainment.policies import POLICIES
-    from bench.attainment.runners import EnginePool
+    from engine.benchmarks.attainment.policies import POLICIES
+    from engine.benchmarks.attainment.runners import EnginePool
 
     monkeypatch.setattr(engine.device, "auto_device", lambda: ("cuda", "a faked GPU"))
     with EnginePool(tiny_model("llama"), device=device, dtype="float32") as pool:
@@ -205,7 +205,7 @@ def test_engine_pool_holds_one_engine_at_a_time_on_cuda(tiny_model, engine_ledge
 
 
 def test_engine_pool_keeps_more_engines_on_cuda_when_asked(tiny_model, engine_ledger):
-    from bench.attainment.runners import EnginePool
+    from engine.benchmarks.attainment.runners import EnginePool
 
     with EnginePool(tiny_model("llama"), max_engines=2, device="cuda", dtype="float32") as pool:
         engines = _three_engines(pool)
@@ -215,7 +215,7 @@ def test_engine_pool_keeps_more_engines_on_cuda_when_asked(tiny_model, engine_le
 
 
 def test_engine_pool_keeps_several_engines_on_the_cpu(tiny_model, engine_ledger):
-    from bench.attainment.runners import CPU_MAX_ENGINES, EnginePool
+    from engine.benchmarks.attainment.runners import CPU_MAX_ENGINES, EnginePool
 
     with EnginePool(tiny_model("llama"), device="cpu", dtype="float32") as pool:
         engines = _three_engines(pool)
@@ -230,9 +230,9 @@ def test_engine_pool_keeps_several_engines_on_the_cpu(tiny_model, engine_ledger)
 def test_inprocess_runner_hands_the_engine_both_objectives(tiny_model, monkeypatch):
     from transformers import AutoTokenizer
 
-    from bench.attainment.policies import POLICIES
-    from bench.attainment.runners import EnginePool, run_inprocess
-    from bench.attainment.workloads import build_workload
+    from engine.benchmarks.attainment.policies import POLICIES
+    from engine.benchmarks.attainment.runners import EnginePool, run_inprocess
+    from engine.benchmarks.attainment.workloads import build_workload
 
     model = tiny_model("llama")
     trace = build_workload("mixed", 6, 40.0, 0, AutoTokenizer.from_pretrained(model),
@@ -260,8 +260,8 @@ def test_http_runner_sends_both_objectives_and_reads_the_final_metrics(tiny_mode
     and the final chunk's metrics (preemptions, slack at admission) reach the result."""
     from transformers import AutoTokenizer
 
-    from bench.attainment.runners import _one_http
-    from bench.attainment.traces import TraceRequest
+    from engine.benchmarks.attainment.runners import _one_http
+    from engine.benchmarks.attainment.traces import TraceRequest
     from engine.ipc.core_messages import CoreOutputs
     from engine.outputs import EngineCoreOutput, SchedulerStats
     from tests.utils.inprocess_server import FakeCore, app_client

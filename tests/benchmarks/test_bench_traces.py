@@ -11,29 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.attainment.traces import (
-    AbsoluteSLO,
-    ChunkMultipleTPOT,
-    Fixed,
-    IsolatedMultipleSLO,
-    LogNormal,
-    NoSLO,
-    PromptSource,
-    TierSpec,
-    Trace,
-    TraceRequest,
-    Uniform,
-    generate_trace,
-    load_user_trace,
-)
-from bench.attainment.workloads import (
-    BURST_DOCUMENT_S,
-    FLOWPREFILL_SLO_RATIO,
-    WORKLOADS,
-    build_workload,
-    flowprefill_tiers,
-    mixed_tiers,
-)
+from engine.benchmarks.attainment.traces import (AbsoluteSLO, ChunkMultipleTPOT, Fixed,
+                                                 IsolatedMultipleSLO, LogNormal, NoSLO,
+                                                 PromptSource, TierSpec, Trace, TraceRequest,
+                                                 Uniform, generate_trace, load_user_trace)
+from engine.benchmarks.attainment.workloads import (BURST_DOCUMENT_S, FLOWPREFILL_SLO_RATIO,
+                                                    WORKLOADS, build_workload, flowprefill_tiers,
+                                                    mixed_tiers)
 
 
 def predict(n: int) -> float:

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.attainment.server import free_port, wait_until_healthy
+from engine.benchmarks.server import free_port, wait_until_healthy
 from tests.utils.server_helpers import REPO, children, cmdline, descendants, wait_gone
 
 SHM = Path("/dev/shm")

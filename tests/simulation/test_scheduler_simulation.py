@@ -301,8 +301,8 @@ def test_report_simulation_totals() -> None:
     thousands of steps, unwinds and KV preemptions, or it proved nothing. Empty steps (where
     held victims are released) are not required: the examples Hypothesis draws from the pinned
     seed differ with what else the session imported first (269 examples and no empty step after
-    bench.attainment.cli, 271 and one without), and a coverage check must not depend on that;
-    tests/preemption/test_scheduler_preemption.py covers that path deterministically."""
+    engine.benchmarks.attainment.cli, 271 and one without), and a coverage check must not depend on
+    that; tests/preemption/test_scheduler_preemption.py covers that path deterministically."""
     if TOTALS["examples"] == 0:
         pytest.skip("the simulation did not run in this session")
     print(f"\nscheduler simulation: {TOTALS}")

@@ -1,4 +1,5 @@
-"""Waiting for a benchmark's first figures (bench/figures.py's JSON-lines files), so that a test
+"""Waiting for a benchmark's first figures (engine/benchmarks/figures.py's JSON-lines files), so
+that a test
 can kill it right after and check that what it measured survived."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.figures import read_figures
+from engine.benchmarks.figures import read_figures
 
 
 def wait_for_figures(proc: subprocess.Popen, figures: Path,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.attainment.server import free_port, wait_until_healthy
+from engine.benchmarks.server import free_port, wait_until_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,6 +1,7 @@
 """Benchmark output: JSON results, a Markdown summary table, and PNG plots.
 
-Reads only `bench.attainment.results` (RunResult and the cells of `aggregate`), so any runner's output
+Reads only `engine.benchmarks.attainment.results` (RunResult and the cells of `aggregate`), so any
+runner's output
 renders the same way.
 """
 
@@ -18,7 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import FuncFormatter, NullFormatter  # noqa: E402
 
-from bench.attainment.results import RunResult, json_safe, summarize  # noqa: E402
+from engine.benchmarks.attainment.results import RunResult, json_safe, summarize  # noqa: E402
 
 
 def write_json(path: str | Path, runs: Sequence[RunResult],
@@ -170,7 +171,8 @@ def markdown_table(aggregate: list[dict[str, Any]], urgent: str | None = None) -
     for c in aggregate:
         m = c["metrics"]
         rows.append([
-            # Budget 0: a peer server's run (bench/attainment/peers.py), at its own settings.
+            # Budget 0: a peer server's run (engine/benchmarks/attainment/peers.py), at its own
+            # settings.
             *(str(c[k]) for k in extra), c["policy"], str(c["budget"] or "own"),
             f"{c['rate']:g}",
             str(c["num_seeds"]),

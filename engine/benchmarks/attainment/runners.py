@@ -4,7 +4,8 @@ the client). Both send each request's TTFT and TPOT objectives to the engine and
 `RunResult`.
 
 Over HTTP, the first PREFIX_SALT_TOKENS tokens of every prompt are replaced by salt tokens drawn
-afresh for each request of each replay, the warm-up included (bench/attainment/salts.py): a
+afresh for each request of each replay, the warm-up included
+(engine/benchmarks/attainment/salts.py): a
 server keeps its prefix cache from one replay to the next, and without the salt a second replay
 of a trace (another budget or seed, a warm-up of the first request, another benchmark run
 against the same server) would find its prompts cached. Prompt lengths stay the trace's, so
@@ -28,10 +29,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.attainment.policies import PolicySpec, tier_priorities
-from bench.attainment.results import RequestResult, RunResult
-from bench.attainment.salts import PREFIX_SALT_TOKENS, PrefixSalts, salted
-from bench.attainment.traces import Trace, TraceRequest
+from engine.benchmarks.attainment.policies import PolicySpec, tier_priorities
+from engine.benchmarks.attainment.results import RequestResult, RunResult
+from engine.benchmarks.attainment.salts import PREFIX_SALT_TOKENS, PrefixSalts, salted
+from engine.benchmarks.attainment.traces import Trace, TraceRequest
 
 
 def _priorities(trace: Trace, policy: PolicySpec) -> dict[str, int]:

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # only attributes are read: any object with the Trace shape works
-    from bench.attainment.traces import Trace
+    from engine.benchmarks.attainment.traces import Trace
 
 # Float slack for deadline comparisons: sums of predictor costs are not exact.
 EPS_S = 1e-9

@@ -5,10 +5,13 @@
           with --peer NAME=URL, each trace against other servers too, side by side
   sweep   find the rate where fcfs attainment is about 50%, then run the grid at 0.5x/1x/1.5x
   report  rebuild the Markdown table and plots from a results JSON
+  shape   write a model folder of a real shape without its weights, for --load-format
+          dummy runs (config.json and a tokenizer that covers the shape's vocabulary)
 
 `run` and `sweep` write OUTPUT_DIR/results.json, summary.md and the plots at the end; as each
 run (one trace, policy and budget) ends, OUTPUT_DIR/results.jsonl gets its `request` records and
-its `run` record with the run's summary (bench/figures.py; `done` after the last), so a benchmark
+its `run` record with the run's summary (engine/benchmarks/figures.py; `done` after the last), so a
+benchmark
 killed at a time limit keeps every run it finished. The HTTP runner's servers (started per run
 unless --url names one) append their info-level logs to OUTPUT_DIR/server.log as they run.
 
@@ -26,9 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.attainment.policies import DEFAULT_SWEEP_POLICIES, resolve_policies
-from bench.attainment.salts import PREFIX_SALT_TOKENS
-from bench.figures import FigureLog
+from engine.benchmarks.attainment.policies import DEFAULT_SWEEP_POLICIES, resolve_policies
+from engine.benchmarks.attainment.salts import PREFIX_SALT_TOKENS
+from engine.benchmarks.figures import FigureLog
 
 # The policy a running `sloserve serve` at --url runs unless told otherwise (the engine's
 # default: slack-EDF with mid-forward preemption in suspend mode).
@@ -45,7 +48,8 @@ class BenchSetup:
     predict_ttft_s: Any
     max_model_len: int
     engine_overrides: dict[str, Any] = field(default_factory=dict)
-    # In-process runner: engines reused across the runs (bench.attainment.runners.EnginePool).
+    # In-process runner: engines reused across the runs
+    # (engine.benchmarks.attainment.runners.EnginePool).
     engines: Any = None
     # Each finished run's records (OUTPUT_DIR/results.jsonl for run and sweep).
     figures: FigureLog = field(default_factory=lambda: FigureLog(None))
@@ -112,7 +116,7 @@ def _setup(args: argparse.Namespace, out_dir: Path) -> BenchSetup:
     setup = BenchSetup(model, AutoTokenizer.from_pretrained(model), path, line.predict, max_len,
                        overrides)
     if getattr(args, "runner", None) == "inprocess":
-        from bench.attainment.runners import EnginePool
+        from engine.benchmarks.attainment.runners import EnginePool
 
         setup.engines = EnginePool(model, **overrides)
     return setup
@@ -127,7 +131,7 @@ def _on_gpu(device: str) -> bool:
 def _simulated_model(profile_name: str, out_dir: Path) -> str:
     """A model folder of the profile's shape (config.json and the default model's tokenizer):
     all a simulated engine reads of a model."""
-    from bench.model_shapes import write_shape
+    from engine.benchmarks.model_shapes import write_shape
     from engine.entrypoints.default_model import model_path_or_default
     from engine.simulation.profile import load_profile
 
@@ -141,7 +145,7 @@ def _simulated_model(profile_name: str, out_dir: Path) -> str:
 
 
 def _trace(setup: BenchSetup, args: argparse.Namespace, rate: float, seed: int):
-    from bench.attainment.workloads import build_workload
+    from engine.benchmarks.attainment.workloads import build_workload
 
     max_output = 16 if args.workload != "uniform" else 32
     return build_workload(args.workload, args.num_requests, rate, seed, setup.tokenizer,
@@ -159,21 +163,21 @@ def _large_budget(traces: list) -> int:
 def _served_model(url: str, given: str | None, api_key: str | None) -> str:
     import asyncio
 
-    from bench.attainment.runners import served_model_name
+    from engine.benchmarks.attainment.runners import served_model_name
 
     return given or asyncio.run(served_model_name(url, api_key))
 
 
 def _run_cell(setup: BenchSetup, args: argparse.Namespace, trace, policy, budget: int):
-    from bench.attainment.clairvoyant import clairvoyant_attainment
-    from bench.attainment.runners import run_http, run_inprocess
+    from engine.benchmarks.attainment.clairvoyant import clairvoyant_attainment
+    from engine.benchmarks.attainment.runners import run_http, run_inprocess
 
     if args.runner == "http" and args.url:
         run = run_http(trace, args.url, policy, budget, api_key=args.api_key,
                        model_name=_served_model(args.url, getattr(args, "url_model", None),
                                                 args.api_key))
     elif args.runner == "http":
-        from bench.attainment.server import serve
+        from engine.benchmarks.attainment.server import serve
 
         meta = trace.meta if isinstance(getattr(trace, "meta", None), dict) else {}
         header = ", ".join(f"{k} {meta[k]}" for k in ("workload", "rate", "seed") if k in meta)
@@ -192,8 +196,8 @@ def _run_cell(setup: BenchSetup, args: argparse.Namespace, trace, policy, budget
 
 def _run_peers(setup: BenchSetup, args: argparse.Namespace, trace) -> list:
     """The trace against each --peer, one after the other, after sloserve's runs of it."""
-    from bench.attainment.peers import PEER_BUDGET, PEER_POLICY
-    from bench.attainment.runners import run_http
+    from engine.benchmarks.attainment.peers import PEER_BUDGET, PEER_POLICY
+    from engine.benchmarks.attainment.runners import run_http
 
     runs = []
     for peer in args.peer_list:
@@ -209,9 +213,10 @@ def _run_peers(setup: BenchSetup, args: argparse.Namespace, trace) -> list:
 
 
 def _write_outputs(runs: list, out_dir: Path) -> None:
-    from bench.attainment.report import (TABLE_NOTES, markdown_table, plot_attainment_vs_rate,
-                                         plot_ttft_cdf, write_json)
-    from bench.attainment.results import aggregate
+    from engine.benchmarks.attainment.report import (TABLE_NOTES, markdown_table,
+                                                     plot_attainment_vs_rate, plot_ttft_cdf,
+                                                     write_json)
+    from engine.benchmarks.attainment.results import aggregate
 
     cells = aggregate(runs)
     write_json(out_dir / "results.json", runs, cells)
@@ -222,7 +227,7 @@ def _write_outputs(runs: list, out_dir: Path) -> None:
     print(table)
     written = "results.json, summary.md, attainment_vs_rate.png, ttft_cdf.png"
     if any(r.meta.get("peer") for r in runs):
-        from bench.attainment.peers import PEER_NOTES, side_by_side
+        from engine.benchmarks.attainment.peers import PEER_NOTES, side_by_side
 
         peers = side_by_side(runs)
         (out_dir / "peers.md").write_text(peers + "\n" + PEER_NOTES)
@@ -250,7 +255,7 @@ def _policies(args: argparse.Namespace) -> list:
 
 def _check_peers(args: argparse.Namespace) -> None:
     """--peer's servers, parsed into args.peer_list (none without --peer)."""
-    from bench.attainment.peers import parse_peers
+    from engine.benchmarks.attainment.peers import parse_peers
 
     args.peer_list = parse_peers(getattr(args, "peer", None), getattr(args, "peer_model", None))
     if args.peer_list and args.runner != "http":
@@ -362,7 +367,7 @@ def _load_trace(path: str, tokenizer: Any):
     optional)."""
     import json
 
-    from bench.attainment.traces import Trace, load_user_trace
+    from engine.benchmarks.attainment.traces import Trace, load_user_trace
 
     with open(path) as f:
         first = f.readline()
@@ -374,8 +379,8 @@ def _load_trace(path: str, tokenizer: Any):
 
 
 def _fcfs_attainment(setup: BenchSetup, args: argparse.Namespace, rate: float) -> float:
-    from bench.attainment.policies import POLICIES
-    from bench.attainment.results import summarize
+    from engine.benchmarks.attainment.policies import POLICIES
+    from engine.benchmarks.attainment.results import summarize
 
     trace = _trace(setup, args, rate, args.seeds[0])
     budget = _budgets(args, [trace])[0]
@@ -426,7 +431,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from bench.attainment.report import read_json
+    from engine.benchmarks.attainment.report import read_json
 
     runs, _ = read_json(args.results)
     out_dir = Path(args.output_dir or Path(args.results).parent)
@@ -436,7 +441,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    from bench.attainment.workloads import WORKLOADS
+    from engine.benchmarks.attainment.workloads import WORKLOADS
 
     p.add_argument("--model", default=None, help="local HF folder (default: SmolLM2-135M)")
     p.add_argument("--dtype", default="auto")
@@ -444,7 +449,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="as `sloserve serve --device` (auto: CUDA when a GPU is visible)")
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: random weights for a config-only folder of a real shape "
-                        "(python -m bench.model_shapes)")
+                        "(sloserve bench shape)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true",
@@ -493,7 +498,7 @@ def add_bench_parser(subparsers: Any) -> None:
     bench = subparsers.add_parser("bench", help="SLO-attainment and goodput benchmark suite",
                                   description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = bench.add_subparsers(dest="bench_command", metavar="{trace,run,sweep,report}")
+    sub = bench.add_subparsers(dest="bench_command", metavar="{trace,run,sweep,report,shape}")
 
     def show_commands(args: argparse.Namespace) -> int:
         # A bare `sloserve bench` asks what the suite offers: show it rather than an error.
@@ -501,6 +506,15 @@ def add_bench_parser(subparsers: Any) -> None:
         return 0
 
     bench.set_defaults(func=show_commands)
+
+    from engine.benchmarks import model_shapes
+
+    shape = sub.add_parser("shape", help="write a model folder of a real shape without weights "
+                                         "(config.json and a tokenizer), for --load-format dummy",
+                           description=model_shapes.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    model_shapes.add_arguments(shape)
+    shape.set_defaults(func=model_shapes.run)
 
     trace = sub.add_parser("trace", help="write a seeded trace of a built-in workload")
     _add_common(trace)

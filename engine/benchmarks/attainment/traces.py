@@ -6,7 +6,8 @@ its TPOT (time per output token) objective. Every policy in a comparison replays
 trace, so traces are generated once from a seed, saved as JSONL and reloaded, never regenerated
 per policy.
 
-Prompts are windows of real English text (`bench/corpus.txt`) tokenized by the model's own
+Prompts are windows of real English text (`engine/benchmarks/corpus.txt`) tokenized by the model's
+own
 tokenizer, cut to the exact sampled length: random token ids would exercise the model on inputs it
 never sees in service, and re-tokenizing decoded text would not give the length back exactly.
 """

@@ -30,22 +30,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from bench.attainment.traces import (
-    AbsoluteSLO,
-    Arrival,
-    ChunkMultipleTPOT,
-    Fixed,
-    IsolatedMultipleSLO,
-    LengthDist,
-    LogNormal,
-    NoSLO,
-    TierSpec,
-    Tokenizer,
-    Trace,
-    Uniform,
-    dist_median,
-    generate_trace,
-)
+from engine.benchmarks.attainment.traces import (AbsoluteSLO, Arrival, ChunkMultipleTPOT, Fixed,
+                                                 IsolatedMultipleSLO, LengthDist, LogNormal, NoSLO,
+                                                 TierSpec, Tokenizer, Trace, Uniform, dist_median,
+                                                 generate_trace)
 
 WORKLOADS: tuple[str, ...] = ("mixed", "flowprefill", "uniform", "burst", "deadline-burst")
 

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bench.attainment.policies import POLICIES, PolicySpec
-from bench.attainment.results import RunResult, summarize
+from engine.benchmarks.attainment.policies import POLICIES, PolicySpec
+from engine.benchmarks.attainment.results import RunResult, summarize
 
 # The budget a peer's run is recorded under: the peer runs its own settings.
 PEER_BUDGET = 0

@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from engine.benchmarks.stats import percentile
+
 
 @dataclass
 class RequestResult:
@@ -109,7 +111,8 @@ class RunResult:
     # {"num_preemptions_kv", "num_preemptions_slo", "wasted_tokens", "computed_tokens"}; computed
     # counts every token scheduled, wasted included. May be {} when the runner cannot know.
     engine: dict[str, Any] = field(default_factory=dict)
-    # Output of bench.attainment.clairvoyant.clairvoyant_attainment on this run's trace (same for every
+    # Output of engine.benchmarks.attainment.clairvoyant.clairvoyant_attainment on this run's trace
+    # (same for every
     # policy on it); aggregate() reports it beside the measured attainment. None: not computed.
     clairvoyant: dict[str, Any] | None = None
     # Free-form provenance (model, trace file, predictor line, command line, ...).
@@ -124,7 +127,8 @@ class RunResult:
                 "workload": self.workload, "rate": self.rate, "seed": self.seed}
 
     def figure_records(self) -> list[tuple[str, dict[str, Any]]]:
-        """The run as JSON-lines records (bench/figures.py), written as it ends so that a
+        """The run as JSON-lines records (engine/benchmarks/figures.py), written as it ends so that
+        a
         benchmark killed later keeps it: a `request` per request (its cell's fields beside
         its own), then the `run` (as in results.json, its `summary` included, the requests
         left to their own lines)."""
@@ -146,10 +150,6 @@ class RunResult:
 
 # ---------------------------------------------------------------------------------------------
 # Per-run summary
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
 
 
 def _mean(values: list[float]) -> float | None:
@@ -187,34 +187,34 @@ def _summarize_requests(reqs: list[RequestResult], duration_s: float) -> dict[st
         "output_throughput": _per_s(output_tokens, duration_s),
         "total_token_throughput": _per_s(input_tokens + output_tokens, duration_s),
         "mean_ttft_ms": _mean(ttfts_ms),
-        "median_ttft_ms": _pct(ttfts_ms, 50),
-        "p90_ttft_ms": _pct(ttfts_ms, 90),
-        "p99_ttft_ms": _pct(ttfts_ms, 99),
+        "median_ttft_ms": percentile(ttfts_ms, 50),
+        "p90_ttft_ms": percentile(ttfts_ms, 90),
+        "p99_ttft_ms": percentile(ttfts_ms, 99),
         "mean_tpot_ms": _mean(tpots_ms),
-        "median_tpot_ms": _pct(tpots_ms, 50),
-        "p99_tpot_ms": _pct(tpots_ms, 99),
+        "median_tpot_ms": percentile(tpots_ms, 50),
+        "p99_tpot_ms": percentile(tpots_ms, 99),
         "mean_e2el_ms": _mean(e2els_ms),
-        "median_e2el_ms": _pct(e2els_ms, 50),
-        "p99_e2el_ms": _pct(e2els_ms, 99),
+        "median_e2el_ms": percentile(e2els_ms, 50),
+        "p99_e2el_ms": percentile(e2els_ms, 99),
         "num_slo_requests": len(with_slo),
         "num_slo_met": met,
         "ttft_slo_attainment": met / len(with_slo) if with_slo else None,
         # The tier's typical objective, so a report can tell which tier is the urgent one.
-        "median_ttft_slo_ms": _pct([r.ttft_slo_ms for r in with_slo if r.ttft_slo_ms is not None],
-                                   50),
+        "median_ttft_slo_ms": percentile([r.ttft_slo_ms for r in with_slo
+                                          if r.ttft_slo_ms is not None], 50),
         "num_tpot_slo_requests": len(with_tpot),
         "num_tpot_slo_met": tpot_met,
         "tpot_slo_attainment": tpot_met / len(with_tpot) if with_tpot else None,
-        "median_tpot_slo_ms": _pct([r.tpot_slo_ms for r in with_tpot
-                                    if r.tpot_slo_ms is not None], 50),
-        "median_server_ttft_ms": _pct([r.server_ttft_s * 1000.0 for r in done
-                                       if r.server_ttft_s is not None], 50),
-        "median_ttft_client_minus_server_ms": _pct(ttft_skews_ms, 50),
+        "median_tpot_slo_ms": percentile([r.tpot_slo_ms for r in with_tpot
+                                          if r.tpot_slo_ms is not None], 50),
+        "median_server_ttft_ms": percentile([r.server_ttft_s * 1000.0 for r in done
+                                             if r.server_ttft_s is not None], 50),
+        "median_ttft_client_minus_server_ms": percentile(ttft_skews_ms, 50),
         "max_abs_ttft_client_minus_server_ms": (max(abs(x) for x in ttft_skews_ms)
                                                 if ttft_skews_ms else None),
         # Each request's longest wait between two streamed chunks, over the requests.
-        "median_max_stream_gap_ms": _pct(gaps_ms, 50),
-        "p99_max_stream_gap_ms": _pct(gaps_ms, 99),
+        "median_max_stream_gap_ms": percentile(gaps_ms, 50),
+        "p99_max_stream_gap_ms": percentile(gaps_ms, 99),
         "max_stream_gap_ms": max(gaps_ms) if gaps_ms else None,
         "num_good": good,
         "goodput_attainment": good / len(reqs) if reqs else None,

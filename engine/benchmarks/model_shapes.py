@@ -5,7 +5,7 @@ engine's kernels, vote and preemption timings depend on the shape alone, so a fo
 shape's config.json and a tokenizer is enough; `--load-format dummy` then draws the weights on
 the device.
 
-    python -m bench.model_shapes llama-3.1-8b /tmp/llama-8b-shape
+    sloserve bench shape llama-3.1-8b /tmp/llama-8b-shape
     sloserve serve /tmp/llama-8b-shape --load-format dummy --device cuda
 """
 
@@ -118,8 +118,7 @@ def cover_vocabulary(folder: Path, vocab_size: int) -> None:
         (folder / stale).unlink(missing_ok=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("shape", choices=sorted(SHAPES))
     parser.add_argument("folder")
     parser.add_argument("--tokenizer-from", default=None,
@@ -129,12 +128,15 @@ def main(argv: list[str] | None = None) -> int:
                              "no download: for a machine without network access)")
     parser.add_argument("--num-hidden-layers", type=int, default=None,
                         help="fewer layers than the shape has (quicker runs)")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`sloserve bench shape`: write the folder and print its path."""
     source = args.tokenizer_from
     if args.small_tokenizer:
         import tempfile
 
-        from bench.random_checkpoints import save_small_tokenizer
+        from engine.benchmarks.random_checkpoints import save_small_tokenizer
 
         source = save_small_tokenizer(tempfile.mkdtemp(prefix="sloserve-tokenizer-"))
     elif source is None:
@@ -148,5 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
