@@ -47,7 +47,7 @@ from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput, StepStatus
 from engine.entrypoints.arg_types import non_negative_float
-from engine.runtime.executor import Executor
+from engine.executor.base import Executor
 from engine.runtime.model_setup import ResolvedModel
 from engine.sampling_params import SamplingParams
 from monitor.predictor import LinearTTFT, StepPoint
