@@ -80,7 +80,7 @@ def test_driver_worker_frees_its_runner_at_shutdown(tiny_model, like_a_gpu,
     """The worker's shutdown drops its runner (torchrun's rank 0 lives on in EngineCore's
     process): gone when ``shutdown()`` returns, the worker itself still held."""
     from engine.config import build_engine_config
-    from engine.executor.factory import worker_config
+    from engine.executor.worker_config import worker_config
     from engine.executor.multiproc import _free_port
     from engine.runtime.model_setup import resolve
     from workers.worker import DriverWorker

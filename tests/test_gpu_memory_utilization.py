@@ -132,7 +132,7 @@ def test_a_gpu_config_leaves_the_pool_to_the_workers(tiny_model, monkeypatch) ->
     """Without a GPU: resolve() on 'cuda' (its checks faked) leaves the pool open, and the plan
     the workers get says how to measure it; an explicit size keeps it fixed."""
     import engine.runtime.model_setup as setup
-    from engine.executor.factory import kv_pool_plan, worker_config
+    from engine.executor.worker_config import kv_pool_plan, worker_config
 
     monkeypatch.setattr(setup, "check_device", lambda *args: None)
     monkeypatch.setattr(setup, "resolve_backend_name", lambda *args: "triton")
@@ -223,7 +223,7 @@ def test_a_worker_rank_allocates_the_pool_the_ranks_agree_on(tiny_model, monkeyp
     """The path of spawned and torchrun ranks: measure, agree (MIN over the ranks; one here),
     allocate, and report the size to EngineCore."""
     import workers.kv_memory as kv_memory
-    from engine.executor.factory import worker_config
+    from engine.executor.worker_config import worker_config
     from engine.executor.multiproc import _free_port
     from workers.worker import DriverWorker
 

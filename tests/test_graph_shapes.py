@@ -9,7 +9,7 @@ from engine.config import build_engine_config
 from engine.entrypoints.cli import build_parser
 from engine.entrypoints.engine_args import engine_kwargs
 from engine.runtime.model_setup import resolve
-from engine.executor.factory import worker_config
+from engine.executor.worker_config import worker_config
 from engine.worker_messages import decode_config, encode
 from workers.graph_shapes import MAX_CAPTURE_SIZE, capture_sizes, padded_batch_size
 

@@ -39,7 +39,7 @@ def run_follower(config: EngineConfig, launch: TorchrunLaunch) -> int:
     Every rank resolves the same configuration from the same arguments, so bad configuration
     fails on every rank before any weights load, and no configuration has to cross the network.
     """
-    from engine.executor.factory import worker_config
+    from engine.executor.worker_config import worker_config
     from engine.runtime.model_setup import resolve
     from workers.worker import Worker, follower_loop
 

@@ -1,17 +1,12 @@
-"""Which executor runs a configuration, and the ``WorkerConfig`` its ranks are built from.
-
-EngineCore calls ``make_executor`` and nothing else here; torchrun's other ranks build their
-``WorkerConfig`` with ``worker_config`` too (engine.executor.external.run_follower), so every
-rank starts from the same one.
-"""
+"""Which executor runs a configuration: EngineCore calls ``make_executor`` and nothing else."""
 
 from __future__ import annotations
 
 from engine.config import EngineConfig
 from engine.executor.base import Executor
 from engine.runtime.launch import check_torchrun_gpus, check_torchrun_world, torchrun_launch
-from engine.runtime.model_setup import ResolvedModel, gpu_memory_utilization
-from engine.worker_messages import KVPoolPlan, WorkerConfig
+from engine.executor.worker_config import worker_config
+from engine.runtime.model_setup import ResolvedModel
 from monitor.preempt_signal import PreemptSignal
 
 
@@ -43,29 +38,6 @@ def make_executor(config: EngineConfig, model: ResolvedModel,
 
     return ExternalExecutor(worker_config(config, model, init_method="env://",
                                           preempt_signal_name=signal_name), launch)
-
-
-def worker_config(config: EngineConfig, model: ResolvedModel, init_method: str = "",
-                  preempt_signal_name: str | None = None) -> WorkerConfig:
-    """``config`` with what resolving it fixed for every rank. ``init_method`` "": the one rank
-    lives in this process and joins no process group."""
-    return WorkerConfig(engine=config, dtype=str(model.dtype).removeprefix("torch."),
-                        max_model_len=model.max_model_len, num_blocks=model.num_blocks,
-                        kv_pool_plan=kv_pool_plan(config, model), init_method=init_method,
-                        preempt_signal_name=preempt_signal_name)
-
-
-def kv_pool_plan(config: EngineConfig, model: ResolvedModel) -> KVPoolPlan | None:
-    """The plan when the workers measure the pool; None when the configuration sized it."""
-    if model.num_blocks is not None:
-        return None
-    scheduler = config.scheduler
-    return KVPoolPlan(gpu_memory_utilization=gpu_memory_utilization(config.cache),
-                      max_num_batched_tokens=scheduler.max_num_batched_tokens,
-                      max_num_seqs=scheduler.max_num_seqs,
-                      max_model_len=model.max_model_len,
-                      max_blocks=scheduler.max_num_seqs
-                      * -(-model.max_model_len // config.cache.block_size))
 
 
 def _simulated_executor(config: EngineConfig, model: ResolvedModel,
