@@ -54,9 +54,11 @@ def _requests(prompts: list[list[int]], start: int, blocks_per_req: int, params)
 
 def _run_rank(rank: int, tp: int, port: int, model_dir: str, signal_name: str,
               args: argparse.Namespace, results) -> None:
+    from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from engine.runtime.model_setup import auto_dtype, load_hf_config
     from engine.sampling_params import SamplingParams
     from engine.core.scheduler_output import SchedulerOutput, StepStatus
+    from engine.worker_messages import WorkerConfig
     from monitor.preempt_signal import PreemptSignal
     from workers.distributed import destroy, init_distributed
     from workers.model_runner import ModelRunner
@@ -72,10 +74,19 @@ def _run_rank(rank: int, tp: int, port: int, model_dir: str, signal_name: str,
     blocks_prefill = -(-args.prefill_tokens // BLOCK_SIZE)
     blocks_decode = -(-(ctx + 1) // BLOCK_SIZE)
     num_blocks = max(blocks_prefill, args.decode_requests * blocks_decode)
-    runner = ModelRunner(model_dir, hf_config, auto_dtype(device)[0], device, num_blocks,
-                         BLOCK_SIZE, tp_rank=rank, tp_size=tp,
-                         tp_group=groups.tensor_group if groups else None, sample=rank == 0,
-                         load_format=args.load_format)
+    # The engine's configuration of this rank, its limits the bench's two steps.
+    engine = EngineConfig(
+        model=ModelConfig(model=model_dir, device=device.type, load_format=args.load_format),
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=max(args.prefill_tokens, ctx * args.decode_requests, 1),
+            max_num_seqs=max(args.decode_requests, 1)),
+        tensor_parallel_size=tp)
+    config = WorkerConfig(engine=engine, num_blocks=num_blocks,
+                          dtype=str(auto_dtype(device)[0]).removeprefix("torch."),
+                          max_model_len=max(args.prefill_tokens, ctx + 1))
+    runner = ModelRunner(config, device, rank=rank,
+                         tp_group=groups.tensor_group if groups else None)
     # Every rank on this node reads the monitor's signal, as the workers do in the engine.
     signal = PreemptSignal.attach(signal_name)
     cpu_group = groups.cpu_group if groups else None
@@ -96,7 +107,7 @@ def _run_rank(rank: int, tp: int, port: int, model_dir: str, signal_name: str,
         [c[ctx:] for c in contexts], ctx, blocks_decode, greedy))
 
     def step(out: SchedulerOutput, with_vote: PreemptVote | None) -> tuple[float, dict]:
-        runner.vote = with_vote
+        runner.install_vote(with_vote)
         if groups:  # start the ranks together, so rank 0 does not time a peer's lag
             torch.distributed.barrier(group=groups.cpu_group)
         started = time.perf_counter()
@@ -121,7 +132,7 @@ def _run_rank(rank: int, tp: int, port: int, model_dir: str, signal_name: str,
             step(out, counting)
         calls[name] = counting.calls / COUNTED_STEPS
         vote_ms[name] = 1000 * counting.seconds / COUNTED_STEPS
-    runner.vote = None
+    runner.install_vote(None)
     signal.close()
     if rank == 0:
         results.put({"times": times, "collectives": collectives, "calls": calls,

@@ -134,7 +134,8 @@ class AttentionLaunchConfig:
 
 
 # What the kernel ran before launch configs existed: its tiles then, and Triton's CUDA defaults
-# for the launch options (4 warps, 3 stages; tests/test_attention_configs.py checks them against
+# for the launch options (4 warps, 3 stages; tests/kernels/test_attention_configs.py checks them
+# against
 # the installed Triton), so the compiled kernels are the same until a sweep measures better.
 DEFAULT_ATTENTION_CONFIG = AttentionLaunchConfig(
     decode=DecodeLaunch(tile_n=32, num_warps=4, num_stages=3),

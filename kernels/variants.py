@@ -9,7 +9,8 @@ variant compiles it on the spot, about a second on a GPU, while every request in
 Every Triton launch in ``kernels/`` goes through :func:`launch`. Inside :func:`recording` it also
 notes the launch's variant: the startup warm-up (``workers.kernel_warmup``) reports what it
 compiled, and the tests compare that set with the variants serving launches over a sweep of
-batches (tests/test_kernel_warmup.py), which is what proves that no compile is left for serving.
+batches (tests/kernels/test_kernel_warmup.py), which is what proves that no compile is left for
+serving.
 """
 
 from __future__ import annotations

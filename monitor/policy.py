@@ -25,10 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, TypeVar
-
-if TYPE_CHECKING:
-    from engine.core.request import Request
+from typing import Literal, Protocol, TypeVar
 
 PreemptPolicy = Literal["conservative", "aggressive"]
 T = TypeVar("T")
@@ -47,6 +44,32 @@ AGED_PRIORITY = 1e12
 # its deadline, putting overdue requests ahead of rescuable ones, and under overload turn every
 # deadline into a miss (EDF's domino effect).
 AGING_SLO_MULTIPLE = 1.0
+
+
+class EngineRequest(Protocol):
+    """What the policy reads of an engine request (engine.core.request.Request), named here so
+    that the monitor, below the engine, imports nothing of it."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def num_slo_preemptions(self) -> int: ...
+
+    @property
+    def ttft_slo_ms(self) -> float | None: ...
+
+    @property
+    def live_deadline(self) -> float | None: ...
+
+
+R = TypeVar("R", bound=EngineRequest)
 
 
 @dataclass(frozen=True)
@@ -172,7 +195,7 @@ def rank(items: Iterable[T], now: float, predict: Callable[[int], float],
                                                 optimistic), item) for item in items])]
 
 
-def view_of(request: Request) -> RequestView:
+def view_of(request: EngineRequest) -> RequestView:
     """The policy's view of an engine Request. A request whose client has its first output
     has met or missed its TTFT objective for good: it no longer has a deadline to protect."""
     return RequestView(request.request_id, request.live_deadline,
@@ -181,15 +204,15 @@ def view_of(request: Request) -> RequestView:
                        slo_s=None if request.ttft_slo_ms is None else request.ttft_slo_ms / 1000)
 
 
-def request_urgency(request: Request, now: float, predict: Callable[[int], float],
+def request_urgency(request: EngineRequest, now: float, predict: Callable[[int], float],
                     aging_bound_s: float | None = None,
                     optimistic: Callable[[int], float] | None = None) -> float:
     return urgency(view_of(request), now, predict, aging_bound_s, optimistic).priority
 
 
-def rank_requests(requests: Iterable[Request], now: float, predict: Callable[[int], float],
+def rank_requests(requests: Iterable[R], now: float, predict: Callable[[int], float],
                   aging_bound_s: float | None = None,
-                  optimistic: Callable[[int], float] | None = None) -> list[Request]:
+                  optimistic: Callable[[int], float] | None = None) -> list[R]:
     """Engine requests in the ranking's order (the scheduler's waiting queue and running set)."""
     return rank(requests, now, predict, aging_bound_s, optimistic, view=view_of)
 

@@ -632,7 +632,7 @@ class OnlineTTFT:
         the decode term, where it has the most leverage; and the decode term is a small share
         of such steps, so they say little about it anyway. On a server where nearly every step
         carries a prefill chunk, the online fit once doubled the decode term that way
-        (tests/test_predictor_refit_decode.py)."""
+        (tests/core/test_predictor_refit_decode.py)."""
         points = [*self._points, *self._decode_points]
         weights = [*recency_weights(len(self._points)),
                    *recency_weights(len(self._decode_points))]

@@ -20,21 +20,31 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput, StepStatus
+from engine.core.scheduler_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
+                                          StepStatus)
 from engine.sampling_params import SamplingParams
 from kernels.variants import KernelWarmup, Variant, recording
-
-if TYPE_CHECKING:
-    from workers.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 DECODE_KERNEL = "_paged_attention_kernel"
 MERGE_KERNEL = "_merge_splits_kernel"
+
+
+class WarmupRunner(Protocol):
+    """What the warm-up reads of the model runner (workers.model_runner.ModelRunner, which
+    runs the warm-up from its ``prepare_for_serving``)."""
+
+    device: torch.device
+    block_size: int
+    model: Any
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
 def warmup_steps(decode_shapes: dict[bool, tuple[int, int]], max_model_len: int,
@@ -60,7 +70,7 @@ def warmup_steps(decode_shapes: dict[bool, tuple[int, int]], max_model_len: int,
     return [SchedulerOutput(step_id=0, requests=requests) for requests in steps if requests]
 
 
-def warm_up_kernels(runner: ModelRunner, max_model_len: int,
+def warm_up_kernels(runner: WarmupRunner, max_model_len: int,
                     max_num_seqs: int) -> KernelWarmup | None:
     """Launch every Triton kernel variant the runner's steps can need; None (nothing run) when
     the runner does not use the Triton kernels."""
@@ -91,7 +101,7 @@ def warm_up_kernels(runner: ModelRunner, max_model_len: int,
     return warmup
 
 
-def _plan(runner: ModelRunner, max_model_len: int, max_num_seqs: int,
+def _plan(runner: WarmupRunner, max_model_len: int, max_num_seqs: int,
           prefill_in_every_step: bool = False
           ) -> tuple[dict[bool, tuple[int, int]], list[SchedulerOutput]]:
     from kernels import triton_attention
@@ -103,7 +113,7 @@ def _plan(runner: ModelRunner, max_model_len: int, max_num_seqs: int,
                                 prefill_in_every_step)
 
 
-def run_steps(runner: ModelRunner, steps: list[SchedulerOutput]) -> None:
+def run_steps(runner: WarmupRunner, steps: list[SchedulerOutput]) -> None:
     for step in steps:
         output = runner.execute(step)
         if output.status is not StepStatus.OK:
@@ -111,7 +121,7 @@ def run_steps(runner: ModelRunner, steps: list[SchedulerOutput]) -> None:
                                f"{output.error or ''}".rstrip())
 
 
-def warm_up_graph_paths(runner: ModelRunner, warmup: KernelWarmup, max_model_len: int,
+def warm_up_graph_paths(runner: WarmupRunner, warmup: KernelWarmup, max_model_len: int,
                         max_num_seqs: int, captured: set[Variant]) -> KernelWarmup:
     """After the CUDA graph capture: the warm-up steps again, each with a prefill chunk so that
     it runs as pieces (where it fits one), whose attention ops read q/k/v from the pieces'

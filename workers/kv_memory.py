@@ -18,9 +18,9 @@ import torch
 
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput, StepStatus
 from engine.core.token_budget import largest_step_tokens, split_token_budget
-from engine.runtime.worker_messages import KVPoolPlan
+from engine.worker_messages import KVPoolPlan
 from engine.sampling_params import SamplingParams
-from workers.kv_cache import kv_caches_bytes_per_block, resized_kv_caches
+from workers.kv_cache import kv_caches_bytes_per_block
 
 if TYPE_CHECKING:
     from workers.model_runner import ModelRunner
@@ -96,7 +96,7 @@ def measure_kv_pool(runner: ModelRunner, plan: KVPoolPlan) -> int:
     bytes_per_block = kv_caches_bytes_per_block(runner.kv_caches)
     steps = profile_steps(plan.max_num_batched_tokens, plan.max_num_seqs, runner.block_size,
                           plan.max_model_len)
-    runner.kv_caches = resized_kv_caches(runner.kv_caches, scratch_blocks(steps))
+    runner.resize_kv_pool(scratch_blocks(steps))
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -109,7 +109,7 @@ def measure_kv_pool(runner: ModelRunner, plan: KVPoolPlan) -> int:
                          f"tokens does not fit on the GPU beside the weights: lower it") from exc
     torch.cuda.synchronize(device)
     activation_peak = torch.cuda.max_memory_allocated(device) - before
-    runner.kv_caches = resized_kv_caches(runner.kv_caches, 0)
+    runner.resize_kv_pool(0)
     torch.cuda.empty_cache()  # memory this process cached but does not use is free for the pool
     free, total = torch.cuda.mem_get_info(device)
     memory = GPUMemory(total_bytes=total, used_bytes=total - free,

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from engine.logprobs import LogprobsLists
 from engine.outputs import error_line
@@ -25,16 +26,20 @@ from engine.sampling_params import SamplingParams
 from engine.core.scheduler_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
                                     StepStatus)
 from kernels import AttentionMetadata, select_backend
-from kernels.variants import KernelWarmup
-from workers.kv_cache import allocate_kv_caches
+from engine.model_folder import load_hf_config
+from engine.worker_messages import WorkerConfig
+from kernels.variants import KernelWarmup, recording
+from workers import serving_startup
+from workers.kernel_warmup import warm_up_graph_paths, warm_up_kernels
+from workers.kv_cache import allocate_kv_caches, num_kv_blocks, resized_kv_caches
 from workers.layers.cpu_prepack import prepack_available, prepack_linear_weights
 from workers.layers.linear import weakly_bound
 from workers.models import build_model
 from workers.models import LayerJoin
 from workers.preempt_vote import PreemptVote, StepPreempted, discarded_share
 from workers.run_ahead import RunAheadLimit
-from workers.cuda_graphs import DecodeGraphs, padded
-from workers.piecewise_graphs import PiecewiseGraphs
+from workers.cuda_graphs import DecodeGraphs, capture_decode_graphs, padded, select_graph_backend
+from workers.piecewise_graphs import PiecewiseGraphs, capture_piecewise_graphs
 from workers.startup_report import ServingStartup
 from workers.step_buffers import StepBuffers, StepLimits
 from workers.suspension import SuspendedChunks
@@ -130,39 +135,47 @@ class ModelInputs:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str, hf_config, dtype: torch.dtype, device: torch.device,
-                 num_blocks: int, block_size: int, seed: int = 0,
-                 tp_rank: int = 0, tp_size: int = 1, tp_group=None, sample: bool = True,
-                 attention_backend: str = "auto", fused_ops: str | bool = "auto",
-                 load_format: str = "auto", limits: StepLimits | None = None,
-                 enforce_eager: bool = False, max_cudagraph_capture_size: int = 512) -> None:
-        """``limits``: the largest step the scheduler hands over, which sizes the input buffers
-        (left out, they grow with the steps: fine for tests, not for CUDA graphs).
-        ``enforce_eager``: never replay CUDA graphs (vLLM's --enforce-eager);
-        ``max_cudagraph_capture_size``: the largest decode batch and step (tokens) captured."""
-        self.enforce_eager = enforce_eager
-        self.max_cudagraph_capture_size = max_cudagraph_capture_size
+    def __init__(self, config: WorkerConfig, device: torch.device, rank: int = 0,
+                 tp_group: dist.ProcessGroup | None = None) -> None:
+        """This rank's shard of the model, built as ``config`` says (workers.worker builds one
+        per rank), with a KV pool of ``config.num_blocks`` blocks (none until
+        ``resize_kv_pool`` where the workers measure the pool). Input buffers are sized for the
+        scheduler's largest step. ``rank`` 0 samples; the others only join the collectives."""
+        settings = config.engine.model
+        # vLLM's --enforce-eager, and the largest decode batch and step (tokens) captured
+        # (workers.cuda_graphs, workers.piecewise_graphs read them).
+        self.enforce_eager = settings.enforce_eager
+        self.max_cudagraph_capture_size = settings.max_cudagraph_capture_size
         self.device = device
+        self.tp_size = config.tp_size
+        # Startup passes (kernel warm-up, graph capture) cover steps this long and this wide.
+        self.max_model_len = config.max_model_len
+        self.max_num_seqs = config.engine.scheduler.max_num_seqs
         # Only the rank that reports results samples; the others still join the LM head's
         # collective.
-        self.sample = sample
-        self.block_size = block_size
-        self.model = build_model(hf_config, dtype, device, tp_rank=tp_rank, tp_size=tp_size,
+        self.sample = rank == 0
+        self.block_size = block_size = config.engine.cache.block_size
+        dtype = getattr(torch, config.dtype)
+        hf_config = load_hf_config(str(settings.model))
+        self.model = build_model(hf_config, dtype, device, tp_rank=rank, tp_size=config.tp_size,
                                  tp_group=tp_group)
-        if load_format == "dummy":
-            init_dummy_weights(self.model, seed + tp_rank)
+        if settings.load_format == "dummy":
+            init_dummy_weights(self.model, settings.seed + rank)
         else:
-            load_weights(self.model, model_dir)
+            load_weights(self.model, str(settings.model))
         self.model.eval()
         if prepack_available(device, dtype):
             packed = prepack_linear_weights(self.model)
             logger.info("prepacked %d linear weights for oneDNN", packed)
-        self.model.use_kernels(select_backend(device, attention_backend, fused_ops))
-        self.kv_caches = allocate_kv_caches(self.model.num_layers, num_blocks, block_size,
-                                            self.model.num_kv_heads, self.model.head_dim,
-                                            dtype, device)
-        self.sampler = Sampler(seed, device)
-        self.buffers = StepBuffers(device, limits or StepLimits(), block_size)
+        self.model.use_kernels(select_backend(device, settings.attention_backend,
+                                              settings.fused_ops))
+        self.kv_caches = allocate_kv_caches(self.model.num_layers, config.num_blocks or 0,
+                                            block_size, self.model.num_kv_heads,
+                                            self.model.head_dim, dtype, device)
+        self.sampler = Sampler(settings.seed, device)
+        self.buffers = StepBuffers(device, StepLimits(config.engine.scheduler.max_num_batched_tokens,
+                                                      self.max_num_seqs, self.max_model_len),
+                                   block_size)
         # Captured decode steps (workers.cuda_graphs) and the pieces of steps with prefill tokens
         # (workers.piecewise_graphs), set at startup on CUDA; None: those steps run eager.
         self.graphs: DecodeGraphs | None = None
@@ -172,14 +185,54 @@ class ModelRunner:
         # What the startup before serving cost (workers.serving_startup); None until it ran.
         self.startup_report: ServingStartup | None = None
         self.suspended = SuspendedChunks()
-        # Set by the worker when mid-forward preemption is on; consulted only on steps the
-        # scheduler marked preemptible (decode-only steps never vote).
+        # Installed by the worker when mid-forward preemption is on; consulted only on steps
+        # the scheduler marked preemptible (decode-only steps never vote).
         self.vote: PreemptVote | None = None
         # On a GPU the host must not run ahead of the device by more than a couple of layers in
         # a preemptible step, or its votes come too early to stop anything.
         self.run_ahead = RunAheadLimit() if device.type == "cuda" else None
         delay = os.environ.get(LAYER_DELAY_ENV)
         self.layer_delay = LayerDelay(self.model, float(delay) * 1e-6) if delay else None
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return num_kv_blocks(self.kv_caches)
+
+    def resize_kv_pool(self, num_blocks: int) -> None:
+        """A pool of ``num_blocks`` blocks in place of the current one (sized once the weights
+        are loaded: workers.kv_memory); what the old pool held is gone."""
+        self.kv_caches = resized_kv_caches(self.kv_caches, num_blocks)
+
+    def install_vote(self, vote: PreemptVote | None) -> None:
+        """The attention-op vote of mid-forward preemption (None: steps are never stopped)."""
+        self.vote = vote
+
+    def prepare_for_serving(self) -> None:
+        """Once, after the KV pool has its final size: compile every Triton kernel variant (no
+        compile may stall serving), then capture the CUDA graphs over the compiled kernels: full
+        graphs for decode batches, pieces between the attention ops for steps with prefill
+        tokens, and warm up the kernels their paths launch. Every TP rank runs the same steps,
+        so their collectives match. Sets ``startup_report`` (workers.serving_startup)."""
+        self.startup_report = None
+        max_model_len, max_num_seqs = self.max_model_len, self.max_num_seqs
+        with serving_startup.layer_delay_paused(self.layer_delay):
+            started = time.perf_counter()
+            self.kernel_warmup = warm_up_kernels(self, max_model_len, max_num_seqs)
+            warmup_s = time.perf_counter() - started
+            backend = select_graph_backend(self, self.tp_size)
+            if backend is None:
+                self.startup_report = serving_startup.without_graphs(warmup_s)
+                return
+            with serving_startup.CaptureCost(self.device) as cost, recording() as captured:
+                self.graphs = capture_decode_graphs(self, max_num_seqs, max_model_len,
+                                                    backend=backend)
+                self.piecewise = capture_piecewise_graphs(self, self.buffers.max_tokens, backend)
+            if self.kernel_warmup is not None:
+                started = time.perf_counter()
+                self.kernel_warmup = warm_up_graph_paths(self, self.kernel_warmup, max_model_len,
+                                                         max_num_seqs, captured)
+                warmup_s += time.perf_counter() - started
+            self.startup_report = cost.report(warmup_s, self.graphs, self.piecewise)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -1,81 +1,92 @@
-"""What a model runner does once before serving, after its KV pool has its final size, and what
-that cost (``ServingStartup``, set as ``runner.startup_report`` for the benchmarks)."""
+"""What getting ready to serve costs, measured around the steps ``ModelRunner.prepare_for_serving``
+runs once before serving (the kernel warm-up, then the CUDA graph capture), and reported as
+``ServingStartup`` (``runner.startup_report``, for the benchmarks)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from types import TracebackType
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from workers.cuda_graphs import capture_decode_graphs, select_graph_backend
-from kernels.variants import recording
-from workers.kernel_warmup import warm_up_graph_paths, warm_up_kernels
-from workers.piecewise_graphs import capture_piecewise_graphs
 from workers.startup_report import ServingStartup
 
 if TYPE_CHECKING:
-    from workers.model_runner import ModelRunner
+    from workers.cuda_graphs import DecodeGraphs
+    from workers.piecewise_graphs import PiecewiseGraphs
 
 logger = logging.getLogger(__name__)
 
 
-def prepare_for_serving(runner: ModelRunner, max_model_len: int, max_num_seqs: int,
-                        tp_size: int = 1) -> None:
-    """Compile every Triton kernel variant (no compile may stall serving), then capture the
-    CUDA graphs over the compiled kernels: full graphs for decode batches, pieces between the
-    attention ops for steps with prefill tokens. Every TP rank runs the same steps, so their
-    collectives match. Sets ``runner.startup_report``."""
-    runner.startup_report = None
-    delay = runner.layer_delay
+class Pausable(Protocol):
+    """A test hook that can be paused (workers.model_runner.LayerDelay)."""
+
+    paused: bool
+
+
+@contextlib.contextmanager
+def layer_delay_paused(delay: Pausable | None) -> Iterator[None]:
+    """A test hook's sleeps (workers.model_runner.LayerDelay) are off during the startup
+    passes: no test times them."""
     if delay is not None:
-        delay.paused = True  # a test hook's sleeps: no test times the startup passes
+        delay.paused = True
     try:
-        runner.startup_report = _warm_up_and_capture(runner, max_model_len, max_num_seqs,
-                                                     tp_size)
+        yield
     finally:
         if delay is not None:
             delay.paused = False
 
 
-def _warm_up_and_capture(runner: ModelRunner, max_model_len: int, max_num_seqs: int,
-                         tp_size: int) -> ServingStartup:
-    started = time.perf_counter()
-    runner.kernel_warmup = warm_up_kernels(runner, max_model_len, max_num_seqs)
-    warmup_s = time.perf_counter() - started
-    backend = select_graph_backend(runner, tp_size)
-    if backend is None:
-        return ServingStartup(warmup_s=warmup_s, capture_s=0.0, graph_memory_bytes=None,
-                              decode_sizes=0, piece_sizes=0, pieces=0, graphs=0)
-    before = _device_memory(runner.device)
-    started = time.perf_counter()
-    with recording() as captured:
-        runner.graphs = capture_decode_graphs(runner, max_num_seqs, max_model_len,
-                                              backend=backend)
-        runner.piecewise = capture_piecewise_graphs(runner, runner.buffers.max_tokens, backend)
-    capture_s = time.perf_counter() - started
-    after = _device_memory(runner.device)
-    if runner.kernel_warmup is not None:
-        started = time.perf_counter()
-        runner.kernel_warmup = warm_up_graph_paths(runner, runner.kernel_warmup, max_model_len,
-                                                   max_num_seqs, captured)
-        warmup_s += time.perf_counter() - started
-    graph_memory_bytes = None
-    if before is not None and after is not None:
-        # They come out of the headroom --gpu-memory-utilization leaves (the KV pool was sized
-        # before the capture, whose graphs read its addresses), as in vLLM.
-        in_use, total = after
-        graph_memory_bytes = in_use - before[0]
-        logger.info("CUDA graphs: %.2f GiB of device memory (graph pools and static buffers); "
-                    "%.2f of %.2f GiB in use on the device now", graph_memory_bytes / 2**30,
-                    in_use / 2**30, total / 2**30)
-    decode_sizes = len(runner.graphs.graphs) if runner.graphs is not None else 0
-    piece_sizes = len(runner.piecewise.graphs)
-    pieces = piece_sizes * (runner.piecewise.num_layers + 1)
-    return ServingStartup(warmup_s=warmup_s, capture_s=capture_s,
-                          graph_memory_bytes=graph_memory_bytes, decode_sizes=decode_sizes,
-                          piece_sizes=piece_sizes, pieces=pieces, graphs=decode_sizes + pieces)
+def without_graphs(warmup_s: float) -> ServingStartup:
+    """The startup of a runner that captures no graphs (the CPU, --enforce-eager, TP > 1)."""
+    return ServingStartup(warmup_s=warmup_s, capture_s=0.0, graph_memory_bytes=None,
+                          decode_sizes=0, piece_sizes=0, pieces=0, graphs=0)
+
+
+class CaptureCost:
+    """Around the capture: its time, and on CUDA the device memory it took."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._before: tuple[int, int] | None = None
+        self._after: tuple[int, int] | None = None
+        self._started = 0.0
+        self.capture_s = 0.0
+
+    def __enter__(self) -> CaptureCost:
+        self._before = _device_memory(self.device)
+        self._started = time.perf_counter()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        if exc_type is not None:
+            return
+        self.capture_s = time.perf_counter() - self._started
+        self._after = _device_memory(self.device)
+
+    def report(self, warmup_s: float, graphs: DecodeGraphs | None,
+               piecewise: PiecewiseGraphs | None) -> ServingStartup:
+        graph_memory_bytes = None
+        if self._before is not None and self._after is not None:
+            # They come out of the headroom --gpu-memory-utilization leaves (the KV pool was
+            # sized before the capture, whose graphs read its addresses), as in vLLM.
+            in_use, total = self._after
+            graph_memory_bytes = in_use - self._before[0]
+            logger.info("CUDA graphs: %.2f GiB of device memory (graph pools and static "
+                        "buffers); %.2f of %.2f GiB in use on the device now",
+                        graph_memory_bytes / 2**30, in_use / 2**30, total / 2**30)
+        decode_sizes = len(graphs.graphs) if graphs is not None else 0
+        piece_sizes = len(piecewise.graphs) if piecewise is not None else 0
+        pieces = piece_sizes * (piecewise.num_layers + 1) if piecewise is not None else 0
+        return ServingStartup(warmup_s=warmup_s, capture_s=self.capture_s,
+                              graph_memory_bytes=graph_memory_bytes, decode_sizes=decode_sizes,
+                              piece_sizes=piece_sizes, pieces=pieces,
+                              graphs=decode_sizes + pieces)
 
 
 def _device_memory(device: torch.device) -> tuple[int, int] | None:

@@ -1,6 +1,5 @@
-"""What a model runner's startup before serving cost (workers.serving_startup sets it as
-``runner.startup_report``; the GPU suite's benchmarks read it). A module of its own, so that the
-runner can name the type without importing the startup code, which imports the runner."""
+"""What a model runner's startup before serving cost (``runner.startup_report``, measured by
+workers.serving_startup; the GPU suite's benchmarks read it)."""
 
 from __future__ import annotations
 

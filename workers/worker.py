@@ -1,9 +1,12 @@
-"""TP worker ranks: rank 0 (the driver) takes steps from EngineCore and fans them out to the
-other ranks (followers) over the gloo control group; every rank runs the forward pass on its shard,
-and the driver samples and returns the result.
+"""Worker ranks: rank 0 (the driver) takes steps from EngineCore and fans them out to the other
+ranks (followers) over the gloo control group; every rank runs the forward pass on its shard, and
+the driver samples and returns the result.
 
-The same two roles serve both launch modes: spawned by the multiprocess executor (the driver talks
-to EngineCore over a pipe) and started by torchrun (the driver lives in EngineCore's process).
+Every rank starts the same way (``Worker.start``: join, load, size the KV pool, warm up and
+capture, vote, wait for the others), whichever executor (engine/executor/) drives it: spawned by
+the multiprocess executor (the driver talks to EngineCore over a pipe), started by torchrun (the
+driver lives in EngineCore's process), or the lone rank of the in-process executor, which joins
+no process group.
 """
 
 from __future__ import annotations
@@ -13,94 +16,166 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
-from engine.runtime.worker_messages import (ExecuteStep, KVPoolSize, Shutdown, WorkerConfig,
-                                            decode_command, decode_config, encode)
+from engine.worker_messages import (ExecuteStep, KVPoolSize, Shutdown, WorkerConfig,
+                                    decode_command, decode_config, encode)
+from monitor.preempt_signal import PreemptSignal
 from workers.distributed import (ParallelGroups, broadcast_bytes, collect_errors, destroy,
                                  init_distributed, report_error)
-from workers.kv_cache import num_kv_blocks, resized_kv_caches
 from workers.runner_release import collector_off, outlived, runner_probes
+
+if TYPE_CHECKING:
+    from workers.model_runner import ModelRunner
+
+T = TypeVar("T")
 
 # Test hook: a folder where each rank writes, when it releases its runner at shutdown, which of
 # the runner, its weights and its KV cache outlived the release, checked with the garbage
-# collector off (tests/test_engine_release.py). Set in the environment, so spawned ranks inherit
+# collector off (tests/engine/test_engine_release.py). Set in the environment, so spawned ranks
+# inherit
 # it.
 RELEASE_REPORT_ENV = "SLOSERVE_TEST_RELEASE_REPORT_DIR"
 
 
 class Worker:
-    """One rank: its process-group membership and a model runner over its weight shard."""
+    """One rank: its process-group membership and a model runner over its weight shard.
 
-    def __init__(self, config: WorkerConfig, rank: int, local_world_size: int | None = None,
-                 local_rank: int | None = None) -> None:
+    Built empty; ``start`` runs the startup sequence, the same for every kind of rank (a spawned
+    TP rank, a torchrun rank, the lone rank of the in-process executor). A lone rank in
+    EngineCore's process (``config.init_method`` empty) joins no process group: every
+    distributed part of a step is then skipped."""
+
+    def __init__(self, config: WorkerConfig, rank: int = 0, local_world_size: int | None = None,
+                 local_rank: int | None = None, signal: PreemptSignal | None = None) -> None:
         """``local_rank``: this rank's index on its machine (its GPU); spawned ranks all share
         one machine, so it defaults to ``rank``. Never read from the environment here: spawned
-        ranks inherit their parent's, which may be a torchrun rank's."""
-        from engine.runtime.model_setup import load_hf_config, resolve_dtype
-        from workers.kv_memory import measure_kv_pool
-        from workers.model_runner import ModelRunner
-        from workers.serving_startup import prepare_for_serving
-        from workers.step_buffers import StepLimits
-
-        # Ranks sharing a machine split its cores; oversubscribed OpenMP threads spin each other.
-        local = local_world_size or config.tp_size
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+        ranks inherit their parent's, which may be a torchrun rank's. ``signal``: the preempt
+        signal where this process maps it already (EngineCore's own, for the in-process rank;
+        its owner closes it); other ranks attach to it by name."""
+        self.config = config
         self.rank = rank
-        device = torch.device(config.device)
-        if device.type == "cuda":
-            device = torch.device("cuda", rank if local_rank is None else local_rank)
-            torch.cuda.set_device(device)
-        self.groups: ParallelGroups = init_distributed(rank, config.tp_size, config.init_method,
-                                                       device, config.collective_timeout_s)
-        try:
-            hf_config = load_hf_config(config.model_dir)
-            # No pool size given: an empty pool until the GPU's memory is measured.
-            self.runner = ModelRunner(config.model_dir, hf_config,
-                                      resolve_dtype(config.dtype, device), device,
-                                      config.num_blocks or 0, config.block_size,
-                                      seed=config.seed, tp_rank=rank, tp_size=config.tp_size,
-                                      tp_group=self.groups.tensor_group, sample=rank == 0,
-                                      attention_backend=config.attention_backend,
-                                      fused_ops=config.fused_ops,
-                                      load_format=config.load_format,
-                                      limits=StepLimits(config.max_num_batched_tokens,
-                                                        config.max_num_seqs,
-                                                        config.max_model_len),
-                                      enforce_eager=config.enforce_eager,
-                                      max_cudagraph_capture_size=(
-                                          config.max_cudagraph_capture_size))
-            fits = (None if config.kv_pool_plan is None
-                    else measure_kv_pool(self.runner, config.kv_pool_plan))
-        except Exception:
-            report_error(self.groups, traceback.format_exc())
-            raise
-        if fits is not None:
-            self.runner.kv_caches = resized_kv_caches(self.runner.kv_caches,
-                                                      self._agree_on_pool(fits))
-        self.num_kv_blocks = num_kv_blocks(self.runner.kv_caches)
-        try:
-            prepare_for_serving(self.runner, config.max_model_len, config.max_num_seqs,
-                                config.tp_size)
-        except Exception:
-            report_error(self.groups, traceback.format_exc())
-            raise
-        if config.mid_forward_preemption:
-            self._install_vote(config)
-        # Nobody starts stepping before every shard is loaded (and a failed load surfaces here).
+        self._local_world_size = local_world_size or config.tp_size
+        self._local_rank = rank if local_rank is None else local_rank
+        self._shared_signal = signal
+        self.device = torch.device(config.engine.model.device)
+        self.groups: ParallelGroups | None = None
+        self.runner: ModelRunner | None = None
+        self.num_kv_blocks = 0
+
+    @property
+    def distributed(self) -> bool:
+        return bool(self.config.init_method)
+
+    def start(self) -> None:
+        """The startup sequence, in order. A step that fails on one rank writes its traceback
+        where rank 0 can read it (workers.distributed) before it raises."""
+        self.init_device()
+        self._reporting_errors(self.load_model)
+        self.size_kv_pool()
+        self._reporting_errors(self.prepare_for_serving)
+        self.install_vote()
+        self.wait_for_peers()
+
+    def init_device(self) -> None:
+        """Take this rank's GPU and join the process group (a lone in-process rank does
+        neither: it runs on the configured device in EngineCore's process)."""
+        if not self.distributed:
+            return
+        # Ranks sharing a machine split its cores; oversubscribed OpenMP threads spin each other.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // self._local_world_size))
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", self._local_rank)
+            torch.cuda.set_device(self.device)
+        config = self.config
+        self.groups = init_distributed(self.rank, config.tp_size, config.init_method,
+                                       self.device, config.engine.collective_timeout_s)
+
+    def load_model(self) -> None:
+        """Build the runner: this rank's shard of the weights, and a KV pool of the configured
+        size (empty until ``size_kv_pool`` where the workers measure it)."""
+        from workers.model_runner import ModelRunner
+
+        tp_group = self.groups.tensor_group if self.groups is not None else None
+        self.runner = ModelRunner(self.config, self.device, rank=self.rank, tp_group=tp_group)
+        self.num_kv_blocks = self.runner.num_kv_blocks
+
+    def size_kv_pool(self) -> None:
+        """Where the configuration left the pool open: measure what fits on this rank's GPU,
+        agree with the other ranks on the smallest, and allocate it."""
+        from workers.kv_memory import measure_kv_pool
+
+        plan = self.config.kv_pool_plan
+        if plan is None:
+            return
+        runner = self._runner
+        fits = self._reporting_errors(lambda: measure_kv_pool(runner, plan))
+        runner.resize_kv_pool(self._agree_on_pool(fits))
+        self.num_kv_blocks = runner.num_kv_blocks
+
+    def prepare_for_serving(self) -> None:
+        """The kernel warm-up and the graph capture (workers.serving_startup)."""
+        self._runner.prepare_for_serving()
+
+    def install_vote(self) -> None:
+        """With mid-forward preemption, every rank votes (so every rank enters each
+        collective); only ranks that can see EngineCore's shared memory read the signal, the
+        others vote 0, as on another node."""
+        from workers.preempt_vote import PreemptVote
+
+        config = self.config
+        if not config.engine.preemption.mid_forward_preemption:
+            return
+        signal = self._shared_signal
+        if signal is None and config.preempt_signal_name and \
+                self.rank < config.preempt_signal_ranks:
+            signal = PreemptSignal.attach(config.preempt_signal_name)
+        cpu_group = self.groups.cpu_group if self.groups is not None and config.tp_size > 1 \
+            else None
+        runner = self._runner
+        runner.install_vote(PreemptVote(signal, runner.model.num_layers,
+                                        config.engine.preemption.stubborn_fraction, cpu_group))
+
+    def wait_for_peers(self) -> None:
+        """Nobody starts stepping before every shard is loaded (and a failed load on another
+        rank surfaces here)."""
+        if self.groups is None:
+            return
         try:
             torch.distributed.barrier(group=self.groups.cpu_group)
         except Exception as exc:
             raise RuntimeError(_with_peer_errors(self.groups, traceback.format_exc())) from exc
 
+    @property
+    def joined(self) -> ParallelGroups:
+        """The process groups of a rank that joined them (every rank but the in-process one)."""
+        assert self.groups is not None, "this rank joined no process group"
+        return self.groups
+
+    @property
+    def _runner(self) -> ModelRunner:
+        assert self.runner is not None, "the worker has not loaded its model"
+        return self.runner
+
+    def _reporting_errors(self, step: Callable[[], T]) -> T:
+        try:
+            return step()
+        except Exception:
+            if self.groups is not None:
+                report_error(self.groups, traceback.format_exc())
+            raise
 
     def _agree_on_pool(self, fits: int) -> int:
         """Every rank holds the same blocks (one block table serves all shards): the smallest
         pool any rank's GPU has room for."""
+        if self.groups is None:
+            return fits
         blocks = torch.tensor([fits], dtype=torch.int64)
         try:
             torch.distributed.all_reduce(blocks, op=torch.distributed.ReduceOp.MIN,
@@ -109,24 +184,12 @@ class Worker:
             raise RuntimeError(_with_peer_errors(self.groups, traceback.format_exc())) from exc
         return int(blocks.item())
 
-    def _install_vote(self, config: WorkerConfig) -> None:
-        """Every rank votes (so every rank enters each collective); only ranks that can see
-        EngineCore's shared memory read the signal, the others vote 0, as on another node."""
-        from monitor.preempt_signal import PreemptSignal
-        from workers.preempt_vote import PreemptVote
-
-        signal = None
-        if config.preempt_signal_name and self.rank < config.preempt_signal_ranks:
-            signal = PreemptSignal.attach(config.preempt_signal_name)
-        cpu_group = self.groups.cpu_group if config.tp_size > 1 else None
-        self.runner.vote = PreemptVote(signal, self.runner.model.num_layers,
-                                       config.stubborn_fraction, cpu_group)
-
     def close_signal(self) -> None:
         """Unmap the preempt signal this rank attached (the owner, EngineCore, removes it). At
-        shutdown, so that no view over it is left for the interpreter's exit to trip on."""
+        shutdown, so that no view over it is left for the interpreter's exit to trip on. One
+        EngineCore shares with this worker is its own to close."""
         vote = getattr(self.runner, "vote", None)
-        if vote is not None and vote.signal is not None:
+        if vote is not None and vote.signal is not None and vote.signal is not self._shared_signal:
             vote.signal.close()
 
     def release(self) -> None:
@@ -157,31 +220,32 @@ class Worker:
 
 
 class DriverWorker(Worker):
-    """Rank 0. `execute_model` never raises: failures come back as a structured ERROR status."""
+    """Rank 0 of ranks in a process group. `execute_model` never raises: failures come back as a
+    structured ERROR status."""
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         try:
             started = time.perf_counter()
-            broadcast_bytes(encode(ExecuteStep(scheduler_output)), self.groups.cpu_group)
+            broadcast_bytes(encode(ExecuteStep(scheduler_output)), self.joined.cpu_group)
             transport_seconds = time.perf_counter() - started
-            output = self.runner.execute(scheduler_output)
+            output = self._runner.execute(scheduler_output)
             output.transport_seconds = transport_seconds
             if output.status is StepStatus.PREEMPTED:
                 self._check_unwound_together(output)
             return output
         except Exception:
             return ModelRunnerOutput(step_id=scheduler_output.step_id, status=StepStatus.ERROR,
-                                     error=_with_peer_errors(self.groups, traceback.format_exc()))
+                                     error=_with_peer_errors(self.joined, traceback.format_exc()))
 
     def _check_unwound_together(self, output: ModelRunnerOutput) -> None:
         """Every rank must have stopped before the same layer (the all_reduce makes them agree;
         a rank that did not would desynchronise every later collective): read the layer each
         follower reported and fail the step loudly if they differ."""
         layers = [output.preempted_layer]
-        for rank in range(1, self.groups.world_size):
+        for rank in range(1, self.joined.world_size):
             key = _unwound_key(output.step_id, rank)
-            layers.append(int(self.groups.store.get(key)))
-            self.groups.store.delete_key(key)
+            layers.append(int(self.joined.store.get(key)))
+            self.joined.store.delete_key(key)
         output.unwound_layers = [layer for layer in layers if layer is not None]
         if len(set(layers)) != 1:
             output.status = StepStatus.ERROR
@@ -189,11 +253,11 @@ class DriverWorker(Worker):
 
     def shutdown(self) -> None:
         try:
-            broadcast_bytes(encode(Shutdown()), self.groups.cpu_group)
+            broadcast_bytes(encode(Shutdown()), self.joined.cpu_group)
         except Exception:  # a broken group: the followers are gone or will time out
             destroy()
         else:
-            destroy(self.groups)
+            destroy(self.joined)
         finally:
             self.release()
 
@@ -221,20 +285,20 @@ def follower_loop(worker: Worker) -> int:
 def _follow(worker: Worker) -> int:
     while True:
         try:
-            command = decode_command(broadcast_bytes(None, worker.groups.cpu_group))
+            command = decode_command(broadcast_bytes(None, worker.joined.cpu_group))
         except Exception:
             print(f"sloserve worker rank {worker.rank}: lost rank 0; exiting", file=sys.stderr)
             return 1
         if isinstance(command, Shutdown):
-            destroy(worker.groups)
+            destroy(worker.joined)
             return 0
         try:
-            output = worker.runner.execute(command.scheduler_output)
+            output = worker._runner.execute(command.scheduler_output)
             if output.status is StepStatus.PREEMPTED:
-                worker.groups.store.set(_unwound_key(output.step_id, worker.rank),
+                worker.joined.store.set(_unwound_key(output.step_id, worker.rank),
                                         str(output.preempted_layer))
         except Exception:
-            report_error(worker.groups, traceback.format_exc())
+            report_error(worker.joined, traceback.format_exc())
             traceback.print_exc()
             # Leaving the group breaks rank 0's pending collective at once, instead of at the
             # collective timeout.
@@ -250,6 +314,7 @@ def run_worker_process(config_bytes: bytes, rank: int, conn: Connection | None) 
     config = decode_config(config_bytes)
     try:
         worker = DriverWorker(config, rank) if rank == 0 else Worker(config, rank)
+        worker.start()
     except Exception:
         if conn is not None:
             conn.send_bytes(encode(ModelRunnerOutput(

@@ -37,7 +37,8 @@ from monitor.predictor import LinearTTFT, OnlineTTFT, attention_work, optimistic
 # the running decodes are charged explicitly (relative_error, the decode term), but the model is
 # fitted on the forward pass's time while a deadline counts the whole engine loop (scheduling,
 # sampling, output processing), and the first steps run before any error is measured. With 0.1
-# instead, tests/test_tpot_scheduling.py's inter-token gaps overran their 300 ms objective by up
+# instead, tests/core/test_tpot_scheduling.py's inter-token gaps overran their 300 ms objective by
+# up
 # to 7%.
 DEADLINE_HEADROOM = 0.25
 # The share the running decodes may add to the predicted time of a step that already makes an

@@ -164,7 +164,8 @@ def under_torchrun(args: argparse.Namespace, kwargs: dict) -> int | None:
     code); rank 0 continues as EngineCore (returns None with kwargs set for the external
     executor)."""
     from engine.device import resolve_device
-    from engine.runtime.launch import check_torchrun_gpus, run_follower, torchrun_launch
+    from engine.executor.external import run_follower
+    from engine.runtime.launch import check_torchrun_gpus, torchrun_launch
 
     launch = torchrun_launch()
     if launch is None:

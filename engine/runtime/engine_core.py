@@ -8,9 +8,9 @@ import sys
 from collections.abc import Iterable
 
 from engine.config import EngineConfig
-from engine.runtime.executor import Executor, ExternalExecutor, InProcessExecutor, MultiprocExecutor
+from engine.executor.base import Executor
+from engine.executor.factory import make_executor
 from engine.processing.input_processor import validate_prompt
-from engine.runtime.launch import check_torchrun_gpus, check_torchrun_world, torchrun_launch
 from engine.runtime.model_setup import ResolvedModel, check_pool_fits, resolve
 from engine.outputs import EngineCoreOutput, SchedulerStats
 from engine.core.request import Request, RequestStatus
@@ -20,7 +20,6 @@ from engine.runtime.slo_preemption import SLOPreemptionControl
 from engine.runtime.startup_calibration import (StartupCalibration, calibrate_at_startup,
                                                 wants_startup_calibration)
 from engine.runtime.step_observation import observe_step
-from engine.runtime.worker_messages import kv_pool_plan, make_worker_config
 from monitor.predictor import LinearTTFT
 from monitor.preempt_signal import PreemptSignal
 
@@ -49,7 +48,8 @@ class EngineCore:
             # load. Otherwise the workers measure it on the GPU once they have loaded them.
             if self.model.num_blocks is not None:
                 self._start_scheduling(signal, ttft_seed)
-            started = executor if executor is not None else self._make_executor(signal)
+            started = (executor if executor is not None
+                       else make_executor(config, self.model, signal))
             if self.model.num_blocks is None:
                 self.model.num_blocks = started.num_kv_blocks
                 check_pool_fits(self.model.max_model_len, config.cache, self.model.num_blocks,
@@ -94,70 +94,6 @@ class EngineCore:
             # The monitor and the request reader must get the GIL within a fraction of a layer,
             # not after CPython's default 5 ms switch interval.
             sys.setswitchinterval(0.0005)
-
-    def _in_process_executor(self, signal: PreemptSignal | None) -> Executor:
-        from workers.kv_cache import num_kv_blocks, resized_kv_caches
-        from workers.kv_memory import measure_kv_pool
-        from workers.model_runner import ModelRunner
-        from workers.serving_startup import prepare_for_serving
-        from workers.step_buffers import StepLimits
-
-        m, config = self.model, self.config
-        # No pool size given: an empty pool until the GPU's memory is measured.
-        runner = ModelRunner(m.model_dir, m.hf_config, m.dtype, m.device, m.num_blocks or 0,
-                             config.cache.block_size, seed=config.model.seed,
-                             attention_backend=config.model.attention_backend,
-                             fused_ops=config.model.fused_ops,
-                             load_format=config.model.load_format,
-                             limits=StepLimits(config.scheduler.max_num_batched_tokens,
-                                               config.scheduler.max_num_seqs, m.max_model_len),
-                             enforce_eager=config.model.enforce_eager,
-                             max_cudagraph_capture_size=config.model.max_cudagraph_capture_size)
-        plan = kv_pool_plan(config, m)
-        if plan is not None:
-            runner.kv_caches = resized_kv_caches(runner.kv_caches, measure_kv_pool(runner, plan))
-        prepare_for_serving(runner, m.max_model_len, config.scheduler.max_num_seqs)
-        if signal is not None:
-            from workers.preempt_vote import PreemptVote
-
-            runner.vote = PreemptVote(signal, runner.model.num_layers,
-                                      config.preemption.stubborn_fraction)
-        return InProcessExecutor(runner, num_kv_blocks(runner.kv_caches))
-
-    def _simulated_executor(self, signal: PreemptSignal | None) -> Executor:
-        from engine.simulation.executor import SimulatedExecutor
-        from workers.preempt_vote import PreemptVote
-
-        m, profile = self.model, self.model.profile
-        assert profile is not None and m.num_blocks is not None
-        vote = (PreemptVote(signal, profile.num_layers, self.config.preemption.stubborn_fraction)
-                if signal is not None else None)
-        eos = getattr(m.hf_config, "eos_token_id", None)
-        eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
-        return SimulatedExecutor(profile, m.num_blocks, m.hf_config.vocab_size, eos_ids, vote)
-
-    def _make_executor(self, signal: PreemptSignal | None) -> Executor:
-        config = self.config
-        if self.model.profile is not None:
-            return self._simulated_executor(signal)
-        kind = config.distributed_executor
-        if kind == "auto":
-            kind = "inproc" if config.tensor_parallel_size == 1 else "mp"
-        if kind == "inproc":
-            return self._in_process_executor(signal)
-        signal_name = signal.name if signal is not None else None
-        worker_config = make_worker_config(config, self.model, preempt_signal_name=signal_name)
-        if kind == "mp":
-            return MultiprocExecutor(worker_config)
-        launch = torchrun_launch()
-        if launch is None:
-            raise ValueError("distributed_executor 'external' needs a torchrun launch "
-                             "(RANK / WORLD_SIZE in the environment)")
-        check_torchrun_world(launch, config.tensor_parallel_size)
-        check_torchrun_gpus(launch, config.model.device)
-        worker_config.init_method = "env://"
-        return ExternalExecutor(worker_config, launch.rank, launch.local_world_size,
-                                launch.local_rank)
 
     @property
     def max_model_len(self) -> int:

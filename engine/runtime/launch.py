@@ -1,13 +1,11 @@
-"""Reading a torchrun launch from the environment."""
+"""Reading a torchrun launch from the environment, and the checks every rank makes of it (world
+size, a GPU per rank on its node). The ranks other than 0 run engine.executor.external's
+run_follower."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from engine.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -51,20 +49,3 @@ def check_torchrun_gpus(launch: TorchrunLaunch, device: str) -> None:
                          f"{'GPU is' if count == 1 else 'GPUs are'} visible: start at most "
                          f"{count} per node (--nproc-per-node), or run on the CPU with "
                          f"--device cpu")
-
-
-def run_follower(config: EngineConfig, launch: TorchrunLaunch) -> int:
-    """A torchrun rank other than 0: load this rank's shard and run the steps rank 0 broadcasts.
-
-    Every rank resolves the same configuration from the same arguments, so bad configuration
-    fails on every rank before any weights load, and no configuration has to cross the network.
-    """
-    from engine.runtime.model_setup import resolve
-    from engine.runtime.worker_messages import make_worker_config
-    from workers.worker import Worker, follower_loop
-
-    check_torchrun_world(launch, config.tensor_parallel_size)
-    check_torchrun_gpus(launch, config.model.device)
-    worker_config = make_worker_config(config, resolve(config), init_method="env://")
-    worker = Worker(worker_config, launch.rank, launch.local_world_size, launch.local_rank)
-    return follower_loop(worker)

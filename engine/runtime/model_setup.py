@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.model_folder import load_hf_config
 from engine.simulation.profile import StepTimeProfile, load_profile
 from kernels.backend import resolve_backend_name
 
@@ -40,16 +41,6 @@ class ResolvedModel:
     num_blocks: int | None
     # --simulate: the step times that replace the model (engine/simulation).
     profile: StepTimeProfile | None = None
-
-
-def load_hf_config(model_dir: str):
-    from transformers import AutoConfig
-
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model: {model_dir!r} is not a local Hugging Face model folder "
-                         f"(no config.json); sloserve never downloads from a model hub")
-    return AutoConfig.from_pretrained(str(path))
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -133,7 +124,7 @@ def resolve_max_model_len(hf_config, requested: int | None) -> int:
 
 
 def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
-    from workers.kv_cache import kv_cache_bytes_per_block
+    from engine.executor.model_support import kv_cache_bytes_per_block
 
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
@@ -189,11 +180,11 @@ def check_tokenizer(model: ModelConfig) -> None:
 
 
 def resolve(config: EngineConfig) -> ResolvedModel:
-    from workers.models import get_model_class
+    from engine.executor.model_support import check_architecture
 
     hf_config = load_hf_config(config.model.model)
     check_tokenizer(config.model)
-    get_model_class(hf_config)  # unsupported architectures fail here, before any weights load
+    check_architecture(hf_config)  # unsupported architectures fail here, before any weights load
     check_tensor_parallel(hf_config, config.tensor_parallel_size)
     device = torch.device(config.model.device)
     check_device(device, config.tensor_parallel_size, config.distributed_executor)

@@ -27,7 +27,7 @@ request, counter, metric or step id of the engine's scheduler is touched. The sc
 writes is harmless because the engine's pool is all free (and uncached) at startup. That
 scheduler has the model's max_model_len, so no sequence it schedules reaches past it (a prompt
 is at most max_model_len - 1 tokens and stops at the context like any request;
-tests/test_startup_within_max_model_len.py checks every step the runner sees).
+tests/engine/test_startup_within_max_model_len.py checks every step the runner sees).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput, StepStatus
 from engine.entrypoints.arg_types import non_negative_float
-from engine.runtime.executor import Executor
+from engine.executor.base import Executor
 from engine.runtime.model_setup import ResolvedModel
 from engine.sampling_params import SamplingParams
 from monitor.predictor import LinearTTFT, StepPoint

@@ -99,12 +99,12 @@ def test_llm_defaults_to_auto(monkeypatch, tiny_model, caplog):
 
 def test_auto_with_fewer_gpus_than_ranks_fails_before_any_worker(monkeypatch, tiny_model):
     _gpus(monkeypatch, 1)
-    import engine.runtime.engine_core
+    import engine.executor.multiproc
 
     def never(*args, **kwargs):
         raise AssertionError("a worker was spawned")
 
-    monkeypatch.setattr(engine.runtime.engine_core, "MultiprocExecutor", never)
+    monkeypatch.setattr(engine.executor.multiproc, "MultiprocExecutor", never)
     with pytest.raises(ValueError, match="tensor_parallel_size 2 needs 2 GPUs on this machine; "
                                          "1 is visible .*--device cpu"):
         LLM(model=tiny_model("llama"), tensor_parallel_size=2)
@@ -130,12 +130,12 @@ def test_every_torchrun_rank_resolves_auto_and_checks_its_gpus(monkeypatch, tiny
                         ("LOCAL_RANK", rank)):
         monkeypatch.setenv(name, str(value))
     import engine.entrypoints.llm
-    import engine.runtime.launch
+    import engine.executor.external
 
     def never(*args, **kwargs):
         raise AssertionError("the run went past the GPU check")
 
-    monkeypatch.setattr(engine.runtime.launch, "run_follower", never)
+    monkeypatch.setattr(engine.executor.external, "run_follower", never)
     monkeypatch.setattr(engine.entrypoints.llm, "LLM", never)
     assert main(["generate", "hi", "--model", tiny_model("llama")]) == 2
     err = capsys.readouterr().err

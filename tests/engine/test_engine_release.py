@@ -80,16 +80,16 @@ def test_driver_worker_frees_its_runner_at_shutdown(tiny_model, like_a_gpu,
     """The worker's shutdown drops its runner (torchrun's rank 0 lives on in EngineCore's
     process): gone when ``shutdown()`` returns, the worker itself still held."""
     from engine.config import build_engine_config
-    from engine.runtime.executor import _free_port
+    from engine.executor.worker_config import worker_config
+    from engine.executor.multiproc import _free_port
     from engine.runtime.model_setup import resolve
-    from engine.runtime.worker_messages import make_worker_config
     from workers.worker import DriverWorker
 
     config = build_engine_config(tiny_model("llama", num_hidden_layers=2), **ENGINE_ARGS)
-    worker_config = make_worker_config(config, resolve(config),
-                                       init_method=f"tcp://127.0.0.1:{_free_port()}")
-    worker = DriverWorker(worker_config, 0)
+    worker = DriverWorker(worker_config(config, resolve(config),
+                                        init_method=f"tcp://127.0.0.1:{_free_port()}"), 0)
     try:
+        worker.start()
         assert worker.runner.graphs is not None and worker.runner.piecewise is not None
         probes = runner_probes(worker.runner)
     finally:

@@ -190,7 +190,7 @@ def test_worker_that_raises_at_startup_reports_its_error(tiny_model, tmp_path):
     import json
     import shutil
 
-    from engine.runtime.executor import WorkerStartupError
+    from engine.executor.multiproc import WorkerStartupError
 
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model("llama"), broken)

@@ -15,7 +15,7 @@ import torch
 
 from engine.config import build_engine_config
 from engine.runtime.model_setup import resolve
-from engine.runtime.worker_messages import KVPoolPlan
+from engine.worker_messages import KVPoolPlan
 from engine.sampling_params import SamplingParams
 from tests.utils.fake_gpu_memory import FakeGPUMemory, play_a_gpu
 from workers.kv_memory import (GPUMemory, describe, kv_pool_blocks, profile_steps,
@@ -83,15 +83,14 @@ def test_profile_steps_fill_the_token_budget(tokens, seqs, block_size, max_len, 
 
 def test_the_profile_steps_run_on_the_model_runner(tiny_model) -> None:
     """The steps the GPU measurement runs are ones the runner accepts (here on the CPU)."""
-    from engine.runtime.model_setup import load_hf_config
-    from workers.kv_cache import num_kv_blocks, resized_kv_caches
+    from tests.utils.runner_configs import runner_config
     from workers.model_runner import ModelRunner
 
     model = tiny_model("llama")
-    runner = ModelRunner(model, load_hf_config(model), torch.float32, torch.device("cpu"), 0, 16)
-    assert num_kv_blocks(runner.kv_caches) == 0
+    runner = ModelRunner(runner_config(model, num_blocks=0, block_size=16), torch.device("cpu"))
+    assert runner.num_kv_blocks == 0
     steps = profile_steps(96, 8, 16, 1024)
-    runner.kv_caches = resized_kv_caches(runner.kv_caches, scratch_blocks(steps))
+    runner.resize_kv_pool(scratch_blocks(steps))
     for step in steps:
         out = runner.execute(step)
         assert out.status.name == "OK" and not out.failed
@@ -135,7 +134,7 @@ def test_a_gpu_config_leaves_the_pool_to_the_workers(tiny_model, monkeypatch) ->
     """Without a GPU: resolve() on 'cuda' (its checks faked) leaves the pool open, and the plan
     the workers get says how to measure it; an explicit size keeps it fixed."""
     import engine.runtime.model_setup as setup
-    from engine.runtime.worker_messages import kv_pool_plan, make_worker_config
+    from engine.executor.worker_config import kv_pool_plan, worker_config
 
     monkeypatch.setattr(setup, "check_device", lambda *args: None)
     monkeypatch.setattr(setup, "resolve_backend_name", lambda *args: "triton")
@@ -147,7 +146,7 @@ def test_a_gpu_config_leaves_the_pool_to_the_workers(tiny_model, monkeypatch) ->
     plan = kv_pool_plan(config, resolved)
     assert plan == KVPoolPlan(gpu_memory_utilization=0.6, max_num_batched_tokens=2048,
                               max_num_seqs=4, max_model_len=100, max_blocks=4 * 7)
-    assert make_worker_config(config, resolved).kv_pool_plan == plan
+    assert worker_config(config, resolved).kv_pool_plan == plan
     default = build_engine_config(model, device="cuda", dtype="float32")
     assert kv_pool_plan(default, resolve(default)).gpu_memory_utilization == 0.9
     fixed = build_engine_config(model, device="cuda", dtype="float32", kv_cache_memory_gb=0.01,
@@ -226,17 +225,18 @@ def test_a_worker_rank_allocates_the_pool_the_ranks_agree_on(tiny_model, monkeyp
     """The path of spawned and torchrun ranks: measure, agree (MIN over the ranks; one here),
     allocate, and report the size to EngineCore."""
     import workers.kv_memory as kv_memory
-    from engine.runtime.executor import _free_port
-    from engine.runtime.worker_messages import make_worker_config
+    from engine.executor.worker_config import worker_config
+    from engine.executor.multiproc import _free_port
     from workers.worker import DriverWorker
 
     monkeypatch.setattr(kv_memory, "measure_kv_pool", lambda runner, plan: 24)
     config = build_engine_config(tiny_model("llama"), dtype="float32", max_model_len=64,
                                  mid_forward_preemption=False)
     resolved = dataclasses.replace(resolve(config), num_blocks=None)
-    worker = DriverWorker(make_worker_config(config, resolved,
-                                             init_method=f"tcp://127.0.0.1:{_free_port()}"), 0)
+    worker = DriverWorker(worker_config(config, resolved,
+                                        init_method=f"tcp://127.0.0.1:{_free_port()}"), 0)
     try:
+        worker.start()
         assert worker.num_kv_blocks == 24
         assert worker.runner.kv_caches[0][0].shape[0] == 24
     finally:

@@ -10,7 +10,6 @@ import dataclasses
 import pytest
 import torch
 
-from engine.runtime.model_setup import load_hf_config
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler_output import ScheduledRequest
 from kernels import torch_attention
@@ -18,6 +17,7 @@ from kernels.torch_attention import decode_groups
 from tests.utils.attention_cases import make_case
 from workers.model_runner import ModelRunner
 from workers.step_buffers import StepLimits
+from tests.utils.runner_configs import runner_config
 
 
 def test_decodes_are_grouped_within_twice_the_first_context():
@@ -52,8 +52,8 @@ def test_grouped_decodes_match_the_reference(dtype):
 
 def test_the_model_runner_passes_the_host_context_lengths(tiny_model):
     model = tiny_model("llama")
-    runner = ModelRunner(model, load_hf_config(model), torch.float32, torch.device("cpu"),
-                         num_blocks=64, block_size=16, limits=StepLimits(128, 4, 256))
+    runner = ModelRunner(runner_config(model, num_blocks=64, block_size=16,
+                                       limits=StepLimits(128, 4, 256)), torch.device("cpu"))
     params = SamplingParams(temperature=0)
     requests = [ScheduledRequest(req_id=str(i), token_ids=[5], start_pos=start,
                                  block_ids=list(range(4 * i, 4 * i + 4)), sample=True,

@@ -18,15 +18,14 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput  # noqa: E402
-from engine.runtime.model_setup import load_hf_config  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from kernels import variants  # noqa: E402
 from workers.kernel_warmup import (missing_decode_paths, warm_up_kernels,  # noqa: E402
                                    warmup_steps)
 from workers.cuda_graphs import FAKE_GRAPHS_ENV  # noqa: E402
 from workers.model_runner import ModelRunner  # noqa: E402
-from workers.serving_startup import prepare_for_serving  # noqa: E402
 from workers.step_buffers import StepLimits  # noqa: E402
+from tests.utils.runner_configs import runner_config  # noqa: E402
 
 # On a GPU, bench/gpu_suite.sh's tests-triton-compiled step runs the tests marked gpu.
 pytestmark = pytest.mark.gpu
@@ -113,9 +112,11 @@ def _zero_floats(kernel, grid, args, constants) -> None:
 
 
 def _runner(model_dir: str, device: torch.device, num_blocks: int = 8) -> ModelRunner:
-    return ModelRunner(model_dir, load_hf_config(model_dir), torch.float32, device, num_blocks,
-                       BLOCK_SIZE, attention_backend="triton", fused_ops=True,
-                       limits=StepLimits(MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, MAX_MODEL_LEN))
+    return ModelRunner(runner_config(model_dir, num_blocks=num_blocks, block_size=BLOCK_SIZE,
+                                     attention_backend="triton", fused_ops=True,
+                                     limits=StepLimits(MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS,
+                                                       MAX_MODEL_LEN), device=device.type),
+                       device)
 
 
 def _step(decode_contexts: list[int], chunks: list[tuple[int, int]]) -> SchedulerOutput:
@@ -160,7 +161,7 @@ def test_the_warm_up_launches_every_variant_serving_launches(tiny_model, arch, g
     with variants.recording() as warm:
         if graphs:
             monkeypatch.setenv(FAKE_GRAPHS_ENV, "1")
-            prepare_for_serving(runner, MAX_MODEL_LEN, MAX_NUM_SEQS)
+            runner.prepare_for_serving()
             warmup = runner.kernel_warmup
         else:
             warmup = warm_up_kernels(runner, MAX_MODEL_LEN, MAX_NUM_SEQS)
@@ -217,8 +218,8 @@ def test_the_warm_up_runs_the_kernels_before_serving(tiny_model, triton_device, 
 
 def test_no_warm_up_without_the_triton_kernels(tiny_model):
     model_dir = tiny_model("llama")
-    runner = ModelRunner(model_dir, load_hf_config(model_dir), torch.float32,
-                         torch.device("cpu"), 4, BLOCK_SIZE, attention_backend="torch")
+    runner = ModelRunner(runner_config(model_dir, num_blocks=4, block_size=BLOCK_SIZE,
+                                       attention_backend="torch"), torch.device("cpu"))
     with variants.recording() as seen:
         assert warm_up_kernels(runner, 64, 4) is None
     assert seen == set()

@@ -409,9 +409,9 @@ def _layer_ops(runner, step) -> list[list[str]]:
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_fused_layers_make_no_casts_or_copies(tiny_model, arch, triton_device, monkeypatch):
     from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
-    from engine.runtime.model_setup import load_hf_config
     from engine.sampling_params import SamplingParams
     from kernels import variants
+    from tests.utils.runner_configs import runner_config
     from workers.model_runner import ModelRunner
 
     # Launches are recorded but not run: what is left is the host-side work of each layer.
@@ -427,8 +427,9 @@ def test_fused_layers_make_no_casts_or_copies(tiny_model, arch, triton_device, m
 
     def runner(fused_ops: str) -> ModelRunner:
         # bfloat16, the GPU's dtype (float32 CPU weights would be prepacked for oneDNN).
-        return ModelRunner(model_dir, load_hf_config(model_dir), torch.bfloat16, triton_device,
-                           4, 16, attention_backend="triton", fused_ops=fused_ops)
+        return ModelRunner(runner_config(model_dir, num_blocks=4, block_size=16, dtype="bfloat16",
+                                         device=triton_device.type, attention_backend="triton",
+                                         fused_ops=fused_ops), triton_device)
 
     fused = runner("auto")
     with variants.recording() as launched:

@@ -6,13 +6,13 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from engine.runtime.model_setup import load_hf_config
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput, StepStatus
 from monitor.preempt_signal import NO_TARGET, PreemptSignal
 from workers.distributed import destroy, init_distributed
 from workers.model_runner import ModelRunner
 from workers.preempt_vote import PreemptVote, StepPreempted
+from tests.utils.runner_configs import runner_config
 
 NUM_LAYERS = 20
 
@@ -20,8 +20,7 @@ NUM_LAYERS = 20
 @pytest.fixture(scope="module")
 def runner(tiny_model):
     model = tiny_model("llama", num_hidden_layers=NUM_LAYERS)
-    return ModelRunner(model, load_hf_config(model), torch.float32, torch.device("cpu"),
-                       num_blocks=16, block_size=16)
+    return ModelRunner(runner_config(model, num_blocks=16, block_size=16), torch.device("cpu"))
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.runtime.model_setup import load_hf_config
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput, StepStatus
 from workers.model_runner import ModelRunner
@@ -18,6 +17,7 @@ from tests.utils.paged_helpers import StopAt
 from workers.cuda_graphs import EagerReplayBackend
 from workers.piecewise_graphs import capture_piecewise_graphs
 from workers.step_buffers import StepLimits
+from tests.utils.runner_configs import runner_config
 
 NUM_LAYERS = 8
 BLOCK = 16
@@ -26,8 +26,8 @@ BLOCK = 16
 @pytest.fixture(scope="module", params=["eager", "piecewise"])
 def runner(tiny_model, request) -> ModelRunner:
     model = tiny_model("llama", num_hidden_layers=NUM_LAYERS)
-    runner = ModelRunner(model, load_hf_config(model), torch.float32, torch.device("cpu"),
-                         num_blocks=64, block_size=BLOCK, limits=StepLimits(128, 4, 128))
+    runner = ModelRunner(runner_config(model, num_blocks=64, block_size=BLOCK,
+                                       limits=StepLimits(128, 4, 128)), torch.device("cpu"))
     if request.param == "piecewise":
         runner.piecewise = capture_piecewise_graphs(runner, 128, EagerReplayBackend())
     return runner

@@ -15,7 +15,7 @@ from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput, Step
 from engine.runtime.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.simulation import StepTimeProfile, load_profile, shipped_profiles
-from engine.simulation.executor import SimulatedExecutor
+from engine.executor.simulated import SimulatedExecutor
 from monitor.predictor import LinearTTFT
 from monitor.preempt_signal import NO_TARGET, PreemptSignal
 from workers.preempt_vote import PreemptVote

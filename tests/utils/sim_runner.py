@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from engine.core.block_pool import BlockPool
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
-from engine.simulation.executor import segment_tail
+from engine.executor.simulated import segment_tail
 from tests.utils.scheduling import next_token
 
 

@@ -14,12 +14,12 @@ import torch
 
 import tests.utils.triton_device  # noqa: F401  (Triton's interpreter, before any kernels.triton_*)
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from engine.runtime.model_setup import load_hf_config
 from engine.sampling_params import SamplingParams
 from tests.utils.paged_helpers import bypass_the_position_buffer
 from workers.cuda_graphs import DecodeGraphs, EagerReplayBackend, capture_decode_graphs
 from workers.model_runner import ModelRunner
 from workers.step_buffers import StepLimits
+from tests.utils.runner_configs import runner_config
 
 BLOCK = 16
 MAX_MODEL_LEN = 128
@@ -43,9 +43,9 @@ class FakeGraphs(EagerReplayBackend):
 @pytest.fixture
 def runner(tiny_model) -> ModelRunner:
     model = tiny_model("llama", num_hidden_layers=2)
-    return ModelRunner(model, load_hf_config(model), torch.float32, torch.device("cpu"),
-                       num_blocks=64, block_size=BLOCK,
-                       limits=StepLimits(256, MAX_NUM_SEQS, MAX_MODEL_LEN))
+    return ModelRunner(runner_config(model, num_blocks=64, block_size=BLOCK,
+                                     limits=StepLimits(256, MAX_NUM_SEQS, MAX_MODEL_LEN)),
+                       torch.device("cpu"))
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -96,9 +96,10 @@ def triton_runner(tiny_model) -> ModelRunner:
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton kernels are compiled in this process (no CPU run)")
     model = tiny_model("llama", num_hidden_layers=2)
-    return ModelRunner(model, load_hf_config(model), torch.float32, torch.device("cpu"),
-                       num_blocks=64, block_size=BLOCK, attention_backend="triton",
-                       limits=StepLimits(256, MAX_NUM_SEQS, MAX_MODEL_LEN))
+    return ModelRunner(runner_config(model, num_blocks=64, block_size=BLOCK,
+                                     attention_backend="triton",
+                                     limits=StepLimits(256, MAX_NUM_SEQS, MAX_MODEL_LEN)),
+                       torch.device("cpu"))
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
@@ -143,8 +144,8 @@ def test_steps_that_do_not_fit_a_graph_run_eager(runner) -> None:
 def test_graphs_are_off_under_enforce_eager_and_on_the_cpu(tiny_model, runner) -> None:
     assert capture_decode_graphs(runner, MAX_NUM_SEQS, MAX_MODEL_LEN) is None  # the CPU
     model = tiny_model("llama", num_hidden_layers=2)
-    eager = ModelRunner(model, load_hf_config(model), torch.float32, torch.device("cpu"),
-                        num_blocks=8, block_size=BLOCK, enforce_eager=True)
+    eager = ModelRunner(runner_config(model, num_blocks=8, block_size=BLOCK, enforce_eager=True),
+                        torch.device("cpu"))
     backend = FakeGraphs()
     assert capture_decode_graphs(eager, MAX_NUM_SEQS, MAX_MODEL_LEN, backend=backend) is None
     assert backend.captured == []

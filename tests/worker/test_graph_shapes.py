@@ -9,7 +9,8 @@ from engine.config import build_engine_config
 from engine.entrypoints.cli import build_parser
 from engine.entrypoints.engine_args import engine_kwargs
 from engine.runtime.model_setup import resolve
-from engine.runtime.worker_messages import make_worker_config
+from engine.executor.worker_config import worker_config
+from engine.worker_messages import decode_config, encode
 from workers.graph_shapes import MAX_CAPTURE_SIZE, capture_sizes, padded_batch_size
 
 
@@ -47,8 +48,9 @@ def test_enforce_eager_is_off_unless_asked(tiny_model) -> None:
     assert build_engine_config(model).model.enforce_eager is False
     config = build_engine_config(model, enforce_eager=True, device="cpu")  # LLM()'s kwargs
     assert config.model.enforce_eager is True
-    # It reaches the TP workers' configuration.
-    assert make_worker_config(config, resolve(config)).enforce_eager is True
+    # It reaches the TP workers' configuration, across the process boundary.
+    sent = decode_config(encode(worker_config(config, resolve(config))))
+    assert sent.engine.model.enforce_eager is True
 
 
 def test_max_cudagraph_capture_size_caps_both_kinds_of_graph(tiny_model) -> None:
@@ -57,7 +59,8 @@ def test_max_cudagraph_capture_size_caps_both_kinds_of_graph(tiny_model) -> None
     assert kwargs["max_cudagraph_capture_size"] == 16
     model = tiny_model("llama", num_hidden_layers=2)
     config = build_engine_config(model, max_cudagraph_capture_size=16, device="cpu")
-    assert make_worker_config(config, resolve(config)).max_cudagraph_capture_size == 16
+    sent = decode_config(encode(worker_config(config, resolve(config))))
+    assert sent.engine.model.max_cudagraph_capture_size == 16
     with pytest.raises(ValueError, match="max_cudagraph_capture_size must be >= 1, got 0"):
         build_engine_config(model, max_cudagraph_capture_size=0)
     # The engine's runner captures no decode batch and no step larger than the cap.

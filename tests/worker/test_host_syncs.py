@@ -16,12 +16,12 @@ import torch
 
 import tests.utils.triton_device  # noqa: F401  (Triton's interpreter, before any kernels.triton_*)
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput, StepStatus
-from engine.runtime.model_setup import load_hf_config
 from engine.sampling_params import SamplingParams
 from tests.utils.host_sync import SYNCING_METHODS, HostSyncDetector
 from workers.model_runner import ModelRunner
 from workers.preempt_vote import PreemptVote
 from workers.run_ahead import RunAheadLimit
+from tests.utils.runner_configs import runner_config
 
 NUM_LAYERS = 4
 BLOCK = 16
@@ -75,8 +75,8 @@ def runner(request, tiny_model, monkeypatch) -> ModelRunner:
         monkeypatch.setattr(triton_attention, "launch", stub)
         monkeypatch.setattr(triton_cache, "launch", stub)
     model = tiny_model("llama", num_hidden_layers=NUM_LAYERS)
-    runner = ModelRunner(model, load_hf_config(model), torch.float32, torch.device("cpu"),
-                         num_blocks=64, block_size=BLOCK, attention_backend=request.param)
+    runner = ModelRunner(runner_config(model, num_blocks=64, block_size=BLOCK,
+                                       attention_backend=request.param), torch.device("cpu"))
     runner.test_launches = launches  # type: ignore[attr-defined]
     return runner
 

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from engine.runtime.model_setup import load_hf_config
 from engine.sampling_params import SamplingParams
 from workers.cuda_graphs import EagerReplayBackend, capture_decode_graphs
 from workers.model_runner import LAYER_DELAY_ENV, ModelRunner
 from workers.piecewise_graphs import capture_piecewise_graphs
 from workers.step_buffers import StepLimits
+from tests.utils.runner_configs import runner_config
 
 BLOCK = 16
 MAX_MODEL_LEN = 128
@@ -55,9 +55,9 @@ class GraphFlaggingBackend(EagerReplayBackend):
 def runner(tiny_model, monkeypatch) -> ModelRunner:
     monkeypatch.setenv(LAYER_DELAY_ENV, str(DELAY_US_PER_TOKEN))
     model = tiny_model("llama", num_hidden_layers=NUM_LAYERS)
-    return ModelRunner(model, load_hf_config(model), torch.float32, torch.device("cpu"),
-                       num_blocks=64, block_size=BLOCK,
-                       limits=StepLimits(MAX_TOKENS, MAX_NUM_SEQS, MAX_MODEL_LEN))
+    return ModelRunner(runner_config(model, num_blocks=64, block_size=BLOCK,
+                                     limits=StepLimits(MAX_TOKENS, MAX_NUM_SEQS, MAX_MODEL_LEN)),
+                       torch.device("cpu"))
 
 
 def _record_sleeps(monkeypatch, backend: GraphFlaggingBackend) -> list[tuple[bool, float]]:

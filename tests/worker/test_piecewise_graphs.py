@@ -12,13 +12,13 @@ import torch
 
 import tests.utils.triton_device  # noqa: F401  (Triton's interpreter, before any kernels.triton_*)
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from engine.runtime.model_setup import load_hf_config
 from engine.sampling_params import SamplingParams
 from tests.utils.paged_helpers import StopAt, bypass_the_position_buffer
 from workers.cuda_graphs import EagerReplayBackend
 from workers.model_runner import ModelRunner
 from workers.piecewise_graphs import PiecewiseGraphs, capture_piecewise_graphs
 from workers.step_buffers import StepLimits
+from tests.utils.runner_configs import runner_config
 
 BLOCK = 16
 MAX_MODEL_LEN = 128
@@ -38,9 +38,10 @@ class CountingBackend(EagerReplayBackend):
 
 def _runner(tiny_model, kernels: str = "torch", **config) -> ModelRunner:
     model = tiny_model("llama", num_hidden_layers=3, **config)
-    return ModelRunner(model, load_hf_config(model), torch.float32, torch.device("cpu"),
-                       num_blocks=64, block_size=BLOCK, attention_backend=kernels,
-                       limits=StepLimits(MAX_TOKENS, 8, MAX_MODEL_LEN))
+    return ModelRunner(runner_config(model, num_blocks=64, block_size=BLOCK,
+                                     attention_backend=kernels,
+                                     limits=StepLimits(MAX_TOKENS, 8, MAX_MODEL_LEN)),
+                       torch.device("cpu"))
 
 
 @pytest.fixture
@@ -116,9 +117,9 @@ def test_replayed_pieces_equal_an_eager_pass(tiny_model, kernels) -> None:
 
 def test_qwen3_qk_norm_pieces_equal_an_eager_pass(tiny_model) -> None:
     model = tiny_model("qwen3", num_hidden_layers=2)
-    runner = ModelRunner(model, load_hf_config(model), torch.float32, torch.device("cpu"),
-                         num_blocks=64, block_size=BLOCK,
-                         limits=StepLimits(MAX_TOKENS, 8, MAX_MODEL_LEN))
+    runner = ModelRunner(runner_config(model, num_blocks=64, block_size=BLOCK,
+                                       limits=StepLimits(MAX_TOKENS, 8, MAX_MODEL_LEN)),
+                         torch.device("cpu"))
     eager = _generate(runner, first_block=0)
     _capture(runner)
     assert _generate(runner, first_block=24) == eager

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from engine import LLM
-from engine.runtime.model_setup import load_hf_config
 from workers.cuda_graphs import FAKE_GRAPHS_ENV, EagerReplayBackend, capture_decode_graphs
 from workers.model_runner import ModelRunner
 from workers.piecewise_graphs import capture_piecewise_graphs
 from workers.startup_report import ServingStartup
 from workers.step_buffers import StepLimits
+from tests.utils.runner_configs import runner_config
 
 MAX_MODEL_LEN = 128
 MAX_NUM_SEQS = 4
@@ -47,9 +47,9 @@ class CollectorProbe(EagerReplayBackend):
 @pytest.fixture
 def runner(tiny_model) -> ModelRunner:
     model = tiny_model("llama", num_hidden_layers=2)
-    return ModelRunner(model, load_hf_config(model), torch.float32, torch.device("cpu"),
-                       num_blocks=32, block_size=16,
-                       limits=StepLimits(MAX_TOKENS, MAX_NUM_SEQS, MAX_MODEL_LEN))
+    return ModelRunner(runner_config(model, num_blocks=32, block_size=16,
+                                     limits=StepLimits(MAX_TOKENS, MAX_NUM_SEQS, MAX_MODEL_LEN)),
+                       torch.device("cpu"))
 
 
 def _capture_both(runner: ModelRunner, backend: EagerReplayBackend) -> None:

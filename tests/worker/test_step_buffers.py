@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from engine.core.scheduler_output import ScheduledRequest
-from engine.runtime.model_setup import load_hf_config
 from engine.sampling_params import SamplingParams
 from workers.model_runner import ModelInputs, ModelRunner
 from workers.step_buffers import StepBuffers, StepLimits
+from tests.utils.runner_configs import runner_config
 
 BLOCK = 16
 
@@ -19,9 +19,10 @@ BLOCK = 16
 @pytest.fixture(scope="module")
 def runner(tiny_model) -> ModelRunner:
     model = tiny_model("llama", num_hidden_layers=2)
-    return ModelRunner(model, load_hf_config(model), torch.float32, torch.device("cpu"),
-                       num_blocks=64, block_size=BLOCK,
-                       limits=StepLimits(max_num_tokens=128, max_num_seqs=4, max_model_len=256))
+    return ModelRunner(runner_config(model, num_blocks=64, block_size=BLOCK,
+                                     limits=StepLimits(max_num_tokens=128, max_num_seqs=4,
+                                                       max_model_len=256)),
+                       torch.device("cpu"))
 
 
 def _request(req_id: str, start: int, n: int, first_block: int) -> ScheduledRequest:

@@ -1,69 +1,18 @@
-"""How EngineCore runs a step on the workers. EngineCore's code does not depend on the choice:
-
-- InProcessExecutor: TP=1, the model runner lives in EngineCore's process.
-- MultiprocExecutor: `--tensor-parallel-size N` spawns N worker processes on this machine.
-- ExternalExecutor: the ranks were started by torchrun; rank 0 (this process) is the driver.
-"""
+"""The multiprocess executor: `--tensor-parallel-size N` spawns N worker processes on this machine
+(workers.worker.run_worker_process); rank 0 talks to EngineCore over a pipe."""
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
 import socket
-import traceback
 from multiprocessing.connection import wait
-from typing import Protocol
 
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
-from engine.runtime.worker_messages import (ExecuteStep, Shutdown, WorkerConfig, decode_output,
-                                            decode_pool_size, encode)
+from engine.worker_messages import (ExecuteStep, Shutdown, WorkerConfig, decode_output,
+                                   decode_pool_size, encode)
 
 logger = logging.getLogger(__name__)
-
-
-class Executor(Protocol):
-    # The KV blocks each rank holds (measured on the GPU when the configuration left it open).
-    num_kv_blocks: int
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
-
-    def shutdown(self) -> None: ...
-
-
-class InProcessExecutor:
-    def __init__(self, runner, num_kv_blocks: int) -> None:
-        self.runner = runner
-        self.num_kv_blocks = num_kv_blocks
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        try:
-            return self.runner.execute(scheduler_output)
-        except Exception:  # reported as a structured status, as a remote worker would
-            return ModelRunnerOutput(step_id=scheduler_output.step_id, status=StepStatus.ERROR,
-                                     error=traceback.format_exc())
-
-    def shutdown(self) -> None:
-        # The last reference to the runner: nothing it reaches refers back to it
-        # (workers.cuda_graphs), so its weights, KV pool and graphs are freed here, not at the
-        # next garbage collection (tests/test_engine_release.py).
-        self.runner = None
-
-
-class ExternalExecutor:
-    """torchrun: this process is rank 0; the other ranks run `workers.worker.follower_loop`."""
-
-    def __init__(self, config: WorkerConfig, rank: int, local_world_size: int,
-                 local_rank: int) -> None:
-        from workers.worker import DriverWorker
-
-        self.driver = DriverWorker(config, rank, local_world_size, local_rank)
-        self.num_kv_blocks = self.driver.num_kv_blocks
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.driver.execute_model(scheduler_output)
-
-    def shutdown(self) -> None:
-        self.driver.shutdown()  # drops its runner (workers.worker.Worker.release)
 
 
 class WorkerStartupError(RuntimeError):
@@ -76,6 +25,7 @@ class MultiprocExecutor:
     of leaving EngineCore blocked."""
 
     def __init__(self, config: WorkerConfig, startup_timeout_s: float = 600.0) -> None:
+        # Deferred, as every import of workers here: the model code loads only where it runs.
         from workers.worker import run_worker_process
 
         config.init_method = f"tcp://127.0.0.1:{_free_port()}"
@@ -89,7 +39,7 @@ class MultiprocExecutor:
         for proc in self._procs:
             proc.start()
         driver_end.close()
-        self._step_timeout_s = config.collective_timeout_s * 2
+        self._step_timeout_s = config.engine.collective_timeout_s * 2
         ready = self._receive(step_id=0, timeout_s=startup_timeout_s)
         if ready.status is not StepStatus.OK:
             self.shutdown()

@@ -1,0 +1,131 @@
+"""The direction of imports between the project's packages: every module imports only its own
+layer and the layers below it, the engine reaches the workers only through its executor package,
+and no product package imports the benchmarks or the tests.
+
+The layers, bottom to top (docs/architecture.md, "Layers"):
+
+0. ``kernels`` and ``monitor``: attention kernels; deadlines, the predictor and the preempt signal.
+1. The engine's shared base: its configuration, the step messages and the structs both sides
+   read (``engine.core``, ``engine.worker_messages``, ...), which the workers need and which
+   import nothing above them.
+2. ``workers``: the model, the model runner, the worker ranks.
+3. The engine: EngineCore, its executors (``engine.executor``, the one package of the engine
+   that imports ``workers``), the simulation, the IPC and the front end's request processing.
+4. How users reach it: ``engine.entrypoints``, ``engine.serving``, the benchmark library behind
+   ``sloserve bench`` (``engine.benchmarks``), and the ``engine`` package itself (its
+   ``__init__`` exports ``LLM``).
+
+``bench`` sits above them all and is not checked here.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from tests.utils.import_graph import REPO, _imported_names, _module_files, import_graph
+
+# Each layer: module names, a name standing for itself and everything under it; a module belongs
+# to the layer of its longest matching name.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("kernels", "monitor"),
+    ("engine.config", "engine.device", "engine.dry_run", "engine.log", "engine.logprobs",
+     "engine.outputs", "engine.sampling_params", "engine.core", "engine.worker_messages",
+     "engine.model_folder",
+     # build_engine_config parses a --chat-template where the configuration is built, and
+     # startup calibration reads an environment variable with the command line's value types:
+     # both import nothing of the project.
+     "engine.processing.chat_template", "engine.entrypoints.arg_types"),
+    ("workers",),
+    ("engine.executor", "engine.runtime", "engine.simulation", "engine.ipc",
+     "engine.processing"),
+    ("engine", "engine.entrypoints", "engine.serving", "engine.benchmarks", "engine.__main__"),
+)
+LAYER_NAMES = ("kernels and monitor", "engine base", "workers", "engine", "entrypoints")
+# The only engine package that imports workers.
+EXECUTOR = "engine.executor"
+PRODUCT = ("engine", "workers", "monitor", "kernels")
+
+
+def _within(module: str, name: str) -> bool:
+    return module == name or module.startswith(name + ".")
+
+
+def layer_of(module: str) -> int | None:
+    """The layer of ``module`` (None: bench, which is above every layer)."""
+    best: tuple[int, int] | None = None  # (length of the matching name, layer)
+    for index, names in enumerate(LAYERS):
+        for name in names:
+            if _within(module, name) and (best is None or len(name) > best[0]):
+                best = (len(name), index)
+    return None if best is None else best[1]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, imported in sorted(graph.items()):
+        here = layer_of(module)
+        if here is None:
+            continue
+        for target in sorted(imported):
+            there = layer_of(target)
+            if there is not None and there > here:
+                found.append(f"{module} ({LAYER_NAMES[here]}) imports {target} "
+                             f"({LAYER_NAMES[there]})")
+    return found
+
+
+def test_every_product_module_has_a_layer() -> None:
+    modules = [m for m in _module_files() if m.split(".")[0] in PRODUCT]
+    assert modules and all(layer_of(m) is not None for m in modules)
+    # Probes: the longest name decides.
+    assert layer_of("engine.core.scheduler") == 1
+    assert layer_of("engine.runtime.engine_core") == 3
+    assert layer_of("engine.entrypoints.cli") == 4
+    assert layer_of("engine.entrypoints.arg_types") == 1
+    assert layer_of("bench.throughput") is None
+
+
+def test_the_check_reports_an_upward_import() -> None:
+    graph = {"workers.worker": {"engine.runtime.engine_core"}, "engine.core.request": set()}
+    assert upward_imports(graph) == ["workers.worker (workers) imports "
+                                     "engine.runtime.engine_core (engine)"]
+
+
+def test_imports_point_down_the_layers() -> None:
+    found = upward_imports(import_graph())
+    assert not found, "imports against the layers:\n" + "\n".join(found)
+
+
+def test_only_the_executor_package_imports_workers() -> None:
+    graph = import_graph()
+    found = [f"{module} imports {target}" for module, imported in sorted(graph.items())
+             if _within(module, "engine") and not _within(module, EXECUTOR)
+             for target in sorted(imported) if _within(target, "workers")]
+    assert not found, "engine modules outside engine.executor that import workers:\n" + \
+        "\n".join(found)
+    # Probe: the executors do.
+    assert "workers.worker" in graph["engine.executor.multiproc"]
+
+
+def bench_or_tests_imports(sources: dict[str, str]) -> list[str]:
+    """``module imports name`` for each import of bench or tests in ``sources`` (module name ->
+    its source), deferred imports included."""
+    modules = _module_files()
+    found = []
+    for module, source in sorted(sources.items()):
+        tree = ast.parse(source, module)
+        for name in sorted(_imported_names(tree, module, False, modules)):
+            if name.split(".")[0] in ("bench", "tests"):
+                found.append(f"{module} imports {name}")
+    return found
+
+
+def test_no_product_module_imports_bench_or_tests() -> None:
+    sources = {module: path.read_text() for module, path in _module_files().items()
+               if module.split(".")[0] in PRODUCT}
+    found = bench_or_tests_imports(sources)
+    assert not found, "product modules that import bench or tests:\n" + "\n".join(found)
+    # Probe: the check sees such an import, deferred inside a function too.
+    assert bench_or_tests_imports({"engine.x": "def f():\n    from bench import soak\n"}) == [
+        "engine.x imports bench.soak"]
+    assert (REPO / "bench").is_dir()
