@@ -2,7 +2,7 @@
 
 A GPU call is scarce (a lent machine, 15 minutes in all): a renamed flag or a missing file must
 fail on the CPU, in CI, not there. With ``SLOSERVE_DRY_RUN=1`` in the environment,
-``bench/gpu_suite.sh --dry-run`` runs every step with its exact full-size flags; each
+``bench/suite/gpu_suite.sh --dry-run`` runs every step with its exact full-size flags; each
 entry point parses its arguments, reads the model folder's config and builds the engine
 configuration as it would on the GPU (``engine.config.build_engine_config`` calls
 ``stop_if_dry_run``), prints one line saying so, and exits 0 before any weight, kernel or device

@@ -5,7 +5,7 @@ block tables, written as two bmm calls instead of scaled_dot_product_attention: 
 CPU path is slow for one-row queries (measured here, 16 decodes x 512 context, 9/3 heads: ~6 ms
 vs ~2 ms per layer; in float32 the two are on par). K/V are used as gathered, never copied
 head-major or (float32 caches) upcast, into buffers reused by every layer of the step
-(bench/cpu_attention.py prints the figures against the earlier head-major float32 copies).
+(bench/diagnostics/cpu_attention.py prints the figures against the earlier head-major float32 copies).
 
 Prefill chunks: one SDPA call each (SDPA is fast when the query has many rows).
 """

@@ -28,7 +28,7 @@ decode path, and the engine launches them all at startup (``workers.kernel_warmu
 
 The tile sizes and Triton's launch options (warps, pipelining stages) are data, an
 ``AttentionLaunchConfig`` per kind of launch. The engine runs ``DEFAULT_ATTENTION_CONFIG``;
-``python -m bench.gpu_kernels --sweep-configs`` times candidates against SDPA on a GPU and prints
+``python -m bench.kernels.gpu_kernels --sweep-configs`` times candidates against SDPA on a GPU and prints
 the one a default should be, and the default changes only from such measured figures.
 
 Runs compiled on CUDA, and on CPU under Triton's interpreter (TRITON_INTERPRET=1) for tests.
@@ -117,7 +117,7 @@ class PrefillLaunch:
 class AttentionLaunchConfig:
     """Tile sizes and launch options of the attention kernel, per kind of launch (the two are
     independent: a decode launch never runs the prefill tiling and the other way round).
-    ``python -m bench.gpu_kernels --sweep-configs`` times candidates on a GPU and prints the best
+    ``python -m bench.kernels.gpu_kernels --sweep-configs`` times candidates on a GPU and prints the best
     as a literal of this class; the default changes only from such measured figures."""
 
     decode: DecodeLaunch

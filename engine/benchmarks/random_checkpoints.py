@@ -1,6 +1,6 @@
 """Seeded random-weight checkpoints in Hugging Face format, and a small BPE tokenizer for them.
 
-The tests build tiny ones; `bench/gpu_equality.py` builds mid-size ones for greedy equality
+The tests build tiny ones; `bench/suite/gpu_equality.py` builds mid-size ones for greedy equality
 against HF transformers on a GPU. Nothing is fetched: the weights are drawn by transformers' own
 classes, the tokenizer is trained on a few sentences.
 
@@ -47,7 +47,7 @@ def save_small_tokenizer(path: str | os.PathLike[str], vocab_size: int = 400) ->
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     # show_progress=False: the trainer's progress bar writes blank lines to stdout, which a
-    # bench's stdout (bench.gpu_throughput's markdown table) must not carry.
+    # bench's stdout (bench.suite.gpu_throughput's markdown table) must not carry.
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
@@ -82,4 +82,18 @@ def make_random_model(path: str | os.PathLike[str], arch: str = "llama", seed: i
                 param.normal_(0.0, 0.1)
     Path(path).mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path))
+    return str(path)
+
+
+def random_with_heads(path: str | os.PathLike[str], like: str, num_heads: int,
+                      num_kv_heads: int) -> str:
+    """A seeded random-weight copy (bfloat16) of the model at ``like`` with another head count
+    (the default model's 9 heads cannot be split over 2 ranks): for measuring tensor-parallel
+    overhead, not output quality. Returns the path."""
+    config = transformers.AutoConfig.from_pretrained(like)
+    config.num_attention_heads, config.num_key_value_heads = num_heads, num_kv_heads
+    config.head_dim = config.hidden_size // num_heads
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(
+        str(path))
     return str(path)

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 # The repository root (or site-packages): a script run from bench/ would otherwise put bench/ first
-# on the server's sys.path, where bench/gpu_kernels.py shadows the `kernels` package.
+# on the server's sys.path, where bench/kernels/gpu_kernels.py shadows the `kernels` package.
 _PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -1,4 +1,4 @@
-"""bench/cpu_linear.py without timing anything: it runs on a tiny model's shapes and prints both
+"""bench/diagnostics/cpu_linear.py without timing anything: it runs on a tiny model's shapes and prints both
 kernels' times per row count (the figures are the script's to print, never a test's to assert)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_script_prints_both_kernels_per_row_count(tiny_model):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     run = subprocess.run(
-        [sys.executable, "bench/cpu_linear.py", "--model", tiny_model("llama"),
+        [sys.executable, "bench/diagnostics/cpu_linear.py", "--model", tiny_model("llama"),
          "--rows", "1", "7", "--repeats", "1"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

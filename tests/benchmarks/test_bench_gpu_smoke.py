@@ -1,4 +1,4 @@
-"""bench/gpu_smoke.py, the GPU suite's first step: it tells the suite whether the rest of the
+"""bench/suite/gpu_smoke.py, the GPU suite's first step: it tells the suite whether the rest of the
 call can use CUDA graphs. On the CPU the graphs are the test stand-in (EagerReplayBackend)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu_smoke
+from bench.suite import gpu_smoke
 from engine.benchmarks.random_checkpoints import make_random_model, save_small_tokenizer
 from workers.cuda_graphs import FAKE_GRAPHS_ENV, EagerReplayBackend
 

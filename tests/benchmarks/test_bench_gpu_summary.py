@@ -1,4 +1,4 @@
-"""bench/gpu_summary.py on folders a GPU suite call could leave: steps killed at their limit
+"""bench/suite/gpu_summary.py on folders a GPU suite call could leave: steps killed at their limit
 (no final JSON, only the .jsonl of what they measured), a suite killed mid-step (its row still
 `running`), steps the summary has no section for, the suite's notes, a dry run."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu_summary, gpu_throughput
+from bench.suite import gpu_summary, gpu_throughput
 from engine.benchmarks.figures import FigureLog, read_figures
 
 
@@ -112,7 +112,7 @@ def test_notes_unknown_steps_and_partial_bursts(tmp_path):
         "(smoke.log has the error)\n")
     (out / "ttft_model.json").write_text(json.dumps({"seconds_per_token": 2e-5,
                                                      "intercept_s": 0.01, "r2": 0.99}))
-    # The smoke step's phases as it wrote them (bench/gpu_smoke.py), no final JSON.
+    # The smoke step's phases as it wrote them (bench/suite/gpu_smoke.py), no final JSON.
     with FigureLog(out / "smoke.jsonl") as log:
         log.write("engine", enforce_eager=False, error="RuntimeError: capture failed",
                   start_s=3.5)
@@ -190,3 +190,14 @@ def test_a_dry_run_quotes_each_steps_last_line(tmp_path):
     assert summary.startswith("# GPU suite (dry run")
     assert "- smoke: `dry run: engine configuration built: model m`" in summary
     assert "- throughput: `no output`" in summary
+
+
+def test_pytest_totals_are_read_with_and_without_a_marker(tmp_path: Path) -> None:
+    """The GPU tests are picked by `-m gpu`: pytest then prints "N/M tests collected (K
+    deselected)", which the summary must quote as it quotes a plain total."""
+    (tmp_path / "tests-triton-compiled.log").write_text(
+        "tests/kernels/test_x.py::test_y\n\n329/449 tests collected (120 deselected) in 1.77s\n")
+    (tmp_path / "tests-cuda.log").write_text("....\n===== 3 passed, 1 skipped in 2.00s =====\n")
+    assert gpu_summary._pytest_totals(tmp_path, "tests-triton-compiled") == \
+        "329/449 tests collected (120 deselected) in 1.77s"
+    assert gpu_summary._pytest_totals(tmp_path, "tests-cuda") == "3 passed, 1 skipped in 2.00s"

@@ -1,4 +1,4 @@
-"""bench/gpu_throughput.py without timing anything: its --smoke run (a tiny Llama on the CPU,
+"""bench/suite/gpu_throughput.py without timing anything: its --smoke run (a tiny Llama on the CPU,
 with --profile) goes end to end through the limits, the HF process, the eager engine, the
 engine and the engine's profile, and reports every figure beside its bound, the mixed kind and
 the graphs-against-eager columns included; the bounds match a hand count; the profile's per-step
@@ -19,8 +19,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bench import engine_steps, gpu_throughput
-from bench.roofline import ModelShape
+from bench.e2e import engine_steps
+from bench.suite import gpu_throughput
+from engine.benchmarks.roofline import ModelShape
 from tests.utils.figures_wait import wait_for_figures
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +34,7 @@ def smoke(tmp_path_factory) -> tuple[dict, str]:
     out = tmp_path_factory.mktemp("gpu-throughput") / "result.json"
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     run = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_throughput", "--smoke", "--device", "cpu",
+        [sys.executable, "-m", "bench.suite.gpu_throughput", "--smoke", "--device", "cpu",
          "--dtype", "float32", "--profile", "--profile-steps", "2", "--out", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -381,7 +382,7 @@ def test_smoke_profile_counts_each_step_kind(smoke):
                                                  sizes["mixed_decodes"] + sizes["mixed_chunk"])
 
     # The markdown carries the section, after the throughput table, one row per kind; the JSON
-    # carries the same markdown (bench/gpu_summary.py quotes it).
+    # carries the same markdown (bench/suite/gpu_summary.py quotes it).
     assert result["markdown"] == stdout.rstrip("\n")
     section = stdout[stdout.index("#### Engine profile (torch.profiler)"):]
     assert stdout.index("| phase | batch |") < stdout.index("#### Engine profile")
@@ -393,7 +394,7 @@ def test_smoke_profile_counts_each_step_kind(smoke):
 
 
 def test_profile_summary_on_a_gpu_timeline_matches_a_hand_count():
-    from bench.engine_profile import MARK, MARK_END, PYTHON_OUTSIDE_OPS, Event, summarize_steps
+    from bench.e2e.engine_profile import MARK, MARK_END, PYTHON_OUTSIDE_OPS, Event, summarize_steps
 
     def mark(index, start, self_us=0.0):
         return Event(f"{MARK}{index}", "marker", start, start + 900, self_us)
@@ -444,7 +445,7 @@ def test_profile_summary_on_a_gpu_timeline_matches_a_hand_count():
 def test_profiler_events_keep_kernels_and_drop_gpu_annotations():
     from torch.autograd import DeviceType
 
-    from bench.engine_profile import MARK, events_from_profiler
+    from bench.e2e.engine_profile import MARK, events_from_profiler
 
     def fe(name, device, start, end, **extra):
         return SimpleNamespace(name=name, device_type=device, is_async=False,
@@ -463,7 +464,7 @@ def test_profiler_events_keep_kernels_and_drop_gpu_annotations():
 
 
 def test_profile_markdown_names_a_failed_or_skipped_kind():
-    from bench.engine_profile import markdown as profile_markdown
+    from bench.e2e.engine_profile import markdown as profile_markdown
 
     lines = profile_markdown({"device": "cuda", "steps": 3, "kinds": {
         "decode 64": {"error": "RuntimeError: the profile window never opened"}},
@@ -482,7 +483,7 @@ def test_profile_flags_are_checked():
 
 
 def test_the_gpu_suite_summary_quotes_the_table_and_the_profile(smoke, tmp_path):
-    from bench import gpu_summary
+    from bench.suite import gpu_summary
 
     result, stdout = smoke
     (tmp_path / "throughput.json").write_text(json.dumps(result))
@@ -668,7 +669,7 @@ def test_one_engine_at_a_time_freed_without_the_garbage_collector(tmp_path, monk
         monkeypatch.setattr(engine_steps, "measure_mixed", fail)
     monkeypatch.setattr(gc, "collect", lambda *a: 0)
     model_dir, _ = gpu_throughput.prepare_model(args, tmp_path)
-    from bench.roofline import ModelShape
+    from engine.benchmarks.roofline import ModelShape
     from engine.runtime.model_setup import load_hf_config
 
     shape = ModelShape.from_hf_config(load_hf_config(model_dir))
@@ -698,7 +699,7 @@ def test_a_killed_run_keeps_the_figures_it_measured(tmp_path):
     # Slowed layers, so the run is still going when the first figure lands.
     env = dict(os.environ, HF_HUB_OFFLINE="1", **{LAYER_DELAY_ENV: "3000"})
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.gpu_throughput", "--smoke", "--device", "cpu",
+        [sys.executable, "-m", "bench.suite.gpu_throughput", "--smoke", "--device", "cpu",
          "--dtype", "float32", "--no-hf", "--out", str(out)],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -727,7 +728,7 @@ def test_the_suites_dry_run_and_enforce_eager_flags(tmp_path):
     assert args.enforce_eager
     env = dict(os.environ, HF_HUB_OFFLINE="1", **{dry_run.DRY_RUN_ENV: "1"})
     run = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_throughput", "--device", "cuda", "--shape",
+        [sys.executable, "-m", "bench.suite.gpu_throughput", "--device", "cuda", "--shape",
          "llama-3.1-8b", "--no-hf", "--batches", "1", "64", "--enforce-eager",
          "--out", str(tmp_path / "throughput.json")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)

@@ -1,4 +1,4 @@
-"""bench/gpu_kernels.py, the GPU kernel benchmark, without a GPU: the plain run must exit cleanly
+"""bench/kernels/gpu_kernels.py, the GPU kernel benchmark, without a GPU: the plain run must exit cleanly
 with its needs-a-GPU line, and `--smoke` (tiny shapes in Triton's interpreter) must run every
 section and print its table rows, so the script cannot rot untested."""
 
@@ -22,7 +22,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     # The script must set the interpreter up itself (this process may have set it for others).
     env.pop("TRITON_INTERPRET", None)
-    return subprocess.run([sys.executable, "-m", "bench.gpu_kernels", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "bench.kernels.gpu_kernels", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -134,7 +134,7 @@ def test_sweep_until_s_starts_no_config_past_its_time(tmp_path):
 
 
 def test_peak_bandwidth_sources(monkeypatch):
-    from bench import kernel_harness as bench
+    from bench.kernels import kernel_harness as bench
 
     timer = bench.Timer(torch.device("cpu"), 0, 1)
     cuda = torch.device("cuda", 0)
@@ -167,7 +167,7 @@ def test_prefill_baseline_falls_back_to_repeated_kv(monkeypatch):
     to the query heads (query head h reads KV head h // group) and still computes the same."""
     from torch.nn.attention.bias import causal_lower_right
 
-    from bench import gpu_kernels as bench
+    from bench.kernels import gpu_kernels as bench
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 5, 16, generator=g)

@@ -1,9 +1,9 @@
-"""bench/parallel_samples.py: n samples computed through the gate, at once, and without the
+"""bench/diagnostics/parallel_samples.py: n samples computed through the gate, at once, and without the
 prefix cache, on a tiny model."""
 
 import json
 
-from bench.parallel_samples import main
+from bench.diagnostics.parallel_samples import main
 
 
 def test_the_gate_computes_the_prompt_once(tiny_model, capsys):

@@ -1,4 +1,4 @@
-"""bench/preempt_latency.py with several prompt sizes on one engine, on a tiny model on the CPU:
+"""bench/e2e/preempt_latency.py with several prompt sizes on one engine, on a tiny model on the CPU:
 a block of figures per size, and how each size's long steps ran. With the CPU stand-in for CUDA
 graphs (workers.cuda_graphs.EagerReplayBackend) a step of up to 512 prefill tokens replays as
 pieces and an urgent arrival stops it between two of them; a larger step runs eager."""
@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from engine.benchmarks.figures import read_figures
-from bench.preempt_latency import main
+from bench.e2e.preempt_latency import main
 from workers.cuda_graphs import FAKE_GRAPHS_ENV
 from workers.model_runner import LAYER_DELAY_ENV
 from tests.utils.figures_wait import wait_for_figures
@@ -128,7 +128,7 @@ def test_a_killed_run_keeps_the_trials_it_finished(tiny_model, tmp_path) -> None
     env = {**os.environ, LAYER_DELAY_ENV: str(DELAY_US_PER_TOKEN), "HF_HUB_OFFLINE": "1"}
     env.pop(FAKE_GRAPHS_ENV, None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.preempt_latency", "--model", model, "--device", "cpu",
+        [sys.executable, "-m", "bench.e2e.preempt_latency", "--model", model, "--device", "cpu",
          "--dtype", "float32", "--prompt-tokens", str(EAGER_SIZE), "--trials", "50",
          "--json", str(report_path)], cwd=Path(__file__).resolve().parents[2], env=env,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -1,4 +1,4 @@
-"""bench/sampler_overhead.py without timing anything: it runs both samplers at tiny shapes and
+"""bench/diagnostics/sampler_overhead.py without timing anything: it runs both samplers at tiny shapes and
 reports their device-to-host reads per call (the times are the script's to print, never a test's
 to assert)."""
 
@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_script_compares_both_samplers_and_counts_their_reads():
-    run = subprocess.run([sys.executable, "bench/sampler_overhead.py", "--smoke"], cwd=REPO,
+    run = subprocess.run([sys.executable, "bench/diagnostics/sampler_overhead.py", "--smoke"], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout)

@@ -1,4 +1,4 @@
-"""bench/soak.py: the outcome classification, a few seconds against a tiny-model server (every
+"""bench/e2e/soak.py: the outcome classification, a few seconds against a tiny-model server (every
 outcome seen, nothing lost), and a server whose EngineCore was killed (the soak must fail)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import signal
 
 import pytest
 
-from bench import soak
-from bench.soak_clients import Tally, carries_output, classify_status, classify_stream
+from bench.e2e import soak
+from bench.e2e.soak_clients import Tally, carries_output, classify_status, classify_stream
 from tests.utils.server_helpers import ServerProcess, children, cmdline, wait_gone
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

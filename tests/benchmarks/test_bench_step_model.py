@@ -1,7 +1,7 @@
-"""bench/step_model.py: records the engine's steps as its online model sees them, and scores
+"""bench/diagnostics/step_model.py: records the engine's steps as its online model sees them, and scores
 the model with and without the decode term on held-out steps."""
 
-from bench.step_model import errors, fit_variants, kind_of, record_steps
+from bench.diagnostics.step_model import errors, fit_variants, kind_of, record_steps
 from monitor.predictor import LinearTTFT
 
 TRUE = LinearTTFT(seconds_per_token=2e-3, intercept_s=0.05, seconds_per_decode_context=3e-5)

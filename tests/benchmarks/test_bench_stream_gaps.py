@@ -1,4 +1,4 @@
-"""bench/stream_gaps.py on a tiny model on the CPU: its rows land in the .jsonl twin as each
+"""bench/e2e/stream_gaps.py on a tiny model on the CPU: its rows land in the .jsonl twin as each
 context is measured, and the server's info-level log lands beside them as the server runs, so a
 run killed at a time limit leaves both."""
 
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from engine.benchmarks.figures import read_figures
-from bench.stream_gaps import main, server_log_path
+from bench.e2e.stream_gaps import main, server_log_path
 from tests.utils.figures_wait import wait_for_figures
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,7 +42,7 @@ def test_a_killed_run_keeps_its_first_row_and_the_server_log(tiny_model, tmp_pat
     model = tiny_model("llama", num_hidden_layers=2, max_position_embeddings=512)
     out = tmp_path / "stream_gaps.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.stream_gaps", "--model", model, "--device", "cpu",
+        [sys.executable, "-m", "bench.e2e.stream_gaps", "--model", model, "--device", "cpu",
          "--dtype", "float32", "--contexts", *["16"] * 20, "--max-tokens", "8",
          "--out", str(out)], cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

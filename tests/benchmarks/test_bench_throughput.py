@@ -1,6 +1,6 @@
-"""bench/throughput.py's roofline figures (issue 14) without timing anything: the script runs
+"""bench/e2e/throughput.py's roofline figures (issue 14) without timing anything: the script runs
 end to end on a tiny random model and prints every field with positive shares, and the FLOP and
-byte accounting of bench/roofline.py matches a hand count for a small config."""
+byte accounting of engine/benchmarks/roofline.py matches a hand count for a small config."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from bench.roofline import (ModelShape, attention_flops, decode_bytes_per_step,
+from engine.benchmarks.roofline import (ModelShape, attention_flops, decode_bytes_per_step,
                             decode_flops_per_step, prefill_flops)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,7 +49,7 @@ def test_script_prints_roofline_json_on_a_tiny_model(tiny_model):
     model = tiny_model("llama")
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     run = subprocess.run(
-        [sys.executable, "bench/throughput.py", "--model", model, "--dtype", "float32",
+        [sys.executable, "bench/e2e/throughput.py", "--model", model, "--dtype", "float32",
          "--prefill-lens", "16", "48", "--decode-batches", "1", "3", "--decode-contexts", "8",
          "40", "--decode-tokens", "4", "--repeats", "1", "--bandwidth-mib", "8",
          "--prefill-len", "16", "--prefill-prompts", "1", "--concurrency", "2",

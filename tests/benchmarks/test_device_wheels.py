@@ -1,4 +1,4 @@
-"""bench/device_wheels.py without the network: the closure walk (markers for the target's
+"""tools/device_wheels.py without the network: the closure walk (markers for the target's
 Python, extras, the image as a boundary, what is never carried), the image list, the on-device
 check, and the requirements printed for a CUDA user. tests/benchmarks/test_device_wheels_closure.py runs
 the real resolution and proves it in a fresh virtual environment."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.device_wheels import (GPU_IMAGE, CLOSURE_FILE, Dist, ResolutionGap, Target,
+from tools.device_wheels import (GPU_IMAGE, CLOSURE_FILE, Dist, ResolutionGap, Target,
                                  canonical, main, never_carried, read_image, requirement_name,
                                  verify, walk)
 
@@ -128,7 +128,7 @@ def test_requirements_for_a_cuda_user_leave_torch_and_triton_out(capsys) -> None
 def test_resolution_retries_a_gap_and_carries_what_also_names(monkeypatch) -> None:
     """pip (on the host's Python) leaves out `backport`, which the target needs: asked again
     with it. `--also anyio>=4.5` carries anyio although the image has one."""
-    import bench.device_wheels as dw
+    import tools.device_wheels as dw
 
     asked: list[list[str]] = []
     universe = _dists(Dist("fastapi", "0.165.0", ("anyio>=4", 'backport; python_version < "3.12"')),

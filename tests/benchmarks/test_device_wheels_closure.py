@@ -1,7 +1,7 @@
 """The wheel recipe for the lent GPU machines, resolved for real (PyPI, through pip as this
 machine is set up) and proved:
 
-- `python -m bench.device_wheels` downloads the closure for the GPU image's Python 3.12, which
+- `python -m tools.device_wheels` downloads the closure for the GPU image's Python 3.12, which
   carries what the serving stack needs beyond the image's package list and never torch;
 - every third-party module the serving packages import comes from the image or the closure;
 - in a fresh virtual environment holding only the image's packages that the closure counts on
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.device_wheels import (CLOSURE_FILE, canonical, download, host_target, never_carried,
+from tools.device_wheels import (CLOSURE_FILE, canonical, download, host_target, never_carried,
                                  read_image, resolve_closure)
 from engine.entrypoints.default_model import cache_dir
 
@@ -37,9 +37,9 @@ SERVING_PACKAGES = ("engine", "workers", "monitor", "kernels")
 def gpu_wheels(tmp_path_factory) -> Path:
     """The recipe as a user runs it, into a scratch folder: the wheels and closure.json."""
     dest = tmp_path_factory.mktemp("gpu-wheels")
-    proc = subprocess.run([sys.executable, "-m", "bench.device_wheels", "--dest", str(dest)],
+    proc = subprocess.run([sys.executable, "-m", "tools.device_wheels", "--dest", str(dest)],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"python -m bench.device_wheels failed:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"python -m tools.device_wheels failed:\n{proc.stderr[-3000:]}"
     return dest
 
 
@@ -186,5 +186,5 @@ def test_the_closure_serves_in_a_fresh_venv(gpu_wheels: Path, tmp_path: Path) ->
                             "python -m engine serve --help")
     problems = _closure_problems(python, env, set(closure.carried))
     assert not problems, "the carried packages' requirements are not all met:\n" + problems
-    assert "in range" in _run([python, "-m", "bench.device_wheels", "--verify", "--dest",
-                               str(wheels)], env, "python -m bench.device_wheels --verify")
+    assert "in range" in _run([python, "-m", "tools.device_wheels", "--verify", "--dest",
+                               str(wheels)], env, "python -m tools.device_wheels --verify")

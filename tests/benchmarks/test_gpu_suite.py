@@ -1,4 +1,4 @@
-"""`bench/gpu_suite.sh` on the CPU, so that the two calls a lent GPU runs cannot rot where CI has
+"""`bench/suite/gpu_suite.sh` on the CPU, so that the two calls a lent GPU runs cannot rot where CI has
 no GPU:
 
 - `--dry-run`: every step of both calls with its exact full-size flags (the 8B shape, `--device
@@ -26,7 +26,7 @@ import pytest
 from tests.utils.figures_wait import wait_for_figures
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "gpu_suite.sh"
+SCRIPT = ROOT / "bench" / "suite" / "gpu_suite.sh"
 CORE_STEPS = ["smoke", "throughput", "calibrate", "burst-http-2048", "stream-gaps"]
 FULL_STEPS = ["equality", "tests-cuda", "preempt-latency", "burst-http-unchunked", "throughput-hf",
               "kernels", "tests-triton-compiled", "burst-inprocess"]
@@ -101,7 +101,7 @@ def test_dry_run_checks_the_enforce_eager_commands_a_renamed_flag_and_a_killed_s
     (no Python with torch starts that fast). The probe for the dry run: the misspelt flag fails
     exactly its step. The killed step does not stop the steps after it, and the summary says
     so."""
-    bench = tmp_path / "copy" / "bench"
+    bench = tmp_path / "copy" / "bench" / "suite"
     bench.mkdir(parents=True)
     text = SCRIPT.read_text()
     assert text.count("--eager-batches 1 64") == 1  # the full-size flags
@@ -142,7 +142,7 @@ def test_core_smoke_runs_every_step_and_summarizes_a_killed_one(tmp_path: Path) 
         wait_for_figures(proc, out / "throughput.jsonl",
                          lambda rs: any(r["kind"] == "decode" for r in rs),
                          "the throughput step's first figure", timeout_s=300)
-        subprocess.run(["pkill", "-KILL", "-f", f"bench.gpu_throughput .*--out {out}/"],
+        subprocess.run(["pkill", "-KILL", "-f", f"bench.suite.gpu_throughput .*--out {out}/"],
                        check=True)
         stdout, stderr = proc.communicate(timeout=1300)
     finally:

@@ -93,7 +93,7 @@ def test_floor_bound_decode_steps_leave_the_decode_term_as_it_was():
     they say nothing about the decode term. The mixed steps, which also carry costs the model
     does not see (here 1 ms per request held, which grows with the decodes and so with their
     context), must not set it alone. Before: the joint fit over the mixed steps made the
-    decode term 10x the simulated H100's (5e-8 s per KV token) in bench/urgent_streams.py;
+    decode term 10x the simulated H100's (5e-8 s per KV token) in bench/e2e/urgent_streams.py;
     every prediction beside long-context decodes then ran 100 ms high, and the TTFT cap shut
     the running decodes out of urgent steps."""
     truth = LinearTTFT(seconds_per_token=3e-5, intercept_s=0.004, seconds_per_token_sq=8.3e-10,

@@ -21,7 +21,7 @@ from tests.utils.fake_gpu_memory import FakeGPUMemory, play_a_gpu
 from workers.kv_memory import (GPUMemory, describe, kv_pool_blocks, profile_steps,
                                scratch_blocks)
 
-# On a GPU, bench/gpu_suite.sh's tests-cuda step runs the tests marked gpu.
+# On a GPU, bench/suite/gpu_suite.sh's tests-cuda step runs the tests marked gpu.
 pytestmark = pytest.mark.gpu
 GIB = 2**30
 

@@ -27,7 +27,7 @@ from workers.model_runner import ModelRunner  # noqa: E402
 from workers.step_buffers import StepLimits  # noqa: E402
 from tests.utils.runner_configs import runner_config  # noqa: E402
 
-# On a GPU, bench/gpu_suite.sh's tests-triton-compiled step runs the tests marked gpu.
+# On a GPU, bench/suite/gpu_suite.sh's tests-triton-compiled step runs the tests marked gpu.
 pytestmark = pytest.mark.gpu
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")

@@ -12,13 +12,13 @@ import random  # noqa: E402
 
 import pytest  # noqa: E402
 
-from bench.greedy_divergence import (  # noqa: E402
+from engine.benchmarks.greedy_divergence import (  # noqa: E402
     NEAR_TIE_MARGIN, assert_no_clear_divergence, compare_greedy, fresh_engine_top_two)
 from engine import LLM, SamplingParams  # noqa: E402
 from tests.utils.kernel_counts import KernelsRan  # noqa: E402
 from tests.utils.mid_forward import check_urgent_arrival_unwinds_long_prefill  # noqa: E402
 
-# On a GPU, bench/gpu_suite.sh's tests-triton-compiled step runs the tests marked gpu.
+# On a GPU, bench/suite/gpu_suite.sh's tests-triton-compiled step runs the tests marked gpu.
 pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 

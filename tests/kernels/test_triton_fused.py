@@ -24,7 +24,7 @@ from workers.layers.activation import silu_and_mul as reference_silu_and_mul  # 
 from workers.layers.norm import RMSNorm  # noqa: E402
 from workers.layers.rotary import apply_rotary as reference_rotary  # noqa: E402
 
-# On a GPU, bench/gpu_suite.sh's tests-triton-compiled step runs the tests marked gpu.
+# On a GPU, bench/suite/gpu_suite.sh's tests-triton-compiled step runs the tests marked gpu.
 pytestmark = pytest.mark.gpu
 triton_norm = pytest.importorskip("kernels.triton_norm")
 triton_rotary = pytest.importorskip("kernels.triton_rotary")

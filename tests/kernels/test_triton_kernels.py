@@ -16,7 +16,7 @@ from kernels import torch_attention, variants  # noqa: E402
 from tests.utils.attention_cases import MIXED, MIXED_DECODES, make_case  # noqa: E402
 from tests.utils.triton_attention_check import _triton, _check  # noqa: E402
 
-# On a GPU, bench/gpu_suite.sh's tests-triton-compiled step runs the tests marked gpu.
+# On a GPU, bench/suite/gpu_suite.sh's tests-triton-compiled step runs the tests marked gpu.
 pytestmark = pytest.mark.gpu
 triton_cache = pytest.importorskip("kernels.triton_cache")
 triton_attention = pytest.importorskip("kernels.triton_attention")

@@ -33,7 +33,12 @@ def test_no_import_cycles() -> None:
 
 
 def test_no_bench_script_shadows_a_package() -> None:
-    # `python bench/x.py` puts bench/ first on sys.path: a bench/kernels.py would hide kernels/.
+    # `python bench/e2e/x.py` puts bench/e2e/ first on sys.path: a module or folder there named
+    # like one of the project's packages (bench/kernels/ beside a script in bench/) would hide it.
     top_level = {p.name for p in REPO.iterdir() if (p / "__init__.py").exists()}
-    shadowing = sorted(p.stem for p in (REPO / "bench").glob("*.py") if p.stem in top_level)
-    assert not shadowing, f"bench/ modules named like the project's packages: {shadowing}"
+    script_folders = {p.parent for p in (REPO / "bench").rglob("*.py")
+                      if "__name__ == \"__main__\"" in p.read_text()}
+    assert REPO / "bench" / "e2e" in script_folders  # the probe: scripts are found
+    shadowing = sorted(f"{folder.relative_to(REPO)}/{p.name}" for folder in script_folders
+                       for p in folder.iterdir() if p.name.removesuffix(".py") in top_level)
+    assert not shadowing, f"names in bench/ script folders that hide packages: {shadowing}"

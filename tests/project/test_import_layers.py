@@ -82,7 +82,7 @@ def test_every_product_module_has_a_layer() -> None:
     assert layer_of("engine.runtime.engine_core") == 3
     assert layer_of("engine.entrypoints.cli") == 4
     assert layer_of("engine.entrypoints.arg_types") == 1
-    assert layer_of("bench.throughput") is None
+    assert layer_of("bench.e2e.throughput") is None
 
 
 def test_the_check_reports_an_upward_import() -> None:
@@ -100,6 +100,9 @@ def test_only_the_executor_package_imports_workers() -> None:
     graph = import_graph()
     found = [f"{module} imports {target}" for module, imported in sorted(graph.items())
              if _within(module, "engine") and not _within(module, EXECUTOR)
+             # The benchmark library measures the workers' layers as the runner runs them (the
+             # roofline times the linear layers); it is no path of the engine's.
+             and not _within(module, "engine.benchmarks")
              for target in sorted(imported) if _within(target, "workers")]
     assert not found, "engine modules outside engine.executor that import workers:\n" + \
         "\n".join(found)
@@ -126,6 +129,6 @@ def test_no_product_module_imports_bench_or_tests() -> None:
     found = bench_or_tests_imports(sources)
     assert not found, "product modules that import bench or tests:\n" + "\n".join(found)
     # Probe: the check sees such an import, deferred inside a function too.
-    assert bench_or_tests_imports({"engine.x": "def f():\n    from bench import soak\n"}) == [
-        "engine.x imports bench.soak"]
+    assert bench_or_tests_imports({"engine.x": "def f():\n    from bench.e2e import soak\n"}) == [
+        "engine.x imports bench.e2e.soak"]
     assert (REPO / "bench").is_dir()

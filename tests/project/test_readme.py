@@ -47,8 +47,8 @@ def test_the_readme_shows_the_commands_a_user_runs() -> None:
     shown = {" ".join(argv[:3]) for argv in COMMANDS}
     assert "sloserve serve" in shown
     assert any(argv[0] == "torchrun" and "--rdzv-endpoint" in argv for argv in COMMANDS)
-    assert "python bench/throughput.py" in shown
-    assert "python -m bench.gpu_kernels" in shown
+    assert "python bench/e2e/throughput.py" in shown
+    assert "python -m bench.kernels.gpu_kernels" in shown
 
 
 def _sloserve_argv(argv: list[str]) -> list[str] | None:
@@ -85,7 +85,7 @@ def test_scripts_run_as_written() -> None:
     scripts = {tuple(argv[:3] if argv[1] == "-m" else argv[:2])
                for argv in COMMANDS if _sloserve_argv(argv) is None}
     scripts |= {("sloserve", "serve"), ("python", "-m", "engine")}
-    assert ("python", "bench/preempt_latency.py") in scripts
+    assert ("python", "bench/e2e/preempt_latency.py") in scripts
 
     def run(prefix: tuple[str, ...]) -> tuple[tuple[str, ...], subprocess.CompletedProcess]:
         argv = [sys.executable if prefix[0] == "python" else prefix[0], *prefix[1:], "--help"]

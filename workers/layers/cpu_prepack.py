@@ -4,7 +4,7 @@
 every call: for the few rows of a decode step that repacking is most of the work. oneDNN can pack a
 weight once, at load time, into the layout its kernels read, and then multiply by it directly.
 Measured on an AVX2 machine over the default model's 30 layers of GEMMs (weights read from DRAM,
-as in a real step; ``bench/cpu_linear.py``): 16 rows 105 -> 57 ms, 64 rows 203 -> 149 ms, 512 rows
+as in a real step; ``bench/diagnostics/cpu_linear.py``): 16 rows 105 -> 57 ms, 64 rows 203 -> 149 ms, 512 rows
 891 -> 810 ms, one row 47 -> 35 ms; the 49152-row LM head at 16 rows 27 -> 11 ms.
 
 The packed tensor replaces the layer's ``weight`` parameter (same shape; ``is_mkldnn`` is true) and

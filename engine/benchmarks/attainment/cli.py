@@ -302,7 +302,7 @@ def _record_as_it_runs(setup: BenchSetup, out_dir: Path) -> None:
 
 
 def _stop_if_dry_run(args: argparse.Namespace) -> None:
-    """Under `bench/gpu_suite.sh --dry-run` (engine/dry_run.py): build the engine
+    """Under `bench/suite/gpu_suite.sh --dry-run` (engine/dry_run.py): build the engine
     configuration the first run would use, as the GPU run would, and stop there (the builder
     exits). The TTFT line is not read: the dry run's calibrate step writes none."""
     try:

@@ -24,7 +24,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-# Shared with the soak clients (bench/soak_clients.py).
+# Shared with the soak clients (bench/e2e/soak_clients.py).
 CORPUS_PATH = Path(__file__).resolve().parent.parent / "corpus.txt"
 
 # Arrival processes; see `arrival_offsets`.

