@@ -6,9 +6,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+# Which running step the monitor may stop for a waiter: the monitor's own rule (its one home).
+from monitor.policy import PreemptPolicy
+
 # slo: slack-EDF (docs/design.md section 5) for both the waiting queue and the running budget order.
 SchedulingPolicy = Literal["fcfs", "priority", "slo"]
-PreemptPolicy = Literal["conservative", "aggressive"]
 # What a mid-forward preemption does to its victim (docs/design.md section 4).
 SLOPreemptMode = Literal["recompute", "pause", "suspend"]
 # auto: in-process at TP=1, spawned worker processes above; external: ranks started by torchrun.

@@ -42,7 +42,7 @@ from workers.cuda_graphs import DecodeGraphs, capture_decode_graphs, padded, sel
 from workers.piecewise_graphs import PiecewiseGraphs, capture_piecewise_graphs
 from workers.startup_report import ServingStartup
 from workers.step_buffers import StepBuffers, StepLimits
-from workers.suspension import SuspendedChunks
+from workers.suspension import HeldChunks
 from workers.logits_processors import TokenHistory
 from workers.logprobs import logprobs_of
 from workers.sampler import Sampler
@@ -184,7 +184,7 @@ class ModelRunner:
         self.kernel_warmup: KernelWarmup | None = None
         # What the startup before serving cost (workers.serving_startup); None until it ran.
         self.startup_report: ServingStartup | None = None
-        self.suspended = SuspendedChunks()
+        self.suspended = HeldChunks()
         # Installed by the worker when mid-forward preemption is on; consulted only on steps
         # the scheduler marked preemptible (decode-only steps never vote).
         self.vote: PreemptVote | None = None

@@ -25,7 +25,10 @@ from workers.preempt_vote import StepPreempted
 
 
 @dataclass
-class SuspendedChunk:
+class HeldChunk:
+    """The worker's side of an engine.core.slack_policy.SuspendedChunk: the same tokens and
+    layer, with the activations that enter that layer."""
+
     start_pos: int
     num_tokens: int
     join: LayerJoin
@@ -37,20 +40,20 @@ class SuspendedChunk:
         return LayerJoin(self.join.layer, self.join.hidden_states[:num_tokens],
                          self.join.residual[:num_tokens])
 
-    def tail(self, num_tokens: int) -> SuspendedChunk | None:
+    def tail(self, num_tokens: int) -> HeldChunk | None:
         """What is left once its first ``num_tokens`` tokens resumed (views of the same
         activations: slicing a held tensor copies nothing), or None."""
         if num_tokens == self.num_tokens:
             return None
         join = LayerJoin(self.join.layer, self.join.hidden_states[num_tokens:],
                          self.join.residual[num_tokens:])
-        return SuspendedChunk(self.start_pos + num_tokens, self.num_tokens - num_tokens, join)
+        return HeldChunk(self.start_pos + num_tokens, self.num_tokens - num_tokens, join)
 
 
-class SuspendedChunks:
+class HeldChunks:
     def __init__(self) -> None:
         # req_id -> its suspended segments, in token order (the first resumes next).
-        self._chunks: dict[str, list[SuspendedChunk]] = {}
+        self._chunks: dict[str, list[HeldChunk]] = {}
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -74,7 +77,7 @@ class SuspendedChunks:
             if not segments:
                 del self._chunks[request.req_id]
 
-    def _get(self, request: ScheduledRequest) -> SuspendedChunk:
+    def _get(self, request: ScheduledRequest) -> HeldChunk:
         segments = self._chunks.get(request.req_id)
         if not segments:
             raise ValueError(f"request {request.req_id!r} resumes a pass this worker did not "
@@ -106,7 +109,7 @@ class SuspendedChunks:
                 # clone: a view would keep the whole step's activations alive.
                 join = LayerJoin(stop.layer, hidden[first_row:end].clone(),
                                  residual[first_row:end].clone())
-                piece = SuspendedChunk(request.start_pos, len(request.token_ids), join)
+                piece = HeldChunk(request.start_pos, len(request.token_ids), join)
                 if segments is None:
                     self._chunks[request.req_id] = [piece]
                 else:
@@ -118,4 +121,4 @@ class SuspendedChunks:
         return suspended
 
 
-__all__ = ["SuspendedChunk", "SuspendedChunks"]
+__all__ = ["HeldChunk", "HeldChunks"]

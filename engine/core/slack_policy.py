@@ -119,13 +119,12 @@ class SuspendedChunk(NamedTuple):
     num_tokens: int
     layer: int = 0
 
-
-def _tail(segment: SuspendedChunk, num_tokens: int) -> list[SuspendedChunk]:
-    """What is left of a suspended segment once its first `num_tokens` resumed."""
-    if num_tokens == segment.num_tokens:
-        return []
-    return [segment._replace(start_pos=segment.start_pos + num_tokens,
-                             num_tokens=segment.num_tokens - num_tokens)]
+    def tail(self, num_tokens: int) -> list[SuspendedChunk]:
+        """What is left once its first `num_tokens` resumed: [] or the one rest segment."""
+        if num_tokens == self.num_tokens:
+            return []
+        return [self._replace(start_pos=self.start_pos + num_tokens,
+                              num_tokens=self.num_tokens - num_tokens)]
 
 
 class SlackPolicy:
@@ -588,13 +587,13 @@ class SlackPolicy:
             f"{req_id}: rolled back [{start_pos}, +{num_tokens}) but holds {first}"
         if layer > first.layer:
             segments[:1] = [SuspendedChunk(start_pos, num_tokens, layer),
-                            *_tail(first, num_tokens)]
+                            *first.tail(num_tokens)]
 
     def resumed(self, req_id: str, num_tokens: int) -> None:
         """The first `num_tokens` of its first segment completed in a step: the workers
         dropped them with that step and hold the rest."""
         segments = self.suspended[req_id]
-        segments[:1] = _tail(segments[0], num_tokens)
+        segments[:1] = segments[0].tail(num_tokens)
         if not segments:
             del self.suspended[req_id]
 

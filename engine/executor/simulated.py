@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from engine.core.slack_policy import SuspendedChunk
 from engine.core.scheduler_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
                                           StepStatus)
 from engine.simulation.profile import StepTimeProfile
@@ -54,7 +55,7 @@ class SimulatedExecutor:
         self._sleep, self._clock = sleep, clock
         # req_id -> the segments (start_pos, num_tokens, layer) of its chunks whose stopped pass
         # is "held", in token order (workers/suspension.py: a chunk may resume in pieces).
-        self.suspended: dict[str, list[tuple[int, int, int]]] = {}
+        self.suspended: dict[str, list[SuspendedChunk]] = {}
         self.num_steps = 0
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -87,7 +88,7 @@ class SimulatedExecutor:
         for r in scheduler_output.requests:
             if r.resume:
                 segments = self.suspended[r.req_id]
-                segments[:1] = segment_tail(segments[0], len(r.token_ids))
+                segments[:1] = segments[0].tail(len(r.token_ids))
                 if not segments:
                     del self.suspended[r.req_id]
         sampled = {r.req_id: self._next_token(r) for r in scheduler_output.requests if r.sample}
@@ -157,11 +158,11 @@ class SimulatedExecutor:
                 continue  # decodes are never suspended
             segments = self.suspended.get(r.req_id) if r.resume else None
             if layer > chunk.join:
-                piece = (r.start_pos, chunk.tokens, layer)
+                piece = SuspendedChunk(r.start_pos, chunk.tokens, layer)
                 if segments is None:
                     self.suspended[r.req_id] = [piece]
                 else:
-                    segments[:1] = [piece, *segment_tail(segments[0], chunk.tokens)]
+                    segments[:1] = [piece, *segments[0].tail(chunk.tokens)]
             elif segments is None:
                 continue
             kept.append(r.req_id)
@@ -173,9 +174,3 @@ class SimulatedExecutor:
         while token in self.avoid_token_ids:
             token = (token + 1) % self.vocab_size
         return token
-
-
-def segment_tail(segment: tuple[int, int, int], num_tokens: int) -> list[tuple[int, int, int]]:
-    """What is left of a suspended segment once its first ``num_tokens`` resumed."""
-    start, held, layer = segment
-    return [] if num_tokens == held else [(start + num_tokens, held - num_tokens, layer)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from engine.core.block_pool import BlockPool
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
-from engine.executor.simulated import segment_tail
+from engine.core.slack_policy import SuspendedChunk
 from tests.utils.scheduling import next_token
 
 
@@ -24,7 +24,7 @@ class SimWorker:
         self.completed_kv: dict[tuple[int, int], int] = {}
         # req_id -> the segments (start_pos, num_tokens, layer) of the chunks whose stopped pass
         # this worker holds, in token order: the first resumes next, maybe in pieces.
-        self.suspended: dict[str, list[tuple[int, int, int]]] = {}
+        self.suspended: dict[str, list[SuspendedChunk]] = {}
         self.num_frees = 0
 
     def execute(self, out: SchedulerOutput, stop_layer: int | None = None) -> ModelRunnerOutput:
@@ -59,7 +59,7 @@ class SimWorker:
         for r in out.requests:
             if r.resume:  # resumed and finished with the step: the rest stays held
                 segments = self.suspended[r.req_id]
-                segments[:1] = segment_tail(segments[0], len(r.token_ids))
+                segments[:1] = segments[0].tail(len(r.token_ids))
                 if not segments:
                     del self.suspended[r.req_id]
             if r.sample:
@@ -76,12 +76,12 @@ class SimWorker:
                     continue  # decodes are never suspended
                 held = self.suspended.get(r.req_id) if r.resume else None
                 join = held[0][2] if held is not None else 0
-                piece = (r.start_pos, len(r.token_ids), layer)
+                piece = SuspendedChunk(r.start_pos, len(r.token_ids), layer)
                 if layer > join:
                     if held is None:
                         self.suspended[r.req_id] = [piece]
                     else:  # a piece that ran past its layer goes ahead of the rest
-                        held[:1] = [piece, *segment_tail(held[0], len(r.token_ids))]
+                        held[:1] = [piece, *held[0].tail(len(r.token_ids))]
                 elif held is None:
                     # Stopped before the first layer finished: a fresh chunk has nothing to
                     # keep. A resumed one that had not got past its layer keeps the
