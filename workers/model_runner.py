@@ -12,9 +12,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -33,7 +31,7 @@ from workers import serving_startup
 from workers.kernel_warmup import warm_up_graph_paths, warm_up_kernels
 from workers.kv_cache import allocate_kv_caches, num_kv_blocks, resized_kv_caches
 from workers.layers.cpu_prepack import prepack_available, prepack_linear_weights
-from workers.layers.linear import weakly_bound
+from workers.layer_delay import LAYER_DELAY_ENV, LayerDelay
 from workers.models import build_model
 from workers.models import LayerJoin
 from workers.preempt_vote import PreemptVote, StepPreempted, discarded_share
@@ -50,72 +48,9 @@ from workers.weight_loader import init_dummy_weights, load_weights
 
 logger = logging.getLogger(__name__)
 
-# Test hook: sleep this many microseconds per token in every decoder layer, so that a tiny model's
-# layers last long enough to observe a preemption between them (set in the environment, so that
-# spawned TP workers inherit it).
-LAYER_DELAY_ENV = "SLOSERVE_TEST_LAYER_DELAY_US_PER_TOKEN"
 # Prompt rows scored per LM-head call: bounds the [rows, vocab] float32 logits held at once
 # (256 x 128k vocab = 128 MiB).
 PROMPT_LOGPROB_ROWS = 256
-
-
-def observe_attention_ops(model: torch.nn.Module,
-                          observer: Callable[[int, int], None]) -> Callable[[], None]:
-    """Call ``observer(layer_idx, num_tokens)`` before every attention op of ``model`` (before
-    the vote), for the tokens active at that layer (padding excluded); returns a function that
-    stops it. For tests and benchmarks that slow a layer or act when a step reaches it.
-
-    The attention op is what runs eagerly both in an eager pass and between the replayed pieces
-    of a piecewise-graph step (workers.piecewise_graphs). A hook inside a piece (a module
-    forward hook on a layer or its norm) runs on the CPU stand-in for graphs, whose "replay"
-    calls the captured Python again, but never in a real CUDA graph replay. A decode step
-    replayed as one whole graph runs no attention op in Python on a GPU."""
-    # Weakly bound: the model keeps the wrapper, which must not keep the model (a cycle would
-    # hold its weights until the next garbage collection).
-    inner = weakly_bound(model.attention_op)
-    observing = [True]
-
-    # Wraps the instance's attention op: the eager forward pass and the piecewise runner both
-    # call it through the instance, never the class.
-    def observed_attention_op(layer_idx: int, q: torch.Tensor, *args: Any, **kwargs: Any
-                              ) -> torch.Tensor:
-        if observing[0]:
-            observer(layer_idx, q.shape[0])  # q: [tokens active at this layer, heads, dim]
-        return inner(layer_idx, q, *args, **kwargs)
-
-    model.attention_op = observed_attention_op
-
-    def stop() -> None:
-        observing[0] = False
-
-    return stop
-
-
-class LayerDelay:
-    """The LAYER_DELAY_ENV test hook: sleeps per token at every layer's attention op, before
-    the vote: where an eager pass and a piecewise-graph step both run Python, so a GPU test's
-    long step is slow with graphs on too (observe_attention_ops). A decode step replayed as one
-    whole graph is not slowed, on a GPU nor on the CPU stand-in. Paused during the startup
-    passes (kernel warm-up, graph capture), which no test times."""
-
-    def __init__(self, model: torch.nn.Module, seconds_per_token: float) -> None:
-        self.seconds_per_token = seconds_per_token
-        self.paused = False
-        observe_attention_ops(model, lambda _layer_idx, num_tokens: self._delay(num_tokens))
-
-    def _delay(self, num_tokens: int) -> None:
-        if not self.paused:
-            time.sleep(self.seconds_per_token * num_tokens)
-
-    @contextlib.contextmanager
-    def paused_for_a_whole_graph(self) -> Iterator[None]:
-        """Around a whole-graph replay (on the CPU stand-in, which calls the captured pass
-        again): a GPU replay runs none of it in Python, so nothing is slowed."""
-        was_paused, self.paused = self.paused, True
-        try:
-            yield
-        finally:
-            self.paused = was_paused
 
 
 @dataclass

@@ -23,14 +23,14 @@ logger = logging.getLogger(__name__)
 
 
 class Pausable(Protocol):
-    """A test hook that can be paused (workers.model_runner.LayerDelay)."""
+    """A test hook that can be paused (workers.layer_delay.LayerDelay)."""
 
     paused: bool
 
 
 @contextlib.contextmanager
 def layer_delay_paused(delay: Pausable | None) -> Iterator[None]:
-    """A test hook's sleeps (workers.model_runner.LayerDelay) are off during the startup
+    """A test hook's sleeps (workers.layer_delay.LayerDelay) are off during the startup
     passes: no test times them."""
     if delay is not None:
         delay.paused = True

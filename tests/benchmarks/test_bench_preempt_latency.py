@@ -12,7 +12,7 @@ from pathlib import Path
 from engine.benchmarks.figures import read_figures
 from bench.e2e.preempt_latency import main
 from workers.cuda_graphs import FAKE_GRAPHS_ENV
-from workers.model_runner import LAYER_DELAY_ENV
+from workers.layer_delay import LAYER_DELAY_ENV
 from tests.utils.figures_wait import wait_for_figures
 
 # Above the largest size replayed as pieces (512), and one below it that the scheduler still marks

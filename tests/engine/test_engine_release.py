@@ -19,7 +19,7 @@ import pytest
 from engine import LLM, SamplingParams
 from workers.cuda_graphs import FAKE_GRAPHS_ENV
 from workers.layers.cpu_prepack import PREPACK_ENV
-from workers.model_runner import LAYER_DELAY_ENV
+from workers.layer_delay import LAYER_DELAY_ENV
 from workers.runner_release import collector_off, outlived, runner_probes
 from workers.worker import RELEASE_REPORT_ENV
 
@@ -50,7 +50,7 @@ def test_engine_memory_is_freed_at_shutdown_without_a_collection(
         tiny_model, like_a_gpu, collector_off, monkeypatch, enforce_eager: bool,
         layer_delay: bool) -> None:
     """``layer_delay``: the tests' slow-layer hook wraps the model's attention op
-    (workers.model_runner.observe_attention_ops), a wrapper the model keeps."""
+    (workers.layer_delay.observe_attention_ops), a wrapper the model keeps."""
     if layer_delay:
         monkeypatch.setenv(LAYER_DELAY_ENV, "1")
     llm = LLM(model=tiny_model("llama", num_hidden_layers=2), enforce_eager=enforce_eager,

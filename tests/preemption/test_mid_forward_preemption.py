@@ -18,7 +18,7 @@ from tests.utils.mid_forward import (NUM_LAYERS, LONG_PROMPT, MAX_TOKENS, URGENT
                                      _count_tokens_per_layer,
                                      check_urgent_arrival_unwinds_long_prefill)
 from workers.cuda_graphs import FAKE_GRAPHS_ENV
-from workers.model_runner import observe_attention_ops
+from workers.layer_delay import observe_attention_ops
 
 
 def _suspended(engine) -> dict[str, tuple[int, int]]:

@@ -17,7 +17,8 @@ import torch
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.sampling_params import SamplingParams
 from workers.cuda_graphs import EagerReplayBackend, capture_decode_graphs
-from workers.model_runner import LAYER_DELAY_ENV, ModelRunner
+from workers.layer_delay import LAYER_DELAY_ENV
+from workers.model_runner import ModelRunner
 from workers.piecewise_graphs import capture_piecewise_graphs
 from workers.step_buffers import StepLimits
 from tests.utils.runner_configs import runner_config
