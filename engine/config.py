@@ -146,11 +146,11 @@ class ModelConfig:
     # The Triton fused RMSNorm(+residual), rotary and SiLU-and-mul kernels: "auto" (on with the
     # Triton backend, off with PyTorch's), "on" (needs Triton) or "off". A bool means on/off.
     fused_ops: str = "auto"
-    # vLLM's --enforce-eager: never replay CUDA graphs (workers.graph_shapes); every step runs
+    # vLLM's --enforce-eager: never replay CUDA graphs (workers.graphs.graph_shapes); every step runs
     # its kernels one launch at a time. No effect on the CPU, which has no graphs.
     enforce_eager: bool = False
     # vLLM's max_cudagraph_capture_size: the largest decode batch and the largest step (in
-    # tokens) captured as CUDA graphs (workers.graph_shapes); larger ones run eager. Fewer
+    # tokens) captured as CUDA graphs (workers.graphs.graph_shapes); larger ones run eager. Fewer
     # sizes: a faster startup and less graph memory.
     max_cudagraph_capture_size: int = 512
     # A local tokenizer folder other than the model's (vLLM's --tokenizer); None: the model's.

@@ -17,7 +17,7 @@ from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
 class KVPoolPlan(msgspec.Struct, kw_only=True):
-    """How the workers size the KV pool on a GPU once the weights are loaded (workers.kv_memory);
+    """How the workers size the KV pool on a GPU once the weights are loaded (workers.startup.kv_memory);
     every rank then takes the smallest pool any rank has room for."""
 
     gpu_memory_utilization: float

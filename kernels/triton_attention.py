@@ -24,7 +24,7 @@ No compile-time constant depends on the batch: the split count is a runtime argu
 whether a decode launch splits at all is a constexpr), and every integer argument that changes
 with the batch is listed in ``do_not_specialize``. So a model compiles at most four variants:
 decode, split decode, merge and prefill; ``decode_variant_shapes`` names a batch that takes each
-decode path, and the engine launches them all at startup (``workers.kernel_warmup``).
+decode path, and the engine launches them all at startup (``workers.startup.kernel_warmup``).
 
 The tile sizes and Triton's launch options (warps, pipelining stages) are data, an
 ``AttentionLaunchConfig`` per kind of launch. The engine runs ``DEFAULT_ATTENTION_CONFIG``;

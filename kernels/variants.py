@@ -7,7 +7,7 @@ divisible by 16) unless the kernel lists it in ``do_not_specialize``. A launch t
 variant compiles it on the spot, about a second on a GPU, while every request in flight waits.
 
 Every Triton launch in ``kernels/`` goes through :func:`launch`. Inside :func:`recording` it also
-notes the launch's variant: the startup warm-up (``workers.kernel_warmup``) reports what it
+notes the launch's variant: the startup warm-up (``workers.startup.kernel_warmup``) reports what it
 compiled, and the tests compare that set with the variants serving launches over a sweep of
 batches (tests/kernels/test_kernel_warmup.py), which is what proves that no compile is left for
 serving.
@@ -40,7 +40,7 @@ class Variant:
 
 @dataclass(frozen=True)
 class KernelWarmup:
-    """What the startup warm-up (workers.kernel_warmup) launched."""
+    """What the startup warm-up (workers.startup.kernel_warmup) launched."""
 
     # Every variant it launched (compiled, unless Triton's cache already held it).
     variants: frozenset[Variant]

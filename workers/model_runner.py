@@ -27,24 +27,24 @@ from kernels import AttentionMetadata, select_backend
 from engine.model_folder import load_hf_config
 from engine.worker_messages import WorkerConfig
 from kernels.variants import KernelWarmup, recording
-from workers import serving_startup
-from workers.kernel_warmup import warm_up_graph_paths, warm_up_kernels
+from workers.startup import serving_startup
+from workers.startup.kernel_warmup import warm_up_graph_paths, warm_up_kernels
 from workers.kv_cache import allocate_kv_caches, num_kv_blocks, resized_kv_caches
 from workers.layers.cpu_prepack import prepack_available, prepack_linear_weights
-from workers.layer_delay import LAYER_DELAY_ENV, LayerDelay
+from workers.preemption.layer_delay import LAYER_DELAY_ENV, LayerDelay
 from workers.models import build_model
 from workers.models import LayerJoin
-from workers.preempt_vote import PreemptVote, StepPreempted, discarded_share
-from workers.run_ahead import RunAheadLimit
-from workers.cuda_graphs import DecodeGraphs, capture_decode_graphs, padded, select_graph_backend
-from workers.piecewise_graphs import PiecewiseGraphs, capture_piecewise_graphs
-from workers.startup_report import ServingStartup
+from workers.preemption.preempt_vote import PreemptVote, StepPreempted, discarded_share
+from workers.preemption.run_ahead import RunAheadLimit
+from workers.graphs.cuda_graphs import DecodeGraphs, capture_decode_graphs, padded, select_graph_backend
+from workers.graphs.piecewise_graphs import PiecewiseGraphs, capture_piecewise_graphs
+from workers.startup.startup_report import ServingStartup
 from workers.step_buffers import StepBuffers, StepLimits
-from workers.suspension import HeldChunks
-from workers.logits_processors import TokenHistory
-from workers.logprobs import logprobs_of
-from workers.sampler import Sampler
-from workers.weight_loader import init_dummy_weights, load_weights
+from workers.preemption.suspension import HeldChunks
+from workers.sample.logits_processors import TokenHistory
+from workers.sample.logprobs import logprobs_of
+from workers.sample.sampler import Sampler
+from workers.startup.weight_loader import init_dummy_weights, load_weights
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class ModelRunner:
         scheduler's largest step. ``rank`` 0 samples; the others only join the collectives."""
         settings = config.engine.model
         # vLLM's --enforce-eager, and the largest decode batch and step (tokens) captured
-        # (workers.cuda_graphs, workers.piecewise_graphs read them).
+        # (workers.graphs.cuda_graphs, workers.graphs.piecewise_graphs read them).
         self.enforce_eager = settings.enforce_eager
         self.max_cudagraph_capture_size = settings.max_cudagraph_capture_size
         self.device = device
@@ -111,13 +111,13 @@ class ModelRunner:
         self.buffers = StepBuffers(device, StepLimits(config.engine.scheduler.max_num_batched_tokens,
                                                       self.max_num_seqs, self.max_model_len),
                                    block_size)
-        # Captured decode steps (workers.cuda_graphs) and the pieces of steps with prefill tokens
-        # (workers.piecewise_graphs), set at startup on CUDA; None: those steps run eager.
+        # Captured decode steps (workers.graphs.cuda_graphs) and the pieces of steps with prefill tokens
+        # (workers.graphs.piecewise_graphs), set at startup on CUDA; None: those steps run eager.
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
-        # What the startup warm-up compiled (workers.kernel_warmup; None: not run, or not Triton).
+        # What the startup warm-up compiled (workers.startup.kernel_warmup; None: not run, or not Triton).
         self.kernel_warmup: KernelWarmup | None = None
-        # What the startup before serving cost (workers.serving_startup); None until it ran.
+        # What the startup before serving cost (workers.startup.serving_startup); None until it ran.
         self.startup_report: ServingStartup | None = None
         self.suspended = HeldChunks()
         # Installed by the worker when mid-forward preemption is on; consulted only on steps
@@ -135,7 +135,7 @@ class ModelRunner:
 
     def resize_kv_pool(self, num_blocks: int) -> None:
         """A pool of ``num_blocks`` blocks in place of the current one (sized once the weights
-        are loaded: workers.kv_memory); what the old pool held is gone."""
+        are loaded: workers.startup.kv_memory); what the old pool held is gone."""
         self.kv_caches = resized_kv_caches(self.kv_caches, num_blocks)
 
     def install_vote(self, vote: PreemptVote | None) -> None:
@@ -147,7 +147,7 @@ class ModelRunner:
         compile may stall serving), then capture the CUDA graphs over the compiled kernels: full
         graphs for decode batches, pieces between the attention ops for steps with prefill
         tokens, and warm up the kernels their paths launch. Every TP rank runs the same steps,
-        so their collectives match. Sets ``startup_report`` (workers.serving_startup)."""
+        so their collectives match. Sets ``startup_report`` (workers.startup.serving_startup)."""
         self.startup_report = None
         max_model_len, max_num_seqs = self.max_model_len, self.max_num_seqs
         with serving_startup.layer_delay_paused(self.layer_delay):
@@ -186,7 +186,7 @@ class ModelRunner:
         if graph_size is None:
             inputs = self.prepare_inputs(requests)
         else:
-            # The padding rows repeat the last decode (workers.cuda_graphs); only the real
+            # The padding rows repeat the last decode (workers.graphs.cuda_graphs); only the real
             # rows are sampled.
             inputs = self.prepare_inputs(padded(requests, graph_size),
                                          table_width=graphs.table_width)

@@ -2,7 +2,7 @@
 
 On a GPU, an engine's weights, KV pool and CUDA graphs must be gone when the engine is shut down
 and dropped: the next engine in the process sizes its KV pool from the device memory left free.
-Nothing the runner reaches may form a reference cycle with it (workers.cuda_graphs), so reference
+Nothing the runner reaches may form a reference cycle with it (workers.graphs.cuda_graphs), so reference
 counting alone frees it; these probes check that, with the garbage collector off.
 """
 

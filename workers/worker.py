@@ -109,7 +109,7 @@ class Worker:
     def size_kv_pool(self) -> None:
         """Where the configuration left the pool open: measure what fits on this rank's GPU,
         agree with the other ranks on the smallest, and allocate it."""
-        from workers.kv_memory import measure_kv_pool
+        from workers.startup.kv_memory import measure_kv_pool
 
         plan = self.config.kv_pool_plan
         if plan is None:
@@ -120,14 +120,14 @@ class Worker:
         self.num_kv_blocks = runner.num_kv_blocks
 
     def prepare_for_serving(self) -> None:
-        """The kernel warm-up and the graph capture (workers.serving_startup)."""
+        """The kernel warm-up and the graph capture (workers.startup.serving_startup)."""
         self._runner.prepare_for_serving()
 
     def install_vote(self) -> None:
         """With mid-forward preemption, every rank votes (so every rank enters each
         collective); only ranks that can see EngineCore's shared memory read the signal, the
         others vote 0, as on another node."""
-        from workers.preempt_vote import PreemptVote
+        from workers.preemption.preempt_vote import PreemptVote
 
         config = self.config
         if not config.engine.preemption.mid_forward_preemption:
@@ -194,7 +194,7 @@ class Worker:
 
     def release(self) -> None:
         """At shutdown: unmap the signal and drop the model runner. This is the last reference
-        to it in the process and nothing it reaches refers back to it (workers.cuda_graphs),
+        to it in the process and nothing it reaches refers back to it (workers.graphs.cuda_graphs),
         so its weights, KV pool and graphs are freed here, not at the next garbage collection
         (torchrun's rank 0 lives on in EngineCore's process)."""
         self.close_signal()

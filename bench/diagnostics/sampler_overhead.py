@@ -1,4 +1,4 @@
-"""The sampler alone: the batched sampler (workers/sampler.py) against the per-row loop it
+"""The sampler alone: the batched sampler (workers/sample/sampler.py) against the per-row loop it
 replaced, side by side in one run, for batches of random rows with and without top-p; with the
 number of device-to-host reads each makes per call.
 
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from engine.sampling_params import SamplingParams  # noqa: E402
-from workers.sampler import Sampler  # noqa: E402
+from workers.sample.sampler import Sampler  # noqa: E402
 
 # Each of these reads a tensor's value into Python (as tests/utils/host_sync.py lists them).
 READING_METHODS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__",
@@ -35,7 +35,7 @@ READING_METHODS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__
 
 
 class PerRowBaseline:
-    """BASELINE, for comparison only: the per-row loop workers/sampler.py had before the batched
+    """BASELINE, for comparison only: the per-row loop workers/sample/sampler.py had before the batched
     sampler (its random path, without processors or logprobs, which these rows do not use). Two
     reads per random row: the filtered mass, and the multinomial draw."""
 

@@ -21,7 +21,7 @@ to its JSON-lines file before the next one starts: a run killed at its time limi
 
 An engine's startup (`startup`): wall seconds to build the `LLM` (load, warm-up compile, graph
 capture), the bench's own warm-up requests after it, and the runner's `startup_report` (warm-up
-and capture seconds, graph memory, counts: workers/serving_startup.py) where the runner has one
+and capture seconds, graph memory, counts: workers/startup/serving_startup.py) where the runner has one
 and is in this process.
 
 Why one process for both engines, not a subprocess: the fixed pool (`num_kv_blocks`) needs no

@@ -10,7 +10,7 @@ trials (the machine is shared and noisy). Prints figures as `key: value` lines.
 
 `--prompt-tokens` takes several sizes (`--prompt-tokens 16384 512`), measured one after the
 other on one engine. With CUDA graphs, a step of up to 512 prefill tokens replays one captured
-piece per layer boundary with the vote eager between pieces (workers/piecewise_graphs.py) and a
+piece per layer boundary with the vote eager between pieces (workers/graphs/piecewise_graphs.py) and a
 larger one runs eager, so a small size measures the unwind between pieces. Each size's block
 starts with its `layers: ..., prompt_tokens: N, ...` line and says how its long steps ran
 (`long_step_ran_as: pieces|eager|mixed`, from the runner's counters; `unknown` without an
@@ -73,8 +73,8 @@ def _drain(engine: EngineCore) -> None:
 
 @dataclass(frozen=True)
 class GraphCounters:
-    """The in-process runner's graph counters at one moment (workers/piecewise_graphs.py,
-    workers/cuda_graphs.py); all zero where graphs are off (CPU, --enforce-eager)."""
+    """The in-process runner's graph counters at one moment (workers/graphs/piecewise_graphs.py,
+    workers/graphs/cuda_graphs.py); all zero where graphs are off (CPU, --enforce-eager)."""
     piece_replays: int  # steps replayed as pieces to the end
     piece_unwinds: int  # replayed steps a vote stopped between two pieces
     decode_replays: int  # decode-only steps replayed as one graph

@@ -19,7 +19,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from workers.preempt_vote import PreemptVote
+from workers.preemption.preempt_vote import PreemptVote
 
 BLOCK_SIZE = 16
 COUNTED_STEPS = 3

@@ -166,7 +166,7 @@ def urgent_mid_prefill(model: str, hf: Any, shapes: Shapes, device: str) -> Scen
     from engine.config import build_engine_config
     from engine.core.request import Request
     from engine.runtime.engine_core import EngineCore
-    from workers.layer_delay import observe_attention_ops
+    from workers.preemption.layer_delay import observe_attention_ops
 
     vocab = shapes.model["vocab_size"]
     long_prompt, urgent_prompt = _prompts([shapes.long_prompt, 33], vocab, seed=3)
@@ -256,7 +256,7 @@ SCENARIOS = {"odd_lengths": odd_lengths, "cramped_pool": cramped_pool,
 def run(archs: list[str], shapes: Shapes, device: str, scenarios: list[str]
         ) -> dict[str, Any]:
     if shapes.layer_delay_us:
-        from workers.layer_delay import LAYER_DELAY_ENV
+        from workers.preemption.layer_delay import LAYER_DELAY_ENV
 
         os.environ[LAYER_DELAY_ENV] = str(shapes.layer_delay_us)
     report: dict[str, Any] = {"device": device, "torch": torch.__version__,

@@ -108,7 +108,7 @@ def graphs_ran(phase: dict[str, Any]) -> bool:
 
 def expects_graphs(phase: dict[str, Any]) -> bool:
     """On CUDA an engine captures graphs unless told not to; elsewhere only the test stand-in
-    does (workers.cuda_graphs.FAKE_GRAPHS_ENV), and then it must replay them too."""
+    does (workers.graphs.cuda_graphs.FAKE_GRAPHS_ENV), and then it must replay them too."""
     replays = phase.get("replays") or {}
     return (phase.get("device", "").startswith("cuda")
             or any(count is not None for count in replays.values()))

@@ -454,7 +454,7 @@ def startup_markdown(startup: dict[str, dict[str, Any]]) -> list[str]:
              "build s: `LLM(...)` wall time (weights, the engine's kernel warm-up, CUDA graph "
              "capture); bench warm-up s: this bench's first requests after it (a first-use "
              "compile the engine's warm-up missed shows here); the rest: the runner's startup "
-             "report (workers/serving_startup.py).", "",
+             "report (workers/startup/serving_startup.py).", "",
              "| engine | build s | bench warm-up s | runner's startup report |",
              "|---|--:|--:|---|"]
     names = {"engine": "graphs (as configured)", "eager": "--enforce-eager"}

@@ -576,7 +576,7 @@ class SlackPolicy:
     def suspend(self, req_id: str, start_pos: int, num_tokens: int, layer: int) -> None:
         """A rollback kept this chunk, whose pass stopped before `layer`: the workers hold it.
         For a resumed piece (of the request's first segment), by the workers' rules
-        (workers/suspension.py): if the stop came before its own layer, or at it, nothing
+        (workers/preemption/suspension.py): if the stop came before its own layer, or at it, nothing
         changed; past it, the piece is held at `layer`, ahead of the rest of its segment."""
         segments = self.suspended.get(req_id)
         if segments is None:

@@ -43,7 +43,7 @@ def make_executor(config: EngineConfig, model: ResolvedModel,
 def _simulated_executor(config: EngineConfig, model: ResolvedModel,
                         signal: PreemptSignal | None) -> Executor:
     from engine.executor.simulated import SimulatedExecutor
-    from workers.preempt_vote import PreemptVote
+    from workers.preemption.preempt_vote import PreemptVote
 
     profile = model.profile
     assert profile is not None and model.num_blocks is not None

@@ -41,7 +41,7 @@ class InProcessExecutor:
 
     def shutdown(self) -> None:
         # The worker holds the last reference to the runner: nothing it reaches refers back to
-        # it (workers.cuda_graphs), so its weights, KV pool and graphs are freed here, not at
+        # it (workers.graphs.cuda_graphs), so its weights, KV pool and graphs are freed here, not at
         # the next garbage collection (tests/engine/test_engine_release.py).
         if self.worker is not None:
             self.worker.release()

@@ -1,7 +1,7 @@
 """An executor that runs no model: each step's layers take the time a step-time profile gives.
 
 Everything around it is the real engine: EngineCore's loop, the scheduler, the monitor thread,
-the shared-memory signal, and the vote (workers.preempt_vote.PreemptVote, the same object the
+the shared-memory signal, and the vote (workers.preemption.preempt_vote.PreemptVote, the same object the
 model runner calls before each attention op), which reports each layer's progress to the
 monitor and unwinds the pass when the monitor targets the step. So an arrival during a long
 simulated prefill is decided, unwound, rolled back and re-admitted exactly as on a GPU, at the
@@ -10,7 +10,7 @@ GPU's time scale.
 Layer by layer: a preemptible step votes before each layer and then sleeps that layer's share
 of the step (only the chunks active in that layer count: a resumed suspended chunk joins at the
 layer its pass stopped at). An unwound step keeps its prefill chunks' "activations" as the model
-runner does in suspend mode (workers/suspension.py) and sleeps the profile's unwind time. Other
+runner does in suspend mode (workers/preemption/suspension.py) and sleeps the profile's unwind time. Other
 steps sleep their whole time at once.
 
 A sampled token is a fixed function of the last token and its position, never a model's: outputs
@@ -29,7 +29,7 @@ from engine.core.slack_policy import SuspendedChunk
 from engine.core.scheduler_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
                                           StepStatus)
 from engine.simulation.profile import StepTimeProfile
-from workers.preempt_vote import PreemptVote, StepPreempted, discarded_share
+from workers.preemption.preempt_vote import PreemptVote, StepPreempted, discarded_share
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class SimulatedExecutor:
         self.vote = vote
         self._sleep, self._clock = sleep, clock
         # req_id -> the segments (start_pos, num_tokens, layer) of its chunks whose stopped pass
-        # is "held", in token order (workers/suspension.py: a chunk may resume in pieces).
+        # is "held", in token order (workers/preemption/suspension.py: a chunk may resume in pieces).
         self.suspended: dict[str, list[SuspendedChunk]] = {}
         self.num_steps = 0
 
@@ -106,7 +106,7 @@ class SimulatedExecutor:
         join = 0
         if r.resume:
             segments = self.suspended.get(r.req_id)
-            # As workers/suspension.py: a resume is of the first tokens of the first segment.
+            # As workers/preemption/suspension.py: a resume is of the first tokens of the first segment.
             if not segments or segments[0][0] != r.start_pos or n > segments[0][1]:
                 raise ValueError(f"request {r.req_id!r} resumes [{r.start_pos}, +{n}) but the "
                                  f"executor holds {segments}")
@@ -144,7 +144,7 @@ class SimulatedExecutor:
 
     def _suspend(self, scheduler_output: SchedulerOutput, chunks: dict[str, _Chunk],
                  layer: int) -> list[str]:
-        """What the model runner keeps of an unwound pass (workers/suspension.py): stopped
+        """What the model runner keeps of an unwound pass (workers/preemption/suspension.py): stopped
         before the first layer finished, nothing new; otherwise every prefill chunk active at
         `layer` is held at `layer`, and a resumed piece the stop came before (or at its own
         layer) keeps its own; one that ran past it is held at `layer` ahead of the rest of its

@@ -20,7 +20,7 @@ from kernels.backend import resolve_backend_name
 logger = logging.getLogger(__name__)
 
 # The KV pool where nothing sizes it: this much on a CPU; on a GPU, what is left of vLLM's
-# default share of its memory once the weights are loaded (workers.kv_memory).
+# default share of its memory once the weights are loaded (workers.startup.kv_memory).
 DEFAULT_CPU_KV_CACHE_GB = 1.0
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 

@@ -10,7 +10,7 @@ import pytest
 
 from bench.suite import gpu_smoke
 from engine.benchmarks.random_checkpoints import make_random_model, save_small_tokenizer
-from workers.cuda_graphs import FAKE_GRAPHS_ENV, EagerReplayBackend
+from workers.graphs.cuda_graphs import FAKE_GRAPHS_ENV, EagerReplayBackend
 
 
 @pytest.fixture(scope="module")

@@ -692,7 +692,7 @@ def test_a_killed_run_keeps_the_figures_it_measured(tmp_path):
     startup and that figure (with its bound) stay there, whole; no final JSON is written."""
     import signal
 
-    from workers.layer_delay import LAYER_DELAY_ENV
+    from workers.preemption.layer_delay import LAYER_DELAY_ENV
 
     out = tmp_path / "throughput.json"
     twin = out.with_suffix(".jsonl")

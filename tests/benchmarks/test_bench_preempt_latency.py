@@ -1,6 +1,6 @@
 """bench/e2e/preempt_latency.py with several prompt sizes on one engine, on a tiny model on the CPU:
 a block of figures per size, and how each size's long steps ran. With the CPU stand-in for CUDA
-graphs (workers.cuda_graphs.EagerReplayBackend) a step of up to 512 prefill tokens replays as
+graphs (workers.graphs.cuda_graphs.EagerReplayBackend) a step of up to 512 prefill tokens replays as
 pieces and an urgent arrival stops it between two of them; a larger step runs eager."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 from engine.benchmarks.figures import read_figures
 from bench.e2e.preempt_latency import main
-from workers.cuda_graphs import FAKE_GRAPHS_ENV
-from workers.layer_delay import LAYER_DELAY_ENV
+from workers.graphs.cuda_graphs import FAKE_GRAPHS_ENV
+from workers.preemption.layer_delay import LAYER_DELAY_ENV
 from tests.utils.figures_wait import wait_for_figures
 
 # Above the largest size replayed as pieces (512), and one below it that the scheduler still marks

@@ -17,7 +17,7 @@ from engine.core.request import Request
 from engine.runtime.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from monitor.predictor import LinearTTFT
-from workers.layer_delay import LAYER_DELAY_ENV
+from workers.preemption.layer_delay import LAYER_DELAY_ENV
 
 TPOT_SLO_MS = 300.0
 LONG_PROMPT = 1000

@@ -4,7 +4,7 @@ from the memory left free, so nothing may wait for the garbage collector.
 
 Every check runs with the collector off from before the engine exists until the probes are read,
 so an object found gone was freed by reference counting, never by a collection that happened to
-run. CUDA graphs are on through their CPU stand-in (workers.cuda_graphs.EagerReplayBackend, which
+run. CUDA graphs are on through their CPU stand-in (workers.graphs.cuda_graphs.EagerReplayBackend, which
 keeps each captured function: the captured steps must not refer back to the runner), and the
 weights are left unpacked, as on a GPU (the CPU's oneDNN prepack replaces every linear weight,
 and with it the loader each parameter carries)."""
@@ -17,9 +17,9 @@ from collections.abc import Iterator
 import pytest
 
 from engine import LLM, SamplingParams
-from workers.cuda_graphs import FAKE_GRAPHS_ENV
+from workers.graphs.cuda_graphs import FAKE_GRAPHS_ENV
 from workers.layers.cpu_prepack import PREPACK_ENV
-from workers.layer_delay import LAYER_DELAY_ENV
+from workers.preemption.layer_delay import LAYER_DELAY_ENV
 from workers.runner_release import collector_off, outlived, runner_probes
 from workers.worker import RELEASE_REPORT_ENV
 
@@ -50,7 +50,7 @@ def test_engine_memory_is_freed_at_shutdown_without_a_collection(
         tiny_model, like_a_gpu, collector_off, monkeypatch, enforce_eager: bool,
         layer_delay: bool) -> None:
     """``layer_delay``: the tests' slow-layer hook wraps the model's attention op
-    (workers.layer_delay.observe_attention_ops), a wrapper the model keeps."""
+    (workers.preemption.layer_delay.observe_attention_ops), a wrapper the model keeps."""
     if layer_delay:
         monkeypatch.setenv(LAYER_DELAY_ENV, "1")
     llm = LLM(model=tiny_model("llama", num_hidden_layers=2), enforce_eager=enforce_eager,

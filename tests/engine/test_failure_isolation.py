@@ -17,7 +17,7 @@ from engine import LLM, SamplingParams
 from engine.processing.detokenizer import IncrementalDetokenizer
 from engine.outputs import EngineCoreOutput
 from engine.processing.output_processor import OutputProcessor
-from workers.sampler import Sampler
+from workers.sample.sampler import Sampler
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 FAULTY_SEED = 666  # marks the request whose sampling the tests break

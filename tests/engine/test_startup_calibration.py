@@ -18,7 +18,7 @@ from engine.runtime.startup_calibration import (BUDGET_ENV, STARTUP_BUDGET_S,
                                                 calibrate_at_startup)
 from engine.sampling_params import SamplingParams
 from monitor.predictor import LinearTTFT
-from workers.layer_delay import LAYER_DELAY_ENV
+from workers.preemption.layer_delay import LAYER_DELAY_ENV
 
 # Every decoder layer sleeps this long per token (3 layers): a step's time is then mostly a
 # sleep proportional to its tokens, so it is measured much the same on a busy machine.

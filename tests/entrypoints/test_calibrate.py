@@ -9,7 +9,7 @@ from engine.entrypoints.calibrate import calibrate, choose_model
 from engine.entrypoints.cli import main
 from engine.entrypoints.llm import LLM
 from monitor.predictor import LinearTTFT
-from workers.layer_delay import LAYER_DELAY_ENV
+from workers.preemption.layer_delay import LAYER_DELAY_ENV
 
 # Small pool and context: the tiny model needs no more, and the engine starts in a blink.
 ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "1024", "--num-kv-blocks", "80"]

@@ -36,7 +36,7 @@ from tests.utils.mid_forward import (  # noqa: E402
     check_tp2_remote_rank_unwinds_with_rank0, check_urgent_arrival_unwinds_long_prefill)
 from tests.utils.tp import _run as run_tp  # noqa: E402
 from tests.utils.triton_device import kernels_interpreted  # noqa: E402
-from workers.cuda_graphs import FAKE_GRAPHS_ENV  # noqa: E402
+from workers.graphs.cuda_graphs import FAKE_GRAPHS_ENV  # noqa: E402
 
 # On a GPU, bench/suite/gpu_suite.sh's tests-cuda step runs the tests marked gpu.
 pytestmark = pytest.mark.gpu
@@ -219,8 +219,8 @@ def test_seeded_sampling_on_the_gpu_is_reproducible(tiny_model, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_cuda_graphs_equal_enforce_eager(tiny_model, device, monkeypatch):
     """On a GPU, decode-only steps replay whole CUDA graphs and steps with prefill tokens
-    replay pieces between the attention ops, all captured at startup (workers.cuda_graphs,
-    workers.piecewise_graphs; off with enforce_eager): the greedy tokens equal the eager run's.
+    replay pieces between the attention ops, all captured at startup (workers.graphs.cuda_graphs,
+    workers.graphs.piecewise_graphs; off with enforce_eager): the greedy tokens equal the eager run's.
     The CPU captures none, so there the same paths run on the CPU stand-in for graphs.
 
     Graphs are captured for a context of max_model_len, so at small batches their split plan

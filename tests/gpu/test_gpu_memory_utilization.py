@@ -1,5 +1,5 @@
 """--gpu-memory-utilization: on a GPU whose KV pool nothing else sizes, the pool gets what the
-weights and a profiled step leave of that share of the GPU's memory (workers/kv_memory.py); an
+weights and a profiled step leave of that share of the GPU's memory (workers/startup/kv_memory.py); an
 explicit --num-kv-blocks or --kv-cache-memory-gb wins; on a CPU the flag only logs that it has
 no effect. The arithmetic and the profile steps are checked here without a GPU; the measurement
 runs on a GPU where one is visible, and on the CPU with torch.cuda's memory accounting faked
@@ -18,7 +18,7 @@ from engine.runtime.model_setup import resolve
 from engine.worker_messages import KVPoolPlan
 from engine.sampling_params import SamplingParams
 from tests.utils.fake_gpu_memory import FakeGPUMemory, play_a_gpu
-from workers.kv_memory import (GPUMemory, describe, kv_pool_blocks, profile_steps,
+from workers.startup.kv_memory import (GPUMemory, describe, kv_pool_blocks, profile_steps,
                                scratch_blocks)
 
 # On a GPU, bench/suite/gpu_suite.sh's tests-cuda step runs the tests marked gpu.
@@ -169,7 +169,7 @@ class FakeMeasurement:
 def measured(monkeypatch) -> FakeMeasurement:
     """resolve() leaves the pool open, as on a GPU, and the workers' measurement is faked."""
     import engine.runtime.engine_core as engine_core
-    import workers.kv_memory as kv_memory
+    import workers.startup.kv_memory as kv_memory
 
     real_resolve = engine_core.resolve
     monkeypatch.setattr(engine_core, "resolve", lambda config: dataclasses.replace(
@@ -224,7 +224,7 @@ def test_a_measured_pool_too_small_for_max_model_len_is_a_clear_error(tiny_model
 def test_a_worker_rank_allocates_the_pool_the_ranks_agree_on(tiny_model, monkeypatch) -> None:
     """The path of spawned and torchrun ranks: measure, agree (MIN over the ranks; one here),
     allocate, and report the size to EngineCore."""
-    import workers.kv_memory as kv_memory
+    import workers.startup.kv_memory as kv_memory
     from engine.executor.worker_config import worker_config
     from engine.executor.multiproc import _free_port
     from workers.worker import DriverWorker

@@ -164,9 +164,9 @@ def test_configs_the_kernel_cannot_honour_are_refused(build, message):
 
 
 def test_a_prefill_launch_with_the_decode_tile_is_not_a_decode(triton_device, monkeypatch):
-    """The warm-up's probe (workers.kernel_warmup.missing_decode_paths) tells decode launches
+    """The warm-up's probe (workers.startup.kernel_warmup.missing_decode_paths) tells decode launches
     from prefill ones by more than the key tile, which a measured default may share."""
-    from workers.kernel_warmup import missing_decode_paths
+    from workers.startup.kernel_warmup import missing_decode_paths
 
     same_tiles = AttentionLaunchConfig(DecodeLaunch(tile_n=64, num_warps=4, num_stages=3),
                                        PrefillLaunch(block_m=64, tile_n=64, num_warps=4,

@@ -7,7 +7,7 @@ import dataclasses
 
 from engine import LLM, SamplingParams
 from tests.utils.kernel_counts import KernelsRan
-from workers.cuda_graphs import FAKE_GRAPHS_ENV, EagerReplayBackend
+from workers.graphs.cuda_graphs import FAKE_GRAPHS_ENV, EagerReplayBackend
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 40, 9)]

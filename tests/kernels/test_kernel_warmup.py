@@ -1,5 +1,5 @@
 """The startup warm-up launches every Triton kernel variant serving can launch, so no request
-waits on a compile (workers/kernel_warmup.py, kernels/variants.py).
+waits on a compile (workers/startup/kernel_warmup.py, kernels/variants.py).
 
 The coverage tests stub the kernels out (the variants are recorded, nothing runs), so they sweep
 many batches on a tiny model in a moment, with the split-decode choice of a GPU with 132
@@ -20,9 +20,9 @@ import torch  # noqa: E402
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from kernels import variants  # noqa: E402
-from workers.kernel_warmup import (missing_decode_paths, warm_up_kernels,  # noqa: E402
+from workers.startup.kernel_warmup import (missing_decode_paths, warm_up_kernels,  # noqa: E402
                                    warmup_steps)
-from workers.cuda_graphs import FAKE_GRAPHS_ENV  # noqa: E402
+from workers.graphs.cuda_graphs import FAKE_GRAPHS_ENV  # noqa: E402
 from workers.model_runner import ModelRunner  # noqa: E402
 from workers.step_buffers import StepLimits  # noqa: E402
 from tests.utils.runner_configs import runner_config  # noqa: E402
@@ -199,7 +199,7 @@ def test_the_warm_up_runs_the_kernels_before_serving(tiny_model, triton_device, 
     for key_cache, value_cache in runner.kv_caches:
         key_cache.zero_()
         value_cache.zero_()
-    with caplog.at_level(logging.INFO, logger="workers.kernel_warmup"):
+    with caplog.at_level(logging.INFO, logger="workers.startup.kernel_warmup"):
         warmup = warm_up_kernels(runner, max_model_len=64, max_num_seqs=4)
     assert warmup is not None
     assert warmup.compiled == (triton_device.type == "cuda")

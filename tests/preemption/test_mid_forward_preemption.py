@@ -17,8 +17,8 @@ from tests.utils.mid_forward import (NUM_LAYERS, LONG_PROMPT, MAX_TOKENS, URGENT
                                      _engine, _request, _run, _on_long_step, _reference_outputs,
                                      _count_tokens_per_layer,
                                      check_urgent_arrival_unwinds_long_prefill)
-from workers.cuda_graphs import FAKE_GRAPHS_ENV
-from workers.layer_delay import observe_attention_ops
+from workers.graphs.cuda_graphs import FAKE_GRAPHS_ENV
+from workers.preemption.layer_delay import observe_attention_ops
 
 
 def _suspended(engine) -> dict[str, tuple[int, int]]:
@@ -35,7 +35,7 @@ def test_urgent_arrival_unwinds_long_prefill(model: str, mode: str) -> None:
 @pytest.mark.parametrize("mode", ["recompute", "suspend"])
 def test_urgent_arrival_unwinds_a_step_replayed_as_pieces(model: str, mode: str,
                                                           monkeypatch) -> None:
-    """CUDA graphs on (their CPU stand-in, workers.cuda_graphs.EagerReplayBackend): the long
+    """CUDA graphs on (their CPU stand-in, workers.graphs.cuda_graphs.EagerReplayBackend): the long
     prefill runs as pieces between the attention ops, the vote between two pieces stops it,
     and every output equals an eager run's (the check probes that the pieces ran and
     unwound)."""

@@ -11,7 +11,7 @@ from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput, Step
 from monitor.preempt_signal import NO_TARGET, PreemptSignal
 from workers.distributed import destroy, init_distributed
 from workers.model_runner import ModelRunner
-from workers.preempt_vote import PreemptVote, StepPreempted
+from workers.preemption.preempt_vote import PreemptVote, StepPreempted
 from tests.utils.runner_configs import runner_config
 
 NUM_LAYERS = 20

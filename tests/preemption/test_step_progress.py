@@ -14,7 +14,7 @@ from monitor.policy import RequestView, choose_preemption, urgency
 from monitor.predictor import LinearTTFT
 from monitor.preempt_signal import PreemptSignal
 from monitor.step_progress import predicted_layer_ends, remaining_seconds
-from workers.preempt_vote import PreemptVote
+from workers.preemption.preempt_vote import PreemptVote
 
 H100_LINE = LinearTTFT(seconds_per_token=3e-5, intercept_s=0.03, seconds_per_token_sq=8.3e-10)
 LAYERS = 32
@@ -73,7 +73,7 @@ def test_the_monitor_decides_for_a_waiter_the_resumed_layers_would_make_late():
 
 
 def test_progress_reports_the_layers_the_device_finished_not_the_host():
-    """On a GPU the host votes up to `window` layers ahead of the device (workers/run_ahead.py):
+    """On a GPU the host votes up to `window` layers ahead of the device (workers/preemption/run_ahead.py):
     the progress the monitor reads is the device's."""
     signal = PreemptSignal.create()
     try:

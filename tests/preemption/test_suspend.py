@@ -2,7 +2,7 @@
 unwound between two layers resumes at that layer from the activations the runner kept, and its
 logits equal those of an uninterrupted pass, whatever else shares the steps (fresh chunks,
 decodes, a second unwind before or after the chunk joined). Every scenario runs eager and with
-the steps replayed as pieces between the attention ops (workers.piecewise_graphs, through the
+the steps replayed as pieces between the attention ops (workers.graphs.piecewise_graphs, through the
 CPU stand-in for CUDA graphs): a stop there must suspend the same activations."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from engine.sampling_params import SamplingParams
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput, StepStatus
 from workers.model_runner import ModelRunner
 from tests.utils.paged_helpers import StopAt
-from workers.cuda_graphs import EagerReplayBackend
-from workers.piecewise_graphs import capture_piecewise_graphs
+from workers.graphs.cuda_graphs import EagerReplayBackend
+from workers.graphs.piecewise_graphs import capture_piecewise_graphs
 from workers.step_buffers import StepLimits
 from tests.utils.runner_configs import runner_config
 

@@ -18,7 +18,7 @@ from engine.simulation import StepTimeProfile, load_profile, shipped_profiles
 from engine.executor.simulated import SimulatedExecutor
 from monitor.predictor import LinearTTFT
 from monitor.preempt_signal import NO_TARGET, PreemptSignal
-from workers.preempt_vote import PreemptVote
+from workers.preemption.preempt_vote import PreemptVote
 
 H100 = "h100-llama-3.1-8b"
 

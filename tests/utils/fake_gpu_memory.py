@@ -1,4 +1,4 @@
-"""torch.cuda's memory accounting faked, so that the KV-pool measurement (workers/kv_memory.py)
+"""torch.cuda's memory accounting faked, so that the KV-pool measurement (workers/startup/kv_memory.py)
 runs its real profile steps on the CPU's model runner."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A read of a tensor's value on the host (``.item()``, ``.tolist()``, ``int(t)``, 
 waits for the device to finish everything queued before it, and cannot be captured in a CUDA
 graph. Between entering the first decoder layer and leaving the last, the only host interaction
 allowed is the preemption vote and the run-ahead pacing at the attention boundary
-(``workers.preempt_vote`` / ``workers.run_ahead``, the functions named in ``EXEMPT``); every
+(``workers.preemption.preempt_vote`` / ``workers.preemption.run_ahead``, the functions named in ``EXEMPT``); every
 other value the step needs is computed before the forward pass (``ModelRunner.prepare_inputs``).
 
 ``HostSyncDetector`` patches those ``torch.Tensor`` methods for the duration of a ``with`` block

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from workers.cuda_graphs import CudaGraphBackend, EagerReplayBackend
+from workers.graphs.cuda_graphs import CudaGraphBackend, EagerReplayBackend
 
 OPS = ("write_kv_cache", "paged_attention", "rms_norm", "apply_rotary", "silu_and_mul")
 

@@ -20,7 +20,7 @@ from engine.core.request import Request
 from engine.runtime.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from monitor.predictor import LinearTTFT
-from workers.layer_delay import LAYER_DELAY_ENV, observe_attention_ops
+from workers.preemption.layer_delay import LAYER_DELAY_ENV, observe_attention_ops
 
 NUM_LAYERS = 8
 # 400 prompt tokens x 150 us = 60 ms per layer (480 ms for the long step); 44 tokens: 7 ms.

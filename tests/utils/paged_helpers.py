@@ -9,7 +9,7 @@ import torch
 from kernels import AttentionMetadata, padded_block_tables
 from workers.kv_cache import allocate_kv_caches
 from workers.models.llama import LlamaForCausalLM
-from workers.preempt_vote import StepPreempted
+from workers.preemption.preempt_vote import StepPreempted
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 

@@ -275,7 +275,7 @@ def slowed_slo_server(tiny_model, tmp_path: Path, monkeypatch, module: str = "en
     token), so that the monitor knows how much of a long step is left when an urgent request
     arrives. `module`: a test's patched server (see ServerProcess)."""
     from monitor.predictor import LinearTTFT
-    from workers.layer_delay import LAYER_DELAY_ENV
+    from workers.preemption.layer_delay import LAYER_DELAY_ENV
 
     monkeypatch.setenv(LAYER_DELAY_ENV, str(SLOWED_US_PER_TOKEN))
     model = tiny_model("llama", num_hidden_layers=SLOWED_LAYERS, max_position_embeddings=1024)

@@ -38,7 +38,7 @@ class SimWorker:
         for r in out.requests:
             assert r.token_ids, f"{r.req_id}: an empty chunk"
             if r.resume:
-                # workers/suspension.py refuses a resume of other tokens than the first ones of
+                # workers/preemption/suspension.py refuses a resume of other tokens than the first ones of
                 # the first segment.
                 first = self.suspended.get(r.req_id, [(-1, 0, 0)])[0]
                 assert first[0] == r.start_pos and len(r.token_ids) <= first[1], (

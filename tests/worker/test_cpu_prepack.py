@@ -15,7 +15,7 @@ from tests.utils.paged_helpers import PagedSequence, make_kv_caches, paged_step 
 from tests.utils.tiny_models import make_tiny_model  # noqa: E402
 from workers.layers import cpu_prepack  # noqa: E402
 from workers.models import build_model  # noqa: E402
-from workers.weight_loader import load_weights  # noqa: E402
+from workers.startup.weight_loader import load_weights  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not cpu_prepack.prepack_available("cpu", torch.float32),
                                 reason="this PyTorch build has no oneDNN linear prepacking")

@@ -1,4 +1,4 @@
-"""Decode-only steps replayed from captured graphs (workers.cuda_graphs), checked on the CPU
+"""Decode-only steps replayed from captured graphs (workers.graphs.cuda_graphs), checked on the CPU
 through a fake graph: its "capture" keeps the forward pass closed over the runner's static
 buffers, its "replay" runs that again with no arguments. Greedy tokens must equal an eager run's,
 which they can only do if every input of the step went through the buffers (a probe plants an
@@ -16,7 +16,7 @@ import tests.utils.triton_device  # noqa: F401  (Triton's interpreter, before an
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.sampling_params import SamplingParams
 from tests.utils.paged_helpers import bypass_the_position_buffer
-from workers.cuda_graphs import DecodeGraphs, EagerReplayBackend, capture_decode_graphs
+from workers.graphs.cuda_graphs import DecodeGraphs, EagerReplayBackend, capture_decode_graphs
 from workers.model_runner import ModelRunner
 from workers.step_buffers import StepLimits
 from tests.utils.runner_configs import runner_config
@@ -28,7 +28,7 @@ DECODE_STEPS = 6
 
 
 class FakeGraphs(EagerReplayBackend):
-    """The CPU stand-in for torch.cuda.CUDAGraph (workers.cuda_graphs.EagerReplayBackend),
+    """The CPU stand-in for torch.cuda.CUDAGraph (workers.graphs.cuda_graphs.EagerReplayBackend),
     noting the batch size of every capture."""
 
     def __init__(self) -> None:
@@ -161,7 +161,7 @@ def test_the_cuda_backend_warms_up_on_a_side_stream_then_captures_into_one_pool(
     """CudaGraphBackend's calls into torch.cuda, in order, with torch.cuda faked (no GPU)."""
     from contextlib import contextmanager
 
-    from workers.cuda_graphs import CudaGraphBackend
+    from workers.graphs.cuda_graphs import CudaGraphBackend
 
     calls: list[str] = []
 

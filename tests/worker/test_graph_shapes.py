@@ -11,7 +11,7 @@ from engine.entrypoints.engine_args import engine_kwargs
 from engine.runtime.model_setup import resolve
 from engine.executor.worker_config import worker_config
 from engine.worker_messages import decode_config, encode
-from workers.graph_shapes import MAX_CAPTURE_SIZE, capture_sizes, padded_batch_size
+from workers.graphs.graph_shapes import MAX_CAPTURE_SIZE, capture_sizes, padded_batch_size
 
 
 def test_capture_sizes_are_vllms_up_to_max_num_seqs() -> None:
@@ -65,7 +65,7 @@ def test_max_cudagraph_capture_size_caps_both_kinds_of_graph(tiny_model) -> None
         build_engine_config(model, max_cudagraph_capture_size=0)
     # The engine's runner captures no decode batch and no step larger than the cap.
     from engine import LLM
-    from workers.cuda_graphs import FAKE_GRAPHS_ENV
+    from workers.graphs.cuda_graphs import FAKE_GRAPHS_ENV
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(FAKE_GRAPHS_ENV, "1")

@@ -19,8 +19,8 @@ from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput, Step
 from engine.sampling_params import SamplingParams
 from tests.utils.host_sync import SYNCING_METHODS, HostSyncDetector
 from workers.model_runner import ModelRunner
-from workers.preempt_vote import PreemptVote
-from workers.run_ahead import RunAheadLimit
+from workers.preemption.preempt_vote import PreemptVote
+from workers.preemption.run_ahead import RunAheadLimit
 from tests.utils.runner_configs import runner_config
 
 NUM_LAYERS = 4

@@ -16,10 +16,10 @@ import torch
 
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.sampling_params import SamplingParams
-from workers.cuda_graphs import EagerReplayBackend, capture_decode_graphs
-from workers.layer_delay import LAYER_DELAY_ENV
+from workers.graphs.cuda_graphs import EagerReplayBackend, capture_decode_graphs
+from workers.preemption.layer_delay import LAYER_DELAY_ENV
 from workers.model_runner import ModelRunner
-from workers.piecewise_graphs import capture_piecewise_graphs
+from workers.graphs.piecewise_graphs import capture_piecewise_graphs
 from workers.step_buffers import StepLimits
 from tests.utils.runner_configs import runner_config
 
@@ -70,7 +70,7 @@ def _record_sleeps(monkeypatch, backend: GraphFlaggingBackend) -> list[tuple[boo
 
 
 def _capture(runner: ModelRunner, backend: GraphFlaggingBackend) -> None:
-    # As workers.serving_startup does: the hook is paused during the startup passes.
+    # As workers.startup.serving_startup does: the hook is paused during the startup passes.
     assert runner.layer_delay is not None
     runner.layer_delay.paused = True
     try:

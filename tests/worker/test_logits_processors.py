@@ -7,8 +7,8 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from tests.utils.sampling_reference import _reference
-from workers.logits_processors import TokenHistory, process_logits
-from workers.sampler import Sampler
+from workers.sample.logits_processors import TokenHistory, process_logits
+from workers.sample.sampler import Sampler
 
 VOCAB = 40
 

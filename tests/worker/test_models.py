@@ -19,7 +19,7 @@ from workers.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block  # noq
 from workers.layers import rope_parameters  # noqa: E402
 from workers.models import build_model, get_model_class  # noqa: E402
 from workers.models.llama import LlamaForCausalLM  # noqa: E402
-from workers.weight_loader import load_weights  # noqa: E402
+from workers.startup.weight_loader import load_weights  # noqa: E402
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 32

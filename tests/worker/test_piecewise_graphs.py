@@ -1,5 +1,5 @@
 """Steps with prefill tokens replayed as pieces between the attention ops
-(workers.piecewise_graphs), checked on the CPU through EagerReplayBackend: a "replay" runs the
+(workers.graphs.piecewise_graphs), checked on the CPU through EagerReplayBackend: a "replay" runs the
 captured piece again with no arguments, so the tokens equal an eager run's only if every value
 crossing a piece boundary went through the static buffers (a probe plants an input that
 bypasses them and sees the tokens change). Stops between pieces are in tests/preemption/test_suspend.py,
@@ -14,9 +14,9 @@ import tests.utils.triton_device  # noqa: F401  (Triton's interpreter, before an
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.sampling_params import SamplingParams
 from tests.utils.paged_helpers import StopAt, bypass_the_position_buffer
-from workers.cuda_graphs import EagerReplayBackend
+from workers.graphs.cuda_graphs import EagerReplayBackend
 from workers.model_runner import ModelRunner
-from workers.piecewise_graphs import PiecewiseGraphs, capture_piecewise_graphs
+from workers.graphs.piecewise_graphs import PiecewiseGraphs, capture_piecewise_graphs
 from workers.step_buffers import StepLimits
 from tests.utils.runner_configs import runner_config
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.run_ahead import RunAheadLimit
+from workers.preemption.run_ahead import RunAheadLimit
 
 
 class _Log:

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
-from workers.sampler import NonFiniteLogits, Sampler
+from workers.sample.sampler import NonFiniteLogits, Sampler
 
 
 def _logits(rows: int = 3, vocab: int = 50, seed: int = 0) -> torch.Tensor:

@@ -12,8 +12,8 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from tests.utils.host_sync import HostSyncDetector
-from workers.logits_processors import TokenHistory
-from workers.sampler import NonFiniteLogits, Sampler
+from workers.sample.logits_processors import TokenHistory
+from workers.sample.sampler import NonFiniteLogits, Sampler
 
 VOCAB = 1000
 

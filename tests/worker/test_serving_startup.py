@@ -1,8 +1,8 @@
-"""The startup before serving (workers.serving_startup): the graph capture runs with the garbage
+"""The startup before serving (workers.startup.serving_startup): the graph capture runs with the garbage
 collector off and every object alive before it frozen (a collection mid-capture could free what
 a capture in progress refers to), restored afterwards, a failed capture included; and the runner
 reports what the startup cost (``runner.startup_report``), here with the CPU stand-in for graphs
-(workers.cuda_graphs.EagerReplayBackend)."""
+(workers.graphs.cuda_graphs.EagerReplayBackend)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from engine import LLM
-from workers.cuda_graphs import FAKE_GRAPHS_ENV, EagerReplayBackend, capture_decode_graphs
+from workers.graphs.cuda_graphs import FAKE_GRAPHS_ENV, EagerReplayBackend, capture_decode_graphs
 from workers.model_runner import ModelRunner
-from workers.piecewise_graphs import capture_piecewise_graphs
-from workers.startup_report import ServingStartup
+from workers.graphs.piecewise_graphs import capture_piecewise_graphs
+from workers.startup.startup_report import ServingStartup
 from workers.step_buffers import StepLimits
 from tests.utils.runner_configs import runner_config
 

@@ -17,7 +17,7 @@ from tests.utils.paged_helpers import PagedSequence, make_kv_caches, paged_step 
 from tests.utils.tiny_models import make_tiny_model  # noqa: E402
 from workers.distributed import destroy, init_distributed  # noqa: E402
 from workers.models import build_model  # noqa: E402
-from workers.weight_loader import load_weights  # noqa: E402
+from workers.startup.weight_loader import load_weights  # noqa: E402
 
 TP_SIZE = 2
 # Sharded KV heads; replicated KV heads (1 KV head, 2 ranks) with a vocabulary that does not

@@ -2,7 +2,7 @@
 
 Model API used by the model runner:
 - ``build_model(hf_config, dtype, device, tp_rank=0, tp_size=1, tp_group=None)`` then
-  ``workers.weight_loader.load_weights(model, model_dir)``;
+  ``workers.startup.weight_loader.load_weights(model, model_dir)``;
 - ``model.forward(input_ids, positions, attn_meta, kv_caches, joins=()) -> hidden_states
   [T, hidden]`` (``joins``: ``LayerJoin`` chunks resuming a suspended pass at their layer);
 - ``model.compute_logits(hidden_states[N, hidden]) -> float32 [N, vocab]``;

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kernels import AttentionMetadata, KernelBackend, select_backend
-from workers.preempt_vote import StepPreempted
+from workers.preemption.preempt_vote import StepPreempted
 from workers.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                             RMSNorm, RowParallelLinear, VocabParallelEmbedding, apply_rotary,
                             get_rotary_embedding, silu_and_mul)

@@ -65,7 +65,7 @@ class EnginePool:
     On a CUDA device the pool holds one engine at a time unless ``max_engines`` says more: an
     engine sizes its KV pool from the device memory left free, so a second 8B engine beside the
     first finds none. The engine that makes room is shut down and dropped before the next one
-    is built (an engine's memory is freed at once when it is dropped: workers.cuda_graphs)."""
+    is built (an engine's memory is freed at once when it is dropped: workers.graphs.cuda_graphs)."""
 
     def __init__(self, model: str, max_engines: int | None = None,
                  **engine_overrides: Any) -> None:

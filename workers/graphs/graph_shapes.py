@@ -1,8 +1,8 @@
 """Which shapes run as captured CUDA graphs, and at what padded size.
 
 A CUDA graph replays fixed shapes, so decode-only steps are captured for a few batch sizes
-(workers.cuda_graphs) and steps with prefill tokens for a few token counts
-(workers.piecewise_graphs), and a step runs the smallest captured size that holds it, its extra
+(workers.graphs.cuda_graphs) and steps with prefill tokens for a few token counts
+(workers.graphs.piecewise_graphs), and a step runs the smallest captured size that holds it, its extra
 rows padding (vLLM's scheme, whose default sizes these are: 1, 2, 4, then every multiple of 8,
 up to --max-cudagraph-capture-size). A step that fits no captured size, or every step under
 ``--enforce-eager``, runs eager.

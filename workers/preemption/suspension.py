@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from engine.core.scheduler_output import ScheduledRequest
 from workers.models import LayerJoin
-from workers.preempt_vote import StepPreempted
+from workers.preemption.preempt_vote import StepPreempted
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Token sampling: logits processors (workers.logits_processors), greedy, temperature, min-p,
+"""Token sampling: logits processors (workers.sample.logits_processors), greedy, temperature, min-p,
 top-k, top-p, per-request seeds, and the sampled tokens' logprobs.
 
 A batch costs ONE device-to-host read, whatever its size and mix of parameters: the tokens, what
@@ -37,8 +37,8 @@ import torch
 from engine.logprobs import LogprobsLists
 from engine.sampling_params import SamplingParams
 from workers.host_transfer import read_back, upload
-from workers.logits_processors import NO_HISTORY, TokenHistory, needs_processing, process_logits
-from workers.logprobs import LogprobTensors, lists_from, logprob_tensors
+from workers.sample.logits_processors import NO_HISTORY, TokenHistory, needs_processing, process_logits
+from workers.sample.logprobs import LogprobTensors, lists_from, logprob_tensors
 
 _SEED_STRIDE = 1_000_003  # a prime, so (seed, index) pairs map to distinct generator seeds
 # The largest float32: a larger temperature would become inf on the device, and -inf / inf is NaN.

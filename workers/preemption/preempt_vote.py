@@ -63,7 +63,7 @@ class PreemptVote:
         # Set with step_id for every preemptible step (see the module docstring).
         self.discarded_share = 1.0
         # Layers the device may still be behind the host when the vote is cast (the run-ahead
-        # window on a GPU, workers/run_ahead.py): the progress reported to the monitor is what
+        # window on a GPU, workers/preemption/run_ahead.py): the progress reported to the monitor is what
         # the device finished, not what the host has launched.
         self.progress_lag = 0
         self.stats = VoteStats()

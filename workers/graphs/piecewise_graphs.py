@@ -39,12 +39,12 @@ import torch
 
 from engine.core.scheduler_output import SchedulerOutput
 from kernels import AttentionMetadata
-from workers.cuda_graphs import CapturedSteps, no_collection_while_capturing
-from workers.graph_shapes import capture_sizes, padded_batch_size
-from workers.preempt_vote import StepPreempted
+from workers.graphs.cuda_graphs import CapturedSteps, no_collection_while_capturing
+from workers.graphs.graph_shapes import capture_sizes, padded_batch_size
+from workers.preemption.preempt_vote import StepPreempted
 
 if TYPE_CHECKING:
-    from workers.cuda_graphs import GraphBackend, Runner
+    from workers.graphs.cuda_graphs import GraphBackend, Runner
 
 logger = logging.getLogger(__name__)
 

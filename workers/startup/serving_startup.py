@@ -13,24 +13,24 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from workers.startup_report import ServingStartup
+from workers.startup.startup_report import ServingStartup
 
 if TYPE_CHECKING:
-    from workers.cuda_graphs import DecodeGraphs
-    from workers.piecewise_graphs import PiecewiseGraphs
+    from workers.graphs.cuda_graphs import DecodeGraphs
+    from workers.graphs.piecewise_graphs import PiecewiseGraphs
 
 logger = logging.getLogger(__name__)
 
 
 class Pausable(Protocol):
-    """A test hook that can be paused (workers.layer_delay.LayerDelay)."""
+    """A test hook that can be paused (workers.preemption.layer_delay.LayerDelay)."""
 
     paused: bool
 
 
 @contextlib.contextmanager
 def layer_delay_paused(delay: Pausable | None) -> Iterator[None]:
-    """A test hook's sleeps (workers.layer_delay.LayerDelay) are off during the startup
+    """A test hook's sleeps (workers.preemption.layer_delay.LayerDelay) are off during the startup
     passes: no test times them."""
     if delay is not None:
         delay.paused = True

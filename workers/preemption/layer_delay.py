@@ -28,7 +28,7 @@ def observe_attention_ops(model: torch.nn.Module,
     stops it. For tests and benchmarks that slow a layer or act when a step reaches it.
 
     The attention op is what runs eagerly both in an eager pass and between the replayed pieces
-    of a piecewise-graph step (workers.piecewise_graphs). A hook inside a piece (a module
+    of a piecewise-graph step (workers.graphs.piecewise_graphs). A hook inside a piece (a module
     forward hook on a layer or its norm) runs on the CPU stand-in for graphs, whose "replay"
     calls the captured Python again, but never in a real CUDA graph replay. A decode step
     replayed as one whole graph runs no attention op in Python on a GPU."""

@@ -11,7 +11,7 @@ How a step is replayed:
   (``workers.step_buffers``): the capture reads them at the addresses it was made with, and each
   step's ``prepare_inputs`` rewrites them in place.
 - A batch of n decodes replays the smallest captured size B >= n
-  (``workers.graph_shapes``); the B - n padding rows repeat the last real decode (same token,
+  (``workers.graphs.graph_shapes``); the B - n padding rows repeat the last real decode (same token,
   position, slot and table), so they compute the same values and write the same K/V to the same
   slot: no other sequence's cache is touched, and no kernel needs a "skip this row" slot.
 - The captured metadata is the same for every replay of a size: B decodes, block tables at their
@@ -48,7 +48,7 @@ import torch
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.sampling_params import SamplingParams
 from kernels import AttentionMetadata
-from workers.graph_shapes import capture_sizes, padded_batch_size
+from workers.graphs.graph_shapes import capture_sizes, padded_batch_size
 
 if TYPE_CHECKING:
     from workers.step_buffers import StepBuffers
@@ -153,7 +153,7 @@ def no_collection_while_capturing() -> Iterator[None]:
 
 
 class CapturedSteps:
-    """What both kinds of captured step (DecodeGraphs, workers.piecewise_graphs) share: the
+    """What both kinds of captured step (DecodeGraphs, workers.graphs.piecewise_graphs) share: the
     sizes, the backend, the step buffers' generation the captures read, and the counters.
 
     It keeps the model and the step buffers it reads, never the runner (which holds it): see

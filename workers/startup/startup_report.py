@@ -1,5 +1,5 @@
 """What a model runner's startup before serving cost (``runner.startup_report``, measured by
-workers.serving_startup; the GPU suite's benchmarks read it)."""
+workers.startup.serving_startup; the GPU suite's benchmarks read it)."""
 
 from __future__ import annotations
 

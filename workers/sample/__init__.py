@@ -1,0 +1,1 @@
+"""Sampling on the worker: the batched sampler, logits processors and logprobs."""
