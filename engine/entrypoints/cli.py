@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.benchmarks.attainment.cli import add_bench_parser
+from engine.benchmarks.cli import add_bench_parser
 from engine.entrypoints.arg_types import (float_in, int_in, non_negative_float, positive_float,
                                           positive_int)
 from engine.entrypoints.calibrate import add_calibrate_parser

@@ -1,18 +1,9 @@
-"""`sloserve bench ...`: the SLO-attainment benchmark suite (TTFT and TPOT objectives, goodput).
-
-  trace   write a seeded trace (JSONL) of a built-in workload
-  run     replay traces against policies x budgets x rates x seeds; JSON, Markdown, plots;
-          with --peer NAME=URL, each trace against other servers too, side by side
-  sweep   find the rate where fcfs attainment is about 50%, then run the grid at 0.5x/1x/1.5x
-  report  rebuild the Markdown table and plots from a results JSON
-  shape   write a model folder of a real shape without its weights, for --load-format
-          dummy runs (config.json and a tokenizer that covers the shape's vocabulary)
+"""`sloserve bench trace|run|sweep|report`: SLO attainment (TTFT and TPOT objectives, goodput).
 
 `run` and `sweep` write OUTPUT_DIR/results.json, summary.md and the plots at the end; as each
 run (one trace, policy and budget) ends, OUTPUT_DIR/results.jsonl gets its `request` records and
 its `run` record with the run's summary (engine/benchmarks/figures.py; `done` after the last), so a
-benchmark
-killed at a time limit keeps every run it finished. The HTTP runner's servers (started per run
+benchmark killed at a time limit keeps every run it finished. The HTTP runner's servers (started per run
 unless --url names one) append their info-level logs to OUTPUT_DIR/server.log as they run.
 
 Over HTTP the first few tokens of every prompt are salt, drawn afresh for each request of each
@@ -494,28 +485,8 @@ def _add_grid(p: argparse.ArgumentParser, default_policies: list[str]) -> None:
     p.add_argument("--output-dir", default="bench_results")
 
 
-def add_bench_parser(subparsers: Any) -> None:
-    bench = subparsers.add_parser("bench", help="SLO-attainment and goodput benchmark suite",
-                                  description=__doc__,
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = bench.add_subparsers(dest="bench_command", metavar="{trace,run,sweep,report,shape}")
-
-    def show_commands(args: argparse.Namespace) -> int:
-        # A bare `sloserve bench` asks what the suite offers: show it rather than an error.
-        bench.print_help()
-        return 0
-
-    bench.set_defaults(func=show_commands)
-
-    from engine.benchmarks import model_shapes
-
-    shape = sub.add_parser("shape", help="write a model folder of a real shape without weights "
-                                         "(config.json and a tokenizer), for --load-format dummy",
-                           description=model_shapes.__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-    model_shapes.add_arguments(shape)
-    shape.set_defaults(func=model_shapes.run)
-
+def add_subcommands(sub: Any) -> None:
+    """`sloserve bench trace|run|sweep|report` under the `bench` parser's subparsers."""
     trace = sub.add_parser("trace", help="write a seeded trace of a built-in workload")
     _add_common(trace)
     trace.add_argument("--rate", type=float, required=True, help="requests per second")
