@@ -185,17 +185,19 @@ def test_sampled_tokens_are_deterministic_and_never_eos(signal):
 # ---- over HTTP ---------------------------------------------------------------------------------
 
 def test_serve_simulate_stops_a_long_prefill_for_an_urgent_request(sim_model, tmp_path):
-    """`sloserve serve MODEL --simulate h100-llama-3.1-8b`: a 24k-token prompt prefills for
-    ~1.2 s of simulated H100 time; a 64-token request with a 150 ms SLO arriving during it is
-    answered first, after the step is unwound (the slo preemption counter is the probe)."""
+    """`sloserve serve MODEL --simulate h100-llama-3.1-8b`: a 24k-token prompt prefills in one
+    step (the budget holds it unchunked) for ~1.2 s of simulated H100 time; a 64-token request
+    with a 150 ms SLO arriving during that step is answered first, after the step is unwound
+    (the slo preemption counter is the probe)."""
     import httpx
 
     from tests.utils.server_helpers import ServerProcess, collect_stream, sample, scrape, sse_data
 
     server = ServerProcess(sim_model, tmp_path / "server.log", "--simulate", H100,
-                           "--max-model-len", "32768")
+                           "--max-model-len", "32768", "--max-num-batched-tokens", "32768")
     try:
         results: dict[str, dict] = {}
+        long_accepted = threading.Event()
 
         def complete(name: str, prompt: list[int], slo_ms: float) -> None:
             body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
@@ -203,14 +205,16 @@ def test_serve_simulate_stops_a_long_prefill_for_an_urgent_request(sim_model, tm
             with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
                               timeout=60.0) as response:
                 assert response.status_code == 200, response.read()
+                if name == "long":
+                    long_accepted.set()
                 results[name] = collect_stream(sse_data(response.iter_lines()))
 
         long = threading.Thread(target=complete, args=("long", [7] * 24_000, 60_000.0))
         long.start()
-        deadline = time.monotonic() + 30.0
-        while server.stats()["num_running"] < 1:  # the long prompt is prefilling
-            assert time.monotonic() < deadline, server.log()
-            time.sleep(0.01)
+        # A stream's headers come once its request is on its way to the engine core, which is
+        # idle and starts the one long step at once. (Not /debug/stats: the core reports its
+        # gauges after each step, so num_running turns 1 only once this step has ended.)
+        assert long_accepted.wait(30.0), server.log()
         time.sleep(0.2)  # a few of its 32 layers
         complete("urgent", [9] * 64, 150.0)
         long.join()
