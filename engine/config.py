@@ -16,16 +16,23 @@ SLOPreemptMode = Literal["recompute", "pause", "suspend"]
 # auto: in-process at TP=1, spawned worker processes above; external: ranks started by torchrun.
 DistributedExecutor = Literal["auto", "mp", "external"]
 
+# The KV pool where nothing sizes it (CacheConfig's None, resolved per device by
+# engine.runtime.model_setup): this much on a CPU; on a GPU, what is left of vLLM's default share
+# of its memory once the weights are loaded (workers.startup.kv_memory).
+DEFAULT_CPU_KV_CACHE_GB = 1.0
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
 
 @dataclass
 class CacheConfig:
     block_size: int = 16
     # Number of KV blocks; derived from kv_cache_memory_gb when None.
     num_blocks: int | None = None
-    # None: 1 GiB on a CPU; on a GPU, what gpu_memory_utilization leaves.
+    # None: DEFAULT_CPU_KV_CACHE_GB on a CPU; on a GPU, what gpu_memory_utilization leaves.
     kv_cache_memory_gb: float | None = None
     # vLLM's: on a GPU whose pool neither field above sizes, the share of its memory the engine
-    # may fill; the pool gets what the weights and a profiled step leave of it. None: 0.9.
+    # may fill; the pool gets what the weights and a profiled step leave of it. None:
+    # DEFAULT_GPU_MEMORY_UTILIZATION.
     # No effect on a CPU.
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
@@ -203,32 +210,50 @@ class EngineConfig:
                              f"got {self.distributed_executor!r}")
 
 
-def build_engine_config(model: str, *, dtype: str = "auto", device: str = "auto",
-                        attention_backend: str = "auto", fused_ops: str | bool = "auto",
-                        enforce_eager: bool = False, max_cudagraph_capture_size: int = 512,
-                        tokenizer: str | None = None,
-                        chat_template: str | None = None,
-                        load_format: str = "auto", simulate: str | None = None,
-                        max_model_len: int | None = None,
-                        block_size: int = 16, num_kv_blocks: int | None = None,
-                        kv_cache_memory_gb: float | None = None,
-                        gpu_memory_utilization: float | None = None,
-                        enable_prefix_caching: bool = True,
-                        watermark: float = 0.01, max_num_batched_tokens: int = 2048,
-                        max_num_seqs: int = 128, long_prefill_token_threshold: int = 0,
-                        enable_chunked_prefill: bool = True, scheduling_policy: str = "slo",
-                        full_sequence_admission: bool = True, aging_bound_ms: float = 5000.0,
-                        seed: int = 0,
-                        tensor_parallel_size: int = 1, distributed_executor: str = "auto",
-                        collective_timeout_s: float = 60.0,
-                        mid_forward_preemption: bool = True,
-                        preempt_policy: str = "conservative", preempt_margin: float = 1.2,
-                        stubborn_fraction: float = 0.9, preempt_min_tokens: int = 128,
-                        monitor_interval_ms: float = 2.0, slo_preempt_mode: str = "suspend",
-                        ttft_model: str | None = None,
-                        predictor_error_quantile: float = 0.9,
-                        startup_calibration: bool = True) -> EngineConfig:
-    """The flat engine arguments (as vLLM names them) grouped into an EngineConfig.
+def build_engine_config(model: str, *, dtype: str = ModelConfig.dtype,
+                        device: str = ModelConfig.device,
+                        attention_backend: str = ModelConfig.attention_backend,
+                        fused_ops: str | bool = ModelConfig.fused_ops,
+                        enforce_eager: bool = ModelConfig.enforce_eager,
+                        max_cudagraph_capture_size: int = ModelConfig.max_cudagraph_capture_size,
+                        tokenizer: str | None = ModelConfig.tokenizer,
+                        chat_template: str | None = ModelConfig.chat_template,
+                        load_format: str = ModelConfig.load_format,
+                        simulate: str | None = ModelConfig.simulate,
+                        max_model_len: int | None = ModelConfig.max_model_len,
+                        block_size: int = CacheConfig.block_size,
+                        num_kv_blocks: int | None = CacheConfig.num_blocks,
+                        kv_cache_memory_gb: float | None = CacheConfig.kv_cache_memory_gb,
+                        gpu_memory_utilization: float | None = CacheConfig.gpu_memory_utilization,
+                        enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
+                        watermark: float = CacheConfig.watermark,
+                        max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
+                        max_num_seqs: int = SchedulerConfig.max_num_seqs,
+                        long_prefill_token_threshold: int =
+                        SchedulerConfig.long_prefill_token_threshold,
+                        enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill,
+                        scheduling_policy: str = SchedulerConfig.policy,
+                        full_sequence_admission: bool = SchedulerConfig.full_sequence_admission,
+                        aging_bound_ms: float = SchedulerConfig.aging_bound_ms,
+                        seed: int = ModelConfig.seed,
+                        tensor_parallel_size: int = EngineConfig.tensor_parallel_size,
+                        distributed_executor: str = EngineConfig.distributed_executor,
+                        collective_timeout_s: float = EngineConfig.collective_timeout_s,
+                        mid_forward_preemption: bool = PreemptionConfig.mid_forward_preemption,
+                        preempt_policy: str = PreemptionConfig.policy,
+                        preempt_margin: float = PreemptionConfig.margin,
+                        stubborn_fraction: float = PreemptionConfig.stubborn_fraction,
+                        preempt_min_tokens: int = PreemptionConfig.min_tokens,
+                        monitor_interval_ms: float = PreemptionConfig.monitor_interval_ms,
+                        slo_preempt_mode: str = PreemptionConfig.mode,
+                        ttft_model: str | None = PreemptionConfig.ttft_model,
+                        predictor_error_quantile: float =
+                        PreemptionConfig.predictor_error_quantile,
+                        startup_calibration: bool = PreemptionConfig.startup_calibration,
+                        ) -> EngineConfig:
+    """The flat engine arguments (as vLLM names them) grouped into an EngineConfig. Every
+    default is the config dataclass field's own (defined there, once; the command line reads it
+    from there too: engine.entrypoints.engine_args).
     ``chat_template``: a file path or the template itself (read and checked here)."""
     from engine.dry_run import stop_if_dry_run
     from engine.processing.chat_template import load_chat_template  # jinja2: only when needed

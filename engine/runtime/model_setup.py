@@ -12,17 +12,13 @@ from pathlib import Path
 
 import torch
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.config import (DEFAULT_CPU_KV_CACHE_GB, DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig,
+                           EngineConfig, ModelConfig)
 from engine.model_folder import load_hf_config
 from engine.simulation.profile import StepTimeProfile, load_profile
 from kernels.backend import resolve_backend_name
 
 logger = logging.getLogger(__name__)
-
-# The KV pool where nothing sizes it: this much on a CPU; on a GPU, what is left of vLLM's
-# default share of its memory once the weights are loaded (workers.startup.kv_memory).
-DEFAULT_CPU_KV_CACHE_GB = 1.0
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,

@@ -13,10 +13,12 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-# vLLM's default cap on the captured sizes (--max-cudagraph-capture-size): past it, a graph per
-# size costs more memory and startup time than the launches it saves (a large batch's step is
-# dominated by its matmuls).
-MAX_CAPTURE_SIZE = 512
+from engine.config import ModelConfig
+
+# The default cap on the captured sizes (--max-cudagraph-capture-size, vLLM's 512; defined in
+# ModelConfig): past it, a graph per size costs more memory and startup time than the launches
+# it saves (a large batch's step is dominated by its matmuls).
+MAX_CAPTURE_SIZE = ModelConfig.max_cudagraph_capture_size
 
 
 def capture_sizes(max_num_seqs: int, limit: int = MAX_CAPTURE_SIZE) -> list[int]:

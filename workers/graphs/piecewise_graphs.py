@@ -202,7 +202,7 @@ class PiecewiseGraphs(CapturedSteps):
 def capture_piecewise_graphs(runner: Runner, max_num_batched_tokens: int,
                              backend: GraphBackend) -> PiecewiseGraphs:
     """Capture the pieces for every token count of ``capture_sizes`` up to the step budget
-    (at most the runner's max_cudagraph_capture_size, 512 by default: larger steps are
+    (at most the runner's max_cudagraph_capture_size, MAX_CAPTURE_SIZE by default: larger steps are
     compute-bound, their launches hide behind the matmuls)."""
     sizes = capture_sizes(max_num_batched_tokens, runner.max_cudagraph_capture_size)
     graphs = PiecewiseGraphs(runner, sizes, backend)

@@ -23,6 +23,7 @@ from typing import Any
 from engine.benchmarks.attainment.policies import DEFAULT_SWEEP_POLICIES, resolve_policies
 from engine.benchmarks.attainment.salts import PREFIX_SALT_TOKENS
 from engine.benchmarks.figures import FigureLog
+from engine.config import CacheConfig, ModelConfig
 
 # The policy a running `sloserve serve` at --url runs unless told otherwise (the engine's
 # default: slack-EDF with mid-forward preemption in suspend mode).
@@ -435,14 +436,14 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     from engine.benchmarks.attainment.workloads import WORKLOADS
 
     p.add_argument("--model", default=None, help="local HF folder (default: SmolLM2-135M)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+    p.add_argument("--dtype", default=ModelConfig.dtype)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=ModelConfig.device,
                    help="as `sloserve serve --device` (auto: CUDA when a GPU is visible)")
-    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+    p.add_argument("--load-format", choices=["auto", "dummy"], default=ModelConfig.load_format,
                    help="dummy: random weights for a config-only folder of a real shape "
                         "(sloserve bench shape)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=ModelConfig.max_model_len)
+    p.add_argument("--num-kv-blocks", type=int, default=CacheConfig.num_blocks)
     p.add_argument("--enforce-eager", action="store_true",
                    help="engines and servers without CUDA graphs (the GPU suite's steps after "
                         "a failed capture)")
