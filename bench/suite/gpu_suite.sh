@@ -286,9 +286,9 @@ run_full() {
         --shape "$shape" --no-eager --profile --profile-until-s $((70 * limit_scale)) \
         --out "$out/throughput-hf.json"
     if [[ $device == cuda ]]; then
-        step kernels 25 $py -m bench.kernels.gpu_kernels --repeats 10 --json "$out/kernels.json"
+        step kernels 25 $py -m bench.kernels.gpu_kernels --repeats 10 --output "$out/kernels.json"
     else
-        step kernels 25 $py -m bench.kernels.gpu_kernels --smoke --sections decode --json "$out/kernels.json"
+        step kernels 25 $py -m bench.kernels.gpu_kernels --smoke --sections decode --output "$out/kernels.json"
     fi
     # Compiles every kernel variant the tests use from an empty Triton cache.
     step tests-triton-compiled 120 env TRITON_INTERPRET=$([[ $device == cuda ]] && echo 0 || echo 1) \

@@ -9,7 +9,7 @@ network), one
 device, one dtype (auto: bf16 on a GPU, the CPU's native choice otherwise). In that order:
 
 1. the limits, measured here: device copy bandwidth (bytes read + written per second,
-   bench.kernels.kernel_harness.copy_gbps) and square-matmul TFLOP/s in the run's dtype;
+   engine/benchmarks/machine_limits.py copy_gbps) and square-matmul TFLOP/s in the run's dtype;
 2. HF transformers in a second process (bench/e2e/hf_throughput.py), so that its memory and CUDA
    state are its own: prefill tokens/s, and decode tokens/s and TPOT at each batch;
 3. the engine with enforce_eager=True (bench/e2e/engine_steps.py, in this process; its memory is
@@ -163,22 +163,12 @@ def prepare_model(args: argparse.Namespace, scratch: Path) -> tuple[str, str]:
 
 
 def measure_limits(device: torch.device, dtype: torch.dtype, matmul_size: int) -> dict[str, Any]:
-    from bench.kernels.kernel_harness import Timer, copy_gbps
+    """Copy bandwidth and square-matmul TFLOP/s, measured by engine/benchmarks/machine_limits.py."""
+    from engine.benchmarks import machine_limits
 
-    # CUDA: events, L2 flushed before each call; CPU: perf_counter.
-    timer = Timer(device, warmup=3 if device.type == "cuda" else 1,
-                  repeats=10 if device.type == "cuda" else 3)
-    gbps = copy_gbps(device, timer)
-    n = matmul_size
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    ms = timer(lambda: torch.matmul(a, b))
-    del a, b, timer
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # nothing of this stays in the engine's way
-    limits = {"copy_bandwidth_gbs": gbps, "matmul_tflops": 2 * n**3 / (ms / 1000) / 1e12,
-              "matmul_size": n, "matmul_dtype": str(dtype).removeprefix("torch.")}
-    _progress(f"limits: copy {gbps:.0f} GB/s, matmul {limits['matmul_tflops']:.3g} TFLOP/s")
+    limits = machine_limits.measure_limits(device, dtype, matmul_size)
+    _progress(f"limits: copy {limits['copy_bandwidth_gbs']:.0f} GB/s, "
+              f"matmul {limits['matmul_tflops']:.3g} TFLOP/s")
     return limits
 
 
