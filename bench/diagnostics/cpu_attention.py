@@ -1,8 +1,8 @@
 """CPU paged attention against this machine's limits, every implementation side by side in one run.
 
-Inputs are laid out as the model runner lays them out (engine/benchmarks/kernels/harness.py build_batch: paged
-cache [num_blocks, block_size, Hkv, D], shuffled block tables, AttentionMetadata) with the default
-model's attention shape (9 query heads, 3 KV heads, head_dim 64, block 16, float32). Times are
+Inputs are laid out as the model runner lays them out (engine/benchmarks/kernels/harness.py
+build_batch: paged cache [num_blocks, block_size, Hkv, D], shuffled block tables,
+AttentionMetadata) with the default model's attention shape (9 query heads, 3 KV heads, head_dim 64, block 16, float32). Times are
 per layer, the median of repeats, interleaved across implementations so machine noise (other
 processes) hits them alike.
 
@@ -22,7 +22,7 @@ prefill path did not change, so prefill compares against `current`); the rest ar
 measured before choosing. Prints one JSON object.
 
     python -m bench.diagnostics.cpu_attention [--quick] [--candidates]
-    python -m bench.diagnostics.cpu_attention --only engine   # LLM.generate, 16 x 2000-token decodes
+    python -m bench.diagnostics.cpu_attention --only engine  # LLM.generate, 16 x 2000-token decodes
 """
 
 from __future__ import annotations
