@@ -1,7 +1,7 @@
 """Engine and HF transformers throughput on one device against the device's own limits, and
 what the engine's CUDA graphs buy against --enforce-eager.
 
-    python -m bench.suite.gpu_throughput --shape llama-3.1-8b --out throughput.json
+    python -m bench.suite.gpu_throughput --shape llama-3.1-8b --output throughput.json
     python -m bench.suite.gpu_throughput --smoke --device cpu        # tiny shapes, keeps it from rotting
 
 One model shape (engine/benchmarks/model_shapes.py, `--load-format dummy`: no checkpoint, no
@@ -33,7 +33,7 @@ Bounds (the FLOP and byte counts of engine/benchmarks/roofline.py for the shape)
 Prints markdown on stdout that bench/RESULTS.md can take as is: the table (engine and HF side
 by side, each as % of the bound; HF has no mixed step), then graphs against eager (ms per step
 of each, speed-up = eager / graphs; on a CPU there are no graphs, so both ran the same code).
-Progress and the engine's log go to stderr; --out writes JSON (with the printed markdown under
+Progress and the engine's log go to stderr; --output writes JSON (with the printed markdown under
 "markdown"; "eager" holds the eager engine's figures, "graphs_vs_eager" the comparison). Nothing
 here asserts a timing.
 
@@ -47,7 +47,7 @@ Each engine's startup (JSON "startup", and the engine's "startup"; a markdown se
 seconds of `LLM(...)` (load, the engine's warm-up, capture), the bench's own warm-up after it, and
 the runner's `startup_report` as far as it has one (bench/engine_steps.startup_figures).
 
-Figures as they are measured: with --out PATH, PATH's .jsonl twin (`throughput.json` ->
+Figures as they are measured: with --output PATH, PATH's .jsonl twin (`throughput.json` ->
 `throughput.jsonl`, engine/benchmarks/figures.py) gets one JSON line per figure the moment it
 exists, so a
 run killed at a time limit keeps what it measured. Record kinds, in order: `run` (shape, device,
@@ -575,7 +575,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="start no profile of a step kind once the run is this many "
                              "seconds old (the kinds left out are named), so that a run under "
                              "a time limit ends in time")
-    parser.add_argument("--out", default=None, metavar="PATH",
+    parser.add_argument("--output", default=None, metavar="PATH",
                         help="write the JSON here at the end, and each figure as it is "
                              "measured to PATH's .jsonl twin (throughput.json -> "
                              "throughput.jsonl)")
@@ -697,11 +697,11 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     wall_started = time.perf_counter()
     # Each figure as it is measured, beside the final JSON (engine.benchmarks.figures).
-    with FigureLog(jsonl_twin(args.out) if args.out else None) as log:
+    with FigureLog(jsonl_twin(args.output) if args.output else None) as log:
         result = run(args, log, wall_started)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2))
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(result, indent=2))
     print(result["markdown"])
     return 1 if _failed(args, result) else 0
 
