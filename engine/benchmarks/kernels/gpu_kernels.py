@@ -53,10 +53,10 @@ import torch.nn.functional as F
 from engine.benchmarks.kernels.args import (DTYPES, EPILOG, FULL, SECTIONS,  # noqa: F401
                                             SMOKE, SWEEP_SMOKE_SHAPES, add_arguments,
                                             finish_args)
-from engine.dry_run import stop_if_dry_run_without_engine
 from engine.benchmarks.kernels.harness import (TABLES, TOLERANCE, Timer, build_batch, fits,
                                                gathered, kv_bytes_per_token, max_diff,
                                                peak_bandwidth, print_table, release)
+from engine.dry_run import stop_if_dry_run_without_engine
 
 NEEDS_GPU = ("bench.kernels.gpu_kernels needs an NVIDIA GPU (CUDA is not available here); kernel "
              "correctness is covered by tests/kernels/test_triton_kernels.py in Triton's "
