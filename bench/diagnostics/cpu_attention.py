@@ -1,8 +1,8 @@
 """CPU paged attention against this machine's limits, every implementation side by side in one run.
 
-Inputs are laid out as the model runner lays them out (bench/kernel_harness.build_batch: paged
-cache [num_blocks, block_size, Hkv, D], shuffled block tables, AttentionMetadata) with the default
-model's attention shape (9 query heads, 3 KV heads, head_dim 64, block 16, float32). Times are
+Inputs are laid out as the model runner lays them out (engine/benchmarks/kernels/harness.py
+build_batch: paged cache [num_blocks, block_size, Hkv, D], shuffled block tables,
+AttentionMetadata) with the default model's attention shape (9 query heads, 3 KV heads, head_dim 64, block 16, float32). Times are
 per layer, the median of repeats, interleaved across implementations so machine noise (other
 processes) hits them alike.
 
@@ -21,8 +21,8 @@ frozen copy of the implementation before issue 14 (so the ratio survives later c
 prefill path did not change, so prefill compares against `current`); the rest are candidates
 measured before choosing. Prints one JSON object.
 
-    python bench/diagnostics/cpu_attention.py [--quick] [--candidates]
-    python bench/diagnostics/cpu_attention.py --only engine   # LLM.generate, 16 x 2000-token decodes
+    python -m bench.diagnostics.cpu_attention [--quick] [--candidates]
+    python -m bench.diagnostics.cpu_attention --only engine  # LLM.generate, 16 x 2000-token decodes
 """
 
 from __future__ import annotations
@@ -31,18 +31,15 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from bench.kernels.kernel_harness import PagedBatch, build_batch  # noqa: E402
-from kernels import torch_attention  # noqa: E402
+from engine.benchmarks import machine_limits
+from engine.benchmarks.kernels.harness import PagedBatch, build_batch
+from kernels import torch_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 DTYPE = torch.float32
@@ -252,17 +249,20 @@ def _median_ms(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float
 
 
 def read_gbps(repeats: int) -> float:
-    """Memory read bandwidth: a sum over 512 MiB of float32 (far past the L3)."""
-    data = torch.ones(128 << 20, dtype=torch.float32)
-    ms = _median_ms(lambda: data.sum(), repeats)
-    return data.numel() * 4 / (ms / 1000) / 1e9
+    """Memory read bandwidth: a sum over 512 MiB of float32 (far past the L3), measured by
+    engine/benchmarks/machine_limits.py."""
+    cpu = torch.device("cpu")
+    return machine_limits.read_gbps(cpu, machine_limits.Timer(cpu, warmup=1, repeats=repeats),
+                                    512 << 20)
 
 
 def matmul_gflops(repeats: int) -> float:
-    """fp32 matmul roofline: the best of a square 1024 GEMM and the attention's own score shape
-    (per head [512, 64] x [64, 2048], batched); the square one is normally the faster."""
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    square = 2 * 1024 ** 3 / (_median_ms(lambda: a @ b, repeats) / 1000) / 1e9
+    """fp32 matmul roofline: the best of a square 1024 GEMM (engine/benchmarks/machine_limits.py)
+    and the attention's own score shape (per head [512, 64] x [64, 2048], batched); the square
+    one is normally the faster."""
+    cpu = torch.device("cpu")
+    square = 1000 * machine_limits.matmul_tflops(
+        cpu, torch.float32, 1024, machine_limits.Timer(cpu, warmup=1, repeats=repeats))
     qa, kb = torch.randn(HEADS, 512, HEAD_DIM), torch.randn(HEADS, HEAD_DIM, 2048)
     ms = _median_ms(lambda: torch.bmm(qa, kb), repeats)
     return max(square, 2 * HEADS * 512 * HEAD_DIM * 2048 / (ms / 1000) / 1e9)

@@ -7,8 +7,8 @@ chunk. The two kernels alternate within each repeat so machine noise hits both a
 JSON object; the engine packs its float32 CPU weights (``workers.layers.cpu_prepack``) because of
 these figures.
 
-    python bench/diagnostics/cpu_linear.py
-    python bench/diagnostics/cpu_linear.py --rows 1 16 64 512 --repeats 5
+    python -m bench.diagnostics.cpu_linear
+    python -m bench.diagnostics.cpu_linear --rows 1 16 64 512 --repeats 5
 """
 
 from __future__ import annotations
@@ -18,12 +18,9 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 
 def _layer_weights(shape, dtype: torch.dtype) -> list[list[torch.Tensor]]:

@@ -4,11 +4,11 @@ number of device-to-host reads each makes per call.
 
 On a GPU every read waits for the device, and the engine reads the sampled tokens back every
 step, so the reads per call are what issue 26 is about; on a CPU the times compare the host work.
-Prints a table, then one JSON object (``--out`` also writes it). The figures are the script's to
+Prints a table, then one JSON object (``--output`` also writes it). The figures are the script's to
 print, never a test's to assert.
 
-    python bench/diagnostics/sampler_overhead.py                       # vocab 32768, batches 1 16 64
-    python bench/diagnostics/sampler_overhead.py --vocab 128256 --device cuda
+    python -m bench.diagnostics.sampler_overhead                      # vocab 32768, batches 1 16 64
+    python -m bench.diagnostics.sampler_overhead --vocab 128256 --device cuda
 """
 
 from __future__ import annotations
@@ -22,12 +22,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import torch
 
-import torch  # noqa: E402
-
-from engine.sampling_params import SamplingParams  # noqa: E402
-from workers.sample.sampler import Sampler  # noqa: E402
+from engine.sampling_params import SamplingParams
+from workers.sample.sampler import Sampler
 
 # Each of these reads a tensor's value into Python (as tests/utils/host_sync.py lists them).
 READING_METHODS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__",
@@ -195,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
                              "waits a whole time slice for a descheduled worker thread, which "
                              "measures the machine's load, not the sampler)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one repeat")
-    parser.add_argument("--out", type=Path, help="also write the JSON here")
+    parser.add_argument("--output", type=Path, metavar="PATH", help="also write the JSON here")
     args = parser.parse_args(argv)
     if args.smoke:
         args.batches, args.vocab, args.repeats = [1, 4], 64, 1
@@ -203,8 +201,8 @@ def main(argv: list[str] | None = None) -> None:
     report = run(args.batches, args.vocab, torch.device(args.device), args.repeats)
     print(table(report), file=sys.stderr)
     print(json.dumps(report))
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2))
+    if args.output:
+        args.output.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -10,9 +10,9 @@ the odd-numbered ones, per kind of step:
   with a prefill chunk only, every decode counted as attention work).
 - `decode-term`: the model the engine fits now (both windows, decode term).
 
-    python bench/diagnostics/step_model.py                  # default model, ~3 minutes on 2 CPU cores
-    python bench/diagnostics/step_model.py --model DIR --requests 16
-    python bench/diagnostics/step_model.py --load-steps steps.json   # score recorded steps again
+    python -m bench.diagnostics.step_model                # default model, ~3 minutes on 2 CPU cores
+    python -m bench.diagnostics.step_model --model DIR --requests 16
+    python -m bench.diagnostics.step_model --load-steps steps.json   # score recorded steps again
 """
 
 from __future__ import annotations
@@ -24,11 +24,9 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from monitor.predictor import LinearTTFT, StepPoint  # noqa: E402
+from monitor.predictor import LinearTTFT, StepPoint
 
 # (tokens, attention, decode_context, decodes, seconds) of one step.
 Step = tuple[int, int, int, int, float]

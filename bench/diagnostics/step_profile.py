@@ -7,8 +7,8 @@ everything in a step but the model forward and the LM head: the work issue 14 as
 shows. Prints one JSON object; `--profile` also runs one configuration under cProfile and prints
 its top entries (to stderr).
 
-    python bench/diagnostics/step_profile.py                      # 16/64-way decode over 64/2000 tokens
-    python bench/diagnostics/step_profile.py --configs 16x64 --profile
+    python -m bench.diagnostics.step_profile                  # 16/64-way decode over 64/2000 tokens
+    python -m bench.diagnostics.step_profile --configs 16x64 --profile
 """
 
 from __future__ import annotations
@@ -22,11 +22,8 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-import torch  # noqa: E402
+import torch
 
 PARTS = ("schedule", "prepare_inputs", "forward", "lm_head", "sampling", "execute_other",
          "update_from_output", "output_processing", "loop_other")

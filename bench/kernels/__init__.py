@@ -1,1 +1,1 @@
-"""Benchmarks of the attention and fused kernels against PyTorch's, and the launch-config sweep."""
+"""Entry points of the kernel benchmark (`python -m bench.kernels.gpu_kernels`); the library is engine/benchmarks/kernels/."""

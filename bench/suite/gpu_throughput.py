@@ -1,7 +1,7 @@
 """Engine and HF transformers throughput on one device against the device's own limits, and
 what the engine's CUDA graphs buy against --enforce-eager.
 
-    python -m bench.suite.gpu_throughput --shape llama-3.1-8b --out throughput.json
+    python -m bench.suite.gpu_throughput --shape llama-3.1-8b --output throughput.json
     python -m bench.suite.gpu_throughput --smoke --device cpu        # tiny shapes, keeps it from rotting
 
 One model shape (engine/benchmarks/model_shapes.py, `--load-format dummy`: no checkpoint, no
@@ -9,7 +9,7 @@ network), one
 device, one dtype (auto: bf16 on a GPU, the CPU's native choice otherwise). In that order:
 
 1. the limits, measured here: device copy bandwidth (bytes read + written per second,
-   bench.kernels.kernel_harness.copy_gbps) and square-matmul TFLOP/s in the run's dtype;
+   engine/benchmarks/machine_limits.py copy_gbps) and square-matmul TFLOP/s in the run's dtype;
 2. HF transformers in a second process (bench/e2e/hf_throughput.py), so that its memory and CUDA
    state are its own: prefill tokens/s, and decode tokens/s and TPOT at each batch;
 3. the engine with enforce_eager=True (bench/e2e/engine_steps.py, in this process; its memory is
@@ -33,7 +33,7 @@ Bounds (the FLOP and byte counts of engine/benchmarks/roofline.py for the shape)
 Prints markdown on stdout that bench/RESULTS.md can take as is: the table (engine and HF side
 by side, each as % of the bound; HF has no mixed step), then graphs against eager (ms per step
 of each, speed-up = eager / graphs; on a CPU there are no graphs, so both ran the same code).
-Progress and the engine's log go to stderr; --out writes JSON (with the printed markdown under
+Progress and the engine's log go to stderr; --output writes JSON (with the printed markdown under
 "markdown"; "eager" holds the eager engine's figures, "graphs_vs_eager" the comparison). Nothing
 here asserts a timing.
 
@@ -47,7 +47,7 @@ Each engine's startup (JSON "startup", and the engine's "startup"; a markdown se
 seconds of `LLM(...)` (load, the engine's warm-up, capture), the bench's own warm-up after it, and
 the runner's `startup_report` as far as it has one (bench/engine_steps.startup_figures).
 
-Figures as they are measured: with --out PATH, PATH's .jsonl twin (`throughput.json` ->
+Figures as they are measured: with --output PATH, PATH's .jsonl twin (`throughput.json` ->
 `throughput.jsonl`, engine/benchmarks/figures.py) gets one JSON line per figure the moment it
 exists, so a
 run killed at a time limit keeps what it measured. Record kinds, in order: `run` (shape, device,
@@ -163,22 +163,12 @@ def prepare_model(args: argparse.Namespace, scratch: Path) -> tuple[str, str]:
 
 
 def measure_limits(device: torch.device, dtype: torch.dtype, matmul_size: int) -> dict[str, Any]:
-    from bench.kernels.kernel_harness import Timer, copy_gbps
+    """Copy bandwidth and square-matmul TFLOP/s, measured by engine/benchmarks/machine_limits.py."""
+    from engine.benchmarks import machine_limits
 
-    # CUDA: events, L2 flushed before each call; CPU: perf_counter.
-    timer = Timer(device, warmup=3 if device.type == "cuda" else 1,
-                  repeats=10 if device.type == "cuda" else 3)
-    gbps = copy_gbps(device, timer)
-    n = matmul_size
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    ms = timer(lambda: torch.matmul(a, b))
-    del a, b, timer
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # nothing of this stays in the engine's way
-    limits = {"copy_bandwidth_gbs": gbps, "matmul_tflops": 2 * n**3 / (ms / 1000) / 1e12,
-              "matmul_size": n, "matmul_dtype": str(dtype).removeprefix("torch.")}
-    _progress(f"limits: copy {gbps:.0f} GB/s, matmul {limits['matmul_tflops']:.3g} TFLOP/s")
+    limits = machine_limits.measure_limits(device, dtype, matmul_size)
+    _progress(f"limits: copy {limits['copy_bandwidth_gbs']:.0f} GB/s, "
+              f"matmul {limits['matmul_tflops']:.3g} TFLOP/s")
     return limits
 
 
@@ -585,7 +575,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="start no profile of a step kind once the run is this many "
                              "seconds old (the kinds left out are named), so that a run under "
                              "a time limit ends in time")
-    parser.add_argument("--out", default=None, metavar="PATH",
+    parser.add_argument("--output", default=None, metavar="PATH",
                         help="write the JSON here at the end, and each figure as it is "
                              "measured to PATH's .jsonl twin (throughput.json -> "
                              "throughput.jsonl)")
@@ -707,11 +697,11 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     wall_started = time.perf_counter()
     # Each figure as it is measured, beside the final JSON (engine.benchmarks.figures).
-    with FigureLog(jsonl_twin(args.out) if args.out else None) as log:
+    with FigureLog(jsonl_twin(args.output) if args.output else None) as log:
         result = run(args, log, wall_started)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2))
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(result, indent=2))
     print(result["markdown"])
     return 1 if _failed(args, result) else 0
 

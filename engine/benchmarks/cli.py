@@ -7,6 +7,10 @@ that a standing benchmark runs the same way from the CLI, from a script in bench
   run     replay traces against policies x budgets x rates x seeds          (attainment)
   sweep   find fcfs' 50% attainment rate, run the grid at 0.5x/1x/1.5x      (attainment)
   report  rebuild the Markdown table and plots from a results JSON         (attainment)
+  kernels Triton attention and fused kernels against PyTorch's, decode bandwidth against the
+          device's peak (a GPU; --smoke: tiny shapes on the CPU in Triton's interpreter)
+  suite   the GPU suite: OUT_DIR [--core] [--only STEP]; steps under per-step time limits,
+          OUT_DIR/summary.md and suite.json (engine/benchmarks/suite/gpu_suite.sh)
   shape   write a model folder of a real shape without its weights, for --load-format dummy
           runs (config.json and a tokenizer that covers the shape's vocabulary)
 """
@@ -18,11 +22,13 @@ from typing import Any
 
 from engine.benchmarks import model_shapes
 from engine.benchmarks.attainment import cli as attainment_cli
+from engine.benchmarks.kernels import cli as kernels_cli
+from engine.benchmarks.suite import cli as suite_cli
 
 
 def add_bench_parser(subparsers: Any) -> None:
     bench = subparsers.add_parser("bench", help="the benchmark suite: SLO attainment, "
-                                                "model shapes",
+                                                "kernels, the GPU suite, model shapes",
                                   description=__doc__ + "\n" + (attainment_cli.__doc__ or ""),
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = bench.add_subparsers(dest="bench_command", metavar="COMMAND")
@@ -35,6 +41,8 @@ def add_bench_parser(subparsers: Any) -> None:
     bench.set_defaults(func=show_commands)
 
     attainment_cli.add_subcommands(sub)
+    kernels_cli.add_subcommands(sub)
+    suite_cli.add_subcommands(sub)
 
     shape = sub.add_parser("shape", help="write a model folder of a real shape without weights "
                                          "(config.json and a tokenizer), for --load-format dummy",

@@ -9,19 +9,21 @@ Two bounds, both counted from the HF config (never hard-coded for one model):
   float32, workers.layers.cpu_prepack) reaches on *these* GEMM shapes, on torch's threads;
 - decode is memory bound at small batches: every step reads the weights once and each request's
   K/V (2 x n_layers x n_kv_heads x head_dim x ctx x dtype bytes), at the measured read bandwidth
-  of a buffer far larger than the caches. At large batches the linear layers' FLOPs take over,
-  so the decode roofline is the larger of the two times; both shares are reported.
+  of a buffer far larger than the caches (engine/benchmarks/machine_limits.py read_gbps, the
+  one place a device's bandwidth and matmul peak are measured). At large batches the linear
+  layers' FLOPs take over, so the decode roofline is the larger of the two times; both shares
+  are reported.
 
 Nothing here is asserted on timing: bench/e2e/throughput.py prints the figures as JSON.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass
 
 import torch
+
+from engine.benchmarks.machine_limits import Timer, copy_gbps, read_gbps
 
 
 @dataclass(frozen=True)
@@ -93,13 +95,8 @@ def decode_flops_per_step(shape: ModelShape, contexts: list[int]) -> dict[str, i
 
 
 def _median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up: first-touch pages, oneDNN/MKL plan caches
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    # One warm-up call (first-touch pages, oneDNN/MKL plan caches), then the median.
+    return Timer(torch.device("cpu"), warmup=1, repeats=repeats)(fn) / 1000
 
 
 def _repeats_for(flops: float) -> int:
@@ -196,13 +193,13 @@ class Roofline:
 
 
 def measure_bandwidth(mib: int = 1024, repeats: int = 5) -> dict[str, float]:
-    """Read (sum) and copy bandwidth of a float32 buffer of `mib` MiB, far past the caches.
-    Decode mostly reads, so the read figure is the decode bound's bandwidth."""
-    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
-    nbytes = src.numel() * 4
-    read_s = _median_seconds(lambda: src.sum(), repeats)
-    dst = torch.empty_like(src)
-    copy_s = _median_seconds(lambda: dst.copy_(src), repeats)
-    del dst, src
-    return {"bandwidth_gbs": nbytes / read_s / 1e9, "copy_bandwidth_gbs": 2 * nbytes / copy_s / 1e9,
+    """Read (sum) and copy bandwidth of a buffer of `mib` MiB, far past the caches, measured by
+    engine/benchmarks/machine_limits.py. Decode mostly reads, so the read figure is the decode
+    bound's bandwidth. (The copy was of a float32 buffer here before; machine_limits copies the
+    same bytes as uint8, the same memcpy.)"""
+    cpu = torch.device("cpu")
+    timer = Timer(cpu, warmup=1, repeats=repeats)
+    nbytes = mib * 2**20
+    return {"bandwidth_gbs": read_gbps(cpu, timer, nbytes),
+            "copy_bandwidth_gbs": copy_gbps(cpu, timer, nbytes),
             "bandwidth_buffer_mib": mib}

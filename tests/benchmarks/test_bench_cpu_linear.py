@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_script_prints_both_kernels_per_row_count(tiny_model):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     run = subprocess.run(
-        [sys.executable, "bench/diagnostics/cpu_linear.py", "--model", tiny_model("llama"),
+        [sys.executable, "-m", "bench.diagnostics.cpu_linear", "--model", tiny_model("llama"),
          "--rows", "1", "7", "--repeats", "1"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -1,5 +1,5 @@
-"""bench/suite/gpu_smoke.py, the GPU suite's first step: it tells the suite whether the rest of the
-call can use CUDA graphs. On the CPU the graphs are the test stand-in (EagerReplayBackend)."""
+"""engine/benchmarks/suite/smoke.py (`python -m bench.suite.gpu_smoke`), the GPU suite's first
+step: it tells the suite whether the rest of the call can use CUDA graphs. On the CPU the graphs are the test stand-in (EagerReplayBackend)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.suite import gpu_smoke
+from engine.benchmarks.suite import smoke as gpu_smoke
 from engine.benchmarks.random_checkpoints import make_random_model, save_small_tokenizer
 from workers.graphs.cuda_graphs import FAKE_GRAPHS_ENV, EagerReplayBackend
 
@@ -26,7 +26,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 def _smoke(model: str, out: Path) -> int:
     return gpu_smoke.main(["--model", model, "--load-format", "auto", "--device", "cpu",
                            "--chunk-tokens", "128", "--decode-batch", "4", "--decode-tokens",
-                           "4", "--out", str(out)])
+                           "4", "--output", str(out)])
 
 
 def test_graphs_captured_and_replayed_pass(model: str, tmp_path: Path,

@@ -19,7 +19,7 @@ def throughput_run(tmp_path_factory) -> tuple[dict, list[str]]:
     (no HF): what a step killed part way would have written first."""
     out = tmp_path_factory.mktemp("throughput") / "throughput.json"
     assert gpu_throughput.main(["--smoke", "--device", "cpu", "--dtype", "float32", "--no-hf",
-                                "--batches", "1", "4", "--out", str(out)]) == 0
+                                "--batches", "1", "4", "--output", str(out)]) == 0
     return json.loads(out.read_text()), out.with_suffix(".jsonl").read_text().splitlines()
 
 
@@ -112,7 +112,7 @@ def test_notes_unknown_steps_and_partial_bursts(tmp_path):
         "(smoke.log has the error)\n")
     (out / "ttft_model.json").write_text(json.dumps({"seconds_per_token": 2e-5,
                                                      "intercept_s": 0.01, "r2": 0.99}))
-    # The smoke step's phases as it wrote them (bench/suite/gpu_smoke.py), no final JSON.
+    # The smoke step's phases as it wrote them (engine/benchmarks/suite/smoke.py), no final JSON.
     with FigureLog(out / "smoke.jsonl") as log:
         log.write("engine", enforce_eager=False, error="RuntimeError: capture failed",
                   start_s=3.5)

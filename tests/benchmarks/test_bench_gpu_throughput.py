@@ -35,7 +35,7 @@ def smoke(tmp_path_factory) -> tuple[dict, str]:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     run = subprocess.run(
         [sys.executable, "-m", "bench.suite.gpu_throughput", "--smoke", "--device", "cpu",
-         "--dtype", "float32", "--profile", "--profile-steps", "2", "--out", str(out)],
+         "--dtype", "float32", "--profile", "--profile-steps", "2", "--output", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(out.read_text()), run.stdout
@@ -700,7 +700,7 @@ def test_a_killed_run_keeps_the_figures_it_measured(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", **{LAYER_DELAY_ENV: "3000"})
     proc = subprocess.Popen(
         [sys.executable, "-m", "bench.suite.gpu_throughput", "--smoke", "--device", "cpu",
-         "--dtype", "float32", "--no-hf", "--out", str(out)],
+         "--dtype", "float32", "--no-hf", "--output", str(out)],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for_figures(proc, twin, lambda rs: any(r["kind"] == "decode" for r in rs),
@@ -730,7 +730,7 @@ def test_the_suites_dry_run_and_enforce_eager_flags(tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "bench.suite.gpu_throughput", "--device", "cuda", "--shape",
          "llama-3.1-8b", "--no-hf", "--batches", "1", "64", "--enforce-eager",
-         "--out", str(tmp_path / "throughput.json")],
+         "--output", str(tmp_path / "throughput.json")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     last = run.stderr.strip().splitlines()[-1]

@@ -1,4 +1,4 @@
-"""bench/kernels/gpu_kernels.py, the GPU kernel benchmark, without a GPU: the plain run must exit cleanly
+"""The GPU kernel benchmark (engine/benchmarks/kernels/, `python -m bench.kernels.gpu_kernels`), without a GPU: the plain run must exit cleanly
 with its needs-a-GPU line, and `--smoke` (tiny shapes in Triton's interpreter) must run every
 section and print its table rows, so the script cannot rot untested."""
 
@@ -88,7 +88,7 @@ def test_smoke_sweep_runs_every_config_and_prints_the_choice(tmp_path):
     """``--sweep-configs --smoke``: the sweep's code path in the interpreter, two configs per
     kind on one tiny shape each, ending with the chosen config as a literal that builds."""
     path = tmp_path / "sweep.json"
-    result = _run("--smoke", "--sweep-configs", "--json", str(path))
+    result = _run("--smoke", "--sweep-configs", "--output", str(path))
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert out.startswith("SMOKE RUN") and "WARNING" not in out and "STOPPED" not in out
@@ -122,7 +122,7 @@ def test_smoke_sweep_runs_every_config_and_prints_the_choice(tmp_path):
 def test_sweep_until_s_starts_no_config_past_its_time(tmp_path):
     path = tmp_path / "sweep.json"
     result = _run("--smoke", "--sweep-configs", "--sweep-until-s", "0", "--sections", "decode",
-                  "--json", str(path))
+                  "--output", str(path))
     assert result.returncode == 0, result.stderr
     assert "STOPPED: --sweep-until-s 0 reached after 0 of 2 configs" in result.stdout
     assert "decode: no config run" in result.stdout and "prefill sweep" not in result.stdout
@@ -134,7 +134,7 @@ def test_sweep_until_s_starts_no_config_past_its_time(tmp_path):
 
 
 def test_peak_bandwidth_sources(monkeypatch):
-    from bench.kernels import kernel_harness as bench
+    from engine.benchmarks.kernels import harness as bench
 
     timer = bench.Timer(torch.device("cpu"), 0, 1)
     cuda = torch.device("cuda", 0)
@@ -167,7 +167,7 @@ def test_prefill_baseline_falls_back_to_repeated_kv(monkeypatch):
     to the query heads (query head h reads KV head h // group) and still computes the same."""
     from torch.nn.attention.bias import causal_lower_right
 
-    from bench.kernels import gpu_kernels as bench
+    from engine.benchmarks.kernels import gpu_kernels as bench
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 5, 16, generator=g)
@@ -189,3 +189,21 @@ def test_prefill_baseline_falls_back_to_repeated_kv(monkeypatch):
     monkeypatch.setattr(bench, "F", SimpleNamespace(scaled_dot_product_attention=no_gqa_with_bias))
     call, mask = bench.sdpa_prefill(q, k, v, prefix=7, scale=16 ** -0.5)
     assert mask == "lower-right, K/V repeated" and torch.allclose(call(), expected, atol=1e-5)
+
+
+def test_sloserve_bench_kernels_runs_the_same_benchmark(tmp_path):
+    """`sloserve bench kernels` is the same benchmark as `python -m bench.kernels.gpu_kernels`:
+    a --smoke run of one section prints its table and writes it to --output."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    path = tmp_path / "kernels.json"
+    result = subprocess.run([sys.executable, "-m", "engine.entrypoints.cli", "bench", "kernels",
+                             "--smoke", "--sections", "silu", "--output", str(path)], cwd=REPO,
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("SMOKE RUN")
+    assert [(r[0], r[1]) for r in _section(result.stdout, "silu_and_mul:")] == [("1", "96"),
+                                                                                ("5", "96")]
+    written = json.loads(path.read_text())
+    assert written["smoke"] and [t["title"].split(":")[0] for t in written["tables"]] \
+        == ["silu_and_mul"]

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_script_compares_both_samplers_and_counts_their_reads():
-    run = subprocess.run([sys.executable, "bench/diagnostics/sampler_overhead.py", "--smoke"], cwd=REPO,
+    run = subprocess.run([sys.executable, "-m", "bench.diagnostics.sampler_overhead", "--smoke"], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout)

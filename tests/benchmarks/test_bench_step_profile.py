@@ -17,7 +17,7 @@ def test_script_prints_the_step_split_on_a_tiny_model(tiny_model):
     model = tiny_model("llama")
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     run = subprocess.run(
-        [sys.executable, "bench/diagnostics/step_profile.py", "--model", model, "--configs", "2x8", "3x40",
+        [sys.executable, "-m", "bench.diagnostics.step_profile", "--model", model, "--configs", "2x8", "3x40",
          "--max-tokens", "5", "--profile"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -1,4 +1,5 @@
-"""`bench/suite/gpu_suite.sh` on the CPU, so that the two calls a lent GPU runs cannot rot where CI has
+"""The GPU suite (engine/benchmarks/suite/gpu_suite.sh, run as `bash bench/suite/gpu_suite.sh` and
+`sloserve bench suite`) on the CPU, so that the two calls a lent GPU runs cannot rot where CI has
 no GPU:
 
 - `--dry-run`: every step of both calls with its exact full-size flags (the 8B shape, `--device
@@ -26,7 +27,9 @@ import pytest
 from tests.utils.figures_wait import wait_for_figures
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "suite" / "gpu_suite.sh"
+# The suite's script, and the command CONTRIBUTING documents (a wrapper that runs it).
+SCRIPT = ROOT / "engine" / "benchmarks" / "suite" / "gpu_suite.sh"
+WRAPPER = ROOT / "bench" / "suite" / "gpu_suite.sh"
 CORE_STEPS = ["smoke", "throughput", "calibrate", "burst-http-2048", "stream-gaps"]
 FULL_STEPS = ["equality", "tests-cuda", "preempt-latency", "burst-http-unchunked", "throughput-hf",
               "kernels", "tests-triton-compiled", "burst-inprocess"]
@@ -54,7 +57,7 @@ def _last_line(out: Path, step: str) -> str:
     return lines[-1] if lines else ""
 
 
-def _run(args: list[str], timeout: float, script: Path = SCRIPT,
+def _run(args: list[str], timeout: float, script: Path = WRAPPER,
          env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["bash", str(script), *args], cwd=ROOT, env=env or _env(),
                           capture_output=True, text=True, timeout=timeout)
@@ -101,7 +104,7 @@ def test_dry_run_checks_the_enforce_eager_commands_a_renamed_flag_and_a_killed_s
     (no Python with torch starts that fast). The probe for the dry run: the misspelt flag fails
     exactly its step. The killed step does not stop the steps after it, and the summary says
     so."""
-    bench = tmp_path / "copy" / "bench" / "suite"
+    bench = tmp_path / "copy" / "engine" / "benchmarks" / "suite"
     bench.mkdir(parents=True)
     text = SCRIPT.read_text()
     assert text.count("--eager-batches 1 64") == 1  # the full-size flags
@@ -142,7 +145,7 @@ def test_core_smoke_runs_every_step_and_summarizes_a_killed_one(tmp_path: Path) 
         wait_for_figures(proc, out / "throughput.jsonl",
                          lambda rs: any(r["kind"] == "decode" for r in rs),
                          "the throughput step's first figure", timeout_s=300)
-        subprocess.run(["pkill", "-KILL", "-f", f"bench.suite.gpu_throughput .*--out {out}/"],
+        subprocess.run(["pkill", "-KILL", "-f", f"bench.suite.gpu_throughput .*--output {out}/"],
                        check=True)
         stdout, stderr = proc.communicate(timeout=1300)
     finally:
@@ -219,7 +222,7 @@ def test_an_interrupted_suite_still_writes_its_summary(tmp_path: Path) -> None:
     assert summary == stdout[stdout.index("# GPU suite"):]
     assert "## Smoke" in summary and "killed" in summary
     # No process of the killed step outlives it.
-    leftover = subprocess.run(["pgrep", "-f", f"--out {out}/throughput.json"],
+    leftover = subprocess.run(["pgrep", "-f", f"--output {out}/throughput.json"],
                               capture_output=True, text=True)
     assert leftover.stdout.strip() == ""
 
@@ -278,9 +281,36 @@ def test_gpu_suite_refuses_the_full_shapes_without_a_gpu(tmp_path: Path) -> None
 
 
 def test_gpu_suite_needs_an_output_folder() -> None:
-    proc = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run(["bash", str(WRAPPER)], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and "usage" in proc.stderr
+
+
+def test_sloserve_bench_suite_runs_the_same_script(tmp_path: Path) -> None:
+    """`sloserve bench suite` runs gpu_suite.sh with its own arguments: the full shapes on a CPU
+    are refused as the script refuses them, before any step."""
+    proc = subprocess.run([sys.executable, "-m", "engine.entrypoints.cli", "bench", "suite",
+                           str(tmp_path), "--device", "cpu"], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "pass --smoke" in proc.stderr
+    assert not (tmp_path / "steps.tsv").exists()  # nothing ran
+
+
+def test_sloserve_bench_suite_passes_every_flag_to_the_script() -> None:
+    from engine.benchmarks.suite.cli import SCRIPT as PACKAGED, script_argv
+    from engine.entrypoints.cli import build_parser
+
+    assert PACKAGED == SCRIPT and PACKAGED.is_file()
+    args = build_parser().parse_args(
+        ["bench", "suite", "OUT", "--core", "--device", "cpu", "--smoke", "--only", "smoke",
+         "--only", "stream-gaps", "--limit", "calibrate=5", "--deadline-s", "90", "--dry-run",
+         "--shape", "llama-3.1-8b", "--assume-capture-failed"])
+    assert script_argv(args) == [
+        "bash", str(SCRIPT), "OUT", "--core", "--dry-run", "--smoke", "--assume-capture-failed",
+        "--device", "cpu", "--shape", "llama-3.1-8b", "--deadline-s", "90",
+        "--limit", "calibrate=5", "--only", "smoke", "--only", "stream-gaps"]
+    bare = build_parser().parse_args(["bench", "suite", "OUT"])
+    assert script_argv(bare) == ["bash", str(SCRIPT), "OUT"]  # the full call, the script's defaults
 
 
 def test_each_call_runs_its_steps_in_order_of_value_under_its_deadline() -> None:

@@ -1,20 +1,18 @@
-"""The GPU kernel benchmark's harness (bench/kernels/gpu_kernels.py and its launch-config sweep,
-bench/kernels/attention_sweep.py): timing with CUDA events, the device's peak memory bandwidth, paged
-attention inputs laid out as the model runner lays them out, and the printed tables."""
+"""The GPU kernel benchmark's harness (engine/benchmarks/kernels/gpu_kernels.py and its
+launch-config sweep, attention_sweep.py): the device's peak memory bandwidth, paged attention
+inputs laid out as the model runner lays them out, and the printed tables. Timing (CUDA events,
+L2 flushed) and the measured copy bandwidth are engine/benchmarks/machine_limits.py's."""
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-# The L2 cache is overwritten before every timed call: small shapes fit in L2, and repeated calls
-# would otherwise overstate HBM bandwidth.
-FLUSH_BYTES = 256 << 20
+# Timer and copy_gbps live with the other machine limits (Timer is re-exported for the benchmark's
+# modules).
+from engine.benchmarks.machine_limits import Timer, copy_gbps  # noqa: F401
 
 # Datasheet HBM/GDDR bandwidth in GB/s, by the words of torch.cuda.get_device_name (upper case,
 # '-' read as a space). First match wins, so the more specific entries come first.
@@ -54,7 +52,7 @@ TOLERANCE = {torch.bfloat16: 5e-2, torch.float16: 1e-2, torch.float32: 2e-3}
 # Report helpers
 
 
-# Every table printed, for --json.
+# Every table printed, for --output.
 TABLES: list[dict[str, Any]] = []
 
 
@@ -95,38 +93,6 @@ def release(device: torch.device) -> None:
 # Timing
 
 
-class Timer:
-    """Median milliseconds of `fn()` over `repeats` calls after `warmup` calls. CUDA: one event
-    pair around each call, with the L2 flushed (outside the events) before it. CPU: perf_counter.
-    """
-
-    def __init__(self, device: torch.device, warmup: int, repeats: int) -> None:
-        self.device, self.warmup, self.repeats = device, warmup, repeats
-        self.flush = (torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
-                      if device.type == "cuda" else None)
-
-    def __call__(self, fn: Callable[[], Any]) -> float:
-        for _ in range(self.warmup):
-            fn()
-        if self.device.type != "cuda":
-            times = []
-            for _ in range(self.repeats):
-                started = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - started) * 1000)
-            return statistics.median(times)
-        assert self.flush is not None
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.repeats)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.repeats)]
-        for start, end in zip(starts, ends):
-            self.flush.zero_()
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize(self.device)
-        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
-
-
 # ---------------------------------------------------------------------------------------------
 # Peak bandwidth
 
@@ -137,17 +103,6 @@ def datasheet_gbps(name: str) -> tuple[float, str] | None:
         if all(w in words for w in needed):
             return gbps, label
     return None
-
-
-def copy_gbps(device: torch.device, timer: Timer) -> float:
-    """Device-to-device copy bandwidth: bytes read + bytes written per second."""
-    size = 64 << 20
-    if device.type == "cuda":
-        size = min(1 << 30, torch.cuda.mem_get_info(device)[0] // 4)
-    src = torch.ones(size, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = timer(lambda: dst.copy_(src))
-    return 2 * size / (ms / 1000) / 1e9
 
 
 def peak_bandwidth(device: torch.device, override: float | None,
