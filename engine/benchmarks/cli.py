@@ -9,6 +9,13 @@ that a standing benchmark runs the same way from the CLI, from a script in bench
   report  rebuild the Markdown table and plots from a results JSON         (attainment)
   shape   write a model folder of a real shape without its weights, for --load-format dummy
           runs (config.json and a tokenizer that covers the shape's vocabulary)
+
+The standing end-to-end benchmarks (each `--output PATH` writes its figures to a file too):
+
+  throughput  prefill and decode tokens/s vs HF transformers, and the roofline figures
+  latency     an urgent request's arrival -> the stop of a long prefill (--simulate supported)
+  serve       the offline engine vs the same requests through `sloserve serve` (HTTP, SSE)
+  soak        N concurrent clients for T seconds against a real server; nothing may be lost
 """
 
 from __future__ import annotations
@@ -16,13 +23,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from engine.benchmarks import model_shapes
+from engine.benchmarks import latency, model_shapes, serve_overhead, soak, throughput
 from engine.benchmarks.attainment import cli as attainment_cli
 
 
 def add_bench_parser(subparsers: Any) -> None:
     bench = subparsers.add_parser("bench", help="the benchmark suite: SLO attainment, "
-                                                "model shapes",
+                                                "throughput, latency, serving, soak, shapes",
                                   description=__doc__ + "\n" + (attainment_cli.__doc__ or ""),
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = bench.add_subparsers(dest="bench_command", metavar="COMMAND")
@@ -42,3 +49,17 @@ def add_bench_parser(subparsers: Any) -> None:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     model_shapes.add_arguments(shape)
     shape.set_defaults(func=model_shapes.run)
+
+    # The standing end-to-end benchmarks: each module's own parser and run, which its script
+    # in bench/e2e/ calls too.
+    standing = [
+        ("throughput", throughput, "prefill and decode tokens/s vs HF transformers, roofline"),
+        ("latency", latency, "an urgent arrival -> the stop of a long prefill"),
+        ("serve", serve_overhead, "the offline engine vs through the HTTP server"),
+        ("soak", soak, "concurrent clients against a real server for a while"),
+    ]
+    for name, module, summary in standing:
+        parser = sub.add_parser(name, help=summary, description=module.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(parser)
+        parser.set_defaults(func=module.run)
