@@ -132,20 +132,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also write the JSON object printed at the end here")
 
 
-def run(args: argparse.Namespace) -> int:
-    """`sloserve bench serve`: one JSON object, the offline engine beside the HTTP server."""
-
-    from engine.entrypoints.default_model import model_path_or_default
-    from engine.runtime.model_setup import load_hf_config
-
-    model = model_path_or_default(args.model)
-    prompts = random_prompts(load_hf_config(model).vocab_size, args.requests, args.prompt_len,
-                             seed=0)
-    with launched_server(["--model", model, "--dtype", args.dtype,
-                          "--log-level", "warning"]) as server:
-        m = measure(model, args.dtype, server.url, prompts, args.max_tokens, args.rounds,
-                    args.sequential_requests or args.requests, server.process.pid)
-
+def overhead_figures(model: str, args: argparse.Namespace, m: dict) -> dict:
+    """The printed JSON object: `measure`'s timings as the overhead of the HTTP path."""
     ours, http = m["offline_latencies"], m["http_latencies"]
     overheads = [h - o for h, o in zip(http, ours)]
     result = {
@@ -166,6 +154,23 @@ def run(args: argparse.Namespace) -> int:
         "engine_steps_per_batch": m["engine_steps_per_batch"],
         "targets": {"overhead_median_ms": 5.0, "http_loss_pct": 3.0},
     }
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    """`sloserve bench serve`: one JSON object, the offline engine beside the HTTP server."""
+    from engine.entrypoints.default_model import model_path_or_default
+    from engine.runtime.model_setup import load_hf_config
+
+    model = model_path_or_default(args.model)
+    prompts = random_prompts(load_hf_config(model).vocab_size, args.requests, args.prompt_len,
+                             seed=0)
+    with launched_server(["--model", model, "--dtype", args.dtype,
+                          "--log-level", "warning"]) as server:
+        m = measure(model, args.dtype, server.url, prompts, args.max_tokens, args.rounds,
+                    args.sequential_requests or args.requests, server.process.pid)
+
+    result = overhead_figures(model, args, m)
     text = json.dumps(result, indent=2)
     print(text)
     if args.output:
