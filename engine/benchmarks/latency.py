@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from engine.benchmarks.figures import FigureLog, jsonl_twin
+from engine.benchmarks.standalone import standalone_main
 from engine.benchmarks.stats import percentile
 
 from engine.config import build_engine_config
@@ -297,9 +298,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """As a script (bench/e2e/): the same options as the subcommand."""
+    return standalone_main(__doc__.split("\n\n")[0], add_arguments, run, argv)
 
 
 def run(args: argparse.Namespace) -> int:

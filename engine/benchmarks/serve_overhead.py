@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import httpx
 from tqdm import tqdm
 
+from engine.benchmarks.figures import print_result
 from engine.benchmarks.random_prompts import random_prompts
 from engine.benchmarks.server import launched_server
+from engine.benchmarks.standalone import standalone_main
 
 
 def _stream_sync(client: httpx.Client, prompt: list[int], max_tokens: int) -> float:
@@ -171,15 +171,10 @@ def run(args: argparse.Namespace) -> int:
                     args.sequential_requests or args.requests, server.process.pid)
 
     result = overhead_figures(model, args, m)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
+    print_result(result, args.output)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """As a script (bench/e2e/): the same options as the subcommand."""
+    return standalone_main(__doc__, add_arguments, run, argv)

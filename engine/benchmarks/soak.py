@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -37,7 +36,9 @@ from typing import Any
 import httpx
 import psutil
 
+from engine.benchmarks.figures import print_result
 from engine.benchmarks.server import launched_server
+from engine.benchmarks.standalone import standalone_main
 from engine.benchmarks.stats import percentile
 from engine.benchmarks.soak_clients import SLOS, Tally, Target, run_clients
 
@@ -317,14 +318,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"soak: {exc}", file=sys.stderr)
         return 2
     print(table(summary), file=sys.stderr)
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
+    print_result(summary, args.output)
     return 0 if summary["ok"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """As a script (bench/e2e/): the same options as the subcommand."""
+    return standalone_main(__doc__.split("\n\n")[0], add_arguments, run, argv)

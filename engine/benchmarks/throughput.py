@@ -1,34 +1,35 @@
-"""`sloserve bench throughput`: sloserve vs HF transformers on the same model, dtype and machine, in one run.
+"""`sloserve bench throughput`: sloserve vs HF transformers on the same model, dtype and
+machine, in one run.
 
 Prefill: tokens/s of a forward pass over whole prompts (HF: `model(input_ids)`; sloserve: a
 request with max_tokens=1, prefix caching off so nothing is reused).
 Decode: output tokens/s with N concurrent requests in sloserve vs HF `generate` one request at a
 time (the way a plain HF script serves). Prints one JSON object with both and their ratios.
 
-Roofline (issue 14, engine/benchmarks/roofline.py): the same run measures this machine's matmul GFLOP/s on
-the model's own GEMM shapes and its memory bandwidth, then prints the engine's prefill tokens/s
-(one-step prefills of --prefill-lens tokens) as a share of the linear-layer and the full (with
-attention) compute bound, and its decode tokens/s (--decode-batches x --decode-contexts) as a
-share of the bandwidth bound (weights once per step + each request's K/V) and of the roofline
-(the larger of memory and compute time). Each size's bound is measured right after the engine
-ran it, so both see the same machine load. Decode requests of one context share all but their
-last 16 prompt tokens through prefix caching, so the setup prefill is not repeated per request;
-each request's K/V is still gathered and read on its own every step.
+Roofline (issue 14, engine/benchmarks/roofline.py): the same run measures this machine's matmul
+GFLOP/s on the model's own GEMM shapes and its memory bandwidth, then prints the engine's
+prefill tokens/s (one-step prefills of --prefill-lens tokens) as a share of the linear-layer and
+the full (with attention) compute bound, and its decode tokens/s (--decode-batches x
+--decode-contexts) as a share of the bandwidth bound (weights once per step + each request's
+K/V) and of the roofline (the larger of memory and compute time). Each size's bound is measured
+right after the engine ran it, so both see the same machine load. Decode requests of one context
+share all but their last 16 prompt tokens through prefix caching, so the setup prefill is not
+repeated per request; each request's K/V is still gathered and read on its own every step.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from engine.benchmarks.figures import print_result
 from engine.benchmarks.random_prompts import random_prompts
+from engine.benchmarks.standalone import standalone_main
 from engine.benchmarks.step_log import decode_seconds_per_step, record_step_times, record_steps
 
 
@@ -154,7 +155,8 @@ def bench_roofline(model_dir: str, dtype: str, prefill_lens: list[int], batches:
             shared = random_prompts(shape.vocab, 1, max(ctx - tail, 1), seed=next(prompt_seed))[0]
             llm.generate({"prompt_token_ids": shared + [100]}, one)  # caches the shared blocks
             for batch in batches:
-                tails = random_prompts(shape.vocab, batch, ctx - len(shared), seed=next(prompt_seed))
+                tails = random_prompts(shape.vocab, batch, ctx - len(shared),
+                                       seed=next(prompt_seed))
                 params = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
                 steps.clear()
                 llm.generate([{"prompt_token_ids": shared + t} for t in tails], params)
@@ -285,16 +287,10 @@ def run(args: argparse.Namespace) -> int:
                 "prefill_speed_ratio": r["prefill_tokens_per_s"] / base["prefill_tokens_per_s"],
                 "decode_speed_ratio": r["decode_tokens_per_s"] / base["decode_tokens_per_s"],
             } for r in ours[1:]}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
+    print_result(result, args.output)
     return 0
 
 
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """As a script (bench/e2e/): the same options as the subcommand."""
+    return standalone_main(__doc__, add_arguments, run, argv)
