@@ -21,9 +21,10 @@ The standing end-to-end benchmarks (each `--output PATH` writes its figures to a
 from __future__ import annotations
 
 import argparse
+import importlib
 from typing import Any
 
-from engine.benchmarks import latency, model_shapes, serve_overhead, soak, throughput
+from engine.benchmarks import model_shapes
 from engine.benchmarks.attainment import cli as attainment_cli
 
 
@@ -50,16 +51,36 @@ def add_bench_parser(subparsers: Any) -> None:
     model_shapes.add_arguments(shape)
     shape.set_defaults(func=model_shapes.run)
 
-    # The standing end-to-end benchmarks: each module's own parser and run, which its script
-    # in bench/e2e/ calls too.
-    standing = [
-        ("throughput", throughput, "prefill and decode tokens/s vs HF transformers, roofline"),
-        ("latency", latency, "an urgent arrival -> the stop of a long prefill"),
-        ("serve", serve_overhead, "the offline engine vs through the HTTP server"),
-        ("soak", soak, "concurrent clients against a real server for a while"),
-    ]
-    for name, module, summary in standing:
-        parser = sub.add_parser(name, help=summary, description=module.__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-        module.add_arguments(parser)
-        parser.set_defaults(func=module.run)
+    # The standing end-to-end benchmarks: each module's own arguments and run, which its
+    # script in bench/e2e/ calls too.
+    for name, module, summary in STANDING_BENCHMARKS:
+        _add_loaded_on_use(sub, name, module, summary)
+
+
+# (subcommand, module in engine/benchmarks, one-line help)
+STANDING_BENCHMARKS = [
+    ("throughput", "throughput", "prefill and decode tokens/s vs HF transformers, roofline"),
+    ("latency", "latency", "an urgent arrival -> the stop of a long prefill"),
+    ("serve", "serve_overhead", "the offline engine vs through the HTTP server"),
+    ("soak", "soak", "concurrent clients against a real server for a while"),
+]
+
+
+def _add_loaded_on_use(sub: Any, name: str, module_name: str, summary: str) -> None:
+    """A subcommand whose module is imported only when the subcommand is parsed: the standing
+    benchmarks import torch, the engine and httpx at the top, and every `sloserve` command
+    builds this parser (`sloserve --help` would wait seconds for them)."""
+    parser = sub.add_parser(name, help=summary,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parse_known_args = parser.parse_known_args
+
+    def load_then_parse(args: Any = None, namespace: Any = None) -> Any:
+        if parser.get_default("func") is None:
+            module = importlib.import_module(f"engine.benchmarks.{module_name}")
+            parser.description = module.__doc__
+            module.add_arguments(parser)
+            parser.set_defaults(func=module.run)
+        return parse_known_args(args, namespace)
+
+    # argparse hands a chosen subcommand's arguments to its parser's parse_known_args.
+    parser.parse_known_args = load_then_parse  # type: ignore[method-assign]

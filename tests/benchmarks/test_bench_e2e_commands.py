@@ -31,6 +31,21 @@ def test_bench_lists_and_dispatches_each_standing_benchmark() -> None:
         == [8, 2]
 
 
+def test_the_cli_loads_a_standing_benchmark_only_when_it_is_parsed() -> None:
+    """Every `sloserve` command builds the bench parser: it must not import torch, the engine or
+    httpx for benchmarks nobody asked for."""
+    probe = ("import sys; from engine.entrypoints.cli import build_parser; p = build_parser(); "
+             "heavy = ('torch', 'httpx', 'engine.runtime.engine_core', "
+             "'engine.benchmarks.throughput', 'engine.benchmarks.soak'); "
+             "print(sorted(m for m in heavy if m in sys.modules)); "
+             "p.parse_args(['bench', 'soak', '--clients', '1']); "
+             "print('engine.benchmarks.soak' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split("\n")[:2] == ["[]", "True"]
+
+
 def test_soak_passes_what_follows_the_double_dash_to_the_server() -> None:
     args = build_parser().parse_args(["bench", "soak", "--clients", "2", "--", "--dtype",
                                       "float32", "--num-kv-blocks", "128"])
