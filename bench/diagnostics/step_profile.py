@@ -1,8 +1,8 @@
 """Where a CPU decode step's wall time goes: schedule, prepare_inputs, forward, LM head, sampling,
 update_from_output and the LLM's output processing, as medians over decode-only steps.
 
-Each part is timed by wrapping the method that does it (as bench/e2e/throughput.py wraps
-execute_model), so the figures are the engine's own code paths, not a re-implementation. "host" is
+Each part is timed by wrapping the method that does it (the engine's step observers,
+engine/runtime/step_timing.py, time whole steps only), so the figures are the engine's own code paths, not a re-implementation. "host" is
 everything in a step but the model forward and the LM head: the work issue 14 asks to cut where it
 shows. Prints one JSON object; `--profile` also runs one configuration under cProfile and prints
 its top entries (to stderr).

@@ -46,6 +46,8 @@ from typing import Any
 
 import torch
 
+from engine.benchmarks.step_log import step_gaps
+
 # Tokens each warm-up prompt generates (the whole-budget one too: the context must hold them).
 WARMUP_TOKENS = 4
 BLOCK_SIZE = 16
@@ -67,12 +69,6 @@ def _decode_max_tokens(batch: int, context: int, budget: int, steps: int) -> int
     the first ones start decoding while later prompts take the budget's remaining tokens."""
     prefill_steps = math.ceil(batch * context / max(budget - batch, 1))
     return prefill_steps + steps + 2
-
-
-def _step_gaps(steps_log: list[dict], indices: list[int]) -> list[float]:
-    """Seconds from each listed step's start to the next step's (its own end when last)."""
-    return [(steps_log[i + 1]["start"] if i + 1 < len(steps_log) else steps_log[i]["end"])
-            - steps_log[i]["start"] for i in indices]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,18 +108,18 @@ class MixedWorkload:
                    decode_max_tokens=own_prefill + prompts * chunks_per_prompt + 2)
 
     def is_mixed_step(self, step: dict) -> bool:
-        """A steady step (from bench.e2e.throughput._record_steps's log): every decode and one
+        """A steady step (from engine.benchmarks.step_log's record_steps): every decode and one
         whole chunk."""
         sizes = [n for _, n in step["requests"]]
         return (len(sizes) == self.decodes + 1 and sizes.count(1) == self.decodes
                 and self.chunk in sizes)
 
     def run(self, llm: Any, vocab: int, seed: int) -> None:
-        from bench.e2e.throughput import _prompts
+        from engine.benchmarks.random_prompts import random_prompts
         from engine import SamplingParams
 
-        decodes = _prompts(vocab, self.decodes, self.context, seed)
-        long_prompts = _prompts(vocab, self.prompts, self.prompt_len, seed + 1)
+        decodes = random_prompts(vocab, self.decodes, self.context, seed)
+        long_prompts = random_prompts(vocab, self.prompts, self.prompt_len, seed + 1)
         # The long prompts come last: FCFS admits the decodes first.
         params = ([SamplingParams(temperature=0, ignore_eos=True,
                                   max_tokens=self.decode_max_tokens)] * self.decodes
@@ -183,7 +179,8 @@ def start_engine(model_dir: str, device: torch.device, dtype: torch.dtype, sizes
     """(the LLM, its step log, what it started with), warmed up: a whole-budget prefill and a
     few decodes ran, so first-use kernel compiles are not timed. What it started with carries
     its `startup` (`startup_figures`)."""
-    from bench.e2e.throughput import _prompts, _record_steps
+    from engine.benchmarks.random_prompts import random_prompts
+    from engine.benchmarks.step_log import record_steps
     from engine import LLM, SamplingParams
 
     limits = engine_limits(sizes)
@@ -198,9 +195,9 @@ def start_engine(model_dir: str, device: torch.device, dtype: torch.dtype, sizes
     build_s = time.perf_counter() - started
     info = {"startup_s": build_s, "kv_blocks": limits["num_kv_blocks"],
             "enforce_eager": llm.engine.config.model.enforce_eager}
-    steps_log = _record_steps(llm)
+    steps_log = record_steps(llm)
     try:
-        warm = _prompts(_vocab(model_dir), 2, budget, seed=seed + 10_000)
+        warm = random_prompts(_vocab(model_dir), 2, budget, seed=seed + 10_000)
         lengths = (budget, sizes["context"])
         warmed = time.perf_counter()
         llm.generate([{"prompt_token_ids": p[:n]} for p, n in zip(warm, lengths)],
@@ -232,18 +229,15 @@ def runner_of(llm: Any) -> Any:
 
 
 def release_engine(llm: Any) -> None:
-    """Shut the engine down and take off what `_record_steps` put on it: its step and execute
-    wrappers close over the engine's own bound methods (engine -> wrapper -> engine), a cycle
-    that only the garbage collector would free; without them, dropping the last reference to
-    the LLM frees it and its device memory at once."""
+    """Shut the engine down. Its step log is kept by a step observer that holds the log alone
+    (engine.benchmarks.step_log), never the engine, so dropping the last reference to the LLM
+    frees it and its device memory at once, with no garbage collection. A profile window
+    (engine_profile.StepWindow) wraps `step` itself; whatever it left on the engine is taken
+    off, since a wrapper over the engine's bound method ties it into a reference cycle."""
     try:
         llm.shutdown()
     finally:
-        engine = llm.engine
-        vars(engine).pop("step", None)
-        executor = getattr(engine, "executor", None)
-        if executor is not None:
-            vars(executor).pop("execute_model", None)
+        vars(llm.engine).pop("step", None)
 
 
 def graph_probe(llm: Any) -> dict[str, Any]:
@@ -293,11 +287,11 @@ def _vocab(model_dir: str) -> int:
 
 def measure_prefill(llm: Any, steps_log: list[dict], vocab: int, sizes: dict[str, Any],
                     seed: int) -> dict[str, Any]:
-    from bench.e2e.throughput import _prompts
+    from engine.benchmarks.random_prompts import random_prompts
     from engine import SamplingParams
 
     budget = sizes["prefill_len"]
-    prompts = _prompts(vocab, sizes["prefill_prompts"] + 1, budget, seed)[1:]
+    prompts = random_prompts(vocab, sizes["prefill_prompts"] + 1, budget, seed)[1:]
     steps_log.clear()
     started = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -312,16 +306,17 @@ def measure_prefill(llm: Any, steps_log: list[dict], vocab: int, sizes: dict[str
 
 def measure_decode(llm: Any, steps_log: list[dict], vocab: int, sizes: dict[str, Any],
                    batch: int, seed: int) -> dict[str, Any]:
-    from bench.e2e.throughput import _decode_seconds_per_step, _prompts
+    from engine.benchmarks.random_prompts import random_prompts
+    from engine.benchmarks.step_log import decode_seconds_per_step
     from engine import SamplingParams
 
     context = sizes["context"]
-    prompts = _prompts(vocab, batch, context, seed + batch)
+    prompts = random_prompts(vocab, batch, context, seed + batch)
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=_decode_max_tokens(
         batch, context, sizes["prefill_len"], sizes["decode_steps"]))
     steps_log.clear()
     llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    step_s, contexts, measured = _decode_seconds_per_step(steps_log, batch)
+    step_s, contexts, measured = decode_seconds_per_step(steps_log, batch)
     if measured == 0:
         raise RuntimeError(f"decode batch {batch}: no step decoded the whole batch "
                            f"(the scheduler never ran all {batch} requests together)")
@@ -346,7 +341,7 @@ def measure_mixed(llm: Any, steps_log: list[dict], vocab: int, sizes: dict[str, 
     if not mixed:
         raise RuntimeError(f"mixed: no step ran {workload.decodes} decodes and one "
                            f"{workload.chunk}-token chunk together")
-    step_s = statistics.median(_step_gaps(steps_log, mixed))
+    step_s = statistics.median(step_gaps(steps_log, mixed))
     contexts = [p + 1 for i in mixed for p, n in steps_log[i]["requests"] if n == 1]
     chunk_starts = [p for i in mixed for p, n in steps_log[i]["requests"] if n != 1]
     tokens = workload.decodes + workload.chunk
@@ -471,12 +466,12 @@ def profile_kinds(llm: Any, vocab: int, sizes: dict[str, Any], seed: int,
     so that a --profile-until-s deadline leaves out the biggest batch (the slowest to set up)
     first. Fresh prompts (no prefix caching either way); the window needs steps + 3 of a kind:
     one unprofiled, the profiler's warm-up step, the measured ones and one that ends the last."""
-    from bench.e2e.throughput import _prompts
+    from engine.benchmarks.random_prompts import random_prompts
     from engine import SamplingParams
 
     budget, context = sizes["prefill_len"], sizes["context"]
     needed = steps + 3
-    prefill_prompts = _prompts(vocab, needed, budget, seed + 20_000)
+    prefill_prompts = random_prompts(vocab, needed, budget, seed + 20_000)
     kinds = [ProfileKind(
         f"prefill {budget}", {"phase": "prefill", "batch": 1, "tokens": budget},
         lambda: llm.generate([{"prompt_token_ids": p} for p in prefill_prompts],
@@ -491,7 +486,7 @@ def profile_kinds(llm: Any, vocab: int, sizes: dict[str, Any], seed: int,
         timed["mixed"]["step_ms"]))
     for batch in sizes["batches"]:
         def run(batch: int = batch) -> None:
-            prompts = _prompts(vocab, batch, context, seed + 20_000 + batch)
+            prompts = random_prompts(vocab, batch, context, seed + 20_000 + batch)
             llm.generate([{"prompt_token_ids": p} for p in prompts],
                          SamplingParams(temperature=0, ignore_eos=True, max_tokens=(
                              _decode_max_tokens(batch, context, budget, needed))))

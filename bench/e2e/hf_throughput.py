@@ -14,7 +14,7 @@ the figures as JSON. What is timed is what a plain HF script runs:
   step over the batch's last tokens with the model's own KV cache, the next token greedy
   (argmax); one untimed warm-up step, then the median of the timed steps.
 
-Prompts are the same seeded random ids the engine gets (bench.e2e.throughput._prompts).
+Prompts are the same seeded random ids the engine gets (engine.benchmarks.random_prompts).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from bench.e2e.throughput import _prompts
+from engine.benchmarks.random_prompts import random_prompts
 
 
 def _synchronize(device: torch.device) -> None:
@@ -63,7 +63,8 @@ def build_model(model_dir: str, device: torch.device, dtype: torch.dtype, seed: 
 
 def bench_prefill(model: Any, device: torch.device, vocab: int, prompt_len: int, prompts: int,
                   seed: int) -> dict[str, float | int]:
-    ids = [torch.tensor([p], device=device) for p in _prompts(vocab, prompts + 1, prompt_len, seed)]
+    ids = [torch.tensor([p], device=device)
+           for p in random_prompts(vocab, prompts + 1, prompt_len, seed)]
     model(input_ids=ids[0], use_cache=False, logits_to_keep=1)  # warm-up: cuBLAS plans, caches
     times = []
     for prompt in ids[1:]:
@@ -80,7 +81,7 @@ def bench_prefill(model: Any, device: torch.device, vocab: int, prompt_len: int,
 def bench_decode(model: Any, device: torch.device, vocab: int, batch: int, context: int,
                  steps: int, seed: int) -> dict[str, float | int]:
     keyword = _cache_keyword(model)
-    ids = torch.tensor(_prompts(vocab, batch, context, seed), device=device)
+    ids = torch.tensor(random_prompts(vocab, batch, context, seed), device=device)
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
     token = out.logits[:, -1].argmax(-1, keepdim=True)
     cache = _cache_of(out)

@@ -29,6 +29,15 @@ def jsonl_twin(path: str | Path) -> Path:
     return Path(path).with_suffix(".jsonl")
 
 
+def print_result(result: dict[str, Any], output: str | Path | None) -> None:
+    """A benchmark's one JSON object at the end: on stdout, and with `--output PATH` in that file
+    too (the same text), so a caller need not capture stdout to keep it."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if output:
+        Path(output).write_text(text + "\n")
+
+
 def plain(value: Any) -> Any:
     """A JSON-safe copy: NaN and infinities become None (standard JSON has neither), numpy
     scalars and tensors' items become numbers, dataclasses dicts, paths strings."""

@@ -14,7 +14,8 @@ Two bounds, both counted from the HF config (never hard-coded for one model):
   layers' FLOPs take over, so the decode roofline is the larger of the two times; both shares
   are reported.
 
-Nothing here is asserted on timing: bench/e2e/throughput.py prints the figures as JSON.
+Nothing here is asserted on timing: `sloserve bench throughput` (engine/benchmarks/throughput.py)
+prints the figures as JSON.
 """
 
 from __future__ import annotations

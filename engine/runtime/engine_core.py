@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import queue
 import sys
+import time
 from collections.abc import Iterable
 
 from engine.config import EngineConfig
@@ -20,6 +21,7 @@ from engine.runtime.slo_preemption import SLOPreemptionControl
 from engine.runtime.startup_calibration import (StartupCalibration, calibrate_at_startup,
                                                 wants_startup_calibration)
 from engine.runtime.step_observation import observe_step
+from engine.runtime.step_timing import StepObserver, StepTiming
 from monitor.predictor import LinearTTFT
 from monitor.preempt_signal import PreemptSignal
 
@@ -81,6 +83,9 @@ class EngineCore:
         self._drained_arrivals = 0
         # (request id, error) for handed-over requests the scheduler refused.
         self.rejected: list[tuple[str, str]] = []
+        # Called with each step's StepTiming as `step` returns (engine/runtime/step_timing.py):
+        # how benchmarks time steps. Empty, a step reads no clock for them.
+        self.step_observers: list[StepObserver] = []
 
     def _start_scheduling(self, signal: PreemptSignal | None,
                           ttft_seed: LinearTTFT | None) -> None:
@@ -169,7 +174,18 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or not self._inbox.empty()
 
     def step(self) -> list[EngineCoreOutput]:
-        """Run one engine step; returns the requests that got a new token this step."""
+        """Run one engine step; returns the requests that got a new token this step. Each
+        observer in `step_observers` gets the step's StepTiming once it returned."""
+        if not self.step_observers:
+            return self._step(None)
+        timing = StepTiming(started=time.perf_counter())
+        outputs = self._step(timing)
+        timing.ended = time.perf_counter()
+        for observer in self.step_observers:
+            observer(timing)
+        return outputs
+
+    def _step(self, timing: StepTiming | None) -> list[EngineCoreOutput]:
         if self.dead is not None:
             raise EngineStepError(f"the engine stopped after a worker failure:\n{self.dead}")
         self._drain_inbox()
@@ -184,7 +200,7 @@ class EngineCore:
             # Nothing ran and nothing changed: the same empty step would repeat forever. That
             # is one request's problem (it cannot be admitted), never the engine's.
             return [_core_output(r) for r in self.scheduler.fail_stalled()]
-        runner_output = self.executor.execute_model(scheduler_output)
+        runner_output = self._execute(scheduler_output, timing)
         if runner_output.status is StepStatus.PREEMPTED and self.preemption is not None:
             self.preemption.on_preempted(scheduler_output, runner_output)
             return []
@@ -197,6 +213,18 @@ class EngineCore:
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._observe_step_time(scheduler_output, runner_output)
         return [_core_output(r) for r in updated]
+
+    def _execute(self, scheduler_output: SchedulerOutput,
+                 timing: StepTiming | None) -> ModelRunnerOutput:
+        if timing is None:
+            return self.executor.execute_model(scheduler_output)
+        timing.scheduled = scheduler_output
+        timing.requests = [(r.start_pos, len(r.token_ids)) for r in scheduler_output.requests]
+        started = time.perf_counter()
+        runner_output = self.executor.execute_model(scheduler_output)
+        timing.execute_seconds = time.perf_counter() - started
+        timing.transport_seconds = runner_output.transport_seconds
+        return runner_output
 
     def _deliver_frees(self, scheduler_output: SchedulerOutput) -> None:
         """Suspended chunks dropped while no forward pass runs must still reach the workers,

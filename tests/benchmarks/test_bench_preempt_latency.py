@@ -1,4 +1,5 @@
-"""bench/e2e/preempt_latency.py with several prompt sizes on one engine, on a tiny model on the CPU:
+"""`sloserve bench latency` (engine/benchmarks/latency.py) with several prompt sizes on one
+engine, on a tiny model on the CPU:
 a block of figures per size, and how each size's long steps ran. With the CPU stand-in for CUDA
 graphs (workers.graphs.cuda_graphs.EagerReplayBackend) a step of up to 512 prefill tokens replays as
 pieces and an urgent arrival stops it between two of them; a larger step runs eager."""
@@ -10,7 +11,7 @@ import re
 from pathlib import Path
 
 from engine.benchmarks.figures import read_figures
-from bench.e2e.preempt_latency import main
+from engine.benchmarks.latency import main
 from workers.graphs.cuda_graphs import FAKE_GRAPHS_ENV
 from workers.preemption.layer_delay import LAYER_DELAY_ENV
 from tests.utils.figures_wait import wait_for_figures
@@ -46,7 +47,7 @@ def _run(tiny_model, tmp_path: Path, capsys) -> tuple[dict[int, dict[str, str]],
     report_path = tmp_path / "latency.json"
     main(["--model", model, "--device", "cpu", "--dtype", "float32", "--prompt-tokens",
           str(EAGER_SIZE), str(PIECES_SIZE), "--trials", str(TRIALS), "--seed", str(SEED),
-          "--json", str(report_path)])
+          "--output", str(report_path)])
     report = json.loads(report_path.read_text())
     _check_lines(read_figures(report_path.with_suffix(".jsonl")), report)
     return _blocks(capsys.readouterr().out), report
@@ -128,9 +129,10 @@ def test_a_killed_run_keeps_the_trials_it_finished(tiny_model, tmp_path) -> None
     env = {**os.environ, LAYER_DELAY_ENV: str(DELAY_US_PER_TOKEN), "HF_HUB_OFFLINE": "1"}
     env.pop(FAKE_GRAPHS_ENV, None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.e2e.preempt_latency", "--model", model, "--device", "cpu",
+        [sys.executable, "-m", "engine.entrypoints.cli", "bench", "latency", "--model", model,
+         "--device", "cpu",
          "--dtype", "float32", "--prompt-tokens", str(EAGER_SIZE), "--trials", "50",
-         "--json", str(report_path)], cwd=Path(__file__).resolve().parents[2], env=env,
+         "--output", str(report_path)], cwd=Path(__file__).resolve().parents[2], env=env,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     twin = report_path.with_suffix(".jsonl")
     try:

@@ -1,4 +1,4 @@
-"""bench/e2e/throughput.py's roofline figures (issue 14) without timing anything: the script runs
+"""`sloserve bench throughput`'s roofline figures (issue 14) without timing anything: it runs
 end to end on a tiny random model and prints every field with positive shares, and the FLOP and
 byte accounting of engine/benchmarks/roofline.py matches a hand count for a small config."""
 
@@ -45,18 +45,21 @@ def test_accounting_matches_a_hand_count():
     assert step["attention"] == 4 * 2 * 4 * 2 * (10 + 20)
 
 
-def test_script_prints_roofline_json_on_a_tiny_model(tiny_model):
+def test_bench_throughput_prints_roofline_json_on_a_tiny_model(tiny_model, tmp_path):
     model = tiny_model("llama")
     env = dict(os.environ, HF_HUB_OFFLINE="1")
+    output = tmp_path / "throughput.json"
     run = subprocess.run(
-        [sys.executable, "bench/e2e/throughput.py", "--model", model, "--dtype", "float32",
+        [sys.executable, "-m", "engine.entrypoints.cli", "bench", "throughput", "--model", model, "--dtype", "float32",
          "--prefill-lens", "16", "48", "--decode-batches", "1", "3", "--decode-contexts", "8",
          "40", "--decode-tokens", "4", "--repeats", "1", "--bandwidth-mib", "8",
          "--prefill-len", "16", "--prefill-prompts", "1", "--concurrency", "2",
-         "--decode-prompt-len", "8", "--max-tokens", "3", "--hf-decode-requests", "1"],
+         "--decode-prompt-len", "8", "--max-tokens", "3", "--hf-decode-requests", "1",
+         "--output", str(output)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout)
+    assert json.loads(output.read_text()) == result
 
     limits = result["roofline"]
     assert limits["bandwidth_gbs"] > 0 and limits["copy_bandwidth_gbs"] > 0

@@ -43,9 +43,11 @@ COMMANDS = (readme_commands(README.read_text())
 
 
 def test_the_readme_shows_the_commands_a_user_runs() -> None:
-    # Probe of the extraction: the set-up command, a torchrun line, a bench script run as a file.
+    # Probe of the extraction: the set-up command, a torchrun line, a bench command and a bench
+    # script run as a file.
     shown = {" ".join(argv[:3]) for argv in COMMANDS}
     assert "sloserve serve" in shown
+    assert "sloserve bench throughput" in shown
     assert any(argv[0] == "torchrun" and "--rdzv-endpoint" in argv for argv in COMMANDS)
     assert "python bench/e2e/throughput.py" in shown
     assert "python -m bench.kernels.gpu_kernels" in shown

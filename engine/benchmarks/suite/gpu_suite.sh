@@ -273,7 +273,7 @@ run_full() {
     step preempt-latency 60 $py -m bench.e2e.preempt_latency --model "$model" "${load[@]}" \
         --device "$device" --prompt-tokens "$long_prompt" \
         $([[ $smoke == 1 ]] && echo 128 || echo 512) --trials "$trials" \
-        --json "$out/preempt_latency.json"
+        --output "$out/preempt_latency.json"
     # Unchunked, an urgent turn starts in time only if the document's pass is stopped between
     # layers. The servers start from the core call's TTFT line (CONTRIBUTING copies it into OUT
     # on the same machine); without it, this call calibrates first.

@@ -1,5 +1,5 @@
-"""The soak benchmark's clients (bench/e2e/soak.py): what each request sends, how its answer is
-classified, and the client loops that send them."""
+"""The soak benchmark's clients (`sloserve bench soak`, engine/benchmarks/soak.py): what each
+request sends, how its answer is classified, and the client loops that send them."""
 
 from __future__ import annotations
 
