@@ -7,6 +7,7 @@ import argparse
 
 from engine.entrypoints.arg_types import (float_in, non_negative_float, non_negative_int,
                                           positive_float, positive_int, unit_interval)
+from engine.entrypoints.deprecated_args import add_deprecated_alias
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -92,19 +93,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="TP worker processes (default 1; under torchrun: the world size)")
     g.add_argument("--collective-timeout-s", type=positive_float, default=60.0,
                    help="bound on any collective: a dead rank fails the step within this time")
-    p = parser.add_argument_group("mid-forward preemption (docs/design.md sections 4-5)")
-    p.add_argument("--mid-forward-preemption", choices=["on", "off"], default="on",
-                   help="stop a long prefill between two layers for an urgent request")
-    p.add_argument("--preempt-policy", choices=["conservative", "aggressive"],
-                   default="conservative",
-                   help="the waiter must beat the most (conservative) or least (aggressive) "
-                        "urgent running request")
-    p.add_argument("--preempt-margin", type=float_in(1.0), default=1.2,
-                   help="how much more urgent the waiter must be (both slacks positive)")
+    p = parser.add_argument_group("SLO preemption (docs/design.md sections 4-5)")
+    on_off = p.add_argument("--slo-preemption", choices=["on", "off"], default="on",
+                            help="stop a long prefill between two layers for an urgent request")
+    policy = p.add_argument("--slo-preempt-policy", choices=["conservative", "aggressive"],
+                            default="conservative",
+                            help="the waiter must beat the most (conservative) or least "
+                                 "(aggressive) urgent running request")
+    margin = p.add_argument("--slo-preempt-margin", type=float_in(1.0), default=1.2,
+                            help="how much more urgent the waiter must be (both slacks positive)")
     p.add_argument("--stubborn-fraction", type=unit_interval, default=0.9,
                    help="past this fraction of the layers a step is finished, not stopped")
-    p.add_argument("--preempt-min-tokens", type=non_negative_int, default=128,
-                   help="steps with fewer prefill tokens do not vote")
+    min_tokens = p.add_argument("--slo-preempt-min-tokens", type=non_negative_int, default=128,
+                                help="steps with fewer prefill tokens do not vote")
+    # The names before issue 33 ("one word per mechanism"), for one release.
+    for old, new in (("--mid-forward-preemption", on_off), ("--preempt-policy", policy),
+                     ("--preempt-margin", margin), ("--preempt-min-tokens", min_tokens)):
+        add_deprecated_alias(p, old, new)
     p.add_argument("--monitor-interval-ms", type=positive_float, default=2.0,
                    help="the monitor's poll interval while a preemptible step runs (it also "
                         "wakes on every arrival and every preemptible step)")
@@ -149,10 +154,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 tensor_parallel_size=1 if args.tensor_parallel_size is None
                 else args.tensor_parallel_size,
                 collective_timeout_s=args.collective_timeout_s,
-                mid_forward_preemption=args.mid_forward_preemption == "on",
-                preempt_policy=args.preempt_policy, preempt_margin=args.preempt_margin,
+                slo_preemption=args.slo_preemption == "on",
+                slo_preempt_policy=args.slo_preempt_policy,
+                slo_preempt_margin=args.slo_preempt_margin,
                 stubborn_fraction=args.stubborn_fraction,
-                preempt_min_tokens=args.preempt_min_tokens,
+                slo_preempt_min_tokens=args.slo_preempt_min_tokens,
                 monitor_interval_ms=args.monitor_interval_ms,
                 slo_preempt_mode=args.slo_preempt_mode, ttft_model=args.ttft_model,
                 predictor_error_quantile=args.predictor_error_quantile,
