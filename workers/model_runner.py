@@ -220,7 +220,8 @@ class ModelRunner:
             if scheduler_output.suspend_on_unwind:
                 suspended = self.suspended.suspend(stop, inputs.prefill_rows)
             return ModelRunnerOutput(step_id=scheduler_output.step_id,
-                                     status=StepStatus.SLO_PREEMPTED, slo_preempted_layer=stop.layer,
+                                     status=StepStatus.SLO_PREEMPTED,
+                                     slo_preempted_layer=stop.layer,
                                      unwound_layers=[stop.layer], suspended_req_ids=suspended,
                                      resumed_layers=resumed_layers,
                                      execute_seconds=time.perf_counter() - started)

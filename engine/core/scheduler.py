@@ -64,8 +64,8 @@ class Scheduler:
         self.slack = SlackPolicy(scheduler_config.policy,
                                  slo_preemption.mode if slo_preemption is not None else "pause",
                                  ttft_seed,
-                                 slo_preemption.predictor_error_quantile if slo_preemption is not None
-                                 else 0.9,
+                                 slo_preemption.predictor_error_quantile
+                                 if slo_preemption is not None else 0.9,
                                  scheduler_config.aging_bound_ms / 1000)
         # Steps with at least this many prefill tokens are marked preemptible (None: never).
         self.slo_preempt_min_tokens = (slo_preemption.min_tokens if slo_preemption is not None

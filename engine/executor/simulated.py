@@ -1,8 +1,8 @@
 """An executor that runs no model: each step's layers take the time a step-time profile gives.
 
 Everything around it is the real engine: EngineCore's loop, the scheduler, the monitor thread,
-the shared-memory signal, and the vote (workers.preemption.slo_preempt_vote.SLOPreemptVote, the same object the
-model runner calls before each attention op), which reports each layer's progress to the
+the shared-memory signal, and the vote (workers.preemption.slo_preempt_vote.SLOPreemptVote, the
+same object the model runner calls before each attention op), which reports each layer's progress to the
 monitor and unwinds the pass when the monitor targets the step. So an arrival during a long
 simulated prefill is decided, unwound, rolled back and re-admitted exactly as on a GPU, at the
 GPU's time scale.
@@ -81,7 +81,8 @@ class SimulatedExecutor:
             suspended = self._suspend(scheduler_output, chunks, stop.layer)
             self._wait_until(self._clock() + self.profile.unwind_s)
             return ModelRunnerOutput(step_id=scheduler_output.step_id,
-                                     status=StepStatus.SLO_PREEMPTED, slo_preempted_layer=stop.layer,
+                                     status=StepStatus.SLO_PREEMPTED,
+                                     slo_preempted_layer=stop.layer,
                                      unwound_layers=[stop.layer], suspended_req_ids=suspended,
                                      resumed_layers=resumed_layers,
                                      execute_seconds=self._clock() - started)

@@ -74,7 +74,8 @@ def run_core_process(config_bytes: bytes, port: int, token: bytes,
         if slo_preempt_signal_name is not None:
             slo_preempt_signal = SLOPreemptSignal.attach(slo_preempt_signal_name)
         try:
-            core = EngineCore(config_decoder.decode(config_bytes), slo_preempt_signal=slo_preempt_signal)
+            core = EngineCore(config_decoder.decode(config_bytes),
+                              slo_preempt_signal=slo_preempt_signal)
         except Exception as exc:
             channel.send(CoreFailed(error=f"{type(exc).__name__}: {exc}"
                                     if isinstance(exc, ValueError) else traceback.format_exc()))

@@ -36,10 +36,12 @@ class EngineCore:
         self.config = config
         self.model: ResolvedModel = resolve(config)
         slo_preemption = config.slo_preemption
-        ttft_seed = LinearTTFT.load(slo_preemption.ttft_model) if slo_preemption.ttft_model else None
+        ttft_seed = (LinearTTFT.load(slo_preemption.ttft_model) if slo_preemption.ttft_model
+                     else None)
         signal = None
         if slo_preemption.enabled:
-            signal = slo_preempt_signal if slo_preempt_signal is not None else SLOPreemptSignal.create()
+            signal = (slo_preempt_signal if slo_preempt_signal is not None
+                      else SLOPreemptSignal.create())
         self.slo_preemption: SLOPreemptionControl | None = None
         self.startup_calibration: StartupCalibration | None = None
         started: Executor | None = None

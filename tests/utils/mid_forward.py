@@ -58,7 +58,8 @@ def _engine(model: str, **overrides) -> EngineCore:
     # CPU-timed scenarios (and their references) on CUDA, capturing graphs over Triton kernels
     # that a pytest process interpreting them cannot capture.
     args = dict(device="cpu", dtype="float32", num_kv_blocks=160, block_size=16,
-                max_num_batched_tokens=1024, scheduling_policy="slo", slo_preempt_min_tokens=32, enable_prefix_caching=True,
+                max_num_batched_tokens=1024, scheduling_policy="slo", slo_preempt_min_tokens=32,
+                enable_prefix_caching=True,
                 ttft_model=_TTFT_FILE.get("path"))
     args.update(overrides)
     return EngineCore(build_engine_config(model, **args))
