@@ -315,7 +315,7 @@ def test_self_victim_is_preempted_and_not_scheduled() -> None:
     step(sched, runner)
     out, _ = step(sched, runner)
     assert scheduled(out) == {"a": 1}
-    assert b.status is RequestStatus.PREEMPTED and b.num_preemptions == 1
+    assert b.status is RequestStatus.PREEMPTED and b.num_preemptions == b.num_kv_preemptions == 1
     assert a.status is RequestStatus.RUNNING and a.num_preemptions == 0
     assert sched.kv_cache_manager.get_block_ids("b") == []
 

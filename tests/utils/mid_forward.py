@@ -194,7 +194,7 @@ def check_urgent_arrival_unwinds_long_prefill(model: str, mode: str, check_timin
             # Paired probe: the unwound pass's layers below the stop were run twice.
             assert event.wasted_tokens == LONG_PROMPT
             assert tokens_per_layer[0] == tokens_per_layer[-1] + LONG_PROMPT
-        assert long.num_preemptions == 1 and long.num_slo_preemptions == 1
+        assert long.num_preemptions == long.num_slo_preemptions == 1 and not long.num_kv_preemptions
         assert urgent.num_preemptions == 0
         # The urgent request's first token came sooner after its arrival than the long step
         # takes as a whole (measured in this run: the step that finally prefilled it), so
