@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 # Which running step the monitor may stop for a waiter: the monitor's own rule (its one home).
-from monitor.policy import PreemptPolicy
+from monitor.policy import SLOPreemptPolicy
 
 # slo: slack-EDF (docs/design.md section 5) for both the waiting queue and the running budget order.
 SchedulingPolicy = Literal["fcfs", "priority", "slo"]
-# What a mid-forward preemption does to its victim (docs/design.md section 4).
+# What an SLO preemption does to its victim (docs/design.md section 4).
 SLOPreemptMode = Literal["recompute", "pause", "suspend"]
 # auto: in-process at TP=1, spawned worker processes above; external: ranks started by torchrun.
 DistributedExecutor = Literal["auto", "mp", "external"]
@@ -86,12 +86,14 @@ class SchedulerConfig:
 
 
 @dataclass
-class PreemptionConfig:
-    """Mid-forward-pass preemption: the slack-EDF monitor thread and the attention-op vote."""
+class SLOPreemptionConfig:
+    """SLO preemption (a forward pass stopped between layers): the slack-EDF monitor thread and
+    the attention-op vote."""
 
-    # Off: no monitor, no vote; the slo policy still orders by slack at step level.
-    mid_forward_preemption: bool = True
-    policy: PreemptPolicy = "conservative"
+    # Off (--slo-preemption off): no monitor, no vote; the slo policy still orders by slack at
+    # step level.
+    enabled: bool = True
+    policy: SLOPreemptPolicy = "conservative"
     margin: float = 1.2
     # Rule 2: past this fraction of the layers a step is finished rather than thrown away.
     stubborn_fraction: float = 0.9
@@ -123,7 +125,7 @@ class PreemptionConfig:
         if not 0.0 <= self.stubborn_fraction <= 1.0:
             raise ValueError(f"stubborn_fraction must be in [0, 1], got {self.stubborn_fraction}")
         if self.min_tokens < 0:
-            raise ValueError(f"preempt_min_tokens must be >= 0, got {self.min_tokens}")
+            raise ValueError(f"slo_preempt_min_tokens must be >= 0, got {self.min_tokens}")
         if self.monitor_interval_ms <= 0:
             raise ValueError(f"monitor_interval_ms must be > 0, got {self.monitor_interval_ms}")
         if self.mode not in ("recompute", "pause", "suspend"):
@@ -196,7 +198,7 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+    slo_preemption: SLOPreemptionConfig = field(default_factory=SLOPreemptionConfig)
     tensor_parallel_size: int = 1
     distributed_executor: DistributedExecutor = "auto"
     # Bound on any collective (and on joining the group): a dead rank cannot hang the engine.
@@ -239,17 +241,17 @@ def build_engine_config(model: str, *, dtype: str = ModelConfig.dtype,
                         tensor_parallel_size: int = EngineConfig.tensor_parallel_size,
                         distributed_executor: str = EngineConfig.distributed_executor,
                         collective_timeout_s: float = EngineConfig.collective_timeout_s,
-                        mid_forward_preemption: bool = PreemptionConfig.mid_forward_preemption,
-                        preempt_policy: str = PreemptionConfig.policy,
-                        preempt_margin: float = PreemptionConfig.margin,
-                        stubborn_fraction: float = PreemptionConfig.stubborn_fraction,
-                        preempt_min_tokens: int = PreemptionConfig.min_tokens,
-                        monitor_interval_ms: float = PreemptionConfig.monitor_interval_ms,
-                        slo_preempt_mode: str = PreemptionConfig.mode,
-                        ttft_model: str | None = PreemptionConfig.ttft_model,
+                        slo_preemption: bool = SLOPreemptionConfig.enabled,
+                        slo_preempt_policy: str = SLOPreemptionConfig.policy,
+                        slo_preempt_margin: float = SLOPreemptionConfig.margin,
+                        stubborn_fraction: float = SLOPreemptionConfig.stubborn_fraction,
+                        slo_preempt_min_tokens: int = SLOPreemptionConfig.min_tokens,
+                        monitor_interval_ms: float = SLOPreemptionConfig.monitor_interval_ms,
+                        slo_preempt_mode: str = SLOPreemptionConfig.mode,
+                        ttft_model: str | None = SLOPreemptionConfig.ttft_model,
                         predictor_error_quantile: float =
-                        PreemptionConfig.predictor_error_quantile,
-                        startup_calibration: bool = PreemptionConfig.startup_calibration,
+                        SLOPreemptionConfig.predictor_error_quantile,
+                        startup_calibration: bool = SLOPreemptionConfig.startup_calibration,
                         ) -> EngineConfig:
     """The flat engine arguments (as vLLM names them) grouped into an EngineConfig. Every
     default is the config dataclass field's own (defined there, once; the command line reads it
@@ -279,15 +281,13 @@ def build_engine_config(model: str, *, dtype: str = ModelConfig.dtype,
                                   policy=scheduling_policy,  # type: ignore[arg-type]
                                   full_sequence_admission=full_sequence_admission,
                                   aging_bound_ms=aging_bound_ms),
-        preemption=PreemptionConfig(mid_forward_preemption=mid_forward_preemption,
-                                    policy=preempt_policy,  # type: ignore[arg-type]
-                                    margin=preempt_margin, stubborn_fraction=stubborn_fraction,
-                                    min_tokens=preempt_min_tokens,
-                                    monitor_interval_ms=monitor_interval_ms,
-                                    mode=slo_preempt_mode,  # type: ignore[arg-type]
-                                    ttft_model=ttft_model,
-                                    predictor_error_quantile=predictor_error_quantile,
-                                    startup_calibration=startup_calibration),
+        slo_preemption=SLOPreemptionConfig(
+            enabled=slo_preemption, policy=slo_preempt_policy,  # type: ignore[arg-type]
+            margin=slo_preempt_margin, stubborn_fraction=stubborn_fraction,
+            min_tokens=slo_preempt_min_tokens, monitor_interval_ms=monitor_interval_ms,
+            mode=slo_preempt_mode,  # type: ignore[arg-type]
+            ttft_model=ttft_model, predictor_error_quantile=predictor_error_quantile,
+            startup_calibration=startup_calibration),
         tensor_parallel_size=tensor_parallel_size,
         distributed_executor=distributed_executor,  # type: ignore[arg-type]
         collective_timeout_s=collective_timeout_s,

@@ -18,7 +18,10 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_reason: int | str | None = None
     # finish_reason "error": a one-line reason for the client (the traceback is in the log).
     error: str | None = None
+    # Both kinds (deprecated in responses: num_kv_preemptions + num_slo_preemptions).
     num_preemptions: int = 0
+    num_kv_preemptions: int = 0
+    num_slo_preemptions: int = 0
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -42,15 +45,15 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_kv_preemptions: int = 0
-    # Mid-forward preemptions applied to a victim (the SLO monitor's).
+    # SLO preemptions applied to a victim (the monitor stopped a pass for an urgent request).
     num_slo_preemptions: int = 0
     # Tokens handed to the model so far, unwound steps included.
     num_scheduled_tokens: int = 0
     # Scheduled tokens of unwound steps, and the layers they had run: work thrown away.
-    preempt_wasted_tokens: int = 0
-    preempt_wasted_layers: int = 0
+    slo_preempt_wasted_tokens: int = 0
+    slo_preempt_wasted_layers: int = 0
     # Monitor decision -> unwind seen by EngineCore, for unwinds since the previous snapshot.
-    preempt_latencies_s: list[float] = []
+    slo_preempt_latencies_s: list[float] = []
     # Engine steps scheduled so far (the last step id).
     num_steps: int = 0
     # Exceptions the SLO monitor thread caught and survived.
@@ -75,7 +78,12 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    # Both kinds (deprecated in responses: num_kv_preemptions + num_slo_preemptions).
     num_preemptions: int = 0
+    # KV preemptions (evicted for KV space) and SLO preemptions (its pass stopped for an
+    # urgent request).
+    num_kv_preemptions: int = 0
+    num_slo_preemptions: int = 0
     num_cached_tokens: int = 0
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None

@@ -49,19 +49,19 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     # EngineCore's own process, which joins no process group.
     init_method: str = ""
     # Shared-memory signal EngineCore's monitor writes (None: no rank can read it, e.g. the
-    # ranks torchrun starts on their own); ranks below preempt_signal_ranks attach to it.
-    preempt_signal_name: str | None = None
+    # ranks torchrun starts on their own); ranks below slo_preempt_signal_ranks attach to it.
+    slo_preempt_signal_name: str | None = None
 
     @property
     def tp_size(self) -> int:
         return self.engine.tensor_parallel_size
 
     @property
-    def preempt_signal_ranks(self) -> int:
+    def slo_preempt_signal_ranks(self) -> int:
         """How many ranks (from 0) read the signal; the others vote 0, as on another node."""
-        if self.preempt_signal_name is None:
+        if self.slo_preempt_signal_name is None:
             return 0
-        return self.engine.preemption.signal_ranks or self.tp_size
+        return self.engine.slo_preemption.signal_ranks or self.tp_size
 
 
 class ExecuteStep(msgspec.Struct, tag="step"):

@@ -20,9 +20,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from monitor.policy import PreemptDecision, PreemptPolicy, RequestView, choose_preemption
+from monitor.policy import SLOPreemptDecision, SLOPreemptPolicy, RequestView, choose_slo_preemption
 from monitor.predictor import LinearTTFT, optimistic_prefill
-from monitor.preempt_signal import PreemptSignal
+from monitor.slo_preempt_signal import SLOPreemptSignal
 from monitor.step_progress import remaining_seconds
 
 logger = logging.getLogger(__name__)
@@ -73,17 +73,17 @@ class MonitorSnapshot:
 @dataclass(frozen=True)
 class MonitorDecision:
     step_id: int
-    decision: PreemptDecision
+    decision: SLOPreemptDecision
     decided_at: float
 
 
 class SLOMonitor:
-    def __init__(self, signal: PreemptSignal, policy: PreemptPolicy = "conservative",
+    def __init__(self, signal: SLOPreemptSignal, policy: SLOPreemptPolicy = "conservative",
                  margin: float = 1.2, interval_s: float = 0.002,
                  aging_bound_s: float | None = None) -> None:
         self.signal = signal
         self.aging_bound_s = aging_bound_s
-        self.policy: PreemptPolicy = policy
+        self.policy: SLOPreemptPolicy = policy
         self.margin = margin
         self.interval_s = interval_s
         self._snapshot: MonitorSnapshot | None = None
@@ -171,7 +171,7 @@ class SLOMonitor:
         now = time.monotonic()
         step_remaining = self._step_remaining(snapshot)
         predictor, decodes = snapshot.predictor, snapshot.decode_context
-        decision = choose_preemption(snapshot.waiting + arrivals, snapshot.running, now,
+        decision = choose_slo_preemption(snapshot.waiting + arrivals, snapshot.running, now,
                                      lambda tokens: predictor.predict(tokens, decodes),
                                      self.policy, self.margin,
                                      step_remaining_s=step_remaining,

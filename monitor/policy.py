@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar
 
-PreemptPolicy = Literal["conservative", "aggressive"]
+SLOPreemptPolicy = Literal["conservative", "aggressive"]
 T = TypeVar("T")
 
 # Priority of an aged request: its seconds overdue on top of this, above any 1 / time_to_deadline
@@ -195,12 +195,21 @@ def rank(items: Iterable[T], now: float, predict: Callable[[int], float],
                                                 optimistic), item) for item in items])]
 
 
-def view_of(request: EngineRequest) -> RequestView:
-    """The policy's view of an engine Request. A request whose client has its first output
-    has met or missed its TTFT objective for good: it no longer has a deadline to protect."""
+def view_of(request: EngineRequest, *, computed_tokens: int | None = None,
+            slo_preempted: bool | None = None) -> RequestView:
+    """The policy's view of an engine Request (the one place it is built). A request whose
+    client has its first output has met or missed its TTFT objective for good: it no longer has
+    a deadline to protect.
+
+    For a request in the running step, ``computed_tokens`` is its chunk's start (the tokens
+    computed before the step: the step's own are still to do until it ends), and
+    ``slo_preempted`` whether Rule 1 protects it as the engine applies the rule (default: it
+    was SLO-preempted before)."""
+    computed = request.num_computed_tokens if computed_tokens is None else computed_tokens
     return RequestView(request.request_id, request.live_deadline,
-                       max(0, request.num_tokens - request.num_computed_tokens),
-                       slo_preempted=request.num_slo_preemptions > 0,
+                       max(0, request.num_tokens - computed),
+                       slo_preempted=(request.num_slo_preemptions > 0 if slo_preempted is None
+                                      else slo_preempted),
                        slo_s=None if request.ttft_slo_ms is None else request.ttft_slo_ms / 1000)
 
 
@@ -218,12 +227,12 @@ def rank_requests(requests: Iterable[R], now: float, predict: Callable[[int], fl
 
 
 @dataclass(frozen=True)
-class PreemptDecision:
+class SLOPreemptDecision:
     victim_id: str
     waiter_id: str
 
 
-def should_preempt(waiter: Urgency, running: Urgency, margin: float,
+def should_slo_preempt(waiter: Urgency, running: Urgency, margin: float,
                    step_remaining_s: float | None = None, relative_error: float = 0.0) -> bool:
     """Whether waiter W may stop a step for running request R. The four sign cases, branched
     on first: a multiplicative margin on a negative priority would flip the inequality.
@@ -252,15 +261,15 @@ def should_preempt(waiter: Urgency, running: Urgency, margin: float,
     return running.slack >= waiter.prefill + relative_error * (waiter.prefill + running.prefill)
 
 
-def choose_preemption(waiting: Sequence[RequestView], running: Sequence[RequestView],
+def choose_slo_preemption(waiting: Sequence[RequestView], running: Sequence[RequestView],
                       now: float, predict: Callable[[int], float],
-                      policy: PreemptPolicy = "conservative",
+                      policy: SLOPreemptPolicy = "conservative",
                       margin: float = 1.2,
                       step_remaining_s: float | None = None,
                       relative_error: float = 0.0,
                       aging_bound_s: float | None = None,
                       optimistic: Callable[[int], float] | None = None
-                      ) -> PreemptDecision | None:
+                      ) -> SLOPreemptDecision | None:
     """Whether a waiter should stop the running step, and whom to preempt.
 
     The victim is always the least urgent eligible running request (the last in the ranking,
@@ -268,7 +277,7 @@ def choose_preemption(waiting: Sequence[RequestView], running: Sequence[RequestV
     least. Rule 1: requests already preempted by the monitor are not eligible.
 
     A doomed waiter first: the one the ranking puts ahead of every other waiter, if any, stops
-    the step where `should_preempt` allows it against every running request (eligible or not:
+    the step where `should_slo_preempt` allows it against every running request (eligible or not:
     the whole step waits for it), whatever the policy. Doomed is judged against `optimistic`
     (see urgency): a waiter is written off only if even its fastest likely prefill misses its
     deadline.
@@ -305,9 +314,9 @@ def choose_preemption(waiting: Sequence[RequestView], running: Sequence[RequestV
     victim_id = order(eligible)[-1][1].request_id
     head_urgency, head = order(scored_waiting)[0]
     if head_urgency.doomed and all(
-            should_preempt(head_urgency, u, margin, step_remaining_s, relative_error)
+            should_slo_preempt(head_urgency, u, margin, step_remaining_s, relative_error)
             for u, _ in scored_all):
-        return PreemptDecision(victim_id=victim_id, waiter_id=head.request_id)
+        return SLOPreemptDecision(victim_id=victim_id, waiter_id=head.request_id)
     best_urgency, best = max(scored_waiting, key=lambda item: item[0].priority)
     if best_urgency.doomed:
         return None  # every waiter is doomed, and the first of them may not stop the step
@@ -315,7 +324,7 @@ def choose_preemption(waiting: Sequence[RequestView], running: Sequence[RequestV
         safety = relative_error * (best_urgency.prefill + step_remaining_s)
         if best_urgency.slack >= step_remaining_s + safety:
             return None
-    verdicts = (should_preempt(best_urgency, u, margin) for u, _ in eligible)
+    verdicts = (should_slo_preempt(best_urgency, u, margin) for u, _ in eligible)
     if not (all(verdicts) if policy == "conservative" else any(verdicts)):
         return None
-    return PreemptDecision(victim_id=victim_id, waiter_id=best.request_id)
+    return SLOPreemptDecision(victim_id=victim_id, waiter_id=best.request_id)

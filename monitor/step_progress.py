@@ -1,10 +1,10 @@
 """How much of the running step is left, from the layers the device has finished.
 
-The necessity test (monitor.policy.choose_preemption) lets a waiter wait out the running step
+The necessity test (monitor.policy.choose_slo_preemption) lets a waiter wait out the running step
 only if its slack covers the rest of that step. The predictor's whole-step estimate alone is not
 enough at GPU time scales (a 24k-token step takes 1.2 s and a predictor can be off by 2x), so the
 step's own pace is measured: the vote reports at every attention op how many layers the device
-has finished and when (monitor.preempt_signal).
+has finished and when (monitor.slo_preempt_signal).
 
 Layers are not equal: a chunk resuming a suspended pass joins at the layer it stopped at, so the
 layers below carry only the fresh chunks. `predicted_layer_ends` gives the predicted time at

@@ -34,7 +34,7 @@ from workers.layers.cpu_prepack import prepack_available, prepack_linear_weights
 from workers.preemption.layer_delay import LAYER_DELAY_ENV, LayerDelay
 from workers.models import build_model
 from workers.models import LayerJoin
-from workers.preemption.preempt_vote import PreemptVote, StepPreempted, discarded_share
+from workers.preemption.slo_preempt_vote import SLOPreemptVote, StepSLOPreempted, discarded_share
 from workers.preemption.run_ahead import RunAheadLimit
 from workers.graphs.cuda_graphs import DecodeGraphs, capture_decode_graphs, padded, select_graph_backend
 from workers.graphs.piecewise_graphs import PiecewiseGraphs, capture_piecewise_graphs
@@ -122,7 +122,7 @@ class ModelRunner:
         self.suspended = HeldChunks()
         # Installed by the worker when mid-forward preemption is on; consulted only on steps
         # the scheduler marked preemptible (decode-only steps never vote).
-        self.vote: PreemptVote | None = None
+        self.vote: SLOPreemptVote | None = None
         # On a GPU the host must not run ahead of the device by more than a couple of layers in
         # a preemptible step, or its votes come too early to stop anything.
         self.run_ahead = RunAheadLimit() if device.type == "cuda" else None
@@ -138,7 +138,7 @@ class ModelRunner:
         are loaded: workers.startup.kv_memory); what the old pool held is gone."""
         self.kv_caches = resized_kv_caches(self.kv_caches, num_blocks)
 
-    def install_vote(self, vote: PreemptVote | None) -> None:
+    def install_vote(self, vote: SLOPreemptVote | None) -> None:
         """The attention-op vote of mid-forward preemption (None: steps are never stopped)."""
         self.vote = vote
 
@@ -215,12 +215,13 @@ class ModelRunner:
             else:
                 hidden = self.model.forward(inputs.input_ids, inputs.positions,
                                             inputs.attn_meta, self.kv_caches, inputs.joins)
-        except StepPreempted as stop:
+        except StepSLOPreempted as stop:
             suspended: list[str] = []
             if scheduler_output.suspend_on_unwind:
                 suspended = self.suspended.suspend(stop, inputs.prefill_rows)
             return ModelRunnerOutput(step_id=scheduler_output.step_id,
-                                     status=StepStatus.PREEMPTED, preempted_layer=stop.layer,
+                                     status=StepStatus.SLO_PREEMPTED,
+                                     slo_preempted_layer=stop.layer,
                                      unwound_layers=[stop.layer], suspended_req_ids=suspended,
                                      resumed_layers=resumed_layers,
                                      execute_seconds=time.perf_counter() - started)

@@ -26,7 +26,7 @@ import torch
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
 from engine.worker_messages import (ExecuteStep, KVPoolSize, Shutdown, WorkerConfig,
                                     decode_command, decode_config, encode)
-from monitor.preempt_signal import PreemptSignal
+from monitor.slo_preempt_signal import SLOPreemptSignal
 from workers.distributed import (ParallelGroups, broadcast_bytes, collect_errors, destroy,
                                  init_distributed, report_error)
 from workers.runner_release import collector_off, outlived, runner_probes
@@ -53,7 +53,7 @@ class Worker:
     distributed part of a step is then skipped."""
 
     def __init__(self, config: WorkerConfig, rank: int = 0, local_world_size: int | None = None,
-                 local_rank: int | None = None, signal: PreemptSignal | None = None) -> None:
+                 local_rank: int | None = None, signal: SLOPreemptSignal | None = None) -> None:
         """``local_rank``: this rank's index on its machine (its GPU); spawned ranks all share
         one machine, so it defaults to ``rank``. Never read from the environment here: spawned
         ranks inherit their parent's, which may be a torchrun rank's. ``signal``: the preempt
@@ -127,20 +127,20 @@ class Worker:
         """With mid-forward preemption, every rank votes (so every rank enters each
         collective); only ranks that can see EngineCore's shared memory read the signal, the
         others vote 0, as on another node."""
-        from workers.preemption.preempt_vote import PreemptVote
+        from workers.preemption.slo_preempt_vote import SLOPreemptVote
 
         config = self.config
-        if not config.engine.preemption.mid_forward_preemption:
+        if not config.engine.slo_preemption.enabled:
             return
         signal = self._shared_signal
-        if signal is None and config.preempt_signal_name and \
-                self.rank < config.preempt_signal_ranks:
-            signal = PreemptSignal.attach(config.preempt_signal_name)
+        if signal is None and config.slo_preempt_signal_name and \
+                self.rank < config.slo_preempt_signal_ranks:
+            signal = SLOPreemptSignal.attach(config.slo_preempt_signal_name)
         cpu_group = self.groups.cpu_group if self.groups is not None and config.tp_size > 1 \
             else None
         runner = self._runner
-        runner.install_vote(PreemptVote(signal, runner.model.num_layers,
-                                        config.engine.preemption.stubborn_fraction, cpu_group))
+        runner.install_vote(SLOPreemptVote(signal, runner.model.num_layers,
+                                        config.engine.slo_preemption.stubborn_fraction, cpu_group))
 
     def wait_for_peers(self) -> None:
         """Nobody starts stepping before every shard is loaded (and a failed load on another
@@ -230,7 +230,7 @@ class DriverWorker(Worker):
             transport_seconds = time.perf_counter() - started
             output = self._runner.execute(scheduler_output)
             output.transport_seconds = transport_seconds
-            if output.status is StepStatus.PREEMPTED:
+            if output.status is StepStatus.SLO_PREEMPTED:
                 self._check_unwound_together(output)
             return output
         except Exception:
@@ -241,7 +241,7 @@ class DriverWorker(Worker):
         """Every rank must have stopped before the same layer (the all_reduce makes them agree;
         a rank that did not would desynchronise every later collective): read the layer each
         follower reported and fail the step loudly if they differ."""
-        layers = [output.preempted_layer]
+        layers = [output.slo_preempted_layer]
         for rank in range(1, self.joined.world_size):
             key = _unwound_key(output.step_id, rank)
             layers.append(int(self.joined.store.get(key)))
@@ -294,9 +294,9 @@ def _follow(worker: Worker) -> int:
             return 0
         try:
             output = worker._runner.execute(command.scheduler_output)
-            if output.status is StepStatus.PREEMPTED:
+            if output.status is StepStatus.SLO_PREEMPTED:
                 worker.joined.store.set(_unwound_key(output.step_id, worker.rank),
-                                        str(output.preempted_layer))
+                                        str(output.slo_preempted_layer))
         except Exception:
             report_error(worker.joined, traceback.format_exc())
             traceback.print_exc()

@@ -345,7 +345,7 @@ def measure_mixed(llm: Any, steps_log: list[dict], vocab: int, sizes: dict[str, 
     contexts = [p + 1 for i in mixed for p, n in steps_log[i]["requests"] if n == 1]
     chunk_starts = [p for i in mixed for p, n in steps_log[i]["requests"] if n != 1]
     tokens = workload.decodes + workload.chunk
-    preemption = llm.engine.config.preemption
+    preemption = llm.engine.config.slo_preemption
     figures = {"batch": workload.decodes, "chunk": workload.chunk, "context": workload.context,
                "prompt_len": workload.prompt_len, "long_prompts": workload.prompts,
                "mean_context": sum(contexts) / len(contexts),
@@ -355,7 +355,7 @@ def measure_mixed(llm: Any, steps_log: list[dict], vocab: int, sizes: dict[str, 
                "tokens_per_s": tokens / step_s, "decode_tokens_per_s": workload.decodes / step_s,
                # The scheduler marks a step preemptible (its workers vote at each attention
                # op) from this many prefill tokens: the piecewise graphs' kind of step.
-               "preemptible": (preemption.mid_forward_preemption
+               "preemptible": (preemption.enabled
                                and workload.chunk >= preemption.min_tokens)}
     _progress(f"engine mixed {workload.decodes} decodes + {workload.chunk}-token chunk: "
               f"{tokens / step_s:.0f} tok/s, step {1000 * step_s:.2f} ms")

@@ -2,10 +2,10 @@
 
 Per TP size, one process per rank drives a ModelRunner directly (no engine): (a) a prefill step
 of one long prompt, marked preemptible, and (b) a decode step of N requests with a prefilled
-context, marked preemptible=False as the scheduler marks every decode-only step. "On" installs a
-PreemptVote over a live PreemptSignal that never targets the step, so it measures the vote's cost,
-never a preemption. On and off repetitions alternate (and swap order each round) because this
-2-core machine is noisy; medians are printed as `key: value` lines.
+context, marked preemptible=False as the scheduler marks every decode-only step. "On" installs an
+SLOPreemptVote over a live SLOPreemptSignal that never targets the step, so it measures the
+vote's cost, never a preemption. On and off repetitions alternate (and swap order each round)
+because this 2-core machine is noisy; medians are printed as `key: value` lines.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from workers.preemption.preempt_vote import PreemptVote
+from workers.preemption.slo_preempt_vote import SLOPreemptVote
 
 BLOCK_SIZE = 16
 COUNTED_STEPS = 3
 
 
-class _CountingVote(PreemptVote):
+class _CountingVote(SLOPreemptVote):
     """Counts hook calls (TP=1 has no collective to count) and the time inside them: a cost far
     below the noise of whole-step medians. At TP>1 it includes waiting for a lagging peer, which a
     step without the vote spends at its next all_reduce instead: an upper bound."""
@@ -59,7 +59,7 @@ def _run_rank(rank: int, tp: int, port: int, model_dir: str, signal_name: str,
     from engine.sampling_params import SamplingParams
     from engine.core.scheduler_output import SchedulerOutput, StepStatus
     from engine.worker_messages import WorkerConfig
-    from monitor.preempt_signal import PreemptSignal
+    from monitor.slo_preempt_signal import SLOPreemptSignal
     from workers.distributed import destroy, init_distributed
     from workers.model_runner import ModelRunner
 
@@ -88,10 +88,10 @@ def _run_rank(rank: int, tp: int, port: int, model_dir: str, signal_name: str,
     runner = ModelRunner(config, device, rank=rank,
                          tp_group=groups.tensor_group if groups else None)
     # Every rank on this node reads the monitor's signal, as the workers do in the engine.
-    signal = PreemptSignal.attach(signal_name)
+    signal = SLOPreemptSignal.attach(signal_name)
     cpu_group = groups.cpu_group if groups else None
     layers = runner.model.num_layers
-    vote = PreemptVote(signal, layers, 0.9, cpu_group)
+    vote = SLOPreemptVote(signal, layers, 0.9, cpu_group)
 
     g = torch.Generator().manual_seed(0)
     vocab, greedy = hf_config.vocab_size, SamplingParams(temperature=0, max_tokens=1)
@@ -106,7 +106,7 @@ def _run_rank(rank: int, tp: int, port: int, model_dir: str, signal_name: str,
     decode = SchedulerOutput(step_id=3, preemptible=False, requests=_requests(
         [c[ctx:] for c in contexts], ctx, blocks_decode, greedy))
 
-    def step(out: SchedulerOutput, with_vote: PreemptVote | None) -> tuple[float, dict]:
+    def step(out: SchedulerOutput, with_vote: SLOPreemptVote | None) -> tuple[float, dict]:
         runner.install_vote(with_vote)
         if groups:  # start the ranks together, so rank 0 does not time a peer's lag
             torch.distributed.barrier(group=groups.cpu_group)
@@ -222,7 +222,7 @@ def main() -> None:
     from engine.device import auto_device
     from engine.entrypoints.default_model import model_path_or_default
     from engine.runtime.model_setup import auto_dtype, check_tensor_parallel, load_hf_config
-    from monitor.preempt_signal import PreemptSignal
+    from monitor.slo_preempt_signal import SLOPreemptSignal
 
     # Once, here: the spawned ranks are handed a concrete device.
     device_why = ""
@@ -252,7 +252,7 @@ def main() -> None:
           f"decode_requests: {args.decode_requests}\ndecode_context: {args.decode_context}\n"
           f"repeats: {args.repeats} per variant, on/off interleaved; figures are medians")
     # Created once and never published to: its target stays NO_TARGET, so no step is stopped.
-    signal = PreemptSignal.create()
+    signal = SLOPreemptSignal.create()
     try:
         for tp in args.tensor_parallel_size:
             _report(tp, bench_tp(tp, model_dir, signal.name, args), args.repeats)

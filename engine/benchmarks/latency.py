@@ -55,7 +55,7 @@ from engine.benchmarks.stats import percentile
 from engine.config import build_engine_config
 from engine.runtime.engine_core import EngineCore
 from engine.core.request import Request
-from engine.runtime.slo_preemption import PreemptionEvent
+from engine.runtime.slo_preemption import SLOPreemptionEvent
 from engine.sampling_params import SamplingParams
 
 # An SLO no step here comes near: the request is never urgent.
@@ -111,7 +111,7 @@ class LatencyBench:
 
     def __init__(self, engine: EngineCore, seed: int, urgent_slo_ms: float | None,
                  record: Callable[..., None] = FigureLog(None).write) -> None:
-        assert engine.preemption is not None, "the engine must run the SLO monitor"
+        assert engine.slo_preemption is not None, "the engine must run the SLO monitor"
         self.engine = engine
         self.record = record
         self.num_layers: int = engine.model.hf_config.num_hidden_layers
@@ -152,7 +152,7 @@ class LatencyBench:
         self.warm_up(prompt_tokens)
         counters_before = graph_counters(engine)
         step_times: list[float] = []
-        events: list[tuple[Request, PreemptionEvent]] = []
+        events: list[tuple[Request, SLOPreemptionEvent]] = []
         missed = 0
         slo_ms = 0.0
         for trial in range(trials):
@@ -202,7 +202,7 @@ class LatencyBench:
         return seconds
 
     def _preempted_step(self, long: Request, urgent: Request,
-                        delay_s: float) -> PreemptionEvent | None:
+                        delay_s: float) -> SLOPreemptionEvent | None:
         """One step of `long`, with `urgent` submitted `delay_s` into it from another thread
         (as the HTTP reader thread would); the unwind it caused, or None. Both requests are
         aborted after the step."""
@@ -214,7 +214,7 @@ class LatencyBench:
             engine.submit_request(urgent)
 
         engine.add_request(long)
-        events = engine.preemption.events
+        events = engine.slo_preemption.events
         last_before = events[-1] if events else None
         arrival = threading.Thread(target=arrive, daemon=True)
         arrival.start()

@@ -68,8 +68,12 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
+    # Preemptions of either kind (num_kv_preemptions + num_slo_preemptions).
     num_preemptions: int = 0
-    # Preemptions by the SLO monitor (Rule 1: once preempted, never a victim again).
+    # KV preemptions: evicted for KV space, to be recomputed.
+    num_kv_preemptions: int = 0
+    # SLO preemptions: the monitor stopped a pass for an urgent request (Rule 1: once
+    # preempted, never a victim again).
     num_slo_preemptions: int = 0
     # Tokens served from the prefix cache at the first admission (-1 until admitted).
     num_cached_tokens: int = -1

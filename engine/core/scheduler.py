@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from engine.config import CacheConfig, PreemptionConfig, SchedulerConfig
+from engine.config import CacheConfig, SLOPreemptionConfig, SchedulerConfig
 from engine.core.admission import AdmissionControl, chunk_size
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
@@ -44,7 +44,7 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         max_model_len: int,
-        preemption: PreemptionConfig | None = None,
+        slo_preemption: SLOPreemptionConfig | None = None,
         ttft_seed: LinearTTFT | None = None,
     ) -> None:
         if max_model_len < 1:
@@ -62,14 +62,14 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(cache_config, num_blocks, max_model_len)
         self.admission = AdmissionControl(scheduler_config, self.kv_cache_manager)
         self.slack = SlackPolicy(scheduler_config.policy,
-                                 preemption.mode if preemption is not None else "pause",
+                                 slo_preemption.mode if slo_preemption is not None else "pause",
                                  ttft_seed,
-                                 preemption.predictor_error_quantile if preemption is not None
-                                 else 0.9,
+                                 slo_preemption.predictor_error_quantile
+                                 if slo_preemption is not None else 0.9,
                                  scheduler_config.aging_bound_ms / 1000)
         # Steps with at least this many prefill tokens are marked preemptible (None: never).
-        self.preempt_min_tokens = (preemption.min_tokens if preemption is not None
-                                   and preemption.mid_forward_preemption else None)
+        self.slo_preempt_min_tokens = (slo_preemption.min_tokens if slo_preemption is not None
+                                   and slo_preemption.enabled else None)
         self.requests: dict[str, Request] = {}
         self.siblings = SiblingGate()
         self.waiting: RequestQueue = create_request_queue(scheduler_config.policy, self.urgency,
@@ -155,7 +155,7 @@ class Scheduler:
         the first waiting request finishes with an error naming what it needed, and the engine
         goes on. Returns the requests failed (none if the step made progress)."""
         record = self.last_step_record
-        if self.running or not self.waiting or (record is not None and record.preempted):
+        if self.running or not self.waiting or (record is not None and record.kv_preempted):
             return []
         request = self.waiting.peek()
         kv = self.kv_cache_manager
@@ -201,8 +201,9 @@ class Scheduler:
         self.slack.on_kv_preempted(request.request_id)
         self.requeue_for_recompute(request)
         request.num_preemptions += 1
+        request.num_kv_preemptions += 1
         self.num_kv_preemptions += 1
-        step.record.preempted.append(request)
+        step.record.kv_preempted.append(request)
 
     def urgency(self, request: Request) -> float:
         """Slack-EDF priority of a request now (higher is more urgent)."""
@@ -219,15 +220,15 @@ class Scheduler:
                               budget=self.config.max_num_batched_tokens)
         self.slack.admit_first(self, step)
         self._schedule_running(step)
-        if not step.record.preempted:
+        if not step.record.kv_preempted:
             # Blocks just taken from a victim must not go straight to a newcomer.
             self._admit_waiting(step)
-        if not step.scheduled and not step.record.preempted and self.slack.held:
+        if not step.scheduled and not step.record.kv_preempted and self.slack.held:
             # Only held requests could run: release them rather than send an empty step that
             # would come back forever.
             self.slack.release_all_holds()
             self._schedule_running(step)
-            if not step.record.preempted:
+            if not step.record.kv_preempted:
                 self._admit_waiting(step)
         return self._output_of(step)
 
@@ -309,9 +310,9 @@ class Scheduler:
             request.num_computed_tokens = end
         self.num_scheduled_tokens_total += output.num_scheduled_tokens
         # Decode-only and small steps end sooner than a preemption would pay off: no vote.
-        output.preemptible = (self.preempt_min_tokens is not None and num_prefill_tokens > 0
-                              and num_prefill_tokens >= self.preempt_min_tokens)
-        output.suspend_on_unwind = output.preemptible and self.slack.preempt_mode == "suspend"
+        output.preemptible = (self.slo_preempt_min_tokens is not None and num_prefill_tokens > 0
+                              and num_prefill_tokens >= self.slo_preempt_min_tokens)
+        output.suspend_on_unwind = output.preemptible and self.slack.slo_preempt_mode == "suspend"
         self.prev_scheduled_req_ids = frozenset(step.scheduled)
         self.last_step_record = step.record
         return output

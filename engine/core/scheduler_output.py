@@ -86,7 +86,7 @@ class StepStatus(enum.Enum):
     OK = "ok"
     ERROR = "error"
     # The workers unwound the forward pass between two layers (the preemption vote).
-    PREEMPTED = "preempted"
+    SLO_PREEMPTED = "preempted"
 
 
 class ModelRunnerOutput(msgspec.Struct, kw_only=True):
@@ -102,15 +102,15 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     # finished with an error, the rest of the step commits as usual.
     failed: dict[str, str] = {}
     error: str | None = None
-    # PREEMPTED: the layer before whose attention op the pass stopped.
-    preempted_layer: int | None = None
-    # PREEMPTED: the layer each TP rank stopped at (rank order); they must all agree.
+    # SLO_PREEMPTED: the layer before whose attention op the pass stopped.
+    slo_preempted_layer: int | None = None
+    # SLO_PREEMPTED: the layer each TP rank stopped at (rank order); they must all agree.
     unwound_layers: list[int] = []
-    # PREEMPTED with suspend_on_unwind: the prefill chunks whose activations the workers now
+    # SLO_PREEMPTED with suspend_on_unwind: the prefill chunks whose activations the workers now
     # hold (none if the pass stopped before the first layer finished).
     suspended_req_ids: list[str] = []
     # req_id -> the layer each chunk resuming a suspended pass joined it at (OK and
-    # PREEMPTED): the layers below it did not run in this step (the TTFT predictor's share).
+    # SLO_PREEMPTED): the layers below it did not run in this step (the TTFT predictor's share).
     resumed_layers: dict[str, int] = {}
     # Wall time of the forward pass + sampling, for the TTFT predictor.
     execute_seconds: float = 0.0

@@ -8,7 +8,7 @@ calls its hooks.
   else (their tokens are reserved before the urgent admissions), and the step's prefill is capped
   so that its predicted time fits the tightest of their next-token deadlines (Sarathi's
   stall-free batching, driven by deadlines).
-- Mid-forward preemption: applying the monitor's decision to its victim after a rollback,
+- SLO preemption: applying the monitor's decision to its victim after a rollback,
   holding victims back until they are the most urgent again, admitting the waiter first, and
   the suspended chunks that resume where their pass stopped (suspend mode).
 
@@ -128,16 +128,16 @@ class SuspendedChunk(NamedTuple):
 
 
 class SlackPolicy:
-    def __init__(self, scheduling_policy: SchedulingPolicy, preempt_mode: SLOPreemptMode,
+    def __init__(self, scheduling_policy: SchedulingPolicy, slo_preempt_mode: SLOPreemptMode,
                  ttft_seed: LinearTTFT | None = None, error_quantile: float = 0.9,
                  aging_bound_s: float | None = None) -> None:
         self.scheduling_policy = scheduling_policy
         self.aging_bound_s = aging_bound_s
         # What a mid-forward preemption does to its victim (docs/design.md section 4).
-        self.preempt_mode = preempt_mode
+        self.slo_preempt_mode = slo_preempt_mode
         # The slo policy ranks by slack, which needs predicted prefill times.
         self.predictor = OnlineTTFT(ttft_seed, error_quantile=error_quantile)
-        # Not scheduled: victims of mid-forward preemptions and the chunks kept from the steps
+        # Not scheduled: victims of SLO preemptions and the chunks kept from the steps
         # they stopped, held back until their waiter's client has its first output (and
         # victims until no request with prefill left is more urgent than they are). A paused one stays running
         # with its KV; a recomputed one waits and is not admitted (else it would share the very
@@ -558,7 +558,7 @@ class SlackPolicy:
         # The victim may keep its KV and its sequence slot only if the next step (which
         # admits the waiter first, before anything else changes) admits the waiter beside it:
         # else it would be held for a waiter that never comes in.
-        if self.preempt_mode != "recompute" and (
+        if self.slo_preempt_mode != "recompute" and (
                 waiter is None or waiter.status is RequestStatus.RUNNING or ops.can_admit(waiter)):
             return "suspend" if victim_id in self.suspended else "pause"
         if victim_id in self.suspended:
@@ -569,7 +569,7 @@ class SlackPolicy:
     def protected_by_rule1(self, request: Request) -> bool:
         """Rule 1: a request the monitor preempted once is never its victim again, except in
         suspend mode (see preempt_for_slo)."""
-        return self.preempt_mode != "suspend" and request.num_slo_preemptions > 0
+        return self.slo_preempt_mode != "suspend" and request.num_slo_preemptions > 0
 
     # ---- suspended chunks and the end of a request -------------------------------------------
 

@@ -49,8 +49,9 @@ class StepRecord:
       committed by this step, since commits happen only in ``update_from_output``).
     - ``prev_num_computed_tokens``: restore each scheduled request's counter; KV the abandoned pass
       wrote beyond it is simply overwritten when the tokens are scheduled again.
-    - ``preempted``: stay preempted. Their blocks went back to the pool and the abandoned pass may
-      already have written into them, so the only safe state is recompute, which they are in.
+    - ``kv_preempted``: stay preempted. Their blocks went back to the pool and the abandoned pass
+      may already have written into them, so the only safe state is recompute, which they are
+      in.
     - ``prev_scheduled_req_ids``: becomes the scheduler's previous-step set again.
     - each admission's ``prefix_cache_queries`` / ``prefix_cache_hits``: subtracted from the KV
       manager's counters.
@@ -66,7 +67,7 @@ class StepRecord:
     # Request id -> blocks appended to its table this step, in table order.
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     admitted: list[Admission] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
+    kv_preempted: list[Request] = field(default_factory=list)
 
     def forget(self, req_id: str) -> None:
         """The request left this step's scheduled set (a KV-pressure victim): drop every entry

@@ -127,10 +127,10 @@ def _serve(args: argparse.Namespace) -> int:
     model = model_path_or_default(given)
     config = build_engine_config(model, **kwargs)
     resolve(config)  # bad configuration fails here, before any process starts
-    if config.preemption.ttft_model:
+    if config.slo_preemption.ttft_model:
         from monitor.predictor import LinearTTFT
 
-        LinearTTFT.load(config.preemption.ttft_model)
+        LinearTTFT.load(config.slo_preemption.ttft_model)
     # vLLM's convention: clients see the --model argument as given (tools load the tokenizer
     # from it); the default model, given by no one, is named after its folder.
     names = args.served_model_name or [given or served_name(model)]

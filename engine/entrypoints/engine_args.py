@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 
 from engine.config import (DEFAULT_CPU_KV_CACHE_GB, DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig,
-                           EngineConfig, ModelConfig, PreemptionConfig, SchedulerConfig)
+                           EngineConfig, ModelConfig, SLOPreemptionConfig, SchedulerConfig)
 from engine.entrypoints.arg_types import (float_in, non_negative_float, non_negative_int,
                                           positive_float, positive_int, unit_interval)
+from engine.entrypoints.deprecated_args import add_deprecated_alias
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -106,40 +107,45 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--collective-timeout-s", type=positive_float,
                    default=EngineConfig.collective_timeout_s,
                    help="bound on any collective: a dead rank fails the step within this time")
-    p = parser.add_argument_group("mid-forward preemption (docs/design.md sections 4-5)")
-    p.add_argument("--mid-forward-preemption", choices=["on", "off"],
-                   default=_on_off(PreemptionConfig.mid_forward_preemption),
-                   help="stop a long prefill between two layers for an urgent request")
-    p.add_argument("--preempt-policy", choices=["conservative", "aggressive"],
-                   default=PreemptionConfig.policy,
-                   help="the waiter must beat the most (conservative) or least (aggressive) "
-                        "urgent running request")
-    p.add_argument("--preempt-margin", type=float_in(1.0), default=PreemptionConfig.margin,
-                   help="how much more urgent the waiter must be (both slacks positive)")
+    p = parser.add_argument_group("SLO preemption (docs/design.md sections 4-5)")
+    on_off = p.add_argument("--slo-preemption", choices=["on", "off"],
+                            default=_on_off(SLOPreemptionConfig.enabled),
+                            help="stop a long prefill between two layers for an urgent request")
+    policy = p.add_argument("--slo-preempt-policy", choices=["conservative", "aggressive"],
+                            default=SLOPreemptionConfig.policy,
+                            help="the waiter must beat the most (conservative) or least "
+                                 "(aggressive) urgent running request")
+    margin = p.add_argument("--slo-preempt-margin", type=float_in(1.0),
+                            default=SLOPreemptionConfig.margin,
+                            help="how much more urgent the waiter must be (both slacks positive)")
     p.add_argument("--stubborn-fraction", type=unit_interval,
-                   default=PreemptionConfig.stubborn_fraction,
+                   default=SLOPreemptionConfig.stubborn_fraction,
                    help="past this fraction of the layers a step is finished, not stopped")
-    p.add_argument("--preempt-min-tokens", type=non_negative_int,
-                   default=PreemptionConfig.min_tokens,
-                   help="steps with fewer prefill tokens do not vote")
+    min_tokens = p.add_argument("--slo-preempt-min-tokens", type=non_negative_int,
+                                default=SLOPreemptionConfig.min_tokens,
+                                help="steps with fewer prefill tokens do not vote")
+    # The names before issue 33 ("one word per mechanism"), for one release.
+    for old, new in (("--mid-forward-preemption", on_off), ("--preempt-policy", policy),
+                     ("--preempt-margin", margin), ("--preempt-min-tokens", min_tokens)):
+        add_deprecated_alias(p, old, new)
     p.add_argument("--monitor-interval-ms", type=positive_float,
-                   default=PreemptionConfig.monitor_interval_ms,
+                   default=SLOPreemptionConfig.monitor_interval_ms,
                    help="the monitor's poll interval while a preemptible step runs (it also "
                         "wakes on every arrival and every preemptible step)")
     p.add_argument("--slo-preempt-mode", choices=["recompute", "pause", "suspend"],
-                   default=PreemptionConfig.mode,
+                   default=SLOPreemptionConfig.mode,
                    help="recompute frees the victim's KV; pause keeps its earlier chunks; "
                         "suspend also keeps the stopped pass's work and resumes it at its layer")
-    p.add_argument("--ttft-model", default=PreemptionConfig.ttft_model, metavar="FILE",
+    p.add_argument("--ttft-model", default=SLOPreemptionConfig.ttft_model, metavar="FILE",
                    help="TTFT line from `sloserve calibrate` (default: timed at startup, "
                         "then fitted online)")
     p.add_argument("--startup-calibration", choices=["on", "off"],
-                   default=_on_off(PreemptionConfig.startup_calibration),
+                   default=_on_off(SLOPreemptionConfig.startup_calibration),
                    help="without --ttft-model, time a few prompt sizes and decode batches "
                         "before serving (a few seconds) to seed the TTFT predictor; off: start "
                         "from a pessimistic default and fit online only")
     p.add_argument("--predictor-error-quantile", type=float_in(0.0, 1.0, low_open=True),
-                   default=PreemptionConfig.predictor_error_quantile,
+                   default=SLOPreemptionConfig.predictor_error_quantile,
                    help="the monitor waits out a running step for an urgent request only if "
                         "its slack covers the step plus this quantile of the TTFT predictor's "
                         "recent relative errors")
@@ -173,10 +179,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 if args.tensor_parallel_size is None
                 else args.tensor_parallel_size,
                 collective_timeout_s=args.collective_timeout_s,
-                mid_forward_preemption=args.mid_forward_preemption == "on",
-                preempt_policy=args.preempt_policy, preempt_margin=args.preempt_margin,
+                slo_preemption=args.slo_preemption == "on",
+                slo_preempt_policy=args.slo_preempt_policy,
+                slo_preempt_margin=args.slo_preempt_margin,
                 stubborn_fraction=args.stubborn_fraction,
-                preempt_min_tokens=args.preempt_min_tokens,
+                slo_preempt_min_tokens=args.slo_preempt_min_tokens,
                 monitor_interval_ms=args.monitor_interval_ms,
                 slo_preempt_mode=args.slo_preempt_mode, ttft_model=args.ttft_model,
                 predictor_error_quantile=args.predictor_error_quantile,

@@ -34,9 +34,10 @@ class LLM:
         "cuda"), ``tokenizer`` (a tokenizer folder other than the model's) and ``chat_template``
         (a Jinja template, or a file holding one, for `chat`)."""
         from engine.entrypoints.default_model import model_path_or_default
+        from engine.entrypoints.deprecated_args import rename_deprecated_kwargs
 
         model = model_path_or_default(model)
-        config = build_engine_config(model, **engine_args)
+        config = build_engine_config(model, **rename_deprecated_kwargs(engine_args))
         self.engine = EngineCore(config)
         self.inputs = InputProcessor.for_model(config.model)
         self.tokenizer = self.inputs.tokenizer

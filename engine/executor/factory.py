@@ -7,11 +7,11 @@ from engine.executor.base import Executor
 from engine.runtime.launch import check_torchrun_gpus, check_torchrun_world, torchrun_launch
 from engine.executor.worker_config import worker_config
 from engine.runtime.model_setup import ResolvedModel
-from monitor.preempt_signal import PreemptSignal
+from monitor.slo_preempt_signal import SLOPreemptSignal
 
 
 def make_executor(config: EngineConfig, model: ResolvedModel,
-                  signal: PreemptSignal | None) -> Executor:
+                  signal: SLOPreemptSignal | None) -> Executor:
     """The executor ``config`` asks for, its workers started (weights loaded, KV pool sized,
     warmed up, graphs captured, voting where ``signal`` is given)."""
     if model.profile is not None:
@@ -27,7 +27,7 @@ def make_executor(config: EngineConfig, model: ResolvedModel,
     if kind == "mp":
         from engine.executor.multiproc import MultiprocExecutor
 
-        return MultiprocExecutor(worker_config(config, model, preempt_signal_name=signal_name))
+        return MultiprocExecutor(worker_config(config, model, slo_preempt_signal_name=signal_name))
     launch = torchrun_launch()
     if launch is None:
         raise ValueError("distributed_executor 'external' needs a torchrun launch "
@@ -37,17 +37,17 @@ def make_executor(config: EngineConfig, model: ResolvedModel,
     from engine.executor.external import ExternalExecutor
 
     return ExternalExecutor(worker_config(config, model, init_method="env://",
-                                          preempt_signal_name=signal_name), launch)
+                                          slo_preempt_signal_name=signal_name), launch)
 
 
 def _simulated_executor(config: EngineConfig, model: ResolvedModel,
-                        signal: PreemptSignal | None) -> Executor:
+                        signal: SLOPreemptSignal | None) -> Executor:
     from engine.executor.simulated import SimulatedExecutor
-    from workers.preemption.preempt_vote import PreemptVote
+    from workers.preemption.slo_preempt_vote import SLOPreemptVote
 
     profile = model.profile
     assert profile is not None and model.num_blocks is not None
-    vote = (PreemptVote(signal, profile.num_layers, config.preemption.stubborn_fraction)
+    vote = (SLOPreemptVote(signal, profile.num_layers, config.slo_preemption.stubborn_fraction)
             if signal is not None else None)
     eos = getattr(model.hf_config, "eos_token_id", None)
     eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
 from engine.worker_messages import WorkerConfig
-from monitor.preempt_signal import PreemptSignal
+from monitor.slo_preempt_signal import SLOPreemptSignal
 
 if TYPE_CHECKING:
     from workers.model_runner import ModelRunner
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 class InProcessExecutor:
-    def __init__(self, config: WorkerConfig, signal: PreemptSignal | None = None) -> None:
+    def __init__(self, config: WorkerConfig, signal: SLOPreemptSignal | None = None) -> None:
         """``signal``: EngineCore's own preempt signal, which the worker's vote reads (and
         leaves to EngineCore to close)."""
         # Deferred, as every import of workers here: the model code loads only where it runs.

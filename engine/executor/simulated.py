@@ -1,8 +1,8 @@
 """An executor that runs no model: each step's layers take the time a step-time profile gives.
 
 Everything around it is the real engine: EngineCore's loop, the scheduler, the monitor thread,
-the shared-memory signal, and the vote (workers.preemption.preempt_vote.PreemptVote, the same object the
-model runner calls before each attention op), which reports each layer's progress to the
+the shared-memory signal, and the vote (workers.preemption.slo_preempt_vote.SLOPreemptVote, the
+same object the model runner calls before each attention op), which reports each layer's progress to the
 monitor and unwinds the pass when the monitor targets the step. So an arrival during a long
 simulated prefill is decided, unwound, rolled back and re-admitted exactly as on a GPU, at the
 GPU's time scale.
@@ -29,7 +29,7 @@ from engine.core.slack_policy import SuspendedChunk
 from engine.core.scheduler_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
                                           StepStatus)
 from engine.simulation.profile import StepTimeProfile
-from workers.preemption.preempt_vote import PreemptVote, StepPreempted, discarded_share
+from workers.preemption.slo_preempt_vote import SLOPreemptVote, StepSLOPreempted, discarded_share
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class _Chunk:
 
 class SimulatedExecutor:
     def __init__(self, profile: StepTimeProfile, num_kv_blocks: int, vocab_size: int,
-                 avoid_token_ids: Iterable[int] = (), vote: PreemptVote | None = None,
+                 avoid_token_ids: Iterable[int] = (), vote: SLOPreemptVote | None = None,
                  sleep: Callable[[float], None] = time.sleep,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.profile = profile
@@ -77,11 +77,12 @@ class SimulatedExecutor:
                 vote.step_id = scheduler_output.step_id
                 vote.discarded_share = discarded_share(scheduler_output)
                 self._run_layers(chunks, vote, started)
-        except StepPreempted as stop:
+        except StepSLOPreempted as stop:
             suspended = self._suspend(scheduler_output, chunks, stop.layer)
             self._wait_until(self._clock() + self.profile.unwind_s)
             return ModelRunnerOutput(step_id=scheduler_output.step_id,
-                                     status=StepStatus.PREEMPTED, preempted_layer=stop.layer,
+                                     status=StepStatus.SLO_PREEMPTED,
+                                     slo_preempted_layer=stop.layer,
                                      unwound_layers=[stop.layer], suspended_req_ids=suspended,
                                      resumed_layers=resumed_layers,
                                      execute_seconds=self._clock() - started)
@@ -123,9 +124,9 @@ class SimulatedExecutor:
                                          sum(c.attention for c in active),
                                          sum(c.decode_context for c in active))
 
-    def _run_layers(self, chunks: dict[str, _Chunk], vote: PreemptVote, started: float) -> None:
+    def _run_layers(self, chunks: dict[str, _Chunk], vote: SLOPreemptVote, started: float) -> None:
         """Vote before each layer (the vote reports the progress the monitor reads, and raises
-        StepPreempted when the step is targeted), then sleep the layer. Sleeping to absolute
+        StepSLOPreempted when the step is targeted), then sleep the layer. Sleeping to absolute
         times keeps the per-call overhead of sleep from adding up over the layers."""
         num_layers = self.profile.num_layers
         first = min(c.join for c in chunks.values())

@@ -10,13 +10,13 @@ from engine.worker_messages import KVPoolPlan, WorkerConfig
 
 
 def worker_config(config: EngineConfig, model: ResolvedModel, init_method: str = "",
-                  preempt_signal_name: str | None = None) -> WorkerConfig:
+                  slo_preempt_signal_name: str | None = None) -> WorkerConfig:
     """``config`` with what resolving it fixed for every rank. ``init_method`` "": the one rank
     lives in this process and joins no process group."""
     return WorkerConfig(engine=config, dtype=str(model.dtype).removeprefix("torch."),
                         max_model_len=model.max_model_len, num_blocks=model.num_blocks,
                         kv_pool_plan=kv_pool_plan(config, model), init_method=init_method,
-                        preempt_signal_name=preempt_signal_name)
+                        slo_preempt_signal_name=slo_preempt_signal_name)
 
 
 def kv_pool_plan(config: EngineConfig, model: ResolvedModel) -> KVPoolPlan | None:

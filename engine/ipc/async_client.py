@@ -24,7 +24,7 @@ from engine.processing.input_processor import InputProcessor, validate_prompt
 from engine.processing.output_processor import OutputProcessor
 from engine.outputs import RequestOutput, SchedulerStats
 from engine.sampling_params import SamplingParams
-from monitor.preempt_signal import PreemptSignal
+from monitor.slo_preempt_signal import SLOPreemptSignal
 
 
 class OutputObserver(Protocol):
@@ -80,7 +80,7 @@ class AsyncEngineClient:
         # EngineCore process that uses it: the owner unlinks it, and this process outlives an
         # EngineCore that dies without a word (SIGKILL, a crash in a kernel), which would leave
         # it to the resource tracker's "leaked shared_memory" clean-up at exit.
-        self._preempt_signal: PreemptSignal | None = None
+        self._slo_preempt_signal: SLOPreemptSignal | None = None
         self._starting = False
         self._stopping = False  # the server was told to stop (stop_soon)
 
@@ -111,10 +111,10 @@ class AsyncEngineClient:
         from engine.ipc.core_process import run_core_process
 
         self.loop = asyncio.get_running_loop()
-        if self.config.preemption.mid_forward_preemption:  # EngineCore's own condition for one
-            self._preempt_signal = PreemptSignal.create()
+        if self.config.slo_preemption.enabled:  # EngineCore's own condition for one
+            self._slo_preempt_signal = SLOPreemptSignal.create()
             target = functools.partial(run_core_process,
-                                       preempt_signal_name=self._preempt_signal.name)
+                                       slo_preempt_signal_name=self._slo_preempt_signal.name)
         else:
             target = run_core_process
         # Any local process may connect to the port below while it is open; only the peer that
@@ -215,9 +215,9 @@ class AsyncEngineClient:
 
     def _release_signal(self) -> None:
         # After the EngineCore process is gone: nothing maps the segment any more.
-        if self._preempt_signal is not None:
-            self._preempt_signal.close()
-            self._preempt_signal = None
+        if self._slo_preempt_signal is not None:
+            self._slo_preempt_signal.close()
+            self._slo_preempt_signal = None
 
     async def _reap(self) -> None:
         process = self._process

@@ -24,7 +24,7 @@ from engine.ipc.core_messages import (AbortRequests, AddRequest, CoreFailed, Cor
 from engine.runtime.engine_core import EngineCore
 from engine.log import configure_logging
 from engine.core.request import Request, RequestStatus
-from monitor.preempt_signal import PreemptSignal
+from monitor.slo_preempt_signal import SLOPreemptSignal
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +56,8 @@ class _StopOnSigterm:
 
 
 def run_core_process(config_bytes: bytes, port: int, token: bytes,
-                     preempt_signal_name: str | None = None) -> None:
-    """`preempt_signal_name`: the preempt signal's segment, which the API server created and
+                     slo_preempt_signal_name: str | None = None) -> None:
+    """`slo_preempt_signal_name`: the preempt signal's segment, which the API server created and
     owns (it unlinks it whatever becomes of this process); this process only maps it."""
     # The API server decides when to stop (it forwards SIGINT/SIGTERM as a ShutdownCore message);
     # a Ctrl-C delivered to the whole process group must not kill this loop mid-step.
@@ -66,15 +66,16 @@ def run_core_process(config_bytes: bytes, port: int, token: bytes,
     signal.signal(signal.SIGTERM, on_sigterm)
     configure_logging()  # a spawned process starts with logging unconfigured
     channel: FrameSocket | None = None
-    preempt_signal: PreemptSignal | None = None
+    slo_preempt_signal: SLOPreemptSignal | None = None
     core: EngineCore | None = None
     try:
         channel = FrameSocket(socket.create_connection(("127.0.0.1", port)))
         channel.send(CoreHello(token=token))  # before anything else: how the server knows us
-        if preempt_signal_name is not None:
-            preempt_signal = PreemptSignal.attach(preempt_signal_name)
+        if slo_preempt_signal_name is not None:
+            slo_preempt_signal = SLOPreemptSignal.attach(slo_preempt_signal_name)
         try:
-            core = EngineCore(config_decoder.decode(config_bytes), preempt_signal=preempt_signal)
+            core = EngineCore(config_decoder.decode(config_bytes),
+                              slo_preempt_signal=slo_preempt_signal)
         except Exception as exc:
             channel.send(CoreFailed(error=f"{type(exc).__name__}: {exc}"
                                     if isinstance(exc, ValueError) else traceback.format_exc()))
@@ -100,8 +101,8 @@ def run_core_process(config_bytes: bytes, port: int, token: bytes,
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if core is not None:
             core.shutdown()
-        if preempt_signal is not None:
-            preempt_signal.close()  # unmaps it; the API server unlinks it
+        if slo_preempt_signal is not None:
+            slo_preempt_signal.close()  # unmaps it; the API server unlinks it
 
 
 _ABORT_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "error": RequestStatus.FINISHED_ERROR}

@@ -120,6 +120,8 @@ class OutputProcessor:
         metrics.first_scheduled_time = core_out.first_scheduled_time
         metrics.first_token_time = core_out.first_token_time
         metrics.num_preemptions = core_out.num_preemptions
+        metrics.num_kv_preemptions = core_out.num_kv_preemptions
+        metrics.num_slo_preemptions = core_out.num_slo_preemptions
         metrics.num_cached_tokens = core_out.num_cached_tokens
         metrics.slack_at_admission_s = core_out.slack_at_admission_s
         metrics.num_output_tokens = len(out.token_ids)

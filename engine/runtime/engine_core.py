@@ -23,7 +23,7 @@ from engine.runtime.startup_calibration import (StartupCalibration, calibrate_at
 from engine.runtime.step_observation import observe_step
 from engine.runtime.step_timing import StepObserver, StepTiming
 from monitor.predictor import LinearTTFT
-from monitor.preempt_signal import PreemptSignal
+from monitor.slo_preempt_signal import SLOPreemptSignal
 
 
 class EngineStepError(RuntimeError):
@@ -32,17 +32,19 @@ class EngineStepError(RuntimeError):
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None,
-                 preempt_signal: PreemptSignal | None = None) -> None:
-        """`preempt_signal`: one another process owns, that this engine uses instead of creating
+                 slo_preempt_signal: SLOPreemptSignal | None = None) -> None:
+        """`slo_preempt_signal`: one another process owns, that this engine uses instead of creating
         its own (the API server's, which outlives an EngineCore process that dies)."""
         self.config = config
         self.model: ResolvedModel = resolve(config)
-        preemption = config.preemption
-        ttft_seed = LinearTTFT.load(preemption.ttft_model) if preemption.ttft_model else None
+        slo_preemption = config.slo_preemption
+        ttft_seed = (LinearTTFT.load(slo_preemption.ttft_model) if slo_preemption.ttft_model
+                     else None)
         signal = None
-        if preemption.mid_forward_preemption:
-            signal = preempt_signal if preempt_signal is not None else PreemptSignal.create()
-        self.preemption: SLOPreemptionControl | None = None
+        if slo_preemption.enabled:
+            signal = (slo_preempt_signal if slo_preempt_signal is not None
+                      else SLOPreemptSignal.create())
+        self.slo_preemption: SLOPreemptionControl | None = None
         self.startup_calibration: StartupCalibration | None = None
         started: Executor | None = None
         try:
@@ -66,8 +68,8 @@ class EngineCore:
                     self.scheduler.slack.predictor.reseed(self.startup_calibration.model,
                                                           self.startup_calibration.points)
         except BaseException:
-            if self.preemption is not None:
-                self.preemption.shutdown()  # closes the signal
+            if self.slo_preemption is not None:
+                self.slo_preemption.shutdown()  # closes the signal
             elif signal is not None:
                 signal.close()
             if started is not None:
@@ -87,14 +89,14 @@ class EngineCore:
         # how benchmarks time steps. Empty, a step reads no clock for them.
         self.step_observers: list[StepObserver] = []
 
-    def _start_scheduling(self, signal: PreemptSignal | None,
+    def _start_scheduling(self, signal: SLOPreemptSignal | None,
                           ttft_seed: LinearTTFT | None) -> None:
         config, model = self.config, self.model
         assert model.num_blocks is not None
         self.scheduler = Scheduler(config.scheduler, config.cache, model.num_blocks,
-                                   model.max_model_len, config.preemption, ttft_seed)
+                                   model.max_model_len, config.slo_preemption, ttft_seed)
         if signal is not None:
-            self.preemption = SLOPreemptionControl(config.preemption, self.scheduler,
+            self.slo_preemption = SLOPreemptionControl(config.slo_preemption, self.scheduler,
                                                    model.hf_config.num_hidden_layers, signal)
             # The monitor and the request reader must get the GIL within a fraction of a layer,
             # not after CPython's default 5 ms switch interval.
@@ -126,8 +128,8 @@ class EngineCore:
         self._inbox.put((seq, request))
         # A parallel sample waits on its leader's prefill (SiblingGate): stopping a step for
         # it could only delay the prefill it waits on.
-        if self.preemption is not None and request.prefill_after is None:
-            self.preemption.note_arrival(seq, request)
+        if self.slo_preemption is not None and request.prefill_after is None:
+            self.slo_preemption.note_arrival(seq, request)
 
     def note_first_output(self, request_id: str, delivered_at: float) -> None:
         """From any thread: the request's first visible output reached its client at
@@ -193,16 +195,16 @@ class EngineCore:
             self._deliver_pending_frees()
             return []
         scheduler_output = self.scheduler.schedule()
-        if self.preemption is not None:
-            self.preemption.after_schedule(scheduler_output, self._drained_arrivals)
+        if self.slo_preemption is not None:
+            self.slo_preemption.after_schedule(scheduler_output, self._drained_arrivals)
         if scheduler_output.is_empty:
             self._deliver_frees(scheduler_output)
             # Nothing ran and nothing changed: the same empty step would repeat forever. That
             # is one request's problem (it cannot be admitted), never the engine's.
             return [_core_output(r) for r in self.scheduler.fail_stalled()]
         runner_output = self._execute(scheduler_output, timing)
-        if runner_output.status is StepStatus.PREEMPTED and self.preemption is not None:
-            self.preemption.on_preempted(scheduler_output, runner_output)
+        if runner_output.status is StepStatus.SLO_PREEMPTED and self.slo_preemption is not None:
+            self.slo_preemption.on_preempted(scheduler_output, runner_output)
             return []
         if runner_output.status is not StepStatus.OK:
             # The group's collectives are out of step after a failure: shut it down rather than
@@ -252,18 +254,18 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         stats = self.scheduler.stats()
-        if self.preemption is not None:
-            p = self.preemption.stats
-            stats.preempt_wasted_tokens = p.wasted_tokens
-            stats.preempt_wasted_layers = p.wasted_layers
-            stats.preempt_latencies_s = self.preemption.take_latencies()
-            stats.monitor_errors = self.preemption.monitor.num_errors
+        if self.slo_preemption is not None:
+            p = self.slo_preemption.stats
+            stats.slo_preempt_wasted_tokens = p.wasted_tokens
+            stats.slo_preempt_wasted_layers = p.wasted_layers
+            stats.slo_preempt_latencies_s = self.slo_preemption.take_latencies()
+            stats.monitor_errors = self.slo_preemption.monitor.num_errors
         return stats
 
     def shutdown(self) -> None:
-        if self.preemption is not None:
-            self.preemption.shutdown()
-            self.preemption = None
+        if self.slo_preemption is not None:
+            self.slo_preemption.shutdown()
+            self.slo_preemption = None
         if self.dead is None:
             self.executor.shutdown()
 
@@ -280,6 +282,8 @@ def _core_output(request: Request) -> EngineCoreOutput:
         stop_reason=request.stop_reason if finished else None,
         error=request.error,
         num_preemptions=request.num_preemptions,
+        num_kv_preemptions=request.num_kv_preemptions,
+        num_slo_preemptions=request.num_slo_preemptions,
         num_cached_tokens=max(request.num_cached_tokens, 0),
         first_scheduled_time=request.first_scheduled_time,
         first_token_time=request.first_token_time,

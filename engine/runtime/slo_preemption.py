@@ -7,24 +7,23 @@ monitor's decision to the victim.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.config import PreemptionConfig, SLOPreemptMode
+from engine.config import SLOPreemptionConfig, SLOPreemptMode
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.runtime.step_observation import observe_step
 from monitor.monitor import MonitorSnapshot, SLOMonitor
 from monitor.policy import RequestView, view_of
-from monitor.preempt_signal import PreemptSignal
+from monitor.slo_preempt_signal import SLOPreemptSignal
 from monitor.step_progress import predicted_layer_ends
 
 
 @dataclass
-class PreemptionEvent:
+class SLOPreemptionEvent:
     """One unwound step, as EngineCore saw it."""
 
     step_id: int
@@ -46,7 +45,7 @@ class PreemptionEvent:
 
 
 @dataclass
-class PreemptionStats:
+class SLOPreemptionStats:
     wasted_tokens: int = 0
     wasted_layers: int = 0
     # Latencies not yet handed to a stats snapshot (the API server's histogram takes them).
@@ -54,21 +53,21 @@ class PreemptionStats:
 
 
 class SLOPreemptionControl:
-    def __init__(self, config: PreemptionConfig, scheduler: Scheduler, num_layers: int,
-                 signal: PreemptSignal | None = None) -> None:
+    def __init__(self, config: SLOPreemptionConfig, scheduler: Scheduler, num_layers: int,
+                 signal: SLOPreemptSignal | None = None) -> None:
         """``signal``: one created earlier (the workers attach to it as they start); this
         object owns it from now on and closes it at shutdown."""
         self.config = config
         self.scheduler = scheduler
         self.num_layers = num_layers
-        self.signal = signal if signal is not None else PreemptSignal.create()
+        self.signal = signal if signal is not None else SLOPreemptSignal.create()
         self.monitor = SLOMonitor(self.signal, config.policy, config.margin,
                                   config.monitor_interval_ms / 1000,
                                   aging_bound_s=scheduler.slack.aging_bound_s)
-        self.stats = PreemptionStats()
+        self.stats = SLOPreemptionStats()
         # The most recent unwinds, for tests, benchmarks and debugging (bounded: a server runs
         # for weeks).
-        self.events: deque[PreemptionEvent] = deque(maxlen=1024)
+        self.events: deque[SLOPreemptionEvent] = deque(maxlen=1024)
         self.monitor.start()
 
     def note_arrival(self, seq: int, request: Request) -> None:
@@ -90,9 +89,8 @@ class SLOPreemptionControl:
         for sr in output.requests:
             request = scheduler.requests[sr.req_id]
             if len(sr.token_ids) > 1:
-                running.append(dataclasses.replace(
-                    view_of(request), remaining_prefill_tokens=request.num_tokens - sr.start_pos,
-                    slo_preempted=slack.protected_by_rule1(request)))
+                running.append(view_of(request, computed_tokens=sr.start_pos,
+                                       slo_preempted=slack.protected_by_rule1(request)))
         line = slack.predictor.current
         chunks = [(sr.start_pos, len(sr.token_ids), self._join_layer(sr))
                   for sr in output.requests]
@@ -115,7 +113,7 @@ class SLOPreemptionControl:
         scheduler = self.scheduler
         # The layers below the stop ran: what they took is a step point like any other.
         observe_step(scheduler.slack.predictor, output, runner_output, self.num_layers)
-        layer = runner_output.preempted_layer or 0
+        layer = runner_output.slo_preempted_layer or 0
         applied, kept_tokens = unwind_step(scheduler, output, runner_output.suspended_req_ids,
                                            target, victim_id, waiter_id, layer)
         latency = max(0.0, unwound_at - decided_at)
@@ -126,7 +124,7 @@ class SLOPreemptionControl:
         self.stats.wasted_tokens += wasted
         self.stats.wasted_layers += layer if wasted else 0
         self.stats.unreported_latencies_s.append(latency)
-        self.events.append(PreemptionEvent(output.step_id, layer, runner_output.unwound_layers,
+        self.events.append(SLOPreemptionEvent(output.step_id, layer, runner_output.unwound_layers,
                                            victim_id, waiter_id, applied, latency, wasted,
                                            decided_at, unwound_at))
 

@@ -93,9 +93,9 @@ class StartupCalibration:
 
 def wants_startup_calibration(config: EngineConfig) -> bool:
     """Whether the engine will use the predictor with nothing better to seed it."""
-    preemption = config.preemption
-    return (preemption.startup_calibration and preemption.ttft_model is None
-            and (config.scheduler.policy == "slo" or preemption.mid_forward_preemption))
+    slo_preemption = config.slo_preemption
+    return (slo_preemption.startup_calibration and slo_preemption.ttft_model is None
+            and (config.scheduler.policy == "slo" or slo_preemption.enabled))
 
 
 class CalibrationStepError(RuntimeError):
@@ -361,7 +361,7 @@ def calibrate_at_startup(executor: Executor, config: EngineConfig, model: Resolv
                       model.max_model_len)
     _time_decode_batch(scratch, plan, sched.max_num_seqs)
     _time_chunks(scratch, plan, limit, model.max_model_len)
-    fitted, errors = choose_step_model(plan.points, config.preemption.predictor_error_quantile)
+    fitted, errors = choose_step_model(plan.points, config.slo_preemption.predictor_error_quantile)
     result = StartupCalibration(fitted, plan.points, errors, time.monotonic() - plan.started)
     logger.info("%s", describe(result, plan))
     return result

@@ -15,8 +15,8 @@ def layers_run(output: SchedulerOutput, runner_output: ModelRunnerOutput,
     (a resuming chunk the stop came before ran none). None when a resumed chunk's layer is
     unknown (an executor that does not report it): such a step says nothing reliable."""
     end = num_layers
-    if runner_output.status is StepStatus.PREEMPTED:
-        end = runner_output.preempted_layer or 0
+    if runner_output.status is StepStatus.SLO_PREEMPTED:
+        end = runner_output.slo_preempted_layer or 0
     layers: dict[str, tuple[int, int]] = {}
     for request in output.requests:
         start = 0

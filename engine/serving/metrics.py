@@ -43,21 +43,35 @@ class ServerMetrics:
                                             "in the prefix cache.").labels(**labels)
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the "
                                          "prefix cache.").labels(**labels)
-        self.num_preemptions = counter("num_preemptions", "Preemptions, by reason: kv (no KV "
-                                       "space), slo (the monitor stopped a forward pass).",
+        self.num_kv_preemptions = counter("num_kv_preemptions", "KV preemptions: running "
+                                          "requests evicted for KV space, to be recomputed."
+                                          ).labels(**labels)
+        self.num_slo_preemptions = counter("num_slo_preemptions", "SLO preemptions: forward "
+                                           "passes the monitor stopped for an urgent request."
+                                           ).labels(**labels)
+        self.slo_preempt_wasted_tokens = counter("slo_preempt_wasted_tokens", "Scheduled tokens "
+                                                 "of forward passes unwound by an SLO "
+                                                 "preemption.").labels(**labels)
+        self.slo_preempt_wasted_layers = counter("slo_preempt_wasted_layers", "Layers unwound "
+                                                 "forward passes had run.").labels(**labels)
+        # Deprecated names (README.md, "Deprecated names"): the same counts, removed next release.
+        self.num_preemptions = counter("num_preemptions", "Deprecated: num_kv_preemptions and "
+                                       "num_slo_preemptions, as a reason label (kv, slo).",
                                        "reason")
-        self.preempt_wasted_tokens = counter("preempt_wasted_tokens", "Scheduled tokens of "
-                                             "forward passes unwound by a preemption.").labels(
-                                                 **labels)
-        self.preempt_wasted_layers = counter("preempt_wasted_layers", "Layers unwound forward "
-                                             "passes had run.").labels(**labels)
+        self.preempt_wasted_tokens = counter("preempt_wasted_tokens", "Deprecated: "
+                                             "slo_preempt_wasted_tokens.").labels(**labels)
+        self.preempt_wasted_layers = counter("preempt_wasted_layers", "Deprecated: "
+                                             "slo_preempt_wasted_layers.").labels(**labels)
         self.monitor_errors = counter("monitor_errors", "Exceptions the SLO monitor thread "
                                       "caught (it keeps running; see the server log).").labels(
                                           **labels)
         self.scheduled_tokens = counter("scheduled_tokens", "Tokens handed to the model, "
                                         "unwound steps included.").labels(**labels)
-        self.preempt_latency = histogram("preempt_latency_seconds", "Monitor decision to "
-                                         "unwound step.", _PREEMPT_LATENCY_BUCKETS)
+        self.slo_preempt_latency = histogram("slo_preempt_latency_seconds", "SLO preemptions: "
+                                             "monitor decision to unwound step.",
+                                             _PREEMPT_LATENCY_BUCKETS)
+        self.preempt_latency = histogram("preempt_latency_seconds", "Deprecated: "
+                                         "slo_preempt_latency_seconds.", _PREEMPT_LATENCY_BUCKETS)
         self.prompt_tokens = counter("prompt_tokens", "Prefill tokens of finished "
                                      "requests.").labels(**labels)
         self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(**labels)
@@ -89,17 +103,22 @@ class ServerMetrics:
         last = self._last
         self.prefix_cache_queries.inc(max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
         self.prefix_cache_hits.inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
-        self.num_preemptions.labels(**self._labels, reason="kv").inc(
-            max(0, stats.num_kv_preemptions - last.num_kv_preemptions))
-        self.num_preemptions.labels(**self._labels, reason="slo").inc(
-            max(0, stats.num_slo_preemptions - last.num_slo_preemptions))
-        self.preempt_wasted_tokens.inc(max(0, stats.preempt_wasted_tokens
-                                           - last.preempt_wasted_tokens))
-        self.preempt_wasted_layers.inc(max(0, stats.preempt_wasted_layers
-                                           - last.preempt_wasted_layers))
+        kv = max(0, stats.num_kv_preemptions - last.num_kv_preemptions)
+        slo = max(0, stats.num_slo_preemptions - last.num_slo_preemptions)
+        wasted_tokens = max(0, stats.slo_preempt_wasted_tokens - last.slo_preempt_wasted_tokens)
+        wasted_layers = max(0, stats.slo_preempt_wasted_layers - last.slo_preempt_wasted_layers)
+        self.num_kv_preemptions.inc(kv)
+        self.num_slo_preemptions.inc(slo)
+        self.slo_preempt_wasted_tokens.inc(wasted_tokens)
+        self.slo_preempt_wasted_layers.inc(wasted_layers)
+        self.num_preemptions.labels(**self._labels, reason="kv").inc(kv)
+        self.num_preemptions.labels(**self._labels, reason="slo").inc(slo)
+        self.preempt_wasted_tokens.inc(wasted_tokens)
+        self.preempt_wasted_layers.inc(wasted_layers)
         self.scheduled_tokens.inc(max(0, stats.num_scheduled_tokens - last.num_scheduled_tokens))
         self.monitor_errors.inc(max(0, stats.monitor_errors - last.monitor_errors))
-        for latency in stats.preempt_latencies_s:
+        for latency in stats.slo_preempt_latencies_s:
+            self.slo_preempt_latency.observe(latency)
             self.preempt_latency.observe(latency)
         self._last = stats
 

@@ -75,6 +75,9 @@ def metrics_body(metrics: RequestMetrics | None) -> dict[str, Any] | None:
             "ttft_slo_ms": metrics.ttft_slo_ms,
             "ttft_slo_met": metrics.ttft_slo_met, "tpot_ms": ms(metrics.tpot),
             "tpot_slo_ms": metrics.tpot_slo_ms, "tpot_slo_met": metrics.tpot_slo_met,
+            "num_kv_preemptions": metrics.num_kv_preemptions,
+            "num_slo_preemptions": metrics.num_slo_preemptions,
+            # Deprecated (README.md, "Deprecated names"): the sum of the two above.
             "num_preemptions": metrics.num_preemptions,
             "queue_time_ms": ms(metrics.queue_time),
             "slack_at_admission_ms": ms(metrics.slack_at_admission_s)}

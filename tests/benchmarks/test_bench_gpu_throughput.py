@@ -95,7 +95,7 @@ def _check_mixed(mixed: dict, sizes: dict, what: str) -> None:
         _positive(mixed[key], f"{what} mixed {key}")
     assert mixed["tokens_per_s"] == pytest.approx(mixed["tokens_per_step"] * 1000
                                                   / mixed["step_ms"])
-    assert mixed["preemptible"] is False  # a 16-token chunk is under preempt_min_tokens
+    assert mixed["preemptible"] is False  # a 16-token chunk is under slo_preempt_min_tokens
 
 
 def test_smoke_run_times_the_mixed_kind_against_its_bound(smoke):

@@ -17,7 +17,7 @@ from workers.preemption.layer_delay import LAYER_DELAY_ENV
 from tests.utils.figures_wait import wait_for_figures
 
 # Above the largest size replayed as pieces (512), and one below it that the scheduler still marks
-# preemptible (preempt_min_tokens, 128).
+# preemptible (slo_preempt_min_tokens, 128).
 EAGER_SIZE, PIECES_SIZE = 600, 160
 TRIALS = 2
 # Slowed layers (600 tokens: 30 ms a layer; 160 tokens: 8 ms), so that an early arrival lands

@@ -9,7 +9,7 @@ import pytest
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.scheduler import Scheduler
-from monitor.policy import AGED_PRIORITY, RequestView, choose_preemption, urgency
+from monitor.policy import AGED_PRIORITY, RequestView, choose_slo_preemption, urgency
 from monitor.predictor import LinearTTFT
 from tests.utils.scheduling import FakeRunner, _request, _slo_scheduler
 
@@ -35,8 +35,8 @@ def test_a_step_serving_an_aged_request_is_never_stopped():
     running = [RequestView("aged", deadline=now - 6.0, remaining_prefill_tokens=2000),
                RequestView("relaxed", deadline=now + 60.0, remaining_prefill_tokens=2000)]
     # Probe: without aging the doomed runner gives up its slot at once.
-    assert choose_preemption([waiter], running, now, PREDICT, step_remaining_s=2.0) is not None
-    assert choose_preemption([waiter], running, now, PREDICT, step_remaining_s=2.0,
+    assert choose_slo_preemption([waiter], running, now, PREDICT, step_remaining_s=2.0) is not None
+    assert choose_slo_preemption([waiter], running, now, PREDICT, step_remaining_s=2.0,
                              aging_bound_s=5.0) is None
 
 
@@ -45,7 +45,7 @@ def test_an_aged_waiter_does_not_keep_a_rescuable_one_from_preempting():
     aged = RequestView("aged", deadline=now - 6.0, remaining_prefill_tokens=10)
     urgent = RequestView("urgent", deadline=now + 0.5, remaining_prefill_tokens=50)
     running = [RequestView("relaxed", deadline=now + 60.0, remaining_prefill_tokens=2000)]
-    decision = choose_preemption([aged, urgent], running, now, PREDICT, step_remaining_s=2.0,
+    decision = choose_slo_preemption([aged, urgent], running, now, PREDICT, step_remaining_s=2.0,
                                  aging_bound_s=5.0)
     assert decision is not None and decision.waiter_id == "urgent"
 

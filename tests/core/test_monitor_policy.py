@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from monitor.policy import RequestView, choose_preemption, should_preempt, urgency
+from monitor.policy import RequestView, choose_slo_preemption, should_slo_preempt, urgency
 from monitor.predictor import LinearTTFT, OnlineTTFT
 
 NOW = 1000.0
@@ -46,7 +46,7 @@ def test_four_sign_cases(w_slack, r_slack, expected):
     # Waiter more urgent than the runner in every case, so only the signs decide.
     waiter = view("w", 0.2, 100 if w_slack > 0 else 400)
     runner = view("r", 0.8, 100 if r_slack > 0 else 1000)
-    decision = choose_preemption([waiter], [runner], NOW, PREDICT, margin=1.2)
+    decision = choose_slo_preemption([waiter], [runner], NOW, PREDICT, margin=1.2)
     if expected is None:
         assert decision is not None  # priority 5 vs 1.25: beats it by far more than the margin
     else:
@@ -57,9 +57,9 @@ def test_margin_on_positive_priorities():
     runner = view("r", 1.0, 100)  # priority 1.0
     just_better = view("w", 0.9, 100)  # priority 1.11 < 1.2 * 1.0
     clearly_better = view("w2", 0.8, 100)  # priority 1.25 > 1.2
-    assert choose_preemption([just_better], [runner], NOW, PREDICT, margin=1.2) is None
-    assert choose_preemption([just_better], [runner], NOW, PREDICT, margin=1.0) is not None
-    assert choose_preemption([clearly_better], [runner], NOW, PREDICT, margin=1.2) is not None
+    assert choose_slo_preemption([just_better], [runner], NOW, PREDICT, margin=1.2) is None
+    assert choose_slo_preemption([just_better], [runner], NOW, PREDICT, margin=1.0) is not None
+    assert choose_slo_preemption([clearly_better], [runner], NOW, PREDICT, margin=1.2) is not None
 
 
 def test_margin_is_not_applied_to_negative_priorities():
@@ -67,38 +67,38 @@ def test_margin_is_not_applied_to_negative_priorities():
     # but the point is that a doomed waiter never passes even against a "smaller" negative.
     w, r = urgency(view("w", 0.1, 500), NOW, PREDICT), urgency(view("r", 0.05, 500), NOW, PREDICT)
     assert w.doomed and r.doomed and w.priority > 1.2 * r.priority
-    assert not should_preempt(w, r, margin=1.2)
+    assert not should_slo_preempt(w, r, margin=1.2)
 
 
 def test_conservative_vs_aggressive_on_heterogeneous_running_set():
     running = [view("hot", 0.25, 50), view("cold", 5.0, 100)]  # priorities 4 and 0.2
     waiter = view("w", 0.5, 50)  # priority 2: beats cold, not hot
-    assert choose_preemption([waiter], running, NOW, PREDICT, "conservative") is None
-    decision = choose_preemption([waiter], running, NOW, PREDICT, "aggressive")
+    assert choose_slo_preemption([waiter], running, NOW, PREDICT, "conservative") is None
+    decision = choose_slo_preemption([waiter], running, NOW, PREDICT, "aggressive")
     assert decision is not None and decision.victim_id == "cold" and decision.waiter_id == "w"
 
 
 def test_rule_one_excludes_slo_preempted_runners():
     running = [view("victim-before", 5.0, 100, preempted=True)]
     waiter = view("w", 0.3, 50)
-    assert choose_preemption([waiter], running, NOW, PREDICT, "aggressive") is None
+    assert choose_slo_preemption([waiter], running, NOW, PREDICT, "aggressive") is None
     running.append(view("fresh", 5.0, 100))
-    decision = choose_preemption([waiter], running, NOW, PREDICT, "aggressive")
+    decision = choose_slo_preemption([waiter], running, NOW, PREDICT, "aggressive")
     assert decision is not None and decision.victim_id == "fresh"
 
 
 def test_best_waiter_is_chosen_and_waiters_without_slo_never_preempt():
     running = [view("r", 5.0, 100)]
-    assert choose_preemption([view("best-effort", None, 10)], running, NOW, PREDICT) is None
+    assert choose_slo_preemption([view("best-effort", None, 10)], running, NOW, PREDICT) is None
     waiters = [view("w-later", 2.0, 10), view("w-urgent", 0.3, 10)]
-    assert choose_preemption(waiters, running, NOW, PREDICT).waiter_id == "w-urgent"
+    assert choose_slo_preemption(waiters, running, NOW, PREDICT).waiter_id == "w-urgent"
 
 
 def test_bad_policy_arguments():
     with pytest.raises(ValueError, match="policy"):
-        choose_preemption([], [], NOW, PREDICT, "reckless")  # type: ignore[arg-type]
+        choose_slo_preemption([], [], NOW, PREDICT, "reckless")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="margin"):
-        choose_preemption([], [], NOW, PREDICT, margin=0.5)
+        choose_slo_preemption([], [], NOW, PREDICT, margin=0.5)
 
 
 def test_fit_recovers_a_noisy_line_and_reports_r2():
@@ -180,11 +180,11 @@ def test_a_waiter_whose_slack_covers_the_rest_of_the_step_does_not_preempt():
     waiter = RequestView("w", deadline=now + 1.0, remaining_prefill_tokens=100)  # slack 0.9 s
     running = [RequestView("r", deadline=now + 60.0, remaining_prefill_tokens=1000)]
     predict = lambda n: n * 1e-3  # noqa: E731
-    assert choose_preemption([waiter], running, now, predict, step_remaining_s=0.5) is None
-    decision = choose_preemption([waiter], running, now, predict, step_remaining_s=1.5)
+    assert choose_slo_preemption([waiter], running, now, predict, step_remaining_s=0.5) is None
+    decision = choose_slo_preemption([waiter], running, now, predict, step_remaining_s=1.5)
     assert decision is not None and decision.victim_id == "r"
     # Without the step's remaining time the gate is the priority comparison alone.
-    assert choose_preemption([waiter], running, now, predict) is not None
+    assert choose_slo_preemption([waiter], running, now, predict) is not None
 
 
 def test_the_steps_own_pace_reveals_that_it_runs_longer_than_predicted():
@@ -195,9 +195,9 @@ def test_the_steps_own_pace_reveals_that_it_runs_longer_than_predicted():
     import time
 
     from monitor.monitor import MonitorSnapshot, SLOMonitor
-    from monitor.preempt_signal import PreemptSignal
+    from monitor.slo_preempt_signal import SLOPreemptSignal
 
-    signal = PreemptSignal.create()
+    signal = SLOPreemptSignal.create()
     try:
         monitor = SLOMonitor(signal)  # not started: check() is called directly
         now = time.monotonic()
@@ -230,9 +230,9 @@ def test_before_any_layer_is_done_the_whole_step_is_left():
     import time
 
     from monitor.monitor import MonitorSnapshot, SLOMonitor
-    from monitor.preempt_signal import PreemptSignal
+    from monitor.slo_preempt_signal import SLOPreemptSignal
 
-    signal = PreemptSignal.create()
+    signal = SLOPreemptSignal.create()
     try:
         monitor = SLOMonitor(signal)
         now = time.monotonic()

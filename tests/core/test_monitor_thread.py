@@ -11,14 +11,14 @@ import pytest
 from monitor.monitor import DECISION_HISTORY, MonitorSnapshot, SLOMonitor
 from monitor.policy import RequestView
 from monitor.predictor import LinearTTFT
-from monitor.preempt_signal import PreemptSignal
+from monitor.slo_preempt_signal import SLOPreemptSignal
 
 LINE = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.0)
 
 
 @pytest.fixture
 def signal():
-    s = PreemptSignal.create()
+    s = SLOPreemptSignal.create()
     yield s
     s.close()
 

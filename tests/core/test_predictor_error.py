@@ -9,9 +9,9 @@ import time
 import pytest
 
 from monitor.monitor import MonitorSnapshot, SLOMonitor
-from monitor.policy import RequestView, choose_preemption
+from monitor.policy import RequestView, choose_slo_preemption
 from monitor.predictor import MIN_RELATIVE_ERROR, LinearTTFT, OnlineTTFT
-from monitor.preempt_signal import PreemptSignal
+from monitor.slo_preempt_signal import SLOPreemptSignal
 
 SIZES = [128, 512, 256, 1024, 384, 768, 640, 896]
 
@@ -101,9 +101,9 @@ def test_the_gate_waits_only_if_the_slack_covers_the_step_plus_the_margin():
     waiter = RequestView("w", deadline=now + 1.2, remaining_prefill_tokens=200)  # slack 1.0 s
     running = [RequestView("r", deadline=None, remaining_prefill_tokens=3000)]
     # The rest of the step (0.9 s) fits in the slack: without a margin the waiter waits.
-    assert choose_preemption([waiter], running, now, line.predict, step_remaining_s=0.9) is None
+    assert choose_slo_preemption([waiter], running, now, line.predict, step_remaining_s=0.9) is None
     # With a 20% error, waiting needs 0.9 + 0.2 * (0.2 + 0.9) = 1.12 s of slack: preempt now.
-    decision = choose_preemption([waiter], running, now, line.predict, step_remaining_s=0.9,
+    decision = choose_slo_preemption([waiter], running, now, line.predict, step_remaining_s=0.9,
                                  relative_error=0.2)
     assert decision is not None and decision.waiter_id == "w"
 
@@ -120,7 +120,7 @@ def _ttft_with_gate(model: LinearTTFT, truth: LinearTTFT, slo_s: float) -> float
     running = [RequestView("long", deadline=None, remaining_prefill_tokens=3000)]
     now = arrival
     while now < step_s:
-        decision = choose_preemption([waiter], running, now, model.predict,
+        decision = choose_slo_preemption([waiter], running, now, model.predict,
                                      step_remaining_s=step_s - now,
                                      relative_error=model.relative_error)
         if decision is not None:
@@ -145,7 +145,7 @@ def test_a_just_in_time_decision_misses_and_the_learned_margin_saves_it():
 
 
 def test_the_monitor_applies_the_margin_of_the_snapshot_s_predictor():
-    signal = PreemptSignal.create()
+    signal = SLOPreemptSignal.create()
     try:
         monitor = SLOMonitor(signal)  # not started: check() is called directly
         now = time.monotonic()

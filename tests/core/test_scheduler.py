@@ -260,7 +260,7 @@ def test_fcfs_victim_is_most_recently_admitted() -> None:
     assert c is not None and c.status is RequestStatus.PREEMPTED
     assert c.num_preemptions == 1 and c.num_computed_tokens == 0 and c.output_token_ids
     record = sched.last_step_record
-    assert list(sched.waiting) == [c] and record is not None and record.preempted == [c]
+    assert list(sched.waiting) == [c] and record is not None and record.kv_preempted == [c]
 
 
 def test_priority_victim_is_max_priority_then_latest_arrival() -> None:
@@ -300,7 +300,7 @@ def test_priority_victim_already_scheduled_this_step_gives_back_its_budget() -> 
     assert low.status is RequestStatus.PREEMPTED and low.num_computed_tokens == 0
     record = sched.last_step_record
     assert record is not None and "low" not in record.new_block_ids
-    assert "low" not in record.prev_num_computed_tokens and record.preempted == [low]
+    assert "low" not in record.prev_num_computed_tokens and record.kv_preempted == [low]
     outputs = run_to_completion(sched, runner)
     assert outputs["low"] == reference_output(low.prompt_token_ids, low.sampling_params, None, 16)
 
@@ -315,7 +315,7 @@ def test_self_victim_is_preempted_and_not_scheduled() -> None:
     step(sched, runner)
     out, _ = step(sched, runner)
     assert scheduled(out) == {"a": 1}
-    assert b.status is RequestStatus.PREEMPTED and b.num_preemptions == 1
+    assert b.status is RequestStatus.PREEMPTED and b.num_preemptions == b.num_kv_preemptions == 1
     assert a.status is RequestStatus.RUNNING and a.num_preemptions == 0
     assert sched.kv_cache_manager.get_block_ids("b") == []
 

@@ -51,7 +51,7 @@ def test_slo_with_suspend_is_the_default_everywhere():
     assert SchedulerConfig().policy == "slo"
     config = build_engine_config("/some/model")
     assert config.scheduler.policy == "slo"
-    assert config.preemption.mid_forward_preemption and config.preemption.mode == "suspend"
+    assert config.slo_preemption.enabled and config.slo_preemption.mode == "suspend"
     args = build_parser().parse_args(["serve"])
-    assert (args.scheduling_policy, args.mid_forward_preemption, args.slo_preempt_mode) == \
+    assert (args.scheduling_policy, args.slo_preemption, args.slo_preempt_mode) == \
         ("slo", "on", "suspend")

@@ -71,7 +71,7 @@ def test_kv_pressure_victim_is_the_least_urgent():
         if not sched.has_unfinished_requests():
             break
         out = sched.schedule()
-        victims += [r.request_id for r in sched.last_step_record.preempted]
+        victims += [r.request_id for r in sched.last_step_record.kv_preempted]
         sched.update_from_output(out, runner.execute(out))
     assert victims, "probe: the pool forced a KV preemption"
     assert "urgent" not in victims

@@ -45,7 +45,7 @@ def test_a_scheduler_output_and_the_runner_s_layers_make_the_point():
     output = SchedulerOutput(step_id=7, requests=[
         _scheduled("fresh", 0, 300), _scheduled("resumed", 200, 100, resume=True),
         _scheduled("decode", 99, 1)])
-    unwound = ModelRunnerOutput(step_id=7, status=StepStatus.PREEMPTED, preempted_layer=25,
+    unwound = ModelRunnerOutput(step_id=7, status=StepStatus.SLO_PREEMPTED, slo_preempted_layer=25,
                                 resumed_layers={"resumed": 20}, execute_seconds=0.4)
     layers = layers_run(output, unwound, num_layers=30)
     assert layers == {"fresh": (0, 25), "resumed": (20, 25), "decode": (0, 25)}

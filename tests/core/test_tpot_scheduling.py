@@ -30,7 +30,7 @@ def _gaps_and_long_chunks(model: str, policy: str, ttft_model: str) -> tuple[lis
                                                                              list[int]]:
     engine = EngineCore(build_engine_config(
         model, dtype="float32", num_kv_blocks=128, max_num_batched_tokens=2048,
-        scheduling_policy=policy, ttft_model=ttft_model, mid_forward_preemption=False))
+        scheduling_policy=policy, ttft_model=ttft_model, slo_preemption=False))
     try:
         params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
         decoders = [Request(request_id=f"d{i}", prompt_token_ids=[7 + i] * 8,

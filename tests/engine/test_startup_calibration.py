@@ -99,7 +99,7 @@ def test_the_seed_is_the_machine_s_own_before_the_first_request(tiny_model, monk
 
 @pytest.mark.parametrize("overrides", [
     dict(startup_calibration=False),
-    dict(scheduling_policy="fcfs", mid_forward_preemption=False),  # no predictor in use
+    dict(scheduling_policy="fcfs", slo_preemption=False),  # no predictor in use
 ])
 def test_no_calibration_where_it_is_off_or_unused(tiny_model, overrides, monkeypatch):
     engine = _engine(tiny_model("llama"), **overrides)
@@ -162,4 +162,4 @@ def test_the_command_line_switch():
         kwargs = engine_kwargs(args)
         assert kwargs["startup_calibration"] is value
         config = build_engine_config(kwargs.pop("model"), **kwargs)
-        assert config.preemption.startup_calibration is value
+        assert config.slo_preemption.startup_calibration is value

@@ -25,8 +25,8 @@ def test_tp2_equals_tp1_with_chunking_and_preemption(tiny_model, arch):
     want = _run(model, tp=1)
     got = _run(model, tp=2)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    # Probes: preemption happened in the TP=2 run; the budget forced chunked prefills.
-    assert sum(o.metrics.num_preemptions for o in got) > 0
+    # Probes: KV preemption happened in the TP=2 run; the budget forced chunked prefills.
+    assert sum(o.metrics.num_kv_preemptions for o in got) > 0
     assert max(PROMPT_LENGTHS) > CRAMPED["max_num_batched_tokens"]
     assert not multiprocessing.active_children()
 
@@ -40,7 +40,7 @@ def test_tp2_logprobs_penalties_and_samples_equal_tp1(tiny_model):
                             n=2)
     want = _run(model, tp=1, params=params)
     got = _run(model, tp=2, params=params)
-    assert sum(o.metrics.num_preemptions for out in got for o in out.outputs) > 0  # probe
+    assert sum(o.metrics.num_kv_preemptions for out in got for o in out.outputs) > 0  # probe
     for g, w in zip(got, want):
         assert [o.token_ids for o in g.outputs] == [o.token_ids for o in w.outputs]
         assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-3)

@@ -25,9 +25,9 @@ BAD_VALUES = [
     (["--watermark", "-0.1"], "argument --watermark: must be in [0, 1), got -0.1"),
     (["--aging-bound-ms", "-1"], "argument --aging-bound-ms: must be >= 0, got -1"),
     (["--collective-timeout-s", "0"], "argument --collective-timeout-s: must be > 0, got 0"),
-    (["--preempt-margin", "0.5"], "argument --preempt-margin: must be >= 1, got 0.5"),
+    (["--slo-preempt-margin", "0.5"], "argument --slo-preempt-margin: must be >= 1, got 0.5"),
     (["--stubborn-fraction", "1.5"], "argument --stubborn-fraction: must be in [0, 1], got 1.5"),
-    (["--preempt-min-tokens", "-1"], "argument --preempt-min-tokens: must be >= 0, got -1"),
+    (["--slo-preempt-min-tokens", "-1"], "argument --slo-preempt-min-tokens: must be >= 0, got -1"),
     (["--monitor-interval-ms", "0"], "argument --monitor-interval-ms: must be > 0, got 0"),
     (["--predictor-error-quantile", "0"], "must be in (0, 1], got 0"),
     (["--predictor-error-quantile", "1.01"], "must be in (0, 1], got 1.01"),
@@ -71,13 +71,46 @@ def test_generate_rejects_out_of_range_values(flags, message, capsys) -> None:
 
 @pytest.mark.parametrize("flags", [
     ["-tp", "1"], ["--watermark", "0"], ["--stubborn-fraction", "0"], ["--stubborn-fraction", "1"],
-    ["--predictor-error-quantile", "1"], ["--preempt-margin", "1"], ["--aging-bound-ms", "0"],
+    ["--predictor-error-quantile", "1"], ["--slo-preempt-margin", "1"], ["--aging-bound-ms", "0"],
     ["--long-prefill-token-threshold", "0"], ["--kv-cache-memory-gb", "0.25"],
 ])
 def test_values_on_the_bounds_are_accepted(flags) -> None:
     args = build_parser().parse_args(["generate", "hi", *flags])
     kwargs = engine_kwargs(args)
     build_engine_config("unused", **{k: v for k, v in kwargs.items() if k != "model"})
+
+
+# Renamed by issue 33 ("one word per mechanism"): the old flags still parse, with a warning.
+DEPRECATED_FLAGS = [
+    (["--mid-forward-preemption", "off"], ["--slo-preemption", "off"], "slo_preemption"),
+    (["--preempt-policy", "aggressive"], ["--slo-preempt-policy", "aggressive"],
+     "slo_preempt_policy"),
+    (["--preempt-margin", "1.5"], ["--slo-preempt-margin", "1.5"], "slo_preempt_margin"),
+    (["--preempt-min-tokens", "7"], ["--slo-preempt-min-tokens", "7"], "slo_preempt_min_tokens"),
+]
+
+
+@pytest.mark.parametrize("old,new,key", DEPRECATED_FLAGS, ids=lambda v: " ".join(v)
+                         if isinstance(v, list) else None)
+def test_deprecated_flags_still_work_and_warn(old, new, key, caplog) -> None:
+    with caplog.at_level("WARNING"):
+        got = engine_kwargs(build_parser().parse_args(["generate", "hi", *old]))
+    assert got[key] == engine_kwargs(build_parser().parse_args(["generate", "hi", *new]))[key]
+    assert f"{old[0]} is deprecated" in caplog.text and new[0] in caplog.text
+    default = engine_kwargs(build_parser().parse_args(["generate", "hi"]))[key]
+    assert got[key] != default  # probe: the flag really moved the value
+    # The old flag keeps checking its value as the new one does.
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "hi", old[0], "bogus"])
+
+
+def test_deprecated_engine_kwargs_are_renamed() -> None:
+    from engine.entrypoints.deprecated_args import rename_deprecated_kwargs
+    assert rename_deprecated_kwargs({"preempt_min_tokens": 3, "seed": 1}) == \
+        {"slo_preempt_min_tokens": 3, "seed": 1}
+    with pytest.raises(TypeError):
+        rename_deprecated_kwargs({"preempt_policy": "aggressive",
+                                  "slo_preempt_policy": "conservative"})
 
 
 def test_tensor_parallel_size_defaults_to_one() -> None:

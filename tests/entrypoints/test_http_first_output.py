@@ -80,7 +80,9 @@ def test_an_urgent_stream_is_on_time_when_its_first_token_shows_nothing(
 
             # Probes: the long step was stopped for it, and its first token showed nothing:
             # the engine sampled it well before the client saw any text.
-            assert long_metrics["num_preemptions"] == 1
+            assert long_metrics["num_slo_preemptions"] == 1
+            assert long_metrics["num_kv_preemptions"] == 0
+            assert long_metrics["num_preemptions"] == 1  # deprecated: both kinds
             assert urgent["engine_ttft_ms"] < urgent["ttft_ms"]
             assert len(arrivals) < URGENT_TOKENS
             client_ttft_ms = 1000 * (arrivals[0] - sent)
@@ -96,10 +98,14 @@ def test_an_urgent_stream_is_on_time_when_its_first_token_shows_nothing(
             # The server counted the one preemption; the default suspend mode kept the
             # stopped pass, so nothing was thrown away.
             text = http.get("/metrics").text
+            assert _metric(text, "sloserve:num_slo_preemptions_total") == 1
+            assert _metric(text, "sloserve:slo_preempt_latency_seconds_count") == 1
+            # The deprecated names count the same.
             assert _metric(text, "sloserve:num_preemptions_total", reason="slo") == 1
             assert _metric(text, "sloserve:preempt_latency_seconds_count") == 1
             assert _metric(text, "sloserve:preempt_wasted_tokens_total") == 0
-            assert _metric(text, "sloserve:preempt_wasted_layers_total") == 0
+            assert _metric(text, "sloserve:slo_preempt_wasted_tokens_total") == 0
+            assert _metric(text, "sloserve:slo_preempt_wasted_layers_total") == 0
         server.assert_clean_stop()
     finally:
         server.kill()

@@ -21,7 +21,8 @@ def test_text_prompt_roundtrip(llm):
     assert len(out.token_ids) == 8
     assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
     m = out.metrics
-    assert m.arrival_time <= m.first_token_time <= m.finish_time and m.num_preemptions == 0
+    assert m.arrival_time <= m.first_token_time <= m.finish_time
+    assert m.num_preemptions == m.num_kv_preemptions == m.num_slo_preemptions == 0
 
 
 def test_max_tokens_and_stop_token_ids(llm):

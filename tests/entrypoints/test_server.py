@@ -105,7 +105,8 @@ def check_metrics(metrics: dict, slo_ms: float) -> None:
     assert metrics["ttft_slo_ms"] == slo_ms
     assert metrics["ttft_ms"] > 0
     assert metrics["ttft_slo_met"] is (metrics["ttft_ms"] <= slo_ms)
-    assert metrics["num_preemptions"] == 0
+    assert metrics["num_kv_preemptions"] == metrics["num_slo_preemptions"] == 0
+    assert metrics["num_preemptions"] == 0  # deprecated: the sum of the two
     assert 0 <= metrics["queue_time_ms"] <= metrics["ttft_ms"]
     assert metrics["arrival_time"] < metrics["first_token_time"]
     assert abs(metrics["arrival_time"] - time.time()) < 120  # Unix time, not monotonic
@@ -693,7 +694,16 @@ METRIC_FAMILIES = {
     "sloserve:kv_cache_usage_perc": "gauge",
     "sloserve:prefix_cache_queries": "counter",
     "sloserve:prefix_cache_hits": "counter",
+    "sloserve:num_kv_preemptions": "counter",
+    "sloserve:num_slo_preemptions": "counter",
+    "sloserve:slo_preempt_wasted_tokens": "counter",
+    "sloserve:slo_preempt_wasted_layers": "counter",
+    "sloserve:slo_preempt_latency_seconds": "histogram",
+    # Deprecated names, still served for one release (README.md, "Deprecated names").
     "sloserve:num_preemptions": "counter",
+    "sloserve:preempt_wasted_tokens": "counter",
+    "sloserve:preempt_wasted_layers": "counter",
+    "sloserve:preempt_latency_seconds": "histogram",
     "sloserve:prompt_tokens": "counter",
     "sloserve:generation_tokens": "counter",
     "sloserve:request_success": "counter",
@@ -749,8 +759,9 @@ def test_metrics_parse_and_move(server, http, llm):
     assert sample(after, "sloserve:num_requests_running") == 0
     assert sample(after, "sloserve:num_requests_waiting") == 0
     assert sample(after, "sloserve:kv_cache_usage_perc") == 0
+    assert any(n == "sloserve:num_kv_preemptions_total" for n, labels in after)
     assert any(n == "sloserve:num_preemptions_total" and ("reason", "kv") in labels
-               for n, labels in after)
+               for n, labels in after)  # deprecated
     for (name, labels) in after:
         if name.startswith("sloserve:"):
             assert ("model_name", MODEL_NAME) in labels, (name, labels)

@@ -231,7 +231,7 @@ def test_a_worker_rank_allocates_the_pool_the_ranks_agree_on(tiny_model, monkeyp
 
     monkeypatch.setattr(kv_memory, "measure_kv_pool", lambda runner, plan: 24)
     config = build_engine_config(tiny_model("llama"), dtype="float32", max_model_len=64,
-                                 mid_forward_preemption=False)
+                                 slo_preemption=False)
     resolved = dataclasses.replace(resolve(config), num_blocks=None)
     worker = DriverWorker(worker_config(config, resolved,
                                         init_method=f"tcp://127.0.0.1:{_free_port()}"), 0)

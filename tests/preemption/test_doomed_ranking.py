@@ -12,8 +12,8 @@ import time
 import pytest
 
 from engine.core.request_queue import UrgencyQueue
-from monitor.policy import (AGING_SLO_MULTIPLE, RequestView, aging_threshold, choose_preemption,
-                            order, rank, should_preempt, urgency, view_of)
+from monitor.policy import (AGING_SLO_MULTIPLE, RequestView, aging_threshold, choose_slo_preemption,
+                            order, rank, should_slo_preempt, urgency, view_of)
 from monitor.predictor import LinearTTFT
 from tests.utils.scheduling import FakeRunner, _request, _slo_scheduler
 
@@ -137,28 +137,28 @@ def test_a_doomed_waiter_stops_a_long_step_that_every_running_request_can_afford
     of a minute of slack. The monitor stops the step for it (before: doomed, never)."""
     waiter = view("turn", 0.25, 300)
     running = [view("doc", 60.0, 24_000)]
-    decision = choose_preemption([waiter], running, NOW, PREDICT, step_remaining_s=1.2,
+    decision = choose_slo_preemption([waiter], running, NOW, PREDICT, step_remaining_s=1.2,
                                  relative_error=0.2)
     assert decision is not None and (decision.waiter_id, decision.victim_id) == ("turn", "doc")
     # Probes: a step with less left than the turn's prefill is waited for; without the step's
     # remaining time, a doomed waiter never preempts.
-    assert choose_preemption([waiter], running, NOW, PREDICT, step_remaining_s=0.25) is None
-    assert choose_preemption([waiter], running, NOW, PREDICT) is None
+    assert choose_slo_preemption([waiter], running, NOW, PREDICT, step_remaining_s=0.25) is None
+    assert choose_slo_preemption([waiter], running, NOW, PREDICT) is None
 
 
 def test_a_doomed_waiter_never_costs_a_running_request_its_deadline():
     waiter = view("turn", 0.25, 300)  # 0.3 s of prefill
     # 0.4 s of slack covers 0.3 s, not 0.3 s plus 50% error on both predictions.
     running = [view("doc", 60.0, 24_000), view("mid", 0.5, 100)]
-    assert choose_preemption([waiter], running, NOW, PREDICT, step_remaining_s=1.2,
+    assert choose_slo_preemption([waiter], running, NOW, PREDICT, step_remaining_s=1.2,
                              relative_error=0.0) is not None
-    assert choose_preemption([waiter], running, NOW, PREDICT, step_remaining_s=1.2,
+    assert choose_slo_preemption([waiter], running, NOW, PREDICT, step_remaining_s=1.2,
                              relative_error=0.5) is None
     # Not eligible as a victim (Rule 1) still counts: the whole step waits for the turn.
     running = [view("doc", 60.0, 24_000), view("mid", 0.35, 100, preempted=True)]
-    assert choose_preemption([waiter], running, NOW, PREDICT, step_remaining_s=1.2) is None
+    assert choose_slo_preemption([waiter], running, NOW, PREDICT, step_remaining_s=1.2) is None
     # The aggressive policy changes nothing for a doomed waiter.
-    assert choose_preemption([waiter], running, NOW, PREDICT, "aggressive",
+    assert choose_slo_preemption([waiter], running, NOW, PREDICT, "aggressive",
                              step_remaining_s=1.2) is None
 
 
@@ -171,20 +171,20 @@ def test_four_sign_cases_with_the_step_s_time_left():
     relaxed_r = urgency(view("r", 60.0, 1000), NOW, PREDICT)
     doomed_r_later = urgency(view("r", 0.8, 1000), NOW, PREDICT)
     doomed_r_earlier = urgency(view("r", 0.1, 1000), NOW, PREDICT)
-    assert should_preempt(rescuable_w, relaxed_r, 1.2, step_remaining_s=1.0)
-    assert should_preempt(rescuable_w, doomed_r_later, 1.2, step_remaining_s=1.0)
-    assert should_preempt(doomed_w, relaxed_r, 1.2, step_remaining_s=1.0)
-    assert not should_preempt(doomed_w, relaxed_r, 1.2, step_remaining_s=0.3)
-    assert should_preempt(doomed_w, doomed_r_later, 1.2, step_remaining_s=1.0)
-    assert not should_preempt(doomed_w, doomed_r_earlier, 1.2, step_remaining_s=1.0)
-    assert not should_preempt(doomed_w, relaxed_r, 1.2)
+    assert should_slo_preempt(rescuable_w, relaxed_r, 1.2, step_remaining_s=1.0)
+    assert should_slo_preempt(rescuable_w, doomed_r_later, 1.2, step_remaining_s=1.0)
+    assert should_slo_preempt(doomed_w, relaxed_r, 1.2, step_remaining_s=1.0)
+    assert not should_slo_preempt(doomed_w, relaxed_r, 1.2, step_remaining_s=0.3)
+    assert should_slo_preempt(doomed_w, doomed_r_later, 1.2, step_remaining_s=1.0)
+    assert not should_slo_preempt(doomed_w, doomed_r_earlier, 1.2, step_remaining_s=1.0)
+    assert not should_slo_preempt(doomed_w, relaxed_r, 1.2)
 
 
 def test_the_first_doomed_waiter_is_weighed_before_the_best_rescuable_one():
     """The doomed turn ranks ahead of a relaxed waiter (whose slack covers it): the step is
     stopped for it, not for the relaxed one, which needs no preemption."""
     waiting = [view("relaxed", 30.0, 100), view("turn", 0.25, 300)]
-    decision = choose_preemption(waiting, [view("doc", 60.0, 24_000)], NOW, PREDICT,
+    decision = choose_slo_preemption(waiting, [view("doc", 60.0, 24_000)], NOW, PREDICT,
                                  step_remaining_s=1.2)
     assert decision is not None and decision.waiter_id == "turn"
 
@@ -193,7 +193,7 @@ def test_the_victim_is_the_last_in_the_ranking():
     """A doomed runner the ranking puts ahead of a relaxed one (whose slack covers it) is not
     the victim: the relaxed one is."""
     running = [view("doomed", 0.05, 300), view("relaxed", 60.0, 1000)]
-    decision = choose_preemption([view("w", 0.3, 50)], running, NOW, PREDICT, "aggressive")
+    decision = choose_slo_preemption([view("w", 0.3, 50)], running, NOW, PREDICT, "aggressive")
     assert decision is not None and decision.victim_id == "relaxed"
 
 
@@ -201,9 +201,9 @@ def test_the_monitor_thread_fires_for_a_doomed_waiter():
     """Through SLOMonitor.check: a step predicted at 1.2 s, just started; a doomed 300-token turn
     waits. Probe: a step that is almost over is waited for."""
     from monitor.monitor import MonitorSnapshot, SLOMonitor
-    from monitor.preempt_signal import PreemptSignal
+    from monitor.slo_preempt_signal import SLOPreemptSignal
 
-    signal = PreemptSignal.create()
+    signal = SLOPreemptSignal.create()
     try:
         monitor = SLOMonitor(signal, aging_bound_s=5.0)
         line = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.0)

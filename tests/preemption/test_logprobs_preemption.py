@@ -57,7 +57,7 @@ def _assert_same(got: dict, want: dict) -> None:
 @pytest.mark.parametrize("mode", ["recompute", "pause", "suspend"])
 def test_logprobs_are_unchanged_by_every_preemption_mode(model: str, mode: str) -> None:
     prompts = {"long": _prompt(700, seed=3), "urgent": _prompt(20, seed=4)}
-    reference = _engine(model, mid_forward_preemption=False, max_num_batched_tokens=256)
+    reference = _engine(model, slo_preemption=False, max_num_batched_tokens=256)
     try:
         requests = [_request(k, p, None) for k, p in prompts.items()]
         for r in requests:
@@ -85,7 +85,7 @@ def test_logprobs_are_unchanged_by_every_preemption_mode(model: str, mode: str) 
         # prefix cache is skipped); pause and suspend keep the first chunk's scores.
         assert len(long.prompt_logprobs) == (0 if mode == "recompute" else 256)
         got = _finish(engine, [long, *arrived])
-        (event,) = engine.preemption.events  # probe: the step really was unwound
+        (event,) = engine.slo_preemption.events  # probe: the step really was unwound
         assert event.victim_id == "long" and event.waiter_id == "urgent"
         assert event.applied == mode
     finally:

@@ -66,7 +66,7 @@ def test_pause_keeps_earlier_chunks(model: str, mode: str) -> None:
 
         _on_long_step(engine, layer=1, action=arrive, min_tokens=256)
         assert engine.step() == []  # the second chunk's step, unwound
-        assert len(engine.preemption.events) == 1
+        assert len(engine.slo_preemption.events) == 1
         computed_after_unwind.append(long.num_computed_tokens)
         (urgent,) = arrived
         engine.step()  # the urgent request's prefill; the victim is held back
@@ -74,7 +74,7 @@ def test_pause_keeps_earlier_chunks(model: str, mode: str) -> None:
         assert long.num_computed_tokens == 256  # probe: paused, not scheduled, not recomputed
         held_suspended = len(engine.executor.runner.suspended)
         _run(engine)
-        (event,) = engine.preemption.events
+        (event,) = engine.slo_preemption.events
         assert event.applied == mode
         assert event.wasted_tokens == (0 if mode == "suspend" else 256)
         assert held_suspended == (1 if mode == "suspend" else 0)
@@ -105,7 +105,7 @@ def test_suspend_keeps_every_chunk_of_the_unwound_step(model: str) -> None:
         engine.step()
         assert _suspended(engine) == {"long": (0, LONG_PROMPT), "mid": (0, 200)}
         _run(engine)
-        (event,) = engine.preemption.events
+        (event,) = engine.slo_preemption.events
         assert event.applied == "suspend" and event.wasted_tokens == 0
         assert tokens_per_layer[0] == tokens_per_layer[-1]  # nothing ran through a layer twice
         assert {k: r.output_token_ids for k, r in requests.items()} == expected
@@ -137,7 +137,7 @@ def test_aborting_a_suspended_victim_frees_its_activations(model: str) -> None:
 def _target_last_layer(engine: EngineCore):
     """Publish a target for the running step from the forward pass itself, just before the
     last layer (synchronous: the vote of that very layer sees it). Returns the signal."""
-    signal = engine.preemption.signal
+    signal = engine.slo_preemption.signal
     published: list[bool] = []
 
     def target_running_step(layer_idx: int, _num_tokens: int) -> None:
@@ -166,7 +166,7 @@ def test_rule2_in_suspend_mode_applies_only_to_work_thrown_away(model: str) -> N
         signal = _target_last_layer(engine)
         assert engine.step() == []  # unwound
         assert signal.target_step_id == 2  # probe: the target named the running step
-        (event,) = engine.preemption.events
+        (event,) = engine.slo_preemption.events
         assert event.layer == NUM_LAYERS - 1
         assert _suspended(engine) == {"long": (0, LONG_PROMPT)}
         _run(engine)
@@ -190,10 +190,10 @@ def test_rule2_past_stubborn_fraction_the_step_completes(model: str, stubborn_fr
         engine.step()
         assert signal.target_step_id == 1  # probe: the target named the running step
         if unwinds:
-            (event,) = engine.preemption.events
+            (event,) = engine.slo_preemption.events
             assert event.layer == NUM_LAYERS - 1 and long.num_computed_tokens == 0
         else:
-            assert not engine.preemption.events
+            assert not engine.slo_preemption.events
             assert long.num_computed_tokens == LONG_PROMPT and long.num_output_tokens == 1
         _run(engine)
         assert long.num_output_tokens == MAX_TOKENS
@@ -210,7 +210,7 @@ def test_rule1_adversarial_urgent_stream_cannot_preempt_anyone_twice(model: str)
     urgents = {f"urgent{i}": _prompt(30, seed=40 + i) for i in range(8)}
     expected = _reference_outputs(model, {**longs, **urgents})
 
-    engine = _engine(model, preempt_policy="aggressive", slo_preempt_mode="pause")
+    engine = _engine(model, slo_preempt_policy="aggressive", slo_preempt_mode="pause")
     try:
         requests = {k: _request(k, p, slo_ms=50_000 + 10_000 * i)
                     for i, (k, p) in enumerate(longs.items())}
@@ -228,7 +228,7 @@ def test_rule1_adversarial_urgent_stream_cannot_preempt_anyone_twice(model: str)
         observe_attention_ops(engine.executor.runner.model, arrive_on_every_long_step)
         _run(engine)
 
-        events = engine.preemption.events
+        events = engine.slo_preemption.events
         num_arrivals = len(urgents) - len(pending)
         # Probes: the stream really did preempt, more than once; and some arrivals did not.
         assert len(events) >= 2
@@ -254,7 +254,7 @@ def test_suspend_lifts_rule1_and_the_same_stream_wastes_no_prefill_work(model: s
     urgents = {f"urgent{i}": _prompt(30, seed=40 + i) for i in range(4)}
     expected = _reference_outputs(model, {**prompts, **urgents})
 
-    engine = _engine(model, preempt_policy="aggressive", slo_preempt_mode="suspend")
+    engine = _engine(model, slo_preempt_policy="aggressive", slo_preempt_mode="suspend")
     try:
         requests = {"long": _request("long", prompts["long"], slo_ms=60_000)}
         engine.add_request(requests["long"])
@@ -276,7 +276,7 @@ def test_suspend_lifts_rule1_and_the_same_stream_wastes_no_prefill_work(model: s
         tokens_per_layer = _count_tokens_per_layer(engine)
         _run(engine)
 
-        events = engine.preemption.events
+        events = engine.slo_preemption.events
         num_arrivals = len(urgents) - len(pending)
         assert 2 <= len(events) <= num_arrivals
         # Probe: Rule 1 is lifted, the long request was the victim more than once.

@@ -11,17 +11,17 @@ from multiprocessing import shared_memory
 
 import pytest
 
-from monitor.preempt_signal import PreemptSignal
+from monitor.slo_preempt_signal import SLOPreemptSignal
 
 # Run in a fresh interpreter: exit-time finalisation is the path under test, and stderr must be
 # its alone. Neither signal is closed; the reader is dropped mid-run, the owner left to the exit.
 _SCRIPT = """
 import gc
-from monitor.preempt_signal import PreemptSignal
+from monitor.slo_preempt_signal import SLOPreemptSignal
 
-owner = PreemptSignal.create()
+owner = SLOPreemptSignal.create()
 owner.publish(41, "victim", "waiter", 1.5)
-reader = PreemptSignal.attach(owner.name)
+reader = SLOPreemptSignal.attach(owner.name)
 print(owner.name)
 print(reader.target_step_id, reader.decision()[1])
 del reader
@@ -51,14 +51,14 @@ def test_signals_never_closed_leave_no_traceback_at_exit():
 
 
 def test_close_is_idempotent_and_a_reader_closing_leaves_the_owner_alone():
-    owner = PreemptSignal.create()
+    owner = SLOPreemptSignal.create()
     try:
-        reader = PreemptSignal.attach(owner.name)
+        reader = SLOPreemptSignal.attach(owner.name)
         reader.close()
         reader.close()
         assert reader.closed and not owner.closed
         owner.publish(7, "", "", 0.0)
-        assert PreemptSignal.attach(owner.name).target_step_id == 7
+        assert SLOPreemptSignal.attach(owner.name).target_step_id == 7
     finally:
         owner.close()
     owner.close()

@@ -8,10 +8,10 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput, StepStatus
-from monitor.preempt_signal import NO_TARGET, PreemptSignal
+from monitor.slo_preempt_signal import NO_TARGET, SLOPreemptSignal
 from workers.distributed import destroy, init_distributed
 from workers.model_runner import ModelRunner
-from workers.preemption.preempt_vote import PreemptVote, StepPreempted
+from workers.preemption.slo_preempt_vote import SLOPreemptVote, StepSLOPreempted
 from tests.utils.runner_configs import runner_config
 
 NUM_LAYERS = 20
@@ -25,7 +25,7 @@ def runner(tiny_model):
 
 @pytest.fixture
 def signal():
-    sig = PreemptSignal.create()
+    sig = SLOPreemptSignal.create()
     yield sig
     sig.close()
 
@@ -40,7 +40,7 @@ def _step(step_id: int, preemptible: bool = True) -> SchedulerOutput:
 class LayerSpy:
     """Counts the layers the vote saw, and can publish the target once a layer is reached."""
 
-    def __init__(self, vote: PreemptVote, signal: PreemptSignal, publish_at: int | None,
+    def __init__(self, vote: SLOPreemptVote, signal: SLOPreemptSignal, publish_at: int | None,
                  target: int) -> None:
         self.vote, self.signal, self.publish_at, self.target = vote, signal, publish_at, target
         self.layers: list[int] = []
@@ -64,7 +64,7 @@ class LayerSpy:
 
 
 def _run(runner, signal, step_id, *, target=NO_TARGET, publish_at=None, preemptible=True):
-    vote = PreemptVote(signal, NUM_LAYERS, stubborn_fraction=0.9)
+    vote = SLOPreemptVote(signal, NUM_LAYERS, stubborn_fraction=0.9)
     signal.publish(NO_TARGET if publish_at is not None else target, "", "", 0.0)
     spy = LayerSpy(vote, signal, publish_at, target)
     runner.vote = spy  # the runner installs whatever it is given as the before-attention hook
@@ -74,7 +74,7 @@ def _run(runner, signal, step_id, *, target=NO_TARGET, publish_at=None, preempti
 
 def test_target_for_this_step_unwinds_at_the_next_layer(runner, signal):
     out, layers = _run(runner, signal, step_id=5, target=5, publish_at=3)
-    assert out.status is StepStatus.PREEMPTED and out.preempted_layer == 3
+    assert out.status is StepStatus.SLO_PREEMPTED and out.slo_preempted_layer == 3
     assert layers == [0, 1, 2, 3] and out.sampled_token_ids == {}
 
 
@@ -91,7 +91,7 @@ def test_rule_two_past_the_stubborn_fraction_the_step_completes(runner, signal):
     assert out.status is StepStatus.OK and layers[-1] == 19
     # At exactly 90% (layer 18 of 20) it still stops.
     out, _ = _run(runner, signal, step_id=8, target=8, publish_at=18)
-    assert out.status is StepStatus.PREEMPTED and out.preempted_layer == 18
+    assert out.status is StepStatus.SLO_PREEMPTED and out.slo_preempted_layer == 18
 
 
 def test_non_preemptible_steps_never_vote(runner, signal):
@@ -103,7 +103,7 @@ def test_non_preemptible_steps_never_vote(runner, signal):
 def test_unwound_step_output_matches_a_clean_rerun(runner, signal):
     clean, _ = _run(runner, signal, step_id=10)
     stopped, _ = _run(runner, signal, step_id=11, target=11, publish_at=10)
-    assert stopped.status is StepStatus.PREEMPTED
+    assert stopped.status is StepStatus.SLO_PREEMPTED
     rerun, _ = _run(runner, signal, step_id=12)
     assert rerun.sampled_token_ids == clean.sampled_token_ids
 
@@ -114,8 +114,8 @@ def _vote_rank(rank: int, store_dir: str, signal_name: str, results) -> None:
     try:
         # Rank 1 has no view of the signal (as on another node): it votes 0 and learns the
         # outcome from the collective.
-        signal = PreemptSignal.attach(signal_name) if rank == 0 else None
-        vote = PreemptVote(signal, num_layers=10, stubborn_fraction=0.85,
+        signal = SLOPreemptSignal.attach(signal_name) if rank == 0 else None
+        vote = SLOPreemptVote(signal, num_layers=10, stubborn_fraction=0.85,
                            cpu_group=groups.cpu_group)
         outcomes = []
         for step_id in (7, 8):  # step 7 is the target; step 8 must run to its end
@@ -127,7 +127,7 @@ def _vote_rank(rank: int, store_dir: str, signal_name: str, results) -> None:
                         signal.publish(7, "victim", "waiter", 0.0)
                     vote(layer)
                 vote.finish()
-            except StepPreempted as stop:
+            except StepSLOPreempted as stop:
                 stopped_at = stop.layer
             outcomes.append(stopped_at)
         results.put((rank, outcomes, vote.stats.collectives))
@@ -143,7 +143,7 @@ def test_tp_vote_ranks_unwind_together_one_layer_after_the_ballot(tmp_path):
     fraction (0.85: layer 9 of 10) no ballot is started."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    owner = PreemptSignal.create()
+    owner = SLOPreemptSignal.create()
     try:
         procs = [ctx.Process(target=_vote_rank, args=(r, str(tmp_path), owner.name, results))
                  for r in range(2)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import CacheConfig, PreemptionConfig, SchedulerConfig, SLOPreemptMode
+from engine.config import CacheConfig, SLOPreemptionConfig, SchedulerConfig, SLOPreemptMode
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from monitor.predictor import LinearTTFT
@@ -20,7 +20,7 @@ def _scheduler(mode: SLOPreemptMode = "suspend", *, num_blocks: int = 64, budget
                          policy=policy,  # type: ignore[arg-type]
                          full_sequence_admission=full_seq)
     cc = CacheConfig(block_size=BS, num_blocks=num_blocks, watermark=watermark)
-    sched = Scheduler(sc, cc, num_blocks, num_blocks * BS, PreemptionConfig(mode=mode))
+    sched = Scheduler(sc, cc, num_blocks, num_blocks * BS, SLOPreemptionConfig(mode=mode))
     sched.slack.predictor.current = LinearTTFT(seconds_per_token=1e-4, intercept_s=0.0)
     return sched
 
@@ -106,7 +106,7 @@ def test_a_request_admitted_this_step_is_never_its_kv_victim() -> None:
     _unwind(sched, "V", "W")
     out = sched.schedule()
     record = sched.last_step_record
-    assert record is not None and [r.request_id for r in record.preempted] == ["A"]
+    assert record is not None and [r.request_id for r in record.kv_preempted] == ["A"]
     assert scheduled(out) == {"W": 24} and w.status is RequestStatus.RUNNING
     assert a.status is RequestStatus.PREEMPTED  # probe: KV pressure really struck this step
     sched.rollback(record, keep=[])
@@ -127,7 +127,7 @@ def test_a_victim_dropped_from_the_step_leaves_no_trace_in_its_record() -> None:
     _step(sched, runner)  # low needs a 4th block: 8 in use
     out = sched.schedule()  # high needs a 5th: low, served first by admission order, goes
     record = sched.last_step_record
-    assert record is not None and record.preempted == [low]  # probe: it was a victim
+    assert record is not None and record.kv_preempted == [low]  # probe: it was a victim
     assert "low" not in scheduled(out)
     assert "low" not in record.new_block_ids and "low" not in record.prev_num_computed_tokens
     sched.rollback(record)

@@ -75,8 +75,8 @@ def test_kv_preemption_in_a_rolled_back_step_stays_preempted():
     preempted = None
     for _ in range(200):
         out = sched.schedule()
-        if sched.last_step_record.preempted:
-            preempted = [r.request_id for r in sched.last_step_record.preempted]
+        if sched.last_step_record.kv_preempted:
+            preempted = [r.request_id for r in sched.last_step_record.kv_preempted]
             break
         sched.update_from_output(out, runner.execute(out))
     assert preempted, "probe: the pool was small enough to force a KV preemption"

@@ -10,11 +10,11 @@ import time
 import pytest
 
 from monitor.monitor import MonitorSnapshot, SLOMonitor
-from monitor.policy import RequestView, choose_preemption, urgency
+from monitor.policy import RequestView, choose_slo_preemption, urgency
 from monitor.predictor import LinearTTFT
-from monitor.preempt_signal import PreemptSignal
+from monitor.slo_preempt_signal import SLOPreemptSignal
 from monitor.step_progress import predicted_layer_ends, remaining_seconds
-from workers.preemption.preempt_vote import PreemptVote
+from workers.preemption.slo_preempt_vote import SLOPreemptVote
 
 H100_LINE = LinearTTFT(seconds_per_token=3e-5, intercept_s=0.03, seconds_per_token_sq=8.3e-10)
 LAYERS = 32
@@ -53,7 +53,7 @@ def test_the_time_left_follows_the_measured_pace_and_never_undercuts_the_predict
 def test_the_monitor_decides_for_a_waiter_the_resumed_layers_would_make_late():
     """10 of 32 layers done on pace, 0.33 s to go by the layers' real costs (0.04 s by the old
     estimate); a waiter with 0.2 s of slack gets a decision."""
-    signal = PreemptSignal.create()
+    signal = SLOPreemptSignal.create()
     try:
         monitor = SLOMonitor(signal)
         ends = predicted_layer_ends(H100_LINE.predict_step, CHUNKS, LAYERS)
@@ -75,9 +75,9 @@ def test_the_monitor_decides_for_a_waiter_the_resumed_layers_would_make_late():
 def test_progress_reports_the_layers_the_device_finished_not_the_host():
     """On a GPU the host votes up to `window` layers ahead of the device (workers/preemption/run_ahead.py):
     the progress the monitor reads is the device's."""
-    signal = PreemptSignal.create()
+    signal = SLOPreemptSignal.create()
     try:
-        vote = PreemptVote(signal, LAYERS)
+        vote = SLOPreemptVote(signal, LAYERS)
         vote.step_id = 4
         vote(10)
         assert signal.layers_done(4) == 10  # no run-ahead: the host is the device
@@ -104,8 +104,8 @@ def test_a_waiter_is_doomed_only_if_late_under_the_optimistic_estimate():
     assert not urgency(waiter, now, pessimistic, optimistic=optimistic).doomed
     # The step has 0.15 s left, less than the waiter's prefill: a doomed waiter would lose
     # more waiting for its prefill than it gains by stopping the step (monitor.policy).
-    assert choose_preemption([waiter], [running], now, pessimistic,
+    assert choose_slo_preemption([waiter], [running], now, pessimistic,
                              step_remaining_s=0.15) is None
-    decision = choose_preemption([waiter], [running], now, pessimistic, step_remaining_s=0.15,
+    decision = choose_slo_preemption([waiter], [running], now, pessimistic, step_remaining_s=0.15,
                                  optimistic=optimistic)
     assert decision is not None and decision.waiter_id == "w"

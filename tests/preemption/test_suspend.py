@@ -112,7 +112,7 @@ def _assert_matches(logits, reference, *req_ids: str) -> None:
 
 def test_resume_at_the_stopped_layer_beside_a_fresh_chunk(runner, logits, reference) -> None:
     out = _execute(runner, [_chunk("a", 0), _chunk("b", 4)], stop_at=3)
-    assert out.status is StepStatus.PREEMPTED and out.preempted_layer == 3
+    assert out.status is StepStatus.SLO_PREEMPTED and out.slo_preempted_layer == 3
     assert sorted(out.suspended_req_ids) == ["a", "b"]
     # b is recomputed from scratch (the engine frees its activations), a resumes at layer 3.
     out = _execute(runner, [_chunk("b", 4), _chunk("a", 0, resume=True)], free=["b"])
@@ -126,7 +126,7 @@ def test_a_resumed_chunk_unwound_again_keeps_the_later_layer(runner, logits, ref
     # The resuming step is itself unwound at layer 5, after a joined at 3: both a and the fresh
     # c are now suspended at 5.
     out = _execute(runner, [_chunk("c", 8), _chunk("a", 0, resume=True)], stop_at=5)
-    assert out.status is StepStatus.PREEMPTED
+    assert out.status is StepStatus.SLO_PREEMPTED
     assert sorted(out.suspended_req_ids) == ["a", "c"]
     assert out.resumed_layers == {"a": 3}  # what the TTFT predictor counts a ran
     assert runner.suspended.layer_of(_chunk("a", 0)) == 5
@@ -151,7 +151,7 @@ def test_unwound_before_joining_keeps_the_old_activations(runner, logits, refere
 
 def test_stopped_before_the_first_layer_keeps_nothing(runner) -> None:
     out = _execute(runner, [_chunk("a", 0)], stop_at=0)
-    assert out.status is StepStatus.PREEMPTED and out.suspended_req_ids == []
+    assert out.status is StepStatus.SLO_PREEMPTED and out.suspended_req_ids == []
     assert len(runner.suspended) == 0
 
 
@@ -175,7 +175,7 @@ def test_a_suspended_chunk_resumes_in_pieces(runner, logits, reference) -> None:
     assert runner.suspended.layer_of(_piece("a", 0, 16)) == 3  # probe: the rest is held
     # The next piece is unwound at layer 6, past its layer: it is held there, ahead of the rest.
     out = _execute(runner, [_piece("a", 0, 16, 24)], stop_at=6)
-    assert out.status is StepStatus.PREEMPTED and out.suspended_req_ids == ["a"]
+    assert out.status is StepStatus.SLO_PREEMPTED and out.suspended_req_ids == ["a"]
     assert runner.suspended.layer_of(_piece("a", 0, 16, 24)) == 6
     with pytest.raises(ValueError, match=r"resumes tokens \[16, 40\) but the suspended chunk "
                                          r"is \[16, 24\)"):

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from engine.config import CacheConfig, PreemptionConfig, SchedulerConfig
+from engine.config import CacheConfig, SLOPreemptionConfig, SchedulerConfig
 from engine.core.scheduler import Scheduler
 from engine.runtime.slo_preemption import unwind_step
 from monitor.predictor import LinearTTFT
@@ -29,7 +29,7 @@ H100_LINE = LinearTTFT(seconds_per_token=3e-5, intercept_s=0.03, seconds_per_tok
 def _scheduler(budget: int, num_blocks: int) -> Scheduler:
     sc = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16, policy="slo")
     cc = CacheConfig(block_size=BS, num_blocks=num_blocks, enable_prefix_caching=False)
-    sched = Scheduler(sc, cc, num_blocks, num_blocks * BS, PreemptionConfig(mode="suspend"))
+    sched = Scheduler(sc, cc, num_blocks, num_blocks * BS, SLOPreemptionConfig(mode="suspend"))
     sched.slack.predictor.current = H100_LINE
     return sched
 

@@ -37,7 +37,7 @@ def test_every_urgent_turn_during_a_long_prefill_gets_a_decision_and_a_step_of_i
         arrivals = _burst()
         requests = {r.request_id: r for _, r in arrivals}
         _replay(engine, arrivals)
-        decisions = list(engine.preemption.monitor.decisions)
+        decisions = list(engine.slo_preemption.monitor.decisions)
         profile = engine.model.profile
         for _, rid, _ in URGENT:
             turn = requests[rid]
@@ -51,7 +51,7 @@ def test_every_urgent_turn_during_a_long_prefill_gets_a_decision_and_a_step_of_i
                 mine = [d for d in decisions if d.decision.waiter_id == rid]
                 assert mine and mine[0].step_id == out.step_id, (
                     rid, [(d.step_id, d.decision) for d in decisions])
-                assert mine[0].decided_at < end and status is StepStatus.PREEMPTED
+                assert mine[0].decided_at < end and status is StepStatus.SLO_PREEMPTED
             # The step that gave it its first token resumed no kept chunk, and anything else
             # in it fits the time the turn had left (by the machine's own step times).
             out, _, started, _ = next(s for s in log.steps if s[1] is StepStatus.OK
@@ -71,13 +71,13 @@ def test_outputs_are_the_same_whatever_the_preemptions(sim_model):
     without mid-forward preemption. Probe: the default engine really unwound steps."""
     outputs = {}
     for mid_forward in (True, False):
-        engine = _engine(sim_model, 40_000, mid_forward_preemption=mid_forward)
+        engine = _engine(sim_model, 40_000, slo_preemption=mid_forward)
         try:
             arrivals = _burst()
             _replay(engine, arrivals)
             outputs[mid_forward] = {r.request_id: list(r.output_token_ids) for _, r in arrivals}
             if mid_forward:
-                assert engine.preemption.events, "no step was unwound"
+                assert engine.slo_preemption.events, "no step was unwound"
         finally:
             engine.shutdown()
     assert outputs[True] == outputs[False]

@@ -63,7 +63,7 @@ def test_an_urgent_turn_whose_first_token_is_silent_streams_on_time(sim_model, b
                     token_times.append(time.monotonic())
                     if len(token_times) == 2:  # the first visible output
                         engine.note_first_output("turn", token_times[-1])
-        decisions = [d for d in engine.preemption.monitor.decisions
+        decisions = [d for d in engine.slo_preemption.monitor.decisions
                      if d.decision.waiter_id == "turn"]
         decode_step = engine.model.profile.step_seconds(1, 0, 64 + TURN_TOKENS)
     finally:

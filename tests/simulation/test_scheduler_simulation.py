@@ -28,7 +28,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import engine.core.admission
 import engine.core.scheduler
 import engine.core.slack_policy
-from engine.config import CacheConfig, PreemptionConfig, SchedulerConfig
+from engine.config import CacheConfig, SLOPreemptionConfig, SchedulerConfig
 from engine.core.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
@@ -121,7 +121,7 @@ class SchedulerSimulation(RuleBasedStateMachine):
                              full_sequence_admission=full_seq)
         cc = CacheConfig(block_size=block_size, num_blocks=num_blocks, watermark=watermark,
                          enable_prefix_caching=prefix)
-        pc = PreemptionConfig(mode=mode, min_tokens=min_tokens)  # type: ignore[arg-type]
+        pc = SLOPreemptionConfig(mode=mode, min_tokens=min_tokens)  # type: ignore[arg-type]
         self.sched = Scheduler(sc, cc, num_blocks, max_model_len, pc)
         self.sched.slack.predictor.current = LinearTTFT(seconds_per_token=1e-3,
                                                        intercept_s=2e-3)
@@ -210,7 +210,7 @@ class SchedulerSimulation(RuleBasedStateMachine):
             if decision is None:
                 layer = None
         result = self.worker.execute(out, layer)
-        if result.status is StepStatus.PREEMPTED:
+        if result.status is StepStatus.SLO_PREEMPTED:
             assert decision is not None
             target, victim_id, waiter_id = decision
             applied, _ = unwind_step(sched, out, result.suspended_req_ids, target, victim_id,
@@ -250,7 +250,7 @@ class SchedulerSimulation(RuleBasedStateMachine):
         stray = set(worker_chunks) - set(slack.suspended) - set(slack.unneeded_suspensions)
         assert not stray, f"suspended chunks nobody will resume or free: {sorted(stray)}"
         self.worker.check_committed_blocks(self.hash_contents)
-        if slack.preempt_mode != "suspend":
+        if slack.slo_preempt_mode != "suspend":
             for request in self.requests.values():
                 assert request.num_slo_preemptions <= 1, f"Rule 1: {request.request_id}"
 

@@ -17,8 +17,8 @@ from engine.sampling_params import SamplingParams
 from engine.simulation import StepTimeProfile, load_profile, shipped_profiles
 from engine.executor.simulated import SimulatedExecutor
 from monitor.predictor import LinearTTFT
-from monitor.preempt_signal import NO_TARGET, PreemptSignal
-from workers.preemption.preempt_vote import PreemptVote
+from monitor.slo_preempt_signal import NO_TARGET, SLOPreemptSignal
+from workers.preemption.slo_preempt_vote import SLOPreemptVote
 
 H100 = "h100-llama-3.1-8b"
 
@@ -99,11 +99,11 @@ def _request(req_id: str, n: int, start: int = 0, sample: bool = True,
                             sampling_params=SamplingParams(temperature=0))
 
 
-class RecordingVote(PreemptVote):
+class RecordingVote(SLOPreemptVote):
     """The real vote, recording each layer it saw and the clock when it saw it; `stop_before`
     makes the monitor target the running step once that layer is reached."""
 
-    def __init__(self, signal: PreemptSignal, clock: FakeClock) -> None:
+    def __init__(self, signal: SLOPreemptSignal, clock: FakeClock) -> None:
         super().__init__(signal, PROFILE.num_layers, stubborn_fraction=1.0)
         self.clock, self.seen = clock, []
         self.stop_before: int | None = None
@@ -117,7 +117,7 @@ class RecordingVote(PreemptVote):
 
 @pytest.fixture
 def signal():
-    s = PreemptSignal.create()
+    s = SLOPreemptSignal.create()
     yield s
     s.close()
 
@@ -152,10 +152,10 @@ def test_an_unwound_step_suspends_its_chunks_and_they_resume_at_their_layer(sign
                                                       preemptible=True, suspend_on_unwind=True))
 
     out = run(1, _request("a", 100), _request("d", 1, start=50), stop_before=0)
-    assert out.status is StepStatus.PREEMPTED and out.preempted_layer == 0
+    assert out.status is StepStatus.SLO_PREEMPTED and out.slo_preempted_layer == 0
     assert out.suspended_req_ids == []  # stopped before a layer finished: nothing to keep
     out = run(2, _request("a", 100), _request("d", 1, start=50), stop_before=2)
-    assert out.status is StepStatus.PREEMPTED and out.preempted_layer == 2
+    assert out.status is StepStatus.SLO_PREEMPTED and out.slo_preempted_layer == 2
     assert out.suspended_req_ids == ["a"] and executor.suspended == {"a": [(0, 100, 2)]}
     # Two layers of 101 tokens, then the unwind.
     assert out.execute_seconds == pytest.approx(2 * 0.101 / 4 + PROFILE.unwind_s)
@@ -223,8 +223,8 @@ def test_serve_simulate_stops_a_long_prefill_for_an_urgent_request(sim_model, tm
             "completion_tokens"] == 8
         urgent, long_ = results["urgent"]["metrics"], results["long"]["metrics"]
         assert urgent["ttft_ms"] < long_["ttft_ms"]
-        assert long_["num_preemptions"] == 1 and urgent["num_preemptions"] == 0
+        assert long_["num_slo_preemptions"] == 1 and urgent["num_slo_preemptions"] == 0
         _, samples = scrape(server.url)
-        assert sample(samples, "sloserve:num_preemptions_total", reason="slo") == 1
+        assert sample(samples, "sloserve:num_slo_preemptions_total") == 1
     finally:
         server.assert_clean_stop()

@@ -22,7 +22,7 @@ def engine(tiny_model):
     model = tiny_model("llama", num_hidden_layers=NUM_LAYERS)
     core = EngineCore(build_engine_config(model, dtype="float32", num_kv_blocks=32,
                                           max_model_len=256, block_size=16,
-                                          preempt_min_tokens=16, slo_preempt_mode="suspend"))
+                                          slo_preempt_min_tokens=16, slo_preempt_mode="suspend"))
     yield core
     core.shutdown()
 

@@ -4,7 +4,7 @@ A read of a tensor's value on the host (``.item()``, ``.tolist()``, ``int(t)``, 
 waits for the device to finish everything queued before it, and cannot be captured in a CUDA
 graph. Between entering the first decoder layer and leaving the last, the only host interaction
 allowed is the preemption vote and the run-ahead pacing at the attention boundary
-(``workers.preemption.preempt_vote`` / ``workers.preemption.run_ahead``, the functions named in
+(``workers.preemption.slo_preempt_vote`` / ``workers.preemption.run_ahead``, the functions named in
 ``EXEMPT``); every
 other value the step needs is computed before the forward pass (``ModelRunner.prepare_inputs``).
 
@@ -31,7 +31,7 @@ SYNCING_METHODS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__
 # (module file, function) pairs allowed to read values back: the vote and the pacing. A call
 # made anywhere below one of these frames is exempt.
 EXEMPT = (
-    (os.path.join("workers", "preemption", "preempt_vote.py"), "__call__"),
+    (os.path.join("workers", "preemption", "slo_preempt_vote.py"), "__call__"),
     (os.path.join("workers", "preemption", "run_ahead.py"), "paced"),
 )
 

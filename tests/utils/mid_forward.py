@@ -58,7 +58,8 @@ def _engine(model: str, **overrides) -> EngineCore:
     # CPU-timed scenarios (and their references) on CUDA, capturing graphs over Triton kernels
     # that a pytest process interpreting them cannot capture.
     args = dict(device="cpu", dtype="float32", num_kv_blocks=160, block_size=16,
-                max_num_batched_tokens=1024, scheduling_policy="slo", preempt_min_tokens=32, enable_prefix_caching=True,
+                max_num_batched_tokens=1024, scheduling_policy="slo", slo_preempt_min_tokens=32,
+                enable_prefix_caching=True,
                 ttft_model=_TTFT_FILE.get("path"))
     args.update(overrides)
     return EngineCore(build_engine_config(model, **args))
@@ -109,7 +110,7 @@ def _on_long_step(engine: EngineCore, layer: int, action: Callable[[], None],
 
 
 def _reference_outputs(model: str, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
-    engine = _engine(model, mid_forward_preemption=False, enforce_eager=True)
+    engine = _engine(model, slo_preemption=False, enforce_eager=True)
     try:
         requests = {k: _request(k, p, None) for k, p in prompts.items()}
         for r in requests.values():
@@ -176,8 +177,8 @@ def check_urgent_arrival_unwinds_long_prefill(model: str, mode: str, check_timin
         steps = _run(engine)
         (urgent,) = arrived
 
-        assert engine.preemption is not None
-        (event,) = engine.preemption.events  # probe: the step really was unwound, once
+        assert engine.slo_preemption is not None
+        (event,) = engine.slo_preemption.events  # probe: the step really was unwound, once
         assert 0 < event.layer < NUM_LAYERS
         # The unwound step had admitted the long prompt: unless its chunk was suspended, it is
         # back in the queue with no KV, which is a recompute whatever the mode.
@@ -193,7 +194,7 @@ def check_urgent_arrival_unwinds_long_prefill(model: str, mode: str, check_timin
             # Paired probe: the unwound pass's layers below the stop were run twice.
             assert event.wasted_tokens == LONG_PROMPT
             assert tokens_per_layer[0] == tokens_per_layer[-1] + LONG_PROMPT
-        assert long.num_preemptions == 1 and long.num_slo_preemptions == 1
+        assert long.num_preemptions == long.num_slo_preemptions == 1 and not long.num_kv_preemptions
         assert urgent.num_preemptions == 0
         # The urgent request's first token came sooner after its arrival than the long step
         # takes as a whole (measured in this run: the step that finally prefilled it), so
@@ -229,12 +230,12 @@ def check_tp2_remote_rank_unwinds_with_rank0(tiny_model, monkeypatch, tmp_path,
     LinearTTFT(seconds_per_token=NUM_LAYERS * DELAY_US_PER_TOKEN * 1e-6, intercept_s=0.02).save(
         ttft)
     args = dict(dtype="float32", num_kv_blocks=160, block_size=16, max_num_batched_tokens=1024,
-                scheduling_policy="slo", preempt_min_tokens=32, collective_timeout_s=60,
+                scheduling_policy="slo", slo_preempt_min_tokens=32, collective_timeout_s=60,
                 ttft_model=str(ttft))
 
     # The reference pins the CPU: at "auto" a GPU machine would build it on CUDA (graphs
     # captured over Triton kernels that a process interpreting them cannot capture).
-    reference = EngineCore(build_engine_config(model, mid_forward_preemption=False,
+    reference = EngineCore(build_engine_config(model, slo_preemption=False,
                                                device="cpu", **args))
     try:
         ref = {k: _request(k, p, None) for k, p in prompts.items()}
@@ -247,7 +248,7 @@ def check_tp2_remote_rank_unwinds_with_rank0(tiny_model, monkeypatch, tmp_path,
     # Suspend mode: each rank keeps its own copy of the stopped pass and both resume it.
     config = build_engine_config(model, tensor_parallel_size=2, slo_preempt_mode="suspend",
                                  **args, **engine_args)
-    config.preemption.signal_ranks = 1  # rank 1 gets no view of the shared memory
+    config.slo_preemption.signal_ranks = 1  # rank 1 gets no view of the shared memory
     engine = EngineCore(config)
     try:
         long = _request("long", prompts["long"], slo_ms=60_000)
@@ -266,7 +267,7 @@ def check_tp2_remote_rank_unwinds_with_rank0(tiny_model, monkeypatch, tmp_path,
         _run(engine, timeout_s=240)
         (urgent,) = arrived
 
-        (event,) = engine.preemption.events  # probe: the step was unwound
+        (event,) = engine.slo_preemption.events  # probe: the step was unwound
         assert event.victim_id == "long" and event.waiter_id == "urgent"
         assert 0 < event.layer < NUM_LAYERS
         assert event.unwound_layers == [event.layer, event.layer]  # both ranks, same layer

@@ -9,7 +9,7 @@ import torch
 from kernels import AttentionMetadata, padded_block_tables
 from workers.kv_cache import allocate_kv_caches
 from workers.models.llama import LlamaForCausalLM
-from workers.preemption.preempt_vote import StepPreempted
+from workers.preemption.slo_preempt_vote import StepSLOPreempted
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -79,7 +79,7 @@ class StopAt:
 
     def __call__(self, layer: int) -> None:
         if layer == self.layer:
-            raise StepPreempted(self.step_id, layer)
+            raise StepSLOPreempted(self.step_id, layer)
 
     def finish(self) -> None:
         pass

@@ -283,6 +283,6 @@ def slowed_slo_server(tiny_model, tmp_path: Path, monkeypatch, module: str = "en
     LinearTTFT(seconds_per_token=SLOWED_LAYERS * SLOWED_US_PER_TOKEN * 1e-6,
                intercept_s=0.02).save(ttft)
     return ServerProcess(model, tmp_path / "server.log", "--scheduling-policy", "slo",
-                         "--preempt-min-tokens", "32", "--num-kv-blocks", "160",
+                         "--slo-preempt-min-tokens", "32", "--num-kv-blocks", "160",
                          "--max-num-batched-tokens", "1024", "--ttft-model", str(ttft),
                          module=module)

@@ -88,8 +88,8 @@ class SimWorker:
                     # activations (and the layer) it had.
                     continue
                 suspended.append(r.req_id)
-        return ModelRunnerOutput(step_id=out.step_id, status=StepStatus.PREEMPTED,
-                                 preempted_layer=layer, unwound_layers=[layer],
+        return ModelRunnerOutput(step_id=out.step_id, status=StepStatus.SLO_PREEMPTED,
+                                 slo_preempted_layer=layer, unwound_layers=[layer],
                                  suspended_req_ids=suspended)
 
     def check_committed_blocks(self, hash_contents: dict[bytes, tuple[int, ...]]) -> None:

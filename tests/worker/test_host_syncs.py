@@ -19,7 +19,7 @@ from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput, Step
 from engine.sampling_params import SamplingParams
 from tests.utils.host_sync import SYNCING_METHODS, HostSyncDetector
 from workers.model_runner import ModelRunner
-from workers.preemption.preempt_vote import PreemptVote
+from workers.preemption.slo_preempt_vote import SLOPreemptVote
 from workers.preemption.run_ahead import RunAheadLimit
 from tests.utils.runner_configs import runner_config
 
@@ -86,12 +86,12 @@ def _votes(runner: ModelRunner, monkeypatch) -> list[int]:
     (as the TP ballot does) and stops the step whose id is 5 at STOP_LAYER."""
     cast: list[int] = []
 
-    def local_vote(vote: PreemptVote, layer: int) -> bool:
+    def local_vote(vote: SLOPreemptVote, layer: int) -> bool:
         cast.append(layer)
         return bool(torch.tensor(vote.step_id == 5 and layer == STOP_LAYER))
 
-    monkeypatch.setattr(PreemptVote, "_local_vote", local_vote)
-    runner.vote = PreemptVote(None, NUM_LAYERS)
+    monkeypatch.setattr(SLOPreemptVote, "_local_vote", local_vote)
+    runner.vote = SLOPreemptVote(None, NUM_LAYERS)
     runner.run_ahead = RunAheadLimit(window=1, make_event=_SyncingEvent)
     return cast
 
@@ -121,7 +121,7 @@ def test_no_host_sync_between_the_first_and_the_last_layer(runner, monkeypatch) 
     assert not detector.found, detector.report()
     # Probes: every kind of step ran as meant to, through the layers, with the vote and the
     # pacing (whose read-backs are the exempt ones) at work.
-    assert statuses["unwound"] is StepStatus.PREEMPTED
+    assert statuses["unwound"] is StepStatus.SLO_PREEMPTED
     assert all(s is StepStatus.OK for kind, s in statuses.items() if kind != "unwound")
     # 5 full passes, one stopped before STOP_LAYER's attention (layers 0..STOP_LAYER entered),
     # and the resumed step's NUM_LAYERS (its decode runs every layer).

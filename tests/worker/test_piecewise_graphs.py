@@ -147,7 +147,7 @@ def test_the_vote_runs_between_the_pieces(runner) -> None:
     chunk = ScheduledRequest(req_id="p", token_ids=prompt, start_pos=0, block_ids=[0],
                              sample=False, sampling_params=_greedy)
     out = runner.execute(SchedulerOutput(step_id=1, requests=[chunk], preemptible=True))
-    assert out.status.name == "PREEMPTED" and out.preempted_layer == 1
+    assert out.status.name == "SLO_PREEMPTED" and out.slo_preempted_layer == 1
     assert votes == [0, 1]
     assert pieces.replays == 0  # unwound, not finished
     assert runner.model.before_attention is None

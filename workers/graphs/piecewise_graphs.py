@@ -41,7 +41,7 @@ from engine.core.scheduler_output import SchedulerOutput
 from kernels import AttentionMetadata
 from workers.graphs.cuda_graphs import CapturedSteps, no_collection_while_capturing
 from workers.graphs.graph_shapes import capture_sizes, padded_batch_size
-from workers.preemption.preempt_vote import StepPreempted
+from workers.preemption.slo_preempt_vote import StepSLOPreempted
 
 if TYPE_CHECKING:
     from workers.graphs.cuda_graphs import GraphBackend, Runner
@@ -174,7 +174,7 @@ class PiecewiseGraphs(CapturedSteps):
             kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """The step's final-normed hidden states [num_tokens, hidden] (a view of a static
         buffer, valid until the next step). The attention ops run eager on the real rows, with
-        the vote before each; a stop raises StepPreempted carrying the stopped layer's inputs."""
+        the vote before each; a stop raises StepSLOPreempted carrying the stopped layer's inputs."""
         model, static = self.model, self.static
         pieces = self.graphs[size]
         n = num_tokens
@@ -186,7 +186,7 @@ class PiecewiseGraphs(CapturedSteps):
                 model.attention_op(layer, static.query[:n], static.key[:n], static.value[:n],
                                    attn_meta, kv_caches[layer], out=static.attention_out[:n])
             replay(pieces[self.num_layers])
-        except StepPreempted as stop:
+        except StepSLOPreempted as stop:
             self.unwinds += 1
             stream = static.residual[:n].clone()
             if layer == 0:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kernels import AttentionMetadata, KernelBackend, select_backend
-from workers.preemption.preempt_vote import StepPreempted
+from workers.preemption.slo_preempt_vote import StepSLOPreempted
 from workers.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                             RMSNorm, RowParallelLinear, VocabParallelEmbedding, apply_rotary,
                             get_rotary_embedding, silu_and_mul)
@@ -265,7 +265,7 @@ class LlamaForCausalLM(nn.Module):
         ``joins`` resume suspended passes: they are the batch's last prefill chunks, in order of
         their layer, and ``input_ids`` covers only the tokens before them. Each enters the
         residual stream at its layer with the activations saved when its pass stopped, so the
-        layers below it run without it. If the pass is unwound (StepPreempted), the exception
+        layers below it run without it. If the pass is unwound (StepSLOPreempted), the exception
         carries the inputs of the layer it stopped at (``hidden_states``/``residual``, the rows
         of the tokens active there), which is what a suspended chunk resumes from.
         """
@@ -296,7 +296,7 @@ class LlamaForCausalLM(nn.Module):
                 hidden_states, residual = self.model.layers[layer_idx](
                     layer_idx, hidden_states, residual, layer_cos, layer_sin, meta,
                     kv_caches[layer_idx], attention_op)
-        except StepPreempted as stop:
+        except StepSLOPreempted as stop:
             stop.hidden_states, stop.residual = hidden_states, residual
             raise
         assert hidden_states is not None and not pending

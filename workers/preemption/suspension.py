@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from engine.core.scheduler_output import ScheduledRequest
 from workers.models import LayerJoin
-from workers.preemption.preempt_vote import StepPreempted
+from workers.preemption.slo_preempt_vote import StepSLOPreempted
 
 
 @dataclass
@@ -90,7 +90,7 @@ class HeldChunks:
                 f"[{chunk.start_pos}, {chunk.start_pos + chunk.num_tokens})")
         return chunk
 
-    def suspend(self, stop: StepPreempted,
+    def suspend(self, stop: StepSLOPreempted,
                 prefill_rows: list[tuple[ScheduledRequest, int]]) -> list[str]:
         """Keep each prefill chunk's rows of the stopped layer's inputs. ``prefill_rows``: the
         step's prefill chunks with their first row. A resumed piece the stop came before (or at

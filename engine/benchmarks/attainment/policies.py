@@ -12,18 +12,19 @@ class PolicySpec:
     name: str
     scheduling_policy: str
     mid_forward: bool = False
-    preempt_policy: str = "conservative"
+    slo_preempt_policy: str = "conservative"
     slo_preempt_mode: str = "pause"
 
     def engine_kwargs(self) -> dict[str, Any]:
         return dict(scheduling_policy=self.scheduling_policy,
-                    mid_forward_preemption=self.mid_forward,
-                    preempt_policy=self.preempt_policy, slo_preempt_mode=self.slo_preempt_mode)
+                    slo_preemption=self.mid_forward,
+                    slo_preempt_policy=self.slo_preempt_policy,
+                    slo_preempt_mode=self.slo_preempt_mode)
 
     def serve_args(self) -> list[str]:
         return ["--scheduling-policy", self.scheduling_policy,
-                "--mid-forward-preemption", "on" if self.mid_forward else "off",
-                "--preempt-policy", self.preempt_policy,
+                "--slo-preemption", "on" if self.mid_forward else "off",
+                "--slo-preempt-policy", self.slo_preempt_policy,
                 "--slo-preempt-mode", self.slo_preempt_mode]
 
     @property

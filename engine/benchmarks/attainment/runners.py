@@ -185,7 +185,7 @@ def run_inprocess(trace: Trace, policy: PolicySpec, model: str, budget: int,
         seed=seed, duration_s=end - (start + trace.requests[0].arrival_s), requests=results,
         engine={"num_preemptions_kv": stats.num_kv_preemptions - before.num_kv_preemptions,
                 "num_preemptions_slo": stats.num_slo_preemptions - before.num_slo_preemptions,
-                "wasted_tokens": stats.preempt_wasted_tokens - before.preempt_wasted_tokens,
+                "wasted_tokens": stats.slo_preempt_wasted_tokens - before.slo_preempt_wasted_tokens,
                 "computed_tokens": stats.num_scheduled_tokens - before.num_scheduled_tokens})
 
 
@@ -253,7 +253,7 @@ def _inprocess_result(tr: TraceRequest, request: Any, start: float,
 _COUNTERS = {
     "num_preemptions_kv": ("sloserve:num_preemptions_total", 'reason="kv"'),
     "num_preemptions_slo": ("sloserve:num_preemptions_total", 'reason="slo"'),
-    "wasted_tokens": ("sloserve:preempt_wasted_tokens_total", ""),
+    "wasted_tokens": ("sloserve:slo_preempt_wasted_tokens_total", ""),
     "computed_tokens": ("sloserve:scheduled_tokens_total", ""),
 }
 

@@ -19,7 +19,7 @@ from engine.benchmarks.server import launched_server
 # Engine overrides that map onto `sloserve serve` flags.
 _FLAGS = {"dtype": "--dtype", "num_kv_blocks": "--num-kv-blocks",
           "max_model_len": "--max-model-len", "ttft_model": "--ttft-model",
-          "preempt_min_tokens": "--preempt-min-tokens", "simulate": "--simulate",
+          "slo_preempt_min_tokens": "--slo-preempt-min-tokens", "simulate": "--simulate",
           "device": "--device", "load_format": "--load-format"}
 
 

@@ -173,7 +173,7 @@ def urgent_mid_prefill(model: str, hf: Any, shapes: Shapes, device: str) -> Scen
     engine = EngineCore(build_engine_config(
         model, dtype="float32", device=device, max_num_batched_tokens=shapes.long_prompt + 64,
         max_model_len=shapes.long_prompt + 64, scheduling_policy="slo",
-        enable_prefix_caching=False, preempt_min_tokens=32))
+        enable_prefix_caching=False, slo_preempt_min_tokens=32))
     max_tokens = shapes.max_new_tokens
 
     def request(req_id: str, prompt: list[int], slo_ms: float) -> Request:
@@ -223,8 +223,8 @@ def urgent_mid_prefill(model: str, hf: Any, shapes: Shapes, device: str) -> Scen
         threading.Thread(target=arrive, daemon=True).start()
         drain()
         stop_observing()
-        assert engine.preemption is not None
-        events = [e for e in engine.preemption.events if e.victim_id == "long"]
+        assert engine.slo_preemption is not None
+        events = [e for e in engine.slo_preemption.events if e.victim_id == "long"]
         got = [long.output_token_ids, arrived[0].output_token_ids if arrived else []]
         want = hf_greedy(hf, [long_prompt, urgent_prompt], max_tokens)
         scenario = _compare("urgent_mid_prefill", hf, [long_prompt, urgent_prompt], got, want)

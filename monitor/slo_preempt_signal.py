@@ -59,7 +59,7 @@ def _release(shm: shared_memory.SharedMemory, views: tuple[memoryview, ...],
         shm.unlink()
 
 
-class PreemptSignal:
+class SLOPreemptSignal:
     def __init__(self, shm: shared_memory.SharedMemory, owner: bool) -> None:
         self._shm = shm
         self._owner = owner
@@ -74,14 +74,14 @@ class PreemptSignal:
             self, _release, shm, (self._target, self._progress, self._progress_time), owner)
 
     @classmethod
-    def create(cls) -> PreemptSignal:
+    def create(cls) -> SLOPreemptSignal:
         shm = shared_memory.SharedMemory(create=True, size=_PROGRESS_AT + 16)
         signal = cls(shm, owner=True)
         signal.publish(NO_TARGET, "", "", 0.0)
         return signal
 
     @classmethod
-    def attach(cls, name: str) -> PreemptSignal:
+    def attach(cls, name: str) -> SLOPreemptSignal:
         if sys.version_info >= (3, 13):
             return cls(shared_memory.SharedMemory(name=name, track=False), owner=False)
         # Before 3.13 attaching registers the segment with this process's resource tracker:

@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 from engine.core.scheduler_output import SchedulerOutput
-from monitor.preempt_signal import PreemptSignal
+from monitor.slo_preempt_signal import SLOPreemptSignal
 
 
-class StepPreempted(Exception):
+class StepSLOPreempted(Exception):
     """Raised inside the forward pass to unwind it; never crosses a process boundary."""
 
     def __init__(self, step_id: int, layer: int) -> None:
@@ -38,7 +38,7 @@ class VoteStats:
     collectives: int = 0
 
 
-class PreemptVote:
+class SLOPreemptVote:
     """Called before every attention op of a preemptible step (`model.before_attention`).
 
     TP=1: the local vote decides at once. TP>1: the ballot of layer L is an asynchronous
@@ -50,7 +50,7 @@ class PreemptVote:
     starts a ballot at all (all ranks agree on that without talking: they run the same step).
     """
 
-    def __init__(self, signal: PreemptSignal | None, num_layers: int,
+    def __init__(self, signal: SLOPreemptSignal | None, num_layers: int,
                  stubborn_fraction: float = 0.9,
                  cpu_group: dist.ProcessGroup | None = None) -> None:
         if not 0.0 <= stubborn_fraction <= 1.0:
@@ -83,12 +83,12 @@ class PreemptVote:
             self.signal.report_progress(self.step_id, max(0, layer - self.progress_lag))
         if self.cpu_group is None:
             if self._local_vote(layer):
-                raise StepPreempted(self.step_id, layer)
+                raise StepSLOPreempted(self.step_id, layer)
             return
         if self._pending is not None:
             stop = self._collect()
             if stop:
-                raise StepPreempted(self.step_id, layer)
+                raise StepSLOPreempted(self.step_id, layer)
         if self._within_stubborn_fraction(layer):
             self._ballot[0] = int(self._local_vote(layer))
             self._pending = dist.all_reduce(self._ballot, op=dist.ReduceOp.MAX,
