@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                               stdin=subprocess.DEVNULL,
                               env={**os.environ, "HF_HUB_OFFLINE": "1"}).returncode
     figures = FigureLog(jsonl_twin(args.out) if args.out else None)
-    figures.write("run", model=model, contexts=args.contexts, max_tokens=args.max_tokens)
+    figures.write("run", model=model, contexts=args.contexts, max_tokens=args.max_tokens,
+                  stall_multiple=STALL_MULTIPLE)
     # With --out, the server's log in the output folder as it runs: a step killed at its time
     # limit still leaves what the server was doing.
     log_path = server_log_path(args.out) if args.out else None
