@@ -7,14 +7,14 @@ context; the first request passes when none of its gaps exceeds twice that step 
 new decode-attention variant compiled for about a second mid-stream).
 
     sloserve bench shape llama-3.1-8b /tmp/llama-8b
-    python -m bench.e2e.stream_gaps --model /tmp/llama-8b --load-format dummy --out gaps.json
+    python -m bench.e2e.stream_gaps --model /tmp/llama-8b --load-format dummy --output gaps.json
 
-With --out PATH: the JSON at the end; as the run goes, PATH's .jsonl twin (`gaps.jsonl`,
+With --output PATH: the JSON at the end; as the run goes, PATH's .jsonl twin (`gaps.jsonl`,
 engine/benchmarks/figures.py) gets `run` (model, contexts), `startup` (server start to healthy, the
 log's
 warm-up lines), a `row` per context as soon as both its requests are measured, and `done`; and
 the server's own log, at info level, goes to `gaps.server.log` beside it as the server writes
-it (not only on a failure), so a run killed at its time limit leaves both. Without --out the
+it (not only on a failure), so a run killed at its time limit leaves both. Without --output the
 server's log is a temporary file, quoted only if the server fails to start.
 """
 
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                         help="one more `sloserve serve` argument (repeat; e.g. "
                              "--serve-arg=--max-model-len=16384)")
-    parser.add_argument("--out", default=None,
+    parser.add_argument("--output", default=None,
                         help="write the rows as JSON here at the end; each row as measured to "
                              "its .jsonl twin, the server's log to its .server.log twin")
     args = parser.parse_args(argv)
@@ -141,11 +141,12 @@ def main(argv: list[str] | None = None) -> int:
         return subprocess.run(serve_command(*serve_args, port=free_port()),
                               stdin=subprocess.DEVNULL,
                               env={**os.environ, "HF_HUB_OFFLINE": "1"}).returncode
-    figures = FigureLog(jsonl_twin(args.out) if args.out else None)
-    figures.write("run", model=model, contexts=args.contexts, max_tokens=args.max_tokens)
-    # With --out, the server's log in the output folder as it runs: a step killed at its time
+    figures = FigureLog(jsonl_twin(args.output) if args.output else None)
+    figures.write("run", model=model, contexts=args.contexts, max_tokens=args.max_tokens,
+                  stall_multiple=STALL_MULTIPLE)
+    # With --output, the server's log in the output folder as it runs: a step killed at its time
     # limit still leaves what the server was doing.
-    log_path = server_log_path(args.out) if args.out else None
+    log_path = server_log_path(args.output) if args.output else None
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_path.write_bytes(b"")
@@ -173,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['max_gap_over_step']} |")
     print(f"stalled: {report['stalled']}/{len(rows)} first requests had a gap over "
           f"{STALL_MULTIPLE:g}x the decode step")
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2))
+    if args.output:
+        Path(args.output).write_text(json.dumps(report, indent=2))
     else:
         os.unlink(log_path)
     figures.write("done", stalled=report["stalled"])

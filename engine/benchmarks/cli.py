@@ -16,7 +16,10 @@ that a standing benchmark runs the same way from the CLI, from a script in bench
 
 The standing end-to-end benchmarks (each `--output PATH` writes its figures to a file too):
 
-  throughput  prefill and decode tokens/s vs HF transformers, and the roofline figures
+  throughput  prefill and decode tokens/s vs HF transformers, and the roofline figures;
+              with --device DEVICE the device benchmark instead: a real --shape (default
+              llama-3.1-8b) with dummy weights against the device's measured limits, CUDA graphs
+              against --enforce-eager (engine/benchmarks/device_throughput/)
   latency     an urgent request's arrival -> the stop of a long prefill (--simulate supported)
   serve       the offline engine vs the same requests through `sloserve serve` (HTTP, SSE)
   soak        N concurrent clients for T seconds against a real server; nothing may be lost
@@ -68,28 +71,72 @@ def add_bench_parser(subparsers: Any) -> None:
 
 # (subcommand, module in engine/benchmarks, one-line help)
 STANDING_BENCHMARKS = [
-    ("throughput", "throughput", "prefill and decode tokens/s vs HF transformers, roofline"),
+    ("throughput", "throughput", "prefill and decode tokens/s vs HF transformers, roofline; "
+                                 "--device: a real shape against the device's limits"),
     ("latency", "latency", "an urgent arrival -> the stop of a long prefill"),
     ("serve", "serve_overhead", "the offline engine vs through the HTTP server"),
     ("soak", "soak", "concurrent clients against a real server for a while"),
 ]
 
 
+# A standing benchmark's second mode, chosen by a flag on its command line: (the flag, the
+# mode's module in engine/benchmarks, the flag's help in the first mode's). Its options are its
+# own parser's: they overlap the first mode's (--model, --dtype, --output).
+SELECTED_BY_FLAG = {
+    "throughput": ("--device", "device_throughput.benchmark",
+                   "run the device benchmark instead of this one: a real "
+                   "--shape (default llama-3.1-8b) with dummy weights against the device's "
+                   "measured copy bandwidth and matmul rate, CUDA graphs against "
+                   "--enforce-eager, HF beside it (--no-hf: not). Its options: "
+                   "`sloserve bench throughput --device cuda --help`"),
+}
+
+
+def _names_flag(args: Any, flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args or [])
+
+
 def _add_loaded_on_use(sub: Any, name: str, module_name: str, summary: str) -> None:
     """A subcommand whose module is imported only when the subcommand is parsed: the standing
     benchmarks import torch, the engine and httpx at the top, and every `sloserve` command
-    builds this parser (`sloserve --help` would wait seconds for them)."""
+    builds this parser (`sloserve --help` would wait seconds for them). With its
+    SELECTED_BY_FLAG flag on the command line, the second mode's module and parser instead."""
     parser = sub.add_parser(name, help=summary,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parse_known_args = parser.parse_known_args
+    flag, second_module, flag_help = SELECTED_BY_FLAG.get(name, (None, None, None))
+    second: list[argparse.ArgumentParser] = []
 
     def load_then_parse(args: Any = None, namespace: Any = None) -> Any:
+        if flag is not None and _names_flag(args, flag):
+            if not second:
+                second.append(_loaded_parser(parser.prog, second_module))
+            return second[0].parse_known_args(args, namespace)
         if parser.get_default("func") is None:
-            module = importlib.import_module(f"engine.benchmarks.{module_name}")
-            parser.description = module.__doc__
-            module.add_arguments(parser)
-            parser.set_defaults(func=module.run)
-        return parse_known_args(args, namespace)
+            _load_into(parser, module_name)
+            if flag is not None:
+                # Listed in this mode's --help; its value is read above, before this parser.
+                parser.add_argument(flag, dest="selects_second_mode",
+                                    metavar="{auto,cpu,cuda}",
+                                    help=flag_help)
+        parsed, rest = parse_known_args(args, namespace)
+        if getattr(parsed, "selects_second_mode", None) is not None:
+            parser.error(f"spell {flag} out in full (it selects another benchmark)")
+        return parsed, rest
 
     # argparse hands a chosen subcommand's arguments to its parser's parse_known_args.
     parser.parse_known_args = load_then_parse  # type: ignore[method-assign]
+
+
+def _load_into(parser: argparse.ArgumentParser, module_name: str) -> None:
+    module = importlib.import_module(f"engine.benchmarks.{module_name}")
+    parser.description = module.__doc__
+    module.add_arguments(parser)
+    parser.set_defaults(func=module.run)
+
+
+def _loaded_parser(prog: str, module_name: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    _load_into(parser, module_name)
+    return parser

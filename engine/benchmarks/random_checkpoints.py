@@ -47,7 +47,7 @@ def save_small_tokenizer(path: str | os.PathLike[str], vocab_size: int = 400) ->
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     # show_progress=False: the trainer's progress bar writes blank lines to stdout, which a
-    # bench's stdout (bench.suite.gpu_throughput's markdown table) must not carry.
+    # bench's stdout (the device throughput benchmark's markdown table) must not carry.
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)

@@ -31,12 +31,27 @@ def test_bench_lists_and_dispatches_each_standing_benchmark() -> None:
         == [8, 2]
 
 
+def test_bench_throughput_with_device_runs_the_device_benchmark() -> None:
+    """`--device` selects the device benchmark (its own options: --shape, --smoke, ...); without
+    it, the HF comparison as before, which lists --device in its help."""
+    from engine.benchmarks import throughput
+    from engine.benchmarks.device_throughput import benchmark
+
+    parser = build_parser()
+    args = parser.parse_args(["bench", "throughput", "--device", "cuda", "--shape",
+                              "llama-3.1-8b", "--no-hf", "--output", "t.json"])
+    assert args.func is benchmark.run and args.shape == "llama-3.1-8b" and args.no_hf
+    assert parser.parse_args(["bench", "throughput", "--device=cpu", "--smoke"]).smoke
+    assert parser.parse_args(["bench", "throughput", "--quick"]).func is throughput.run
+
+
 def test_the_cli_loads_a_standing_benchmark_only_when_it_is_parsed() -> None:
     """Every `sloserve` command builds the bench parser: it must not import torch, the engine or
     httpx for benchmarks nobody asked for."""
     probe = ("import sys; from engine.entrypoints.cli import build_parser; p = build_parser(); "
              "heavy = ('torch', 'httpx', 'engine.runtime.engine_core', "
-             "'engine.benchmarks.throughput', 'engine.benchmarks.soak'); "
+             "'engine.benchmarks.throughput', 'engine.benchmarks.soak', "
+             "'engine.benchmarks.device_throughput.benchmark'); "
              "print(sorted(m for m in heavy if m in sys.modules)); "
              "p.parse_args(['bench', 'soak', '--clients', '1']); "
              "print('engine.benchmarks.soak' in sys.modules)")

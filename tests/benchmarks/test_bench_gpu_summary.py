@@ -1,6 +1,7 @@
-"""bench/suite/gpu_summary.py on folders a GPU suite call could leave: steps killed at their limit
-(no final JSON, only the .jsonl of what they measured), a suite killed mid-step (its row still
-`running`), steps the summary has no section for, the suite's notes, a dry run."""
+"""The GPU suite's summary (engine/benchmarks/suite/summary.py) on folders a GPU suite call
+could leave: steps killed at their limit (no final JSON, only the .jsonl of what they
+measured), a suite killed mid-step (its row still `running`), steps the summary has no section
+for, the suite's notes, a dry run."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.suite import gpu_summary, gpu_throughput
+from engine.benchmarks.device_throughput import benchmark as gpu_throughput
 from engine.benchmarks.figures import FigureLog, read_figures
+from engine.benchmarks.suite import summary as gpu_summary
 
 
 @pytest.fixture(scope="module")

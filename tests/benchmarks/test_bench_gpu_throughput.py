@@ -1,9 +1,9 @@
-"""bench/suite/gpu_throughput.py without timing anything: its --smoke run (a tiny Llama on the CPU,
-with --profile) goes end to end through the limits, the HF process, the eager engine, the
-engine and the engine's profile, and reports every figure beside its bound, the mixed kind and
-the graphs-against-eager columns included; the bounds match a hand count; the profile's per-step
-figures match a hand count on a synthetic GPU timeline; --device auto and cuda resolve as
-documented.
+"""The device throughput benchmark (engine/benchmarks/device_throughput) without timing
+anything: its --smoke run (a tiny Llama on the CPU, with --profile) goes end to end through
+the limits, the HF process, the eager engine, the engine and the engine's profile, and reports
+every figure beside its bound, the mixed kind and the graphs-against-eager columns included;
+the bounds match a hand count; the profile's per-step figures match a hand count on a
+synthetic GPU timeline; --device auto and cuda resolve as documented.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bench.e2e import engine_steps
-from bench.suite import gpu_throughput
+from engine.benchmarks.device_throughput import benchmark, bounds, engine_steps, report
 from engine.benchmarks.roofline import ModelShape
 from tests.utils.figures_wait import wait_for_figures
 
@@ -50,8 +49,8 @@ def test_smoke_run_reports_both_sides_against_the_bounds(smoke):
     assert result["smoke"] and result["device"]["type"] == "cpu"
     assert result["dtype"] == "float32" and result["limits"]["matmul_dtype"] == "float32"
     sizes = result["sizes"]
-    assert sizes == {k: gpu_throughput.SMOKE[k] for k in gpu_throughput.FULL}
-    assert result["config"]["hidden_size"] == gpu_throughput.SMOKE_SHAPE["hidden_size"]
+    assert sizes == {k: benchmark.SMOKE[k] for k in benchmark.FULL}
+    assert result["config"]["hidden_size"] == benchmark.SMOKE_SHAPE["hidden_size"]
     _positive(result["limits"]["copy_bandwidth_gbs"], "copy bandwidth")
     _positive(result["limits"]["matmul_tflops"], "matmul")
 
@@ -190,10 +189,10 @@ def test_smoke_run_prints_one_markdown_table(smoke):
 def test_a_failed_side_leaves_the_other_in_the_table(smoke):
     result, _ = smoke
     failed = {**result, "hf": {"error": "RuntimeError: the HF process exited with 1"}}
-    failed["rows"] = gpu_throughput.table_rows(failed["engine"], failed["hf"])
+    failed["rows"] = report.table_rows(failed["engine"], failed["hf"])
     assert [r["hf_tokens_per_s"] for r in failed["rows"]] == [None] * len(result["rows"])
     assert all(r["engine_tokens_per_s"] for r in failed["rows"])
-    text = gpu_throughput.markdown(failed)
+    text = report.markdown(failed)
     assert "**hf not measured:** RuntimeError: the HF process exited with 1" in text
     assert "| - | - |" in text  # HF's cells and the ratio
 
@@ -205,14 +204,14 @@ def test_bounds_match_a_hand_count():
     limits = {"copy_bandwidth_gbs": 1e-6, "matmul_tflops": 1e-9}  # 1000 B/s, 1000 FLOP/s
     per_layer = 64 + 32 + 32 + 64 + 128 + 128 + 128
 
-    prefill = gpu_throughput.prefill_bound(shape, 3, limits)
+    prefill = bounds.prefill_bound(shape, 3, limits)
     flops = 2 * 2 * per_layer * 3 + 2 * 800 + 2 * 4 * 2 * (1 + 2 + 3) * 4
     assert prefill["flops"] == flops
     assert prefill["step_ms"] == pytest.approx(1000 * flops / 1000)
     assert prefill["tokens_per_s"] == pytest.approx(3 / (flops / 1000))
 
     # 2 requests of 10 keys, float32: the weights once, each request's K and V.
-    decode = gpu_throughput.decode_bound(shape, 2, 10.0, 4, limits)
+    decode = bounds.decode_bound(shape, 2, 10.0, 4, limits)
     nbytes = (2 * per_layer + 800) * 4 + 2 * 2 * 2 * 2 * 20 * 4
     step_flops = 2 * 2 * per_layer * 2 + 2 * 800 * 2 + 4 * 2 * 4 * 2 * 20
     assert decode["bytes_per_step"] == nbytes and decode["flops_per_step"] == step_flops
@@ -230,7 +229,7 @@ def test_mixed_bound_matches_a_hand_count():
     # 2 decodes at 10 keys and a 3-token chunk after 5 cached tokens, float32.
     figures = {"batch": 2, "mean_context": 10.0, "chunk": 3, "mean_chunk_start": 5.0,
                "tokens_per_step": 5}
-    bound = gpu_throughput.mixed_bound(shape, figures, 4, limits)
+    bound = bounds.mixed_bound(shape, figures, 4, limits)
     per_layer = 64 + 32 + 32 + 64 + 128 + 128 + 128
     kv_per_token = 2 * 2 * 2 * 2 * 4  # K and V, layers, KV heads, head_dim, bytes
     # The weights once, the decodes' K/V, and the chunk's prefix and its own K/V.
@@ -245,7 +244,7 @@ def test_mixed_bound_matches_a_hand_count():
 
 
 def test_mixed_workload_keeps_every_step_steady():
-    workload = engine_steps.MixedWorkload.for_sizes(gpu_throughput.FULL, 17)
+    workload = engine_steps.MixedWorkload.for_sizes(benchmark.FULL, 17)
     # 2048-token prompts in 8 whole chunks; three of them give the 17 steps and a spare prompt
     # for the first one's chunks that run beside the decodes' prefill.
     assert (workload.prompt_len, workload.prompts) == (2048, 4)
@@ -258,12 +257,12 @@ def test_mixed_workload_keeps_every_step_steady():
     assert not workload.is_mixed_step({"requests": [(600, 1)] * 15 + [(512, 256)]})
     assert not workload.is_mixed_step({"requests": [(0, 256)] * 8})
 
-    limits = engine_steps.engine_limits(gpu_throughput.FULL)
+    limits = engine_steps.engine_limits(benchmark.FULL)
     assert limits["max_num_seqs"] == 128
     # The context the full run had before the mixed kind: the decode graphs' captured table
     # width (and so their attention launch) stays the same.
     assert limits["max_model_len"] == 2048 + engine_steps.WARMUP_TOKENS + 1
-    small = {**gpu_throughput.FULL, "batches": [1, 4]}
+    small = {**benchmark.FULL, "batches": [1, 4]}
     limits = engine_steps.engine_limits(small)
     assert limits["max_num_seqs"] == 17  # the mixed kind's decodes and one long prompt
     needs = 16 * math.ceil((512 + workload.decode_max_tokens + 1) / 16) + 2048 // 16 + 1
@@ -288,13 +287,13 @@ def test_a_failed_eager_engine_leaves_the_graphs_figures(smoke):
     result, _ = smoke
     failed = {**result, "eager": {"error": "RuntimeError: out of memory"},
               "graphs_vs_eager": []}
-    text = gpu_throughput.markdown(failed)
+    text = report.markdown(failed)
     assert "**eager engine not measured:** RuntimeError: out of memory" in text
     assert "| phase | batch |" in text  # the throughput table is all there
-    args = gpu_throughput.parse_args(["--smoke"])
-    assert gpu_throughput._failed(args, failed) and not gpu_throughput._failed(args, result)
-    args = gpu_throughput.parse_args(["--smoke", "--no-eager"])
-    assert not gpu_throughput._failed(args, failed)
+    args = benchmark.parse_args(["--smoke"])
+    assert benchmark._failed(args, failed) and not benchmark._failed(args, result)
+    args = benchmark.parse_args(["--smoke", "--no-eager"])
+    assert not benchmark._failed(args, failed)
 
 
 def test_enough_tokens_that_the_whole_batch_decodes_together():
@@ -306,33 +305,33 @@ def test_enough_tokens_that_the_whole_batch_decodes_together():
 
 def test_device_auto_follows_cuda_availability(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert gpu_throughput.resolve_device("auto") == torch.device("cpu")
+    assert benchmark.resolve_device("auto") == torch.device("cpu")
     assert "device auto -> cpu" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="--device cuda: torch sees no CUDA device"):
-        gpu_throughput.resolve_device("cuda")
+        benchmark.resolve_device("cuda")
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    assert gpu_throughput.resolve_device("auto") == torch.device("cuda", 0)
+    assert benchmark.resolve_device("auto") == torch.device("cuda", 0)
     assert "device auto -> cuda" in capsys.readouterr().err
-    assert gpu_throughput.resolve_device("cpu") == torch.device("cpu")
+    assert benchmark.resolve_device("cpu") == torch.device("cpu")
 
 
 def test_sizes_are_checked():
     with pytest.raises(SystemExit):
-        gpu_throughput.parse_args(["--batches", "0"])
+        benchmark.parse_args(["--batches", "0"])
     with pytest.raises(SystemExit):  # a 64-token budget cannot decode 64 requests in a step
-        gpu_throughput.parse_args(["--smoke", "--batches", "64"])
+        benchmark.parse_args(["--smoke", "--batches", "64"])
     with pytest.raises(SystemExit):  # 2 decodes and a 63-token chunk overflow a 64 budget
-        gpu_throughput.parse_args(["--smoke", "--mixed-chunk", "63"])
+        benchmark.parse_args(["--smoke", "--mixed-chunk", "63"])
     with pytest.raises(SystemExit):  # a 1-token chunk would be one more decode
-        gpu_throughput.parse_args(["--smoke", "--mixed-chunk", "1"])
+        benchmark.parse_args(["--smoke", "--mixed-chunk", "1"])
     with pytest.raises(SystemExit):  # no graphs figure to set batch 3 beside
-        gpu_throughput.parse_args(["--smoke", "--eager-batches", "3"])
-    args = gpu_throughput.parse_args(["--smoke", "--batches", "2", "3", "--eager-batches", "3"])
-    assert args.batches == [2, 3] and args.context == gpu_throughput.SMOKE["context"]
-    assert args.eager_batches == [3] and args.mixed_chunk == gpu_throughput.SMOKE["mixed_chunk"]
-    full = gpu_throughput.parse_args([])
+        benchmark.parse_args(["--smoke", "--eager-batches", "3"])
+    args = benchmark.parse_args(["--smoke", "--batches", "2", "3", "--eager-batches", "3"])
+    assert args.batches == [2, 3] and args.context == benchmark.SMOKE["context"]
+    assert args.eager_batches == [3] and args.mixed_chunk == benchmark.SMOKE["mixed_chunk"]
+    full = benchmark.parse_args([])
     assert full.batches == [1, 16, 64, 128] and full.eager_batches == [1, 64]
     assert (full.mixed_decodes, full.mixed_chunk) == (16, 256)
 
@@ -382,7 +381,7 @@ def test_smoke_profile_counts_each_step_kind(smoke):
                                                  sizes["mixed_decodes"] + sizes["mixed_chunk"])
 
     # The markdown carries the section, after the throughput table, one row per kind; the JSON
-    # carries the same markdown (bench/suite/gpu_summary.py quotes it).
+    # carries the same markdown (engine/benchmarks/suite/summary.py quotes it).
     assert result["markdown"] == stdout.rstrip("\n")
     section = stdout[stdout.index("#### Engine profile (torch.profiler)"):]
     assert stdout.index("| phase | batch |") < stdout.index("#### Engine profile")
@@ -394,7 +393,9 @@ def test_smoke_profile_counts_each_step_kind(smoke):
 
 
 def test_profile_summary_on_a_gpu_timeline_matches_a_hand_count():
-    from bench.e2e.engine_profile import MARK, MARK_END, PYTHON_OUTSIDE_OPS, Event, summarize_steps
+    from engine.benchmarks.device_throughput.engine_profile import (MARK, MARK_END,
+                                                                    PYTHON_OUTSIDE_OPS, Event,
+                                                                    summarize_steps)
 
     def mark(index, start, self_us=0.0):
         return Event(f"{MARK}{index}", "marker", start, start + 900, self_us)
@@ -445,7 +446,7 @@ def test_profile_summary_on_a_gpu_timeline_matches_a_hand_count():
 def test_profiler_events_keep_kernels_and_drop_gpu_annotations():
     from torch.autograd import DeviceType
 
-    from bench.e2e.engine_profile import MARK, events_from_profiler
+    from engine.benchmarks.device_throughput.engine_profile import MARK, events_from_profiler
 
     def fe(name, device, start, end, **extra):
         return SimpleNamespace(name=name, device_type=device, is_async=False,
@@ -464,7 +465,7 @@ def test_profiler_events_keep_kernels_and_drop_gpu_annotations():
 
 
 def test_profile_markdown_names_a_failed_or_skipped_kind():
-    from bench.e2e.engine_profile import markdown as profile_markdown
+    from engine.benchmarks.device_throughput.engine_profile import markdown as profile_markdown
 
     lines = profile_markdown({"device": "cuda", "steps": 3, "kinds": {
         "decode 64": {"error": "RuntimeError: the profile window never opened"}},
@@ -477,13 +478,13 @@ def test_profile_markdown_names_a_failed_or_skipped_kind():
 
 def test_profile_flags_are_checked():
     with pytest.raises(SystemExit):
-        gpu_throughput.parse_args(["--smoke", "--profile", "--profile-steps", "0"])
-    args = gpu_throughput.parse_args(["--smoke", "--profile", "--profile-until-s", "75"])
+        benchmark.parse_args(["--smoke", "--profile", "--profile-steps", "0"])
+    args = benchmark.parse_args(["--smoke", "--profile", "--profile-until-s", "75"])
     assert args.profile and args.profile_steps == 3 and args.profile_until_s == 75
 
 
 def test_the_gpu_suite_summary_quotes_the_table_and_the_profile(smoke, tmp_path):
-    from bench.suite import gpu_summary
+    from engine.benchmarks.suite import summary as gpu_summary
 
     result, stdout = smoke
     (tmp_path / "throughput.json").write_text(json.dumps(result))
@@ -507,7 +508,7 @@ def test_a_profile_past_its_deadline_names_the_kinds_it_left_out():
 
     llm = SimpleNamespace(engine=SimpleNamespace(step=step),
                           generate=lambda *a, **k: pytest.fail("no generate past the deadline"))
-    sizes = {**gpu_throughput.SMOKE}
+    sizes = {**benchmark.SMOKE}
     timed = {"prefill": {"step_ms": 1.0}, "mixed": {"step_ms": 1.0},
              "decode": {str(b): {"tpot_ms": 1.0} for b in sizes["batches"]}}
     profile = engine_steps.profile_engine(llm, [], torch.device("cpu"), 512, sizes, 0, timed,
@@ -596,7 +597,7 @@ def test_startup_figures_take_the_runners_report_as_it_is():
     # A runner without the report (an older one), one whose report is None, or none here.
     for runner in (SimpleNamespace(), SimpleNamespace(startup_report=None), None):
         assert engine_steps.startup_figures(llm(runner), 1.0, 0.1)["report"] is None
-    text = "\n".join(gpu_throughput.startup_markdown({"engine": figures, "eager": {
+    text = "\n".join(report.startup_markdown({"engine": figures, "eager": {
         **figures, "report": {**figures["report"], "graph_memory_bytes": None}}}))
     assert "| graphs (as configured) | 9.00 | 0.50 | warmup_s 1.5, capture_s 2.25, " \
            "graph_memory_bytes 3,221,225,472 (3.00 GiB), graphs 51 |" in text
@@ -607,8 +608,8 @@ def test_startup_figures_take_the_runners_report_as_it_is():
 def test_without_hf_the_table_has_no_hf_columns(smoke):
     result, _ = smoke
     skipped = {**result, "hf": {"error": "skipped (--no-hf)", "skipped": True}}
-    skipped["rows"] = gpu_throughput.table_rows(skipped["engine"], skipped["hf"])
-    text = gpu_throughput.markdown(skipped)
+    skipped["rows"] = report.table_rows(skipped["engine"], skipped["hf"])
+    text = report.markdown(skipped)
     assert "HF transformers not measured (--no-hf)" in text and "hf not measured" not in text
     header = next(line for line in text.splitlines() if line.startswith("| phase |"))
     assert header == ("| phase | batch | context | engine tok/s | bound tok/s | engine % of "
@@ -626,13 +627,13 @@ def test_without_hf_the_table_has_no_hf_columns(smoke):
 
 
 def test_eager_batches_follow_batches():
-    core = gpu_throughput.parse_args(["--shape", "llama-3.1-8b", "--no-hf", "--batches", "1",
+    core = benchmark.parse_args(["--shape", "llama-3.1-8b", "--no-hf", "--batches", "1",
                                       "64"])
     assert core.batches == [1, 64] and core.eager_batches == [1, 64] and core.no_hf
     # The preset's eager batches that --batches has; else every one of --batches.
-    assert gpu_throughput.parse_args(["--batches", "1", "16"]).eager_batches == [1]
-    assert gpu_throughput.parse_args(["--batches", "2", "16"]).eager_batches == [2, 16]
-    assert gpu_throughput.parse_args(["--smoke", "--batches", "2"]).eager_batches == [2]
+    assert benchmark.parse_args(["--batches", "1", "16"]).eager_batches == [1]
+    assert benchmark.parse_args(["--batches", "2", "16"]).eager_batches == [2, 16]
+    assert benchmark.parse_args(["--smoke", "--batches", "2"]).eager_batches == [2]
 
 
 @pytest.mark.parametrize("eager_fails", [False, True])
@@ -648,7 +649,7 @@ def test_one_engine_at_a_time_freed_without_the_garbage_collector(tmp_path, monk
 
     from engine.benchmarks.figures import FigureLog
 
-    args = gpu_throughput.parse_args(["--smoke", "--device", "cpu", "--dtype", "float32",
+    args = benchmark.parse_args(["--smoke", "--device", "cpu", "--dtype", "float32",
                                       "--no-hf"])
     alive_at_start: list[list[bool]] = []
     earlier: list[weakref.ref] = []
@@ -668,17 +669,17 @@ def test_one_engine_at_a_time_freed_without_the_garbage_collector(tmp_path, monk
 
         monkeypatch.setattr(engine_steps, "measure_mixed", fail)
     monkeypatch.setattr(gc, "collect", lambda *a: 0)
-    model_dir, _ = gpu_throughput.prepare_model(args, tmp_path)
+    model_dir, _ = benchmark.prepare_model(args, tmp_path)
     from engine.benchmarks.roofline import ModelShape
     from engine.runtime.model_setup import load_hf_config
 
     shape = ModelShape.from_hf_config(load_hf_config(model_dir))
-    recorder = gpu_throughput.FigureRecorder(
+    recorder = bounds.FigureRecorder(
         FigureLog(None), shape, 4, {"copy_bandwidth_gbs": 1.0, "matmul_tflops": 1.0})
-    sizes = {k: getattr(args, k) for k in gpu_throughput.FULL}
+    sizes = {k: getattr(args, k) for k in benchmark.FULL}
     gc.disable()
     try:
-        sides = gpu_throughput.measure_sides(args, torch.device("cpu"), torch.float32, sizes,
+        sides = benchmark.measure_sides(args, torch.device("cpu"), torch.float32, sizes,
                                              model_dir, tmp_path, time.perf_counter(), recorder)
     finally:
         gc.enable()
@@ -724,7 +725,7 @@ def test_the_suites_dry_run_and_enforce_eager_flags(tmp_path):
     """`gpu_suite.sh --dry-run` runs the core call's command with --enforce-eager (as after a
     failed capture) on a CPU: it builds the engine configuration for CUDA and stops there."""
     dry_run = pytest.importorskip("engine.dry_run")
-    args = gpu_throughput.parse_args(["--smoke", "--enforce-eager"])
+    args = benchmark.parse_args(["--smoke", "--enforce-eager"])
     assert args.enforce_eager
     env = dict(os.environ, HF_HUB_OFFLINE="1", **{dry_run.DRY_RUN_ENV: "1"})
     run = subprocess.run(

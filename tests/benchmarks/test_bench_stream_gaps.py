@@ -22,7 +22,7 @@ def test_rows_and_the_server_log_land_beside_the_json(tiny_model, tmp_path) -> N
     model = tiny_model("llama", num_hidden_layers=2, max_position_embeddings=512)
     out = tmp_path / "stream_gaps.json"
     assert main(["--model", model, "--device", "cpu", "--dtype", "float32", "--contexts", "16",
-                 "32", "--max-tokens", "4", "--out", str(out)]) == 0
+                 "32", "--max-tokens", "4", "--output", str(out)]) == 0
     report = json.loads(out.read_text())
     records = read_figures(out.with_suffix(".jsonl"))
     assert [r["kind"] for r in records] == ["run", "startup", "row", "row", "done"]
@@ -44,7 +44,7 @@ def test_a_killed_run_keeps_its_first_row_and_the_server_log(tiny_model, tmp_pat
     proc = subprocess.Popen(
         [sys.executable, "-m", "bench.e2e.stream_gaps", "--model", model, "--device", "cpu",
          "--dtype", "float32", "--contexts", *["16"] * 20, "--max-tokens", "8",
-         "--out", str(out)], cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+         "--output", str(out)], cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     twin = out.with_suffix(".jsonl")
     server: list[psutil.Process] = []

@@ -103,7 +103,7 @@ def _compare(name: str, hf: Any, prompts: list[list[int]], got: list[list[int]],
         entry = {"prompt_len": len(prompts[d.output]), **d.as_dict(),
                  "engine": got[d.output][d.position:d.position + 4],
                  "reference": want[d.output][d.position:d.position + 4],
-                 # The names bench/suite/gpu_summary.py reads (NaN: the outputs' lengths differ).
+                 # The names suite/summary.py reads (NaN: the outputs' lengths differ).
                  "first_diff": d.position,
                  "reference_top2_margin": d.top_two.margin if d.top_two else float("nan")}
         (scenario.near_ties if d.near_tie else scenario.mismatches).append(entry)

@@ -261,7 +261,7 @@ run_core() {
         --output "$out/ttft_model.json"
     burst_http 2048
     step stream-gaps 75 $py -m bench.e2e.stream_gaps --model "$model" "${load[@]}" \
-        --device "$device" "${eager[@]}" --contexts "${contexts[@]}" --out "$out/stream_gaps.json"
+        --device "$device" "${eager[@]}" --contexts "${contexts[@]}" --output "$out/stream_gaps.json"
 }
 
 run_full() {

@@ -1,5 +1,5 @@
 """torch.profiler over a few steady-state engine steps, summarized per step kind
-(bench/suite/gpu_throughput.py `--profile`).
+(benchmark.py `--profile`).
 
 A window of steps is profiled, never a whole `generate`: the profiler starts once the engine has
 run one step of the wanted kind (a whole-budget prefill, or a decode step of the full batch),

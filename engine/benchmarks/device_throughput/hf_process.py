@@ -1,8 +1,8 @@
-"""The HF transformers side of bench/suite/gpu_throughput.py, run in a process of its own.
+"""The HF transformers side of benchmark.py, run in a process of its own.
 
-    python -m bench.e2e.hf_throughput SPEC.json OUT.json
+    python -m engine.benchmarks.device_throughput.hf_process SPEC.json OUT.json
 
-bench/suite/gpu_throughput.py starts this as a subprocess so that HF's weights, KV cache and CUDA
+benchmark.py starts this as a subprocess so that HF's weights, KV cache and CUDA
 state never share a process (or a caching allocator) with the engine's. SPEC names the model
 folder (its config.json alone: the weights are HF's own random init, drawn on the device, as
 the engine's `--load-format dummy` draws its), the device and dtype, and the sizes; OUT gets
@@ -134,7 +134,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m bench.e2e.hf_throughput SPEC.json OUT.json", file=sys.stderr)
+        print("usage: python -m engine.benchmarks.device_throughput.hf_process SPEC.json OUT.json",
+              file=sys.stderr)
         return 2
     spec = json.loads(Path(args[0]).read_text())
     Path(args[1]).write_text(json.dumps(run(spec), indent=2))

@@ -1,4 +1,4 @@
-"""The engine side of bench/suite/gpu_throughput.py: one engine in this process, each step kind timed.
+"""The engine side of benchmark.py: one engine in this process, each step kind timed.
 
 Step kinds (each figure is a median over steady-state steps of that kind, a step timed from its
 start to the next one's, so the output processing between steps counts):
@@ -10,13 +10,13 @@ start to the next one's, so the output processing between steps counts):
   the decodes and the chunk.
 
 `bench_engine` runs every kind on the engine as configured (CUDA graphs on a GPU), and with
---profile then profiles each kind (bench/e2e/engine_profile.py). `bench_eager` runs the decode
+--profile then profiles each kind (engine_profile.py). `bench_eager` runs the decode
 batches of the graphs comparison and the mixed kind again on an engine with
-`enforce_eager=True`; bench/suite/gpu_throughput.py starts it in this process before the graphs engine
+`enforce_eager=True`; benchmark.py starts it in this process before the graphs engine
 and frees its memory first (`free_device_memory`).
 
 Each figure is handed to a `record(kind, figures)` callback the moment it is measured (kinds
-`startup`, `prefill`, `decode`, `mixed`, `graphs`), so that bench/suite/gpu_throughput.py writes it
+`startup`, `prefill`, `decode`, `mixed`, `graphs`), so that benchmark.py writes it
 to its JSON-lines file before the next one starts: a run killed at its time limit keeps them.
 
 An engine's startup (`startup`): wall seconds to build the `LLM` (load, warm-up compile, graph
@@ -52,7 +52,7 @@ from engine.benchmarks.step_log import step_gaps
 WARMUP_TOKENS = 4
 BLOCK_SIZE = 16
 
-# record(kind, figures): one figure as it is measured (bench/suite/gpu_throughput.py writes it out).
+# record(kind, figures): one figure as it is measured (benchmark.py writes it out).
 Record = Callable[[str, dict[str, Any]], None]
 
 
@@ -372,7 +372,7 @@ def bench_engine(model_dir: str, device: torch.device, dtype: torch.dtype,
                  record: Record = _no_record, enforce_eager: bool = False) -> dict[str, Any]:
     """Every kind on the engine as configured (CUDA graphs on a GPU), each handed to `record`
     as it is measured; with profile_steps, then a torch.profiler summary of that many steps of
-    each kind under "profile" (bench.e2e.engine_profile), started only before `profile_deadline` (a
+    each kind under "profile" (engine_profile.py), started only before `profile_deadline` (a
     perf_counter time). `enforce_eager`: as the GPU suite runs it after a failed capture."""
     llm, steps_log, result = start_engine(model_dir, device, dtype, sizes, seed,
                                           enforce_eager=enforce_eager)
@@ -505,7 +505,7 @@ def profile_engine(llm: Any, steps_log: list[dict], device: torch.device, vocab:
     """Each kind of `profile_kinds`, profiled over `steps` steady-state steps. A kind not
     started by the deadline is left out (and named), so a time-limited run still ends in
     time."""
-    from bench.e2e.engine_profile import StepWindow
+    from engine.benchmarks.device_throughput.engine_profile import StepWindow
 
     window = StepWindow(llm, steps_log, device)
     out: dict[str, Any] = {"device": device.type, "steps": steps, "kinds": {}}
