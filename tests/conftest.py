@@ -46,7 +46,7 @@ def triton_device():
 def sim_model(tmp_path_factory) -> str:
     """A folder of the Llama-3.1-8B shape (config.json and a tiny tokenizer, no weights): what a
     simulated engine (`--simulate h100-llama-3.1-8b`) reads of a model."""
-    from engine.benchmarks.model_shapes import write_shape
+    from engine.benchmarks.inputs.model_shapes import write_shape
     from tests.utils.tiny_tokenizer import save_tiny_tokenizer
 
     tokenizer = save_tiny_tokenizer(tmp_path_factory.mktemp("sim-tokenizer"))

@@ -37,7 +37,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.benchmarks import machine_limits
+from engine.benchmarks.measure import machine_limits
 from engine.benchmarks.kernels.harness import PagedBatch, build_batch
 from kernels import torch_attention
 
@@ -250,14 +250,14 @@ def _median_ms(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float
 
 def read_gbps(repeats: int) -> float:
     """Memory read bandwidth: a sum over 512 MiB of float32 (far past the L3), measured by
-    engine/benchmarks/machine_limits.py."""
+    engine/benchmarks/measure/machine_limits.py."""
     cpu = torch.device("cpu")
     return machine_limits.read_gbps(cpu, machine_limits.Timer(cpu, warmup=1, repeats=repeats),
                                     512 << 20)
 
 
 def matmul_gflops(repeats: int) -> float:
-    """fp32 matmul roofline: the best of a square 1024 GEMM (engine/benchmarks/machine_limits.py)
+    """fp32 matmul roofline: the best of a square 1024 GEMM (engine/benchmarks/measure/machine_limits.py)
     and the attention's own score shape (per head [512, 64] x [64, 2048], batched); the square
     one is normally the faster."""
     cpu = torch.device("cpu")

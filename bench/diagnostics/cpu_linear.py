@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
-    from engine.benchmarks.roofline import ModelShape
+    from engine.benchmarks.measure.roofline import ModelShape
     from engine.entrypoints.default_model import model_path_or_default
     from engine.runtime.model_setup import load_hf_config
     from workers.layers import cpu_prepack

@@ -10,7 +10,7 @@ new decode-attention variant compiled for about a second mid-stream).
     python -m bench.e2e.stream_gaps --model /tmp/llama-8b --load-format dummy --output gaps.json
 
 With --output PATH: the JSON at the end; as the run goes, PATH's .jsonl twin (`gaps.jsonl`,
-engine/benchmarks/figures.py) gets `run` (model, contexts), `startup` (server start to healthy, the
+engine/benchmarks/measure/figures.py) gets `run` (model, contexts), `startup` (server start to healthy, the
 log's
 warm-up lines), a `row` per context as soon as both its requests are measured, and `done`; and
 the server's own log, at info level, goes to `gaps.server.log` beside it as the server writes
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.benchmarks.server import free_port, launched_server, serve_command
-from engine.benchmarks.figures import FigureLog, jsonl_twin
+from engine.benchmarks.measure.figures import FigureLog, jsonl_twin
 
 # A gap is a stall when it is over this multiple of the warm decode step.
 STALL_MULTIPLE = 2.0

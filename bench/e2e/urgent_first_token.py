@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 from engine.benchmarks.attainment.traces import CORPUS_PATH as CORPUS
-from engine.benchmarks.figures import FigureLog
+from engine.benchmarks.measure.figures import FigureLog
 from engine.benchmarks.server import launched_server
 
 URGENT_PROMPT = "What is two plus two?"

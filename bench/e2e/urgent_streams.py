@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.benchmarks.arrivals import submit_on_schedule
-from engine.benchmarks.figures import FigureLog
-from engine.benchmarks.stats import percentile
+from engine.benchmarks.inputs.arrivals import submit_on_schedule
+from engine.benchmarks.measure.figures import FigureLog
+from engine.benchmarks.measure.stats import percentile
 
 PROFILE = "h100-llama-3.1-8b"
 SLO_MS = 150.0
@@ -98,7 +98,7 @@ def _trace(seed: int, num_docs: int, num_turns: int, silent_share: float
 
 
 def _sim_model(folder: Path) -> str:
-    from engine.benchmarks.model_shapes import write_shape
+    from engine.benchmarks.inputs.model_shapes import write_shape
     from engine.entrypoints.default_model import model_path_or_default
 
     return str(write_shape("llama-3.1-8b", folder, model_path_or_default(None)))

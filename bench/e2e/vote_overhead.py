@@ -213,7 +213,7 @@ def main() -> None:
                              "r on GPU r, NCCL for the model's collectives")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                         help="dummy: random weights for a config-only folder of a real shape "
-                             "(engine/benchmarks/model_shapes.py)")
+                             "(engine/benchmarks/inputs/model_shapes.py)")
     parser.add_argument("--random-heads", type=int, nargs=2, metavar=("HEADS", "KV_HEADS"),
                         help="use a random-weight copy with these head counts (default 8 2 when "
                              "the model's heads cannot be split over a requested TP size)")
@@ -239,7 +239,7 @@ def main() -> None:
     if heads:
         import tempfile
 
-        from engine.benchmarks.random_checkpoints import random_with_heads
+        from engine.benchmarks.inputs.random_checkpoints import random_with_heads
 
         # One model for every TP size, so the rows compare like with like.
         scratch = tempfile.mkdtemp(prefix="sloserve-bench-")

@@ -1,15 +1,19 @@
 """The benchmark library behind `sloserve bench`: what the scripts in bench/ and the tests share.
 
+- `cli`: the `sloserve bench` parser each family adds its subcommands to; `standalone`: the
+  same parser for a family's script in bench/; `server`: a `sloserve serve` a benchmark starts;
 - `attainment/`: SLO-attainment and goodput runs (traces, workloads, runners in process and over
-  HTTP, the server a run starts, results, reports, peers);
-- `throughput`, `latency`, `serve_overhead`, `soak` (+ `soak_clients`): the standing end-to-end
-  benchmarks (`sloserve bench throughput|latency|serve|soak`), each also a script in bench/e2e/
-  (`standalone`);
-- `random_prompts`, `step_log`: seeded token prompts; the engine's steps as they run, kept through
-  `EngineCore.step_observers`;
-- `model_shapes`: real model shapes without weights (`sloserve bench shape`);
-- `random_checkpoints`: seeded random checkpoints and a small tokenizer trained here;
-- `figures`: a benchmark's figures as JSON lines, written as they are measured;
-- `arrivals`: requests handed to an engine on a schedule;
-- `stats`: the percentile every benchmark reports.
+  HTTP, results, reports, peers): `sloserve bench trace|run|sweep|report`;
+- `e2e/`: the standing end-to-end benchmarks, `sloserve bench throughput|latency|serve|soak`,
+  each also a script in bench/e2e/;
+- `device_throughput/`: `sloserve bench throughput --device`, a real shape on one device against
+  its measured limits, CUDA graphs against eager, HF beside it;
+- `kernels/`: `sloserve bench kernels`, the Triton kernels against PyTorch's;
+- `suite/`: `sloserve bench suite`, the GPU suite (its script, smoke, equality, summary);
+- `inputs/`: what a benchmark feeds the engine: seeded prompts, arrivals on a schedule, random
+  checkpoints and a small tokenizer, real model shapes without weights (`sloserve bench shape`);
+- `measure/`: how it measures and reports: the machine's limits, the roofline, the engine's steps
+  (through `EngineCore.step_observers`), percentiles, figures written as they are measured;
+- `reference/`: what a run is checked against: HF transformers' greedy output, and where two
+  greedy runs first diverge.
 """

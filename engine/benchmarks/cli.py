@@ -31,7 +31,7 @@ import argparse
 import importlib
 from typing import Any
 
-from engine.benchmarks import model_shapes
+from engine.benchmarks.inputs import model_shapes
 from engine.benchmarks.attainment import cli as attainment_cli
 from engine.benchmarks.kernels import cli as kernels_cli
 from engine.benchmarks.suite import cli as suite_cli
@@ -69,13 +69,13 @@ def add_bench_parser(subparsers: Any) -> None:
         _add_loaded_on_use(sub, name, module, summary)
 
 
-# (subcommand, module in engine/benchmarks, one-line help)
+# (subcommand, module under engine/benchmarks, one-line help)
 STANDING_BENCHMARKS = [
-    ("throughput", "throughput", "prefill and decode tokens/s vs HF transformers, roofline; "
-                                 "--device: a real shape against the device's limits"),
-    ("latency", "latency", "an urgent arrival -> the stop of a long prefill"),
-    ("serve", "serve_overhead", "the offline engine vs through the HTTP server"),
-    ("soak", "soak", "concurrent clients against a real server for a while"),
+    ("throughput", "e2e.throughput", "prefill and decode tokens/s vs HF transformers, roofline; "
+                                     "--device: a real shape against the device's limits"),
+    ("latency", "e2e.latency", "an urgent arrival -> the stop of a long prefill"),
+    ("serve", "e2e.serve_overhead", "the offline engine vs through the HTTP server"),
+    ("soak", "e2e.soak", "concurrent clients against a real server for a while"),
 ]
 
 

@@ -18,7 +18,7 @@ COMMANDS = ("throughput", "latency", "serve", "soak")
 
 
 def test_bench_lists_and_dispatches_each_standing_benchmark() -> None:
-    from engine.benchmarks import latency, serve_overhead, soak, throughput
+    from engine.benchmarks.e2e import latency, serve_overhead, soak, throughput
 
     parser = build_parser()
     runs = {"throughput": throughput.run, "latency": latency.run, "serve": serve_overhead.run,
@@ -34,7 +34,7 @@ def test_bench_lists_and_dispatches_each_standing_benchmark() -> None:
 def test_bench_throughput_with_device_runs_the_device_benchmark() -> None:
     """`--device` selects the device benchmark (its own options: --shape, --smoke, ...); without
     it, the HF comparison as before, which lists --device in its help."""
-    from engine.benchmarks import throughput
+    from engine.benchmarks.e2e import throughput
     from engine.benchmarks.device_throughput import benchmark
 
     parser = build_parser()
@@ -50,11 +50,11 @@ def test_the_cli_loads_a_standing_benchmark_only_when_it_is_parsed() -> None:
     httpx for benchmarks nobody asked for."""
     probe = ("import sys; from engine.entrypoints.cli import build_parser; p = build_parser(); "
              "heavy = ('torch', 'httpx', 'engine.runtime.engine_core', "
-             "'engine.benchmarks.throughput', 'engine.benchmarks.soak', "
+             "'engine.benchmarks.e2e.throughput', 'engine.benchmarks.e2e.soak', "
              "'engine.benchmarks.device_throughput.benchmark'); "
              "print(sorted(m for m in heavy if m in sys.modules)); "
              "p.parse_args(['bench', 'soak', '--clients', '1']); "
-             "print('engine.benchmarks.soak' in sys.modules)")
+             "print('engine.benchmarks.e2e.soak' in sys.modules)")
     run = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -89,7 +89,7 @@ def test_bench_serve_writes_its_figures_to_output(tiny_model, tmp_path, monkeypa
     from contextlib import contextmanager
     from types import SimpleNamespace
 
-    from engine.benchmarks import serve_overhead
+    from engine.benchmarks.e2e import serve_overhead
 
     @contextmanager
     def no_server(argv):

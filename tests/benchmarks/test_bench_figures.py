@@ -1,4 +1,4 @@
-"""engine/benchmarks/figures.py: a JSON line per figure, readable while the writer runs and after
+"""engine/benchmarks/measure/figures.py: a JSON line per figure, readable while the writer runs and after
 it was
 killed mid-line."""
 
@@ -9,7 +9,7 @@ import json
 import math
 from pathlib import Path
 
-from engine.benchmarks.figures import FigureLog, jsonl_twin, read_figures
+from engine.benchmarks.measure.figures import FigureLog, jsonl_twin, read_figures
 
 
 def test_each_record_is_on_disk_as_soon_as_it_is_written(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine.benchmarks.suite import smoke as gpu_smoke
-from engine.benchmarks.random_checkpoints import make_random_model, save_small_tokenizer
+from engine.benchmarks.inputs.random_checkpoints import make_random_model, save_small_tokenizer
 from workers.graphs.cuda_graphs import FAKE_GRAPHS_ENV, EagerReplayBackend
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine.benchmarks.device_throughput import benchmark as gpu_throughput
-from engine.benchmarks.figures import FigureLog, read_figures
+from engine.benchmarks.measure.figures import FigureLog, read_figures
 from engine.benchmarks.suite import summary as gpu_summary
 
 
@@ -178,7 +178,7 @@ def test_partial_preemption_latency(tmp_path):
                   unwound=True, arrival_to_unwind_ms=1.5)
     summary = _summary(out)
     assert "**(partial: step timed out)**" in summary
-    # p50 and p99 of [10, 20], interpolated as every benchmark does (engine/benchmarks/stats.py).
+    # p50 and p99 of [10, 20], interpolated as every benchmark does (engine/benchmarks/measure/stats.py).
     assert "| 16384 | eager | 0 | 805.0 | 25.00 | 90.0 | 2/2 | 15.00 | 19.90 |" in summary
     assert "Prompt size 512, not finished: 1 trials, 1 unwound; long step ms 20.0; arrival " \
            "to unwind ms 1.50." in summary

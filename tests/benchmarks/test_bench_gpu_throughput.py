@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from engine.benchmarks.device_throughput import benchmark, bounds, engine_steps, report
-from engine.benchmarks.roofline import ModelShape
+from engine.benchmarks.measure.roofline import ModelShape
 from tests.utils.figures_wait import wait_for_figures
 
 REPO = Path(__file__).resolve().parents[2]
@@ -523,7 +523,7 @@ def test_a_profile_past_its_deadline_names_the_kinds_it_left_out():
 
 
 def _records(path: Path) -> list[dict]:
-    from engine.benchmarks.figures import read_figures
+    from engine.benchmarks.measure.figures import read_figures
 
     return read_figures(path)
 
@@ -647,7 +647,7 @@ def test_one_engine_at_a_time_freed_without_the_garbage_collector(tmp_path, monk
     import time
     import weakref
 
-    from engine.benchmarks.figures import FigureLog
+    from engine.benchmarks.measure.figures import FigureLog
 
     args = benchmark.parse_args(["--smoke", "--device", "cpu", "--dtype", "float32",
                                       "--no-hf"])
@@ -670,7 +670,7 @@ def test_one_engine_at_a_time_freed_without_the_garbage_collector(tmp_path, monk
         monkeypatch.setattr(engine_steps, "measure_mixed", fail)
     monkeypatch.setattr(gc, "collect", lambda *a: 0)
     model_dir, _ = benchmark.prepare_model(args, tmp_path)
-    from engine.benchmarks.roofline import ModelShape
+    from engine.benchmarks.measure.roofline import ModelShape
     from engine.runtime.model_setup import load_hf_config
 
     shape = ModelShape.from_hf_config(load_hf_config(model_dir))

@@ -1,4 +1,4 @@
-"""`sloserve bench latency` (engine/benchmarks/latency.py) with several prompt sizes on one
+"""`sloserve bench latency` (engine/benchmarks/e2e/latency.py) with several prompt sizes on one
 engine, on a tiny model on the CPU:
 a block of figures per size, and how each size's long steps ran. With the CPU stand-in for CUDA
 graphs (workers.graphs.cuda_graphs.EagerReplayBackend) a step of up to 512 prefill tokens replays as
@@ -10,8 +10,8 @@ import json
 import re
 from pathlib import Path
 
-from engine.benchmarks.figures import read_figures
-from engine.benchmarks.latency import main
+from engine.benchmarks.measure.figures import read_figures
+from engine.benchmarks.e2e.latency import main
 from workers.graphs.cuda_graphs import FAKE_GRAPHS_ENV
 from workers.preemption.layer_delay import LAYER_DELAY_ENV
 from tests.utils.figures_wait import wait_for_figures

@@ -294,7 +294,7 @@ def test_json_round_trip(tmp_path: Path) -> None:
 def test_a_run_as_figure_records_rebuilds_the_run_and_its_summary(tmp_path: Path) -> None:
     """`sloserve bench run` writes each finished run to results.jsonl as these records: a
     `request` per request (with its cell), then the `run` with its summary."""
-    from engine.benchmarks.figures import FigureLog, read_figures
+    from engine.benchmarks.measure.figures import FigureLog, read_figures
 
     run = hand_run()
     path = tmp_path / "results.jsonl"

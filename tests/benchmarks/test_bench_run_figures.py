@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.benchmarks.figures import read_figures
+from engine.benchmarks.measure.figures import read_figures
 from engine.entrypoints.cli import main
 from monitor.predictor import LinearTTFT
 from tests.utils.figures_wait import wait_for_figures

@@ -1,4 +1,4 @@
-"""`sloserve bench soak` (engine/benchmarks/soak.py): the outcome classification, a few seconds
+"""`sloserve bench soak` (engine/benchmarks/e2e/soak.py): the outcome classification, a few seconds
 against a tiny-model server (every outcome seen, nothing lost), and a server whose EngineCore was
 killed (the soak must fail)."""
 
@@ -11,8 +11,8 @@ import signal
 
 import pytest
 
-from engine.benchmarks import soak
-from engine.benchmarks.soak_clients import Tally, carries_output, classify_status, classify_stream
+from engine.benchmarks.e2e import soak
+from engine.benchmarks.e2e.soak_clients import Tally, carries_output, classify_status, classify_stream
 from tests.utils.server_helpers import ServerProcess, children, cmdline, wait_gone
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.benchmarks.figures import read_figures
+from engine.benchmarks.measure.figures import read_figures
 from bench.e2e.stream_gaps import main, server_log_path
 from tests.utils.figures_wait import wait_for_figures
 

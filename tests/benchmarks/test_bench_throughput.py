@@ -1,6 +1,6 @@
 """`sloserve bench throughput`'s roofline figures (issue 14) without timing anything: it runs
 end to end on a tiny random model and prints every field with positive shares, and the FLOP and
-byte accounting of engine/benchmarks/roofline.py matches a hand count for a small config."""
+byte accounting of engine/benchmarks/measure/roofline.py matches a hand count for a small config."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from engine.benchmarks.roofline import (ModelShape, attention_flops, decode_bytes_per_step,
+from engine.benchmarks.measure.roofline import (ModelShape, attention_flops, decode_bytes_per_step,
                             decode_flops_per_step, prefill_flops)
 
 REPO = Path(__file__).resolve().parents[2]

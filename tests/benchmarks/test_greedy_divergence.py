@@ -1,11 +1,11 @@
-"""engine/benchmarks/greedy_divergence.py: a divergence at a near-tie of the reference is accepted and
+"""engine/benchmarks/reference/greedy_divergence.py: a divergence at a near-tie of the reference is accepted and
 reported, one with a clear margin (or a token outside the reference's top two) fails."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.benchmarks.greedy_divergence import (NEAR_TIE_MARGIN, Divergence, TopTwo,
+from engine.benchmarks.reference.greedy_divergence import (NEAR_TIE_MARGIN, Divergence, TopTwo,
                                      assert_no_clear_divergence, compare_greedy, engine_top_two,
                                      first_difference, hf_top_two)
 
@@ -78,7 +78,7 @@ def test_the_margin_tolerance_is_small() -> None:
 def test_an_engine_and_hf_give_the_same_top_two(tiny_model) -> None:
     """The engine's top two (from its logprobs) lead by the same logit margin as HF's, and its
     top one is its greedy token."""
-    from engine.benchmarks.hf_reference import load_hf_model
+    from engine.benchmarks.reference.hf_reference import load_hf_model
     from engine import LLM, SamplingParams
 
     model_dir = tiny_model("llama")

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.benchmarks.hf_reference import hf_greedy
+from engine.benchmarks.reference.hf_reference import hf_greedy
 
 MAX_NEW = 32
 LENGTHS = [5, 300, 17, 120, 64, 250, 33, 9]  # mixed; the longest exceeds the token budget

@@ -28,7 +28,7 @@ import msgspec  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from engine.benchmarks.greedy_divergence import (  # noqa: E402
+from engine.benchmarks.reference.greedy_divergence import (  # noqa: E402
     NEAR_TIE_MARGIN, assert_no_clear_divergence, compare_greedy, engine_top_two,
     fresh_engine_top_two)
 from engine import LLM, SamplingParams  # noqa: E402
@@ -104,7 +104,7 @@ INTERPRETED_MAX_TOKENS = 6
 
 def _near_tie_tolerance(device: str) -> float:
     """On a GPU, argmaxes may flip where the reference's top two nearly tie (graphs replay other
-    split plans and cuBLAS kernels than eager; engine/benchmarks/greedy_divergence.py). On the CPU the runs
+    split plans and cuBLAS kernels than eager; engine/benchmarks/reference/greedy_divergence.py). On the CPU the runs
     compared are exact: no tolerance, and a divergence still reports its margin."""
     return NEAR_TIE_MARGIN if device == "cuda" else 0.0
 
@@ -225,7 +225,7 @@ def test_cuda_graphs_equal_enforce_eager(tiny_model, device, monkeypatch):
 
     Graphs are captured for a context of max_model_len, so at small batches their split plan
     and cuBLAS kernels differ from eager's: on a GPU a divergence where the eager run's top
-    two nearly tie is reported and accepted (engine/benchmarks/greedy_divergence.py); on the CPU the two
+    two nearly tie is reported and accepted (engine/benchmarks/reference/greedy_divergence.py); on the CPU the two
     runs are exact."""
     if device == "cpu":
         monkeypatch.setenv(FAKE_GRAPHS_ENV, "1")

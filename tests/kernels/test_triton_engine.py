@@ -12,7 +12,7 @@ import random  # noqa: E402
 
 import pytest  # noqa: E402
 
-from engine.benchmarks.greedy_divergence import (  # noqa: E402
+from engine.benchmarks.reference.greedy_divergence import (  # noqa: E402
     NEAR_TIE_MARGIN, assert_no_clear_divergence, compare_greedy, fresh_engine_top_two)
 from engine import LLM, SamplingParams  # noqa: E402
 from tests.utils.kernel_counts import KernelsRan  # noqa: E402

@@ -1,4 +1,4 @@
-"""Waiting for a benchmark's first figures (engine/benchmarks/figures.py's JSON-lines files), so
+"""Waiting for a benchmark's first figures (engine/benchmarks/measure/figures.py's JSON-lines files), so
 that a test
 can kill it right after and check that what it measured survived."""
 
@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engine.benchmarks.figures import read_figures
+from engine.benchmarks.measure.figures import read_figures
 
 
 def wait_for_figures(proc: subprocess.Popen, figures: Path,

@@ -8,7 +8,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from engine.benchmarks.arrivals import submit_on_schedule
+from engine.benchmarks.inputs.arrivals import submit_on_schedule
 from engine.config import build_engine_config
 from engine.core.request import Request
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from engine.benchmarks.greedy_divergence import (NEAR_TIE_MARGIN, assert_no_clear_divergence,
+from engine.benchmarks.reference.greedy_divergence import (NEAR_TIE_MARGIN, assert_no_clear_divergence,
                                      compare_greedy, fresh_engine_top_two)
 from engine.config import build_engine_config
 from engine.core.request import Request
@@ -126,7 +126,7 @@ def _assert_equal_to_reference(model: str, prompts: dict[str, list[int]],
                                device: str) -> None:
     """Every output equals the CPU reference's. On a GPU (CUDA graphs, Triton kernels) an
     argmax may flip where the reference's top two nearly tie: reported and accepted
-    (engine/benchmarks/greedy_divergence.py); on the CPU the runs are exact."""
+    (engine/benchmarks/reference/greedy_divergence.py); on the CPU the runs are exact."""
     names = sorted(prompts)
     divergences = compare_greedy(
         [prompts[k] for k in names], [got[k] for k in names], [expected[k] for k in names],

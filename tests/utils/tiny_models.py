@@ -1,4 +1,4 @@
-"""Tiny random-weight models in HF format (engine/benchmarks/random_checkpoints.py builds them),
+"""Tiny random-weight models in HF format (engine/benchmarks/inputs/random_checkpoints.py builds them),
 with the
 test suite's default shape.
 
@@ -13,7 +13,7 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from engine.benchmarks.random_checkpoints import make_config, make_random_model  # noqa: E402
+from engine.benchmarks.inputs.random_checkpoints import make_config, make_random_model  # noqa: E402
 
 TINY_DEFAULTS: dict[str, Any] = dict(
     hidden_size=64,

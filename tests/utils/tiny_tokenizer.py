@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.benchmarks.random_checkpoints import save_small_tokenizer
+from engine.benchmarks.inputs.random_checkpoints import save_small_tokenizer
 
 
 def save_tiny_tokenizer(path: str | Path, vocab_size: int = 400) -> Path:

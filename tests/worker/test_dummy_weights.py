@@ -1,5 +1,5 @@
 """`--load-format dummy`: a model's shape from its config.json alone
-(engine/benchmarks/model_shapes.py),
+(engine/benchmarks/inputs/model_shapes.py),
 weights drawn where the model lives, so that real-shape benchmarks need no checkpoint."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig
 
-from engine.benchmarks.model_shapes import SHAPES, main, write_shape
+from engine.benchmarks.inputs.model_shapes import SHAPES, main, write_shape
 from engine.entrypoints.llm import LLM
 from engine.sampling_params import SamplingParams
 

@@ -2,7 +2,7 @@
 
 `run` and `sweep` write OUTPUT_DIR/results.json, summary.md and the plots at the end; as each
 run (one trace, policy and budget) ends, OUTPUT_DIR/results.jsonl gets its `request` records and
-its `run` record with the run's summary (engine/benchmarks/figures.py; `done` after the last), so a
+its `run` record with the run's summary (engine/benchmarks/measure/figures.py; `done` after the last), so a
 benchmark killed at a time limit keeps every run it finished. The HTTP runner's servers (started per run
 unless --url names one) append their info-level logs to OUTPUT_DIR/server.log as they run.
 
@@ -22,7 +22,7 @@ from typing import Any
 
 from engine.benchmarks.attainment.policies import DEFAULT_SWEEP_POLICIES, resolve_policies
 from engine.benchmarks.attainment.salts import PREFIX_SALT_TOKENS
-from engine.benchmarks.figures import FigureLog
+from engine.benchmarks.measure.figures import FigureLog
 from engine.config import CacheConfig, ModelConfig
 
 # The policy a running `sloserve serve` at --url runs unless told otherwise (the engine's
@@ -123,7 +123,7 @@ def _on_gpu(device: str) -> bool:
 def _simulated_model(profile_name: str, out_dir: Path) -> str:
     """A model folder of the profile's shape (config.json and the default model's tokenizer):
     all a simulated engine reads of a model."""
-    from engine.benchmarks.model_shapes import write_shape
+    from engine.benchmarks.inputs.model_shapes import write_shape
     from engine.entrypoints.default_model import model_path_or_default
     from engine.simulation.profile import load_profile
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.benchmarks.stats import percentile
+from engine.benchmarks.measure.stats import percentile
 
 
 @dataclass
@@ -127,7 +127,7 @@ class RunResult:
                 "workload": self.workload, "rate": self.rate, "seed": self.seed}
 
     def figure_records(self) -> list[tuple[str, dict[str, Any]]]:
-        """The run as JSON-lines records (engine/benchmarks/figures.py), written as it ends so that
+        """The run as JSON-lines records (engine/benchmarks/measure/figures.py), written as it ends so that
         a
         benchmark killed later keeps it: a `request` per request (its cell's fields beside
         its own), then the `run` (as in results.json, its `summary` included, the requests

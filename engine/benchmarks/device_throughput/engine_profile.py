@@ -189,7 +189,7 @@ def summarize_steps(events: list[Event], step_indices: list[int], on_gpu: bool,
 class StepWindow:
     """Wraps `llm.engine.step` in a profiler marker (a step observer runs after the step, too
     late to open one) and profiles one window of steps per `run`; the step log
-    (engine.benchmarks.step_log.record_steps) says what each step ran."""
+    (engine.benchmarks.measure.step_log.record_steps) says what each step ran."""
 
     def __init__(self, llm: Any, steps_log: list[dict], device: torch.device) -> None:
         self.engine, self.steps_log, self.device = llm.engine, steps_log, device

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from engine.benchmarks.step_log import step_gaps
+from engine.benchmarks.measure.step_log import step_gaps
 
 # Tokens each warm-up prompt generates (the whole-budget one too: the context must hold them).
 WARMUP_TOKENS = 4
@@ -108,14 +108,14 @@ class MixedWorkload:
                    decode_max_tokens=own_prefill + prompts * chunks_per_prompt + 2)
 
     def is_mixed_step(self, step: dict) -> bool:
-        """A steady step (from engine.benchmarks.step_log's record_steps): every decode and one
+        """A steady step (from engine.benchmarks.measure.step_log's record_steps): every decode and one
         whole chunk."""
         sizes = [n for _, n in step["requests"]]
         return (len(sizes) == self.decodes + 1 and sizes.count(1) == self.decodes
                 and self.chunk in sizes)
 
     def run(self, llm: Any, vocab: int, seed: int) -> None:
-        from engine.benchmarks.random_prompts import random_prompts
+        from engine.benchmarks.inputs.random_prompts import random_prompts
         from engine import SamplingParams
 
         decodes = random_prompts(vocab, self.decodes, self.context, seed)
@@ -179,8 +179,8 @@ def start_engine(model_dir: str, device: torch.device, dtype: torch.dtype, sizes
     """(the LLM, its step log, what it started with), warmed up: a whole-budget prefill and a
     few decodes ran, so first-use kernel compiles are not timed. What it started with carries
     its `startup` (`startup_figures`)."""
-    from engine.benchmarks.random_prompts import random_prompts
-    from engine.benchmarks.step_log import record_steps
+    from engine.benchmarks.inputs.random_prompts import random_prompts
+    from engine.benchmarks.measure.step_log import record_steps
     from engine import LLM, SamplingParams
 
     limits = engine_limits(sizes)
@@ -230,7 +230,7 @@ def runner_of(llm: Any) -> Any:
 
 def release_engine(llm: Any) -> None:
     """Shut the engine down. Its step log is kept by a step observer that holds the log alone
-    (engine.benchmarks.step_log), never the engine, so dropping the last reference to the LLM
+    (engine.benchmarks.measure.step_log), never the engine, so dropping the last reference to the LLM
     frees it and its device memory at once, with no garbage collection. A profile window
     (engine_profile.StepWindow) wraps `step` itself; whatever it left on the engine is taken
     off, since a wrapper over the engine's bound method ties it into a reference cycle."""
@@ -287,7 +287,7 @@ def _vocab(model_dir: str) -> int:
 
 def measure_prefill(llm: Any, steps_log: list[dict], vocab: int, sizes: dict[str, Any],
                     seed: int) -> dict[str, Any]:
-    from engine.benchmarks.random_prompts import random_prompts
+    from engine.benchmarks.inputs.random_prompts import random_prompts
     from engine import SamplingParams
 
     budget = sizes["prefill_len"]
@@ -306,8 +306,8 @@ def measure_prefill(llm: Any, steps_log: list[dict], vocab: int, sizes: dict[str
 
 def measure_decode(llm: Any, steps_log: list[dict], vocab: int, sizes: dict[str, Any],
                    batch: int, seed: int) -> dict[str, Any]:
-    from engine.benchmarks.random_prompts import random_prompts
-    from engine.benchmarks.step_log import decode_seconds_per_step
+    from engine.benchmarks.inputs.random_prompts import random_prompts
+    from engine.benchmarks.measure.step_log import decode_seconds_per_step
     from engine import SamplingParams
 
     context = sizes["context"]
@@ -466,7 +466,7 @@ def profile_kinds(llm: Any, vocab: int, sizes: dict[str, Any], seed: int,
     so that a --profile-until-s deadline leaves out the biggest batch (the slowest to set up)
     first. Fresh prompts (no prefix caching either way); the window needs steps + 3 of a kind:
     one unprofiled, the profiler's warm-up step, the measured ones and one that ends the last."""
-    from engine.benchmarks.random_prompts import random_prompts
+    from engine.benchmarks.inputs.random_prompts import random_prompts
     from engine import SamplingParams
 
     budget, context = sizes["prefill_len"], sizes["context"]

@@ -14,7 +14,7 @@ the figures as JSON. What is timed is what a plain HF script runs:
   step over the batch's last tokens with the model's own KV cache, the next token greedy
   (argmax); one untimed warm-up step, then the median of the timed steps.
 
-Prompts are the same seeded random ids the engine gets (engine.benchmarks.random_prompts).
+Prompts are the same seeded random ids the engine gets (engine.benchmarks.inputs.random_prompts).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from engine.benchmarks.random_prompts import random_prompts
+from engine.benchmarks.inputs.random_prompts import random_prompts
 
 
 def _synchronize(device: torch.device) -> None:

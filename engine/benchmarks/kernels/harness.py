@@ -1,7 +1,7 @@
 """The GPU kernel benchmark's harness (engine/benchmarks/kernels/gpu_kernels.py and its
 launch-config sweep, attention_sweep.py): the device's peak memory bandwidth, paged attention
 inputs laid out as the model runner lays them out, and the printed tables. Timing (CUDA events,
-L2 flushed) and the measured copy bandwidth are engine/benchmarks/machine_limits.py's."""
+L2 flushed) and the measured copy bandwidth are engine/benchmarks/measure/machine_limits.py's."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 # Timer and copy_gbps live with the other machine limits (Timer is re-exported for the benchmark's
 # modules).
-from engine.benchmarks.machine_limits import Timer, copy_gbps  # noqa: F401
+from engine.benchmarks.measure.machine_limits import Timer, copy_gbps  # noqa: F401
 
 # Datasheet HBM/GDDR bandwidth in GB/s, by the words of torch.cuda.get_device_name (upper case,
 # '-' read as a space). First match wins, so the more specific entries come first.

@@ -13,7 +13,7 @@ must be equal token for token. Three scenarios per architecture:
 
 At an output's first diverging token the reference is asked for its top two next tokens: where
 the engine's and the reference's tokens are those two and the lead is below
-``engine.benchmarks.greedy_divergence.NEAR_TIE_MARGIN``, the divergence is a near-tie of random weights
+``engine.benchmarks.reference.greedy_divergence.NEAR_TIE_MARGIN``, the divergence is a near-tie of random weights
 (CUDA graphs, other kernels and HF sum in other orders), reported as such and passed; a clear
 lead, or a token outside the top two, is a mismatch and fails the scenario.
 
@@ -39,9 +39,9 @@ import torch
 
 from engine import dry_run
 
-from engine.benchmarks.greedy_divergence import compare_greedy, hf_top_two
-from engine.benchmarks.hf_reference import hf_greedy, load_hf_model
-from engine.benchmarks.random_checkpoints import make_random_model, save_small_tokenizer
+from engine.benchmarks.reference.greedy_divergence import compare_greedy, hf_top_two
+from engine.benchmarks.reference.hf_reference import hf_greedy, load_hf_model
+from engine.benchmarks.inputs.random_checkpoints import make_random_model, save_small_tokenizer
 
 
 @dataclass(frozen=True)

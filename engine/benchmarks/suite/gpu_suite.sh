@@ -182,8 +182,8 @@ if [[ $smoke == 1 ]]; then
     model="$out/model"
     $py -c "
 from pathlib import Path
-from engine.benchmarks.model_shapes import cover_vocabulary
-from engine.benchmarks.random_checkpoints import make_random_model, save_small_tokenizer
+from engine.benchmarks.inputs.model_shapes import cover_vocabulary
+from engine.benchmarks.inputs.random_checkpoints import make_random_model, save_small_tokenizer
 save_small_tokenizer('$model')
 cover_vocabulary(Path('$model'), 512)  # every id the model samples shows as text
 make_random_model('$model', 'llama', vocab_size=512, hidden_size=64, intermediate_size=128,

@@ -26,7 +26,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from engine.benchmarks.figures import FigureLog, jsonl_twin
+from engine.benchmarks.measure.figures import FigureLog, jsonl_twin
 
 EXIT_GRAPHS_FAILED = 3
 

@@ -5,7 +5,7 @@ Each section quotes a step's own figures (its JSON, or its log's `key: value` li
 tables); a step that failed or ran out of time says so, with its log's last lines.
 
 Partial results: a benchmark writes its final JSON at exit, and each figure to the JSON's
-.jsonl twin as it is measured (engine/benchmarks/figures.py). A step killed at its limit has no
+.jsonl twin as it is measured (engine/benchmarks/measure/figures.py). A step killed at its limit has no
 JSON, but
 its .jsonl holds what it measured: the section reports that, marked "(partial: step timed
 out)" (or killed, failed), instead of nothing.
@@ -34,8 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engine.benchmarks.figures import jsonl_twin, read_figures
-from engine.benchmarks.stats import percentile
+from engine.benchmarks.measure.figures import jsonl_twin, read_figures
+from engine.benchmarks.measure.stats import percentile
 
 # "N/M tests collected (K deselected)" when a marker picks some (-m gpu).
 _PYTEST_TOTALS = re.compile(r"^=*\s*(\d+(/\d+)? (passed|failed|error|errors|skipped|"
@@ -135,7 +135,7 @@ def _json(path: Path) -> Any:
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
-    """The .jsonl twin of a step's JSON `path` (engine/benchmarks/figures.py): what it measured so
+    """The .jsonl twin of a step's JSON `path` (engine/benchmarks/measure/figures.py): what it measured so
     far."""
     return read_figures(jsonl_twin(path))
 

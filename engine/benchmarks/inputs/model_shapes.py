@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     if args.small_tokenizer:
         import tempfile
 
-        from engine.benchmarks.random_checkpoints import save_small_tokenizer
+        from engine.benchmarks.inputs.random_checkpoints import save_small_tokenizer
 
         source = save_small_tokenizer(tempfile.mkdtemp(prefix="sloserve-tokenizer-"))
     elif source is None:

@@ -6,7 +6,7 @@ request with max_tokens=1, prefix caching off so nothing is reused).
 Decode: output tokens/s with N concurrent requests in sloserve vs HF `generate` one request at a
 time (the way a plain HF script serves). Prints one JSON object with both and their ratios.
 
-Roofline (issue 14, engine/benchmarks/roofline.py): the same run measures this machine's matmul
+Roofline (issue 14, engine/benchmarks/measure/roofline.py): the same run measures this machine's matmul
 GFLOP/s on the model's own GEMM shapes and its memory bandwidth, then prints the engine's
 prefill tokens/s (one-step prefills of --prefill-lens tokens) as a share of the linear-layer and
 the full (with attention) compute bound, and its decode tokens/s (--decode-batches x
@@ -27,10 +27,10 @@ import time
 
 import torch
 
-from engine.benchmarks.figures import print_result
-from engine.benchmarks.random_prompts import random_prompts
+from engine.benchmarks.measure.figures import print_result
+from engine.benchmarks.inputs.random_prompts import random_prompts
 from engine.benchmarks.standalone import standalone_main
-from engine.benchmarks.step_log import decode_seconds_per_step, record_step_times, record_steps
+from engine.benchmarks.measure.step_log import decode_seconds_per_step, record_step_times, record_steps
 
 
 def bench_hf(model_dir: str, dtype: torch.dtype, prefill_prompts, decode_prompts,
@@ -111,7 +111,7 @@ def bench_roofline(model_dir: str, dtype: str, prefill_lens: list[int], batches:
                    contexts: list[int], decode_tokens: int, repeats: int,
                    bandwidth_mib: int) -> dict:
     """The engine's prefill and decode tokens/s beside this machine's bounds for the model."""
-    from engine.benchmarks.roofline import ModelShape, Roofline, measure_bandwidth
+    from engine.benchmarks.measure.roofline import ModelShape, Roofline, measure_bandwidth
     from engine import LLM, SamplingParams
     from engine.runtime.model_setup import cpu_native_bf16, load_hf_config
 
@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
     if args.random_heads:
         import tempfile
 
-        from engine.benchmarks.random_checkpoints import random_with_heads
+        from engine.benchmarks.inputs.random_checkpoints import random_with_heads
 
         folder = tempfile.mkdtemp(prefix="sloserve-bench-")
         model_dir = random_with_heads(folder, model_dir, *args.random_heads)

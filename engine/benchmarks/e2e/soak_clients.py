@@ -1,4 +1,4 @@
-"""The soak benchmark's clients (`sloserve bench soak`, engine/benchmarks/soak.py): what each
+"""The soak benchmark's clients (`sloserve bench soak`, engine/benchmarks/e2e/soak.py): what each
 request sends, how its answer is classified, and the client loops that send them."""
 
 from __future__ import annotations

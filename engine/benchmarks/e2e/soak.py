@@ -36,11 +36,11 @@ from typing import Any
 import httpx
 import psutil
 
-from engine.benchmarks.figures import print_result
+from engine.benchmarks.measure.figures import print_result
 from engine.benchmarks.server import launched_server
 from engine.benchmarks.standalone import standalone_main
-from engine.benchmarks.stats import percentile
-from engine.benchmarks.soak_clients import SLOS, Tally, Target, run_clients
+from engine.benchmarks.measure.stats import percentile
+from engine.benchmarks.e2e.soak_clients import SLOS, Tally, Target, run_clients
 
 # Every one of them is 0 on an idle server that freed what its requests held.
 IDLE_GAUGES = ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")

@@ -19,8 +19,8 @@ import time
 import httpx
 from tqdm import tqdm
 
-from engine.benchmarks.figures import print_result
-from engine.benchmarks.random_prompts import random_prompts
+from engine.benchmarks.measure.figures import print_result
+from engine.benchmarks.inputs.random_prompts import random_prompts
 from engine.benchmarks.server import launched_server
 from engine.benchmarks.standalone import standalone_main
 

@@ -26,7 +26,7 @@ step on a GPU) rightly makes the monitor wait, and measures nothing.
 `--output PATH` writes {"model", "device", "layers", "threads", "urgent_ttft_alone_ms", "sizes": [one
 object per size, in the order given: its figures and every trial's times]} at the end. As they
 are measured, its .jsonl twin (`preempt_latency.json` -> `preempt_latency.jsonl`,
-engine/benchmarks/figures.py) gets one JSON line each: `run` (model, device, layers, threads),
+engine/benchmarks/measure/figures.py) gets one JSON line each: `run` (model, device, layers, threads),
 `urgent_alone`
 (urgent_ttft_alone_ms), a `trial` per trial (prompt_tokens, trial, clean long step ms, the SLO,
 and the unwind's times or `unwound: false`), a `size` per size (the figures the JSON's "sizes"
@@ -48,9 +48,9 @@ from typing import Any
 
 import torch
 
-from engine.benchmarks.figures import FigureLog, jsonl_twin
+from engine.benchmarks.measure.figures import FigureLog, jsonl_twin
 from engine.benchmarks.standalone import standalone_main
-from engine.benchmarks.stats import percentile
+from engine.benchmarks.measure.stats import percentile
 
 from engine.config import build_engine_config
 from engine.runtime.engine_core import EngineCore
@@ -285,7 +285,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                         help="dummy: random weights for a config-only folder of a real shape "
-                             "(engine/benchmarks/model_shapes.py)")
+                             "(engine/benchmarks/inputs/model_shapes.py)")
     parser.add_argument("--simulate", default=None, metavar="PROFILE",
                         help="the GPU-timed simulation (engine/simulation) at this profile's "
                              "speed; --model: a folder of its shape")
@@ -314,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
                                  device=args.device, dtype=args.dtype,
                                  load_format=args.load_format, simulate=args.simulate)
     engine = EngineCore(config)
-    # Each trial and size as it ends, beside the final JSON (engine.benchmarks.figures).
+    # Each trial and size as it ends, beside the final JSON (engine.benchmarks.measure.figures).
     log = FigureLog(jsonl_twin(args.output) if args.output else None)
     bench = LatencyBench(engine, args.seed, args.urgent_slo_ms, record=log.write)
     log.write("run", model=model, device=config.model.device, layers=bench.num_layers,

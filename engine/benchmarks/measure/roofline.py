@@ -9,12 +9,12 @@ Two bounds, both counted from the HF config (never hard-coded for one model):
   float32, workers.layers.cpu_prepack) reaches on *these* GEMM shapes, on torch's threads;
 - decode is memory bound at small batches: every step reads the weights once and each request's
   K/V (2 x n_layers x n_kv_heads x head_dim x ctx x dtype bytes), at the measured read bandwidth
-  of a buffer far larger than the caches (engine/benchmarks/machine_limits.py read_gbps, the
+  of a buffer far larger than the caches (engine/benchmarks/measure/machine_limits.py read_gbps, the
   one place a device's bandwidth and matmul peak are measured). At large batches the linear
   layers' FLOPs take over, so the decode roofline is the larger of the two times; both shares
   are reported.
 
-Nothing here is asserted on timing: `sloserve bench throughput` (engine/benchmarks/throughput.py)
+Nothing here is asserted on timing: `sloserve bench throughput` (engine/benchmarks/e2e/throughput.py)
 prints the figures as JSON.
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.benchmarks.machine_limits import Timer, copy_gbps, read_gbps
+from engine.benchmarks.measure.machine_limits import Timer, copy_gbps, read_gbps
 
 
 @dataclass(frozen=True)
@@ -195,7 +195,7 @@ class Roofline:
 
 def measure_bandwidth(mib: int = 1024, repeats: int = 5) -> dict[str, float]:
     """Read (sum) and copy bandwidth of a buffer of `mib` MiB, far past the caches, measured by
-    engine/benchmarks/machine_limits.py. Decode mostly reads, so the read figure is the decode
+    engine/benchmarks/measure/machine_limits.py. Decode mostly reads, so the read figure is the decode
     bound's bandwidth. (The copy was of a float32 buffer here before; machine_limits copies the
     same bytes as uint8, the same memcpy.)"""
     cpu = torch.device("cpu")

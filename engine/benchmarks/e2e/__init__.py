@@ -1,0 +1,1 @@
+"""The standing end-to-end benchmarks: `sloserve bench throughput|latency|serve|soak`."""

@@ -1,0 +1,1 @@
+"""What a benchmark feeds the engine: prompts, arrivals, random checkpoints, model shapes."""

@@ -1,0 +1,1 @@
+"""How a benchmark measures and reports: machine limits, roofline, step log, stats, figures."""

@@ -1,0 +1,1 @@
+"""What a benchmark run is checked against: HF greedy output, greedy divergence."""
