@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.runtime.step_timing import StepTiming
 from monitor.predictor import LinearTTFT, StepPoint
 
 # (tokens, attention, decode_context, decodes, seconds) of one step.
@@ -43,23 +44,25 @@ def record_steps(model: str | None, num_requests: int, budget: int, seed: int,
     steps: list[Step] = []
     online = llm.engine.scheduler.slack.predictor
     observe = online.observe_point
-    executor = llm.engine.executor
-    execute_model = executor.execute_model
-    last_decodes = [0]
-
-    def executing(scheduler_output):
-        last_decodes[0] = sum(1 for r in scheduler_output.requests if len(r.token_ids) == 1)
-        return execute_model(scheduler_output)
+    observed: list[StepPoint] = []
 
     def recording(point: StepPoint) -> None:
-        # Every step here runs all its layers (no preemption): whole-step features.
-        steps.append((round(point.tokens), round(point.attention), round(point.decode_context),
-                      last_decodes[0], point.seconds))
+        observed.append(point)  # the step's features, while the step runs
         observe(point)
 
-    # The engine's own calls, recorded on their way through.
-    executor.execute_model = executing  # type: ignore[method-assign]
+    def stepped(timing: StepTiming) -> None:
+        # After the step's point: its decodes are the requests that ran one token.
+        decodes = sum(1 for _, tokens in timing.requests if tokens == 1)
+        for point in observed:
+            # Every step here runs all its layers (no preemption): whole-step features.
+            steps.append((round(point.tokens), round(point.attention),
+                          round(point.decode_context), decodes, point.seconds))
+        observed.clear()
+
+    # The predictor's own observations, recorded on their way through; the decode count from
+    # the engine's step hook.
     online.observe_point = recording  # type: ignore[method-assign]
+    llm.engine.step_observers.append(stepped)
     rng = random.Random(seed)
     vocab = llm.engine.vocab_size
     longest = min(2048, llm.engine.max_model_len - 64)

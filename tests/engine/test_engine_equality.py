@@ -22,15 +22,10 @@ def _generate(llm: LLM, prompts, params=None):
 
 
 def _record_steps(llm: LLM) -> list:
-    """Spy on the executor: the SchedulerOutput of every step the engine runs."""
+    """The SchedulerOutput of every step the engine runs (through its step-observer hook)."""
     steps = []
-    execute = llm.engine.executor.execute_model
-
-    def spy(scheduler_output):
-        steps.append(scheduler_output)
-        return execute(scheduler_output)
-
-    llm.engine.executor.execute_model = spy
+    llm.engine.step_observers.append(
+        lambda timing: steps.append(timing.scheduled) if timing.scheduled is not None else None)
     return steps
 
 

@@ -381,15 +381,8 @@ def bench_engine(model_dir: str, device: torch.device, dtype: torch.dtype,
     try:
         result["prefill"] = measure_prefill(llm, steps_log, vocab, sizes, seed)
         record("prefill", result["prefill"])
-        result["decode"] = {}
-        for batch in sizes["batches"]:
-            result["decode"][str(batch)] = measure_decode(llm, steps_log, vocab, sizes, batch,
-                                                          seed)
-            record("decode", result["decode"][str(batch)])
-        result["mixed"] = measure_mixed(llm, steps_log, vocab, sizes, seed)
-        record("mixed", result["mixed"])
-        result["graphs"] = graph_probe(llm)
-        record("graphs", result["graphs"])
+        _measure_decode_and_mixed(llm, steps_log, vocab, sizes, sizes["batches"], seed, record,
+                                  result)
         if profile_steps:
             # After every timed figure: profiling slows the steps it records.
             result["profile"] = profile_engine(llm, steps_log, device, vocab, sizes, seed,
@@ -402,6 +395,21 @@ def bench_engine(model_dir: str, device: torch.device, dtype: torch.dtype,
         # The caller's next engine must not find this one's memory still taken.
         del llm
     return result
+
+
+def _measure_decode_and_mixed(llm: Any, steps_log: list[dict], vocab: int, sizes: dict[str, Any],
+                              batches: list[int], seed: int, record: Record,
+                              result: dict[str, Any]) -> None:
+    """Decode at each of `batches`, the mixed kind and the graphs probe, into `result`, each
+    handed to `record` as it is measured: what the graphs engine and the eager one both time."""
+    result["decode"] = {}
+    for batch in batches:
+        result["decode"][str(batch)] = measure_decode(llm, steps_log, vocab, sizes, batch, seed)
+        record("decode", result["decode"][str(batch)])
+    result["mixed"] = measure_mixed(llm, steps_log, vocab, sizes, seed)
+    record("mixed", result["mixed"])
+    result["graphs"] = graph_probe(llm)
+    record("graphs", result["graphs"])
 
 
 def bench_eager(model_dir: str, device: torch.device, dtype: torch.dtype,
@@ -426,15 +434,8 @@ def _eager_figures(model_dir: str, device: torch.device, dtype: torch.dtype,
     record("startup", result["startup"])
     vocab = _vocab(model_dir)
     try:
-        result["decode"] = {}
-        for batch in sizes["eager_batches"]:
-            result["decode"][str(batch)] = measure_decode(llm, steps_log, vocab, sizes, batch,
-                                                          seed)
-            record("decode", result["decode"][str(batch)])
-        result["mixed"] = measure_mixed(llm, steps_log, vocab, sizes, seed)
-        record("mixed", result["mixed"])
-        result["graphs"] = graph_probe(llm)
-        record("graphs", result["graphs"])
+        _measure_decode_and_mixed(llm, steps_log, vocab, sizes, sizes["eager_batches"], seed,
+                                  record, result)
     except BaseException as exc:
         _drop_frames(exc)
         raise
