@@ -49,14 +49,15 @@ from typing import Any
 import torch
 
 from engine.benchmarks.measure.figures import FigureLog, jsonl_twin
-from engine.benchmarks.standalone import standalone_main
 from engine.benchmarks.measure.stats import percentile
+from engine.benchmarks.standalone import standalone_main
 
 from engine.config import build_engine_config
 from engine.runtime.engine_core import EngineCore
 from engine.core.request import Request
 from engine.runtime.slo_preemption import SLOPreemptionEvent
 from engine.sampling_params import SamplingParams
+from engine.simulation import load_profile
 
 # An SLO no step here comes near: the request is never urgent.
 RELAXED_SLO_MS = 600_000
@@ -239,8 +240,12 @@ def _how_long_steps_ran(before: GraphCounters | None, after: GraphCounters | Non
             "decode_graph_replays": delta.decode_replays}
 
 
-def print_size(figures: dict[str, Any], num_layers: int, short_s: float) -> None:
-    """One size's block of `key: value` lines; its first line names the size."""
+def print_size(figures: dict[str, Any], num_layers: int, short_s: float,
+               simulated_unwind_ms: float = 0.0) -> None:
+    """One size's block of `key: value` lines; its first line names the size.
+    `simulated_unwind_ms`: --simulate's profile sleeps this long to unwind (the device finishing
+    its kernel and the host unwinding, which a real run measures as part of the wait), so the
+    target allows it on top of the next layer boundary."""
     step_times = figures["long_step_ms"]
     ms = figures["arrival_to_unwind_ms"]
     layer_ms = figures["layer_ms"]
@@ -267,8 +272,10 @@ def print_size(figures: dict[str, Any], num_layers: int, short_s: float) -> None
     spread = ((percentile(step_times, 90) - percentile(step_times, 10))
               / statistics.median(step_times) * 100)
     print(f"long_step_p10_p90_spread_pct: {spread:.1f}")
-    print(f"target: p99 < layer + 5 ms = {layer_ms + 5:.2f} ms -> "
-          f"{'met' if p99 < layer_ms + 5 else 'NOT met'}")
+    bound_ms = layer_ms + 5 + simulated_unwind_ms
+    unwind = f" + simulated unwind {simulated_unwind_ms:.1f} ms" if simulated_unwind_ms else ""
+    print(f"target: p99 < layer + 5 ms{unwind} = {bound_ms:.2f} ms -> "
+          f"{'met' if p99 < bound_ms else 'NOT met'}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -330,8 +337,10 @@ def run(args: argparse.Namespace) -> int:
         engine.shutdown()
     print(f"model: {model}")
     print(f"device: {config.model.device}")  # what --device auto chose
+    simulated_unwind_ms = (load_profile(args.simulate, bench.num_layers).unwind_s * 1000
+                           if args.simulate else 0.0)
     for figures in sizes:
-        print_size(figures, bench.num_layers, short_s)
+        print_size(figures, bench.num_layers, short_s, simulated_unwind_ms)
     if args.output:
         report = {"model": model, "device": config.model.device, "layers": bench.num_layers,
                   "threads": torch.get_num_threads(), "urgent_ttft_alone_ms": short_s * 1000,
