@@ -7,10 +7,8 @@ behind here that needs undoing.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -31,7 +29,6 @@ from workers.startup import serving_startup
 from workers.startup.kernel_warmup import warm_up_graph_paths, warm_up_kernels
 from workers.kv_cache import allocate_kv_caches, num_kv_blocks, resized_kv_caches
 from workers.layers.cpu_prepack import prepack_available, prepack_linear_weights
-from workers.preemption.layer_delay import LAYER_DELAY_ENV, LayerDelay
 from workers.models import build_model
 from workers.models import LayerJoin
 from workers.preemption.slo_preempt_vote import SLOPreemptVote, StepSLOPreempted, discarded_share
@@ -126,8 +123,6 @@ class ModelRunner:
         # On a GPU the host must not run ahead of the device by more than a couple of layers in
         # a preemptible step, or its votes come too early to stop anything.
         self.run_ahead = RunAheadLimit() if device.type == "cuda" else None
-        delay = os.environ.get(LAYER_DELAY_ENV)
-        self.layer_delay = LayerDelay(self.model, float(delay) * 1e-6) if delay else None
 
     @property
     def num_kv_blocks(self) -> int:
@@ -150,24 +145,23 @@ class ModelRunner:
         so their collectives match. Sets ``startup_report`` (workers.startup.serving_startup)."""
         self.startup_report = None
         max_model_len, max_num_seqs = self.max_model_len, self.max_num_seqs
-        with serving_startup.layer_delay_paused(self.layer_delay):
+        started = time.perf_counter()
+        self.kernel_warmup = warm_up_kernels(self, max_model_len, max_num_seqs)
+        warmup_s = time.perf_counter() - started
+        backend = select_graph_backend(self, self.tp_size)
+        if backend is None:
+            self.startup_report = serving_startup.without_graphs(warmup_s)
+            return
+        with serving_startup.CaptureCost(self.device) as cost, recording() as captured:
+            self.graphs = capture_decode_graphs(self, max_num_seqs, max_model_len,
+                                                backend=backend)
+            self.piecewise = capture_piecewise_graphs(self, self.buffers.max_tokens, backend)
+        if self.kernel_warmup is not None:
             started = time.perf_counter()
-            self.kernel_warmup = warm_up_kernels(self, max_model_len, max_num_seqs)
-            warmup_s = time.perf_counter() - started
-            backend = select_graph_backend(self, self.tp_size)
-            if backend is None:
-                self.startup_report = serving_startup.without_graphs(warmup_s)
-                return
-            with serving_startup.CaptureCost(self.device) as cost, recording() as captured:
-                self.graphs = capture_decode_graphs(self, max_num_seqs, max_model_len,
-                                                    backend=backend)
-                self.piecewise = capture_piecewise_graphs(self, self.buffers.max_tokens, backend)
-            if self.kernel_warmup is not None:
-                started = time.perf_counter()
-                self.kernel_warmup = warm_up_graph_paths(self, self.kernel_warmup, max_model_len,
-                                                         max_num_seqs, captured)
-                warmup_s += time.perf_counter() - started
-            self.startup_report = cost.report(warmup_s, self.graphs, self.piecewise)
+            self.kernel_warmup = warm_up_graph_paths(self, self.kernel_warmup, max_model_len,
+                                                     max_num_seqs, captured)
+            warmup_s += time.perf_counter() - started
+        self.startup_report = cost.report(warmup_s, self.graphs, self.piecewise)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -206,9 +200,7 @@ class ModelRunner:
                 self.model.before_attention = self.run_ahead.pace(vote)
         try:
             if graphs is not None and graph_size is not None:
-                with (self.layer_delay.paused_for_a_whole_graph()
-                      if self.layer_delay is not None else contextlib.nullcontext()):
-                    hidden = graphs.replay(graph_size)
+                hidden = graphs.replay(graph_size)
             elif piecewise is not None and piece_size is not None:
                 hidden = piecewise.run(piece_size, inputs.input_ids.shape[0], inputs.attn_meta,
                                        self.kv_caches)

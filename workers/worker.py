@@ -81,6 +81,7 @@ class Worker:
         self.size_kv_pool()
         self._reporting_errors(self.prepare_for_serving)
         self.install_vote()
+        self.install_test_hooks()
         self.wait_for_peers()
 
     def init_device(self) -> None:
@@ -123,8 +124,15 @@ class Worker:
         """The kernel warm-up and the graph capture (workers.startup.serving_startup)."""
         self._runner.prepare_for_serving()
 
+    def install_test_hooks(self) -> None:
+        """The tests' slow-layer hook, where LAYER_DELAY_ENV asks for it (in the environment, so
+        every rank has it): after the startup passes, outside the model runner's code."""
+        from workers.preemption.layer_delay import install_layer_delay
+
+        install_layer_delay(self._runner)
+
     def install_vote(self) -> None:
-        """With mid-forward preemption, every rank votes (so every rank enters each
+        """With SLO preemption, every rank votes (so every rank enters each
         collective); only ranks that can see EngineCore's shared memory read the signal, the
         others vote 0, as on another node."""
         from workers.preemption.slo_preempt_vote import SLOPreemptVote

@@ -19,7 +19,7 @@ import pytest
 from engine import LLM, SamplingParams
 from workers.graphs.cuda_graphs import FAKE_GRAPHS_ENV
 from workers.layers.cpu_prepack import PREPACK_ENV
-from workers.preemption.layer_delay import LAYER_DELAY_ENV
+from workers.preemption.layer_delay import LAYER_DELAY_ENV, layer_delay_of
 from workers.runner_release import collector_off, outlived, runner_probes
 from workers.worker import RELEASE_REPORT_ENV
 
@@ -60,7 +60,7 @@ def test_engine_memory_is_freed_at_shutdown_without_a_collection(
     # weights still carrying their loaders (not replaced by the CPU's prepack).
     assert (runner.graphs is None) == (runner.piecewise is None) == enforce_eager
     assert runner.vote is not None
-    assert (runner.layer_delay is not None) == layer_delay
+    assert (layer_delay_of(runner) is not None) == layer_delay
     assert hasattr(runner.model.model.layers[0].mlp.down_proj.weight, "weight_loader")
     probes = runner_probes(runner)
 

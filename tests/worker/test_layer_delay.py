@@ -17,7 +17,7 @@ import torch
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.sampling_params import SamplingParams
 from workers.graphs.cuda_graphs import EagerReplayBackend, capture_decode_graphs
-from workers.preemption.layer_delay import LAYER_DELAY_ENV
+from workers.preemption.layer_delay import LAYER_DELAY_ENV, install_layer_delay, layer_delay_of
 from workers.model_runner import ModelRunner
 from workers.graphs.piecewise_graphs import capture_piecewise_graphs
 from workers.step_buffers import StepLimits
@@ -70,15 +70,10 @@ def _record_sleeps(monkeypatch, backend: GraphFlaggingBackend) -> list[tuple[boo
 
 
 def _capture(runner: ModelRunner, backend: GraphFlaggingBackend) -> None:
-    # As workers.startup.serving_startup does: the hook is paused during the startup passes.
-    assert runner.layer_delay is not None
-    runner.layer_delay.paused = True
-    try:
-        runner.graphs = capture_decode_graphs(runner, MAX_NUM_SEQS, MAX_MODEL_LEN,
-                                              backend=backend)
-        runner.piecewise = capture_piecewise_graphs(runner, MAX_TOKENS, backend)
-    finally:
-        runner.layer_delay.paused = False
+    # As workers.worker.Worker.start does: the hook goes on after the startup passes.
+    runner.graphs = capture_decode_graphs(runner, MAX_NUM_SEQS, MAX_MODEL_LEN, backend=backend)
+    runner.piecewise = capture_piecewise_graphs(runner, MAX_TOKENS, backend)
+    assert install_layer_delay(runner) is layer_delay_of(runner) is not None
 
 
 def _prefill(req_id: str, tokens: int, first_block: int) -> ScheduledRequest:
@@ -92,7 +87,7 @@ def test_a_piecewise_step_sleeps_between_the_pieces(runner, monkeypatch) -> None
     backend = GraphFlaggingBackend()
     sleeps = _record_sleeps(monkeypatch, backend)
     _capture(runner, backend)
-    assert sleeps == []  # paused through the capture
+    assert sleeps == []  # installed after the capture
     out = runner.execute(SchedulerOutput(step_id=1, requests=[_prefill("p", 20, 0)]))
     assert not out.failed
     assert runner.piecewise.replays == 1  # probe: the step ran as pieces
@@ -103,6 +98,7 @@ def test_a_piecewise_step_sleeps_between_the_pieces(runner, monkeypatch) -> None
 def test_an_eager_step_sleeps_once_per_layer(runner, monkeypatch) -> None:
     backend = GraphFlaggingBackend()
     sleeps = _record_sleeps(monkeypatch, backend)
+    assert install_layer_delay(runner) is not None  # as the worker does, with no graphs
     out = runner.execute(SchedulerOutput(step_id=1, requests=[_prefill("p", 20, 0)]))
     assert not out.failed and runner.piecewise is None
     assert sleeps == [(False, pytest.approx(20 * DELAY_US_PER_TOKEN * 1e-6))] * NUM_LAYERS

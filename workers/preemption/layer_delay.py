@@ -2,19 +2,24 @@
 
 A tiny test model's layers are too quick to stop a pass between them: with LAYER_DELAY_ENV set
 (in the environment, so that spawned TP workers inherit it), every model runner sleeps per token
-at each layer's attention op. Kept out of the model runner's own code: the runner installs it
-only when the variable is set, and nothing of it runs otherwise."""
+at each layer's attention op. Kept out of the model runner's code: the worker installs it once
+the runner is ready to serve (workers.worker.Worker.start), and only when the variable is set."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
+import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from workers.layers.linear import weakly_bound
+
+if TYPE_CHECKING:
+    from workers.model_runner import ModelRunner
 
 # Test hook: sleep this many microseconds per token in every decoder layer, so that a tiny model's
 # layers last long enough to observe a preemption between them (set in the environment, so that
@@ -58,7 +63,7 @@ class LayerDelay:
     the vote: where an eager pass and a piecewise-graph step both run Python, so a GPU test's
     long step is slow with graphs on too (observe_attention_ops). A decode step replayed as one
     whole graph is not slowed, on a GPU nor on the CPU stand-in. Paused during the startup
-    passes (kernel warm-up, graph capture), which no test times."""
+    passes (kernel warm-up, graph capture): installed after them."""
 
     def __init__(self, model: torch.nn.Module, seconds_per_token: float) -> None:
         self.seconds_per_token = seconds_per_token
@@ -78,3 +83,33 @@ class LayerDelay:
             yield
         finally:
             self.paused = was_paused
+
+
+# The hook installed on each runner (tests read it through layer_delay_of); weak, so that the
+# hook never keeps a runner alive.
+_installed: weakref.WeakKeyDictionary[ModelRunner, LayerDelay] = weakref.WeakKeyDictionary()
+
+
+def install_layer_delay(runner: ModelRunner) -> LayerDelay | None:
+    """With LAYER_DELAY_ENV set, slow every layer of ``runner``'s model from now on: after the
+    startup passes, which no test times. A whole-graph replay is left unslowed, as a GPU runs
+    none of its attention ops in Python (the CPU stand-in for graphs calls them again)."""
+    delay_us = os.environ.get(LAYER_DELAY_ENV)
+    if not delay_us:
+        return None
+    delay = LayerDelay(runner.model, float(delay_us) * 1e-6)
+    if runner.graphs is not None:
+        replay = weakly_bound(runner.graphs.replay)
+
+        def replay_unslowed(*args: Any, **kwargs: Any) -> Any:
+            with delay.paused_for_a_whole_graph():
+                return replay(*args, **kwargs)
+
+        runner.graphs.replay = replay_unslowed  # type: ignore[method-assign]
+    _installed[runner] = delay
+    return delay
+
+
+def layer_delay_of(runner: ModelRunner) -> LayerDelay | None:
+    """The hook ``install_layer_delay`` put on ``runner``, if any."""
+    return _installed.get(runner)

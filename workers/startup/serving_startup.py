@@ -4,12 +4,10 @@ runs once before serving (the kernel warm-up, then the CUDA graph capture), and 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Iterator
 from types import TracebackType
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,25 +18,6 @@ if TYPE_CHECKING:
     from workers.graphs.piecewise_graphs import PiecewiseGraphs
 
 logger = logging.getLogger(__name__)
-
-
-class Pausable(Protocol):
-    """A test hook that can be paused (workers.preemption.layer_delay.LayerDelay)."""
-
-    paused: bool
-
-
-@contextlib.contextmanager
-def layer_delay_paused(delay: Pausable | None) -> Iterator[None]:
-    """A test hook's sleeps (workers.preemption.layer_delay.LayerDelay) are off during the startup
-    passes: no test times them."""
-    if delay is not None:
-        delay.paused = True
-    try:
-        yield
-    finally:
-        if delay is not None:
-            delay.paused = False
 
 
 def without_graphs(warmup_s: float) -> ServingStartup:
