@@ -221,7 +221,6 @@ class EngineCore:
         if timing is None:
             return self.executor.execute_model(scheduler_output)
         timing.scheduled = scheduler_output
-        timing.requests = [(r.start_pos, len(r.token_ids)) for r in scheduler_output.requests]
         started = time.perf_counter()
         runner_output = self.executor.execute_model(scheduler_output)
         timing.execute_seconds = time.perf_counter() - started

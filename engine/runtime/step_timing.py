@@ -9,7 +9,7 @@ breaks as soon as a method is renamed). An observer is any callable appended to
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.core.scheduler_output import SchedulerOutput
 
@@ -30,8 +30,13 @@ class StepTiming:
     execute_seconds: float = 0.0
     # TP: time rank 0 spent handing the step to the other ranks (ModelRunnerOutput's).
     transport_seconds: float = 0.0
-    # Each scheduled request's (start position, tokens this step): 1 token is a decode.
-    requests: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def requests(self) -> list[tuple[int, int]]:
+        """Each scheduled request's (start position, tokens this step): 1 token is a decode."""
+        if self.scheduled is None:
+            return []
+        return [(r.start_pos, len(r.token_ids)) for r in self.scheduled.requests]
 
 
 # Called from the engine loop's thread as each step returns; it must not raise and must be quick.

@@ -374,11 +374,8 @@ def bench_engine(model_dir: str, device: torch.device, dtype: torch.dtype,
     as it is measured; with profile_steps, then a torch.profiler summary of that many steps of
     each kind under "profile" (engine_profile.py), started only before `profile_deadline` (a
     perf_counter time). `enforce_eager`: as the GPU suite runs it after a failed capture."""
-    llm, steps_log, result = start_engine(model_dir, device, dtype, sizes, seed,
-                                          enforce_eager=enforce_eager)
-    record("startup", result["startup"])
-    vocab = _vocab(model_dir)
-    try:
+
+    def measure(llm: Any, steps_log: list[dict], vocab: int, result: dict[str, Any]) -> None:
         result["prefill"] = measure_prefill(llm, steps_log, vocab, sizes, seed)
         record("prefill", result["prefill"])
         _measure_decode_and_mixed(llm, steps_log, vocab, sizes, sizes["batches"], seed, record,
@@ -387,12 +384,28 @@ def bench_engine(model_dir: str, device: torch.device, dtype: torch.dtype,
             # After every timed figure: profiling slows the steps it records.
             result["profile"] = profile_engine(llm, steps_log, device, vocab, sizes, seed,
                                                result, profile_steps, profile_deadline)
+
+    return _on_an_engine(model_dir, device, dtype, sizes, seed, record, enforce_eager, measure)
+
+
+def _on_an_engine(model_dir: str, device: torch.device, dtype: torch.dtype,
+                  sizes: dict[str, Any], seed: int, record: Record, enforce_eager: bool,
+                  measure: Callable[[Any, list[dict], int, dict[str, Any]], None]
+                  ) -> dict[str, Any]:
+    """Start an engine, record its startup, run `measure(llm, steps_log, vocab, result)`, and
+    release the engine whatever happened: the caller's next engine must not find this one's
+    memory still taken."""
+    llm, steps_log, result = start_engine(model_dir, device, dtype, sizes, seed,
+                                          enforce_eager=enforce_eager)
+    record("startup", result["startup"])
+    vocab = _vocab(model_dir)
+    try:
+        measure(llm, steps_log, vocab, result)
     except BaseException as exc:
         _drop_frames(exc)
         raise
     finally:
         release_engine(llm)
-        # The caller's next engine must not find this one's memory still taken.
         del llm
     return result
 
@@ -429,20 +442,11 @@ def bench_eager(model_dir: str, device: torch.device, dtype: torch.dtype,
 
 def _eager_figures(model_dir: str, device: torch.device, dtype: torch.dtype,
                    sizes: dict[str, Any], seed: int, record: Record) -> dict[str, Any]:
-    llm, steps_log, result = start_engine(model_dir, device, dtype, sizes, seed,
-                                          enforce_eager=True)
-    record("startup", result["startup"])
-    vocab = _vocab(model_dir)
-    try:
+    def measure(llm: Any, steps_log: list[dict], vocab: int, result: dict[str, Any]) -> None:
         _measure_decode_and_mixed(llm, steps_log, vocab, sizes, sizes["eager_batches"], seed,
                                   record, result)
-    except BaseException as exc:
-        _drop_frames(exc)
-        raise
-    finally:
-        release_engine(llm)
-        del llm
-    return result
+
+    return _on_an_engine(model_dir, device, dtype, sizes, seed, record, True, measure)
 
 
 # ---------------------------------------------------------------------------------------------
