@@ -11,7 +11,7 @@ from engine.config import CacheConfig
 from engine.core.request import Request
 
 # Parent of a request's first block: it only seeds the chain.
-_ROOT_HASH = bytes(32)
+ROOT_HASH = bytes(32)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -76,7 +76,7 @@ class KVCacheManager:
         hashes = request.block_hashes
         tokens = request.all_token_ids
         for i in range(len(hashes), len(tokens) // bs):
-            parent = hashes[-1] if hashes else _ROOT_HASH
+            parent = hashes[-1] if hashes else ROOT_HASH
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
