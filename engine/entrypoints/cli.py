@@ -15,10 +15,13 @@ from engine.entrypoints.arg_types import (float_in, int_in, non_negative_float, 
                                           positive_int)
 from engine.entrypoints.calibrate import add_calibrate_parser
 from engine.entrypoints.engine_args import add_engine_args, engine_kwargs, under_torchrun
+from engine.fleet.cli_args import add_fleet_args
 from engine.log import configure_logging
 
 if TYPE_CHECKING:
+    from engine.config import EngineConfig
     from engine.entrypoints.llm import LLM
+    from engine.serving.api_server import ServerSettings
     from engine.sampling_params import SamplingParams
 
 
@@ -145,7 +148,27 @@ def _serve(args: argparse.Namespace) -> int:
         min_ttft_slo_ms=args.min_ttft_slo_ms,
         default_tpot_slo_ms=args.default_tpot_slo_ms,
         metrics_require_api_key=args.metrics_require_api_key)
+    if args.replicas is not None:
+        return _serve_fleet(config, settings, args)
     run_server(config, settings, args.host, args.port, args.log_level)
+    return 0
+
+
+def _serve_fleet(config: EngineConfig, settings: ServerSettings,
+                 args: argparse.Namespace) -> int:
+    """`sloserve serve MODEL --replicas N`: N engines on Ray Serve behind one ingress."""
+    from engine.fleet.cli_args import fleet_options
+
+    options = fleet_options(args)  # bad flags fail before Ray starts
+    try:
+        import ray.serve  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(f"--replicas runs the fleet on Ray Serve, which is not installed "
+                         f"({exc}); install the cluster extra: pip install -e '.[cluster]'"
+                         ) from exc
+    from engine.fleet.launch import serve_fleet
+
+    serve_fleet(config, settings, options, args.host, args.port)
     return 0
 
 
@@ -205,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "a 400 that names this floor (default: none)")
     serve.add_argument("--log-level", default="info")
     add_engine_args(serve)
+    add_fleet_args(serve)
     serve.set_defaults(func=_serve)
     add_calibrate_parser(sub)
     add_bench_parser(sub)

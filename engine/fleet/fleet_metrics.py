@@ -1,0 +1,122 @@
+"""The fleet's /metrics, served by the ingress: what the client sees, and each replica's load.
+
+TTFT is stamped here, at the fleet's edge, when the first chunk carrying output (not chat's
+role-only opening chunk) leaves for the client: the figure the client measures, a few Ray hops
+after the replica's own stamp. Each replica's gauges come from its latest report to the router,
+under the names llm-d's endpoint picker and vLLM dashboards read, labelled by replica.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from starlette.responses import Response
+
+from engine.fleet.load_report import RouteHint
+from engine.fleet.routing import FleetBook
+
+# vLLM's TTFT buckets, so that dashboards built for vLLM read the fleet's histogram as is.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+
+
+class _ReplicaLoads:
+    """A collector that reads the router's book at scrape time."""
+
+    def __init__(self, book: Callable[[], FleetBook | None]) -> None:
+        self._book = book
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        waiting = GaugeMetricFamily("vllm:num_requests_waiting",
+                                    "Requests waiting on each replica (its latest report).",
+                                    labels=["replica"])
+        running = GaugeMetricFamily("vllm:num_requests_running",
+                                    "Requests running on each replica (its latest report).",
+                                    labels=["replica"])
+        kv_usage = GaugeMetricFamily("vllm:kv_cache_usage_perc",
+                                     "Fraction of each replica's KV blocks in use.",
+                                     labels=["replica"])
+        age = GaugeMetricFamily("sloserve:fleet_report_age_seconds",
+                                "How old each replica's latest load report is.",
+                                labels=["replica"])
+        book = self._book()
+        now = time.time()
+        for replica, load in sorted((book.loads() if book is not None else {}).items()):
+            waiting.add_metric([replica], len(load.waiting))
+            running.add_metric([replica], load.num_requests - len(load.waiting))
+            used = 1.0 - load.num_free_blocks / load.num_blocks if load.num_blocks else 0.0
+            kv_usage.add_metric([replica], used)
+            age.add_metric([replica], max(0.0, now - load.made_at))
+        yield from (waiting, running, kv_usage, age)
+
+
+class FleetMetrics:
+    def __init__(self, book: Callable[[], FleetBook | None]) -> None:
+        self.registry = r = CollectorRegistry()
+        r.register(_ReplicaLoads(book))
+        self._ttft = [Histogram(name, "Time to first token at the fleet's edge.",
+                                buckets=TTFT_BUCKETS, registry=r)
+                      for name in ("sloserve:fleet_time_to_first_token_seconds",
+                                   "vllm:time_to_first_token_seconds")]
+        self._slo = Counter("sloserve:fleet_ttft_slo", "Requests with a TTFT objective, by "
+                            "whether their first output reached the client's side in time.",
+                            ["outcome"], registry=r)
+        self._rejected = Counter("sloserve:fleet_rejected", "Requests refused with a 429 "
+                                 "because no replica could meet their TTFT objective "
+                                 "(--on-doomed reject).", registry=r)
+        self._retries = Counter("sloserve:fleet_retries", "Requests tried again on another "
+                                "replica after theirs failed before answering.", registry=r)
+        self._failed = Counter("sloserve:fleet_failed", "Requests that failed because their "
+                               "replica did (mid-stream, or on every try).", registry=r)
+
+    def first_output(self, hint: RouteHint, now: float) -> None:
+        ttft = max(0.0, now - hint.arrived_at)
+        for histogram in self._ttft:
+            histogram.observe(ttft)
+        if hint.ttft_slo_s is not None:
+            self._slo.labels("met" if ttft <= hint.ttft_slo_s else "missed").inc()
+
+    def rejected(self, hint: RouteHint) -> None:
+        self._rejected.inc()
+
+    def retried(self) -> None:
+        self._retries.inc()
+
+    def failed(self, hint: RouteHint | None) -> None:
+        self._failed.inc()
+
+    def response(self) -> Response:
+        return Response(generate_latest(self.registry),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def carries_output(chunk: bytes) -> bool:
+    """Whether a streamed chunk (server-sent events) carries output a client shows: text, or a
+    non-empty chat delta (not the role-only opening chunk). A non-SSE body always does."""
+    if not chunk.startswith(b"data:") and b"\ndata:" not in chunk:
+        return True
+    for line in chunk.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            continue
+        try:
+            event = json.loads(payload)
+        except ValueError:
+            continue
+        for choice in event.get("choices") or ():
+            if choice.get("text") or choice.get("logprobs"):
+                return True
+            delta = choice.get("delta") or {}
+            if any(delta.get(k) for k in ("content", "tool_calls", "reasoning_content")):
+                return True
+            if choice.get("finish_reason") is not None:  # an empty answer: this is its first
+                return True
+        if "error" in event:
+            return True
+    return False

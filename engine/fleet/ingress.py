@@ -1,0 +1,259 @@
+"""The fleet's OpenAI-compatible front door: a Ray Serve deployment in front of the replicas.
+
+Every request is read here once: the API key is checked, a generation request is tokenized for
+its RouteHint (prompt length, TTFT objective, prefix-block hashes) and weighed by admission, and
+the request is forwarded to the replica the router picks (engine.fleet.ray_router), whose engine
+serves it with the single-engine server's own routes. The response streams back unchanged.
+
+Faults: a replica that dies before any byte of its response reached the client is retried on
+another (generation is a pure function of the request: nothing was shown twice); one that dies
+mid-stream ends the stream with an OpenAI-shaped error event. `/health` says `degraded` while
+the fleet runs short of its replicas or a replica stops reporting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ray.exceptions import ActorUnavailableError, RayActorError
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from engine.config import EngineConfig
+from engine.fleet.admission import OnDoomed, assess
+from engine.fleet.asgi_bridge import ForwardedRequest, ResponseStart
+from engine.fleet.fleet_health import FleetHealth
+from engine.fleet.fleet_metrics import FleetMetrics, carries_output
+from engine.fleet.load_report import RouteHint
+from engine.fleet.prefix_hashes import prompt_prefix_hashes
+from engine.fleet.ray_router import fleet_book
+from engine.processing.input_processor import InputProcessor
+from engine.serving.api_server import SLO_HEADER
+from engine.serving.openai_protocol import ChatCompletionRequest, error_body
+
+logger = logging.getLogger(__name__)
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# Routes behind the API key, as on the single-engine server.
+_KEYED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+# A replica that died or cannot be reached; the request is tried on another.
+_REPLICA_GONE = (RayActorError, ActorUnavailableError)
+_HOP_BY_HOP = {b"connection", b"transfer-encoding", b"keep-alive", b"date", b"server"}
+# Prefix blocks hashed for routing at most: the first 64k tokens at block size 16. A prompt
+# longer than that is told apart by its first part.
+MAX_ROUTED_BLOCKS = 4096
+
+
+@dataclass(frozen=True)
+class IngressSettings:
+    engine_deployment: str
+    on_doomed: OnDoomed = "serve"
+    api_key: str | None = None
+    max_request_body_bytes: int = 1 << 20
+    default_ttft_slo_ms: float | None = None
+    # Tries of one request on replicas that die under it before it fails with a 503.
+    forward_attempts: int = 3
+
+
+class FleetIngress:
+    """The ingress deployment's class (engine.fleet.launch wraps it in `serve.deployment`)."""
+
+    async def __init__(self, engine: Any, config: EngineConfig,
+                       settings: IngressSettings) -> None:
+        self.engine = engine.options(stream=True)
+        self.settings = settings
+        self.inputs = InputProcessor.for_model(config.model)
+        self.block_size = config.cache.block_size
+        self.metrics = FleetMetrics(lambda: fleet_book(settings.engine_deployment))
+        self.health = FleetHealth(settings.engine_deployment,
+                                  lambda: fleet_book(settings.engine_deployment))
+        # Tokenizing a 30k-token prompt takes tens of milliseconds: off the event loop, which
+        # relays every open stream.
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1,
+                                                 thread_name_prefix="sloserve-ingress-tokenize")
+        self._expected_auth = (None if settings.api_key is None
+                               else f"Bearer {settings.api_key}".encode())
+        self._warm_up = asyncio.create_task(self._start_router())
+
+    async def _start_router(self) -> None:
+        """Route one request (a replica's /health) so that this process's router exists and
+        follows the replicas' reports before the first client request: admission and /health
+        read its book."""
+        probe = ForwardedRequest(method="GET", path="/health")
+        while True:
+            try:
+                async for _ in self.engine.handle.remote(probe):
+                    pass
+                return
+            except Exception as exc:  # replicas still starting
+                logger.info("fleet ingress: waiting for a replica (%s)", type(exc).__name__)
+                await asyncio.sleep(0.5)
+
+    async def __call__(self, request: Request) -> Response:
+        arrived_at = time.time()
+        path = request.url.path
+        if path == "/health":
+            return await self.health.response()
+        if path == "/metrics":
+            return self.metrics.response()
+        if path.startswith(_KEYED_PREFIXES) and not self._authorized(request):
+            return _error(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
+        body = await request.body()
+        if len(body) > self.settings.max_request_body_bytes:
+            return _error(413, f"request body of {len(body)} bytes is over the limit of "
+                               f"{self.settings.max_request_body_bytes}")
+        forwarded = ForwardedRequest(
+            method=request.method, path=path, query_string=request.url.query.encode(),
+            headers=[(k, v) for k, v in request.headers.raw if k.lower() != b"authorization"],
+            body=body, client=(request.client.host, request.client.port) if request.client
+            else None, arrived_at=arrived_at)
+        hint = None
+        if request.method == "POST" and path in GENERATION_PATHS:
+            hint = await asyncio.get_running_loop().run_in_executor(
+                self._tokenize_pool, self._hint, path, body, request.headers.get(SLO_HEADER),
+                arrived_at)
+            if (refused := self._admit(hint)) is not None:
+                return refused
+        return await self._forward(forwarded, hint)
+
+    def _authorized(self, request: Request) -> bool:
+        if self._expected_auth is None:
+            return True
+        given = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
+        return hmac.compare_digest(given, self._expected_auth)
+
+    # ---- the route hint and admission -------------------------------------------------------
+
+    def _hint(self, path: str, body: bytes, slo_header: str | None,
+              arrived_at: float) -> RouteHint | None:
+        """What the router needs of a generation request; None when the body does not parse
+        (the replica answers it with the server's own 400, which names what is wrong)."""
+        try:
+            data = json.loads(body)
+            if not isinstance(data, dict):
+                return None
+            if path == "/v1/chat/completions":
+                chat = ChatCompletionRequest.model_validate(data)
+                prompts = [self.inputs.apply_chat_template(
+                    [m.as_template_input() for m in chat.messages])]
+            else:
+                prompts = _completion_prompts(data.get("prompt"), self.inputs.encode)
+            slo_ms = data.get("ttft_slo_ms")
+            if slo_ms is None and slo_header is not None:
+                slo_ms = float(slo_header)
+            if slo_ms is None:
+                slo_ms = self.settings.default_ttft_slo_ms
+        except (ValueError, TypeError):
+            return None
+        if not prompts:
+            return None
+        slo_s = None if slo_ms is None or not math.isfinite(float(slo_ms)) else float(slo_ms) / 1e3
+        return RouteHint(request_id=uuid.uuid4().hex, prompt_tokens=sum(map(len, prompts)),
+                         ttft_slo_s=slo_s, arrived_at=arrived_at,
+                         prefix_hashes=prompt_prefix_hashes(prompts[0], self.block_size,
+                                                            MAX_ROUTED_BLOCKS))
+
+    def _admit(self, hint: RouteHint | None) -> Response | None:
+        """A 429 for a request no replica can serve in time, when the operator chose `reject`;
+        None to serve it."""
+        if hint is None or hint.ttft_slo_s is None or self.settings.on_doomed != "reject":
+            return None
+        book = fleet_book(self.settings.engine_deployment)
+        if book is None:  # no request routed yet: nothing is known against it
+            return None
+        admission = assess(book, hint, time.time())
+        if not admission.doomed:
+            return None
+        self.metrics.rejected(hint)
+        predicted_ms = admission.predicted_ttft_s * 1e3
+        message = (f"no replica can serve this request within its TTFT objective of "
+                   f"{hint.ttft_slo_s * 1e3:.0f} ms: the best predicted TTFT is "
+                   f"{predicted_ms:.0f} ms (--on-doomed reject)")
+        content = error_body(message, 429)
+        content["error"]["predicted_ttft_ms"] = round(predicted_ms, 1)
+        return Response(json.dumps(content), 429, media_type="application/json",
+                        headers={"Retry-After": str(admission.retry_after_s)})
+
+    # ---- forwarding -------------------------------------------------------------------------
+
+    async def _forward(self, forwarded: ForwardedRequest, hint: RouteHint | None) -> Response:
+        failure: BaseException | None = None
+        for attempt in range(self.settings.forward_attempts):
+            stream = self.engine.handle.remote(forwarded, hint=hint)
+            try:
+                start = await stream.__anext__()
+            except _REPLICA_GONE as exc:
+                failure = exc
+                self.metrics.retried()
+                logger.warning("a replica failed before answering (%s); trying another "
+                               "(attempt %d)", type(exc).__name__, attempt + 1)
+                continue
+            if not isinstance(start, ResponseStart):
+                raise TypeError(f"a replica answered {type(start).__name__} first")
+            headers = [(k, v) for k, v in start.headers if k.lower() not in _HOP_BY_HOP]
+            sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                      for k, v in headers)
+            response = StreamingResponse(self._relay(stream, hint, sse), status_code=start.status)
+            response.raw_headers = headers
+            return response
+        self.metrics.failed(hint)
+        return _error(503, f"no replica could take the request ({type(failure).__name__}); "
+                           f"the fleet is recovering, retry shortly")
+
+    async def _relay(self, stream: Any, hint: RouteHint | None, sse: bool
+                     ) -> AsyncIterator[bytes]:
+        # A JSON body arrives whole: its first byte is the end of the request, not its TTFT
+        # (the replica's own metrics have that one).
+        awaiting_first = hint is not None and sse
+        finished = False
+        try:
+            async for chunk in stream:
+                yield chunk
+                # Stamped once the chunk is handed to the connection, as the server's edge
+                # clock does (engine.serving.edge_clock).
+                if awaiting_first and carries_output(chunk):
+                    awaiting_first = False
+                    self.metrics.first_output(hint, time.time())
+            finished = True
+        except Exception as exc:  # the replica died mid-response
+            logger.warning("a replica failed mid-response: %s", type(exc).__name__)
+            self.metrics.failed(hint)
+            if not sse:
+                raise  # a JSON body cannot carry an error after it began: the connection ends
+            error = error_body("the replica serving this request failed; the stream ends "
+                               "here (retry the request)", 503)
+            yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+            finished = True
+        finally:
+            if not finished:  # the client went away: the replica aborts the request
+                stream.cancel()
+
+
+def _completion_prompts(prompt: Any, encode: Any) -> list[list[int]]:
+    """The token ids of each prompt of a completions request (a string, a list of them, token
+    ids, or lists of token ids)."""
+    if isinstance(prompt, str):
+        return [encode(prompt)]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        if all(isinstance(p, str) for p in prompt):
+            return [encode(p) for p in prompt]
+        if all(isinstance(p, list) for p in prompt):
+            return [list(p) for p in prompt]
+    return []
+
+
+def _error(status: int, message: str) -> Response:
+    return Response(json.dumps(error_body(message, status)), status,
+                    media_type="application/json")
