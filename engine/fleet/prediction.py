@@ -1,0 +1,256 @@
+"""A request's predicted TTFT on one replica: inserted into that replica's queue, ordered as that
+replica's monitor orders it, prefilled with that replica's step model (docs/design.md, section 10).
+
+The replica's report (`ReplicaLoad`) is aged to `now` (the running step's remaining time and
+every deadline shrink by `now - made_at`), the requests the router sent there since the report
+was made join its queue, and the queue is ordered by the monitor's own functions
+(`monitor.policy.urgency` and `order`: rescuable by priority, doomed ones merged where the
+rescuable ones' slack allows, no deadline last, first come first served). The jobs are then
+prefilled one after another, each `step_model.predict(tokens, decode_context)`: the replica
+batches prefills with its decodes, and the decode context is what every prefill step carries.
+
+The running step either finishes first (`step_remaining_s`), or, when it is preemptible, the
+replica has SLO preemption on and the monitor's gate (`should_slo_preempt`, with its necessity
+test) lets the best waiter stop it, is stopped after PREEMPT_LATENCY_S and its remaining work
+joins the queue in slack order (a suspended pass resumes at its layer: nothing is recomputed).
+
+Not modelled, on purpose: chunked prefill (a sequence of chunks costs about what the whole
+prompt costs), the KV capacity (a replica short of blocks reports a long queue anyway), and
+aging (the report does not carry the replica's aging bound, and an aged request is a miss
+whichever order it then gets).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from engine.fleet.load_report import QueuedRequest, ReplicaLoad, RouteHint
+from engine.fleet.prefix_hashes import cached_prefix_blocks
+from monitor.policy import Urgency, order, should_slo_preempt
+
+# Seconds from the monitor's decision to stop a preemptible step until the waiter's own prefill
+# starts. The vote is read at every attention op, so the step stops at the next layer boundary:
+# on average half a layer, at most one. At GPU time scales (section 9) a 24k-token prefill runs
+# ~37 ms a layer (32 layers in ~1.2 s), so half a layer is ~18 ms; add the monitor's wake-up and
+# the unwind and 20 ms is the expected cost. The report gives the step's remaining time but not
+# its layers, so the latency is this constant, capped by the step's remaining time (a step
+# about to end costs no more than its end).
+PREEMPT_LATENCY_S = 0.020
+
+# Urgency of a job without a deadline (policy.urgency's answer for one), shared: no allocation.
+_FREE = Urgency(math.inf, math.inf, 0.0)
+
+
+class PreparedLoad:
+    """A report and what every routing decision reads of it, computed once per report: the set
+    of its cached prefix hashes and each waiting request's predicted prefill. Decisions then
+    cost arithmetic, not model evaluations (< 1 ms for 8 replicas of ~32 requests each)."""
+
+    __slots__ = ("load", "cached", "waiting_prefill", "running_tokens")
+
+    def __init__(self, load: ReplicaLoad) -> None:
+        self.load = load
+        self.cached: frozenset[int] = frozenset(load.cached_prefix_hashes)
+        model, context = load.step_model, load.decode_context
+        self.waiting_prefill: list[float] = [
+            model.predict(q.remaining_prefill_tokens, context) for q in load.waiting]
+        self.running_tokens = sum(q.remaining_prefill_tokens for q in load.running)
+
+    def prefix_hit_tokens(self, hint: RouteHint, extra_cached: Collection[int] = ()) -> int:
+        """Prompt tokens of `hint` this replica holds in its prefix cache (whole blocks), counting
+        the prefixes of requests sent there since the report (`extra_cached`) as cached: they
+        will be by the time this request's prefill starts behind them."""
+        return self.prefix_hit_blocks(hint, extra_cached) * self.load.block_size
+
+    def prefix_hit_blocks(self, hint: RouteHint, extra_cached: Collection[int] = ()) -> int:
+        if not extra_cached:
+            return cached_prefix_blocks(hint.prefix_hashes, self.cached)
+        hit = 0
+        for h in hint.prefix_hashes:
+            if h not in self.cached and h not in extra_cached:
+                break
+            hit += 1
+        return hit
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A request's predicted outcome on one replica, and what it does to those queued there."""
+
+    # Predicted TTFT of the request, from its arrival (hint.arrived_at): point estimate.
+    ttft_s: float
+    # The bound admission uses: the request served first (after the running step's end, or
+    # after PREEMPT_LATENCY_S where the step can be stopped), its prefill at model.optimistic.
+    optimistic_ttft_s: float
+    # Deadline misses among the replica's requests (the running ones included) without and
+    # with the request (which counts itself), and their summed lateness in seconds.
+    misses_before: int
+    misses_after: int
+    lateness_before_s: float
+    lateness_after_s: float
+    # Leading prompt blocks the replica already holds (its prefix-cache hit).
+    cached_blocks: int
+    # Whether the request's arrival makes the replica stop its running step.
+    preempts: bool
+    # Seconds from now until the replica's queue (without the request) has been prefilled.
+    drain_s: float
+
+    @property
+    def added_misses(self) -> int:
+        return self.misses_after - self.misses_before
+
+    @property
+    def added_lateness_s(self) -> float:
+        return self.lateness_after_s - self.lateness_before_s
+
+
+class _Job:
+    """One prefill as the simulation runs it: its predicted cost, its deadlines (seconds from
+    now; the running step's job carries one per request it serves) and its urgency."""
+
+    __slots__ = ("cost", "deadlines", "urgency", "new")
+
+    def __init__(self, cost: float, deadlines: tuple[float, ...], urgency: Urgency,
+                 new: bool = False) -> None:
+        self.cost = cost
+        self.deadlines = deadlines
+        self.urgency = urgency
+        self.new = new
+
+
+def _urgency(time_to_deadline: float | None, prefill: float, optimistic_prefill: float
+             ) -> Urgency:
+    """monitor.policy.urgency for a request whose remaining prefill is predicted to take
+    `prefill` seconds (`optimistic_prefill` at best) and whose deadline is `time_to_deadline`
+    from now: the same formula, without its aging (see the module's docstring) and without
+    building a RequestView and a predictor call per job, which the routing budget cannot
+    afford (tests/fleet/test_prediction.py checks the two agree)."""
+    if time_to_deadline is None:
+        return _FREE
+    slack = time_to_deadline - prefill
+    doomed = time_to_deadline - min(prefill, optimistic_prefill) <= 0
+    if time_to_deadline == 0:
+        return Urgency(0.0, slack, -math.inf, doomed=True, prefill=prefill)
+    return Urgency(time_to_deadline, slack,
+                   (-1.0 if doomed else 1.0) / abs(time_to_deadline), doomed=doomed,
+                   prefill=prefill)
+
+
+def _gate_opens(waiting: Sequence[_Job], running: Urgency, margin: float,
+                step_remaining_s: float, relative_error: float) -> bool:
+    """Whether the replica's monitor stops its running step for one of `waiting`: its
+    choose_slo_preemption (conservative, the default) on urgencies already computed. `running`:
+    the most urgent request of the running step (the conservative gate weighs W against it)."""
+    scored = [(job.urgency, job) for job in waiting if job.deadlines]
+    if not scored:
+        return False
+    head = order(scored)[0][0]
+    if head.doomed and should_slo_preempt(head, running, margin, step_remaining_s,
+                                          relative_error):
+        return True
+    best = max(scored, key=lambda item: item[0].priority)[0]
+    if best.doomed:
+        return False
+    # Necessity: a waiter whose slack covers the rest of the step (and the model's error on
+    # both) loses nothing by waiting for it.
+    if best.slack >= step_remaining_s + relative_error * (best.prefill + step_remaining_s):
+        return False
+    return should_slo_preempt(best, running, margin)
+
+
+def _run(jobs: Sequence[_Job], start: float) -> tuple[int, float, float, float]:
+    """Prefill `jobs` one after another from `start`: (misses, lateness, the new job's finish
+    (nan without one), the last finish)."""
+    t = start
+    misses = 0
+    lateness = 0.0
+    new_finish = math.nan
+    for job in jobs:
+        t += job.cost
+        for deadline in job.deadlines:
+            if t > deadline:
+                misses += 1
+                lateness += t - deadline
+        if job.new:
+            new_finish = t
+    return misses, lateness, new_finish, t
+
+
+def _schedule(waiting: list[_Job], running: _Job | None, step_remaining: float,
+              preemptible: bool, load: ReplicaLoad) -> tuple[float, list[_Job], bool]:
+    """When the queue starts and in what order: (start, jobs, whether the step is stopped)."""
+    if running is None:
+        return 0.0, [job for _, job in order([(job.urgency, job) for job in waiting])], False
+    model = load.step_model
+    if preemptible and _gate_opens(waiting, running.urgency, load.preempt_margin,
+                                   step_remaining, model.relative_error):
+        latency = min(step_remaining, PREEMPT_LATENCY_S)
+        rest = _Job(step_remaining - latency, running.deadlines, running.urgency)
+        ranked = order([(job.urgency, job) for job in [rest, *waiting]])
+        return latency, [job for _, job in ranked], True
+    ranked = order([(job.urgency, job) for job in waiting])
+    return 0.0, [running, *(job for _, job in ranked)], False
+
+
+def predict(load: ReplicaLoad | PreparedLoad, unreported: Sequence[RouteHint], hint: RouteHint,
+            now: float) -> Prediction:
+    """`hint`'s predicted TTFT on the replica that reported `load`, to which the router has
+    sent `unreported` since the report was made (oldest first), at wall-clock `now`."""
+    prepared = load if isinstance(load, PreparedLoad) else PreparedLoad(load)
+    load = prepared.load
+    model, context = load.step_model, load.decode_context
+    age = max(0.0, now - load.made_at)
+    step_remaining = max(0.0, load.step_remaining_s - age)
+
+    def queued(q: QueuedRequest, prefill: float) -> _Job:
+        ttd = None if q.time_to_deadline_s is None else q.time_to_deadline_s - age
+        return _Job(prefill, () if ttd is None else (ttd,),
+                    _urgency(ttd, prefill, model.optimistic(prefill)))
+
+    def sent(h: RouteHint, extra_cached: Collection[int], new: bool = False) -> _Job:
+        tokens = max(0, h.prompt_tokens - prepared.prefix_hit_tokens(h, extra_cached))
+        # A fully cached prompt still computes its last token (the engine recomputes it).
+        prefill = model.predict(max(tokens, 1), context)
+        deadline = h.deadline()
+        ttd = None if deadline is None else deadline - now
+        return _Job(prefill, () if ttd is None else (ttd,),
+                    _urgency(ttd, prefill, model.optimistic(prefill)), new)
+
+    waiting = [queued(q, p) for q, p in zip(load.waiting, prepared.waiting_prefill)]
+    extra: set[int] = set()
+    for h in unreported:
+        waiting.append(sent(h, extra))
+        extra.update(h.prefix_hashes)
+    new = sent(hint, extra, new=True)
+
+    running: _Job | None = None
+    if step_remaining > 0 or load.running:
+        # The running step: its requests' first tokens come out when it ends. Its urgency is
+        # that of its most urgent request (what the conservative gate weighs a waiter against).
+        deadlines = tuple(q.time_to_deadline_s - age for q in load.running
+                          if q.time_to_deadline_s is not None)
+        ttd = min(deadlines) if deadlines else None
+        running = _Job(step_remaining, deadlines,
+                       _urgency(ttd, step_remaining, model.optimistic(step_remaining)))
+    preemptible = load.step_preemptible and load.slo_preemption and step_remaining > 0
+
+    start, jobs, stopped_before = _schedule(waiting, running, step_remaining, preemptible, load)
+    misses_before, lateness_before, _, drain = _run(jobs, start)
+    start, jobs, stopped_after = _schedule([*waiting, new], running, step_remaining,
+                                           preemptible, load)
+    misses_after, lateness_after, finish, _ = _run(jobs, start)
+
+    waited = max(0.0, now - hint.arrived_at)
+    first = min(step_remaining, PREEMPT_LATENCY_S) if preemptible else step_remaining
+    blocks = prepared.prefix_hit_blocks(hint, extra)
+    return Prediction(
+        ttft_s=waited + finish,
+        optimistic_ttft_s=waited + first + model.optimistic(new.cost),
+        misses_before=misses_before, misses_after=misses_after,
+        lateness_before_s=lateness_before, lateness_after_s=lateness_after,
+        cached_blocks=blocks,
+        # Only a stop the new request causes: one that happens without it is in both runs.
+        preempts=stopped_after and not stopped_before,
+        drain_s=drain)

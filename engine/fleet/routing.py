@@ -1,0 +1,233 @@
+"""The fleet router's bookkeeping and its policies, as pure code (no Ray: engine.fleet.ray_router
+wraps it in a Ray Serve RequestRouter).
+
+`FleetBook` keeps, per replica, the latest `ReplicaLoad`, the requests sent there since that
+report was made, the requests sent and not yet completed, and whether the report is fresh.
+`FleetBook.rank` orders candidate replicas for a request as Ray Serve's `choose_replicas`
+returns them: a list of ranks, the first most preferred, every candidate in exactly one (Ray
+falls back down the list when a replica refuses). Each rank holds one replica: the policies
+below give a full order, and leaving the pick among equals to Ray would undo it.
+
+Policies (`RouterPolicy`):
+- "slack": the request's predicted TTFT on every replica (engine.fleet.prediction); the
+  replica that adds the fewest deadline misses (the request's own and those queued there),
+  then the longest prefix-cache hit (affinity keeps a document's blocks in one place), then the
+  least predicted TTFT. A request without a deadline cannot miss anything: power of two
+  choices on load (`_load`). Stale replicas (no report for `stale_after_s`) come after every
+  fresh one, by load: the router cannot predict on them.
+- "pow2": power of two choices on the requests in flight (Ray Serve's default: the baseline).
+- "least-queue": vLLM's data-parallel balancing, `waiting * 4 + running`, from the reports plus
+  the requests sent since.
+- "round-robin".
+- "prefix": the most cached leading blocks, then "least-queue"'s score.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+from engine.fleet.load_report import ReplicaLoad, RouteHint
+from engine.fleet.prediction import PreparedLoad, Prediction, predict
+
+RouterPolicy = Literal["slack", "pow2", "least-queue", "round-robin", "prefix"]
+ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
+
+# How often a replica reports its load (seconds), and after how many missed reports the router
+# stops trusting it: three periods ride out one late report and a GC pause without calling a
+# live replica dead, and are still short against a TTFT objective's seconds.
+DEFAULT_REPORT_PERIOD_S = 0.1
+STALE_AFTER_PERIODS = 3
+
+# A request sent before `made_at` minus this is taken as already in the report. Covers the
+# delivery from the router to the replica's engine queue (a Ray actor call and the ingress:
+# a few ms to tens of ms) and the NTP skew between nodes (ms). A request inside the allowance
+# may be counted twice (in the report and as unreported): a conservative error, the replica
+# then looks a request busier than it is for one report period.
+SEND_SKEW_S = 0.05
+
+
+@dataclass
+class ReplicaState:
+    """What the router knows of one replica."""
+
+    prepared: PreparedLoad | None = None
+    # Sent since the report was made (oldest first): the report does not count them yet.
+    unreported: list[tuple[float, RouteHint]] = field(default_factory=list)
+    # Sent by this router and not completed yet.
+    in_flight: set[str] = field(default_factory=set)
+
+    @property
+    def load(self) -> ReplicaLoad | None:
+        return None if self.prepared is None else self.prepared.load
+
+    def unreported_hints(self) -> list[RouteHint]:
+        return [hint for _, hint in self.unreported]
+
+
+class FleetBook:
+    """The router's view of the fleet. Not thread-safe: Ray Serve's router runs on one event
+    loop, which calls every method."""
+
+    def __init__(self, *, report_period_s: float = DEFAULT_REPORT_PERIOD_S,
+                 stale_after_s: float | None = None, send_skew_s: float = SEND_SKEW_S,
+                 seed: int | None = None) -> None:
+        self.report_period_s = report_period_s
+        self.stale_after_s = (STALE_AFTER_PERIODS * report_period_s if stale_after_s is None
+                              else stale_after_s)
+        self.send_skew_s = send_skew_s
+        self.replicas: dict[str, ReplicaState] = {}
+        self.rng = random.Random(seed)
+        self._round_robin = 0
+
+    # -- events ------------------------------------------------------------------------------
+
+    def _state(self, replica_id: str) -> ReplicaState:
+        state = self.replicas.get(replica_id)
+        if state is None:
+            state = self.replicas[replica_id] = ReplicaState()
+        return state
+
+    def on_report(self, replica_id: str, load: ReplicaLoad) -> None:
+        """A replica's new report. An older one than the report held (reordered delivery) is
+        ignored. Requests sent before it was made (less the skew allowance) are in it now."""
+        state = self._state(replica_id)
+        if state.load is not None and load.made_at < state.load.made_at:
+            return
+        state.prepared = PreparedLoad(load)
+        cutoff = load.made_at - self.send_skew_s
+        state.unreported = [(at, hint) for at, hint in state.unreported if at >= cutoff]
+
+    def on_sent(self, replica_id: str, hint: RouteHint, now: float) -> None:
+        state = self._state(replica_id)
+        state.unreported.append((now, hint))
+        state.in_flight.add(hint.request_id)
+
+    def on_completed(self, replica_id: str, request_id: str) -> None:
+        state = self.replicas.get(replica_id)
+        if state is None:
+            return
+        state.in_flight.discard(request_id)
+        state.unreported = [(at, h) for at, h in state.unreported if h.request_id != request_id]
+
+    def on_removed(self, replica_id: str) -> None:
+        self.replicas.pop(replica_id, None)
+
+    # -- views -------------------------------------------------------------------------------
+
+    def is_fresh(self, replica_id: str, now: float) -> bool:
+        """Whether the replica has reported within `stale_after_s`: only then is it predicted
+        on (a replica that stopped reporting may be dead, hung or partitioned)."""
+        state = self.replicas.get(replica_id)
+        return (state is not None and state.load is not None
+                and now - state.load.made_at <= self.stale_after_s)
+
+    def in_flight(self, replica_id: str) -> int:
+        state = self.replicas.get(replica_id)
+        return 0 if state is None else len(state.in_flight)
+
+    def load_of(self, replica_id: str) -> int:
+        """Requests at the replica as far as the router can tell: those its report counts plus
+        those sent since, or the router's own in-flight requests where that is more (a missing
+        or stale report, or requests the report has not caught up with)."""
+        state = self.replicas.get(replica_id)
+        if state is None:
+            return 0
+        reported = 0 if state.load is None else state.load.num_requests + len(state.unreported)
+        return max(reported, len(state.in_flight))
+
+    def queue_score(self, replica_id: str) -> int:
+        """vLLM's data-parallel balancing score, `waiting * 4 + running`: the report's waiting
+        plus the requests sent since it (they are waiting when they arrive), its running
+        (prefilling and decoding). Without a report: the in-flight requests, as waiting."""
+        state = self.replicas.get(replica_id)
+        if state is None:
+            return 0
+        load = state.load
+        if load is None:
+            return 4 * len(state.in_flight)
+        waiting = len(load.waiting) + len(state.unreported)
+        return 4 * waiting + len(load.running) + load.num_decoding
+
+    def prefix_blocks(self, replica_id: str, hint: RouteHint) -> int:
+        """Leading blocks of `hint`'s prompt the replica holds (or will, once the requests sent
+        there since its report are prefilled)."""
+        state = self.replicas.get(replica_id)
+        if state is None or state.prepared is None:
+            return 0
+        extra: set[int] = set()
+        for _, sent in state.unreported:
+            extra.update(sent.prefix_hashes)
+        return state.prepared.prefix_hit_blocks(hint, extra)
+
+    def predict(self, replica_id: str, hint: RouteHint, now: float) -> Prediction | None:
+        """`hint`'s prediction on the replica (None: no report)."""
+        state = self.replicas.get(replica_id)
+        if state is None or state.prepared is None:
+            return None
+        return predict(state.prepared, state.unreported_hints(), hint, now)
+
+    def predictions(self, candidate_ids: Sequence[str], hint: RouteHint, now: float
+                    ) -> dict[str, Prediction]:
+        """Predictions on the fresh candidates."""
+        out: dict[str, Prediction] = {}
+        for rid in candidate_ids:
+            if self.is_fresh(rid, now):
+                prediction = self.predict(rid, hint, now)
+                if prediction is not None:
+                    out[rid] = prediction
+        return out
+
+    # -- ranking -----------------------------------------------------------------------------
+
+    def rank(self, policy: RouterPolicy, candidate_ids: Sequence[str], hint: RouteHint,
+             now: float, predictions: dict[str, Prediction] | None = None) -> list[list[str]]:
+        """`candidate_ids` ranked for `hint` under `policy`, most preferred first, one replica
+        per rank, every candidate exactly once. `predictions`: the slack policy's, when the
+        caller has them already (admission computes the same)."""
+        ids = list(dict.fromkeys(candidate_ids))  # duplicates once, in the given order
+        if not ids:
+            return []
+        if policy == "slack":
+            ordered = self._rank_slack(ids, hint, now, predictions)
+        elif policy == "pow2":
+            ordered = self._pow2(ids, self.in_flight)
+        elif policy == "least-queue":
+            ordered = sorted(ids, key=self.queue_score)
+        elif policy == "round-robin":
+            ordered = sorted(ids)
+            start = self._round_robin % len(ordered)
+            self._round_robin += 1
+            ordered = ordered[start:] + ordered[:start]
+        elif policy == "prefix":
+            ordered = sorted(ids, key=lambda rid: (-self.prefix_blocks(rid, hint),
+                                                   self.queue_score(rid)))
+        else:
+            raise ValueError(f"router policy must be one of {ROUTER_POLICIES}, got {policy!r}")
+        return [[rid] for rid in ordered]
+
+    def _pow2(self, ids: list[str], load) -> list[str]:
+        """Power of two choices: two replicas at random, the less loaded first; the rest after
+        them in random order (fallbacks only)."""
+        shuffled = ids[:]
+        self.rng.shuffle(shuffled)
+        head = sorted(shuffled[:2], key=load)
+        return head + shuffled[2:]
+
+    def _rank_slack(self, ids: list[str], hint: RouteHint, now: float,
+                    predictions: dict[str, Prediction] | None) -> list[str]:
+        fresh = [rid for rid in ids if self.is_fresh(rid, now)]
+        fresh_set = set(fresh)
+        stale = sorted((rid for rid in ids if rid not in fresh_set), key=self.load_of)
+        if hint.ttft_slo_s is None:
+            return self._pow2(fresh, self.load_of) + stale
+        known = predictions or {}
+
+        def key(rid: str) -> tuple[int, int, float]:
+            p = known.get(rid) or self.predict(rid, hint, now)
+            assert p is not None  # fresh: it has a report
+            return (p.added_misses, -p.cached_blocks, p.ttft_s)
+
+        return sorted(fresh, key=key) + stale

@@ -1,0 +1,147 @@
+"""engine.fleet.prediction: a request's TTFT on one replica, by hand-computed scenarios."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.fleet.prediction import PREEMPT_LATENCY_S, PreparedLoad, _urgency, predict
+from monitor.policy import RequestView, urgency
+from tests.fleet.builders import MODEL, NOW, hint, load, prefill
+
+
+def test_idle_replica_serves_at_once():
+    p = predict(load(), [], hint(tokens=1000, slo=1.0), NOW)
+    assert p.ttft_s == pytest.approx(prefill(1000))  # 0.07
+    assert p.optimistic_ttft_s == pytest.approx(0.9 * prefill(1000))
+    assert (p.misses_before, p.misses_after, p.drain_s) == (0, 0, 0.0)
+    assert not p.preempts
+
+
+def test_time_waited_since_arrival_counts_in_ttft():
+    p = predict(load(), [], hint(tokens=1000, slo=1.0, arrived_at=NOW - 0.5), NOW)
+    assert p.ttft_s == pytest.approx(0.5 + prefill(1000))
+
+
+def test_report_is_aged_to_now():
+    # Made 0.1 s ago: the step has 0.2 s left, the waiter 0.1 s to its deadline. It finishes at
+    # 0.2 + 0.07 = 0.27, late by 0.17; the new request (no deadline) after it at 0.34.
+    lo = load(made_at=NOW - 0.1, step_remaining_s=0.3, waiting=[(1000, 0.2)])
+    p = predict(lo, [], hint(tokens=1000, slo=None), NOW)
+    assert p.misses_before == p.misses_after == 1
+    assert p.lateness_before_s == pytest.approx(0.17)
+    assert p.ttft_s == pytest.approx(0.2 + 2 * prefill(1000))
+    assert p.drain_s == pytest.approx(0.27)
+
+
+def test_deadline_ahead_of_no_deadline_and_tightest_first():
+    lo = load(waiting=[(8192, None), (1000, 5.0)])
+    urgent = predict(lo, [], hint(tokens=128, slo=0.15), NOW)
+    assert urgent.ttft_s == pytest.approx(prefill(128))
+    assert urgent.added_misses == 0
+    # Without a deadline: first come first served, after the deadline one.
+    free = predict(lo, [], hint(tokens=128, slo=None), NOW)
+    assert free.ttft_s == pytest.approx(prefill(8192) + prefill(1000) + prefill(128))
+
+
+def test_preemptible_long_prefill_is_stopped_for_an_urgent_waiter():
+    # Replica A of the routing scenario: 1.2 s left of a 30k-token prefill without a deadline.
+    lo = load(running=[(30_000, None)], step_remaining_s=1.2, step_preemptible=True)
+    p = predict(lo, [], hint(tokens=128, slo=0.15), NOW)
+    assert p.preempts
+    assert p.ttft_s == pytest.approx(PREEMPT_LATENCY_S + prefill(128))
+    assert p.optimistic_ttft_s == pytest.approx(PREEMPT_LATENCY_S + 0.9 * prefill(128))
+    assert p.added_misses == 0
+
+
+@pytest.mark.parametrize("preemptible,slo_preemption", [(False, True), (True, False)])
+def test_step_not_stopped_without_preemption(preemptible, slo_preemption):
+    lo = load(running=[(30_000, None)], step_remaining_s=1.2, step_preemptible=preemptible,
+              slo_preemption=slo_preemption)
+    p = predict(lo, [], hint(tokens=128, slo=0.15), NOW)
+    assert not p.preempts
+    assert p.ttft_s == pytest.approx(1.2 + prefill(128))
+    assert p.optimistic_ttft_s == pytest.approx(1.2 + 0.9 * prefill(128))
+    assert p.added_misses == 1
+
+
+def test_necessity_a_waiter_whose_slack_covers_the_step_waits():
+    lo = load(running=[(30_000, None)], step_remaining_s=1.2, step_preemptible=True)
+    p = predict(lo, [], hint(tokens=128, slo=5.0), NOW)
+    assert not p.preempts
+    assert p.ttft_s == pytest.approx(1.2 + prefill(128))
+
+
+def test_interrupted_prefill_keeps_its_remaining_work_and_can_miss():
+    # The running request's deadline is 1.21 s away: alone it finishes at 1.2 (met). Stopped
+    # for the urgent one, its remaining 1.18 s run after it: 0.02 + 0.03512 + 1.18 > 1.21.
+    lo = load(running=[(30_000, 1.21)], step_remaining_s=1.2, step_preemptible=True)
+    p = predict(lo, [], hint(tokens=128, slo=0.15), NOW)
+    assert p.preempts
+    assert p.misses_before == 0 and p.misses_after == 1
+    assert p.lateness_after_s == pytest.approx(PREEMPT_LATENCY_S + prefill(128) + 1.18 - 1.21)
+    # A deadline 1.5 s away survives the interruption.
+    lo = load(running=[(30_000, 1.5)], step_remaining_s=1.2, step_preemptible=True)
+    assert predict(lo, [], hint(tokens=128, slo=0.15), NOW).added_misses == 0
+
+
+def test_unreported_sends_queue_ahead_fcfs():
+    sent = hint("doc", tokens=8192, slo=None)
+    p = predict(load(), [sent], hint(tokens=128, slo=None), NOW)
+    assert p.ttft_s == pytest.approx(prefill(8192) + prefill(128))
+    assert p.drain_s == pytest.approx(prefill(8192))
+
+
+def test_prefix_cache_hit_shortens_the_prefill():
+    lo = load(cached=range(1, 101))  # 100 blocks of 16 tokens
+    p = predict(lo, [], hint(tokens=2048, slo=1.0, prefix=range(1, 129)), NOW)
+    assert p.cached_blocks == 100
+    assert p.ttft_s == pytest.approx(prefill(2048 - 1600))
+
+
+def test_prefix_of_an_unreported_send_counts_as_cached():
+    sent = hint("doc", tokens=2048, slo=None, prefix=range(1, 129))
+    p = predict(load(), [sent], hint(tokens=2100, slo=None, prefix=range(1, 129)), NOW)
+    assert p.cached_blocks == 128
+    assert p.ttft_s == pytest.approx(prefill(2048) + prefill(2100 - 2048))
+
+
+def test_prepared_load_gives_the_same_answer():
+    lo = load(waiting=[(1000, 0.5), (4000, None)], running=[(2000, 1.0)], step_remaining_s=0.1)
+    h = hint(tokens=300, slo=0.4)
+    assert predict(PreparedLoad(lo), [], h, NOW) == predict(lo, [], h, NOW)
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(ttd=st.floats(-5, 5, allow_nan=False), tokens=st.integers(1, 40_000))
+def test_urgency_is_the_monitors(ttd, tokens):
+    ttd = (NOW + ttd) - NOW  # what the monitor sees of an absolute deadline
+    mine = _urgency(ttd, MODEL.predict(tokens), MODEL.optimistic(MODEL.predict(tokens)))
+    theirs = urgency(RequestView("r", NOW + ttd, tokens), NOW, MODEL.predict,
+                     optimistic=lambda t: MODEL.optimistic(MODEL.predict(t)))
+    assert mine.doomed == theirs.doomed
+    assert mine.priority == pytest.approx(theirs.priority)
+    assert mine.slack == pytest.approx(theirs.slack)
+    assert mine.time_to_deadline == pytest.approx(theirs.time_to_deadline)
+
+
+queued = st.tuples(st.integers(1, 30_000), st.one_of(st.none(), st.floats(-1.0, 5.0)))
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(waiting=st.lists(queued, max_size=12), running=st.lists(queued, max_size=2),
+       step=st.floats(0.0, 2.0), tokens=st.integers(1, 30_000),
+       slo=st.one_of(st.none(), st.floats(0.01, 5.0)))
+def test_adding_a_request_never_removes_a_miss_without_preemption(waiting, running, step,
+                                                                  tokens, slo):
+    """Without mid-forward preemption the queue is a fixed order of work and the new request
+    only delays those it goes ahead of: predicted misses and lateness can only grow."""
+    lo = load(waiting=waiting, running=running, step_remaining_s=step)
+    p = predict(lo, [], hint(tokens=tokens, slo=slo), NOW)
+    assert p.misses_after >= p.misses_before
+    assert p.lateness_after_s >= p.lateness_before_s - 1e-9
+    assert p.ttft_s >= p.optimistic_ttft_s - 1e-9
+    assert math.isfinite(p.ttft_s)

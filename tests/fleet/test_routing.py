@@ -1,0 +1,189 @@
+"""engine.fleet.routing: the router's bookkeeping and its five policies."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.fleet.routing import ROUTER_POLICIES, FleetBook
+from tests.fleet.builders import NOW, hint, load
+
+
+def flat(ranks: list[list[str]]) -> list[str]:
+    assert all(len(rank) == 1 for rank in ranks)
+    return [rank[0] for rank in ranks]
+
+
+def scenario_book(a_preemption: bool = True) -> FleetBook:
+    """A: 1.2 s left of a preemptible 30k-token prefill beside 16 decodes. B: an 8k document
+    in a step it cannot stop (0.33 s left) and three more queued, none with a deadline.
+    C: 0.1 s left of a 4k document and four short requests queued, no deadlines."""
+    book = FleetBook(seed=0)
+    book.on_report("A", load(running=[(30_000, None)], step_remaining_s=1.2,
+                             step_preemptible=True, slo_preemption=a_preemption,
+                             num_decoding=16))
+    book.on_report("B", load(running=[(8192, None)], step_remaining_s=0.33,
+                             waiting=[(8192, None)] * 3))
+    book.on_report("C", load(running=[(4096, None)], step_remaining_s=0.1,
+                             waiting=[(200, None)] * 4))
+    return book
+
+
+def test_urgent_request_goes_to_the_replica_whose_long_prefill_it_can_interrupt():
+    # A: 0.02 + 0.035 s (met); C: 0.1 + 0.035 s (met, later); B: 0.33 + 0.035 s (missed).
+    book = scenario_book()
+    assert flat(book.rank("slack", ["A", "B", "C"], hint(tokens=128, slo=0.15), NOW)) == \
+        ["A", "C", "B"]
+
+
+def test_least_queue_sends_it_to_the_shortest_count():
+    # waiting * 4 + running: A 0 + 1 + 16 decodes = 17, B 12 + 1 = 13, C 16 + 1 = 17.
+    book = scenario_book()
+    assert book.queue_score("A") == 17 and book.queue_score("B") == 13
+    assert flat(book.rank("least-queue", ["A", "B", "C"], hint(), NOW))[0] == "B"
+
+
+def test_without_slo_preemption_the_long_prefill_blocks_it():
+    # A: 1.2 + 0.035 s, missed like B's 0.365 s: C alone meets it; B before A on TTFT.
+    book = scenario_book(a_preemption=False)
+    assert flat(book.rank("slack", ["A", "B", "C"], hint(tokens=128, slo=0.15), NOW)) == \
+        ["C", "B", "A"]
+
+
+def test_unreported_sends_count():
+    # Two idle replicas; a 2000-token request with a 150 ms objective takes 0.11 s. A second
+    # one sent where the first went would make one of them late: it goes to the other.
+    book = FleetBook(seed=0)
+    book.on_report("R1", load())
+    book.on_report("R2", load())
+    first = hint("first", tokens=2000, slo=0.15)
+    assert flat(book.rank("slack", ["R1", "R2"], first, NOW)) == ["R1", "R2"]
+    book.on_sent("R1", first, NOW)
+    second = hint("second", tokens=2000, slo=0.15)
+    assert flat(book.rank("slack", ["R1", "R2"], second, NOW))[0] == "R2"
+    assert book.queue_score("R1") == 4 and book.load_of("R1") == 1
+    assert flat(book.rank("least-queue", ["R1", "R2"], second, NOW))[0] == "R2"
+
+
+def test_report_absorbs_sends_made_before_it_less_the_skew():
+    book = FleetBook(send_skew_s=0.05)
+    book.on_report("R", load())
+    book.on_sent("R", hint("early"), NOW)
+    book.on_sent("R", hint("late"), NOW + 0.08)
+    book.on_report("R", load(made_at=NOW + 0.1))
+    assert [h.request_id for h in book.replicas["R"].unreported_hints()] == ["late"]
+    assert book.in_flight("R") == 2  # in flight until completed, reported or not
+    # An older report arriving late changes nothing.
+    book.on_report("R", load(made_at=NOW, waiting=[(100, None)]))
+    assert book.replicas["R"].load.made_at == NOW + 0.1
+
+
+def test_completion_and_removal():
+    book = FleetBook()
+    book.on_report("R", load())
+    book.on_sent("R", hint("x"), NOW)
+    book.on_completed("R", "x")
+    assert book.in_flight("R") == 0 and book.replicas["R"].unreported == []
+    book.on_completed("gone", "x")  # unknown replica: nothing to do
+    book.on_removed("R")
+    assert "R" not in book.replicas
+
+
+def test_stale_replica_is_avoided_unless_nothing_fresh_is_left():
+    book = FleetBook(report_period_s=0.1)  # stale after 0.3 s
+    assert book.stale_after_s == pytest.approx(0.3)
+    book.on_report("old", load(made_at=NOW - 0.5))  # idle, but silent for 0.5 s
+    book.on_report("busy", load(running=[(8192, None)], step_remaining_s=0.3))
+    h = hint(tokens=128, slo=0.15)
+    assert not book.is_fresh("old", NOW) and book.is_fresh("busy", NOW)
+    assert flat(book.rank("slack", ["old", "busy"], h, NOW)) == ["busy", "old"]
+    assert flat(book.rank("slack", ["old", "never"], h, NOW)) in (["old", "never"],
+                                                                  ["never", "old"])
+
+
+def test_prefix_affinity_breaks_ties_between_replicas_that_meet_the_deadline():
+    # R1 holds the prompt's first 64 blocks, behind a 0.2 s step: 0.2 + 0.033 s. R2 is idle
+    # without them: 0.074 s. Both meet 1 s: the cache wins.
+    book = FleetBook()
+    book.on_report("R1", load(cached=range(1, 65), running=[(5000, None)],
+                              step_remaining_s=0.2))
+    book.on_report("R2", load())
+    h = hint(tokens=1100, slo=1.0, prefix=range(1, 69))
+    assert flat(book.rank("slack", ["R2", "R1"], h, NOW)) == ["R1", "R2"]
+    assert flat(book.rank("prefix", ["R2", "R1"], h, NOW)) == ["R1", "R2"]
+    # A tight objective only R2 meets: misses come before affinity.
+    tight = hint(tokens=1100, slo=0.1, prefix=range(1, 69))
+    assert flat(book.rank("slack", ["R1", "R2"], tight, NOW)) == ["R2", "R1"]
+
+
+def test_prefix_policy_ties_go_to_the_shorter_queue():
+    book = FleetBook()
+    book.on_report("R1", load(waiting=[(10, None)] * 3))
+    book.on_report("R2", load(waiting=[(10, None)]))
+    assert flat(book.rank("prefix", ["R1", "R2"], hint(prefix=[7]), NOW)) == ["R2", "R1"]
+
+
+def test_no_deadline_request_under_slack_is_power_of_two_on_load():
+    book = FleetBook(seed=1)
+    book.on_report("idle", load())
+    book.on_report("busy", load(waiting=[(100, None)] * 5))
+    for _ in range(20):
+        assert flat(book.rank("slack", ["busy", "idle"], hint(slo=None), NOW))[0] == "idle"
+
+
+def test_pow2_prefers_fewer_in_flight_of_its_two_and_is_seedable():
+    def picks(seed: int) -> list[str]:
+        book = FleetBook(seed=seed)
+        ids = [f"r{i}" for i in range(8)]
+        for i, rid in enumerate(ids):
+            for j in range(i):
+                book.on_sent(rid, hint(f"{rid}-{j}"), NOW)
+        out = []
+        for _ in range(20):
+            ranked = flat(book.rank("pow2", ids, hint(), NOW))
+            assert book.in_flight(ranked[0]) <= book.in_flight(ranked[1])
+            out.append(ranked[0])
+        return out
+
+    assert picks(3) == picks(3)
+    assert picks(3) != picks(4)
+
+
+def test_round_robin_rotates():
+    book = FleetBook()
+    firsts = [flat(book.rank("round-robin", ["b", "a", "c"], hint(), NOW))[0] for _ in range(4)]
+    assert firsts == ["a", "b", "c", "a"]
+
+
+def test_unknown_policy_and_empty_candidates():
+    book = FleetBook()
+    assert book.rank("slack", [], hint(), NOW) == []
+    with pytest.raises(ValueError):
+        book.rank("fastest", ["a"], hint(), NOW)  # type: ignore[arg-type]
+
+
+replica_load = st.builds(
+    lambda waiting, step, preemptible, age: load(
+        made_at=NOW - age, waiting=waiting, step_remaining_s=step,
+        running=[(4000, None)] if step else [], step_preemptible=preemptible),
+    waiting=st.lists(st.tuples(st.integers(1, 20_000),
+                               st.one_of(st.none(), st.floats(-1, 3))), max_size=6),
+    step=st.floats(0, 1.5), preemptible=st.booleans(), age=st.floats(0, 1))
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(policy=st.sampled_from(ROUTER_POLICIES),
+       loads=st.dictionaries(st.sampled_from("abcdefgh"), st.one_of(st.none(), replica_load),
+                             min_size=1),
+       extra=st.lists(st.sampled_from("abcdefghij"), max_size=3),
+       slo=st.one_of(st.none(), st.floats(0.01, 2)), seed=st.integers(0, 10))
+def test_ranks_hold_every_candidate_exactly_once(policy, loads, extra, slo, seed):
+    book = FleetBook(seed=seed)
+    for rid, lo in loads.items():
+        if lo is not None:
+            book.on_report(rid, lo)
+    candidates = list(loads) + extra
+    ranks = book.rank(policy, candidates, hint(slo=slo), NOW)
+    got = [rid for rank in ranks for rid in rank]
+    assert sorted(got) == sorted(set(candidates))
