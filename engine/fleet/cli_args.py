@@ -7,7 +7,9 @@ import argparse
 
 from engine.entrypoints.arg_types import (float_in, non_negative_float, positive_float,
                                           positive_int)
-from engine.fleet.options import ROUTER_POLICIES, AutoscalingOptions, FleetOptions
+from engine.fleet.autoscaling import ScalingOptions
+from engine.fleet.options import FleetOptions
+from engine.fleet.routing import ROUTER_POLICIES
 
 
 def add_fleet_args(parser: argparse.ArgumentParser) -> None:
@@ -35,19 +37,19 @@ def add_fleet_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--autoscale", action="store_true",
                    help="scale the replicas on predicted urgent attainment (--replicas is the "
                         "initial count)")
-    g.add_argument("--min-replicas", type=positive_int, default=AutoscalingOptions.min_replicas)
-    g.add_argument("--max-replicas", type=positive_int, default=AutoscalingOptions.max_replicas)
+    g.add_argument("--min-replicas", type=positive_int, default=ScalingOptions.min_replicas)
+    g.add_argument("--max-replicas", type=positive_int, default=ScalingOptions.max_replicas)
     g.add_argument("--target-attainment", type=float_in(0.0, 1.0, low_open=True),
-                   default=AutoscalingOptions.target_attainment,
+                   default=ScalingOptions.target_attainment,
                    help="add a replica when the fleet's predicted urgent TTFT attainment falls "
                         "below this")
     g.add_argument("--downscale-slack-s", type=non_negative_float,
-                   default=AutoscalingOptions.downscale_slack_s,
+                   default=ScalingOptions.downscale_slack_s,
                    help="remove a replica when every replica's minimum slack stays above this")
     g.add_argument("--upscale-delay-s", type=non_negative_float,
-                   default=AutoscalingOptions.upscale_delay_s)
+                   default=ScalingOptions.upscale_delay_s)
     g.add_argument("--downscale-delay-s", type=non_negative_float,
-                   default=AutoscalingOptions.downscale_delay_s)
+                   default=ScalingOptions.downscale_delay_s)
 
 
 def fleet_options(args: argparse.Namespace) -> FleetOptions:
@@ -58,7 +60,7 @@ def fleet_options(args: argparse.Namespace) -> FleetOptions:
         if args.min_replicas > args.max_replicas:
             raise ValueError(f"--min-replicas {args.min_replicas} is above --max-replicas "
                              f"{args.max_replicas}")
-        autoscaling = AutoscalingOptions(
+        autoscaling = ScalingOptions(
             min_replicas=args.min_replicas, max_replicas=args.max_replicas,
             target_attainment=args.target_attainment, downscale_slack_s=args.downscale_slack_s,
             upscale_delay_s=args.upscale_delay_s, downscale_delay_s=args.downscale_delay_s)

@@ -52,12 +52,13 @@ def build_fleet_app(config: EngineConfig, settings: ServerSettings, options: Fle
         scaling = {"autoscaling_config": {
             "min_replicas": auto.min_replicas, "max_replicas": auto.max_replicas,
             "initial_replicas": min(max(options.replicas, auto.min_replicas), auto.max_replicas),
+            # Ray reads the replicas' record_autoscaling_stats this often.
             # The policy keeps its own delays; Ray's would be applied on top of them.
             "upscale_delay_s": 0.0, "downscale_delay_s": 0.0,
             "metrics_interval_s": max(options.report_period_s, 0.5),
             "look_back_period_s": max(2 * options.report_period_s, 1.0),
             "policy": {"policy_function":
-                       "engine.fleet.autoscaling:deadline_autoscaling_policy",
+                       "engine.fleet.autoscaling:DeadlineAutoscalingPolicy",
                        "policy_kwargs": asdict(auto)}}}
     engine = serve.deployment(
         EngineReplica, name=ENGINE_DEPLOYMENT,
@@ -76,8 +77,7 @@ def build_fleet_app(config: EngineConfig, settings: ServerSettings, options: Fle
                                    "seed": options.router_seed},
             request_routing_stats_period_s=options.report_period_s,
             request_routing_stats_timeout_s=max(1.0, 10 * options.report_period_s)),
-    ).bind(config, _replica_settings(settings),
-           options.autoscaling.window_s if options.autoscaling else 30.0)
+    ).bind(config, _replica_settings(settings), options.attainment_window_s)
     ingress_settings = IngressSettings(
         engine_deployment=ENGINE_DEPLOYMENT, on_doomed=options.on_doomed,
         api_key=settings.api_key, max_request_body_bytes=settings.max_request_body_bytes,

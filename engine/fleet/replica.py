@@ -22,11 +22,25 @@ from collections.abc import AsyncIterator
 
 from engine.config import EngineConfig
 from engine.fleet.asgi_bridge import ForwardedRequest, ResponseStart, call_app
-from engine.fleet.autoscaling import AttainmentWindow
+from engine.fleet.autoscaling import MAX_REPORTED_SLACK_S, AttainmentWindow
+from engine.fleet.fleet_metrics import carries_output
 from engine.fleet.load_report import ReplicaLoad, RouteHint, encode_load
+from engine.fleet.prediction import predict
 from engine.serving.api_server import ServerSettings, build_app
 
 logger = logging.getLogger(__name__)
+
+# Names the replica that served a response (logs, tests, debugging a routing decision).
+REPLICA_HEADER = b"x-sloserve-replica"
+
+
+def _replica_id() -> str:
+    from ray import serve
+
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside a Serve replica (a test constructing the class directly)
+        return f"pid-{os.getpid()}"
 
 
 class EngineReplica:
@@ -40,19 +54,37 @@ class EngineReplica:
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
         self._attainment = AttainmentWindow(window_s=attainment_window_s)
+        self.replica_id = _replica_id()
         self._last_load: ReplicaLoad | None = None
         logger.info("fleet replica ready (pid %d)", os.getpid())
 
     async def handle(self, request: ForwardedRequest, hint: RouteHint | None = None
                      ) -> AsyncIterator[ResponseStart | bytes]:
-        """One HTTP request through the engine's app; `hint` is read by the router, not here."""
-        async for part in call_app(self.app, request):
-            yield part
+        """One HTTP request through the engine's app. `hint` (the router's view of it) feeds
+        the attainment window: its predicted outcome now, its real one at its first output."""
+        deadline = None if hint is None else hint.deadline()
+        if deadline is not None and self._last_load is not None:
+            prediction = predict(self._last_load, (), hint, time.time())
+            self._attainment.on_predicted(hint.request_id, deadline,
+                                          hint.arrived_at + prediction.ttft_s, time.time())
+        awaiting_first = deadline is not None
+        try:
+            async for part in call_app(self.app, request):
+                if isinstance(part, ResponseStart):
+                    part = ResponseStart(status=part.status, headers=[
+                        *part.headers, (REPLICA_HEADER, self.replica_id.encode())])
+                elif awaiting_first and carries_output(part):
+                    awaiting_first = False
+                    self._attainment.on_first_token(hint.request_id, deadline, time.time())
+                yield part
+        finally:
+            if awaiting_first:  # ended (an error, the client gone) before any output
+                self._attainment.forget(hint.request_id)
 
     async def record_routing_stats(self) -> dict[str, bytes]:
         load = await self.client.load_report()
         self._last_load = load
-        self._attainment.observe_load(load, time.time())
+        self._attainment.on_slack(min_slack_s(load), load.made_at)
         return {"load": encode_load(load)}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
@@ -69,3 +101,12 @@ class EngineReplica:
     async def __del__(self) -> None:
         # Ray Serve has drained the replica's requests by now (or given up after its timeout).
         await self._lifespan.__aexit__(None, None, None)
+
+
+def min_slack_s(load: ReplicaLoad) -> float:
+    """The least slack (time to deadline less predicted remaining prefill) among the replica's
+    queued requests with a TTFT objective; MAX_REPORTED_SLACK_S with none: nothing urgent."""
+    slacks = [q.time_to_deadline_s - load.step_model.predict(q.remaining_prefill_tokens,
+                                                             load.decode_context)
+              for q in (*load.waiting, *load.running) if q.time_to_deadline_s is not None]
+    return min(slacks, default=MAX_REPORTED_SLACK_S)
