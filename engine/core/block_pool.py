@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 
 @dataclass(eq=False)
@@ -95,6 +96,11 @@ class BlockPool:
         self.blocks = [KVBlock(block_id=i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[bytes, KVBlock] = {}
+        # The committed hashes again, most recently committed or reused last: a load report
+        # tells the fleet's router the newest few thousand (engine.runtime.load_report). Kept
+        # in order where a hash is committed, reused or evicted, so that a report never scans
+        # the pool.
+        self.recent_hashes: dict[bytes, None] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -123,10 +129,14 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take another reference to (cached) blocks, reviving them if they were free."""
+        recent = self.recent_hashes
         for block in blocks:
             if block.ref_count == 0:
                 self.free_queue.remove(block)
             block.ref_count += 1
+            if block.block_hash is not None:  # a prefix-cache hit: its chain is in use again
+                del recent[block.block_hash]
+                recent[block.block_hash] = None
 
     def free(self, blocks: Sequence[KVBlock]) -> None:
         """Drop one reference to each of a request's blocks, given in block-table order.
@@ -158,12 +168,28 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block
+        self.recent_hashes[block_hash] = None
         return True
 
     def _evict_hash(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             del self.cached_blocks[block.block_hash]
+            del self.recent_hashes[block.block_hash]
             block.block_hash = None
+
+    def newest_hashes(self, limit: int) -> list[bytes]:
+        """The hashes of the `limit` most recently committed or reused cached blocks, most
+        recent last. Safe from another thread while the engine thread commits or evicts:
+        the copy runs in C under the GIL, and is retried in the unlikely case that a thread
+        switch inside it (a finalizer) let the map change."""
+        for _ in range(8):
+            try:
+                newest = list(islice(reversed(self.recent_hashes), limit))
+            except RuntimeError:  # changed size during the copy
+                continue
+            newest.reverse()
+            return newest
+        return []
 
     def check_invariants(self) -> None:
         in_queue = list(self.free_queue)
@@ -181,3 +207,5 @@ class BlockPool:
         assert sum(b.ref_count == 0 for b in self.blocks) == self.num_free_blocks
         for block_hash, block in self.cached_blocks.items():
             assert block.block_hash == block_hash, f"hash map entry for block {block.block_id} is stale"
+        assert self.recent_hashes.keys() == self.cached_blocks.keys(), (
+            "the recently cached hashes differ from the committed ones")

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from engine.config import EngineConfig
+from engine.fleet.load_report import ReplicaLoad
 from engine.ipc.core_messages import (HELLO_MAX_BYTES, AbortRequests, AddRequest, CoreFailed,
-                                  CoreOutputs, CoreReady, FirstOutputDelivered, RequestRejected, ShutdownCore,
+                                  CoreOutputs, CoreReady, FirstOutputDelivered, LoadQuery,
+                                  LoadReport, RequestRejected, ShutdownCore,
                                   encode_config, frame, from_core_decoder, hello_decoder,
                                   read_frame)
 from engine.processing.input_processor import InputProcessor, validate_prompt
@@ -83,6 +85,8 @@ class AsyncEngineClient:
         self._slo_preempt_signal: SLOPreemptSignal | None = None
         self._starting = False
         self._stopping = False  # the server was told to stop (stop_soon)
+        # The load query in flight (one at a time: concurrent askers share its answer).
+        self._load_reply: asyncio.Future[ReplicaLoad] | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -284,6 +288,25 @@ class AsyncEngineClient:
         self._send(FirstOutputDelivered(request_id=request_id, delivered_at=delivered_at),
                    quiet=True)
 
+    async def load_report(self, timeout: float = 1.0) -> ReplicaLoad:
+        """This replica's load (engine.fleet.load_report.ReplicaLoad), as EngineCore reports
+        it now: answered by its reader thread, also while a long step runs. Concurrent callers
+        share one query. Raises TimeoutError past `timeout` seconds (the next call asks
+        afresh), EngineDeadError once the engine is gone."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        reply = self._load_reply
+        if reply is None or reply.done():
+            reply = self._load_reply = asyncio.get_running_loop().create_future()
+            self._send(LoadQuery())
+        try:
+            # Shielded: one caller's timeout or cancellation must not cancel the others' answer.
+            return await asyncio.wait_for(asyncio.shield(reply), timeout)
+        except asyncio.TimeoutError:
+            if self._load_reply is reply:
+                self._load_reply = None  # a lost answer must not hold every later caller
+            raise TimeoutError(f"EngineCore sent no load report within {timeout} s") from None
+
     def _send(self, message, quiet: bool = False) -> None:
         """Queue a frame to EngineCore; `quiet` for best-effort messages (aborts) that have
         nothing left to do once the core is gone."""
@@ -305,6 +328,10 @@ class AsyncEngineClient:
                     self._processor.remove(message.request_id)
                     if (queue := self._queues.get(message.request_id)) is not None:
                         queue.put_nowait(_Finished(ValueError(message.error)))
+                elif isinstance(message, LoadReport):
+                    reply = self._load_reply
+                    if reply is not None and not reply.done():
+                        reply.set_result(message.load)
                 elif isinstance(message, CoreFailed):
                     # The core's text is a traceback: the log gets it, clients get the id.
                     error_id = new_error_id()
@@ -332,6 +359,10 @@ class AsyncEngineClient:
                                  if out.finish_reason == "error" else out)
 
     def _fail_all(self, error: Exception) -> None:
+        reply, self._load_reply = self._load_reply, None
+        if reply is not None and not reply.done():
+            reply.set_exception(error)
+            reply.exception()  # retrieved here: no caller may be waiting on it any more
         for request_id, queue in list(self._queues.items()):
             self._processor.remove(request_id)
             queue.put_nowait(_Finished(error))

@@ -10,11 +10,13 @@ import asyncio
 import select
 import socket
 import struct
+import threading
 from typing import Union
 
 import msgspec
 
 from engine.config import EngineConfig
+from engine.fleet.load_report import ReplicaLoad
 from engine.outputs import EngineCoreOutput, SchedulerStats
 from engine.sampling_params import SamplingParams
 
@@ -57,7 +59,12 @@ class ShutdownCore(msgspec.Struct, tag="shutdown"):
     pass
 
 
-ToCore = Union[AddRequest, FirstOutputDelivered, AbortRequests, ShutdownCore]
+class LoadQuery(msgspec.Struct, tag="load_query"):
+    """Asks for a LoadReport: answered by EngineCore's reader thread at once, also while the
+    engine is inside a step."""
+
+
+ToCore = Union[AddRequest, FirstOutputDelivered, AbortRequests, ShutdownCore, LoadQuery]
 
 
 # ---- EngineCore -> API server -------------------------------------------------------------------
@@ -82,7 +89,13 @@ class CoreFailed(msgspec.Struct, tag="failed", kw_only=True):
     error: str
 
 
-FromCore = Union[CoreReady, CoreOutputs, RequestRejected, CoreFailed]
+class LoadReport(msgspec.Struct, tag="load", kw_only=True):
+    """The answer to a LoadQuery (engine.fleet.load_report)."""
+
+    load: ReplicaLoad
+
+
+FromCore = Union[CoreReady, CoreOutputs, RequestRejected, CoreFailed, LoadReport]
 
 
 class CoreHello(msgspec.Struct, kw_only=True):
@@ -133,9 +146,15 @@ class FrameSocket:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         self._buffer = bytearray()
+        # Two threads send: the engine loop (outputs) and the reader thread (load reports,
+        # answered during a step). sendall may write a frame in several pieces: whole frames
+        # must never interleave.
+        self._send_lock = threading.Lock()
 
     def send(self, message: msgspec.Struct) -> None:
-        self.sock.sendall(frame(message))
+        data = frame(message)
+        with self._send_lock:
+            self.sock.sendall(data)
 
     def receive(self, timeout: float | None) -> list[bytes] | None:
         """Frames that arrive within `timeout` seconds (0: only what is there; None: wait).

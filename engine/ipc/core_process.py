@@ -18,7 +18,7 @@ import traceback
 from types import FrameType
 
 from engine.ipc.core_messages import (AbortRequests, AddRequest, CoreFailed, CoreHello, CoreOutputs,
-                                      FirstOutputDelivered,
+                                      FirstOutputDelivered, LoadQuery, LoadReport,
                                   CoreReady, FrameSocket, RequestRejected, ShutdownCore,
                                   config_decoder, to_core_decoder)
 from engine.runtime.engine_core import EngineCore
@@ -114,8 +114,9 @@ _ARRIVED = object()  # a request was handed to the engine: wake the loop
 
 def _read_messages(core: EngineCore, channel: FrameSocket, events: queue.SimpleQueue) -> None:
     """Reader thread: hands new requests to the engine (and so to the monitor) the moment they
-    arrive, also while the main thread is inside a forward pass; everything else is queued for
-    the main thread, which is the only one that touches the scheduler or sends."""
+    arrive, also while the main thread is inside a forward pass, and answers load queries at
+    once from what the engine publishes (EngineCore.load_report); everything else is queued
+    for the main thread, which is the only one that touches the scheduler."""
     while True:
         try:
             frames = channel.receive(timeout=None)
@@ -135,10 +136,26 @@ def _read_messages(core: EngineCore, channel: FrameSocket, events: queue.SimpleQ
             elif isinstance(message, FirstOutputDelivered):
                 # Read by the next schedule(): the loop need not wake for it.
                 core.note_first_output(message.request_id, message.delivered_at)
+            elif isinstance(message, LoadQuery):
+                _answer_load_query(core, channel)
             else:
                 events.put(message)
             if isinstance(message, ShutdownCore):
                 return
+
+
+def _answer_load_query(core: EngineCore, channel: FrameSocket) -> None:
+    try:
+        report = core.load_report()
+    except Exception:
+        # A report is advice to a router: a failure to build one (a bug) must not end the
+        # reader thread, and with it the engine. The asker times out and asks again.
+        logger.exception("EngineCore: building a load report failed")
+        return
+    try:
+        channel.send(LoadReport(load=report))
+    except OSError:  # the API server is gone: this thread learns it from receive
+        pass
 
 
 def _serve(core: EngineCore, channel: FrameSocket, on_sigterm: _StopOnSigterm) -> object:

@@ -17,7 +17,9 @@ from engine.outputs import EngineCoreOutput, SchedulerStats
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
-from engine.runtime.slo_preemption import SLOPreemptionControl
+from engine.fleet.load_report import ReplicaLoad
+from engine.runtime.load_report import LoadTracker
+from engine.runtime.slo_preemption import SLOPreemptionControl, snapshot_of_step
 from engine.runtime.startup_calibration import (StartupCalibration, calibrate_at_startup,
                                                 wants_startup_calibration)
 from engine.runtime.step_observation import observe_step
@@ -101,6 +103,7 @@ class EngineCore:
             # The monitor and the request reader must get the GIL within a fraction of a layer,
             # not after CPython's default 5 ms switch interval.
             sys.setswitchinterval(0.0005)
+        self.load = LoadTracker(config, self.scheduler, signal)
 
     @property
     def max_model_len(self) -> int:
@@ -125,6 +128,7 @@ class EngineCore:
         request to the monitor at once, and hands it to the engine loop for the next step."""
         self.validate_request(request)
         seq = next(self._arrival_seq)
+        self.load.note_arrival(seq, request)  # before the hand-over: never drained unseen
         self._inbox.put((seq, request))
         # A parallel sample waits on its leader's prefill (SiblingGate): stopping a step for
         # it could only delay the prefill it waits on.
@@ -171,6 +175,7 @@ class EngineCore:
         self.scheduler.abort_requests(list(request_ids), status)
         if not self.scheduler.has_unfinished_requests():
             self._deliver_pending_frees()  # no later step will carry them
+            self.load.publish_idle(self._drained_arrivals)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or not self._inbox.empty()
@@ -193,16 +198,24 @@ class EngineCore:
         self._drain_inbox()
         if not self.scheduler.has_unfinished_requests():
             self._deliver_pending_frees()
+            self.load.publish_idle(self._drained_arrivals)
             return []
         scheduler_output = self.scheduler.schedule()
+        snapshot = snapshot_of_step(self.scheduler, scheduler_output, self._drained_arrivals,
+                                    self.model.hf_config.num_hidden_layers)
+        self.load.publish(snapshot)
         if self.slo_preemption is not None:
-            self.slo_preemption.after_schedule(scheduler_output, self._drained_arrivals)
+            self.slo_preemption.after_schedule(scheduler_output, self._drained_arrivals,
+                                               snapshot)
         if scheduler_output.is_empty:
             self._deliver_frees(scheduler_output)
             # Nothing ran and nothing changed: the same empty step would repeat forever. That
             # is one request's problem (it cannot be admitted), never the engine's.
             return [_core_output(r) for r in self.scheduler.fail_stalled()]
-        runner_output = self._execute(scheduler_output, timing)
+        try:
+            runner_output = self._execute(scheduler_output, timing)
+        finally:
+            self.load.step_ended(scheduler_output.step_id)
         if runner_output.status is StepStatus.SLO_PREEMPTED and self.slo_preemption is not None:
             self.slo_preemption.on_preempted(scheduler_output, runner_output)
             return []
@@ -214,6 +227,8 @@ class EngineCore:
             raise EngineStepError(self.dead)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._observe_step_time(scheduler_output, runner_output)
+        if not self.scheduler.has_unfinished_requests():
+            self.load.publish_idle(self._drained_arrivals)
         return [_core_output(r) for r in updated]
 
     def _execute(self, scheduler_output: SchedulerOutput,
@@ -250,6 +265,12 @@ class EngineCore:
         a suspended pass counts only the layers it ran)."""
         observe_step(self.scheduler.slack.predictor, scheduler_output, runner_output,
                      self.model.hf_config.num_hidden_layers)
+
+    def load_report(self) -> ReplicaLoad:
+        """This replica's load now, for a fleet's router. Safe from any thread, also while the
+        engine thread is inside a step: built only from what that thread publishes
+        (engine/runtime/load_report.py)."""
+        return self.load.report()
 
     def stats(self) -> SchedulerStats:
         stats = self.scheduler.stats()

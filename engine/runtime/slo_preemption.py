@@ -7,6 +7,7 @@ monitor's decision to the victim.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -73,7 +74,10 @@ class SLOPreemptionControl:
     def note_arrival(self, seq: int, request: Request) -> None:
         self.monitor.note_arrival(seq, view_of(request))
 
-    def after_schedule(self, output: SchedulerOutput, drained_arrivals: int) -> None:
+    def after_schedule(self, output: SchedulerOutput, drained_arrivals: int,
+                       snapshot: MonitorSnapshot | None = None) -> None:
+        """``snapshot``: the step's full snapshot (snapshot_of_step), when EngineCore already
+        built one for its load report."""
         scheduler = self.scheduler
         slack = scheduler.slack
         if not output.preemptible:
@@ -84,28 +88,15 @@ class SLOPreemptionControl:
                 predictor=slack.predictor.current,
                 drained_arrivals=drained_arrivals))
             return
-        waiting = tuple(view_of(r) for r in scheduler.waiting if not slack.is_held(r.request_id))
-        running: list[RequestView] = []
-        for sr in output.requests:
-            request = scheduler.requests[sr.req_id]
-            if len(sr.token_ids) > 1:
-                running.append(view_of(request, computed_tokens=sr.start_pos,
-                                       slo_preempted=slack.protected_by_rule1(request)))
-        line = slack.predictor.current
-        chunks = [(sr.start_pos, len(sr.token_ids), self._join_layer(sr))
-                  for sr in output.requests]
-        layer_ends = predicted_layer_ends(line.predict_step, chunks, self.num_layers)
-        self.monitor.publish(MonitorSnapshot(
-            step_id=output.step_id, preemptible=output.preemptible, waiting=waiting,
-            running=tuple(running), predictor=line,
-            drained_arrivals=drained_arrivals, started_at=time.monotonic(),
-            predicted_step_s=layer_ends[-1], decode_context=output.decode_context,
-            num_layers=self.num_layers, layer_ends=layer_ends))
-
-    def _join_layer(self, sr: ScheduledRequest) -> int:
-        """The layer a chunk enters the pass at: a resumed one where its pass stopped."""
-        held = self.scheduler.slack.suspended_chunk(sr.req_id) if sr.resume else None
-        return held.layer if held is not None else 0
+        if snapshot is None:
+            snapshot = snapshot_of_step(scheduler, output, drained_arrivals, self.num_layers)
+        # Paused victims resume at a step boundary by the scheduler's own rule: not waiters
+        # the monitor could stop a step for (the load report counts them: their prefill is
+        # owed).
+        waiting = tuple(v for v in snapshot.waiting if not slack.is_held(v.request_id))
+        if len(waiting) != len(snapshot.waiting):
+            snapshot = dataclasses.replace(snapshot, waiting=waiting)
+        self.monitor.publish(snapshot)
 
     def on_preempted(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
         unwound_at = time.monotonic()
@@ -135,6 +126,47 @@ class SLOPreemptionControl:
     def shutdown(self) -> None:
         self.monitor.stop()
         self.signal.close()
+
+
+def snapshot_of_step(scheduler: Scheduler, output: SchedulerOutput, drained_arrivals: int,
+                     num_layers: int) -> MonitorSnapshot:
+    """The scheduler's state as the step it just scheduled leaves it: every waiting request
+    (paused victims included), the requests prefilling in the step, and the step's predicted
+    duration from now (time.monotonic()). Built once per step; the monitor reads it for its
+    decisions, the load report (engine.runtime.load_report) from any thread.
+
+    Layer boundaries only for a preemptible step, whose progress the vote reports layer by
+    layer; another step's duration is one prediction, spread evenly."""
+    slack = scheduler.slack
+    waiting = tuple(view_of(r) for r in scheduler.waiting) if len(scheduler.waiting) else ()
+    running: list[RequestView] = []
+    for sr in output.requests:
+        if len(sr.token_ids) > 1:
+            request = scheduler.requests[sr.req_id]
+            running.append(view_of(request, computed_tokens=sr.start_pos,
+                                   slo_preempted=slack.protected_by_rule1(request)))
+    line = slack.predictor.current
+    decodes = output.decode_context
+    if output.preemptible:
+        chunks = [(sr.start_pos, len(sr.token_ids), _join_layer(scheduler, sr))
+                  for sr in output.requests]
+        layer_ends = predicted_layer_ends(line.predict_step, chunks, num_layers)
+        predicted = layer_ends[-1]
+    else:
+        layer_ends = ()
+        predicted = (line.predict_step(output.num_scheduled_tokens, output.attention_work,
+                                       decodes) if output.requests else 0.0)
+    return MonitorSnapshot(
+        step_id=output.step_id, preemptible=output.preemptible, waiting=waiting,
+        running=tuple(running), predictor=line, drained_arrivals=drained_arrivals,
+        started_at=time.monotonic(), predicted_step_s=predicted, decode_context=decodes,
+        num_layers=num_layers, layer_ends=layer_ends)
+
+
+def _join_layer(scheduler: Scheduler, sr: ScheduledRequest) -> int:
+    """The layer a chunk enters the pass at: a resumed one where its pass stopped."""
+    held = scheduler.slack.suspended_chunk(sr.req_id) if sr.resume else None
+    return held.layer if held is not None else 0
 
 
 def unwind_step(scheduler: Scheduler, output: SchedulerOutput, suspended_req_ids: list[str],

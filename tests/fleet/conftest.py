@@ -1,0 +1,4 @@
+"""Fixtures the fleet tests share: `model`, the tiny model with slowed layers
+(tests/utils/mid_forward.py)."""
+
+from tests.utils.mid_forward import model  # noqa: F401
