@@ -36,7 +36,7 @@ from engine.fleet.fleet_health import FleetHealth
 from engine.fleet.fleet_metrics import FleetMetrics, carries_output
 from engine.fleet.load_report import RouteHint
 from engine.fleet.prefix_hashes import prompt_prefix_hashes
-from engine.fleet.ray_router import fleet_book
+from engine.fleet.book_registry import fleet_book
 from engine.processing.input_processor import InputProcessor
 from engine.serving.api_server import SLO_HEADER
 from engine.serving.openai_protocol import ChatCompletionRequest, error_body

@@ -5,11 +5,12 @@ ReplicaLoad, every report period) and the request's arguments (the ingress passe
 `hint`); the decision itself is engine.fleet.routing's, on a FleetBook that also counts what
 this router sent since each report. One router lives in each process that holds a handle to
 the engine deployment (the ingress replicas); the ingress's admission reads the same book
-(`fleet_book`).
+(engine.fleet.book_registry).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -19,14 +20,8 @@ from ray.serve.request_router import (PendingRequest, ReplicaID, RequestRouter,
 from engine.fleet.load_report import RouteHint, decode_load
 from engine.fleet.routing import FleetBook, RouterPolicy
 
-# The books of the routers in this process, by deployment name: the ingress's admission and
-# /health read the view its router routes on.
-_BOOKS: dict[str, FleetBook] = {}
+logger = logging.getLogger(__name__)
 
-
-def fleet_book(deployment_name: str) -> FleetBook | None:
-    """The book of this process's router for `deployment_name` (None before its first request)."""
-    return _BOOKS.get(deployment_name)
 
 
 class DeadlineRouter(RequestRouter):
@@ -36,12 +31,19 @@ class DeadlineRouter(RequestRouter):
     def initialize_state(self, policy: RouterPolicy = "slack", report_period_s: float = 0.1,
                          seed: int | None = None, **_: Any) -> None:
         self.policy: RouterPolicy = policy
-        self.book = FleetBook(report_period_s=report_period_s, seed=seed)
+        # Stale after five periods, and never under a second: a report reaches the router
+        # through Ray Serve's controller loop (0.1 s) and a long-poll broadcast, 0.1-0.3 s old
+        # on an idle machine and more under load; a live replica must not look dead.
+        self.book = FleetBook(report_period_s=report_period_s, seed=seed,
+                              stale_after_s=max(5 * report_period_s, 1.0))
         # The report each replica's latest stats were decoded from: decode each report once.
         self._decoded: dict[str, bytes] = {}
         # Ray's request id -> (replica, our request id), for on_request_completed.
         self._routed: dict[str, tuple[str, str]] = {}
-        _BOOKS[self._deployment_id.name] = self.book
+        # Imported here, not at the top: see engine.fleet.book_registry.
+        from engine.fleet.book_registry import register
+
+        register(self._deployment_id.name, self.book)
 
     def _refresh(self, replicas: list[RunningReplica]) -> None:
         for replica in replicas:
@@ -54,10 +56,19 @@ class DeadlineRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
-        self._refresh(candidate_replicas)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        hint = _hint_of(pending_request)
-        ranks = self.book.rank(self.policy, list(by_id), hint, time.time())
+        now = time.time()
+        # A request without a hint (a probe, /v1/models, a body the replica will refuse) is
+        # routed as one without a deadline.
+        hint = _hint_of(pending_request) or RouteHint(request_id="", prompt_tokens=0,
+                                                      ttft_slo_s=None, arrived_at=now)
+        try:
+            self._refresh(candidate_replicas)
+            ranks = self.book.rank(self.policy, list(by_id), hint, now)
+        except Exception:
+            # A request must never hang on the router's bug: Ray Serve's own fallback order.
+            logger.exception("fleet router: ranking failed; routing in Ray Serve's order")
+            return [list(candidate_replicas)]
         # One replica per rank: within a rank Ray Serve picks the shortest queue by probing,
         # which would override the decision.
         return [[by_id[rid]] for rank in ranks for rid in rank if rid in by_id]

@@ -180,6 +180,19 @@ class FleetBook:
                     out[rid] = prediction
         return out
 
+    def loads(self) -> dict[str, ReplicaLoad]:
+        """Each replica's latest report (for the fleet's /metrics). Safe to call from another
+        thread than the router's: a snapshot of the dict, whose values are immutable."""
+        return {rid: state.load for rid, state in list(self.replicas.items())
+                if state.load is not None}
+
+    def fresh_and_stale(self, now: float) -> tuple[list[str], list[str]]:
+        """The replicas that reported within `stale_after_s`, and those that did not (for the
+        fleet's /health)."""
+        ids = list(self.replicas)
+        fresh = [rid for rid in ids if self.is_fresh(rid, now)]
+        return fresh, [rid for rid in ids if rid not in set(fresh)]
+
     # -- ranking -----------------------------------------------------------------------------
 
     def rank(self, policy: RouterPolicy, candidate_ids: Sequence[str], hint: RouteHint,
