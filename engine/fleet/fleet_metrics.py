@@ -43,6 +43,12 @@ class _ReplicaLoads:
         age = GaugeMetricFamily("sloserve:fleet_report_age_seconds",
                                 "How old each replica's latest load report is.",
                                 labels=["replica"])
+        prefill = GaugeMetricFamily("sloserve:fleet_queued_prefill_tokens",
+                                    "Prompt tokens each replica still has to prefill (waiting "
+                                    "and running requests).", labels=["replica"])
+        step = GaugeMetricFamily("sloserve:fleet_step_remaining_seconds",
+                                 "Predicted time left in each replica's running step.",
+                                 labels=["replica"])
         book = self._book()
         now = time.time()
         for replica, load in sorted((book.loads() if book is not None else {}).items()):
@@ -51,7 +57,10 @@ class _ReplicaLoads:
             used = 1.0 - load.num_free_blocks / load.num_blocks if load.num_blocks else 0.0
             kv_usage.add_metric([replica], used)
             age.add_metric([replica], max(0.0, now - load.made_at))
-        yield from (waiting, running, kv_usage, age)
+            prefill.add_metric([replica], sum(q.remaining_prefill_tokens
+                                              for q in (*load.waiting, *load.running)))
+            step.add_metric([replica], load.step_remaining_s)
+        yield from (waiting, running, kv_usage, age, prefill, step)
 
 
 class FleetMetrics:
