@@ -145,3 +145,17 @@ def test_adding_a_request_never_removes_a_miss_without_preemption(waiting, runni
     assert p.lateness_after_s >= p.lateness_before_s - 1e-9
     assert p.ttft_s >= p.optimistic_ttft_s - 1e-9
     assert math.isfinite(p.ttft_s)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(jobs=st.lists(st.tuples(st.floats(-1.0, 3.0), st.floats(0.001, 1.0)), max_size=10))
+def test_head_is_the_monitors_first(jobs):
+    from engine.fleet.prediction import _head, _Job
+    from monitor.policy import order
+
+    built = [_Job(cost, (ttd,), _urgency(ttd, cost, 0.9 * cost)) for ttd, cost in jobs]
+    head = _head(built)
+    if not built:
+        assert head is None
+    else:
+        assert head is order([(job.urgency, job) for job in built])[0][0]
