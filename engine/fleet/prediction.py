@@ -5,7 +5,9 @@ The replica's report (`ReplicaLoad`) is aged to `now` (the running step's remain
 every deadline shrink by `now - made_at`), the requests the router sent there since the report
 was made join its queue, and the queue is ordered by the monitor's own functions
 (`monitor.policy.urgency` and `order`: rescuable by priority, doomed ones merged where the
-rescuable ones' slack allows, no deadline last, first come first served). The jobs are then
+rescuable ones' slack allows, no deadline last, first come first served), with the urgencies
+the requests will have when the queue starts (the monitor ranks when it schedules the next
+prefill, after the running step: a request rescuable now may be doomed by then). The jobs are then
 prefilled one after another, each `step_model.predict(tokens, decode_context)`: the replica
 batches prefills with its decodes, and the decode context is what every prefill step carries.
 
@@ -82,7 +84,7 @@ class PreparedLoad:
         for q in load.waiting:
             prefill = model.predict(q.remaining_prefill_tokens, context)
             if q.time_to_deadline_s is None:
-                self.free.append(_Job(prefill, (), _FREE))
+                self.free.append(_Job(prefill, prefill, (), _FREE))
             else:
                 self.timed.append((prefill, model.optimistic(prefill), q.time_to_deadline_s))
 
@@ -135,17 +137,32 @@ class Prediction:
 
 
 class _Job:
-    """One prefill as the simulation runs it: its predicted cost, its deadlines (seconds from
-    now; the running step's job carries one per request it serves) and its urgency."""
+    """One prefill as the simulation runs it: its predicted cost (and at best), its deadlines
+    (seconds from now; the running step's job carries one per request it serves) and its
+    urgency at the decision's `base` time (see predict): computed once, used by both runs."""
 
-    __slots__ = ("cost", "deadlines", "urgency", "new")
+    __slots__ = ("cost", "optimistic", "deadlines", "urgency", "new", "_later")
 
-    def __init__(self, cost: float, deadlines: tuple[float, ...], urgency: _Urgency,
-                 new: bool = False) -> None:
+    def __init__(self, cost: float, optimistic: float, deadlines: tuple[float, ...],
+                 urgency: _Urgency, new: bool = False) -> None:
         self.cost = cost
+        self.optimistic = optimistic
         self.deadlines = deadlines
         self.urgency = urgency
         self.new = new
+        self._later: tuple[float, _Urgency] | None = None
+
+    def urgency_after(self, shift: float) -> _Urgency:
+        """Its urgency `shift` seconds from now (its most urgent deadline's); the last one is
+        kept, since both runs of a decision (without and with the request) rank at the same
+        time."""
+        if not self.deadlines:
+            return _FREE
+        if self._later is not None and self._later[0] == shift:
+            return self._later[1]
+        u = _urgency(min(self.deadlines) - shift, self.cost, self.optimistic)
+        self._later = (shift, u)
+        return u
 
 
 def _urgency(time_to_deadline: float | None, prefill: float, optimistic_prefill: float
@@ -230,28 +247,37 @@ def _run(jobs: Sequence[_Job], start: float) -> tuple[int, float, float, float]:
     return misses, lateness, new_finish, t
 
 
-def _ranked(jobs: Sequence[_Job]) -> list[_Job]:
-    """`jobs` in the replica monitor's order (monitor.policy.order)."""
-    return [job for _, job in order([(job.urgency, job) for job in jobs])]  # type: ignore[misc]
+def _ranked(jobs: Sequence[_Job], start: float, base: float) -> list[_Job]:
+    """`jobs` in the order the replica's monitor gives them when it schedules the next prefill,
+    `start` seconds from now (monitor.policy.order on their urgencies then: ranked now, a
+    request late by the time the running step ends would pass for rescuable). `base`: when
+    the jobs' `urgency` was taken."""
+    if start == base:
+        scored = [(job.urgency, job) for job in jobs]
+    else:
+        scored = [(job.urgency_after(start), job) for job in jobs]
+    return [job for _, job in order(scored)]  # type: ignore[arg-type]
 
 
 def _schedule(timed: list[_Job], free: list[_Job], running: _Job | None,
-              step_remaining: float, preemptible: bool, load: ReplicaLoad
+              step_remaining: float, preemptible: bool, load: ReplicaLoad, base: float
               ) -> tuple[float, list[_Job], bool]:
     """When the queue starts and in what order: (start, jobs, whether the step is stopped).
     `timed`: the waiters with a deadline; `free`: those without, first come first served,
     which the monitor's order puts after all of them (so they skip the sort)."""
     if running is None:
-        return 0.0, _ranked(timed) + free, False
+        return 0.0, _ranked(timed, 0.0, base) + free, False
     if preemptible and _gate_opens(timed, running.urgency, load.preempt_margin,
                                    step_remaining, load.step_model.relative_error):
         latency = min(step_remaining, PREEMPT_LATENCY_S)
         # The interrupted pass resumes at its layer later: its remaining work joins the queue.
-        rest = _Job(step_remaining - latency, running.deadlines, running.urgency)
+        rest_cost = step_remaining - latency
+        rest = _Job(rest_cost, load.step_model.optimistic(rest_cost), running.deadlines,
+                    running.urgency)
         if rest.deadlines:
-            return latency, _ranked([rest, *timed]) + free, True
-        return latency, [*_ranked(timed), rest, *free], True
-    return 0.0, [running, *_ranked(timed), *free], False
+            return latency, _ranked([rest, *timed], latency, base) + free, True
+        return latency, [*_ranked(timed, latency, base), rest, *free], True
+    return 0.0, [running, *_ranked(timed, step_remaining, base), *free], False
 
 
 def predict(load: ReplicaLoad | PreparedLoad, unreported: Sequence[RouteHint], hint: RouteHint,
@@ -264,16 +290,34 @@ def predict(load: ReplicaLoad | PreparedLoad, unreported: Sequence[RouteHint], h
     age = max(0.0, now - load.made_at)
     step_remaining = max(0.0, load.step_remaining_s - age)
 
+    running: _Job | None = None
+    if step_remaining > 0 or load.running:
+        # The running step: its requests' first tokens come out when it ends. Its urgency is
+        # that of its most urgent request (what the conservative gate weighs a waiter against).
+        deadlines = tuple(q.time_to_deadline_s - age for q in load.running
+                          if q.time_to_deadline_s is not None)
+        ttd = min(deadlines) if deadlines else None
+        best_case = model.optimistic(step_remaining)
+        running = _Job(step_remaining, best_case, deadlines,
+                       _urgency(ttd, step_remaining, best_case))
+    preemptible = load.step_preemptible and load.slo_preemption and step_remaining > 0
+    # When the waiters' urgencies are taken: now where the gate weighs them (a stoppable step),
+    # else when the queue starts, where the monitor ranks them (the step's end).
+    base = 0.0 if preemptible or running is None else step_remaining
+
     def sent(h: RouteHint, extra_cached: Collection[int], new: bool = False) -> _Job:
         tokens = max(0, h.prompt_tokens - prepared.prefix_hit_tokens(h, extra_cached))
         # A fully cached prompt still computes its last token (the engine recomputes it).
         prefill = model.predict(max(tokens, 1), context)
         deadline = h.deadline()
-        ttd = None if deadline is None else deadline - now
-        return _Job(prefill, () if ttd is None else (ttd,),
-                    _urgency(ttd, prefill, model.optimistic(prefill)), new)
+        if deadline is None:
+            return _Job(prefill, prefill, (), _FREE, new)
+        best_case = model.optimistic(prefill)
+        ttd = deadline - now
+        return _Job(prefill, best_case, (ttd,), _urgency(ttd - base, prefill, best_case), new)
 
-    timed = [_Job(prefill, (ttd - age,), _urgency(ttd - age, prefill, optimistic))
+    shift = age + base
+    timed = [_Job(prefill, optimistic, (ttd - age,), _urgency(ttd - shift, prefill, optimistic))
              for prefill, optimistic, ttd in prepared.timed]
     free = prepared.free
     extra: set[int] = set()
@@ -285,23 +329,12 @@ def predict(load: ReplicaLoad | PreparedLoad, unreported: Sequence[RouteHint], h
             extra.update(h.prefix_hashes)
     new = sent(hint, extra, new=True)
 
-    running: _Job | None = None
-    if step_remaining > 0 or load.running:
-        # The running step: its requests' first tokens come out when it ends. Its urgency is
-        # that of its most urgent request (what the conservative gate weighs a waiter against).
-        deadlines = tuple(q.time_to_deadline_s - age for q in load.running
-                          if q.time_to_deadline_s is not None)
-        ttd = min(deadlines) if deadlines else None
-        running = _Job(step_remaining, deadlines,
-                       _urgency(ttd, step_remaining, model.optimistic(step_remaining)))
-    preemptible = load.step_preemptible and load.slo_preemption and step_remaining > 0
-
     start, jobs, stopped_before = _schedule(timed, free, running, step_remaining, preemptible,
-                                            load)
+                                            load, base)
     misses_before, lateness_before, _, drain = _run(jobs, start)
     if new.deadlines:
         start, jobs, stopped_after = _schedule([*timed, new], free, running, step_remaining,
-                                               preemptible, load)
+                                               preemptible, load, base)
     else:
         # Without a deadline it goes last and weighs in no gate: the order stands.
         jobs, stopped_after = [*jobs, new], stopped_before
