@@ -129,6 +129,9 @@ class Prediction:
 
     @property
     def added_misses(self) -> int:
+        """Misses the request adds, its own included. Negative where its arrival stops the
+        running step and the queue then served in slack order saves a waiter the gate alone
+        left behind the step (tests/fleet/test_prediction.py has one)."""
         return self.misses_after - self.misses_before
 
     @property
