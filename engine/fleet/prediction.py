@@ -178,7 +178,8 @@ def _urgency(time_to_deadline: float | None, prefill: float, optimistic_prefill:
     if time_to_deadline is None:
         return _FREE
     slack = time_to_deadline - prefill
-    doomed = time_to_deadline - min(prefill, optimistic_prefill) <= 0
+    best_case = optimistic_prefill if optimistic_prefill < prefill else prefill
+    doomed = time_to_deadline - best_case <= 0
     if time_to_deadline == 0:
         return _Urgency(0.0, slack, -math.inf, doomed=True, prefill=prefill)
     return _Urgency(time_to_deadline, slack,
