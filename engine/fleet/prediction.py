@@ -5,7 +5,9 @@ The replica's report (`ReplicaLoad`) is aged to `now` (the running step's remain
 every deadline shrink by `now - made_at`), the requests the router sent there since the report
 was made join its queue, and the queue is ordered by the monitor's own functions
 (`monitor.policy.urgency` and `order`: rescuable by priority, doomed ones merged where the
-rescuable ones' slack allows, no deadline last, first come first served). The jobs are then
+rescuable ones' slack allows, no deadline last, first come first served), with the urgencies
+the requests will have when the queue starts (the monitor ranks when it schedules the next
+prefill, after the running step: a request rescuable now may be doomed by then). The jobs are then
 prefilled one after another, each `step_model.predict(tokens, decode_context)`: the replica
 batches prefills with its decodes, and the decode context is what every prefill step carries.
 
@@ -26,9 +28,9 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from engine.fleet.load_report import QueuedRequest, ReplicaLoad, RouteHint
+from engine.fleet.load_report import ReplicaLoad, RouteHint
 from engine.fleet.prefix_hashes import cached_prefix_blocks
-from monitor.policy import Urgency, order, should_slo_preempt
+from monitor.policy import AGED_PRIORITY, order, should_slo_preempt
 
 # Seconds from the monitor's decision to stop a preemptible step until the waiter's own prefill
 # starts. The vote is read at every attention op, so the step stops at the next layer boundary:
@@ -39,8 +41,28 @@ from monitor.policy import Urgency, order, should_slo_preempt
 # about to end costs no more than its end).
 PREEMPT_LATENCY_S = 0.020
 
+class _Urgency:
+    """monitor.policy.Urgency's fields, in a slotted class: `order` and `should_slo_preempt`
+    read only these attributes, and a routing decision builds hundreds of them (the frozen
+    dataclass's constructor alone would take a fifth of the budget)."""
+
+    __slots__ = ("time_to_deadline", "slack", "priority", "doomed", "prefill")
+
+    def __init__(self, time_to_deadline: float, slack: float, priority: float,
+                 doomed: bool = False, prefill: float = 0.0) -> None:
+        self.time_to_deadline = time_to_deadline
+        self.slack = slack
+        self.priority = priority
+        self.doomed = doomed
+        self.prefill = prefill
+
+    @property
+    def aged(self) -> bool:
+        return self.priority >= AGED_PRIORITY
+
+
 # Urgency of a job without a deadline (policy.urgency's answer for one), shared: no allocation.
-_FREE = Urgency(math.inf, math.inf, 0.0)
+_FREE = _Urgency(math.inf, math.inf, 0.0)
 
 
 class PreparedLoad:
@@ -48,15 +70,23 @@ class PreparedLoad:
     of its cached prefix hashes and each waiting request's predicted prefill. Decisions then
     cost arithmetic, not model evaluations (< 1 ms for 8 replicas of ~32 requests each)."""
 
-    __slots__ = ("load", "cached", "waiting_prefill", "running_tokens")
+    __slots__ = ("load", "cached", "timed", "free")
 
     def __init__(self, load: ReplicaLoad) -> None:
         self.load = load
         self.cached: frozenset[int] = frozenset(load.cached_prefix_hashes)
         model, context = load.step_model, load.decode_context
-        self.waiting_prefill: list[float] = [
-            model.predict(q.remaining_prefill_tokens, context) for q in load.waiting]
-        self.running_tokens = sum(q.remaining_prefill_tokens for q in load.running)
+        # Waiting requests with a deadline: (prefill, optimistic prefill, time to deadline at
+        # made_at); their urgency depends on the report's age, so each decision computes it.
+        self.timed: list[tuple[float, float, float]] = []
+        # Those without one, first come first served: fixed jobs, built once.
+        self.free: list[_Job] = []
+        for q in load.waiting:
+            prefill = model.predict(q.remaining_prefill_tokens, context)
+            if q.time_to_deadline_s is None:
+                self.free.append(_Job(prefill, prefill, (), _FREE))
+            else:
+                self.timed.append((prefill, model.optimistic(prefill), q.time_to_deadline_s))
 
     def prefix_hit_tokens(self, hint: RouteHint, extra_cached: Collection[int] = ()) -> int:
         """Prompt tokens of `hint` this replica holds in its prefix cache (whole blocks), counting
@@ -99,6 +129,9 @@ class Prediction:
 
     @property
     def added_misses(self) -> int:
+        """Misses the request adds, its own included. Negative where its arrival stops the
+        running step and the queue then served in slack order saves a waiter the gate alone
+        left behind the step (tests/fleet/test_prediction.py has one)."""
         return self.misses_after - self.misses_before
 
     @property
@@ -107,21 +140,36 @@ class Prediction:
 
 
 class _Job:
-    """One prefill as the simulation runs it: its predicted cost, its deadlines (seconds from
-    now; the running step's job carries one per request it serves) and its urgency."""
+    """One prefill as the simulation runs it: its predicted cost (and at best), its deadlines
+    (seconds from now; the running step's job carries one per request it serves) and its
+    urgency at the decision's `base` time (see predict): computed once, used by both runs."""
 
-    __slots__ = ("cost", "deadlines", "urgency", "new")
+    __slots__ = ("cost", "optimistic", "deadlines", "urgency", "new", "_later")
 
-    def __init__(self, cost: float, deadlines: tuple[float, ...], urgency: Urgency,
-                 new: bool = False) -> None:
+    def __init__(self, cost: float, optimistic: float, deadlines: tuple[float, ...],
+                 urgency: _Urgency, new: bool = False) -> None:
         self.cost = cost
+        self.optimistic = optimistic
         self.deadlines = deadlines
         self.urgency = urgency
         self.new = new
+        self._later: tuple[float, _Urgency] | None = None
+
+    def urgency_after(self, shift: float) -> _Urgency:
+        """Its urgency `shift` seconds from now (its most urgent deadline's); the last one is
+        kept, since both runs of a decision (without and with the request) rank at the same
+        time."""
+        if not self.deadlines:
+            return _FREE
+        if self._later is not None and self._later[0] == shift:
+            return self._later[1]
+        u = _urgency(min(self.deadlines) - shift, self.cost, self.optimistic)
+        self._later = (shift, u)
+        return u
 
 
 def _urgency(time_to_deadline: float | None, prefill: float, optimistic_prefill: float
-             ) -> Urgency:
+             ) -> _Urgency:
     """monitor.policy.urgency for a request whose remaining prefill is predicted to take
     `prefill` seconds (`optimistic_prefill` at best) and whose deadline is `time_to_deadline`
     from now: the same formula, without its aging (see the module's docstring) and without
@@ -130,34 +178,59 @@ def _urgency(time_to_deadline: float | None, prefill: float, optimistic_prefill:
     if time_to_deadline is None:
         return _FREE
     slack = time_to_deadline - prefill
-    doomed = time_to_deadline - min(prefill, optimistic_prefill) <= 0
+    best_case = optimistic_prefill if optimistic_prefill < prefill else prefill
+    doomed = time_to_deadline - best_case <= 0
     if time_to_deadline == 0:
-        return Urgency(0.0, slack, -math.inf, doomed=True, prefill=prefill)
-    return Urgency(time_to_deadline, slack,
+        return _Urgency(0.0, slack, -math.inf, doomed=True, prefill=prefill)
+    return _Urgency(time_to_deadline, slack,
                    (-1.0 if doomed else 1.0) / abs(time_to_deadline), doomed=doomed,
                    prefill=prefill)
 
 
-def _gate_opens(waiting: Sequence[_Job], running: Urgency, margin: float,
+def _head(timed: Sequence[_Job]) -> _Urgency | None:
+    """The urgency of `order(timed)[0]` without sorting: the gate asks only for the head, and the
+    router cannot afford a second sort per replica. `timed`: jobs with deadlines, none aged (see
+    the module's docstring). In `order`, the doomed job with the earliest deadline goes first
+    iff the least slack among the rescuable ones covers its prefill; else the rescuable one of
+    highest priority (ties: the first given, as order's stable sorts keep them).
+    tests/fleet/test_prediction.py checks it against order."""
+    doomed: _Urgency | None = None
+    best: _Urgency | None = None
+    least_slack = math.inf
+    for job in timed:
+        u = job.urgency
+        if u.doomed:
+            if doomed is None or u.time_to_deadline < doomed.time_to_deadline:
+                doomed = u
+        else:
+            if best is None or u.priority > best.priority:
+                best = u
+            least_slack = min(least_slack, u.slack)
+    if doomed is not None and least_slack >= doomed.prefill:
+        return doomed
+    return best if best is not None else doomed
+
+
+def _gate_opens(timed: Sequence[_Job], running: _Urgency, margin: float,
                 step_remaining_s: float, relative_error: float) -> bool:
-    """Whether the replica's monitor stops its running step for one of `waiting`: its
-    choose_slo_preemption (conservative, the default) on urgencies already computed. `running`:
-    the most urgent request of the running step (the conservative gate weighs W against it)."""
-    scored = [(job.urgency, job) for job in waiting if job.deadlines]
-    if not scored:
+    """Whether the replica's monitor stops its running step for one of the waiters with a
+    deadline, `timed`: its choose_slo_preemption (conservative, the default) on urgencies
+    already computed. `running`: the most urgent request of the running step (the conservative
+    gate weighs the waiter against it)."""
+    head = _head(timed)
+    if head is None:
         return False
-    head = order(scored)[0][0]
-    if head.doomed and should_slo_preempt(head, running, margin, step_remaining_s,
-                                          relative_error):
+    if head.doomed and should_slo_preempt(head, running, margin,  # type: ignore[arg-type]
+                                          step_remaining_s, relative_error):
         return True
-    best = max(scored, key=lambda item: item[0].priority)[0]
+    best = max((job.urgency for job in timed), key=lambda u: u.priority)
     if best.doomed:
         return False
     # Necessity: a waiter whose slack covers the rest of the step (and the model's error on
     # both) loses nothing by waiting for it.
     if best.slack >= step_remaining_s + relative_error * (best.prefill + step_remaining_s):
         return False
-    return should_slo_preempt(best, running, margin)
+    return should_slo_preempt(best, running, margin)  # type: ignore[arg-type]
 
 
 def _run(jobs: Sequence[_Job], start: float) -> tuple[int, float, float, float]:
@@ -178,20 +251,37 @@ def _run(jobs: Sequence[_Job], start: float) -> tuple[int, float, float, float]:
     return misses, lateness, new_finish, t
 
 
-def _schedule(waiting: list[_Job], running: _Job | None, step_remaining: float,
-              preemptible: bool, load: ReplicaLoad) -> tuple[float, list[_Job], bool]:
-    """When the queue starts and in what order: (start, jobs, whether the step is stopped)."""
+def _ranked(jobs: Sequence[_Job], start: float, base: float) -> list[_Job]:
+    """`jobs` in the order the replica's monitor gives them when it schedules the next prefill,
+    `start` seconds from now (monitor.policy.order on their urgencies then: ranked now, a
+    request late by the time the running step ends would pass for rescuable). `base`: when
+    the jobs' `urgency` was taken."""
+    if start == base:
+        scored = [(job.urgency, job) for job in jobs]
+    else:
+        scored = [(job.urgency_after(start), job) for job in jobs]
+    return [job for _, job in order(scored)]  # type: ignore[arg-type]
+
+
+def _schedule(timed: list[_Job], free: list[_Job], running: _Job | None,
+              step_remaining: float, preemptible: bool, load: ReplicaLoad, base: float
+              ) -> tuple[float, list[_Job], bool]:
+    """When the queue starts and in what order: (start, jobs, whether the step is stopped).
+    `timed`: the waiters with a deadline; `free`: those without, first come first served,
+    which the monitor's order puts after all of them (so they skip the sort)."""
     if running is None:
-        return 0.0, [job for _, job in order([(job.urgency, job) for job in waiting])], False
-    model = load.step_model
-    if preemptible and _gate_opens(waiting, running.urgency, load.preempt_margin,
-                                   step_remaining, model.relative_error):
+        return 0.0, _ranked(timed, 0.0, base) + free, False
+    if preemptible and _gate_opens(timed, running.urgency, load.preempt_margin,
+                                   step_remaining, load.step_model.relative_error):
         latency = min(step_remaining, PREEMPT_LATENCY_S)
-        rest = _Job(step_remaining - latency, running.deadlines, running.urgency)
-        ranked = order([(job.urgency, job) for job in [rest, *waiting]])
-        return latency, [job for _, job in ranked], True
-    ranked = order([(job.urgency, job) for job in waiting])
-    return 0.0, [running, *(job for _, job in ranked)], False
+        # The interrupted pass resumes at its layer later: its remaining work joins the queue.
+        rest_cost = step_remaining - latency
+        rest = _Job(rest_cost, load.step_model.optimistic(rest_cost), running.deadlines,
+                    running.urgency)
+        if rest.deadlines:
+            return latency, _ranked([rest, *timed], latency, base) + free, True
+        return latency, [*_ranked(timed, latency, base), rest, *free], True
+    return 0.0, [running, *_ranked(timed, step_remaining, base), *free], False
 
 
 def predict(load: ReplicaLoad | PreparedLoad, unreported: Sequence[RouteHint], hint: RouteHint,
@@ -204,27 +294,6 @@ def predict(load: ReplicaLoad | PreparedLoad, unreported: Sequence[RouteHint], h
     age = max(0.0, now - load.made_at)
     step_remaining = max(0.0, load.step_remaining_s - age)
 
-    def queued(q: QueuedRequest, prefill: float) -> _Job:
-        ttd = None if q.time_to_deadline_s is None else q.time_to_deadline_s - age
-        return _Job(prefill, () if ttd is None else (ttd,),
-                    _urgency(ttd, prefill, model.optimistic(prefill)))
-
-    def sent(h: RouteHint, extra_cached: Collection[int], new: bool = False) -> _Job:
-        tokens = max(0, h.prompt_tokens - prepared.prefix_hit_tokens(h, extra_cached))
-        # A fully cached prompt still computes its last token (the engine recomputes it).
-        prefill = model.predict(max(tokens, 1), context)
-        deadline = h.deadline()
-        ttd = None if deadline is None else deadline - now
-        return _Job(prefill, () if ttd is None else (ttd,),
-                    _urgency(ttd, prefill, model.optimistic(prefill)), new)
-
-    waiting = [queued(q, p) for q, p in zip(load.waiting, prepared.waiting_prefill)]
-    extra: set[int] = set()
-    for h in unreported:
-        waiting.append(sent(h, extra))
-        extra.update(h.prefix_hashes)
-    new = sent(hint, extra, new=True)
-
     running: _Job | None = None
     if step_remaining > 0 or load.running:
         # The running step: its requests' first tokens come out when it ends. Its urgency is
@@ -232,14 +301,47 @@ def predict(load: ReplicaLoad | PreparedLoad, unreported: Sequence[RouteHint], h
         deadlines = tuple(q.time_to_deadline_s - age for q in load.running
                           if q.time_to_deadline_s is not None)
         ttd = min(deadlines) if deadlines else None
-        running = _Job(step_remaining, deadlines,
-                       _urgency(ttd, step_remaining, model.optimistic(step_remaining)))
+        best_case = model.optimistic(step_remaining)
+        running = _Job(step_remaining, best_case, deadlines,
+                       _urgency(ttd, step_remaining, best_case))
     preemptible = load.step_preemptible and load.slo_preemption and step_remaining > 0
+    # When the waiters' urgencies are taken: now where the gate weighs them (a stoppable step),
+    # else when the queue starts, where the monitor ranks them (the step's end).
+    base = 0.0 if preemptible or running is None else step_remaining
 
-    start, jobs, stopped_before = _schedule(waiting, running, step_remaining, preemptible, load)
+    def sent(h: RouteHint, extra_cached: Collection[int], new: bool = False) -> _Job:
+        tokens = max(0, h.prompt_tokens - prepared.prefix_hit_tokens(h, extra_cached))
+        # A fully cached prompt still computes its last token (the engine recomputes it).
+        prefill = model.predict(max(tokens, 1), context)
+        deadline = h.deadline()
+        if deadline is None:
+            return _Job(prefill, prefill, (), _FREE, new)
+        best_case = model.optimistic(prefill)
+        ttd = deadline - now
+        return _Job(prefill, best_case, (ttd,), _urgency(ttd - base, prefill, best_case), new)
+
+    shift = age + base
+    timed = [_Job(prefill, optimistic, (ttd - age,), _urgency(ttd - shift, prefill, optimistic))
+             for prefill, optimistic, ttd in prepared.timed]
+    free = prepared.free
+    extra: set[int] = set()
+    if unreported:
+        free = free[:]
+        for h in unreported:
+            job = sent(h, extra)
+            (timed if job.deadlines else free).append(job)
+            extra.update(h.prefix_hashes)
+    new = sent(hint, extra, new=True)
+
+    start, jobs, stopped_before = _schedule(timed, free, running, step_remaining, preemptible,
+                                            load, base)
     misses_before, lateness_before, _, drain = _run(jobs, start)
-    start, jobs, stopped_after = _schedule([*waiting, new], running, step_remaining,
-                                           preemptible, load)
+    if new.deadlines:
+        start, jobs, stopped_after = _schedule([*timed, new], free, running, step_remaining,
+                                               preemptible, load, base)
+    else:
+        # Without a deadline it goes last and weighs in no gate: the order stands.
+        jobs, stopped_after = [*jobs, new], stopped_before
     misses_after, lateness_after, finish, _ = _run(jobs, start)
 
     waited = max(0.0, now - hint.arrived_at)

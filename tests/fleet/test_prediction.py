@@ -88,6 +88,19 @@ def test_interrupted_prefill_keeps_its_remaining_work_and_can_miss():
     assert predict(lo, [], hint(tokens=128, slo=0.15), NOW).added_misses == 0
 
 
+def test_queue_is_ranked_as_of_the_step_end():
+    """The monitor ranks its queue when it schedules the next prefill: after the running step.
+    A (1000 tokens, 0.07 s; 0.55 s to go) is rescuable now but doomed at the step's end 0.5 s
+    on; B (20k tokens, 0.83 s; 1.35 s to go) then has 0.02 s of slack, less than A's prefill,
+    so B goes first (1.33 s, met) and A after (1.40 s, late by 0.85). Ranked as of now, A would
+    go first and both would miss."""
+    lo = load(running=[(4000, None)], step_remaining_s=0.5,
+              waiting=[(1000, 0.55), (20_000, 1.35)])
+    p = predict(lo, [], hint(tokens=16, slo=None), NOW)
+    assert p.misses_before == 1
+    assert p.lateness_before_s == pytest.approx(0.85)
+
+
 def test_unreported_sends_queue_ahead_fcfs():
     sent = hint("doc", tokens=8192, slo=None)
     p = predict(load(), [sent], hint(tokens=128, slo=None), NOW)
@@ -128,20 +141,55 @@ def test_urgency_is_the_monitors(ttd, tokens):
     assert mine.time_to_deadline == pytest.approx(theirs.time_to_deadline)
 
 
-queued = st.tuples(st.integers(1, 30_000), st.one_of(st.none(), st.floats(-1.0, 5.0)))
+queued = st.tuples(st.integers(1, 30_000), st.one_of(st.none(), st.floats(0.0, 5.0)))
 
 
 @settings(max_examples=300, deadline=None, database=None)
 @given(waiting=st.lists(queued, max_size=12), running=st.lists(queued, max_size=2),
        step=st.floats(0.0, 2.0), tokens=st.integers(1, 30_000),
        slo=st.one_of(st.none(), st.floats(0.01, 5.0)))
-def test_adding_a_request_never_removes_a_miss_without_preemption(waiting, running, step,
-                                                                  tokens, slo):
-    """Without mid-forward preemption the queue is a fixed order of work and the new request
-    only delays those it goes ahead of: predicted misses and lateness can only grow."""
+def test_adding_a_request_never_removes_a_miss_without_preemption_or_doomed(
+        waiting, running, step, tokens, slo):
+    """With no step to stop and no doomed request to merge, the queue is a fixed order of work
+    (by priority, then first come first served) and the new request only delays those it goes
+    ahead of: predicted misses and lateness can only grow."""
     lo = load(waiting=waiting, running=running, step_remaining_s=step)
+    start = step if (step or running) else 0.0
+    if any(ttd is not None and ttd - start <= 0.9 * prefill(t) for t, ttd in waiting):
+        return  # doomed by the time the queue starts: the merge is not monotone (see below)
     p = predict(lo, [], hint(tokens=tokens, slo=slo), NOW)
     assert p.misses_after >= p.misses_before
     assert p.lateness_after_s >= p.lateness_before_s - 1e-9
     assert p.ttft_s >= p.optimistic_ttft_s - 1e-9
     assert math.isfinite(p.ttft_s)
+
+
+def test_an_arrival_that_stops_the_step_can_save_others():
+    """Not monotone, and rightly: an urgent arrival that opens the gate stops the step, and the
+    queue then runs in slack order, the interrupted remainder included; a waiter the gate alone
+    did not serve (its slack covered the step, less the model's error) is served early too."""
+    # Runner: 1.2 s left, deadline 1.5 s away (priority 1/1.5). Waiter: 3000 tokens (0.15 s),
+    # deadline 1.3 s away: priority 1/1.3 does not beat the runner's by the 1.2 margin, so it
+    # waits for the step and finishes at 1.35 s, late. The urgent arrival stops the step: new at
+    # 0.02 + 0.035, the waiter 0.15 s later (0.205), the runner's 1.18 s rest (1.385 < 1.5).
+    lo = load(running=[(30_000, 1.5)], step_remaining_s=1.2, step_preemptible=True,
+              waiting=[(3000, 1.3)])
+    p = predict(lo, [], hint(tokens=128, slo=0.15), NOW)
+    assert p.preempts
+    assert (p.misses_before, p.misses_after, p.added_misses) == (1, 0, -1)
+    assert p.ttft_s == pytest.approx(PREEMPT_LATENCY_S + prefill(128))
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(jobs=st.lists(st.tuples(st.floats(-1.0, 3.0), st.floats(0.001, 1.0)), max_size=10))
+def test_head_is_the_monitors_first(jobs):
+    from engine.fleet.prediction import _head, _Job
+    from monitor.policy import order
+
+    built = [_Job(cost, 0.9 * cost, (ttd,), _urgency(ttd, cost, 0.9 * cost))
+             for ttd, cost in jobs]
+    head = _head(built)
+    if not built:
+        assert head is None
+    else:
+        assert head is order([(job.urgency, job) for job in built])[0][0]

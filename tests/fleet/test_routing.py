@@ -187,3 +187,13 @@ def test_ranks_hold_every_candidate_exactly_once(policy, loads, extra, slo, seed
     ranks = book.rank(policy, candidates, hint(slo=slo), NOW)
     got = [rid for rank in ranks for rid in rank]
     assert sorted(got) == sorted(set(candidates))
+
+
+def test_routing_cost_benchmark_runs(capsys):
+    from engine.benchmarks.fleet.routing_cost import build_parser, main
+
+    assert build_parser().parse_args([]).replicas == 8
+    assert main(["--replicas", "3", "--queued", "4", "--prefix-hashes", "64",
+                 "--decisions", "5"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in (*ROUTER_POLICIES, "slack+admission"))

@@ -1,0 +1,1 @@
+"""Benchmarks of the fleet router (engine.fleet)."""
