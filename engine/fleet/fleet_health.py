@@ -50,7 +50,10 @@ class FleetHealth:
         not_running = sum(n for state, n in states.items() if state != "RUNNING")
         if book is not None and not fresh:
             status = "unavailable"
-        elif deployment["status"] != "HEALTHY" or not_running or stale:
+        elif (deployment["status"] != "HEALTHY" or not_running or stale
+              or (book is not None and len(fresh) < running)):
+            # Short of replicas (one died, is starting or stopping), or one that Ray Serve
+            # counts as running does not report (dead before Ray Serve noticed, or hung).
             status = "degraded"
         else:
             status = "ok"

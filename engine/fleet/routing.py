@@ -48,6 +48,10 @@ STALE_AFTER_PERIODS = 3
 # then looks a request busier than it is for one report period.
 SEND_SKEW_S = 0.05
 
+# The least relative error a prediction is trusted to (the slack policy's tie-break): a replica
+# whose report claims a perfect model is still not trusted to the millisecond.
+MIN_RISK_MARGIN = 0.1
+
 
 @dataclass
 class ReplicaState:
@@ -229,6 +233,14 @@ class FleetBook:
         head = sorted(shuffled[:2], key=load)
         return head + shuffled[2:]
 
+    def _at_risk(self, replica_id: str, prediction: Prediction, hint: RouteHint) -> bool:
+        """Whether the predicted first token misses the objective once the replica's model
+        error (at least MIN_RISK_MARGIN) is added to it."""
+        load = self.replicas[replica_id].load
+        error = max(MIN_RISK_MARGIN, load.step_model.relative_error if load else 0.0)
+        return (hint.ttft_slo_s is not None
+                and prediction.ttft_s * (1.0 + error) > hint.ttft_slo_s)
+
     def _rank_slack(self, ids: list[str], hint: RouteHint, now: float,
                     predictions: dict[str, Prediction] | None) -> list[str]:
         fresh = [rid for rid in ids if self.is_fresh(rid, now)]
@@ -238,9 +250,16 @@ class FleetBook:
             return self._pow2(fresh, self.load_of) + stale
         known = predictions or {}
 
-        def key(rid: str) -> tuple[int, int, float]:
+        def key(rid: str) -> tuple[int, bool, int, bool, float]:
             p = known.get(rid) or self.predict(rid, hint, now)
             assert p is not None  # fresh: it has a report
-            return (p.added_misses, -p.cached_blocks, p.ttft_s)
+            # Among replicas that cause as few misses: one that meets the objective with its
+            # model's error to spare; then the prefix cache (work saved); then one that need
+            # not stop a running prefill for it (the interrupted request waits for this one's
+            # prefill); then the earliest first token. Without the margin, two replicas'
+            # independently fitted models differ by more than a preemption costs, and the
+            # choice between an idle replica and a busy one would follow their noise.
+            return (p.added_misses, self._at_risk(rid, p, hint), -p.cached_blocks, p.preempts,
+                    p.ttft_s)
 
         return sorted(fresh, key=key) + stale
