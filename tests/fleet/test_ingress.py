@@ -1,0 +1,212 @@
+"""The fleet's ingress without Ray's actors: a fake engine handle stands for the replicas, so the
+retry, mid-stream failure, API key, route hint and admission paths run deterministically."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from ray.exceptions import RayActorError
+from starlette.requests import Request
+
+from engine.config import build_engine_config
+from engine.fleet import book_registry
+from engine.fleet.asgi_bridge import ResponseStart
+from engine.fleet.fleet_metrics import carries_output
+from engine.fleet.ingress import FleetIngress, IngressSettings
+from engine.fleet.routing import FleetBook
+from tests.fleet.builders import load
+
+DEPLOYMENT = "TestEngine"
+SSE = [(b"content-type", b"text/event-stream; charset=utf-8")]
+
+
+class FakeStream:
+    """What `handle.remote(...)` returns for a streaming call: parts, or an error at a point."""
+
+    def __init__(self, parts: list, fail_at: int | None = None) -> None:
+        self.parts, self.fail_at, self.cancelled = parts, fail_at, False
+
+    def __aiter__(self) -> AsyncIterator:
+        return self
+
+    async def __anext__(self):
+        if self.fail_at == 0:
+            raise RayActorError()
+        if not self.parts:
+            raise StopAsyncIteration
+        if self.fail_at is not None:
+            self.fail_at -= 1
+        return self.parts.pop(0)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeHandle:
+    """The engine deployment's handle: each call takes the next scripted stream."""
+
+    def __init__(self, streams: list[FakeStream]) -> None:
+        self.streams, self.calls = streams, []
+
+    def options(self, **_) -> FakeHandle:
+        return self
+
+    @property
+    def handle(self) -> FakeHandle:
+        return self
+
+    def remote(self, forwarded, hint=None) -> FakeStream:
+        if forwarded.path == "/health":  # the ingress's warm-up probe
+            return FakeStream([ResponseStart(status=200), b"{}"])
+        self.calls.append((forwarded, hint))
+        return self.streams.pop(0)
+
+
+async def _ingress(model: str, streams: list[FakeStream], **settings) -> FleetIngress:
+    ingress = FleetIngress.__new__(FleetIngress)
+    config = build_engine_config(model, device="cpu", dtype="float32")
+    await ingress.__init__(FakeHandle(streams), config,
+                           IngressSettings(engine_deployment=DEPLOYMENT, **settings))
+    return ingress
+
+
+async def _call(ingress: FleetIngress, method: str, path: str, body: dict | None = None,
+                headers: dict | None = None) -> httpx.Response:
+    async def app(scope, receive, send):
+        response = await ingress(Request(scope, receive))
+        await response(scope, receive, send)
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://fleet") as client:
+        return await client.request(method, path, json=body, headers=headers or {})
+
+
+def _sse(*events: dict | str) -> list[bytes]:
+    return [f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode() for e in events]
+
+
+def test_a_replica_that_dies_before_answering_is_retried_on_another(tiny_model):
+    async def run():
+        good = FakeStream([ResponseStart(status=200, headers=[(b"content-type",
+                                                               b"application/json")]),
+                           b'{"ok": true}'])
+        ingress = await _ingress(tiny_model(), [FakeStream([], fail_at=0), good])
+        response = await _call(ingress, "POST", "/v1/completions",
+                               {"model": "m", "prompt": "hello there", "max_tokens": 2})
+        assert response.status_code == 200 and response.json() == {"ok": True}
+        assert len(ingress.engine.calls) == 2  # the same request, tried twice
+        assert ingress.engine.calls[0][1] == ingress.engine.calls[1][1]
+        assert "sloserve:fleet_retries_total 1.0" in ingress.metrics.response().body.decode()
+
+    asyncio.run(run())
+
+
+def test_no_replica_left_is_a_clear_503(tiny_model):
+    async def run():
+        ingress = await _ingress(tiny_model(), [FakeStream([], fail_at=0) for _ in range(3)])
+        response = await _call(ingress, "POST", "/v1/completions",
+                               {"model": "m", "prompt": "x", "max_tokens": 2})
+        assert response.status_code == 503
+        assert "no replica could take the request" in response.json()["error"]["message"]
+
+    asyncio.run(run())
+
+
+def test_a_replica_that_dies_mid_stream_ends_it_with_an_error_event(tiny_model):
+    async def run():
+        chunk = {"choices": [{"index": 0, "text": "a", "finish_reason": None}]}
+        parts = [ResponseStart(status=200, headers=SSE), *_sse(chunk, chunk)]
+        ingress = await _ingress(tiny_model(), [FakeStream(parts, fail_at=3)])
+        response = await _call(ingress, "POST", "/v1/completions",
+                               {"model": "m", "prompt": "x", "stream": True,
+                                "ttft_slo_ms": 1000})
+        events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert response.status_code == 200 and events[-1] == "[DONE]"
+        assert json.loads(events[0]) == chunk and json.loads(events[1]) == chunk
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 503 and "replica serving this request failed" in error["message"]
+        page = ingress.metrics.response().body.decode()
+        assert "sloserve:fleet_failed_total 1.0" in page
+        # Its first output was counted at the edge, against its objective.
+        assert 'sloserve:fleet_ttft_slo_total{outcome="met"} 1.0' in page
+
+    asyncio.run(run())
+
+
+def test_the_api_key_is_checked_at_the_ingress_and_health_stays_open(tiny_model):
+    async def run():
+        ingress = await _ingress(tiny_model(), [], api_key="sesame")
+        refused = await _call(ingress, "POST", "/v1/completions", {"prompt": "x"})
+        assert refused.status_code == 401 and "API key" in refused.json()["error"]["message"]
+        assert ingress.engine.calls == []
+        wrong = await _call(ingress, "GET", "/v1/models",
+                            headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+
+    asyncio.run(run())
+
+
+def test_route_hints_carry_prompt_length_objective_and_prefix_hashes(tiny_model):
+    async def run():
+        ingress = await _ingress(tiny_model(), [], default_ttft_slo_ms=2000)
+        ids = list(range(3, 3 + 40))
+        hint = ingress._hint("/v1/completions", json.dumps({"prompt": ids}).encode(), "250",
+                             100.0)
+        assert hint.prompt_tokens == 40 and hint.ttft_slo_s == 0.25 and hint.arrived_at == 100.0
+        assert len(hint.prefix_hashes) == 40 // ingress.block_size
+        # The body's objective wins over the header; without either, the server's default.
+        body = json.dumps({"prompt": ids, "ttft_slo_ms": 75}).encode()
+        assert ingress._hint("/v1/completions", body, "250", 0.0).ttft_slo_s == 0.075
+        default = ingress._hint("/v1/completions", json.dumps({"prompt": ids}).encode(), None,
+                                0.0)
+        assert default.ttft_slo_s == 2.0
+        several = ingress._hint("/v1/completions",
+                                json.dumps({"prompt": [ids, ids[:8]]}).encode(), None, 0.0)
+        assert several.prompt_tokens == 48
+        # A body the replica will refuse routes without a hint (its 400 names the problem).
+        assert ingress._hint("/v1/completions", b"{not json", None, 0.0) is None
+        assert ingress._hint("/v1/completions", b'{"prompt": 5}', None, 0.0) is None
+
+    asyncio.run(run())
+
+
+def test_reject_mode_refuses_what_no_replica_can_serve_in_time(tiny_model):
+    async def run():
+        book = FleetBook(seed=0)
+        book_registry.register(DEPLOYMENT, book)
+        import time
+        book.on_report("r1", load(running=[(30_000, None)], step_remaining_s=3.0,
+                                  made_at=time.time()))
+        ok = FakeStream([ResponseStart(status=200), b"{}"])
+        ingress = await _ingress(tiny_model(), [ok], on_doomed="reject")
+        refused = await _call(ingress, "POST", "/v1/completions",
+                              {"prompt": list(range(3, 600)), "ttft_slo_ms": 20})
+        assert refused.status_code == 429
+        assert refused.json()["error"]["predicted_ttft_ms"] > 20
+        assert int(refused.headers["retry-after"]) >= 3
+        assert ingress.engine.calls == []  # no replica saw it
+        served = await _call(ingress, "POST", "/v1/completions",
+                             {"prompt": list(range(3, 600)), "ttft_slo_ms": 60_000})
+        assert served.status_code == 200
+
+    try:
+        asyncio.run(run())
+    finally:
+        book_registry._BOOKS.pop(DEPLOYMENT, None)
+
+
+@pytest.mark.parametrize("chunk, shows", [
+    (b'data: {"choices": [{"index": 0, "delta": {"role": "assistant"}}]}\n\n', False),
+    (b'data: {"choices": [{"index": 0, "delta": {"content": "Hi"}}]}\n\n', True),
+    (b'data: {"choices": [{"index": 0, "text": ""}]}\n\n', False),
+    (b'data: {"choices": [{"index": 0, "text": "x"}]}\n\ndata: [DONE]\n\n', True),
+    (b'data: {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}\n\n', True),
+    (b'data: {"error": {"message": "boom"}}\n\n', True),
+    (b'{"id": "cmpl-1"}', True),
+])
+def test_what_counts_as_first_output(chunk, shows):
+    assert carries_output(chunk) is shows
