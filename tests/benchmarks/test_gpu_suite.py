@@ -8,6 +8,11 @@ no GPU:
   its limit (the summary still comes out, with what the killed step had measured), and the
   suite itself interrupted mid-step;
 - `--device cpu --smoke`: the full call end to end.
+
+A dry run's step is one Python process importing torch and building a configuration, on one
+core, and CI's machine has two: the two dry runs start side by side when the module starts
+(`suite_runs`), and their tests read what they left. The smoke runs, whose steps compute on
+both cores, run one at a time.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -63,10 +69,92 @@ def _run(args: list[str], timeout: float, script: Path = WRAPPER,
                           capture_output=True, text=True, timeout=timeout)
 
 
+class _Background:
+    """A suite run started in the background (`suite_runs`), its output in files (no pipe
+    fills up while no test reads it)."""
+
+    def __init__(self, folder: Path, args: list[str], script: Path = WRAPPER,
+                 env: dict[str, str] | None = None) -> None:
+        self.stdout, self.stderr = folder / "suite.stdout", folder / "suite.stderr"
+        with self.stdout.open("w") as stdout, self.stderr.open("w") as stderr:
+            self.proc = subprocess.Popen(["bash", str(script), *args], cwd=ROOT,
+                                         env=env or _env(), stdout=stdout, stderr=stderr)
+
+    def result(self, timeout: float) -> subprocess.CompletedProcess[str]:
+        """Waits for the run (at most ``timeout`` more seconds: then it is stopped and the test
+        fails)."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise
+        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode,
+                                           self.stdout.read_text(), self.stderr.read_text())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()  # the suite's trap stops its step and writes the summary
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _start_dry_run(folder: Path) -> _Background:
+    return _Background(folder, [str(folder / "dry"), "--dry-run"])
+
+
+# The dry run's probe: the core call's --enforce-eager commands from a copy of the script with
+# one flag misspelt, the calibration's limit cut to a second (no Python with torch starts that
+# fast); only the steps those touch (the smoke step has no --enforce-eager of its own: the
+# full-size dry run checks its command).
+EAGER_PROBE_STEPS = ["throughput", "calibrate", "burst-http-2048", "stream-gaps"]
+
+
+def _start_eager_dry_run(folder: Path) -> _Background:
+    bench = folder / "copy" / "engine" / "benchmarks" / "suite"
+    bench.mkdir(parents=True)
+    text = SCRIPT.read_text()
+    assert text.count("--eager-batches 1 64") == 1  # the full-size flags
+    (bench / "gpu_suite.sh").write_text(text.replace("--eager-batches 1 64",
+                                                     "--eager-batch-sizes 1 64"))
+    # The copy runs from its own folder; the project comes from ROOT.
+    env = _env(PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    only = [arg for name in EAGER_PROBE_STEPS for arg in ("--only", name)]
+    return _Background(folder, [str(folder / "dry-eager"), "--dry-run", "--core",
+                                "--assume-capture-failed", "--limit", "calibrate=1", *only],
+                       script=bench / "gpu_suite.sh", env=env)
+
+
+# Each background run: the test that reads it, and how it starts.
+BACKGROUND = {
+    "dry": ("test_dry_run_builds_every_steps_engine_configuration_at_full_size", _start_dry_run),
+    "dry-eager": ("test_dry_run_checks_the_enforce_eager_commands_a_renamed_flag_and_a_killed_step",
+                  _start_eager_dry_run),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def suite_runs(request: pytest.FixtureRequest,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Background]]:
+    """The dry runs of the tests selected in this session, started side by side as the
+    module starts; whatever is still running when the module ends is stopped."""
+    selected = {getattr(item, "originalname", item.name) for item in request.session.items
+                if item.path == request.path}
+    runs = {key: start(tmp_path_factory.mktemp(key))
+            for key, (test, start) in BACKGROUND.items() if test in selected}
+    yield runs
+    for run in runs.values():
+        run.stop()
+
+
 @pytest.mark.timeout(400)
-def test_dry_run_builds_every_steps_engine_configuration_at_full_size(tmp_path: Path) -> None:
-    out = tmp_path / "dry"
-    proc = _run([str(out), "--dry-run"], timeout=380)
+def test_dry_run_builds_every_steps_engine_configuration_at_full_size(
+        suite_runs: dict[str, _Background]) -> None:
+    run = suite_runs["dry"]
+    proc = run.result(timeout=380)
+    out = run.stdout.parent / "dry"
     steps = _steps(out)
     # A dry calibration writes no TTFT line, so the full call's unchunked burst calibrates
     # again (its row replaces the core call's).
@@ -98,25 +186,17 @@ def test_dry_run_builds_every_steps_engine_configuration_at_full_size(tmp_path: 
 
 @pytest.mark.timeout(200)
 def test_dry_run_checks_the_enforce_eager_commands_a_renamed_flag_and_a_killed_step(
-        tmp_path: Path) -> None:
+        suite_runs: dict[str, _Background]) -> None:
     """The core call's commands after a failed graph capture (every engine --enforce-eager),
     run from a copy of the script with one flag misspelt and one step's limit cut to a second
-    (no Python with torch starts that fast). The probe for the dry run: the misspelt flag fails
-    exactly its step. The killed step does not stop the steps after it, and the summary says
-    so."""
-    bench = tmp_path / "copy" / "engine" / "benchmarks" / "suite"
-    bench.mkdir(parents=True)
-    text = SCRIPT.read_text()
-    assert text.count("--eager-batches 1 64") == 1  # the full-size flags
-    (bench / "gpu_suite.sh").write_text(text.replace("--eager-batches 1 64",
-                                                     "--eager-batch-sizes 1 64"))
-    # The copy runs from its own folder; the project comes from ROOT.
-    env = _env(PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    out = tmp_path / "dry-eager"
-    proc = _run([str(out), "--dry-run", "--core", "--assume-capture-failed",
-                 "--limit", "calibrate=1"], timeout=180, script=bench / "gpu_suite.sh", env=env)
+    (no Python with torch starts that fast), with --only the steps those touch
+    (`_start_eager_dry_run`). The probe for the dry run: the misspelt flag fails exactly its
+    step. The killed step does not stop the steps after it, and the summary says so."""
+    run = suite_runs["dry-eager"]
+    proc = run.result(timeout=180)
+    out = run.stdout.parent / "dry-eager"
     steps = _steps(out)
-    assert list(steps) == CORE_STEPS
+    assert list(steps) == EAGER_PROBE_STEPS  # --only: those steps, in the call's order
     assert steps["throughput"][0] == "2"  # argparse: unrecognized arguments
     assert "unrecognized arguments: --eager-batch-sizes" in (out / "throughput.log").read_text()
     assert steps["calibrate"][0] == "124"  # timeout's status for a step it stopped
@@ -272,6 +352,8 @@ def test_full_call_smoke_runs_every_step_and_summarizes_them(tmp_path: Path) -> 
     assert "| llama | urgent_mid_prefill | 2/2 |" in summary
     assert "| 400 | eager | 0 |" in summary and "| 128 | eager | 0 |" in summary
     _check_http_burst(out / "burst-http-unchunked")
+    # The in-process burst calibrated its own TTFT line (each size once in a smoke run).
+    assert json.loads((out / "burst-inprocess" / "ttft_model.json").read_text())
 
 
 def test_gpu_suite_refuses_the_full_shapes_without_a_gpu(tmp_path: Path) -> None:

@@ -202,6 +202,8 @@ make_random_model('$model', 'llama', vocab_size=512, hidden_size=64, intermediat
                  --decode-contexts 64 --max-num-batched-tokens 512)
     chunk=(--chunk-tokens 128)
     decode_batches=()  # the throughput bench's own smoke sizes
+    # The in-process burst calibrates its own TTFT line: each prompt size once, not three times.
+    inprocess_calibration=(--calibration-repeats 1)
 else
     model="$out/model-$shape"
     smoke_model="$out/model-$shape-2-layers"
@@ -220,6 +222,7 @@ else
                  --max-num-batched-tokens 32768)
     chunk=()
     decode_batches=(--batches 1 64 --eager-batches 1 64)
+    inprocess_calibration=()
 fi
 # --enforce-eager for every engine after a failed graph capture in the smoke step.
 eager=()
@@ -299,7 +302,7 @@ run_full() {
     step burst-inprocess 90 $py -m engine bench run --model "$model" "${load[@]}" \
         --device "$device" --workload burst --arrival gamma --burstiness 4 "${burst[@]}" \
         --seeds 0 --budgets 2048 --policies fcfs slo+mf-conservative-suspend --runner inprocess \
-        --output-dir "$out/burst-inprocess"
+        "${inprocess_calibration[@]}" --output-dir "$out/burst-inprocess"
 }
 
 case $call in
