@@ -418,20 +418,26 @@ def run_server(config: EngineConfig, settings: ServerSettings, host: str, port: 
 
     class Server(uvicorn.Server):
         draining = False
+        drain_task: asyncio.Task | None = None
 
         def handle_exit(self, sig, frame) -> None:
             # A signal handler: only what is safe there (a flag, a kill); the rest goes through
             # the event loop.
             loop = client.loop
             if (shutdown.mode == "wait" and sig == signal.SIGTERM and not self.draining
-                    and client.is_alive() and loop is not None and not loop.is_closed()):
+                    and client.is_serving() and loop is not None and not loop.is_closed()):
+                # (An engine still starting has nothing in flight: it is stopped at once.)
                 self.draining = True
-                loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain(sig)))
+                loop.call_soon_threadsafe(self._start_drain, sig)
                 return
             client.stop_soon()
             if loop is not None and not loop.is_closed():
                 loop.call_soon_threadsafe(client.fail_all, "the server is shutting down")
             super().handle_exit(sig, frame)
+
+        def _start_drain(self, sig: int) -> None:
+            # Held: the event loop keeps only a weak reference to a task.
+            self.drain_task = asyncio.get_running_loop().create_task(self._drain(sig))
 
         async def _drain(self, sig: int) -> None:
             if await drain.drain(shutdown.timeout_s):
