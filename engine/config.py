@@ -193,6 +193,28 @@ class ModelConfig:
         self.fused_ops = fused_ops_setting(self.fused_ops)
 
 
+ShutdownMode = Literal["abort", "wait"]
+
+
+@dataclass(frozen=True)
+class ShutdownConfig:
+    """What the HTTP server does on SIGTERM (or when a fleet removes its replica):
+    engine.serving.drain. Not an engine setting: EngineConfig does not carry it."""
+
+    # "abort": in-flight requests end at once with an error (a stream with an error event).
+    # "wait": drain: refuse new generation requests (503), let those in flight finish, then
+    # stop; past `timeout_s` what is left is aborted.
+    mode: ShutdownMode = "abort"
+    timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("abort", "wait"):
+            raise ValueError(f"shutdown mode must be abort or wait, got {self.mode!r}")
+        if not (self.timeout_s >= 0 and math.isfinite(self.timeout_s)):
+            raise ValueError(f"shutdown timeout must be a finite number of seconds >= 0, "
+                             f"got {self.timeout_s}")
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig

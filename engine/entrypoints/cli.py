@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.benchmarks.cli import add_bench_parser
+from engine.config import ShutdownConfig
 from engine.entrypoints.arg_types import (float_in, int_in, non_negative_float, positive_float,
                                           positive_int)
 from engine.entrypoints.calibrate import add_calibrate_parser
@@ -147,7 +148,8 @@ def _serve(args: argparse.Namespace) -> int:
         default_ttft_slo_ms=args.default_ttft_slo_ms,
         min_ttft_slo_ms=args.min_ttft_slo_ms,
         default_tpot_slo_ms=args.default_tpot_slo_ms,
-        metrics_require_api_key=args.metrics_require_api_key)
+        metrics_require_api_key=args.metrics_require_api_key,
+        shutdown=ShutdownConfig(mode=args.shutdown_mode, timeout_s=args.shutdown_timeout))
     if args.replicas is not None:
         return _serve_fleet(config, settings, args)
     run_server(config, settings, args.host, args.port, args.log_level)
@@ -226,6 +228,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--min-ttft-slo-ms", type=non_negative_float, default=None,
                        help="the tightest TTFT objective a request may carry; a tighter one is "
                             "a 400 that names this floor (default: none)")
+    serve.add_argument("--shutdown-mode", choices=("abort", "wait"),
+                       default=ShutdownConfig.mode,
+                       help="on SIGTERM: abort (default) ends the requests in flight at once "
+                            "(a stream with an error event); wait drains: new generation "
+                            "requests get a 503 and /health a 503 {\"status\": \"draining\"} "
+                            "while those in flight finish, then the server exits 0")
+    serve.add_argument("--shutdown-timeout", type=non_negative_float,
+                       default=ShutdownConfig.timeout_s, metavar="SECONDS",
+                       help="with --shutdown-mode wait: the longest a drain waits before it "
+                            "aborts what is left (default %(default)s)")
     serve.add_argument("--log-level", default="info")
     add_engine_args(serve)
     add_fleet_args(serve)

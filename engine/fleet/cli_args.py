@@ -53,8 +53,8 @@ def add_fleet_args(parser: argparse.ArgumentParser) -> None:
 
 
 def fleet_options(args: argparse.Namespace) -> FleetOptions:
-    """The fleet the parsed flags ask for; --shutdown-mode and --shutdown-timeout are the
-    server's own flags (a removed replica drains up to that timeout)."""
+    """The fleet the parsed flags ask for (--shutdown-mode and --shutdown-timeout reach it
+    through the server's settings: engine.fleet.launch)."""
     autoscaling = None
     if args.autoscale:
         if args.min_replicas > args.max_replicas:
@@ -66,6 +66,4 @@ def fleet_options(args: argparse.Namespace) -> FleetOptions:
             upscale_delay_s=args.upscale_delay_s, downscale_delay_s=args.downscale_delay_s)
     return FleetOptions(replicas=args.replicas, router=args.router, on_doomed=args.on_doomed,
                         address=args.address, report_period_s=args.report_period_ms / 1e3,
-                        shutdown_mode=getattr(args, "shutdown_mode", "abort"),
-                        shutdown_timeout_s=getattr(args, "shutdown_timeout", 30.0),
                         autoscaling=autoscaling)

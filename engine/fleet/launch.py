@@ -69,7 +69,7 @@ def build_fleet_app(config: EngineConfig, settings: ServerSettings, options: Fle
         health_check_period_s=1.0, health_check_timeout_s=30.0,
         graceful_shutdown_wait_loop_s=0.5,
         # A replica Ray Serve removes takes no new requests and finishes its streams first.
-        graceful_shutdown_timeout_s=options.shutdown_timeout_s,
+        graceful_shutdown_timeout_s=settings.shutdown.timeout_s,
         request_router_config=RequestRouterConfig(
             request_router_class="engine.fleet.ray_router:DeadlineRouter",
             request_router_kwargs={"policy": options.router,
@@ -155,8 +155,9 @@ def running_fleet(config: EngineConfig, settings: ServerSettings, options: Fleet
 
 def serve_fleet(config: EngineConfig, settings: ServerSettings, options: FleetOptions,
                 host: str, port: int) -> None:
-    """`sloserve serve MODEL --replicas N`: runs until SIGINT or SIGTERM, then drains and stops
-    (replicas finish their streams when --shutdown-mode is wait)."""
+    """`sloserve serve MODEL --replicas N`: runs until SIGINT or SIGTERM, then stops: with
+    --shutdown-mode wait each replica finishes its streams first (up to --shutdown-timeout, as
+    a replica Ray Serve removes always does), with abort at once."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -167,8 +168,8 @@ def serve_fleet(config: EngineConfig, settings: ServerSettings, options: FleetOp
     try:
         stop.wait()
     finally:
-        print(f"sloserve fleet: stopping ({options.shutdown_mode})", flush=True)
-        if options.shutdown_mode == "wait":
+        print(f"sloserve fleet: stopping ({settings.shutdown.mode})", flush=True)
+        if settings.shutdown.mode == "wait":
             stop_fleet(shutdown_ray=options.address is None)  # each replica drains first
         else:
             _abort_fleet(options.address is None)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 from engine.fleet.admission import OnDoomed
 from engine.fleet.autoscaling import DEFAULT_WINDOW_S, ScalingOptions
@@ -12,7 +11,6 @@ from engine.fleet.routing import RouterPolicy
 APP_NAME = "sloserve"
 ENGINE_DEPLOYMENT = "SloserveEngine"
 INGRESS_DEPLOYMENT = "SloserveIngress"
-ShutdownMode = Literal["abort", "wait"]
 
 
 @dataclass(frozen=True)
@@ -24,11 +22,6 @@ class FleetOptions:
     # "host:port"); None starts Ray in this process.
     address: str | None = None
     report_period_s: float = 0.1
-    # On SIGTERM/SIGINT of `sloserve serve --replicas`: let every replica finish its streams
-    # (up to the timeout) or stop at once. A replica Ray Serve removes (scale-down, a rolling
-    # update, a replaced one) always drains, up to the timeout.
-    shutdown_mode: ShutdownMode = "abort"
-    shutdown_timeout_s: float = 30.0
     # The deadline autoscaling policy (engine.fleet.autoscaling); None: `replicas`, fixed.
     autoscaling: ScalingOptions | None = None
     # The window of urgent outcomes each replica reports for it.

@@ -238,6 +238,10 @@ class AsyncEngineClient:
     def is_alive(self) -> bool:
         return self.dead is None and self._process is not None and self._process.is_alive()
 
+    def is_serving(self) -> bool:
+        """Started (not still loading) and alive: there can be requests in flight."""
+        return not self._starting and self._reader_task is not None and self.is_alive()
+
     # ---- requests ---------------------------------------------------------------------------
 
     def validate(self, prompt_token_ids: list[int]) -> None:

@@ -140,13 +140,20 @@ def snapshot_of_step(scheduler: Scheduler, output: SchedulerOutput, drained_arri
     slack = scheduler.slack
     waiting = tuple(view_of(r) for r in scheduler.waiting) if len(scheduler.waiting) else ()
     running: list[RequestView] = []
+    # One pass over the step (a decode step of hundreds of requests runs this every few ms):
+    # the prefill views and the step-time features together.
+    tokens = attention = decodes = 0
     for sr in output.requests:
-        if len(sr.token_ids) > 1:
-            request = scheduler.requests[sr.req_id]
-            running.append(view_of(request, computed_tokens=sr.start_pos,
-                                   slo_preempted=slack.protected_by_rule1(request)))
+        n = len(sr.token_ids)
+        tokens += n
+        if n == 1:
+            decodes += sr.start_pos + 1  # monitor.predictor.decode_context
+            continue
+        attention += n * (2 * sr.start_pos + n)  # monitor.predictor.attention_work
+        request = scheduler.requests[sr.req_id]
+        running.append(view_of(request, computed_tokens=sr.start_pos,
+                               slo_preempted=slack.protected_by_rule1(request)))
     line = slack.predictor.current
-    decodes = output.decode_context
     if output.preemptible:
         chunks = [(sr.start_pos, len(sr.token_ids), _join_layer(scheduler, sr))
                   for sr in output.requests]
@@ -154,8 +161,7 @@ def snapshot_of_step(scheduler: Scheduler, output: SchedulerOutput, drained_arri
         predicted = layer_ends[-1]
     else:
         layer_ends = ()
-        predicted = (line.predict_step(output.num_scheduled_tokens, output.attention_work,
-                                       decodes) if output.requests else 0.0)
+        predicted = line.predict_step(tokens, attention, decodes) if tokens else 0.0
     return MonitorSnapshot(
         step_id=output.step_id, preemptible=output.preemptible, waiting=waiting,
         running=tuple(running), predictor=line, drained_arrivals=drained_arrivals,

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import hmac
 import itertools
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -22,7 +23,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.serving.api_errors import (APIError, BodyLimit, InternalErrors, JSONBody, describe_error,
                                error_for)
 from engine.ipc.async_client import AsyncEngineClient, EngineDeadError
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ShutdownConfig
+from engine.serving.drain import Drain, DrainGate
 from engine.serving.edge_clock import EdgeClock, EdgeStampedStream
 from engine.serving.metrics import ServerMetrics
 from engine.sampling_params import SamplingParams
@@ -59,6 +61,8 @@ class ServerSettings:
     min_ttft_slo_ms: float | None = None
     # /metrics and /debug/stats behind the API key too (/health stays open for probes).
     metrics_require_api_key: bool = False
+    # On SIGTERM: abort what is in flight, or drain first (engine.serving.drain).
+    shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
 
 
 def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
@@ -94,8 +98,15 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
                   default_response_class=JSONBody)
     app.state.client = client
     app.state.metrics = metrics
+    # `await app.state.drain.drain(timeout)`: what SIGTERM does in wait mode, and what a
+    # fleet's replica calls when it is removed.
+    drain = Drain(client)
+    app.state.drain = drain
     app.add_middleware(BodyLimit, limit=settings.max_request_body_bytes)
-    app.add_middleware(InternalErrors)  # added last: the outermost
+    app.add_middleware(InternalErrors)
+    # Outermost: a request refused while draining costs nothing, and one in flight counts
+    # until its response's last byte is sent.
+    app.add_middleware(DrainGate, drain=drain)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONBody:
@@ -138,6 +149,8 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        if drain.draining:  # load balancers stop sending before the server goes away
+            return JSONBody({"status": "draining"}, 503)
         return Response(status_code=200 if client.is_alive() else 503)
 
     @app.get("/version")
@@ -392,21 +405,47 @@ def served_name(model_dir: str) -> str:
 def run_server(config: EngineConfig, settings: ServerSettings, host: str, port: int,
                log_level: str = "info") -> None:
     """Run uvicorn with one addition: a shutdown signal first ends every in-flight stream with
-    an error event, so that uvicorn's wait for open connections does not wait on generation."""
+    an error event, so that uvicorn's wait for open connections does not wait on generation.
+    With `settings.shutdown.mode == "wait"` the first SIGTERM drains instead (the server keeps
+    listening to refuse new requests with a 503 while those in flight finish; it exits 0
+    once they have), and stops as above past the timeout or on a second signal."""
     import uvicorn
 
     app = build_app(config, settings)
     client: AsyncEngineClient = app.state.client
+    drain: Drain = app.state.drain
+    shutdown = settings.shutdown
 
     class Server(uvicorn.Server):
+        draining = False
+        drain_task: asyncio.Task | None = None
+
         def handle_exit(self, sig, frame) -> None:
             # A signal handler: only what is safe there (a flag, a kill); the rest goes through
             # the event loop.
-            client.stop_soon()
             loop = client.loop
+            if (shutdown.mode == "wait" and sig == signal.SIGTERM and not self.draining
+                    and client.is_serving() and loop is not None and not loop.is_closed()):
+                # (An engine still starting has nothing in flight: it is stopped at once.)
+                self.draining = True
+                loop.call_soon_threadsafe(self._start_drain, sig)
+                return
+            client.stop_soon()
             if loop is not None and not loop.is_closed():
                 loop.call_soon_threadsafe(client.fail_all, "the server is shutting down")
             super().handle_exit(sig, frame)
+
+        def _start_drain(self, sig: int) -> None:
+            # Held: the event loop keeps only a weak reference to a task.
+            self.drain_task = asyncio.get_running_loop().create_task(self._drain(sig))
+
+        async def _drain(self, sig: int) -> None:
+            if await drain.drain(shutdown.timeout_s):
+                # Nothing was cut short: exit 0, not by re-raising the signal as uvicorn
+                # does (what an abort still does).
+                self.should_exit = True
+            else:
+                self.handle_exit(sig, None)
 
     Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                           timeout_graceful_shutdown=30)).run()

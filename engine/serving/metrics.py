@@ -1,4 +1,10 @@
-"""Prometheus metrics of the API server, named after vLLM's under the `sloserve:` prefix."""
+"""Prometheus metrics of the API server, named after vLLM's under the `sloserve:` prefix.
+
+A few are also exported under vLLM's own names (`vllm:`), which gateways and dashboards read
+as they are: llm-d's endpoint picker scrapes the queue gauges and the KV usage, Grafana's vLLM
+boards the latency histograms. Each such pair is one observation fed to both names (`_Both`):
+the two can never disagree.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,27 @@ from engine.outputs import RequestMetrics, RequestOutput, SchedulerStats
 _PREEMPT_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+# vLLM v1's boundaries (vllm/v1/metrics/loggers.py), so that its dashboards' quantiles read
+# the same.
+_VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                      2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_VLLM_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                      5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class _Both:
+    """One gauge or histogram under two names (the project's and vLLM's)."""
+
+    def __init__(self, *children) -> None:
+        self._children = children
+
+    def set(self, value: float) -> None:
+        for child in self._children:
+            child.set(value)
+
+    def observe(self, value: float) -> None:
+        for child in self._children:
+            child.observe(value)
 
 
 class ServerMetrics:
@@ -20,21 +47,28 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r, labels = self.registry, {"model_name": model_name}
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"sloserve:{name}", doc, labelnames=list(labels), registry=r).labels(**labels)
+        def gauge(name: str, doc: str, prefix: str = "sloserve") -> Gauge:
+            return Gauge(f"{prefix}:{name}", doc, labelnames=list(labels), registry=r).labels(
+                **labels)
 
         def counter(name: str, doc: str, *extra: str) -> Counter:
             return Counter(f"sloserve:{name}", doc, labelnames=[*labels, *extra], registry=r)
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS
-                      ) -> Histogram:
-            return Histogram(f"sloserve:{name}", doc, labelnames=list(labels), registry=r,
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS,
+                      prefix: str = "sloserve") -> Histogram:
+            return Histogram(f"{prefix}:{name}", doc, labelnames=list(labels), registry=r,
                              buckets=buckets).labels(**labels)
 
+        def both_gauges(name: str, doc: str) -> _Both:
+            return _Both(gauge(name, doc), gauge(name, doc, prefix="vllm"))
+
         self._labels = labels
-        self.num_requests_running = gauge("num_requests_running", "Requests in the running set.")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
-        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use.")
+        self.num_requests_running = both_gauges("num_requests_running",
+                                                "Requests in the running set.")
+        self.num_requests_waiting = both_gauges("num_requests_waiting",
+                                                "Requests waiting to run.")
+        self.kv_cache_usage_perc = both_gauges("kv_cache_usage_perc",
+                                               "Fraction of KV blocks in use (0 to 1).")
         self.ttft_predictor_relative_error = gauge(
             "ttft_predictor_relative_error", "How far from what the TTFT predictor said recent "
             "prefill steps ran, longer or shorter (its error quantile, at least 0.05; the "
@@ -77,8 +111,18 @@ class ServerMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(**labels)
         self.request_success = counter("request_success", "Finished requests, by reason.",
                                        "finished_reason")
-        self.ttft = histogram("time_to_first_token_seconds", "Arrival to the first token "
-                              "sent to the client.")
+        ttft_doc = "Arrival to the first token sent to the client."
+        self.ttft = _Both(histogram("time_to_first_token_seconds", ttft_doc),
+                          histogram("time_to_first_token_seconds", ttft_doc, _VLLM_TTFT_BUCKETS,
+                                    prefix="vllm"))
+        # Per finished request, as vLLM's request_time_per_output_token_seconds (its older
+        # name, which gateways still read, is the one exported).
+        tpot_doc = ("Mean time per output token of a finished request: its first token to its "
+                    "last, as sent to the client, over the tokens after the first.")
+        self.tpot = _Both(histogram("time_per_output_token_seconds", tpot_doc,
+                                    _VLLM_TPOT_BUCKETS),
+                          histogram("time_per_output_token_seconds", tpot_doc,
+                                    _VLLM_TPOT_BUCKETS, prefix="vllm"))
         self.itl = histogram("inter_token_latency_seconds", "Time between two output tokens.")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.")
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.")
@@ -156,6 +200,8 @@ class ServerMetrics:
 
     def on_edge_finish(self, metrics: RequestMetrics) -> None:
         """A choice finished (not with an error) and its last output reached the handler."""
+        if metrics.tpot is not None:
+            self.tpot.observe(metrics.tpot)
         if metrics.tpot_slo_met is not None:
             (self.tpot_slo_met if metrics.tpot_slo_met else self.tpot_slo_missed).inc()
 

@@ -95,3 +95,17 @@ def test_bench_engine_options_default_to_the_config() -> None:
     for name in ("dtype", "device", "load_format", "max_model_len"):
         assert getattr(args, name) == model[name].default, name
     assert args.num_kv_blocks == build_engine_config(MODEL).cache.num_blocks
+
+
+def test_serve_shutdown_defaults_are_the_config() -> None:
+    """--shutdown-mode and --shutdown-timeout default to ShutdownConfig's fields, which is
+    what ServerSettings (the server's, and a fleet replica's) holds when given nothing."""
+    from engine.config import ShutdownConfig
+    from engine.serving.api_server import ServerSettings
+
+    args = build_parser().parse_args(["serve"])
+    cli = ShutdownConfig(mode=args.shutdown_mode, timeout_s=args.shutdown_timeout)
+    assert cli == ShutdownConfig() == ServerSettings(served_model_name="m").shutdown
+    assert type(args.shutdown_timeout) is float
+    with pytest.raises(ValueError, match="abort or wait"):
+        ShutdownConfig(mode="later")  # type: ignore[arg-type]

@@ -295,6 +295,39 @@ def test_slo_header_on_stream(http):
     check_metrics(result["metrics"], 60000.0)
 
 
+def test_gateway_metrics_under_vllm_names_agree_with_the_projects(server, http):
+    """llm-d's endpoint picker and vLLM's dashboards read vLLM's names: the queue gauges, the
+    KV usage (0..1) and the TTFT / TPOT histograms (vLLM's buckets), fed by the same
+    observations as the project's own names (the client-side stamps)."""
+    body = {"prompt": "Deadlines matter", "max_tokens": 5, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with http.stream("POST", "/v1/completions", json=body,
+                     headers={"x-slo-tpot-ms": "60000"}) as response:
+        assert response.status_code == 200
+        result = collect_stream(sse_data(response.iter_lines()))
+    assert result["done"] and result["error"] is None
+    families, samples = scrape(server.url)
+    name = {"model_name": MODEL_NAME}
+    for gauge in ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc"):
+        assert families[f"vllm:{gauge}"] == "gauge"
+        assert sample(samples, f"vllm:{gauge}", **name) == sample(samples, f"sloserve:{gauge}",
+                                                                  **name)
+    assert sample(samples, "vllm:num_requests_waiting", **name) >= 0
+    assert 0 <= sample(samples, "vllm:kv_cache_usage_perc", **name) <= 1
+    for histogram, top in (("time_to_first_token_seconds", "2560.0"),
+                           ("time_per_output_token_seconds", "80.0")):
+        assert families[f"vllm:{histogram}"] == "histogram"
+        count = sample(samples, f"vllm:{histogram}_count", **name)
+        assert count >= 1
+        assert count == sample(samples, f"sloserve:{histogram}_count", **name)
+        assert sample(samples, f"vllm:{histogram}_sum", **name) == pytest.approx(
+            sample(samples, f"sloserve:{histogram}_sum", **name))
+        assert sample(samples, f"vllm:{histogram}_bucket", le=top, **name) == count
+    # This stream's TTFT is among them: the one in its `metrics`, to the client's clock.
+    assert 0 < result["metrics"]["ttft_ms"] / 1000 <= sample(
+        samples, "vllm:time_to_first_token_seconds_sum", **name)
+
+
 # ---- many concurrent streams ----------------------------------------------------------------
 
 N_CONCURRENT = 32
