@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import socket
 import sys
+import threading
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -77,16 +78,55 @@ def fleet_runs(setup: Any, args: Any, trace: Any, budget: int) -> list[RunResult
         options = FleetOptions(replicas=args.replicas, router=router, on_doomed=mode,
                                replica_env=dict(REPLICA_ENV), router_seed=args.router_seed)
         with running_fleet(config, settings, options, port=args.fleet_port,
-                           keep_ray=True) as url:
+                           keep_ray=True) as url, HealthSampler(url) as health:
             run = run_http(trace, url, policy, budget, model_name=settings.served_model_name,
                            label=label)
         run.runner = "fleet"
         run.meta["fleet"] = {"replicas": args.replicas, "router": router, "on_doomed": mode,
-                             "router_seed": args.router_seed}
+                             "router_seed": args.router_seed, "health": health.summary()}
         for kind, record in run.figure_records():
             setup.figures.write(kind, **record)
         runs.append(run)
     return runs
+
+
+class HealthSampler:
+    """Polls the fleet's /health every `period_s` while a replay runs: how often the router's
+    book had a replica whose report was stale (engine/fleet/fleet_health.py), per replica."""
+
+    def __init__(self, url: str, period_s: float = 0.5) -> None:
+        self.url, self.period_s = url, period_s
+        self.samples = 0
+        self.with_stale = 0
+        self.not_reporting: Counter[str] = Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="fleet-health", daemon=True)
+
+    def _poll(self) -> None:
+        import httpx
+
+        with httpx.Client(timeout=5.0) as client:
+            while not self._stop.wait(self.period_s):
+                try:
+                    report = client.get(f"{self.url}/health").json()
+                except (httpx.HTTPError, ValueError):
+                    continue
+                stale = (report.get("replicas") or {}).get("not_reporting") or []
+                self.samples += 1
+                self.with_stale += bool(stale)
+                self.not_reporting.update(stale)
+
+    def __enter__(self) -> HealthSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10.0)
+
+    def summary(self) -> dict[str, Any]:
+        return {"samples": self.samples, "samples_with_stale_report": self.with_stale,
+                "not_reporting": dict(self.not_reporting)}
 
 
 def shutdown_ray() -> None:
@@ -148,6 +188,11 @@ def rejections(run: RunResult, runs: Sequence[RunResult]) -> dict[str, Any]:
                      and by_id[r.request_id].slo_met is False)
     return {"rejected": len(rejected), "predicted_past_slo": predicted_late,
             "missed_under_serve": missed, "serve_run": serve.policy if serve else None}
+
+
+def _staleness(run: RunResult) -> str:
+    health = (run.meta.get("fleet") or {}).get("health") or {}
+    return _ratio(health.get("samples_with_stale_report"), health.get("samples"))
 
 
 def _vs(value: float | None, base: float | None, fmt: str) -> str:
@@ -212,6 +257,7 @@ def fleet_table(runs: Sequence[RunResult]) -> str:
             ("client − server TTFT p50 (ms)",
              [_num(sums[id(r)]["median_ttft_client_minus_server_ms"]) for r in group]),
             ("requests per replica", [spread(r) for r in group]),
+            ("/health samples with a stale replica report", [_staleness(r) for r in group]),
         ]
         for name in (urgent, relaxed):
             if name:
@@ -281,4 +327,6 @@ FLEET_NOTES = (
     "stamp. per replica: requests each replica answered (x-sloserve-replica), largest first. "
     "429s predicted past their SLO: the 429 body's predicted TTFT against the request's "
     "objective; 429s that missed when served: the same requests in the run where the same "
-    "router served every request.\n")
+    "router served every request. /health samples with a stale replica report: the ingress's "
+    "/health polled every 0.5 s during the replay, those naming a replica whose load report "
+    "was older than the router's staleness limit (the router cannot predict on it then).\n")
