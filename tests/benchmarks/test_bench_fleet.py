@@ -103,3 +103,15 @@ def test_bench_run_replicas_compares_routers_on_one_trace(sim_model, tmp_path) -
     assert [r["kind"] for r in records] == (["request"] * num_requests + ["run"]) * 2 + \
         ["done"]
     assert (out / "summary.md").exists()
+
+
+def test_router_names_pick_the_fleets_and_their_admission() -> None:
+    from engine.benchmarks.fleet.fleet_run import fleet_modes
+
+    assert fleet_modes(["slack", "pow2", "slack/reject"], ["serve"]) == [
+        ("slack", "serve"), ("pow2", "serve"), ("slack", "reject")]
+    assert fleet_modes(["slack", "pow2"], ["serve", "reject"]) == [
+        ("slack", "serve"), ("pow2", "serve"), ("slack", "reject"), ("pow2", "reject")]
+    for bad in (["fastest"], ["slack/drop"], ["slack", "slack/serve"]):
+        with pytest.raises(ValueError):
+            fleet_modes(bad, ["serve"])

@@ -366,9 +366,12 @@ def _cmd_run_fleet(args: argparse.Namespace) -> int:
                                                    shutdown_ray)
     from engine.config import SchedulerConfig
 
+    from engine.benchmarks.fleet.fleet_run import fleet_modes
+
     if args.peer or args.url or args.policies:
         raise ValueError("--replicas starts its own fleets, whose replicas run the engine's "
                          "default policy: --url, --peer and --policies do not apply")
+    fleet_modes(args.router, args.on_doomed)  # a bad --router fails before anything starts
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     setup = _setup(args, out_dir)
@@ -540,12 +543,14 @@ def _add_fleet(p: argparse.ArgumentParser) -> None:
                    help="replay each trace against a fleet of N replicas per --router (a "
                         "fresh fleet each, one Ray for all; --simulate for simulated GPUs) "
                         "and print the routers side by side (OUTPUT_DIR/fleet.md)")
-    g.add_argument("--router", nargs="+", choices=ROUTER_POLICIES,
-                   default=["slack", "pow2", "least-queue"],
-                   help="the routers to compare (default: slack pow2 least-queue)")
+    g.add_argument("--router", nargs="+", default=["slack", "pow2", "least-queue"],
+                   metavar="ROUTER[/MODE]",
+                   help=f"the routers to compare, of {', '.join(ROUTER_POLICIES)} (default: "
+                        "slack pow2 least-queue); ROUTER/reject runs that router under "
+                        "--on-doomed reject only (e.g. `slack pow2 slack/reject`)")
     g.add_argument("--on-doomed", nargs="+", choices=("serve", "reject"), default=["serve"],
-                   help="the fleet's admission for each router: serve (default), reject "
-                        "(429 with the predicted TTFT), or both")
+                   help="the fleet's admission for each bare --router name: serve (default), "
+                        "reject (429 with the predicted TTFT), or both")
     g.add_argument("--router-seed", type=int, default=0)
     g.add_argument("--fleet-port", type=int, default=None,
                    help="the fleets' HTTP port (default: a free one)")

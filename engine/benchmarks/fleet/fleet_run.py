@@ -51,6 +51,28 @@ def run_label(router: str, on_doomed: str) -> str:
     return router if on_doomed == "serve" else f"{router}/{on_doomed}"
 
 
+def fleet_modes(routers: Sequence[str], on_doomed: Sequence[str]) -> list[tuple[str, str]]:
+    """(router, on_doomed) per fleet to run, in order: a bare router name runs under each
+    `on_doomed` mode (all routers under the first mode, then under the next); ROUTER/MODE (as
+    the table labels a run: `slack/reject`) under that mode only. ValueError for an unknown
+    router or mode, or a pair named twice."""
+    from engine.fleet.routing import ROUTER_POLICIES
+
+    modes_known = ("serve", "reject")
+    bare, pinned = [], []
+    for spec in routers:
+        router, _, mode = spec.partition("/")
+        if router not in ROUTER_POLICIES or (mode and mode not in modes_known):
+            raise ValueError(f"--router {spec!r}: expected one of {', '.join(ROUTER_POLICIES)}"
+                             f", optionally /{'|'.join(modes_known)}")
+        (pinned if mode else bare).append((router, mode))
+    out = [(router, mode) for mode in on_doomed for router, _ in bare]
+    out += pinned
+    if len(set(out)) != len(out):
+        raise ValueError(f"--router/--on-doomed name a fleet twice: {routers} x {on_doomed}")
+    return out
+
+
 def fleet_runs(setup: Any, args: Any, trace: Any, budget: int) -> list[RunResult]:
     """The trace against a fresh fleet per (router, on_doomed), one after the other; Ray is
     started by the first and left running for the next (the caller shuts it down:
@@ -70,7 +92,7 @@ def fleet_runs(setup: Any, args: Any, trace: Any, budget: int) -> list[RunResult
     # Ray Serve keeps the HTTP port of its first start while Ray runs: one port for them all.
     args.fleet_port = args.fleet_port or free_port()
     runs = []
-    modes = [(router, mode) for mode in args.on_doomed for router in args.router]
+    modes = fleet_modes(args.router, args.on_doomed)
     for i, (router, mode) in enumerate(modes):
         label = run_label(router, mode)
         print(f"[fleet {i + 1}/{len(modes)}] {args.replicas} replicas, router {label}",
