@@ -68,6 +68,28 @@ def add_bench_parser(subparsers: Any) -> None:
     for name, module, summary in STANDING_BENCHMARKS:
         _add_loaded_on_use(sub, name, module, summary)
 
+    # Its own parser (engine/benchmarks/fleet/routing_cost.py: main(argv)) reads the rest.
+    routing_cost = sub.add_parser(
+        "routing-cost", add_help=False,
+        help="per-decision cost of the fleet router's policies (its options: "
+             "`sloserve bench routing-cost --help`)")
+    routing_cost.set_defaults(func=_run_routing_cost)
+
+    def hand_over(args: Any = None, namespace: Any = None) -> Any:
+        # argparse hands a chosen subcommand's arguments to its parser's parse_known_args:
+        # every one of them (--help included) goes to the benchmark's own parser.
+        namespace = namespace if namespace is not None else argparse.Namespace()
+        namespace.func = _run_routing_cost
+        namespace.routing_cost_args = list(args or [])
+        return namespace, []
+
+    routing_cost.parse_known_args = hand_over  # type: ignore[method-assign]
+
+
+def _run_routing_cost(args: argparse.Namespace) -> int:
+    module = importlib.import_module("engine.benchmarks.fleet.routing_cost")
+    return int(module.main(args.routing_cost_args) or 0)
+
 
 # (subcommand, module under engine/benchmarks, one-line help)
 STANDING_BENCHMARKS = [

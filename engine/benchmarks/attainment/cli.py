@@ -28,6 +28,8 @@ from engine.config import CacheConfig, ModelConfig
 # The policy a running `sloserve serve` at --url runs unless told otherwise (the engine's
 # default: slack-EDF with mid-forward preemption in suspend mode).
 DEFAULT_SERVER_POLICY = "slo+mf-conservative-suspend"
+# max_num_batched_tokens values without --budgets (a fleet's replicas: the engine's default).
+DEFAULT_BUDGETS = ["512", "large"]
 
 
 @dataclass
@@ -229,7 +231,8 @@ def _write_outputs(runs: list, out_dir: Path) -> None:
 
 
 def _budgets(args: argparse.Namespace, traces: list) -> list[int]:
-    return [_large_budget(traces) if b == "large" else int(b) for b in args.budgets]
+    return [_large_budget(traces) if b == "large" else int(b)
+            for b in args.budgets or DEFAULT_BUDGETS]
 
 
 def _policies(args: argparse.Namespace) -> list:
@@ -307,8 +310,8 @@ def _stop_if_dry_run(args: argparse.Namespace) -> None:
     from engine.entrypoints.default_model import model_path_or_default
 
     model = model_path_or_default(args.model)
-    budgets = [int(b) for b in args.budgets if b != "large"]
-    if "large" in args.budgets:
+    budgets = [int(b) for b in args.budgets or DEFAULT_BUDGETS if b != "large"]
+    if "large" in (args.budgets or DEFAULT_BUDGETS):
         # The real run sizes it from its traces (larger than any prompt, which the TTFT line
         # sizes); the model's longest context bounds it.
         from transformers import AutoConfig
@@ -328,6 +331,8 @@ def _stop_if_dry_run(args: argparse.Namespace) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    if getattr(args, "replicas", None):
+        return _cmd_run_fleet(args)
     _stop_if_dry_run(args)
     _check_peers(args)
     out_dir = Path(args.output_dir)
@@ -350,6 +355,48 @@ def _cmd_run(args: argparse.Namespace) -> int:
     finally:
         setup.close()
     _write_outputs(runs, out_dir)
+    return 0
+
+
+def _cmd_run_fleet(args: argparse.Namespace) -> int:
+    """`sloserve bench run --replicas N --router R...`: each trace against a fresh fleet per
+    router (engine/benchmarks/fleet/fleet_run.py); the tables of `run`, and the routers side
+    by side (OUTPUT_DIR/fleet.md)."""
+    from engine.benchmarks.fleet.fleet_run import (FLEET_NOTES, fleet_runs, fleet_table,
+                                                   shutdown_ray)
+    from engine.config import SchedulerConfig
+
+    from engine.benchmarks.fleet.fleet_run import fleet_modes
+
+    if args.peer or args.url or args.policies:
+        raise ValueError("--replicas starts its own fleets, whose replicas run the engine's "
+                         "default policy: --url, --peer and --policies do not apply")
+    fleet_modes(args.router, args.on_doomed)  # a bad --router fails before anything starts
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    setup = _setup(args, out_dir)
+    _record_as_it_runs(setup, out_dir)
+    runs: list = []
+    try:
+        if args.trace:
+            traces = [_load_trace(p, setup.tokenizer) for p in args.trace]
+        else:
+            traces = [_trace(setup, args, rate, seed) for rate in args.rates
+                      for seed in args.seeds]
+        budgets = (_budgets(args, traces) if args.budgets
+                   else [SchedulerConfig.max_num_batched_tokens])
+        for trace in traces:
+            for budget in budgets:
+                runs += fleet_runs(setup, args, trace, budget)
+        setup.figures.write("done", runs=len(runs))
+    finally:
+        shutdown_ray()
+        setup.close()
+    _write_outputs(runs, out_dir)
+    table = fleet_table(runs)
+    (out_dir / "fleet.md").write_text(table + "\n" + FLEET_NOTES)
+    print(table)
+    print(f"wrote {out_dir}/fleet.md")
     return 0
 
 
@@ -466,8 +513,10 @@ def _add_grid(p: argparse.ArgumentParser, default_policies: list[str]) -> None:
                    help="policy names or `all` (fcfs, priority, slo, slo+mf-{conservative,"
                         f"aggressive}}-{{pause,recompute,suspend}}; default: "
                         f"{' '.join(default_policies)}, or {DEFAULT_SERVER_POLICY} with --url)")
-    p.add_argument("--budgets", nargs="+", default=["512", "large"],
-                   help="max_num_batched_tokens values; `large` = larger than any prompt")
+    p.add_argument("--budgets", nargs="+", default=None,
+                   help="max_num_batched_tokens values; `large` = larger than any prompt "
+                        f"(default: {' '.join(DEFAULT_BUDGETS)}; with --replicas, the "
+                        "engine's default)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--runner", choices=["inprocess", "http"], default="inprocess")
     p.add_argument("--url", default=None,
@@ -484,6 +533,27 @@ def _add_grid(p: argparse.ArgumentParser, default_policies: list[str]) -> None:
                         "/v1/models lists)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--output-dir", default="bench_results")
+
+
+def _add_fleet(p: argparse.ArgumentParser) -> None:
+    from engine.fleet.routing import ROUTER_POLICIES
+
+    g = p.add_argument_group("fleet mode (Ray Serve; engine/benchmarks/fleet/fleet_run.py)")
+    g.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="replay each trace against a fleet of N replicas per --router (a "
+                        "fresh fleet each, one Ray for all; --simulate for simulated GPUs) "
+                        "and print the routers side by side (OUTPUT_DIR/fleet.md)")
+    g.add_argument("--router", nargs="+", default=["slack", "pow2", "least-queue"],
+                   metavar="ROUTER[/MODE]",
+                   help=f"the routers to compare, of {', '.join(ROUTER_POLICIES)} (default: "
+                        "slack pow2 least-queue); ROUTER/reject runs that router under "
+                        "--on-doomed reject only (e.g. `slack pow2 slack/reject`)")
+    g.add_argument("--on-doomed", nargs="+", choices=("serve", "reject"), default=["serve"],
+                   help="the fleet's admission for each bare --router name: serve (default), "
+                        "reject (429 with the predicted TTFT), or both")
+    g.add_argument("--router-seed", type=int, default=0)
+    g.add_argument("--fleet-port", type=int, default=None,
+                   help="the fleets' HTTP port (default: a free one)")
 
 
 def add_subcommands(sub: Any) -> None:
@@ -517,6 +587,7 @@ def add_subcommands(sub: Any) -> None:
                      help="the model name to send to peer NAME (default: the first that its "
                           "/v1/models lists; vLLM serves a model under its path unless started "
                           "with --served-model-name)")
+    _add_fleet(run)
     run.set_defaults(func=_cmd_run)
 
     sweep = sub.add_parser("sweep", help="the default sweep around fcfs' 50%% rate")

@@ -59,6 +59,11 @@ class RequestResult:
     # the longest wait between two streamed chunks carrying text (None: fewer than two).
     server_ttft_s: float | None = None
     max_stream_gap_s: float | None = None
+    # HTTP runs: the replica that served it (a fleet's `x-sloserve-replica` header), the HTTP
+    # status when it was not 200, and the predicted TTFT a 429 of a fleet's admission carried.
+    replica: str | None = None
+    http_status: int | None = None
+    rejected_predicted_ttft_ms: float | None = None
 
     @property
     def failed(self) -> bool:

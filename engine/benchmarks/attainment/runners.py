@@ -324,10 +324,15 @@ async def _one_http(client: Any, tr: TraceRequest, start: float, priority: int,
     output_tokens, error = 0, None
     last, max_gap = 0.0, 0.0  # the longest wait between two chunks carrying text
     metrics: dict[str, Any] = {}  # the engine's per-request metrics, on the finishing chunk
+    replica, status, predicted_ms = None, None, None
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
+            replica = response.headers.get("x-sloserve-replica")
             if response.status_code != 200:
-                error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+                status = response.status_code
+                text = (await response.aread()).decode()
+                error = f"HTTP {response.status_code}: {text[:200]}"
+                predicted_ms = _rejected_prediction(text) if status == 429 else None
             else:
                 async for line in response.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
@@ -361,7 +366,19 @@ async def _one_http(client: Any, tr: TraceRequest, start: float, priority: int,
                          server_ttft_s=(metrics["ttft_ms"] / 1000.0
                                         if metrics.get("ttft_ms") is not None else None),
                          max_stream_gap_s=max_gap if first is not None and output_tokens > 1
-                         else None)
+                         else None,
+                         replica=replica, http_status=status,
+                         rejected_predicted_ttft_ms=predicted_ms)
+
+
+def _rejected_prediction(body: str) -> float | None:
+    """The predicted TTFT (ms) a fleet's 429 carries (`error.predicted_ttft_ms`; see
+    engine/fleet/ingress.py), None from another server's."""
+    try:
+        value = json.loads(body)["error"]["predicted_ttft_ms"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 async def run_http_async(trace: Trace, url: str, policy: PolicySpec, budget: int,

@@ -24,6 +24,10 @@
   of about DEADLINE_BURST_DOCUMENT_S of isolated prefill each with relaxed objectives, and short
   turns (32-128 tokens) whose objective is three of their isolated TTFTs, at least 250 ms (on
   this CPU 250-450 ms). With gamma arrivals, turns land in bursts during documents' prefills.
+- `fleet-bursts`: the fleet routers' trace (engine/benchmarks/fleet/bursts.py): urgent turns of
+  64-512 tokens with 150-300 ms objectives in bursts among 8k-32k-token documents with 10-30 s
+  ones; absolute objectives, for simulated H100 replicas. Its arrivals are its own (bursts):
+  --arrival and --burstiness do not apply.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from engine.benchmarks.attainment.traces import (AbsoluteSLO, Arrival, ChunkMult
                                                  TierSpec, Tokenizer, Trace, Uniform, dist_median,
                                                  generate_trace)
 
-WORKLOADS: tuple[str, ...] = ("mixed", "flowprefill", "uniform", "burst", "deadline-burst")
+WORKLOADS: tuple[str, ...] = ("mixed", "flowprefill", "uniform", "burst", "deadline-burst",
+                              "fleet-bursts")
 
 # Every built-in request generates this many tokens: the benchmark is mostly about TTFT, and a
 # short decode keeps the engine's time dominated by the prefills that the schedulers compete over
@@ -167,6 +172,10 @@ def workload_tiers(name: str, predict_ttft_s: Callable[[int], float],
         return burst_tiers(predict_ttft_s, max_prompt_len)
     if name == "deadline-burst":
         return deadline_burst_tiers(predict_ttft_s, max_prompt_len)
+    if name == "fleet-bursts":
+        from engine.benchmarks.fleet.bursts import fleet_bursts_tiers
+
+        return fleet_bursts_tiers()
     raise ValueError(f"unknown workload {name!r}; built-ins: {', '.join(WORKLOADS)}")
 
 
@@ -176,6 +185,11 @@ def build_workload(name: str, num_requests: int, rate: float, seed: int, tokeniz
     """The seeded trace of built-in workload `name`. `max_prompt_len` clips prompt lengths for a
     model with a short context (pass max_model_len minus the output tokens); the SLOs follow the
     clipped lengths."""
+    if name == "fleet-bursts":
+        from engine.benchmarks.fleet.bursts import build_fleet_bursts
+
+        return build_fleet_bursts(num_requests, rate, seed, tokenizer, predict_ttft_s,
+                                  max_prompt_len=max_prompt_len)
     tiers = workload_tiers(name, predict_ttft_s, max_prompt_len)
     return generate_trace(tiers, num_requests, rate, seed, tokenizer, predict_ttft_s,
                           arrival=arrival, burstiness=burstiness, workload=name,

@@ -1,0 +1,117 @@
+"""`sloserve bench run --replicas N --router ...`: one trace against a fleet of simulated GPUs
+per router (Ray Serve), the routers side by side; and the `fleet-bursts` trace family."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from engine.benchmarks.attainment.results import RequestResult, RunResult
+from engine.benchmarks.fleet.bursts import (BURST_SIZE, DOCUMENT_PROMPT, URGENT_PROMPT,
+                                            URGENT_SHARE, build_fleet_bursts)
+from engine.benchmarks.fleet.fleet_run import fleet_table, rejections
+from engine.benchmarks.measure.figures import read_figures
+from monitor.predictor import LinearTTFT
+
+
+def test_fleet_bursts_has_bursts_of_urgent_turns_among_documents(sim_model) -> None:
+    from transformers import AutoTokenizer
+
+    trace = build_fleet_bursts(200, 8.0, 0, AutoTokenizer.from_pretrained(sim_model),
+                               lambda n: 0.01)
+    tiers = Counter(r.tier for r in trace.requests)
+    assert tiers == {"urgent": round(200 * URGENT_SHARE), "document": 200 - tiers["urgent"]}
+    assert trace.duration_s <= 200 / 8.0
+    for r in trace.requests:
+        n = len(r.prompt_token_ids)
+        if r.tier == "urgent":
+            assert URGENT_PROMPT.lo <= n <= URGENT_PROMPT.hi and 150 <= r.ttft_slo_ms <= 300
+        else:
+            assert DOCUMENT_PROMPT.lo <= n <= DOCUMENT_PROMPT.hi
+            assert 10_000 <= r.ttft_slo_ms <= 30_000
+    # Bursts: most urgent turns arrive within 0.1 s of another one.
+    urgent = [r.arrival_s for r in trace.requests if r.tier == "urgent"]
+    close = sum(1 for a, b in zip(urgent, urgent[1:]) if b - a < 0.1)
+    assert close >= len(urgent) * (1 - 2 / (BURST_SIZE[0] + 1))
+    assert [r.request_id for r in build_fleet_bursts(
+        200, 8.0, 0, AutoTokenizer.from_pretrained(sim_model), lambda n: 0.01).requests] == \
+        [r.request_id for r in trace.requests]
+
+
+def _result(rid: str, tier: str, slo: float, ttft: float | None, **kw) -> RequestResult:
+    return RequestResult(request_id=rid, tier=tier, arrival_s=0.0, prompt_tokens=100,
+                         output_tokens=4 if ttft is not None else 0, ttft_slo_ms=slo,
+                         ttft_s=ttft, e2e_s=None if ttft is None else ttft + 0.1, tpot_s=None,
+                         **kw)
+
+
+def _run(label: str, router: str, mode: str, requests: list[RequestResult]) -> RunResult:
+    return RunResult(runner="fleet", policy=label, budget=2048, workload="fleet-bursts",
+                     rate=8.0, seed=0, duration_s=10.0, requests=requests,
+                     meta={"fleet": {"replicas": 2, "router": router, "on_doomed": mode}})
+
+
+def test_the_table_checks_each_429_against_the_same_router_serving_it() -> None:
+    served = _run("slack", "slack", "serve", [
+        _result("a", "urgent", 200, 0.1, replica="r1"),
+        _result("b", "urgent", 200, 0.5, replica="r2"),  # missed when served
+        _result("c", "document", 20_000, 2.0, replica="r1")])
+    rejected = _run("slack/reject", "slack", "reject", [
+        _result("a", "urgent", 200, 0.1, replica="r1"),
+        _result("b", "urgent", 200, None, error="HTTP 429", http_status=429,
+                rejected_predicted_ttft_ms=450.0),
+        _result("c", "document", 20_000, 2.0, replica="r2")])
+    found = rejections(rejected, [served, rejected])
+    assert found == {"rejected": 1, "predicted_past_slo": 1, "missed_under_serve": 1,
+                     "serve_run": "slack"}
+    table = fleet_table([served, rejected])
+    assert "| rejected (429) | 0 | 1 |" in table
+    assert "| 429s that missed when served | – | 1/1 (100%) |" in table
+    assert "| requests per replica | 2 / 1 | 1 / 1 |" in table
+
+
+@pytest.mark.timeout(600)
+def test_bench_run_replicas_compares_routers_on_one_trace(sim_model, tmp_path) -> None:
+    from engine.entrypoints.cli import main
+
+    ttft = tmp_path / "ttft.json"
+    LinearTTFT(seconds_per_token=3e-5, intercept_s=0.004, seconds_per_token_sq=8.3e-10,
+               floor_s=0.03).save(ttft)
+    out = tmp_path / "out"
+    num_requests = 8
+    assert main(["bench", "run", "--model", sim_model, "--simulate", "h100-llama-3.1-8b",
+                 "--ttft-model", str(ttft), "--replicas", "2", "--router", "slack", "pow2",
+                 "--workload", "fleet-bursts", "--num-requests", str(num_requests),
+                 "--rates", "4", "--seeds", "0", "--output-dir", str(out)]) == 0
+    table = (out / "fleet.md").read_text()
+    head = next(line for line in table.splitlines() if line.startswith("|  |"))
+    assert head == "|  | slack | pow2 |"
+    assert "urgent TTFT attainment" in table and "document completed" in table
+    doc = json.loads((out / "results.json").read_text())
+    assert [r["policy"] for r in doc["runs"]] == ["slack", "pow2"]
+    for run in doc["runs"]:
+        assert run["runner"] == "fleet" and run["meta"]["fleet"]["replicas"] == 2
+        assert len(run["requests"]) == num_requests
+        assert len({r["request_id"] for r in run["requests"]}) == num_requests
+        # Each request answered by a named replica, or failed with its reason.
+        for r in run["requests"]:
+            assert r["error"] is not None or (r["ttft_s"] is not None and r["replica"])
+        assert len({r["replica"] for r in run["requests"] if r["replica"]}) <= 2
+    records = read_figures(out / "results.jsonl")
+    assert [r["kind"] for r in records] == (["request"] * num_requests + ["run"]) * 2 + \
+        ["done"]
+    assert (out / "summary.md").exists()
+
+
+def test_router_names_pick_the_fleets_and_their_admission() -> None:
+    from engine.benchmarks.fleet.fleet_run import fleet_modes
+
+    assert fleet_modes(["slack", "pow2", "slack/reject"], ["serve"]) == [
+        ("slack", "serve"), ("pow2", "serve"), ("slack", "reject")]
+    assert fleet_modes(["slack", "pow2"], ["serve", "reject"]) == [
+        ("slack", "serve"), ("pow2", "serve"), ("slack", "reject"), ("pow2", "reject")]
+    for bad in (["fastest"], ["slack/drop"], ["slack", "slack/serve"]):
+        with pytest.raises(ValueError):
+            fleet_modes(bad, ["serve"])
