@@ -126,6 +126,9 @@ class Prediction:
     preempts: bool
     # Seconds from now until the replica's queue (without the request) has been prefilled.
     drain_s: float
+    # The wait it adds to the replica's other prefills, summed: its own prefill, once for each
+    # that it goes ahead of (the stopped one included).
+    delay_to_others_s: float = 0.0
 
     @property
     def added_misses(self) -> int:
@@ -233,13 +236,14 @@ def _gate_opens(timed: Sequence[_Job], running: _Urgency, margin: float,
     return should_slo_preempt(best, running, margin)  # type: ignore[arg-type]
 
 
-def _run(jobs: Sequence[_Job], start: float) -> tuple[int, float, float, float]:
+def _run(jobs: Sequence[_Job], start: float) -> tuple[int, float, float, float, int]:
     """Prefill `jobs` one after another from `start`: (misses, lateness, the new job's finish
-    (nan without one), the last finish)."""
+    (nan without one), the last finish, how many jobs come after the new one)."""
     t = start
     misses = 0
     lateness = 0.0
     new_finish = math.nan
+    behind = 0
     for job in jobs:
         t += job.cost
         for deadline in job.deadlines:
@@ -248,7 +252,9 @@ def _run(jobs: Sequence[_Job], start: float) -> tuple[int, float, float, float]:
                 lateness += t - deadline
         if job.new:
             new_finish = t
-    return misses, lateness, new_finish, t
+        elif new_finish == new_finish:  # not nan: the new job is ahead of this one
+            behind += 1
+    return misses, lateness, new_finish, t, behind
 
 
 def _ranked(jobs: Sequence[_Job], start: float, base: float) -> list[_Job]:
@@ -335,14 +341,14 @@ def predict(load: ReplicaLoad | PreparedLoad, unreported: Sequence[RouteHint], h
 
     start, jobs, stopped_before = _schedule(timed, free, running, step_remaining, preemptible,
                                             load, base)
-    misses_before, lateness_before, _, drain = _run(jobs, start)
+    misses_before, lateness_before, _, drain, _ = _run(jobs, start)
     if new.deadlines:
         start, jobs, stopped_after = _schedule([*timed, new], free, running, step_remaining,
                                                preemptible, load, base)
     else:
         # Without a deadline it goes last and weighs in no gate: the order stands.
         jobs, stopped_after = [*jobs, new], stopped_before
-    misses_after, lateness_after, finish, _ = _run(jobs, start)
+    misses_after, lateness_after, finish, _, behind = _run(jobs, start)
 
     waited = max(0.0, now - hint.arrived_at)
     first = min(step_remaining, PREEMPT_LATENCY_S) if preemptible else step_remaining
@@ -355,4 +361,6 @@ def predict(load: ReplicaLoad | PreparedLoad, unreported: Sequence[RouteHint], h
         cached_blocks=blocks,
         # Only a stop the new request causes: one that happens without it is in both runs.
         preempts=stopped_after and not stopped_before,
-        drain_s=drain)
+        drain_s=drain,
+        # Every prefill it goes ahead of (a stopped one included) waits for its own.
+        delay_to_others_s=new.cost * behind)

@@ -250,16 +250,16 @@ class FleetBook:
             return self._pow2(fresh, self.load_of) + stale
         known = predictions or {}
 
-        def key(rid: str) -> tuple[int, bool, int, bool, float]:
+        def key(rid: str) -> tuple[int, bool, int, float]:
             p = known.get(rid) or self.predict(rid, hint, now)
             assert p is not None  # fresh: it has a report
             # Among replicas that cause as few misses: one that meets the objective with its
-            # model's error to spare; then the prefix cache (work saved); then one that need
-            # not stop a running prefill for it (the interrupted request waits for this one's
-            # prefill); then the earliest first token. Without the margin, two replicas'
-            # independently fitted models differ by more than a preemption costs, and the
-            # choice between an idle replica and a busy one would follow their noise.
-            return (p.added_misses, self._at_risk(rid, p, hint), -p.cached_blocks, p.preempts,
-                    p.ttft_s)
+            # model's error to spare; then the prefix cache (work saved); then the least wait
+            # in all: its own first token plus what every prefill it goes ahead of (a stopped
+            # one included) waits for it. With its own TTFT alone, an idle replica and a busy
+            # one it would interrupt tie to within the two replicas' model noise, and a burst
+            # piles onto the replica that already stopped its prefill for the first turn.
+            return (p.added_misses, self._at_risk(rid, p, hint), -p.cached_blocks,
+                    p.ttft_s + p.delay_to_others_s)
 
         return sorted(fresh, key=key) + stale

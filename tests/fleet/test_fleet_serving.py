@@ -12,6 +12,10 @@ import time
 import httpx
 import pytest
 
+# Ray Serve comes with the cluster extra, which the README's test command installs.
+pytest.importorskip("ray.serve", reason="the fleet's tests need Ray Serve: pip install -e "
+                                        "'.[test,cluster]'")
+
 from engine.fleet.options import APP_NAME, FleetOptions
 from tests.utils.ray_fleet import (fleet, in_thread, metric, replica_env, stream,
                                    tiny_fleet_config, wait_for)

@@ -9,6 +9,10 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+
+# Ray Serve comes with the cluster extra, which the README's test command installs.
+pytest.importorskip("ray.serve", reason="the fleet's tests need Ray Serve: pip install -e "
+                                        "'.[test,cluster]'")
 from ray.exceptions import RayActorError
 from starlette.requests import Request
 

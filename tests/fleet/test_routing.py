@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.fleet.routing import ROUTER_POLICIES, FleetBook
-from tests.fleet.builders import NOW, hint, load
+from tests.fleet.builders import MODEL, NOW, hint, load
 
 
 def flat(ranks: list[list[str]]) -> list[str]:
@@ -31,15 +31,41 @@ def scenario_book(a_preemption: bool = True) -> FleetBook:
 
 
 def test_urgent_request_goes_to_the_replica_whose_long_prefill_it_can_interrupt():
-    # A: 0.02 + 0.035 s (met, by preempting); C: 0.1 + 0.035 s (met, but not with the 10%
-    # error margin to spare: 0.1485 s against 0.15 at 0.135 * 1.1); B: 0.33 + 0.035 s (missed).
-    # With 110 ms to spare, C is at risk and A is not; at 160 ms C meets it with room and
-    # needs no preemption.
+    # A: 0.02 + 0.035 s (met, by preempting: its 30k prefill waits 0.035 s more, 0.09 s of
+    # delay in all); C: 0.1 + 0.035 s (met); B: 0.33 + 0.035 s (missed). At 145 ms C meets it
+    # without its 10% error to spare (0.1485 s): at risk.
     book = scenario_book()
+    assert flat(book.rank("slack", ["A", "B", "C"], hint(tokens=128, slo=0.15), NOW)) == \
+        ["A", "C", "B"]
     assert flat(book.rank("slack", ["A", "B", "C"], hint(tokens=128, slo=0.145), NOW)) == \
         ["A", "C", "B"]
-    assert flat(book.rank("slack", ["A", "B", "C"], hint(tokens=128, slo=0.16), NOW)) == \
-        ["C", "A", "B"]
+
+
+def test_an_idle_replica_is_preferred_to_stopping_a_prefill_even_on_a_slower_model():
+    # D is idle, its model 15 ms slower than A's (independent fits differ): D's first token at
+    # 0.05 s beats A's 0.055 s plus the 0.035 s its stopped prefill then waits.
+    book = scenario_book()
+    slower = MODEL.__class__(seconds_per_token=4e-5, intercept_s=0.045, relative_error=0.1,
+                             relative_speedup=0.1)
+    book.on_report("D", load(model=slower))
+    assert flat(book.rank("slack", ["A", "B", "C", "D"], hint(tokens=128, slo=0.3), NOW))[:2] \
+        == ["D", "A"]
+
+
+def test_a_burst_spreads_over_replicas_that_all_meet_it():
+    # Four replicas each stopping a long prefill for the first urgent turn it gets: the burst's
+    # turns go one to each before any gets a second (each send lengthens that queue).
+    book = FleetBook(seed=0)
+    for rid in "WXYZ":
+        book.on_report(rid, load(running=[(30_000, None)], step_remaining_s=1.2,
+                                 step_preemptible=True))
+    chosen = []
+    for i in range(4):
+        turn = hint(f"turn{i}", tokens=256, slo=0.3)
+        best = flat(book.rank("slack", list("WXYZ"), turn, NOW))[0]
+        book.on_sent(best, turn, NOW)
+        chosen.append(best)
+    assert sorted(chosen) == list("WXYZ")
 
 
 def test_least_queue_sends_it_to_the_shortest_count():
