@@ -38,7 +38,8 @@ def add_fleet_args(parser: argparse.ArgumentParser) -> None:
                    help="scale the replicas on predicted urgent attainment (--replicas is the "
                         "initial count)")
     g.add_argument("--min-replicas", type=positive_int, default=ScalingOptions.min_replicas)
-    g.add_argument("--max-replicas", type=positive_int, default=ScalingOptions.max_replicas)
+    g.add_argument("--max-replicas", type=positive_int, default=None,
+                   help="with --autoscale (default: twice --replicas)")
     g.add_argument("--target-attainment", type=float_in(0.0, 1.0, low_open=True),
                    default=ScalingOptions.target_attainment,
                    help="add a replica when the fleet's predicted urgent TTFT attainment falls "
@@ -57,11 +58,12 @@ def fleet_options(args: argparse.Namespace) -> FleetOptions:
     through the server's settings: engine.fleet.launch)."""
     autoscaling = None
     if args.autoscale:
-        if args.min_replicas > args.max_replicas:
+        most = args.max_replicas or max(2 * args.replicas, args.min_replicas)
+        if args.min_replicas > most:
             raise ValueError(f"--min-replicas {args.min_replicas} is above --max-replicas "
-                             f"{args.max_replicas}")
+                             f"{most}")
         autoscaling = ScalingOptions(
-            min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+            min_replicas=args.min_replicas, max_replicas=most,
             target_attainment=args.target_attainment, downscale_slack_s=args.downscale_slack_s,
             upscale_delay_s=args.upscale_delay_s, downscale_delay_s=args.downscale_delay_s)
     return FleetOptions(replicas=args.replicas, router=args.router, on_doomed=args.on_doomed,

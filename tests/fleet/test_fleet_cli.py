@@ -1,0 +1,48 @@
+"""`sloserve serve --replicas N ...`: the flags make the fleet they name, bad ones fail before Ray
+starts, and the single-engine server never imports Ray."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from engine.entrypoints.cli import build_parser, main
+from engine.fleet.cli_args import fleet_options
+
+
+def _options(*flags: str):
+    return fleet_options(build_parser().parse_args(["serve", *flags]))
+
+
+def test_flags_make_the_fleet_they_name():
+    options = _options("--replicas", "4", "--router", "least-queue", "--on-doomed", "reject",
+                       "--report-period-ms", "50", "--address", "auto")
+    assert (options.replicas, options.router, options.on_doomed, options.address) == (
+        4, "least-queue", "reject", "auto")
+    assert options.report_period_s == 0.05 and options.autoscaling is None
+    scaled = _options("--replicas", "2", "--autoscale", "--target-attainment", "0.9",
+                      "--upscale-delay-s", "3")
+    auto = scaled.autoscaling
+    assert (auto.min_replicas, auto.max_replicas) == (1, 4)  # default: twice --replicas
+    assert auto.target_attainment == 0.9 and auto.upscale_delay_s == 3
+
+
+def test_bad_fleet_flags_fail_before_anything_starts(capsys):
+    with pytest.raises(ValueError, match="--min-replicas 5 is above --max-replicas 3"):
+        _options("--replicas", "2", "--autoscale", "--min-replicas", "5", "--max-replicas",
+                 "3")
+    assert main(["serve", "--replicas", "2", "--router", "nearest"]) == 2
+    assert "invalid choice: 'nearest'" in capsys.readouterr().err
+    assert main(["serve", "--replicas", "0"]) == 2
+
+
+def test_the_single_engine_server_imports_no_ray():
+    probe = ("import sys; from engine.entrypoints.cli import build_parser; "
+             "from engine.serving.api_server import build_app; "
+             "build_parser().parse_args(['serve', '--replicas', '2']); "
+             "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
