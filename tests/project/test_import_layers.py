@@ -34,7 +34,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      # build_engine_config parses a --chat-template where the configuration is built, and
      # startup calibration reads an environment variable with the command line's value types:
      # both import nothing of the project.
-     "engine.processing.chat_template", "engine.entrypoints.arg_types"),
+     "engine.processing.chat_template", "engine.entrypoints.arg_types",
+     # What a fleet replica reports and the router reads (msgspec structs, the prefix hashes):
+     # EngineCore builds the report, so it sits with the other structs both sides read.
+     "engine.fleet.load_report", "engine.fleet.prefix_hashes"),
     ("workers",),
     ("engine.executor", "engine.runtime", "engine.simulation", "engine.ipc",
      "engine.processing"),

@@ -22,12 +22,10 @@ from typing import Any
 
 from engine.benchmarks.attainment.policies import DEFAULT_SWEEP_POLICIES, resolve_policies
 from engine.benchmarks.attainment.salts import PREFIX_SALT_TOKENS
+from engine.benchmarks.attainment.policies import DEFAULT_SERVER_POLICY
 from engine.benchmarks.measure.figures import FigureLog
 from engine.config import CacheConfig, ModelConfig
 
-# The policy a running `sloserve serve` at --url runs unless told otherwise (the engine's
-# default: slack-EDF with mid-forward preemption in suspend mode).
-DEFAULT_SERVER_POLICY = "slo+mf-conservative-suspend"
 # max_num_batched_tokens values without --budgets (a fleet's replicas: the engine's default).
 DEFAULT_BUDGETS = ["512", "large"]
 

@@ -6,6 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# The policy a running `sloserve serve` runs unless told otherwise (the engine's default:
+# slack-EDF with mid-forward preemption in suspend mode): what `--url` and a fleet's replicas run.
+DEFAULT_SERVER_POLICY = "slo+mf-conservative-suspend"
+
 
 @dataclass(frozen=True)
 class PolicySpec:

@@ -77,8 +77,7 @@ def fleet_runs(setup: Any, args: Any, trace: Any, budget: int) -> list[RunResult
     """The trace against a fresh fleet per (router, on_doomed), one after the other; Ray is
     started by the first and left running for the next (the caller shuts it down:
     `shutdown_ray`)."""
-    from engine.benchmarks.attainment.cli import DEFAULT_SERVER_POLICY
-    from engine.benchmarks.attainment.policies import resolve_policies
+    from engine.benchmarks.attainment.policies import DEFAULT_SERVER_POLICY, resolve_policies
     from engine.benchmarks.attainment.runners import run_http
     from engine.config import build_engine_config
     from engine.fleet.launch import running_fleet
