@@ -66,6 +66,9 @@ def build_fleet_app(config: EngineConfig, settings: ServerSettings, options: Fle
         # The engine queues and orders requests itself (by slack): Ray Serve must not hold
         # them back at the router.
         max_ongoing_requests=4096,
+        # One line per request and per report from every replica is noise at serving rates;
+        # the ingress's /metrics counts what matters.
+        logging_config={"enable_access_log": False},
         health_check_period_s=1.0, health_check_timeout_s=30.0,
         graceful_shutdown_wait_loop_s=0.5,
         # A replica Ray Serve removes takes no new requests and finishes its streams first.
@@ -83,7 +86,8 @@ def build_fleet_app(config: EngineConfig, settings: ServerSettings, options: Fle
         api_key=settings.api_key, max_request_body_bytes=settings.max_request_body_bytes,
         default_ttft_slo_ms=settings.default_ttft_slo_ms)
     return serve.deployment(FleetIngress, name=INGRESS_DEPLOYMENT, ray_actor_options={
-        "num_cpus": 0}, max_ongoing_requests=8192).bind(engine, config, ingress_settings)
+        "num_cpus": 0}, max_ongoing_requests=8192, logging_config={"enable_access_log": False}
+    ).bind(engine, config, ingress_settings)
 
 
 def _replica_settings(settings: ServerSettings) -> ServerSettings:
