@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from monitor.policy import SLOPreemptDecision, SLOPreemptPolicy, RequestView, choose_slo_preemption
+from monitor.arrivals import PendingArrivals
 from monitor.predictor import LinearTTFT, optimistic_prefill
 from monitor.slo_preempt_signal import SLOPreemptSignal
 from monitor.step_progress import remaining_seconds
@@ -88,7 +89,7 @@ class SLOMonitor:
         self.interval_s = interval_s
         self._snapshot: MonitorSnapshot | None = None
         # Arrival sequence number -> view; written by the thread that receives requests.
-        self._arrivals: dict[int, RequestView] = {}
+        self._arrivals = PendingArrivals()
         self._wake = threading.Event()
         self._stopped = False
         self._fired_step = -1
@@ -119,7 +120,7 @@ class SLOMonitor:
             self._wake.set()
 
     def note_arrival(self, seq: int, view: RequestView) -> None:
-        self._arrivals[seq] = view
+        self._arrivals.note(seq, view)
         self._wake.set()
 
     # ---- the thread ----------------------------------------------------------------------
@@ -143,7 +144,7 @@ class SLOMonitor:
 
     def _deadline_waiting(self, snapshot: MonitorSnapshot) -> bool:
         return (any(w.deadline is not None for w in snapshot.waiting)
-                or any(v.deadline is not None for v in list(self._arrivals.values())))
+                or self._arrivals.any_with_deadline())
 
     def _note_error(self) -> None:
         self.num_errors += 1
@@ -165,7 +166,7 @@ class SLOMonitor:
             return None
         # Pruned on every wake, targetable step or not: with only short prompts no step is
         # preemptible, and the arrivals the scheduler has taken must not pile up.
-        arrivals = self._pending_arrivals(snapshot.drained_arrivals)
+        arrivals = tuple(self._arrivals.pending(snapshot.drained_arrivals))
         if not snapshot.preemptible or snapshot.step_id <= self._fired_step:
             return None
         now = time.monotonic()
@@ -188,11 +189,3 @@ class SLOMonitor:
         self.decisions.append(made)
         return made
 
-    def _pending_arrivals(self, drained: int) -> tuple[RequestView, ...]:
-        pending: list[RequestView] = []
-        for seq in list(self._arrivals):
-            if seq <= drained:
-                self._arrivals.pop(seq, None)
-            elif (view := self._arrivals.get(seq)) is not None:
-                pending.append(view)
-        return tuple(pending)

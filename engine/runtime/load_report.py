@@ -23,6 +23,7 @@ from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.fleet.load_report import MAX_REPORTED_PREFIX_HASHES, QueuedRequest, ReplicaLoad
 from engine.fleet.prefix_hashes import short_hash
+from monitor.arrivals import PendingArrivals
 from monitor.monitor import MonitorSnapshot
 from monitor.policy import RequestView, view_of
 from monitor.slo_preempt_signal import SLOPreemptSignal
@@ -48,7 +49,7 @@ class LoadTracker:
         self._published: _Published | None = None
         # Arrival number -> view of requests handed over (submit_request) and not yet drained
         # into the scheduler: the router must see a request it has just sent here.
-        self._arrivals: dict[int, RequestView] = {}
+        self._arrivals = PendingArrivals()
         # The last step whose forward pass returned: a later snapshot's step is still running.
         self._finished_step = -1
 
@@ -59,7 +60,7 @@ class LoadTracker:
         self._published = _Published(snapshot, num_decoding)
         # The arrivals the scheduler has taken: pruned here too, or an engine nobody asks
         # for reports would keep a view of every request it ever received.
-        self._pending_arrivals(snapshot.drained_arrivals)
+        self._arrivals.pending(snapshot.drained_arrivals)
 
     def step_ended(self, step_id: int) -> None:
         self._finished_step = step_id
@@ -80,7 +81,7 @@ class LoadTracker:
     # ---- any thread -------------------------------------------------------------------------
 
     def note_arrival(self, seq: int, request: Request) -> None:
-        self._arrivals[seq] = view_of(request)
+        self._arrivals.note(seq, view_of(request))
 
     def report(self) -> ReplicaLoad:
         # Both clocks once: deadlines are monotonic in this process, the report's times are
@@ -93,7 +94,7 @@ class LoadTracker:
         snapshot = published.snapshot if published is not None else None
         drained = snapshot.drained_arrivals if snapshot is not None else 0
         waiting = [_queued(v, now) for v in snapshot.waiting] if snapshot is not None else []
-        waiting += [_queued(v, now) for v in self._pending_arrivals(drained)]
+        waiting += [_queued(v, now) for v in self._arrivals.pending(drained)]
         running = [_queued(v, now) for v in snapshot.running] if snapshot is not None else []
         num_decoding = published.num_decoding if published is not None else 0
         step_remaining = 0.0
@@ -130,14 +131,6 @@ class LoadTracker:
                                          snapshot.started_at)
         return max(0.0, snapshot.predicted_step_s - (now - snapshot.started_at))
 
-    def _pending_arrivals(self, drained: int) -> list[RequestView]:
-        pending: list[RequestView] = []
-        for seq in list(self._arrivals):
-            if seq <= drained:
-                self._arrivals.pop(seq, None)
-            elif (view := self._arrivals.get(seq)) is not None:
-                pending.append(view)
-        return pending
 
 
 def _queued(view: RequestView, now: float) -> QueuedRequest:
