@@ -3,6 +3,8 @@ a step sees them (the monitor's gate, the fleet's load report)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from monitor.policy import RequestView
 
 
@@ -26,6 +28,10 @@ class PendingArrivals:
             elif (view := self._views.get(seq)) is not None:
                 views.append(view)
         return views
+
+    def __iter__(self) -> Iterator[int]:
+        """The sequence numbers held (not yet dropped), oldest first."""
+        return iter(list(self._views))
 
     def any_with_deadline(self) -> bool:
         return any(v.deadline is not None for v in list(self._views.values()))
