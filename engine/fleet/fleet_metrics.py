@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from starlette.responses import Response
 
-from engine.fleet.load_report import RouteHint
+from engine.fleet.load_report import ReplicaLoad, RouteHint
 from engine.fleet.routing import FleetBook
 
 # vLLM's TTFT buckets, so that dashboards built for vLLM read the fleet's histogram as is.
@@ -31,36 +31,33 @@ class _ReplicaLoads:
         self._book = book
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        waiting = GaugeMetricFamily("vllm:num_requests_waiting",
-                                    "Requests waiting on each replica (its latest report).",
-                                    labels=["replica"])
-        running = GaugeMetricFamily("vllm:num_requests_running",
-                                    "Requests running on each replica (its latest report).",
-                                    labels=["replica"])
-        kv_usage = GaugeMetricFamily("vllm:kv_cache_usage_perc",
-                                     "Fraction of each replica's KV blocks in use.",
-                                     labels=["replica"])
-        age = GaugeMetricFamily("sloserve:fleet_report_age_seconds",
-                                "How old each replica's latest load report is.",
-                                labels=["replica"])
-        prefill = GaugeMetricFamily("sloserve:fleet_queued_prefill_tokens",
-                                    "Prompt tokens each replica still has to prefill (waiting "
-                                    "and running requests).", labels=["replica"])
-        step = GaugeMetricFamily("sloserve:fleet_step_remaining_seconds",
-                                 "Predicted time left in each replica's running step.",
-                                 labels=["replica"])
         book = self._book()
+        loads = sorted((book.loads() if book is not None else {}).items())
         now = time.time()
-        for replica, load in sorted((book.loads() if book is not None else {}).items()):
-            waiting.add_metric([replica], len(load.waiting))
-            running.add_metric([replica], load.num_requests - len(load.waiting))
-            used = 1.0 - load.num_free_blocks / load.num_blocks if load.num_blocks else 0.0
-            kv_usage.add_metric([replica], used)
-            age.add_metric([replica], max(0.0, now - load.made_at))
-            prefill.add_metric([replica], sum(q.remaining_prefill_tokens
-                                              for q in (*load.waiting, *load.running)))
-            step.add_metric([replica], load.step_remaining_s)
-        yield from (waiting, running, kv_usage, age, prefill, step)
+        for name, doc, value in _REPLICA_GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=["replica"])
+            for replica, load in loads:
+                family.add_metric([replica], value(load, now))
+            yield family
+
+
+# Each replica's gauges: (name, help, value of its latest report at scrape time).
+_REPLICA_GAUGES: tuple[tuple[str, str, Callable[[ReplicaLoad, float], float]], ...] = (
+    ("vllm:num_requests_waiting", "Requests waiting on each replica (its latest report).",
+     lambda load, now: len(load.waiting)),
+    ("vllm:num_requests_running", "Requests running on each replica (its latest report).",
+     lambda load, now: load.num_requests - len(load.waiting)),
+    ("vllm:kv_cache_usage_perc", "Fraction of each replica's KV blocks in use.",
+     lambda load, now: 1.0 - load.num_free_blocks / load.num_blocks if load.num_blocks
+     else 0.0),
+    ("sloserve:fleet_report_age_seconds", "How old each replica's latest load report is.",
+     lambda load, now: max(0.0, now - load.made_at)),
+    ("sloserve:fleet_queued_prefill_tokens", "Prompt tokens each replica still has to prefill "
+     "(waiting and running requests).",
+     lambda load, now: sum(q.remaining_prefill_tokens for q in (*load.waiting, *load.running))),
+    ("sloserve:fleet_step_remaining_seconds", "Predicted time left in each replica's running "
+     "step.", lambda load, now: load.step_remaining_s),
+)
 
 
 class FleetMetrics:
@@ -89,13 +86,13 @@ class FleetMetrics:
         if hint.ttft_slo_s is not None:
             self._slo.labels("met" if ttft <= hint.ttft_slo_s else "missed").inc()
 
-    def rejected(self, hint: RouteHint) -> None:
+    def rejected(self) -> None:
         self._rejected.inc()
 
     def retried(self) -> None:
         self._retries.inc()
 
-    def failed(self, hint: RouteHint | None) -> None:
+    def failed(self) -> None:
         self._failed.inc()
 
     def response(self) -> Response:

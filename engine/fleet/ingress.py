@@ -174,7 +174,7 @@ class FleetIngress:
         admission = assess(book, hint, time.time())
         if not admission.doomed:
             return None
-        self.metrics.rejected(hint)
+        self.metrics.rejected()
         predicted_ms = admission.predicted_ttft_s * 1e3
         message = (f"no replica can serve this request within its TTFT objective of "
                    f"{hint.ttft_slo_s * 1e3:.0f} ms: the best predicted TTFT is "
@@ -206,7 +206,7 @@ class FleetIngress:
             response = StreamingResponse(self._relay(stream, hint, sse), status_code=start.status)
             response.raw_headers = headers
             return response
-        self.metrics.failed(hint)
+        self.metrics.failed()
         return _error(503, f"no replica could take the request ({type(failure).__name__}); "
                            f"the fleet is recovering, retry shortly")
 
@@ -227,7 +227,7 @@ class FleetIngress:
             finished = True
         except Exception as exc:  # the replica died mid-response
             logger.warning("a replica failed mid-response: %s", type(exc).__name__)
-            self.metrics.failed(hint)
+            self.metrics.failed()
             if not sse:
                 raise  # a JSON body cannot carry an error after it began: the connection ends
             error = error_body("the replica serving this request failed; the stream ends "

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
+from engine.benchmarks.server import free_port
 from engine.config import EngineConfig, build_engine_config
 from engine.fleet.options import FleetOptions
 from engine.serving.api_server import ServerSettings
@@ -27,11 +27,6 @@ from workers.preemption.layer_delay import LAYER_DELAY_ENV
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,6 @@ results.json, results.jsonl, summary.md and the plots are the attainment benchma
 
 from __future__ import annotations
 
-import socket
 import sys
 import threading
 from collections import Counter
@@ -34,17 +33,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.benchmarks.attainment.results import RunResult, summarize
+from engine.benchmarks.server import free_port
 
 BASELINES = ("pow2", "least-queue")
 # The replicas' environment: a simulated or CPU replica needs no more than a short startup
 # calibration (a TTFT line is given to it anyway).
 REPLICA_ENV = {"SLOSERVE_STARTUP_CALIBRATION_S": "0.3"}
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_label(router: str, on_doomed: str) -> str:
