@@ -36,6 +36,7 @@ from engine.fleet.fleet_health import FleetHealth
 from engine.fleet.fleet_metrics import FleetMetrics, carries_output
 from engine.fleet.load_report import RouteHint
 from engine.fleet.prefix_hashes import prompt_prefix_hashes
+from engine.fleet.replica import REPLICA_HEADER
 from engine.fleet.book_registry import fleet_book
 from engine.processing.input_processor import InputProcessor
 from engine.serving.api_server import SLO_HEADER
@@ -70,7 +71,12 @@ class FleetIngress:
 
     async def __init__(self, engine: Any, config: EngineConfig,
                        settings: IngressSettings) -> None:
-        self.engine = engine.options(stream=True)
+        # The replicas' responses come back over Ray Serve's inter-deployment gRPC channel
+        # rather than as Ray objects (`_by_reference=False`: the data plane of Ray's
+        # documented RAY_SERVE_THROUGHPUT_OPTIMIZED mode). Every chunk of every stream crosses
+        # this hop; as objects each one costs an object-store round trip in both processes,
+        # which on a busy host delays first tokens by tens of ms (bench/RESULTS.md, Fleet).
+        self.engine = engine.options(stream=True, _by_reference=False)
         self.settings = settings
         self.inputs = InputProcessor.for_model(config.model)
         self.block_size = config.cache.block_size
@@ -203,15 +209,18 @@ class FleetIngress:
             headers = [(k, v) for k, v in start.headers if k.lower() not in _HOP_BY_HOP]
             sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
                       for k, v in headers)
-            response = StreamingResponse(self._relay(stream, hint, sse), status_code=start.status)
+            replica = next((v.decode() for k, v in start.headers if k.lower() == REPLICA_HEADER),
+                           None)
+            response = StreamingResponse(self._relay(stream, hint, sse, replica),
+                                         status_code=start.status)
             response.raw_headers = headers
             return response
         self.metrics.failed()
         return _error(503, f"no replica could take the request ({type(failure).__name__}); "
                            f"the fleet is recovering, retry shortly")
 
-    async def _relay(self, stream: Any, hint: RouteHint | None, sse: bool
-                     ) -> AsyncIterator[bytes]:
+    async def _relay(self, stream: Any, hint: RouteHint | None, sse: bool,
+                     replica: str | None) -> AsyncIterator[bytes]:
         # A JSON body arrives whole: its first byte is the end of the request, not its TTFT
         # (the replica's own metrics have that one).
         awaiting_first = hint is not None and sse
@@ -226,8 +235,11 @@ class FleetIngress:
                     self.metrics.first_output(hint, time.time())
             finished = True
         except Exception as exc:  # the replica died mid-response
-            logger.warning("a replica failed mid-response: %s", type(exc).__name__)
+            logger.warning("replica %s failed mid-response: %s", replica, type(exc).__name__)
             self.metrics.failed()
+            book = fleet_book(self.settings.engine_deployment)
+            if book is not None and replica is not None:
+                book.on_failed(replica, time.time())
             if not sse:
                 raise  # a JSON body cannot carry an error after it began: the connection ends
             error = error_body("the replica serving this request failed; the stream ends "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 import time
@@ -24,6 +25,26 @@ from engine.fleet.options import (APP_NAME, ENGINE_DEPLOYMENT, INGRESS_DEPLOYMEN
 from engine.serving.api_server import ServerSettings
 
 logger = logging.getLogger(__name__)
+
+# Ray Serve settings for a Ray this process starts (the processes Ray spawns inherit them). The
+# HTTP proxy hands each request to the ingress, and relays every response chunk back, over
+# gRPC rather than as Ray objects (part of Ray's documented RAY_SERVE_THROUGHPUT_OPTIMIZED
+# mode): on a busy host the object path added tens of ms to first tokens (bench/RESULTS.md,
+# Fleet). A value already in the environment wins. A cluster joined with --address keeps the
+# settings it was started with (the README's `ray start` line sets this one).
+RAY_SERVE_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
+
+
+def init_ray(address: str | None = None, **ray_init_kwargs) -> None:
+    """Start Ray (or join the cluster at `address`) with the fleet's Ray Serve settings."""
+    import ray
+
+    for name, value in RAY_SERVE_ENV.items():
+        os.environ.setdefault(name, value)
+    ray_init_kwargs.setdefault("include_dashboard", False)
+    ray_init_kwargs.setdefault("configure_logging", False)
+    ray.init(address=address, **ray_init_kwargs)
+
 
 def build_fleet_app(config: EngineConfig, settings: ServerSettings, options: FleetOptions):
     """The Ray Serve application: the engine deployment and the ingress bound to it."""
@@ -107,8 +128,7 @@ def start_fleet(config: EngineConfig, settings: ServerSettings, options: FleetOp
     from ray import serve
 
     if not ray.is_initialized():
-        ray.init(address=options.address, include_dashboard=False,
-                 log_to_driver=True, configure_logging=False)
+        init_ray(options.address, log_to_driver=True)
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_fleet_app(config, settings, options), name=APP_NAME, route_prefix="/",
               blocking=False)

@@ -62,6 +62,9 @@ class ReplicaState:
     unreported: list[tuple[float, RouteHint]] = field(default_factory=list)
     # Sent by this router and not completed yet.
     in_flight: set[str] = field(default_factory=set)
+    # When a request through this process saw the replica fail (wall clock): its reports made
+    # until then describe a replica that is gone.
+    failed_at: float | None = None
 
     @property
     def load(self) -> ReplicaLoad | None:
@@ -100,6 +103,8 @@ class FleetBook:
         state = self._state(replica_id)
         if state.load is not None and load.made_at < state.load.made_at:
             return
+        if state.failed_at is not None and load.made_at <= state.failed_at:
+            return
         state.prepared = PreparedLoad(load)
         cutoff = load.made_at - self.send_skew_s
         state.unreported = [(at, hint) for at, hint in state.unreported if at >= cutoff]
@@ -115,6 +120,15 @@ class FleetBook:
             return
         state.in_flight.discard(request_id)
         state.unreported = [(at, h) for at, h in state.unreported if h.request_id != request_id]
+
+    def on_failed(self, replica_id: str, now: float) -> None:
+        """A request saw the replica fail (its stream broke): it is not predicted on, and ranks
+        with the stale ones, until it reports again after `now`. Ray Serve notices a dead
+        replica's actor later (its health check, the controller's loop); until then the
+        router would keep sending there and /health would call the fleet whole."""
+        state = self._state(replica_id)
+        state.prepared = None
+        state.failed_at = now
 
     def on_removed(self, replica_id: str) -> None:
         self.replicas.pop(replica_id, None)

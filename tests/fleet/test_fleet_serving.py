@@ -72,6 +72,21 @@ def test_fleet_serves_the_openai_api_with_streaming(tiny_fleet):
     assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
     health = httpx.get(f"{url}/health", timeout=30).json()
     assert health["status"] == "ok" and health["replicas"]["reporting"] == 2, health
+    # The HTTP proxy that served all of it hands requests to the ingress over gRPC
+    # (engine.fleet.launch.RAY_SERVE_ENV), as the Ray this session started told it to.
+    assert _proxy_environment().get("RAY_SERVE_PROXY_USE_GRPC") == "1"
+
+
+def _proxy_environment() -> dict[str, str]:
+    import ray
+
+    name = next(n["name"] for n in ray.util.list_named_actors(all_namespaces=True)
+                if "PROXY_ACTOR" in n["name"])
+    proxy = ray.get_actor(name, namespace="serve")
+    pid = ray.get(proxy.__ray_call__.remote(lambda self: os.getpid()))
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
+    return {k.decode(): v.decode(errors="replace") for k, v in pairs}
 
 
 def test_urgent_request_goes_around_a_replica_in_the_middle_of_a_long_prefill(tiny_fleet):

@@ -54,9 +54,10 @@ class FakeHandle:
     """The engine deployment's handle: each call takes the next scripted stream."""
 
     def __init__(self, streams: list[FakeStream]) -> None:
-        self.streams, self.calls = streams, []
+        self.streams, self.calls, self.handle_options = streams, [], {}
 
-    def options(self, **_) -> FakeHandle:
+    def options(self, **options) -> FakeHandle:
+        self.handle_options.update(options)
         return self
 
     @property
@@ -120,10 +121,23 @@ def test_no_replica_left_is_a_clear_503(tiny_model):
     asyncio.run(run())
 
 
+def test_replies_stream_back_over_grpc_not_as_ray_objects(tiny_model):
+    async def run():
+        ingress = await _ingress(tiny_model(), [])
+        assert ingress.engine.handle_options == {"stream": True, "_by_reference": False}
+
+    asyncio.run(run())
+
+
 def test_a_replica_that_dies_mid_stream_ends_it_with_an_error_event(tiny_model):
     async def run():
+        import time
+        book = FleetBook(seed=0)
+        book_registry.register(DEPLOYMENT, book)
+        book.on_report("r1", load(made_at=time.time()))
         chunk = {"choices": [{"index": 0, "text": "a", "finish_reason": None}]}
-        parts = [ResponseStart(status=200, headers=SSE), *_sse(chunk, chunk)]
+        parts = [ResponseStart(status=200, headers=[*SSE, (b"x-sloserve-replica", b"r1")]),
+                 *_sse(chunk, chunk)]
         ingress = await _ingress(tiny_model(), [FakeStream(parts, fail_at=3)])
         response = await _call(ingress, "POST", "/v1/completions",
                                {"model": "m", "prompt": "x", "stream": True,
@@ -137,8 +151,13 @@ def test_a_replica_that_dies_mid_stream_ends_it_with_an_error_event(tiny_model):
         assert "sloserve:fleet_failed_total 1.0" in page
         # Its first output was counted at the edge, against its objective.
         assert 'sloserve:fleet_ttft_slo_total{outcome="met"} 1.0' in page
+        # The router stops predicting on the replica at once (and /health says degraded).
+        assert book.fresh_and_stale(time.time()) == ([], ["r1"])
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    finally:
+        book_registry._BOOKS.pop(DEPLOYMENT, None)
 
 
 def test_the_api_key_is_checked_at_the_ingress_and_health_stays_open(tiny_model):

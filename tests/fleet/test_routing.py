@@ -133,6 +133,23 @@ def test_stale_replica_is_avoided_unless_nothing_fresh_is_left():
                                                                   ["never", "old"])
 
 
+def test_a_replica_seen_failing_is_avoided_until_it_reports_again():
+    book = FleetBook(report_period_s=0.1)
+    book.on_report("idle", load(made_at=NOW - 0.05))
+    book.on_report("busy", load(running=[(8192, None)], step_remaining_s=0.3))
+    h = hint(tokens=128, slo=0.15)
+    assert flat(book.rank("slack", ["idle", "busy"], h, NOW))[0] == "idle"
+    book.on_failed("idle", NOW)
+    assert not book.is_fresh("idle", NOW)
+    assert book.fresh_and_stale(NOW) == (["busy"], ["idle"])
+    assert flat(book.rank("slack", ["idle", "busy"], h, NOW)) == ["busy", "idle"]
+    # A report made before the failure (delivered late) does not bring it back; a newer does.
+    book.on_report("idle", load(made_at=NOW - 0.01))
+    assert not book.is_fresh("idle", NOW)
+    book.on_report("idle", load(made_at=NOW + 0.01))
+    assert book.is_fresh("idle", NOW + 0.02)
+
+
 def test_prefix_affinity_breaks_ties_between_replicas_that_meet_the_deadline():
     # R1 holds the prompt's first 64 blocks, behind a 0.2 s step: 0.2 + 0.033 s. R2 is idle
     # without them: 0.074 s. Both meet 1 s: the cache wins.

@@ -35,8 +35,9 @@ def ray_serve_port() -> Iterator[int]:
     import ray
     from ray import serve
 
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False,
-             log_to_driver=False)
+    from engine.fleet.launch import init_ray
+
+    init_ray(num_cpus=2, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
