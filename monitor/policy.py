@@ -60,6 +60,9 @@ class EngineRequest(Protocol):
     def num_computed_tokens(self) -> int: ...
 
     @property
+    def num_cached_prefix_tokens(self) -> int: ...
+
+    @property
     def num_slo_preemptions(self) -> int: ...
 
     @property
@@ -201,11 +204,17 @@ def view_of(request: EngineRequest, *, computed_tokens: int | None = None,
     client has its first output has met or missed its TTFT objective for good: it no longer has
     a deadline to protect.
 
-    For a request in the running step, ``computed_tokens`` is its chunk's start (the tokens
-    computed before the step: the step's own are still to do until it ends), and
+    A request still waiting for admission is credited with the prefix-cache hit found when it
+    arrived (``num_cached_prefix_tokens``). For a request in the running step,
+    ``computed_tokens`` is its chunk's start (the tokens computed before the step: the step's
+    own are still to do until it ends), and
     ``slo_preempted`` whether Rule 1 protects it as the engine applies the rule (default: it
     was SLO-preempted before)."""
-    computed = request.num_computed_tokens if computed_tokens is None else computed_tokens
+    if computed_tokens is not None:
+        computed = computed_tokens
+    else:
+        # A request not yet admitted skips what the prefix cache holds of its prompt.
+        computed = max(request.num_computed_tokens, request.num_cached_prefix_tokens)
     return RequestView(request.request_id, request.live_deadline,
                        max(0, request.num_tokens - computed),
                        slo_preempted=(request.num_slo_preemptions > 0 if slo_preempted is None

@@ -77,6 +77,10 @@ class Request:
     num_slo_preemptions: int = 0
     # Tokens served from the prefix cache at the first admission (-1 until admitted).
     num_cached_tokens: int = -1
+    # Tokens of its prompt the prefix cache held when it arrived: until admission claims the
+    # blocks, the prediction of what its prefill skips. A follow-up chat turn whose history is
+    # cached prefills only its new message; ranked on its whole prompt it would look doomed.
+    num_cached_prefix_tokens: int = 0
     # Chained hashes of this request's full blocks of tokens, extended as tokens are appended.
     block_hashes: list[bytes] = field(default_factory=list)
     first_scheduled_time: float | None = None

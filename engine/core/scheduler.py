@@ -86,6 +86,12 @@ class Scheduler:
 
     # ---- requests in and out -------------------------------------------------------------
 
+    def note_cached_prefix(self, request: Request) -> None:
+        """Record how much of `request`'s prompt the prefix cache holds now (a pure lookup: the
+        blocks are claimed at admission, and may be evicted before it), for the slack ranking
+        and the monitor (monitor.policy.view_of)."""
+        request.num_cached_prefix_tokens = self.kv_cache_manager.get_computed_blocks(request)[1]
+
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
@@ -101,6 +107,7 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} is {request.status.name}, expected WAITING")
         # Stop checks and the full-sequence admission test both read the request's own limit.
         request.max_model_len = limit
+        self.note_cached_prefix(request)
         self.requests[request.request_id] = request
         leader = (self.requests.get(request.prefill_after)
                   if request.prefill_after is not None

@@ -88,18 +88,21 @@ class PreparedLoad:
             else:
                 self.timed.append((prefill, model.optimistic(prefill), q.time_to_deadline_s))
 
-    def prefix_hit_tokens(self, hint: RouteHint, extra_cached: Collection[int] = ()) -> int:
+    def prefix_hit_tokens(self, hint: RouteHint, extra_cached: Collection[int] = (),
+                          served: Collection[int] = ()) -> int:
         """Prompt tokens of `hint` this replica holds in its prefix cache (whole blocks), counting
         the prefixes of requests sent there since the report (`extra_cached`) as cached: they
-        will be by the time this request's prefill starts behind them."""
-        return self.prefix_hit_blocks(hint, extra_cached) * self.load.block_size
+        will be by the time this request's prefill starts behind them; and those the router
+        remembers serving there (`served`: engine.fleet.routing's memory)."""
+        return self.prefix_hit_blocks(hint, extra_cached, served) * self.load.block_size
 
-    def prefix_hit_blocks(self, hint: RouteHint, extra_cached: Collection[int] = ()) -> int:
-        if not extra_cached:
+    def prefix_hit_blocks(self, hint: RouteHint, extra_cached: Collection[int] = (),
+                          served: Collection[int] = ()) -> int:
+        if not extra_cached and not served:
             return cached_prefix_blocks(hint.prefix_hashes, self.cached)
         hit = 0
         for h in hint.prefix_hashes:
-            if h not in self.cached and h not in extra_cached:
+            if h not in self.cached and h not in extra_cached and h not in served:
                 break
             hit += 1
         return hit
@@ -291,9 +294,10 @@ def _schedule(timed: list[_Job], free: list[_Job], running: _Job | None,
 
 
 def predict(load: ReplicaLoad | PreparedLoad, unreported: Sequence[RouteHint], hint: RouteHint,
-            now: float) -> Prediction:
+            now: float, served: Collection[int] = ()) -> Prediction:
     """`hint`'s predicted TTFT on the replica that reported `load`, to which the router has
-    sent `unreported` since the report was made (oldest first), at wall-clock `now`."""
+    sent `unreported` since the report was made (oldest first), at wall-clock `now`. `served`:
+    prefix hashes the router remembers the replica caching, beside its report's."""
     prepared = load if isinstance(load, PreparedLoad) else PreparedLoad(load)
     load = prepared.load
     model, context = load.step_model, load.decode_context
@@ -316,7 +320,7 @@ def predict(load: ReplicaLoad | PreparedLoad, unreported: Sequence[RouteHint], h
     base = 0.0 if preemptible or running is None else step_remaining
 
     def sent(h: RouteHint, extra_cached: Collection[int], new: bool = False) -> _Job:
-        tokens = max(0, h.prompt_tokens - prepared.prefix_hit_tokens(h, extra_cached))
+        tokens = max(0, h.prompt_tokens - prepared.prefix_hit_tokens(h, extra_cached, served))
         # A fully cached prompt still computes its last token (the engine recomputes it).
         prefill = model.predict(max(tokens, 1), context)
         deadline = h.deadline()
@@ -352,7 +356,7 @@ def predict(load: ReplicaLoad | PreparedLoad, unreported: Sequence[RouteHint], h
 
     waited = max(0.0, now - hint.arrived_at)
     first = min(step_remaining, PREEMPT_LATENCY_S) if preemptible else step_remaining
-    blocks = prepared.prefix_hit_blocks(hint, extra)
+    blocks = prepared.prefix_hit_blocks(hint, extra, served)
     return Prediction(
         ttft_s=waited + finish,
         optimistic_ttft_s=waited + first + model.optimistic(new.cost),

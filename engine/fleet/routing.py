@@ -25,6 +25,7 @@ Policies (`RouterPolicy`):
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
@@ -52,6 +53,15 @@ SEND_SKEW_S = 0.05
 # whose report claims a perfect model is still not trusted to the millisecond.
 MIN_RISK_MARGIN = 0.1
 
+# Prefix blocks the router remembers per replica from the requests it served there, beside the
+# report's newest hashes. A report names only the most recent MAX_REPORTED_PREFIX_HASHES
+# blocks: behind one replica's flow of long documents, a conversation's history falls out of
+# it within seconds while the replica still holds it. The memory is what SGLang's cache-aware
+# router keeps (what it sent where); it forgets the oldest first, and never more than the
+# replica's KV pool holds (its report's `num_blocks`), so it does not outlive an eviction by
+# much on a replica with a steady flow.
+DEFAULT_SERVED_PREFIX_BLOCKS = 1 << 16
+
 
 @dataclass
 class ReplicaState:
@@ -60,8 +70,11 @@ class ReplicaState:
     prepared: PreparedLoad | None = None
     # Sent since the report was made (oldest first): the report does not count them yet.
     unreported: list[tuple[float, RouteHint]] = field(default_factory=list)
-    # Sent by this router and not completed yet.
-    in_flight: set[str] = field(default_factory=set)
+    # Sent by this router and not completed yet: request id -> its prompt's prefix hashes.
+    in_flight: dict[str, list[int]] = field(default_factory=dict)
+    # Prefix blocks of the requests completed there (whose prompts it has cached), oldest
+    # first (an LRU: a prefix served again moves to the end).
+    served_prefixes: OrderedDict[int, None] = field(default_factory=OrderedDict)
     # When a request through this process saw the replica fail (wall clock): its reports made
     # until then describe a replica that is gone.
     failed_at: float | None = None
@@ -80,8 +93,10 @@ class FleetBook:
 
     def __init__(self, *, report_period_s: float = DEFAULT_REPORT_PERIOD_S,
                  stale_after_s: float | None = None, send_skew_s: float = SEND_SKEW_S,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None,
+                 served_prefix_blocks: int = DEFAULT_SERVED_PREFIX_BLOCKS) -> None:
         self.report_period_s = report_period_s
+        self.served_prefix_blocks = served_prefix_blocks
         self.stale_after_s = (STALE_AFTER_PERIODS * report_period_s if stale_after_s is None
                               else stale_after_s)
         self.send_skew_s = send_skew_s
@@ -112,14 +127,27 @@ class FleetBook:
     def on_sent(self, replica_id: str, hint: RouteHint, now: float) -> None:
         state = self._state(replica_id)
         state.unreported.append((now, hint))
-        state.in_flight.add(hint.request_id)
+        state.in_flight[hint.request_id] = hint.prefix_hashes
 
     def on_completed(self, replica_id: str, request_id: str) -> None:
         state = self.replicas.get(replica_id)
         if state is None:
             return
-        state.in_flight.discard(request_id)
+        prefix = state.in_flight.pop(request_id, None)
         state.unreported = [(at, h) for at, h in state.unreported if h.request_id != request_id]
+        if prefix:
+            self._remember_served(state, prefix)
+
+    def _remember_served(self, state: ReplicaState, prefix: list[int]) -> None:
+        served = state.served_prefixes
+        for h in prefix:
+            served[h] = None
+            served.move_to_end(h)
+        limit = self.served_prefix_blocks
+        if state.load is not None and state.load.num_blocks > 0:
+            limit = min(limit, state.load.num_blocks)
+        while len(served) > limit:
+            served.popitem(last=False)
 
     def on_failed(self, replica_id: str, now: float) -> None:
         """A request saw the replica fail (its stream broke): it is not predicted on, and ranks
@@ -178,14 +206,15 @@ class FleetBook:
         extra: set[int] = set()
         for _, sent in state.unreported:
             extra.update(sent.prefix_hashes)
-        return state.prepared.prefix_hit_blocks(hint, extra)
+        return state.prepared.prefix_hit_blocks(hint, extra, state.served_prefixes)
 
     def predict(self, replica_id: str, hint: RouteHint, now: float) -> Prediction | None:
         """`hint`'s prediction on the replica (None: no report)."""
         state = self.replicas.get(replica_id)
         if state is None or state.prepared is None:
             return None
-        return predict(state.prepared, state.unreported_hints(), hint, now)
+        return predict(state.prepared, state.unreported_hints(), hint, now,
+                       served=state.served_prefixes)
 
     def predictions(self, candidate_ids: Sequence[str], hint: RouteHint, now: float
                     ) -> dict[str, Prediction]:

@@ -127,6 +127,11 @@ class EngineCore:
         """From any thread, also while a step runs: validates at once (ValueError), shows the
         request to the monitor at once, and hands it to the engine loop for the next step."""
         self.validate_request(request)
+        # What its prefill skips, for the monitor's view of the arrival: a lookup of committed
+        # blocks from this thread while a step may run (the engine loop commits between steps;
+        # a lookup that misses a block committed meanwhile only underestimates the hit, and
+        # add_request looks again in the loop's thread).
+        self.scheduler.note_cached_prefix(request)
         seq = next(self._arrival_seq)
         self.load.note_arrival(seq, request)  # before the hand-over: never drained unseen
         self._inbox.put((seq, request))

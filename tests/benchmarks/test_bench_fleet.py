@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 
 from engine.benchmarks.attainment.results import RequestResult, RunResult
-from engine.benchmarks.fleet.bursts import (BURST_SIZE, DOCUMENT_PROMPT, URGENT_PROMPT,
-                                            URGENT_SHARE, build_fleet_bursts)
+from engine.benchmarks.fleet.bursts import (BURST_SIZE, DOCUMENT_PROMPT, URGENT_OUTPUT_TOKENS,
+                                            URGENT_PROMPT, URGENT_SHARE, build_fleet_bursts)
 from engine.benchmarks.fleet.fleet_run import fleet_table, rejections
 from engine.benchmarks.measure.figures import read_figures
 from monitor.predictor import LinearTTFT
@@ -38,6 +38,42 @@ def test_fleet_bursts_has_bursts_of_urgent_turns_among_documents(sim_model) -> N
     assert [r.request_id for r in build_fleet_bursts(
         200, 8.0, 0, AutoTokenizer.from_pretrained(sim_model), lambda n: 0.01).requests] == \
         [r.request_id for r in trace.requests]
+
+
+def test_fleet_chat_turns_resend_their_conversation_and_add_a_short_message(sim_model,
+                                                                          tmp_path) -> None:
+    from transformers import AutoTokenizer
+
+    from engine.benchmarks.attainment.traces import Trace
+    from engine.benchmarks.fleet.chat import (OPENING_PROMPT, THINK_S, TURNS_PER_CONVERSATION,
+                                              build_fleet_chat)
+
+    trace = build_fleet_chat(200, 8.0, 0, AutoTokenizer.from_pretrained(sim_model),
+                             lambda n: 0.01)
+    tiers = Counter(r.tier for r in trace.requests)
+    assert len(trace.requests) == 200 and tiers["document"] == 50
+    assert tiers["urgent"] == 150 - tiers["opening"] <= TURNS_PER_CONVERSATION * tiers["opening"]
+    by_session: dict[str, list] = {}
+    for r in trace.requests:
+        assert (r.session is None) == (r.tier == "document")
+        if r.session is not None:
+            by_session.setdefault(r.session, []).append(r)
+    for turns in by_session.values():
+        opening, *follow_ups = turns
+        assert opening.tier == "opening" and all(t.tier == "urgent" for t in follow_ups)
+        assert OPENING_PROMPT.lo <= len(opening.prompt_token_ids) <= OPENING_PROMPT.hi
+        for before, turn in zip(turns, follow_ups):
+            # The whole conversation so far, an answer and a new message of 64-512 tokens
+            # whose objective follows the new message, not the history.
+            assert turn.prompt_token_ids[:len(before.prompt_token_ids)] == before.prompt_token_ids
+            new = len(turn.prompt_token_ids) - len(before.prompt_token_ids) - URGENT_OUTPUT_TOKENS
+            assert URGENT_PROMPT.lo <= new <= URGENT_PROMPT.hi
+            assert 150 <= turn.ttft_slo_ms <= 300
+            assert turn.arrival_s - before.arrival_s >= THINK_S - 1e-9
+    # Saved and loaded with its sessions (an older trace without them loads as before).
+    trace.save(tmp_path / "chat.jsonl")
+    assert [r.session for r in Trace.load(tmp_path / "chat.jsonl").requests] == [
+        r.session for r in trace.requests]
 
 
 def _result(rid: str, tier: str, slo: float, ttft: float | None, **kw) -> RequestResult:

@@ -140,6 +140,27 @@ def test_two_replays_of_one_trace_share_no_prompt_prefix():
         assert all(r.error is None and r.output_tokens == 3 for r in run.requests)
 
 
+def test_a_sessions_requests_share_one_salt_and_sessions_do_not():
+    """A conversation's turns resend its history: one salt for all of them keeps the shared
+    prefix a prefix (the server's cache finds it), and no two conversations share one."""
+    from engine.benchmarks.attainment.runners import run_http
+
+    history = list(range(300, 364))
+    requests = [TraceRequest("00000-opening", "opening", 0.0, history, 3, ttft_slo_ms=2000.0,
+                             session="c0"),
+                TraceRequest("00001-opening", "opening", 0.01, list(range(500, 564)), 3,
+                             ttft_slo_ms=2000.0, session="c1"),
+                TraceRequest("00002-urgent", "urgent", 0.02, [*history, 7, 8, 9], 3,
+                             ttft_slo_ms=200.0, session="c0")]
+    trace = Trace(requests, meta={"workload": "custom", "rate": 1.0, "seed": 0})
+    with _stub_server() as (url, recorder):
+        run_http(trace, url, POLICIES["fcfs"], 128, model_name="stub-model", progress=False)
+    sent = {tuple(p[PREFIX_SALT_TOKENS:]): tuple(p[:PREFIX_SALT_TOKENS])
+            for p in recorder.prompts[1:]}  # after the warm-up
+    c0, c1, turn = (sent[tuple(r.prompt_token_ids[PREFIX_SALT_TOKENS:])] for r in requests)
+    assert c0 == turn and c0 != c1
+
+
 def test_salts_come_from_the_prompts_and_never_repeat():
     prompts = [[5, 6, 7], [7, 8]]
     a, b = PrefixSalts(prompts, seed=1), PrefixSalts(prompts, seed=1)  # the same generator

@@ -384,6 +384,28 @@ def test_prefix_cache_hits_counted_and_outputs_unchanged() -> None:
     assert outputs["b"] == reference_output(b.prompt_token_ids, b.sampling_params, None, 256)
 
 
+def test_a_waiting_request_is_ranked_on_what_the_prefix_cache_leaves_it() -> None:
+    """A chat turn whose history is cached prefills only its new message: the monitor and the
+    slack ranking see that before admission claims the blocks (monitor.policy.view_of)."""
+    from monitor.policy import view_of
+
+    sched = make_scheduler()
+    runner = FakeRunner(sched)
+    history = list(range(40))
+    sched.add_request(make_request("turn-1", history, max_tokens=2))
+    run_to_completion(sched, runner)
+    turn = make_request("turn-2", history + [7, 7, 7], max_tokens=2)
+    stranger = make_request("other", [9] * 43, max_tokens=2)
+    for r in (turn, stranger):
+        sched.add_request(r)
+    assert turn.num_cached_prefix_tokens == 40 and stranger.num_cached_prefix_tokens == 0
+    assert turn.num_computed_tokens == 0  # probe: still waiting, nothing claimed yet
+    assert view_of(turn).remaining_prefill_tokens == 3
+    assert view_of(stranger).remaining_prefill_tokens == 43
+    step(sched, runner)
+    assert turn.num_cached_tokens == 40  # admission found what the arrival predicted
+
+
 def test_prefix_cache_never_serves_the_whole_prompt() -> None:
     sched = make_scheduler()
     runner = FakeRunner(sched)

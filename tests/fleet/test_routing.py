@@ -150,6 +150,31 @@ def test_a_replica_seen_failing_is_avoided_until_it_reports_again():
     assert book.is_fresh("idle", NOW + 0.02)
 
 
+def test_the_router_remembers_the_prefixes_it_served_past_the_reports_window():
+    # A conversation's 4k-token history was served on R1; R1's report no longer names its
+    # blocks (documents since filled the report's window). The next turn: the history plus
+    # 200 new tokens, with a 0.15 s objective that only a cached history meets.
+    book = FleetBook()
+    history = list(range(1, 257))  # 256 blocks of 16 tokens
+    book.on_sent("R1", hint("turn-1", tokens=4096, slo=5.0, prefix=history), NOW - 1.0)
+    # Reports made since: turn-1 is in them (not unreported), its blocks are not.
+    book.on_report("R1", load(running=[(8192, None)], step_remaining_s=0.1))
+    book.on_report("R2", load())
+    turn = hint("turn-2", tokens=4296, slo=0.15, prefix=[*history, 900, 901])
+    assert book.prefix_blocks("R1", turn) == 0  # still in flight: not known to be cached
+    book.on_completed("R1", "turn-1")
+    assert book.prefix_blocks("R1", turn) == 256 and book.prefix_blocks("R2", turn) == 0
+    assert book.predict("R1", turn, NOW).ttft_s < 0.15 < book.predict("R2", turn, NOW).ttft_s
+    assert flat(book.rank("slack", ["R2", "R1"], turn, NOW))[0] == "R1"
+    assert flat(book.rank("prefix", ["R2", "R1"], turn, NOW))[0] == "R1"
+    # Never more than the replica's KV pool holds (its report's num_blocks: 1000), the
+    # least recently served forgotten first.
+    book.on_sent("R1", hint("doc", tokens=16_000, slo=None, prefix=range(5000, 6000)), NOW)
+    book.on_completed("R1", "doc")
+    served = book.replicas["R1"].served_prefixes
+    assert len(served) == 1000 and 1 not in served and 5999 in served
+
+
 def test_prefix_affinity_breaks_ties_between_replicas_that_meet_the_deadline():
     # R1 holds the prompt's first 64 blocks, behind a 0.2 s step: 0.2 + 0.033 s. R2 is idle
     # without them: 0.074 s. Both meet 1 s: the cache wins.

@@ -411,7 +411,16 @@ async def run_http_async(trace: Trace, url: str, policy: PolicySpec, budget: int
         metrics_before = (await client.get("/metrics")).text
         before = parse_engine_counters(metrics_before)
         # Drawn before the clock starts: what each request sends is fixed up front.
-        request_salts = {tr.request_id: salts.draw() for tr in trace.requests}
+        # One salt per session: its turns share their history's prefix, as a user's would.
+        session_salts: dict[str, list[int]] = {}
+        request_salts: dict[str, list[int]] = {}
+        for tr in trace.requests:
+            if tr.session is None:
+                request_salts[tr.request_id] = salts.draw()
+            else:
+                if tr.session not in session_salts:
+                    session_salts[tr.session] = salts.draw()
+                request_salts[tr.request_id] = session_salts[tr.session]
         start = time.monotonic()
         bar = tqdm(total=len(trace.requests), desc=f"{label or policy.name} @ {budget} (http)",
                    disable=not progress, leave=False)

@@ -209,12 +209,15 @@ class TraceRequest:
     output_tokens: int  # max_tokens, generated with ignore_eos
     ttft_slo_ms: float | None  # None: no SLO
     tpot_slo_ms: float | None = None  # None: no TPOT objective
+    # Requests of one session (a conversation) share their prompts' prefix: an HTTP replay
+    # gives them one prefix salt, so a server's prefix cache finds each turn's history.
+    session: str | None = None
 
 
 _REQUEST_FIELDS = ("request_id", "tier", "arrival_s", "prompt_token_ids", "output_tokens",
-                   "ttft_slo_ms", "tpot_slo_ms")
-# Traces written before TPOT objectives existed lack these; they load as None.
-_OPTIONAL_FIELDS = frozenset({"tpot_slo_ms"})
+                   "ttft_slo_ms", "tpot_slo_ms", "session")
+# Traces written before TPOT objectives (or sessions) existed lack these; they load as None.
+_OPTIONAL_FIELDS = frozenset({"tpot_slo_ms", "session"})
 
 
 @dataclass
@@ -331,7 +334,9 @@ def _request_from_dict(obj: Any, where: str) -> TraceRequest:
         prompt_token_ids=_token_ids(obj["prompt_token_ids"], where, "prompt_token_ids"),
         output_tokens=_output_tokens(obj["output_tokens"], where),
         ttft_slo_ms=_slo(obj["ttft_slo_ms"], where),
-        tpot_slo_ms=_slo(obj.get("tpot_slo_ms"), where, "tpot_slo_ms"))
+        tpot_slo_ms=_slo(obj.get("tpot_slo_ms"), where, "tpot_slo_ms"),
+        session=(None if obj.get("session") is None
+                 else _nonempty_str(obj["session"], where, "session")))
 
 
 # Field checks shared by Trace.load and load_user_trace; each names the line and the field.

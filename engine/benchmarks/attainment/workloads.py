@@ -28,6 +28,10 @@
   64-512 tokens with 150-300 ms objectives in bursts among 8k-32k-token documents with 10-30 s
   ones; absolute objectives, for simulated H100 replicas. Its arrivals are its own (bursts):
   --arrival and --burstiness do not apply.
+- `fleet-chat`: conversations (engine/benchmarks/fleet/chat.py): each follow-up turn resends a
+  2k-8k-token history and adds 64-512 new tokens with fleet-bursts' 150-300 ms objectives, in
+  bursts, among its documents; only a replica holding the history in its prefix cache meets
+  them. A conversation's requests share one prefix salt over HTTP.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from engine.benchmarks.attainment.traces import (AbsoluteSLO, Arrival, ChunkMult
                                                  generate_trace)
 
 WORKLOADS: tuple[str, ...] = ("mixed", "flowprefill", "uniform", "burst", "deadline-burst",
-                              "fleet-bursts")
+                              "fleet-bursts", "fleet-chat")
 
 # Every built-in request generates this many tokens: the benchmark is mostly about TTFT, and a
 # short decode keeps the engine's time dominated by the prefills that the schedulers compete over
@@ -176,6 +180,10 @@ def workload_tiers(name: str, predict_ttft_s: Callable[[int], float],
         from engine.benchmarks.fleet.bursts import fleet_bursts_tiers
 
         return fleet_bursts_tiers()
+    if name == "fleet-chat":
+        from engine.benchmarks.fleet.chat import fleet_chat_tiers
+
+        return fleet_chat_tiers()
     raise ValueError(f"unknown workload {name!r}; built-ins: {', '.join(WORKLOADS)}")
 
 
@@ -190,6 +198,11 @@ def build_workload(name: str, num_requests: int, rate: float, seed: int, tokeniz
 
         return build_fleet_bursts(num_requests, rate, seed, tokenizer, predict_ttft_s,
                                   max_prompt_len=max_prompt_len)
+    if name == "fleet-chat":
+        from engine.benchmarks.fleet.chat import build_fleet_chat
+
+        return build_fleet_chat(num_requests, rate, seed, tokenizer, predict_ttft_s,
+                                max_prompt_len=max_prompt_len)
     tiers = workload_tiers(name, predict_ttft_s, max_prompt_len)
     return generate_trace(tiers, num_requests, rate, seed, tokenizer, predict_ttft_s,
                           arrival=arrival, burstiness=burstiness, workload=name,

@@ -80,8 +80,13 @@ def fleet_runs(setup: Any, args: Any, trace: Any, budget: int) -> list[RunResult
     from engine.serving.api_server import ServerSettings
 
     policy = resolve_policies([DEFAULT_SERVER_POLICY])[0]
+    # The replicas cache prefixes, as a served engine does by default (the attainment
+    # benchmark turns it off so that no run finds an earlier one's prompts): every fleet here
+    # starts empty and the HTTP replay salts each prompt (a conversation's alike), so what a
+    # replica finds in its cache is what this trace put there. Affinity is half of routing.
     config = build_engine_config(setup.model, max_num_batched_tokens=budget,
-                                 **{**policy.engine_kwargs(), **setup.engine_overrides})
+                                 **{**policy.engine_kwargs(), **setup.engine_overrides,
+                                    "enable_prefix_caching": True})
     settings = ServerSettings(served_model_name="sloserve-fleet")
     # Ray Serve keeps the HTTP port of its first start while Ray runs: one port for them all.
     args.fleet_port = args.fleet_port or free_port()
