@@ -58,6 +58,9 @@ class ReplicaLoad(msgspec.Struct, kw_only=True, frozen=True):
     num_free_blocks: int = 0
     num_blocks: int = 0
     block_size: int = 16
+    # The step's token budget: a prompt longer than it is prefilled in chunks of it, each a
+    # step of its own (0: unknown, predicted as one step).
+    max_num_batched_tokens: int = 0
     # First 8 bytes (big-endian int) of the chain hash of each cached full block, most recent
     # last, at most MAX_REPORTED_PREFIX_HASHES (engine.fleet.prefix_hashes computes the same
     # for a request's prompt).

@@ -8,16 +8,16 @@ was made join its queue, and the queue is ordered by the monitor's own functions
 rescuable ones' slack allows, no deadline last, first come first served), with the urgencies
 the requests will have when the queue starts (the monitor ranks when it schedules the next
 prefill, after the running step: a request rescuable now may be doomed by then). The jobs are then
-prefilled one after another, each `step_model.predict(tokens, decode_context)`: the replica
-batches prefills with its decodes, and the decode context is what every prefill step carries.
+prefilled one after another, each in chunks of the replica's step budget (`prefill_seconds`:
+`step_model.predict_step` per chunk): the replica batches prefills with its decodes, and the
+decode context is what every prefill step carries.
 
 The running step either finishes first (`step_remaining_s`), or, when it is preemptible, the
 replica has SLO preemption on and the monitor's gate (`should_slo_preempt`, with its necessity
 test) lets the best waiter stop it, is stopped after PREEMPT_LATENCY_S and its remaining work
 joins the queue in slack order (a suspended pass resumes at its layer: nothing is recomputed).
 
-Not modelled, on purpose: chunked prefill (a sequence of chunks costs about what the whole
-prompt costs), the KV capacity (a replica short of blocks reports a long queue anyway), and
+Not modelled, on purpose: the KV capacity (a replica short of blocks reports a long queue anyway), and
 aging (the report does not carry the replica's aging bound, and an aged request is a miss
 whichever order it then gets).
 """
@@ -40,6 +40,26 @@ from monitor.policy import AGED_PRIORITY, order, should_slo_preempt
 # its layers, so the latency is this constant, capped by the step's remaining time (a step
 # about to end costs no more than its end).
 PREEMPT_LATENCY_S = 0.020
+
+def prefill_seconds(load: ReplicaLoad, tokens: int) -> float:
+    """Predicted seconds for the replica to prefill `tokens` more tokens of one prompt: in
+    chunks of its step budget, each a step of its own (`predict_step` per chunk, over the
+    chunks before it), beside its decodes. One `predict(tokens)` would charge a 30k-token
+    document one step's fixed cost instead of fifteen, and the replicas' refitted models
+    differ most in that cost: the router would send documents to the replica whose model
+    puts the least in it."""
+    model, context, budget = load.step_model, load.decode_context, load.max_num_batched_tokens
+    if tokens <= 0:
+        return 0.0
+    if budget <= 0 or tokens <= budget:
+        return model.predict(tokens, context)
+    total, done = 0.0, 0
+    while done < tokens:
+        chunk = min(budget, tokens - done)
+        total += model.predict_step(chunk, chunk * (2 * done + chunk), context)
+        done += chunk
+    return total
+
 
 class _Urgency:
     """monitor.policy.Urgency's fields, in a slotted class: `order` and `should_slo_preempt`
@@ -75,14 +95,14 @@ class PreparedLoad:
     def __init__(self, load: ReplicaLoad) -> None:
         self.load = load
         self.cached: frozenset[int] = frozenset(load.cached_prefix_hashes)
-        model, context = load.step_model, load.decode_context
+        model = load.step_model
         # Waiting requests with a deadline: (prefill, optimistic prefill, time to deadline at
         # made_at); their urgency depends on the report's age, so each decision computes it.
         self.timed: list[tuple[float, float, float]] = []
         # Those without one, first come first served: fixed jobs, built once.
         self.free: list[_Job] = []
         for q in load.waiting:
-            prefill = model.predict(q.remaining_prefill_tokens, context)
+            prefill = prefill_seconds(load, q.remaining_prefill_tokens)
             if q.time_to_deadline_s is None:
                 self.free.append(_Job(prefill, prefill, (), _FREE))
             else:
@@ -300,7 +320,7 @@ def predict(load: ReplicaLoad | PreparedLoad, unreported: Sequence[RouteHint], h
     prefix hashes the router remembers the replica caching, beside its report's."""
     prepared = load if isinstance(load, PreparedLoad) else PreparedLoad(load)
     load = prepared.load
-    model, context = load.step_model, load.decode_context
+    model = load.step_model
     age = max(0.0, now - load.made_at)
     step_remaining = max(0.0, load.step_remaining_s - age)
 
@@ -322,7 +342,7 @@ def predict(load: ReplicaLoad | PreparedLoad, unreported: Sequence[RouteHint], h
     def sent(h: RouteHint, extra_cached: Collection[int], new: bool = False) -> _Job:
         tokens = max(0, h.prompt_tokens - prepared.prefix_hit_tokens(h, extra_cached, served))
         # A fully cached prompt still computes its last token (the engine recomputes it).
-        prefill = model.predict(max(tokens, 1), context)
+        prefill = prefill_seconds(load, max(tokens, 1))
         deadline = h.deadline()
         if deadline is None:
             return _Job(prefill, prefill, (), _FREE, new)

@@ -25,7 +25,7 @@ from engine.fleet.asgi_bridge import ForwardedRequest, ResponseStart, call_app
 from engine.fleet.autoscaling import MAX_REPORTED_SLACK_S, AttainmentWindow
 from engine.fleet.fleet_metrics import carries_output
 from engine.fleet.load_report import ReplicaLoad, RouteHint, encode_load
-from engine.fleet.prediction import predict
+from engine.fleet.prediction import predict, prefill_seconds
 from engine.serving.api_server import ServerSettings, build_app
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,6 @@ class EngineReplica:
 def min_slack_s(load: ReplicaLoad) -> float:
     """The least slack (time to deadline less predicted remaining prefill) among the replica's
     queued requests with a TTFT objective; MAX_REPORTED_SLACK_S with none: nothing urgent."""
-    slacks = [q.time_to_deadline_s - load.step_model.predict(q.remaining_prefill_tokens,
-                                                             load.decode_context)
+    slacks = [q.time_to_deadline_s - prefill_seconds(load, q.remaining_prefill_tokens)
               for q in (*load.waiting, *load.running) if q.time_to_deadline_s is not None]
     return min(slacks, default=MAX_REPORTED_SLACK_S)

@@ -115,6 +115,7 @@ class LoadTracker:
             num_free_blocks=kv.num_free_blocks,
             num_blocks=kv.pool.num_blocks,
             block_size=kv.block_size,
+            max_num_batched_tokens=scheduler.config.max_num_batched_tokens,
             cached_prefix_hashes=[short_hash(h) for h in
                                   kv.pool.newest_hashes(MAX_REPORTED_PREFIX_HASHES)],
             num_requests=len(waiting) + len(running) + num_decoding,

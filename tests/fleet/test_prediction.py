@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from engine.fleet.prediction import PREEMPT_LATENCY_S, PreparedLoad, _urgency, predict
 from monitor.policy import RequestView, urgency
+from monitor.predictor import LinearTTFT
 from tests.fleet.builders import MODEL, NOW, hint, load, prefill
 
 
@@ -193,3 +194,30 @@ def test_head_is_the_monitors_first(jobs):
         assert head is None
     else:
         assert head is order([(job.urgency, job) for job in built])[0][0]
+
+
+def test_a_long_prompt_is_predicted_as_the_chunks_its_replica_prefills():
+    """Two replicas of the same hardware whose refitted models split a step's cost differently
+    (a large fixed cost and a small slope, or the reverse) agree on a document prefilled in
+    2048-token chunks, and the router then sees them as equals; as one step, the first would
+    look twice as fast and draw every document."""
+    import msgspec
+
+    from engine.fleet.prediction import prefill_seconds
+
+    steep = LinearTTFT(seconds_per_token=3.0e-5, intercept_s=0.004)
+    flat = LinearTTFT(seconds_per_token=1.6e-5, intercept_s=0.0327)
+    chunked = [msgspec.structs.replace(load(model=m), max_num_batched_tokens=2048)
+               for m in (steep, flat)]
+    # A 2048-token chunk costs both the same: 65.4 ms.
+    assert steep.predict(2048) == pytest.approx(flat.predict(2048), rel=1e-3)
+    whole = [load(model=m) for m in (steep, flat)]  # no budget reported: one step
+    assert prefill_seconds(whole[1], 20480) < 0.6 * prefill_seconds(whole[0], 20480)
+    # In 10 chunks each pays its fixed cost: the two agree again.
+    assert prefill_seconds(chunked[0], 20480) == pytest.approx(
+        prefill_seconds(chunked[1], 20480), rel=1e-3)
+    assert prefill_seconds(chunked[0], 20480) == pytest.approx(10 * steep.predict(2048))
+    # A prompt within the budget is one step, as before.
+    assert prefill_seconds(chunked[0], 1000) == steep.predict(1000)
+    p = predict(chunked[1], [], hint(tokens=20480, slo=30.0), NOW)
+    assert p.ttft_s == pytest.approx(prefill_seconds(chunked[1], 20480))
