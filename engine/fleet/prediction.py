@@ -17,9 +17,9 @@ replica has SLO preemption on and the monitor's gate (`should_slo_preempt`, with
 test) lets the best waiter stop it, is stopped after PREEMPT_LATENCY_S and its remaining work
 joins the queue in slack order (a suspended pass resumes at its layer: nothing is recomputed).
 
-Not modelled, on purpose: the KV capacity (a replica short of blocks reports a long queue anyway), and
-aging (the report does not carry the replica's aging bound, and an aged request is a miss
-whichever order it then gets).
+Not modelled, on purpose: the KV capacity (a replica short of blocks reports a long queue
+anyway), and aging (the report does not carry the replica's aging bound, and an aged request is
+a miss whichever order it then gets).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from engine.fleet.load_report import ReplicaLoad, RouteHint
 from engine.fleet.prefix_hashes import cached_prefix_blocks
 from monitor.policy import AGED_PRIORITY, order, should_slo_preempt
+from monitor.predictor import attention_work
 
 # Seconds from the monitor's decision to stop a preemptible step until the waiter's own prefill
 # starts. The vote is read at every attention op, so the step stops at the next layer boundary:
@@ -56,7 +57,7 @@ def prefill_seconds(load: ReplicaLoad, tokens: int) -> float:
     total, done = 0.0, 0
     while done < tokens:
         chunk = min(budget, tokens - done)
-        total += model.predict_step(chunk, chunk * (2 * done + chunk), context)
+        total += model.predict_step(chunk, attention_work([(done, chunk)]), context)
         done += chunk
     return total
 
