@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from monitor.policy import SLOPreemptDecision, SLOPreemptPolicy, RequestView, choose_slo_preemption
 from monitor.arrivals import PendingArrivals
-from monitor.predictor import LinearTTFT, optimistic_prefill
+from monitor.predictor import LinearTTFT, optimistic_prefill, predict_prefill
 from monitor.slo_preempt_signal import SLOPreemptSignal
 from monitor.step_progress import remaining_seconds
 
@@ -63,6 +63,9 @@ class MonitorSnapshot:
     # Predicted seconds from started_at to each layer boundary (monitor.step_progress); empty:
     # predicted_step_s spread evenly over num_layers.
     layer_ends: tuple[float, ...] = ()
+    # The step budget: a waiting prompt longer than it is prefilled in chunks of it, each a
+    # step (monitor.predictor.predict_prefill); 0: priced as one step.
+    chunk_tokens: int = 0
 
     def predicted_layer_ends(self) -> tuple[float, ...]:
         if self.layer_ends:
@@ -172,14 +175,16 @@ class SLOMonitor:
         now = time.monotonic()
         step_remaining = self._step_remaining(snapshot)
         predictor, decodes = snapshot.predictor, snapshot.decode_context
+        chunk = snapshot.chunk_tokens
         decision = choose_slo_preemption(snapshot.waiting + arrivals, snapshot.running, now,
-                                     lambda tokens: predictor.predict(tokens, decodes),
+                                     lambda tokens: predict_prefill(predictor, tokens, decodes,
+                                                                    chunk),
                                      self.policy, self.margin,
                                      step_remaining_s=step_remaining,
                                      relative_error=snapshot.predictor.relative_error,
                                      aging_bound_s=self.aging_bound_s,
                                      optimistic=lambda tokens: optimistic_prefill(
-                                         predictor, tokens, decodes))
+                                         predictor, tokens, decodes, chunk))
         if decision is None:
             return None
         self._fired_step = snapshot.step_id

@@ -66,7 +66,8 @@ class Scheduler:
                                  ttft_seed,
                                  slo_preemption.predictor_error_quantile
                                  if slo_preemption is not None else 0.9,
-                                 scheduler_config.aging_bound_ms / 1000)
+                                 scheduler_config.aging_bound_ms / 1000,
+                                 chunk_tokens=budget)
         # Steps with at least this many prefill tokens are marked preemptible (None: never).
         self.slo_preempt_min_tokens = (slo_preemption.min_tokens if slo_preemption is not None
                                    and slo_preemption.enabled else None)

@@ -30,7 +30,8 @@ from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import RequestQueue, UrgencyQueue
 from engine.core.step_record import StepInProgress
 from monitor.policy import rank_requests, request_urgency
-from monitor.predictor import LinearTTFT, OnlineTTFT, attention_work, optimistic_prefill
+from monitor.predictor import (LinearTTFT, OnlineTTFT, attention_work, optimistic_prefill,
+                               predict_prefill)
 
 
 # Share of a protected request's time left that a cap leaves unfilled. The predictor's error and
@@ -130,8 +131,11 @@ class SuspendedChunk(NamedTuple):
 class SlackPolicy:
     def __init__(self, scheduling_policy: SchedulingPolicy, slo_preempt_mode: SLOPreemptMode,
                  ttft_seed: LinearTTFT | None = None, error_quantile: float = 0.9,
-                 aging_bound_s: float | None = None) -> None:
+                 aging_bound_s: float | None = None, chunk_tokens: int = 0) -> None:
         self.scheduling_policy = scheduling_policy
+        # The step budget: a longer prefill runs as chunks of it, each a step of its own
+        # (monitor.predictor.predict_prefill); 0 prices any prefill as one step.
+        self.chunk_tokens = chunk_tokens
         self.aging_bound_s = aging_bound_s
         # What a mid-forward preemption does to its victim (docs/design.md section 4).
         self.slo_preempt_mode = slo_preempt_mode
@@ -183,11 +187,14 @@ class SlackPolicy:
     def _optimistic_prefill(self, tokens: int) -> float:
         """The fastest `tokens` of prefill are likely to run beside the running decodes: a
         request is doomed only if late even then."""
-        return optimistic_prefill(self.predictor.current, tokens, self._decode_context)
+        return optimistic_prefill(self.predictor.current, tokens, self._decode_context,
+                                  self.chunk_tokens)
 
     def predict_prefill(self, tokens: int) -> float:
-        """Seconds to prefill `tokens` in steps that also carry the running decodes."""
-        return self.predictor.current.predict(tokens, self._decode_context)
+        """Seconds to prefill `tokens` in chunks of the step budget, in steps that also carry
+        the running decodes."""
+        return predict_prefill(self.predictor.current, tokens, self._decode_context,
+                               self.chunk_tokens)
 
     # ---- hooks of one step, in the order schedule() calls them ----------------------------
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from engine.fleet.load_report import ReplicaLoad, RouteHint
 from engine.fleet.prefix_hashes import cached_prefix_blocks
 from monitor.policy import AGED_PRIORITY, order, should_slo_preempt
-from monitor.predictor import attention_work
+from monitor.predictor import predict_prefill
 
 # Seconds from the monitor's decision to stop a preemptible step until the waiter's own prefill
 # starts. The vote is read at every attention op, so the step stops at the next layer boundary:
@@ -44,22 +44,12 @@ PREEMPT_LATENCY_S = 0.020
 
 def prefill_seconds(load: ReplicaLoad, tokens: int) -> float:
     """Predicted seconds for the replica to prefill `tokens` more tokens of one prompt: in
-    chunks of its step budget, each a step of its own (`predict_step` per chunk, over the
-    chunks before it), beside its decodes. One `predict(tokens)` would charge a 30k-token
-    document one step's fixed cost instead of fifteen, and the replicas' refitted models
-    differ most in that cost: the router would send documents to the replica whose model
-    puts the least in it."""
-    model, context, budget = load.step_model, load.decode_context, load.max_num_batched_tokens
-    if tokens <= 0:
-        return 0.0
-    if budget <= 0 or tokens <= budget:
-        return model.predict(tokens, context)
-    total, done = 0.0, 0
-    while done < tokens:
-        chunk = min(budget, tokens - done)
-        total += model.predict_step(chunk, attention_work([(done, chunk)]), context)
-        done += chunk
-    return total
+    chunks of its step budget, beside its decodes, as its own scheduler predicts them
+    (monitor.predictor.predict_prefill). One step of the whole prompt would charge a document
+    one step's fixed cost, and the replicas' refitted models differ most in that cost: the
+    router would send documents to the replica whose model puts the least in it."""
+    return predict_prefill(load.step_model, tokens, load.decode_context,
+                           load.max_num_batched_tokens)
 
 
 class _Urgency:

@@ -76,7 +76,8 @@ class LoadTracker:
         self._finished_step = scheduler.step_id
         self._published = _Published(MonitorSnapshot(
             step_id=scheduler.step_id, preemptible=False, waiting=(), running=(),
-            predictor=scheduler.slack.predictor.current, drained_arrivals=drained_arrivals), 0)
+            predictor=scheduler.slack.predictor.current, drained_arrivals=drained_arrivals,
+            chunk_tokens=scheduler.slack.chunk_tokens), 0)
 
     # ---- any thread -------------------------------------------------------------------------
 

@@ -166,7 +166,7 @@ def snapshot_of_step(scheduler: Scheduler, output: SchedulerOutput, drained_arri
         step_id=output.step_id, preemptible=output.preemptible, waiting=waiting,
         running=tuple(running), predictor=line, drained_arrivals=drained_arrivals,
         started_at=time.monotonic(), predicted_step_s=predicted, decode_context=decodes,
-        num_layers=num_layers, layer_ends=layer_ends)
+        num_layers=num_layers, layer_ends=layer_ends, chunk_tokens=slack.chunk_tokens)
 
 
 def _join_layer(scheduler: Scheduler, sr: ScheduledRequest) -> int:

@@ -138,3 +138,30 @@ def test_the_monitor_polls_only_while_a_waiter_with_a_deadline_could_call(signal
         assert checks["n"] >= 20  # about every 1 ms for 200 ms, on a busy machine too
     else:
         assert checks["n"] <= 2  # the wake of the publish (and of stop)
+
+
+def test_a_long_prefill_is_priced_as_the_chunks_of_the_step_budget(signal):
+    """A 20480-token document in 2048-token chunks pays a step's fixed cost ten times. With
+    that counted (the snapshot's `chunk_tokens`, the scheduler's budget) the document cannot
+    meet its deadline and gives its step up to a waiter that needs it; priced as one step, it
+    looked 0.14 s early, more urgent than the waiter, and kept it (the probe: the same
+    snapshot with `chunk_tokens=0`)."""
+    from monitor.predictor import predict_prefill
+
+    line = LinearTTFT(seconds_per_token=1.6e-5, intercept_s=0.0327)
+    assert line.predict(20480) == pytest.approx(0.3604, rel=1e-3)  # one step: inside 0.5 s
+    assert predict_prefill(line, 20480, chunk_tokens=2048) == pytest.approx(0.6547, rel=1e-3)
+    decisions = {}
+    for chunk_tokens in (0, 2048):
+        monitor = SLOMonitor(signal)  # not started: check() is called directly
+        now = time.monotonic()
+        # Its slack (0.42 s) does not cover the step's time left (0.5 s): it needs the step.
+        waiter = RequestView("w", deadline=now + 0.45, remaining_prefill_tokens=100)
+        document = RequestView("doc", deadline=now + 0.5, remaining_prefill_tokens=20480)
+        monitor.publish(MonitorSnapshot(step_id=1, preemptible=True, waiting=(waiter,),
+                                        running=(document,), predictor=line, started_at=now,
+                                        predicted_step_s=0.5, num_layers=30,
+                                        chunk_tokens=chunk_tokens))
+        decisions[chunk_tokens] = monitor.check()
+    assert decisions[0] is None
+    assert decisions[2048] is not None and decisions[2048].decision.victim_id == "doc"

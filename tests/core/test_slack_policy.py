@@ -140,3 +140,18 @@ def test_a_finished_request_leaves_no_hold_and_no_suspension() -> None:
     policy.suspend("k", 0, 16, 1)
     policy.on_kv_preempted("k")
     assert policy.is_held("k") and not policy.is_suspended("k")
+
+
+def test_the_scheduler_prices_a_long_waiting_prompt_as_chunks_of_its_budget() -> None:
+    """The slack ranking and the caps price a prompt longer than the step budget as the chunks
+    the scheduler will give it (the monitor's snapshots carry the same `chunk_tokens`)."""
+    from monitor.predictor import LinearTTFT
+
+    sched = make_scheduler(budget=512, policy="slo")
+    line = LinearTTFT(seconds_per_token=1e-5, intercept_s=0.03)
+    sched.slack.predictor.reseed(line)
+    assert sched.slack.chunk_tokens == 512
+    assert sched.slack.predict_prefill(512) == pytest.approx(line.predict(512))
+    # Four steps of 512 (no attention term in this line): four fixed costs, not one.
+    assert sched.slack.predict_prefill(2048) == pytest.approx(4 * line.predict(512))
+    assert sched.slack.predict_prefill(2048) > line.predict(2048) + 0.08
