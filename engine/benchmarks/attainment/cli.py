@@ -47,6 +47,9 @@ class BenchSetup:
     figures: FigureLog = field(default_factory=lambda: FigureLog(None))
     # Where the HTTP runner's servers append their logs (None: a temporary file each).
     server_log: Path | None = None
+    # --time-scale: the engines run the profile this many times slower, each trace is replayed
+    # as much slower, and the results are restored to the profile's time (time_scale.py).
+    time_scale: float = 1.0
 
     def close(self) -> None:
         self.figures.close()
@@ -60,6 +63,7 @@ def _setup(args: argparse.Namespace, out_dir: Path) -> BenchSetup:
     from engine.entrypoints.default_model import model_path_or_default
     from monitor.predictor import LinearTTFT
 
+    scale = _time_scale(args)  # a bad value fails before any calibration
     model = _simulated_model(args.simulate, out_dir) if args.simulate and not args.model \
         else model_path_or_default(args.model)
     # Prompts of different traces can share text from the corpus: no run may hit the cache an
@@ -103,15 +107,37 @@ def _setup(args: argparse.Namespace, out_dir: Path) -> BenchSetup:
     from engine.runtime.model_setup import load_hf_config
 
     hf = load_hf_config(model)
+    if scale != 1.0:
+        from engine.benchmarks.attainment.time_scale import write_slowed
+        from engine.simulation.profile import load_profile
+
+        # The line stays the profile's for the traces' SLOs and the clairvoyant bound; the
+        # engines get the slowed profile and a line seeded to match it.
+        overrides["simulate"], overrides["ttft_model"] = write_slowed(
+            load_profile(args.simulate, hf.num_hidden_layers), line, scale, out_dir / "slowed")
     max_len = args.max_model_len or getattr(hf, "max_position_embeddings", 8192)
     overrides["max_model_len"] = max_len
     setup = BenchSetup(model, AutoTokenizer.from_pretrained(model), path, line.predict, max_len,
-                       overrides)
+                       overrides, time_scale=scale)
     if getattr(args, "runner", None) == "inprocess":
         from engine.benchmarks.attainment.runners import EnginePool
 
         setup.engines = EnginePool(model, **overrides)
     return setup
+
+
+def _time_scale(args: argparse.Namespace) -> float:
+    """--time-scale, checked against what it can slow down: the engines this run starts."""
+    from engine.benchmarks.attainment.time_scale import check_time_scale
+
+    scale = check_time_scale(getattr(args, "time_scale", 1.0))
+    if scale != 1.0:
+        if not args.simulate:
+            raise ValueError("--time-scale slows down simulated GPUs: it needs --simulate")
+        if getattr(args, "url", None) or getattr(args, "peer", None):
+            raise ValueError("--time-scale slows down the engines this run starts: not --url "
+                             "or --peer servers")
+    return scale
 
 
 def _on_gpu(device: str) -> bool:
@@ -163,7 +189,9 @@ def _served_model(url: str, given: str | None, api_key: str | None) -> str:
 def _run_cell(setup: BenchSetup, args: argparse.Namespace, trace, policy, budget: int):
     from engine.benchmarks.attainment.clairvoyant import clairvoyant_attainment
     from engine.benchmarks.attainment.runners import run_http, run_inprocess
+    from engine.benchmarks.attainment.time_scale import restored_run, slowed_trace
 
+    replayed = slowed_trace(trace, setup.time_scale) if setup.time_scale != 1.0 else trace
     if args.runner == "http" and args.url:
         run = run_http(trace, args.url, policy, budget, api_key=args.api_key,
                        model_name=_served_model(args.url, getattr(args, "url_model", None),
@@ -175,10 +203,11 @@ def _run_cell(setup: BenchSetup, args: argparse.Namespace, trace, policy, budget
         header = ", ".join(f"{k} {meta[k]}" for k in ("workload", "rate", "seed") if k in meta)
         with serve(policy, budget, setup.model, log_path=setup.server_log, log_header=header,
                    **setup.engine_overrides) as url:
-            run = run_http(trace, url, policy, budget)
+            run = run_http(replayed, url, policy, budget)
     else:
-        run = run_inprocess(trace, policy, setup.model, budget, pool=setup.engines,
+        run = run_inprocess(replayed, policy, setup.model, budget, pool=setup.engines,
                             **setup.engine_overrides)
+    run = restored_run(run, trace, setup.time_scale)
     run.clairvoyant = clairvoyant_attainment(trace, setup.predict_ttft_s, budget_tokens=budget)
     # On disk as the run ends: a benchmark killed in a later run keeps this one.
     for kind, record in run.figure_records():
@@ -516,6 +545,13 @@ def _add_grid(p: argparse.ArgumentParser, default_policies: list[str]) -> None:
                         f"(default: {' '.join(DEFAULT_BUDGETS)}; with --replicas, the "
                         "engine's default)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--time-scale", type=float, default=1.0, metavar="K",
+                   help="--simulate in slow motion: every step of the profile takes K times as "
+                        "long and each trace arrives K times slower with K times its "
+                        "objectives; figures are reported in the profile's time (divided by "
+                        "K). The host's own costs (HTTP, tokenizing, a fleet's Ray Serve hops) "
+                        "then weigh 1/K as much, as on a deployment with a host per GPU "
+                        "(default 1: real time)")
     p.add_argument("--runner", choices=["inprocess", "http"], default="inprocess")
     p.add_argument("--url", default=None,
                    help="http runner: a running server's base URL (default: start a fresh "

@@ -74,6 +74,7 @@ def fleet_runs(setup: Any, args: Any, trace: Any, budget: int) -> list[RunResult
     `shutdown_ray`)."""
     from engine.benchmarks.attainment.policies import DEFAULT_SERVER_POLICY, resolve_policies
     from engine.benchmarks.attainment.runners import run_http
+    from engine.benchmarks.attainment.time_scale import restored_run, slowed_trace
     from engine.config import build_engine_config
     from engine.fleet.launch import running_fleet
     from engine.fleet.options import FleetOptions
@@ -96,12 +97,16 @@ def fleet_runs(setup: Any, args: Any, trace: Any, budget: int) -> list[RunResult
         label = run_label(router, mode)
         print(f"[fleet {i + 1}/{len(modes)}] {args.replicas} replicas, router {label}",
               file=sys.stderr, flush=True)
+        # Slowed down (--time-scale), the replicas report as often in the profile's time as
+        # they would at full speed: the router's view is no fresher than a real fleet's.
         options = FleetOptions(replicas=args.replicas, router=router, on_doomed=mode,
-                               replica_env=dict(REPLICA_ENV), router_seed=args.router_seed)
+                               replica_env=dict(REPLICA_ENV), router_seed=args.router_seed,
+                               report_period_s=FleetOptions.report_period_s * setup.time_scale)
         with running_fleet(config, settings, options, port=args.fleet_port,
                            keep_ray=True) as url, HealthSampler(url) as health:
-            run = run_http(trace, url, policy, budget, model_name=settings.served_model_name,
-                           label=label)
+            run = run_http(slowed_trace(trace, setup.time_scale), url, policy, budget,
+                           model_name=settings.served_model_name, label=label)
+        run = restored_run(run, trace, setup.time_scale)
         run.runner = "fleet"
         run.meta["fleet"] = {"replicas": args.replicas, "router": router, "on_doomed": mode,
                              "router_seed": args.router_seed, "health": health.summary()}
