@@ -103,3 +103,17 @@ def test_a_slowed_run_reports_the_profiles_time(sim_model, tmp_path) -> None:
     first = min(run["requests"], key=lambda r: r["arrival_s"])
     step_s = profile.step_seconds(first["prompt_tokens"], first["prompt_tokens"] ** 2, 0)
     assert first["ttft_s"] >= 0.95 * step_s, (first["ttft_s"], step_s)
+
+
+def test_the_fleet_table_says_its_runs_were_slowed() -> None:
+    from engine.benchmarks.fleet.fleet_run import fleet_table
+
+    def run(scale: float) -> RunResult:
+        return RunResult(runner="fleet", policy="slack", budget=2048, workload="fleet-chat",
+                         rate=4.0, seed=0, duration_s=1.0, requests=[
+                             RequestResult("a", "urgent", 0.0, 3, 4, 150.0, ttft_s=0.1,
+                                           e2e_s=0.2, tpot_s=0.03, replica="r1")],
+                         meta={"fleet": {"replicas": 4}, "time_scale": scale})
+
+    assert "run 4x slower, figures in the profile's time" in fleet_table([run(4.0)])
+    assert "slower" not in fleet_table([run(1.0)])

@@ -301,10 +301,14 @@ def fleet_table(runs: Sequence[RunResult]) -> str:
             ]
         rows.append(("failed (429 included)", [str(sums[id(r)]["failed"]) for r in group]))
         replicas = {(r.meta.get("fleet") or {}).get("replicas") for r in group}
+        scales = sorted({float(r.meta.get("time_scale", 1.0)) for r in group})
+        slowed = ("" if scales == [1.0] else
+                  f" (run {'/'.join(f'{k:g}' for k in scales)}x slower, figures in the "
+                  f"profile's time: --time-scale)")
         head = ["", *(r.policy for r in group)]
         lines = [f"{workload} at {rate:g} req/s, seed {seed}, "
                  f"{'/'.join(str(n) for n in sorted(replicas, key=str))} replicas: the same "
-                 f"trace, one fleet per router", "",
+                 f"trace, one fleet per router{slowed}", "",
                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join([name, *cells]) + " |" for name, cells in rows]
         targets = target_lines(group, urgent, relaxed)
