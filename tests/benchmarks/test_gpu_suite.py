@@ -11,9 +11,9 @@ no GPU:
   call's, with another budget).
 
 A dry run's step is one Python process importing torch and building a configuration, on one
-core, and CI's machine has two: the two dry runs start side by side when the module starts
-(`suite_runs`), and their tests read what they left. The smoke runs, whose steps compute on
-both cores, run one at a time.
+core, and CI's machine has two: the two dry runs start in the background when the module starts
+(`suite_runs`) and go on beside the smoke runs; their tests come last and read what they left.
+The smoke runs, whose steps compute on both cores, run one at a time.
 """
 
 from __future__ import annotations
@@ -148,67 +148,6 @@ def suite_runs(request: pytest.FixtureRequest,
     yield runs
     for run in runs.values():
         run.stop()
-
-
-@pytest.mark.timeout(400)
-def test_dry_run_builds_every_steps_engine_configuration_at_full_size(
-        suite_runs: dict[str, _Background]) -> None:
-    run = suite_runs["dry"]
-    proc = run.result(timeout=380)
-    out = run.stdout.parent / "dry"
-    steps = _steps(out)
-    # A dry calibration writes no TTFT line, so the full call's unchunked burst calibrates
-    # again (its row replaces the core call's).
-    assert list(steps) == CORE_STEPS + FULL_STEPS
-    failed = {name: _last_line(out, name) for name, (rc, *_) in steps.items() if rc != "0"}
-    assert not failed, failed
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for name in steps:
-        last = _last_line(out, name)
-        if name in TEST_STEPS:
-            assert re.search(r"\d+ tests collected", last), (name, last)
-        elif name == "kernels":
-            assert last.startswith("dry run: arguments parsed: the kernels at full sizes"), last
-        else:
-            # The GPU's command line, not a smoke size: the 8B shape on CUDA.
-            assert last.startswith("dry run: engine configuration built:"), (name, last)
-            assert "device cuda" in last and "enforce_eager False" in last, (name, last)
-            if name == "smoke":
-                assert "model-llama-3.1-8b-2-layers (2 layers)" in last, last
-            elif name != "equality":  # equality runs float32 models of its own
-                assert "(32 layers)" in last and "load format dummy" in last, (name, last)
-    assert "budget 32768 tokens" in _last_line(out, "calibrate")
-    # Unchunked: a budget larger than any prompt, not the chunked run's.
-    assert "budget 2048 tokens" in _last_line(out, "burst-http-2048")
-    assert "budget 131072 tokens" in _last_line(out, "burst-http-unchunked")
-    summary = (out / "summary.md").read_text()
-    assert "dry run" in summary.lower()
-
-
-@pytest.mark.timeout(200)
-def test_dry_run_checks_the_enforce_eager_commands_a_renamed_flag_and_a_killed_step(
-        suite_runs: dict[str, _Background]) -> None:
-    """The core call's commands after a failed graph capture (every engine --enforce-eager),
-    run from a copy of the script with one flag misspelt and one step's limit cut to a second
-    (no Python with torch starts that fast), with --only the steps those touch
-    (`_start_eager_dry_run`). The probe for the dry run: the misspelt flag fails exactly its
-    step. The killed step does not stop the steps after it, and the summary says so."""
-    run = suite_runs["dry-eager"]
-    proc = run.result(timeout=180)
-    out = run.stdout.parent / "dry-eager"
-    steps = _steps(out)
-    assert list(steps) == EAGER_PROBE_STEPS  # --only: those steps, in the call's order
-    assert steps["throughput"][0] == "2"  # argparse: unrecognized arguments
-    assert "unrecognized arguments: --eager-batch-sizes" in (out / "throughput.log").read_text()
-    assert steps["calibrate"][0] == "124"  # timeout's status for a step it stopped
-    assert all(rc == "0" for name, (rc, *_) in steps.items()
-               if name not in ("throughput", "calibrate")), steps
-    assert proc.returncode == 1
-    for name in ("burst-http-2048", "stream-gaps"):
-        assert "enforce_eager True" in _last_line(out, name), name
-    assert "--assume-capture-failed" in (out / "notes.txt").read_text()
-    summary = (out / "summary.md").read_text()
-    assert "| calibrate | TIMED OUT" in summary and "| throughput | FAILED (exit 2)" in summary
 
 
 @pytest.mark.timeout(1500)
@@ -362,6 +301,67 @@ def test_full_call_smoke_runs_its_steps_and_summarizes_them(tmp_path: Path) -> N
     assert "| 400 | eager | 0 |" in summary and "| 128 | eager | 0 |" in summary
     # The in-process burst calibrated its own TTFT line (each size once in a smoke run).
     assert json.loads((out / "burst-inprocess" / "ttft_model.json").read_text())
+
+
+@pytest.mark.timeout(400)
+def test_dry_run_builds_every_steps_engine_configuration_at_full_size(
+        suite_runs: dict[str, _Background]) -> None:
+    run = suite_runs["dry"]
+    proc = run.result(timeout=380)
+    out = run.stdout.parent / "dry"
+    steps = _steps(out)
+    # A dry calibration writes no TTFT line, so the full call's unchunked burst calibrates
+    # again (its row replaces the core call's).
+    assert list(steps) == CORE_STEPS + FULL_STEPS
+    failed = {name: _last_line(out, name) for name, (rc, *_) in steps.items() if rc != "0"}
+    assert not failed, failed
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in steps:
+        last = _last_line(out, name)
+        if name in TEST_STEPS:
+            assert re.search(r"\d+ tests collected", last), (name, last)
+        elif name == "kernels":
+            assert last.startswith("dry run: arguments parsed: the kernels at full sizes"), last
+        else:
+            # The GPU's command line, not a smoke size: the 8B shape on CUDA.
+            assert last.startswith("dry run: engine configuration built:"), (name, last)
+            assert "device cuda" in last and "enforce_eager False" in last, (name, last)
+            if name == "smoke":
+                assert "model-llama-3.1-8b-2-layers (2 layers)" in last, last
+            elif name != "equality":  # equality runs float32 models of its own
+                assert "(32 layers)" in last and "load format dummy" in last, (name, last)
+    assert "budget 32768 tokens" in _last_line(out, "calibrate")
+    # Unchunked: a budget larger than any prompt, not the chunked run's.
+    assert "budget 2048 tokens" in _last_line(out, "burst-http-2048")
+    assert "budget 131072 tokens" in _last_line(out, "burst-http-unchunked")
+    summary = (out / "summary.md").read_text()
+    assert "dry run" in summary.lower()
+
+
+@pytest.mark.timeout(200)
+def test_dry_run_checks_the_enforce_eager_commands_a_renamed_flag_and_a_killed_step(
+        suite_runs: dict[str, _Background]) -> None:
+    """The core call's commands after a failed graph capture (every engine --enforce-eager),
+    run from a copy of the script with one flag misspelt and one step's limit cut to a second
+    (no Python with torch starts that fast), with --only the steps those touch
+    (`_start_eager_dry_run`). The probe for the dry run: the misspelt flag fails exactly its
+    step. The killed step does not stop the steps after it, and the summary says so."""
+    run = suite_runs["dry-eager"]
+    proc = run.result(timeout=180)
+    out = run.stdout.parent / "dry-eager"
+    steps = _steps(out)
+    assert list(steps) == EAGER_PROBE_STEPS  # --only: those steps, in the call's order
+    assert steps["throughput"][0] == "2"  # argparse: unrecognized arguments
+    assert "unrecognized arguments: --eager-batch-sizes" in (out / "throughput.log").read_text()
+    assert steps["calibrate"][0] == "124"  # timeout's status for a step it stopped
+    assert all(rc == "0" for name, (rc, *_) in steps.items()
+               if name not in ("throughput", "calibrate")), steps
+    assert proc.returncode == 1
+    for name in ("burst-http-2048", "stream-gaps"):
+        assert "enforce_eager True" in _last_line(out, name), name
+    assert "--assume-capture-failed" in (out / "notes.txt").read_text()
+    summary = (out / "summary.md").read_text()
+    assert "| calibrate | TIMED OUT" in summary and "| throughput | FAILED (exit 2)" in summary
 
 
 def test_gpu_suite_refuses_the_full_shapes_without_a_gpu(tmp_path: Path) -> None:
