@@ -31,6 +31,7 @@ range 100x.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -526,12 +527,29 @@ def predict_prefill(model: LinearTTFT, tokens: int, decode_context: int = 0,
         return 0.0
     if chunk_tokens <= 0 or tokens <= chunk_tokens:
         return model.predict(tokens, decode_context)
-    total, done = 0.0, 0
+    # The step loop ranks every waiter each step and the monitor polls every few ms: the chunks'
+    # costs without the decode term are kept per (model, prompt, budget); the decode term is the
+    # same in every chunk.
+    chunks, total, least = _chunk_costs(model, tokens, chunk_tokens)
+    decode = _term(model.seconds_per_decode_context, model.edge_seconds_per_decode_context,
+                   model.calibrated_decode_context, decode_context, 1.0)
+    floor = max(0.0, model.floor_s)
+    if least + decode >= floor:
+        return total + len(chunks) * decode
+    return sum(max(floor, cost + decode) for cost in chunks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunk_costs(model: LinearTTFT, tokens: int, chunk_tokens: int
+                 ) -> tuple[tuple[float, ...], float, float]:
+    """Each chunk's predicted step without decodes and without the floor (predict_prefill), its
+    sum and its least."""
+    costs, done = [], 0
     while done < tokens:
         chunk = min(chunk_tokens, tokens - done)
-        total += model.predict_step(chunk, attention_work([(done, chunk)]), decode_context)
+        costs.append(model._terms(chunk, attention_work([(done, chunk)]), 0.0, 1.0))
         done += chunk
-    return total
+    return tuple(costs), sum(costs), min(costs)
 
 
 def optimistic_prefill(model: LinearTTFT, tokens: int, decode_context: int = 0,

@@ -42,6 +42,7 @@ from monitor.predictor import predict_prefill
 # about to end costs no more than its end).
 PREEMPT_LATENCY_S = 0.020
 
+
 def prefill_seconds(load: ReplicaLoad, tokens: int) -> float:
     """Predicted seconds for the replica to prefill `tokens` more tokens of one prompt: in
     chunks of its step budget, beside its decodes, as its own scheduler predicts them

@@ -191,7 +191,7 @@ def _run_cell(setup: BenchSetup, args: argparse.Namespace, trace, policy, budget
     from engine.benchmarks.attainment.runners import run_http, run_inprocess
     from engine.benchmarks.attainment.time_scale import restored_run, slowed_trace
 
-    replayed = slowed_trace(trace, setup.time_scale) if setup.time_scale != 1.0 else trace
+    replayed = slowed_trace(trace, setup.time_scale)
     if args.runner == "http" and args.url:
         run = run_http(trace, args.url, policy, budget, api_key=args.api_key,
                        model_name=_served_model(args.url, getattr(args, "url_model", None),

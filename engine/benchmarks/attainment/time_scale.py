@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from pathlib import Path
 
 import msgspec
@@ -45,7 +46,7 @@ _REQUEST_MS = ("ttft_slo_ms", "tpot_slo_ms", "slack_at_admission_ms",
 
 
 def check_time_scale(scale: float) -> float:
-    if not scale >= 1.0 or scale != scale or scale == float("inf"):
+    if not 1.0 <= scale < math.inf:  # NaN fails both
         raise ValueError(f"--time-scale must be a finite number >= 1, got {scale}")
     return scale
 
