@@ -93,10 +93,13 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
         tl.store(res_out_ptr + (row * hidden)[:, None] + offs[None, :], from_float32(x, KIND),
                  mask=mask)
     # Masked lanes load 0, so they add nothing to the sum. hidden_f is hidden as a float (an int
-    # argument equal to 1 would be specialized to a constexpr). div_rn: torch's CPU mean is a
-    # correctly rounded sum / N, while plain `/` compiles to an approximate divide on CUDA.
+    # argument equal to 1 would be specialized to a constexpr). div_rn and sqrt_rn: torch's CPU
+    # mean is a correctly rounded sum / N and its rsqrt is 1 / sqrt with both steps correctly
+    # rounded, while plain `/` and tl.math.rsqrt compile to approximations on CUDA (on the
+    # H100, rsqrt put float32 outputs an ulp or two off on exact row sums).
     variance = tl.math.div_rn(tl.sum(x * x, axis=1), hidden_f)
-    normalized = round_float32_to(x * tl.math.rsqrt(variance + eps)[:, None], KIND)
+    inv_rms = tl.math.div_rn(1.0, tl.math.sqrt_rn(variance + eps))
+    normalized = round_float32_to(x * inv_rms[:, None], KIND)
     w = to_float32(tl.load(w_ptr + offs, mask=offs < hidden, other=0.0), W_KIND)
     # The product of two 16-bit floats is exact in float32, so one rounding matches torch's mul.
     tl.store(out_ptr + (row * hidden)[:, None] + offs[None, :],
