@@ -120,8 +120,9 @@ class ModelRunner:
         # Installed by the worker when mid-forward preemption is on; consulted only on steps
         # the scheduler marked preemptible (decode-only steps never vote).
         self.vote: SLOPreemptVote | None = None
-        # On a GPU the host must not run ahead of the device by more than a couple of layers in
-        # a preemptible step, or its votes come too early to stop anything.
+        # On a GPU the host must not run ahead of the device by more than a layer in a
+        # preemptible step, or its votes come too early to stop anything, and a stop leaves the
+        # queued layers for the urgent step to wait behind.
         self.run_ahead = RunAheadLimit() if device.type == "cuda" else None
 
     @property
