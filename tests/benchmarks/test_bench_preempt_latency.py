@@ -10,7 +10,10 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from engine.benchmarks.measure.figures import read_figures
+from engine.benchmarks.measure.stats import percentile
 from engine.benchmarks.e2e.latency import main
 from workers.graphs.cuda_graphs import FAKE_GRAPHS_ENV
 from workers.preemption.layer_delay import LAYER_DELAY_ENV
@@ -69,6 +72,8 @@ def _check_lines(records: list[dict], report: dict) -> None:
         assert [t["long_step_ms"] for t in trials] == size["long_step_ms"]
         assert [t["arrival_to_unwind_ms"] for t in trials if t["unwound"]] == \
             size["arrival_to_unwind_ms"]
+        assert [t["arrival_to_first_token_ms"] for t in trials if t["unwound"]] == \
+            size["arrival_to_first_token_ms"]
 
 
 def _check_blocks(blocks: dict[int, dict[str, str]], report: dict) -> None:
@@ -84,6 +89,14 @@ def _check_blocks(blocks: dict[int, dict[str, str]], report: dict) -> None:
         assert len(size["arrival_to_unwind_ms"]) == size["unwound"]
         if size["unwound"]:
             assert float(block["arrival_to_unwind_p99_ms"]) >= 0
+            # The urgent request got its first token after each unwind, and not before it.
+            assert all(first > unwind for first, unwind in zip(
+                size["arrival_to_first_token_ms"], size["arrival_to_unwind_ms"], strict=True))
+            assert float(block["arrival_to_first_token_p99_ms"]) == pytest.approx(
+                percentile(size["arrival_to_first_token_ms"], 99), abs=0.01)
+            within = sum(ms <= size["urgent_slo_ms"] for ms in size["arrival_to_first_token_ms"])
+            assert size["first_token_within_slo"] == within
+            assert block["first_token_within_slo"] == f"{within}/{size['unwound']}"
         assert block["long_step_ran_as"] == size["long_step_ran_as"]
         assert block["unwinds_between_pieces"] == str(size["unwinds_between_pieces"])
         assert size["long_steps"] == 2 * TRIALS  # a clean step and a preempted one per trial

@@ -8,6 +8,12 @@ thread would. The unwind time is when EngineCore holds the PREEMPTED step. The l
 measured in the same run, from unpreempted runs of the same long step interleaved with the
 trials (the machine is shared and noisy). Prints figures as `key: value` lines.
 
+The unwind is the host's; what the urgent request's client sees is its first token, which on a
+GPU also waits for the layers already queued when the step was stopped (the run-ahead window,
+workers/preemption/run_ahead.py). So after each unwind the engine steps on until the urgent
+request has its first token: `arrival_to_first_token_ms`, and how many trials got it within the
+urgent SLO. Those follow-up steps are left out of the graph counters below.
+
 `--prompt-tokens` takes several sizes (`--prompt-tokens 16384 512`), measured one after the
 other on one engine. With CUDA graphs, a step of up to 512 prefill tokens replays one captured
 piece per layer boundary with the vote eager between pieces (workers/graphs/piecewise_graphs.py) and a
@@ -86,6 +92,11 @@ class GraphCounters:
                              self.piece_unwinds - earlier.piece_unwinds,
                              self.decode_replays - earlier.decode_replays)
 
+    def __add__(self, other: GraphCounters) -> GraphCounters:
+        return GraphCounters(self.piece_replays + other.piece_replays,
+                             self.piece_unwinds + other.piece_unwinds,
+                             self.decode_replays + other.decode_replays)
+
 
 def graph_counters(engine: EngineCore) -> GraphCounters | None:
     """None where the model runner is not in this process (--simulate, tensor parallel)."""
@@ -120,6 +131,9 @@ class LatencyBench:
         self.rng = random.Random(seed)
         self.generator = torch.Generator().manual_seed(seed)
         self.short_s = 0.0
+        # Graph replays of the steps that serve an urgent request after an unwind, kept out of
+        # the long steps' counters.
+        self.follow_up_counters = GraphCounters(0, 0, 0)
         self.warmed: set[int] = set()
 
     def prompt(self, n: int) -> list[int]:
@@ -154,6 +168,8 @@ class LatencyBench:
         counters_before = graph_counters(engine)
         step_times: list[float] = []
         events: list[tuple[Request, SLOPreemptionEvent]] = []
+        first_tokens_ms: list[float] = []
+        self.follow_up_counters = GraphCounters(0, 0, 0)
         missed = 0
         slo_ms = 0.0
         for trial in range(trials):
@@ -169,16 +185,20 @@ class LatencyBench:
                 missed += 1  # arrived too late for the Rule 2 window (or not at all)
             else:
                 events.append((urgent, event))
+                first_tokens_ms.append(_first_token_ms(urgent))
             self.record("trial", prompt_tokens=prompt_tokens, trial=trial,
                         long_step_ms=step_times[-1] * 1000, urgent_slo_ms=slo_ms,
                         unwound=event is not None, **({} if event is None else {
                             "arrival_to_unwind_ms": (event.unwound_at - urgent.arrival_time)
                             * 1000,
+                            "arrival_to_first_token_ms": first_tokens_ms[-1],
                             "arrival_to_decision_ms": (event.decided_at - urgent.arrival_time)
                             * 1000,
                             "decision_to_unwind_ms": (event.unwound_at - event.decided_at)
                             * 1000}))
         counters_after = graph_counters(engine)
+        if counters_after is not None:
+            counters_after = counters_after - self.follow_up_counters
         figures = {
             "prompt_tokens": prompt_tokens, "trials": trials,
             "unwound": len(events), "not_unwound": missed,
@@ -188,7 +208,9 @@ class LatencyBench:
             "arrival_to_unwind_ms": [(e.unwound_at - u.arrival_time) * 1000 for u, e in events],
             "arrival_to_decision_ms": [(e.decided_at - u.arrival_time) * 1000
                                        for u, e in events],
-            "decision_to_unwind_ms": [(e.unwound_at - e.decided_at) * 1000 for _, e in events]}
+            "decision_to_unwind_ms": [(e.unwound_at - e.decided_at) * 1000 for _, e in events],
+            "arrival_to_first_token_ms": first_tokens_ms,
+            "first_token_within_slo": sum(ms <= slo_ms for ms in first_tokens_ms)}
         figures.update(_how_long_steps_ran(counters_before, counters_after, 2 * trials))
         self.record("size", **figures)
         return figures
@@ -221,8 +243,30 @@ class LatencyBench:
         arrival.start()
         engine.step()
         arrival.join()
+        event = events[-1] if events and events[-1] is not last_before else None
+        if event is not None:
+            self._serve_first_token(urgent)
         engine.abort_requests([long.request_id, urgent.request_id])
-        return events[-1] if events and events[-1] is not last_before else None
+        return event
+
+    def _serve_first_token(self, urgent: Request) -> None:
+        """Step on after an unwind until `urgent` has its first token (whatever the scheduler
+        puts beside it counts: that is what its client would wait for). These steps' graph
+        replays are kept apart from the long steps' counters."""
+        before = graph_counters(self.engine)
+        while urgent.first_token_time is None and self.engine.has_unfinished_requests():
+            self.engine.step()
+        after = graph_counters(self.engine)
+        if before is not None and after is not None:
+            self.follow_up_counters = self.follow_up_counters + (after - before)
+
+
+def _first_token_ms(urgent: Request) -> float:
+    """Arrival to the urgent request's first token (the end of the step that sampled it, the
+    device's queued work included), in ms; NaN if it never got one."""
+    if urgent.first_token_time is None:
+        return float("nan")
+    return (urgent.first_token_time - urgent.arrival_time) * 1000
 
 
 def _how_long_steps_ran(before: GraphCounters | None, after: GraphCounters | None,
@@ -269,6 +313,13 @@ def print_size(figures: dict[str, Any], num_layers: int, short_s: float,
     print(f"decision_to_unwind_p50_ms: {statistics.median(figures['decision_to_unwind_ms']):.2f}")
     p99 = percentile(ms, 99)
     print(f"arrival_to_unwind_p99_layers: {p99 / layer_ms:.2f}")
+    first_tokens = [t for t in figures.get("arrival_to_first_token_ms", []) if t == t]
+    if first_tokens:
+        # What the urgent request's client sees: the unwind, the device's queued layers, and
+        # its own step.
+        for q in (50, 99):
+            print(f"arrival_to_first_token_p{q}_ms: {percentile(first_tokens, q):.2f}")
+        print(f"first_token_within_slo: {figures['first_token_within_slo']}/{len(ms)}")
     spread = ((percentile(step_times, 90) - percentile(step_times, 10))
               / statistics.median(step_times) * 100)
     print(f"long_step_p10_p90_spread_pct: {spread:.1f}")
