@@ -43,6 +43,23 @@ from monitor.predictor import predict_prefill
 PREEMPT_LATENCY_S = 0.020
 
 
+def step_overhead_seconds(load: ReplicaLoad) -> float:
+    """What an empty prefill step costs the replica (its model's intercept, its decodes'
+    reads, its floor): the part of each step of a prefill that a replica batching several
+    prompts into one step pays once for all of them."""
+    return load.step_model.predict_step(0, 0, load.decode_context)
+
+
+def marginal_prefill_seconds(load: ReplicaLoad, tokens: int, cost: float) -> float:
+    """The part of a `tokens`-token prefill predicted at `cost` seconds that no batching can
+    save: `cost` less one step overhead per chunk of the step budget (never below 0). A replica
+    packs short prefills several to a step, so a queue's predicted costs, summed, overstate
+    how soon it can at best reach the request behind them; their marginal parts do not."""
+    budget = load.max_num_batched_tokens
+    steps = 1 if budget <= 0 else max(1, -(-tokens // budget))
+    return max(0.0, cost - steps * step_overhead_seconds(load))
+
+
 def prefill_seconds(load: ReplicaLoad, tokens: int) -> float:
     """Predicted seconds for the replica to prefill `tokens` more tokens of one prompt: in
     chunks of its step budget, beside its decodes, as its own scheduler predicts them
@@ -89,16 +106,19 @@ class PreparedLoad:
         self.cached: frozenset[int] = frozenset(load.cached_prefix_hashes)
         model = load.step_model
         # Waiting requests with a deadline: (prefill, optimistic prefill, time to deadline at
-        # made_at); their urgency depends on the report's age, so each decision computes it.
-        self.timed: list[tuple[float, float, float]] = []
+        # made_at, marginal prefill); their urgency depends on the report's age, so each
+        # decision computes it.
+        self.timed: list[tuple[float, float, float, float]] = []
         # Those without one, first come first served: fixed jobs, built once.
         self.free: list[_Job] = []
         for q in load.waiting:
             prefill = prefill_seconds(load, q.remaining_prefill_tokens)
+            marginal = marginal_prefill_seconds(load, q.remaining_prefill_tokens, prefill)
             if q.time_to_deadline_s is None:
-                self.free.append(_Job(prefill, prefill, (), _FREE))
+                self.free.append(_Job(prefill, prefill, (), _FREE, marginal=marginal))
             else:
-                self.timed.append((prefill, model.optimistic(prefill), q.time_to_deadline_s))
+                self.timed.append((prefill, model.optimistic(prefill), q.time_to_deadline_s,
+                                   marginal))
 
     def prefix_hit_tokens(self, hint: RouteHint, extra_cached: Collection[int] = (),
                           served: Collection[int] = ()) -> int:
@@ -126,8 +146,10 @@ class Prediction:
 
     # Predicted TTFT of the request, from its arrival (hint.arrived_at): point estimate.
     ttft_s: float
-    # The bound admission uses: the request served first (after the running step's end, or
-    # after PREEMPT_LATENCY_S where the step can be stopped), its prefill at model.optimistic.
+    # The bound admission uses: the running step stopped for the request where it can be
+    # (after PREEMPT_LATENCY_S; else its end), then only the marginal work of the prefills the
+    # replica's order puts ahead of it (all of them packed into its own steps: no step overhead
+    # of theirs counted) and its own prefill, all at model.optimistic.
     optimistic_ttft_s: float
     # Deadline misses among the replica's requests (the running ones included) without and
     # with the request (which counts itself), and their summed lateness in seconds.
@@ -162,15 +184,22 @@ class _Job:
     (seconds from now; the running step's job carries one per request it serves) and its
     urgency at the decision's `base` time (see predict): computed once, used by both runs."""
 
-    __slots__ = ("cost", "optimistic", "deadlines", "urgency", "new", "_later")
+    __slots__ = ("cost", "optimistic", "deadlines", "urgency", "new", "marginal", "step",
+                 "_later")
 
     def __init__(self, cost: float, optimistic: float, deadlines: tuple[float, ...],
-                 urgency: _Urgency, new: bool = False) -> None:
+                 urgency: _Urgency, new: bool = False, marginal: float | None = None,
+                 step: bool = False) -> None:
         self.cost = cost
         self.optimistic = optimistic
         self.deadlines = deadlines
         self.urgency = urgency
         self.new = new
+        # Its cost less what batching with others could save (marginal_prefill_seconds).
+        self.marginal = cost if marginal is None else marginal
+        # The running step, or its rest after a stop: the optimistic bound assumes the new
+        # request stops it, so it never counts as ahead there.
+        self.step = step
         self._later: tuple[float, _Urgency] | None = None
 
     def urgency_after(self, shift: float) -> _Urgency:
@@ -298,7 +327,7 @@ def _schedule(timed: list[_Job], free: list[_Job], running: _Job | None,
         # The interrupted pass resumes at its layer later: its remaining work joins the queue.
         rest_cost = step_remaining - latency
         rest = _Job(rest_cost, load.step_model.optimistic(rest_cost), running.deadlines,
-                    running.urgency)
+                    running.urgency, step=True)
         if rest.deadlines:
             return latency, _ranked([rest, *timed], latency, base) + free, True
         return latency, [*_ranked(timed, latency, base), rest, *free], True
@@ -325,7 +354,7 @@ def predict(load: ReplicaLoad | PreparedLoad, unreported: Sequence[RouteHint], h
         ttd = min(deadlines) if deadlines else None
         best_case = model.optimistic(step_remaining)
         running = _Job(step_remaining, best_case, deadlines,
-                       _urgency(ttd, step_remaining, best_case))
+                       _urgency(ttd, step_remaining, best_case), step=True)
     preemptible = load.step_preemptible and load.slo_preemption and step_remaining > 0
     # When the waiters' urgencies are taken: now where the gate weighs them (a stoppable step),
     # else when the queue starts, where the monitor ranks them (the step's end).
@@ -335,16 +364,19 @@ def predict(load: ReplicaLoad | PreparedLoad, unreported: Sequence[RouteHint], h
         tokens = max(0, h.prompt_tokens - prepared.prefix_hit_tokens(h, extra_cached, served))
         # A fully cached prompt still computes its last token (the engine recomputes it).
         prefill = prefill_seconds(load, max(tokens, 1))
+        marginal = marginal_prefill_seconds(load, max(tokens, 1), prefill)
         deadline = h.deadline()
         if deadline is None:
-            return _Job(prefill, prefill, (), _FREE, new)
+            return _Job(prefill, prefill, (), _FREE, new, marginal)
         best_case = model.optimistic(prefill)
         ttd = deadline - now
-        return _Job(prefill, best_case, (ttd,), _urgency(ttd - base, prefill, best_case), new)
+        return _Job(prefill, best_case, (ttd,), _urgency(ttd - base, prefill, best_case), new,
+                    marginal)
 
     shift = age + base
-    timed = [_Job(prefill, optimistic, (ttd - age,), _urgency(ttd - shift, prefill, optimistic))
-             for prefill, optimistic, ttd in prepared.timed]
+    timed = [_Job(prefill, optimistic, (ttd - age,), _urgency(ttd - shift, prefill, optimistic),
+                  marginal=marginal)
+             for prefill, optimistic, ttd, marginal in prepared.timed]
     free = prepared.free
     extra: set[int] = set()
     if unreported:
@@ -368,10 +400,16 @@ def predict(load: ReplicaLoad | PreparedLoad, unreported: Sequence[RouteHint], h
 
     waited = max(0.0, now - hint.arrived_at)
     first = min(step_remaining, PREEMPT_LATENCY_S) if preemptible else step_remaining
+    ahead = 0.0
+    for job in jobs:
+        if job is new:
+            break
+        if not job.step:
+            ahead += job.marginal
     blocks = prepared.prefix_hit_blocks(hint, extra, served)
     return Prediction(
         ttft_s=waited + finish,
-        optimistic_ttft_s=waited + first + model.optimistic(new.cost),
+        optimistic_ttft_s=waited + first + model.optimistic(ahead + new.cost),
         misses_before=misses_before, misses_after=misses_after,
         lateness_before_s=lateness_before, lateness_after_s=lateness_after,
         cached_blocks=blocks,

@@ -11,7 +11,7 @@ import pytest
 from engine.benchmarks.attainment.results import RequestResult, RunResult
 from engine.benchmarks.fleet.bursts import (BURST_SIZE, DOCUMENT_PROMPT, URGENT_OUTPUT_TOKENS,
                                             URGENT_PROMPT, URGENT_SHARE, build_fleet_bursts)
-from engine.benchmarks.fleet.fleet_run import fleet_table, rejections
+from engine.benchmarks.fleet.fleet_run import fleet_table, late_past_a_decode_step, rejections
 from engine.benchmarks.measure.figures import read_figures
 from monitor.predictor import LinearTTFT
 
@@ -106,6 +106,23 @@ def test_the_table_checks_each_429_against_the_same_router_serving_it() -> None:
     assert "| rejected (429) | 0 | 1 |" in table
     assert "| 429s that missed when served | – | 1/1 (100%) |" in table
     assert "| requests per replica | 2 / 1 | 1 / 1 |" in table
+
+
+def test_accepted_requests_late_by_more_than_a_decode_step_are_counted() -> None:
+    """Issue 34's bound for reject mode: an accepted request may miss by up to one decode step
+    (the run's median TPOT, 30 ms here), not more; a 429 is not accepted."""
+    def result(rid: str, ttft: float | None, **kw) -> RequestResult:
+        return RequestResult(request_id=rid, tier="urgent", arrival_s=0.0, prompt_tokens=100,
+                             output_tokens=4, ttft_slo_ms=200, ttft_s=ttft,
+                             e2e_s=None if ttft is None else ttft + 0.09,
+                             tpot_s=None if ttft is None else 0.03, **kw)
+
+    run = _run("slack/reject", "slack", "reject", [
+        result("in-time", 0.15), result("late-by-20ms", 0.22), result("late-by-50ms", 0.25),
+        result("refused", None, error="HTTP 429", http_status=429)])
+    assert late_past_a_decode_step(run) == (1, 3, pytest.approx(30.0))
+    assert "| accepted, late by more than a decode step (median TPOT) | 1/3 (33%) (30 ms) |" \
+        in fleet_table([run])
 
 
 @pytest.mark.timeout(600)

@@ -44,6 +44,22 @@ def test_doomed_only_if_every_replica_misses():
     assert doomed.retry_after_s == 3
 
 
+def test_doomed_by_the_urgent_work_queued_ahead_on_every_replica():
+    """A burst of urgent turns queued on each replica, every one due before the new request:
+    even packed into its steps their tokens leave it no time, and no reordering helps (they
+    are more urgent). The probe: the same queue due after it leaves the request rescuable."""
+    burst = [(1024, 0.06 + 0.01 * i) for i in range(4)]  # 4 x 40.96 ms of tokens ahead
+    h = hint(tokens=256, slo=0.18)
+    a = assess(book_of(A=load(waiting=burst), B=load(waiting=burst)), h, NOW)
+    marginal = 4 * (prefill(1024) - 0.03)
+    assert a.optimistic_ttft_s == pytest.approx(0.9 * (marginal + prefill(256)))  # 0.1843
+    assert a.doomed
+    later = [(1024, 5.0 + i) for i in range(4)]
+    b = assess(book_of(A=load(waiting=later), B=load(waiting=burst)), h, NOW)
+    assert not b.doomed and b.best_replica == "A"
+    assert b.optimistic_ttft_s == pytest.approx(0.9 * prefill(256))
+
+
 def test_retry_after_counts_the_whole_queue_of_the_least_loaded_replica():
     a = load(step_remaining_s=1.0, waiting=[(8192, None)] * 3)  # 1 + 3 * 0.35768 = 2.07
     b = load(step_remaining_s=4.2)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.fleet.load_report import ReplicaLoad
 from engine.fleet.prediction import PREEMPT_LATENCY_S, PreparedLoad, _urgency, predict
 from monitor.policy import RequestView, urgency
 from monitor.predictor import LinearTTFT
@@ -20,6 +22,31 @@ def test_idle_replica_serves_at_once():
     assert p.optimistic_ttft_s == pytest.approx(0.9 * prefill(1000))
     assert (p.misses_before, p.misses_after, p.drain_s) == (0, 0, 0.0)
     assert not p.preempts
+
+
+def test_the_optimistic_bound_counts_the_marginal_work_queued_ahead():
+    """Requests with earlier deadlines go first on the replica; at best it packs them into the
+    new request's steps, so the bound charges their tokens but none of their step overheads. A
+    queue with later deadlines is behind the request and counts nothing."""
+    ahead = [(256, 0.05), (256, 0.06), (256, 0.07)]
+    p = predict(load(waiting=ahead), [], hint(tokens=128, slo=0.15), NOW)
+    # The point estimate serves them one step each, ahead of it.
+    assert p.ttft_s == pytest.approx(3 * prefill(256) + prefill(128))
+    assert p.optimistic_ttft_s == pytest.approx(0.9 * (3 * (prefill(256) - 0.03)
+                                                       + prefill(128)))
+    behind = predict(load(waiting=[(256, 5.0)] * 3), [], hint(tokens=128, slo=0.15), NOW)
+    assert behind.optimistic_ttft_s == pytest.approx(0.9 * prefill(128))
+
+
+def test_the_optimistic_bound_saves_a_step_overhead_per_chunk_of_the_budget():
+    """A queued document ahead of the request, in chunks of the replica's step budget: each
+    chunk is a step whose overhead batching could save."""
+    lo = load(waiting=[(5000, 0.5)])
+    chunked = ReplicaLoad(**{**msgspec.structs.asdict(lo), "max_num_batched_tokens": 2048})
+    p = predict(chunked, [], hint(tokens=128, slo=1.0), NOW)
+    three_chunks = 3 * 0.03 + 4e-5 * 5000  # 2048 + 2048 + 904 tokens
+    assert p.ttft_s == pytest.approx(three_chunks + prefill(128))
+    assert p.optimistic_ttft_s == pytest.approx(0.9 * (three_chunks - 3 * 0.03 + prefill(128)))
 
 
 def test_time_waited_since_arrival_counts_in_ttft():

@@ -216,6 +216,26 @@ def rejections(run: RunResult, runs: Sequence[RunResult]) -> dict[str, Any]:
             "missed_under_serve": missed, "serve_run": serve.policy if serve else None}
 
 
+def late_past_a_decode_step(run: RunResult) -> tuple[int, int, float | None]:
+    """(accepted requests with a TTFT objective whose client TTFT missed it by more than one
+    decode step, those accepted with an objective, the decode step in ms): issue 34's bound on
+    what routing may cost an accepted request. The decode step is the run's median TPOT, as
+    its clients saw it."""
+    tpots = sorted(r.tpot_s for r in run.requests if r.tpot_s is not None)
+    step_ms = tpots[len(tpots) // 2] * 1000 if tpots else None
+    accepted = [r for r in run.requests if r.http_status != 429 and r.ttft_slo_ms is not None]
+    if step_ms is None:
+        return 0, len(accepted), None
+    late = sum(1 for r in accepted
+               if r.ttft_s is None or r.ttft_s * 1000 > r.ttft_slo_ms + step_ms)
+    return late, len(accepted), step_ms
+
+
+def _late_cell(run: RunResult) -> str:
+    late, accepted, step_ms = late_past_a_decode_step(run)
+    return "–" if step_ms is None else f"{_ratio(late, accepted)} ({step_ms:.0f} ms)"
+
+
 def _staleness(run: RunResult) -> str:
     health = (run.meta.get("fleet") or {}).get("health") or {}
     return _ratio(health.get("samples_with_stale_report"), health.get("samples"))
@@ -298,6 +318,8 @@ def fleet_table(runs: Sequence[RunResult]) -> str:
                 ("429s that missed when served",
                  [_ratio(rej[id(r)]["missed_under_serve"], rej[id(r)]["rejected"])
                   if rej[id(r)]["missed_under_serve"] is not None else "–" for r in group]),
+                ("accepted, late by more than a decode step (median TPOT)",
+                 [_late_cell(r) for r in group]),
             ]
         rows.append(("failed (429 included)", [str(sums[id(r)]["failed"]) for r in group]))
         replicas = {(r.meta.get("fleet") or {}).get("replicas") for r in group}
@@ -357,6 +379,9 @@ FLEET_NOTES = (
     "stamp. per replica: requests each replica answered (x-sloserve-replica), largest first. "
     "429s predicted past their SLO: the 429 body's predicted TTFT against the request's "
     "objective; 429s that missed when served: the same requests in the run where the same "
-    "router served every request. /health samples with a stale replica report: the ingress's "
+    "router served every request. accepted, late by more than a decode step: requests with a "
+    "TTFT objective that were not refused and whose client TTFT missed it by more than the "
+    "run's median TPOT (in reject mode, issue 34 allows none for a routing decision). /health "
+    "samples with a stale replica report: the ingress's "
     "/health polled every 0.5 s during the replay, those naming a replica whose load report "
     "was older than the router's staleness limit (the router cannot predict on it then).\n")
