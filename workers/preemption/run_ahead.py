@@ -11,8 +11,8 @@ after a stop is decided on average, ``window`` + 1 at worst.
 
 One layer is the default. When the host wakes at boundary L - 1, the device still has that
 layer's attention and MLP and layer L's first ops queued, far more than the host needs to vote and
-launch the next layer (tens of microseconds; a 512-token layer of an 8B model is 0.5 ms on an
-H100). Two layers, the first default, left an urgent turn ~90 ms behind a 28k-token prefill on
+launch the next layer (well under a millisecond; a 512-token layer of an 8B model is 0.5 ms
+on an H100). Two layers, the first default, left an urgent turn ~90 ms behind a 28k-token prefill on
 the H100 (2026-11-27: 44 ms layers; urgent TTFT 123 ms against a 12 ms prefill of its own).
 
 Only preemptible steps are paced; the others run fully asynchronously (and are where CUDA graphs
