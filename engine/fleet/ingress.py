@@ -36,7 +36,7 @@ from engine.fleet.fleet_health import FleetHealth
 from engine.fleet.fleet_metrics import FleetMetrics, carries_output
 from engine.fleet.load_report import RouteHint
 from engine.fleet.prefix_hashes import prompt_prefix_hashes
-from engine.fleet.replica import REPLICA_HEADER
+from engine.fleet.replica import PREDICTED_TTFT_HEADER, REPLICA_HEADER
 from engine.fleet.book_registry import fleet_book
 from engine.processing.input_processor import InputProcessor
 from engine.serving.api_server import SLO_HEADER
@@ -192,6 +192,14 @@ class FleetIngress:
 
     # ---- forwarding -------------------------------------------------------------------------
 
+    def _routed_prediction(self, hint: RouteHint | None) -> float | None:
+        """The router's predicted TTFT for the request on the replica it chose (FleetBook.
+        on_sent), taken once; None without a hint or a fresh report there."""
+        if hint is None:
+            return None
+        book = fleet_book(self.settings.engine_deployment)
+        return None if book is None else book.routed_prediction(hint.request_id)
+
     async def _forward(self, forwarded: ForwardedRequest, hint: RouteHint | None) -> Response:
         failure: BaseException | None = None
         for attempt in range(self.settings.forward_attempts):
@@ -207,6 +215,9 @@ class FleetIngress:
             if not isinstance(start, ResponseStart):
                 raise TypeError(f"a replica answered {type(start).__name__} first")
             headers = [(k, v) for k, v in start.headers if k.lower() not in _HOP_BY_HOP]
+            predicted_s = self._routed_prediction(hint)
+            if predicted_s is not None:
+                headers.append((PREDICTED_TTFT_HEADER, f"{predicted_s * 1e3:.1f}".encode()))
             sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
                       for k, v in headers)
             replica = next((v.decode() for k, v in start.headers if k.lower() == REPLICA_HEADER),

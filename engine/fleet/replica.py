@@ -32,6 +32,9 @@ logger = logging.getLogger(__name__)
 
 # Names the replica that served a response (logs, tests, debugging a routing decision).
 REPLICA_HEADER = b"x-sloserve-replica"
+# The router's predicted TTFT (ms from arrival) on that replica when it sent the request there,
+# set by the ingress: a benchmark tells a routing decision's miss from a miss it foresaw.
+PREDICTED_TTFT_HEADER = b"x-sloserve-predicted-ttft-ms"
 
 
 def _replica_id() -> str:

@@ -61,6 +61,8 @@ MIN_RISK_MARGIN = 0.1
 # replica's KV pool holds (its report's `num_blocks`), so it does not outlive an eviction by
 # much on a replica with a steady flow.
 DEFAULT_SERVED_PREFIX_BLOCKS = 1 << 16
+# Routed requests whose predicted TTFT the book keeps for their responses' header.
+ROUTED_PREDICTIONS_KEPT = 4096
 
 
 @dataclass
@@ -103,6 +105,13 @@ class FleetBook:
         self.replicas: dict[str, ReplicaState] = {}
         self.rng = random.Random(seed)
         self._round_robin = 0
+        # The slack ranking's predictions for the request it ranked last: (its id, replica id
+        # -> prediction), so that on_sent need not predict again on the replica chosen.
+        self._ranked: tuple[str, dict[str, Prediction]] = ("", {})
+        # Request id -> its predicted TTFT on the replica it was sent to, as the router saw it
+        # then, until the ingress takes it for the response (routed_prediction); the oldest
+        # are dropped past ROUTED_PREDICTIONS_KEPT (a request whose response never started).
+        self.routed_ttft_s: OrderedDict[str, float] = OrderedDict()
 
     # -- events ------------------------------------------------------------------------------
 
@@ -125,9 +134,25 @@ class FleetBook:
         state.unreported = [(at, hint) for at, hint in state.unreported if at >= cutoff]
 
     def on_sent(self, replica_id: str, hint: RouteHint, now: float) -> None:
+        """`hint` was sent to the replica: it queues there from now. Its predicted TTFT there
+        (whatever the policy that chose the replica) is kept for routed_prediction."""
+        if hint.request_id and self.is_fresh(replica_id, now):
+            ranked_id, ranked = self._ranked
+            p = ranked.get(replica_id) if ranked_id == hint.request_id else None
+            if p is None:
+                p = self.predict(replica_id, hint, now)
+            if p is not None:
+                self.routed_ttft_s[hint.request_id] = p.ttft_s
+                while len(self.routed_ttft_s) > ROUTED_PREDICTIONS_KEPT:
+                    self.routed_ttft_s.popitem(last=False)
         state = self._state(replica_id)
         state.unreported.append((now, hint))
         state.in_flight[hint.request_id] = hint.prefix_hashes
+
+    def routed_prediction(self, request_id: str) -> float | None:
+        """The predicted TTFT (seconds from arrival) of the request on the replica it was sent
+        to, taken once; None if it was not routed on a fresh report."""
+        return self.routed_ttft_s.pop(request_id, None)
 
     def on_completed(self, replica_id: str, request_id: str) -> None:
         state = self.replicas.get(replica_id)
@@ -291,11 +316,16 @@ class FleetBook:
         stale = sorted((rid for rid in ids if rid not in fresh_set), key=self.load_of)
         if hint.ttft_slo_s is None:
             return self._pow2(fresh, self.load_of) + stale
-        known = predictions or {}
+        known = dict(predictions or {})
+        for rid in fresh:
+            if rid not in known:
+                p = self.predict(rid, hint, now)
+                assert p is not None  # fresh: it has a report
+                known[rid] = p
+        self._ranked = (hint.request_id, known)
 
         def key(rid: str) -> tuple[int, bool, int, float]:
-            p = known.get(rid) or self.predict(rid, hint, now)
-            assert p is not None  # fresh: it has a report
+            p = known[rid]
             # Among replicas that cause as few misses: one that meets the objective with its
             # model's error to spare; then the prefix cache (work saved); then the least wait
             # in all: its own first token plus what every prefill it goes ahead of (a stopped

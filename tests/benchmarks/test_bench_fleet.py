@@ -11,7 +11,8 @@ import pytest
 from engine.benchmarks.attainment.results import RequestResult, RunResult
 from engine.benchmarks.fleet.bursts import (BURST_SIZE, DOCUMENT_PROMPT, URGENT_OUTPUT_TOKENS,
                                             URGENT_PROMPT, URGENT_SHARE, build_fleet_bursts)
-from engine.benchmarks.fleet.fleet_run import fleet_table, late_past_a_decode_step, rejections
+from engine.benchmarks.fleet.fleet_run import (fleet_table, late_past_a_decode_step, rejections,
+                                              routing_misses)
 from engine.benchmarks.measure.figures import read_figures
 from monitor.predictor import LinearTTFT
 
@@ -118,11 +119,20 @@ def test_accepted_requests_late_by_more_than_a_decode_step_are_counted() -> None
                              tpot_s=None if ttft is None else 0.03, **kw)
 
     run = _run("slack/reject", "slack", "reject", [
-        result("in-time", 0.15), result("late-by-20ms", 0.22), result("late-by-50ms", 0.25),
+        result("in-time", 0.15, routed_predicted_ttft_ms=140.0),
+        result("late-by-20ms", 0.22, routed_predicted_ttft_ms=190.0),
+        # Late past a decode step: one the router foresaw (predicted 260 ms where it sent it),
+        # one it did not (predicted in time: the routing decision's miss).
+        result("foreseen", 0.25, routed_predicted_ttft_ms=260.0),
+        result("unforeseen", 0.25, routed_predicted_ttft_ms=195.0),
         result("refused", None, error="HTTP 429", http_status=429)])
-    assert late_past_a_decode_step(run) == (1, 3, pytest.approx(30.0))
-    assert "| accepted, late by more than a decode step (median TPOT) | 1/3 (33%) (30 ms) |" \
-        in fleet_table([run])
+    assert late_past_a_decode_step(run) == (2, 4, pytest.approx(30.0))
+    assert routing_misses(run) == (1, 3)
+    table = fleet_table([run])
+    assert "| accepted, late by more than a decode step (median TPOT) | 2/4 (50%) (30 ms) |" \
+        in table
+    assert "| of those predicted in time where routed: late by more than a decode step | " \
+        "1/3 (33%) |" in table
 
 
 @pytest.mark.timeout(600)
@@ -155,6 +165,11 @@ def test_bench_run_replicas_compares_routers_on_one_trace(sim_model, tmp_path) -
         for r in run["requests"]:
             assert r["error"] is not None or (r["ttft_s"] is not None and r["replica"])
         assert len({r["replica"] for r in run["requests"] if r["replica"]}) <= 2
+        # The router's prediction on the replica it chose came back with the response (once
+        # that replica had reported; under either policy).
+        predicted = [r["routed_predicted_ttft_ms"] for r in run["requests"]
+                     if r["routed_predicted_ttft_ms"] is not None]
+        assert predicted and all(ms > 0 for ms in predicted), run["requests"]
     records = read_figures(out / "results.jsonl")
     assert [r["kind"] for r in records] == (["request"] * num_requests + ["run"]) * 2 + \
         ["done"]

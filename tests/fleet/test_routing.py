@@ -68,6 +68,27 @@ def test_a_burst_spreads_over_replicas_that_all_meet_it():
     assert sorted(chosen) == list("WXYZ")
 
 
+def test_the_book_keeps_the_prediction_on_the_replica_the_request_was_sent_to():
+    """What the ingress puts in x-sloserve-predicted-ttft-ms: the slack ranking's prediction on
+    the chosen replica (not a second one made after the send queued it there), taken once;
+    under another policy the book predicts it at the send; none for a stale replica."""
+    book = scenario_book()
+    h = hint(request_id="r1", tokens=128, slo=0.15)
+    assert flat(book.rank("slack", ["A", "B", "C"], h, NOW))[0] == "A"
+    expected = book.predict("A", h, NOW).ttft_s
+    book.on_sent("A", h, NOW)
+    assert book.routed_prediction("r1") == pytest.approx(expected)  # 0.02 + 0.035 s
+    assert book.routed_prediction("r1") is None
+    # Sent to C by another policy: predicted there, at the send, before it queues there.
+    h2 = hint(request_id="r2", tokens=128, slo=0.15)
+    before = book.predict("C", h2, NOW).ttft_s
+    book.on_sent("C", h2, NOW)
+    assert book.routed_prediction("r2") == pytest.approx(before)
+    # A replica whose report is too old to predict on gives none.
+    book.on_sent("C", hint(request_id="r3"), NOW + 60.0)
+    assert book.routed_prediction("r3") is None
+
+
 def test_least_queue_sends_it_to_the_shortest_count():
     # waiting * 4 + running: A 0 + 1 + 16 decodes = 17, B 12 + 1 = 13, C 16 + 1 = 17.
     book = scenario_book()

@@ -64,6 +64,9 @@ class RequestResult:
     replica: str | None = None
     http_status: int | None = None
     rejected_predicted_ttft_ms: float | None = None
+    # A fleet's: the router's predicted TTFT on the replica it chose, when it chose it
+    # (`x-sloserve-predicted-ttft-ms`): a miss it did not foresee is the routing decision's.
+    routed_predicted_ttft_ms: float | None = None
 
     @property
     def failed(self) -> bool:

@@ -324,10 +324,11 @@ async def _one_http(client: Any, tr: TraceRequest, start: float, priority: int,
     output_tokens, error = 0, None
     last, max_gap = 0.0, 0.0  # the longest wait between two chunks carrying text
     metrics: dict[str, Any] = {}  # the engine's per-request metrics, on the finishing chunk
-    replica, status, predicted_ms = None, None, None
+    replica, status, predicted_ms, routed_ms = None, None, None, None
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
             replica = response.headers.get("x-sloserve-replica")
+            routed_ms = _float_header(response.headers.get("x-sloserve-predicted-ttft-ms"))
             if response.status_code != 200:
                 status = response.status_code
                 text = (await response.aread()).decode()
@@ -368,7 +369,15 @@ async def _one_http(client: Any, tr: TraceRequest, start: float, priority: int,
                          max_stream_gap_s=max_gap if first is not None and output_tokens > 1
                          else None,
                          replica=replica, http_status=status,
-                         rejected_predicted_ttft_ms=predicted_ms)
+                         rejected_predicted_ttft_ms=predicted_ms,
+                         routed_predicted_ttft_ms=routed_ms)
+
+
+def _float_header(value: str | None) -> float | None:
+    try:
+        return None if value is None else float(value)
+    except ValueError:
+        return None
 
 
 def _rejected_prediction(body: str) -> float | None:

@@ -42,7 +42,7 @@ _LINE_SECONDS = ("seconds_per_token", "intercept_s", "seconds_per_token_sq",
 _REQUEST_SECONDS = ("arrival_s", "ttft_s", "e2e_s", "tpot_s", "server_ttft_s",
                     "max_stream_gap_s")
 _REQUEST_MS = ("ttft_slo_ms", "tpot_slo_ms", "slack_at_admission_ms",
-               "rejected_predicted_ttft_ms")
+               "rejected_predicted_ttft_ms", "routed_predicted_ttft_ms")
 
 
 def check_time_scale(scale: float) -> float:

@@ -231,6 +231,27 @@ def late_past_a_decode_step(run: RunResult) -> tuple[int, int, float | None]:
     return late, len(accepted), step_ms
 
 
+def routing_misses(run: RunResult) -> tuple[int, int] | None:
+    """(accepted requests the router predicted in time on the replica it chose, with an
+    objective, that missed it by more than a decode step; those predicted in time): the misses
+    a routing decision caused rather than foresaw. None where no response carried the router's
+    prediction (not a fleet, or a report too old to predict on)."""
+    late, _, step_ms = late_past_a_decode_step(run)
+    foreseen = [r for r in run.requests if r.http_status != 429 and r.ttft_slo_ms is not None
+                and r.routed_predicted_ttft_ms is not None]
+    if not foreseen or step_ms is None:
+        return None
+    in_time = [r for r in foreseen if r.routed_predicted_ttft_ms <= r.ttft_slo_ms]
+    missed = sum(1 for r in in_time
+                 if r.ttft_s is None or r.ttft_s * 1000 > r.ttft_slo_ms + step_ms)
+    return missed, len(in_time)
+
+
+def _routing_cell(run: RunResult) -> str:
+    found = routing_misses(run)
+    return "–" if found is None else _ratio(*found)
+
+
 def _late_cell(run: RunResult) -> str:
     late, accepted, step_ms = late_past_a_decode_step(run)
     return "–" if step_ms is None else f"{_ratio(late, accepted)} ({step_ms:.0f} ms)"
@@ -320,6 +341,8 @@ def fleet_table(runs: Sequence[RunResult]) -> str:
                   if rej[id(r)]["missed_under_serve"] is not None else "–" for r in group]),
                 ("accepted, late by more than a decode step (median TPOT)",
                  [_late_cell(r) for r in group]),
+                ("of those predicted in time where routed: late by more than a decode step",
+                 [_routing_cell(r) for r in group]),
             ]
         rows.append(("failed (429 included)", [str(sums[id(r)]["failed"]) for r in group]))
         replicas = {(r.meta.get("fleet") or {}).get("replicas") for r in group}
@@ -381,7 +404,9 @@ FLEET_NOTES = (
     "objective; 429s that missed when served: the same requests in the run where the same "
     "router served every request. accepted, late by more than a decode step: requests with a "
     "TTFT objective that were not refused and whose client TTFT missed it by more than the "
-    "run's median TPOT (in reject mode, issue 34 allows none for a routing decision). /health "
-    "samples with a stale replica report: the ingress's "
+    "run's median TPOT (in reject mode, issue 34 allows none for a routing decision); of "
+    "those predicted in time where routed: the same among the requests whose predicted TTFT on "
+    "the replica the router chose (x-sloserve-predicted-ttft-ms) met the objective, the misses "
+    "a routing decision caused rather than foresaw. /health samples with a stale replica report: the ingress's "
     "/health polled every 0.5 s during the replay, those naming a replica whose load report "
     "was older than the router's staleness limit (the router cannot predict on it then).\n")
