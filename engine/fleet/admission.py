@@ -7,8 +7,9 @@ serves before it (more urgent ones) come first, packed into its own steps (their
 marginal work, none of their step overheads); all at the step model's optimistic speed. That
 is the replica monitor's own test for doomed taken at the fleet's best case, with the work no
 reordering could move out of its way: the more urgent requests would be served first on any
-replica it went to. Without that queue, a burst of urgent turns that no replica could serve in
-time was never doomed (fleet-bursts at 80 req/s x 4 replicas: 49 urgent misses, no 429). A request without an objective is
+replica it went to. Without that queue the bound refused nothing even where `serve` missed 49
+urgent turns (fleet-bursts at 80 req/s on 4 replicas); with it, the documents it refused on 2
+replicas each missed when served (bench/results/HISTORY.md). A request without an objective is
 never doomed, nor is any request while no replica is fresh (the router knows nothing then, and
 refusing on ignorance would turn a reporting hiccup into an outage).
 

@@ -236,7 +236,7 @@ def routing_misses(run: RunResult) -> tuple[int, int] | None:
     objective, that missed it by more than a decode step; those predicted in time): the misses
     a routing decision caused rather than foresaw. None where no response carried the router's
     prediction (not a fleet, or a report too old to predict on)."""
-    late, _, step_ms = late_past_a_decode_step(run)
+    _, _, step_ms = late_past_a_decode_step(run)
     foreseen = [r for r in run.requests if r.http_status != 429 and r.ttft_slo_ms is not None
                 and r.routed_predicted_ttft_ms is not None]
     if not foreseen or step_ms is None:
@@ -407,6 +407,7 @@ FLEET_NOTES = (
     "run's median TPOT (in reject mode, issue 34 allows none for a routing decision); of "
     "those predicted in time where routed: the same among the requests whose predicted TTFT on "
     "the replica the router chose (x-sloserve-predicted-ttft-ms) met the objective, the misses "
-    "a routing decision caused rather than foresaw. /health samples with a stale replica report: the ingress's "
-    "/health polled every 0.5 s during the replay, those naming a replica whose load report "
-    "was older than the router's staleness limit (the router cannot predict on it then).\n")
+    "a routing decision caused rather than foresaw. /health samples with a stale replica "
+    "report: the ingress's /health polled every 0.5 s during the replay, those naming a "
+    "replica whose load report was older than the router's staleness limit (the router "
+    "cannot predict on it then).\n")
