@@ -198,8 +198,11 @@ make_random_model('$model', 'llama', vocab_size=512, hidden_size=64, intermediat
     test_mode=(--collect-only)
     export SLOSERVE_STARTUP_CALIBRATION_S=${SLOSERVE_STARTUP_CALIBRATION_S:-0.3}
     long_prompt=400; trials=3; contexts=(16 200); burst=(--num-requests 6 --rates 4)
-    calibration=(--prompt-sizes 16 64 128 256 --repeats 1 --decode-batches 1
-                 --decode-contexts 64 --max-num-batched-tokens 512)
+    # Up to 1536 tokens: on the tiny model a 256-token prompt costs about what a 16-token one
+    # does, and on a busy 2-core machine the line fitted to 16-256 once came out sloping down,
+    # which the burst then refused.
+    calibration=(--prompt-sizes 16 256 768 1536 --repeats 1 --decode-batches 1
+                 --decode-contexts 64 --max-num-batched-tokens 1536)
     chunk=(--chunk-tokens 128)
     decode_batches=()  # the throughput bench's own smoke sizes
     # The in-process burst calibrates its own TTFT line: each prompt size once, not three times.
