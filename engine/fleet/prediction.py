@@ -50,14 +50,16 @@ def step_overhead_seconds(load: ReplicaLoad) -> float:
     return load.step_model.predict_step(0, 0, load.decode_context)
 
 
-def marginal_prefill_seconds(load: ReplicaLoad, tokens: int, cost: float) -> float:
+def marginal_prefill_seconds(load: ReplicaLoad, tokens: int, cost: float,
+                             overhead: float) -> float:
     """The part of a `tokens`-token prefill predicted at `cost` seconds that no batching can
-    save: `cost` less one step overhead per chunk of the step budget (never below 0). A replica
-    packs short prefills several to a step, so a queue's predicted costs, summed, overstate
-    how soon it can at best reach the request behind them; their marginal parts do not."""
+    save: `cost` less one step `overhead` (step_overhead_seconds) per chunk of the step budget
+    (never below 0). A replica packs short prefills several to a step, so a queue's predicted
+    costs, summed, overstate how soon it can at best reach the request behind them; their
+    marginal parts do not."""
     budget = load.max_num_batched_tokens
     steps = 1 if budget <= 0 else max(1, -(-tokens // budget))
-    return max(0.0, cost - steps * step_overhead_seconds(load))
+    return max(0.0, cost - steps * overhead)
 
 
 def prefill_seconds(load: ReplicaLoad, tokens: int) -> float:
@@ -99,12 +101,14 @@ class PreparedLoad:
     of its cached prefix hashes and each waiting request's predicted prefill. Decisions then
     cost arithmetic, not model evaluations (< 1 ms for 8 replicas of ~32 requests each)."""
 
-    __slots__ = ("load", "cached", "timed", "free")
+    __slots__ = ("load", "cached", "timed", "free", "step_overhead")
 
     def __init__(self, load: ReplicaLoad) -> None:
         self.load = load
         self.cached: frozenset[int] = frozenset(load.cached_prefix_hashes)
         model = load.step_model
+        # Once per report: every job's marginal prefill (the optimistic bound) subtracts it.
+        self.step_overhead = step_overhead_seconds(load)
         # Waiting requests with a deadline: (prefill, optimistic prefill, time to deadline at
         # made_at, marginal prefill); their urgency depends on the report's age, so each
         # decision computes it.
@@ -113,7 +117,8 @@ class PreparedLoad:
         self.free: list[_Job] = []
         for q in load.waiting:
             prefill = prefill_seconds(load, q.remaining_prefill_tokens)
-            marginal = marginal_prefill_seconds(load, q.remaining_prefill_tokens, prefill)
+            marginal = marginal_prefill_seconds(load, q.remaining_prefill_tokens, prefill,
+                                                self.step_overhead)
             if q.time_to_deadline_s is None:
                 self.free.append(_Job(prefill, prefill, (), _FREE, marginal=marginal))
             else:
@@ -364,7 +369,8 @@ def predict(load: ReplicaLoad | PreparedLoad, unreported: Sequence[RouteHint], h
         tokens = max(0, h.prompt_tokens - prepared.prefix_hit_tokens(h, extra_cached, served))
         # A fully cached prompt still computes its last token (the engine recomputes it).
         prefill = prefill_seconds(load, max(tokens, 1))
-        marginal = marginal_prefill_seconds(load, max(tokens, 1), prefill)
+        marginal = marginal_prefill_seconds(load, max(tokens, 1), prefill,
+                                            prepared.step_overhead)
         deadline = h.deadline()
         if deadline is None:
             return _Job(prefill, prefill, (), _FREE, new, marginal)

@@ -32,7 +32,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from engine.benchmarks.attainment.results import RunResult, summarize
+from engine.benchmarks.attainment.results import RequestResult, RunResult, summarize
 from engine.benchmarks.server import free_port
 
 BASELINES = ("pow2", "least-queue")
@@ -216,19 +216,31 @@ def rejections(run: RunResult, runs: Sequence[RunResult]) -> dict[str, Any]:
             "missed_under_serve": missed, "serve_run": serve.policy if serve else None}
 
 
+def _median_tpot_ms(run: RunResult) -> float | None:
+    """The run's decode step as its clients saw it: the median TPOT, in ms."""
+    tpots = sorted(r.tpot_s for r in run.requests if r.tpot_s is not None)
+    return tpots[len(tpots) // 2] * 1000 if tpots else None
+
+
+def _accepted_with_objective(run: RunResult) -> list[RequestResult]:
+    return [r for r in run.requests if r.http_status != 429 and r.ttft_slo_ms is not None]
+
+
+def _late_past(r: RequestResult, step_ms: float) -> bool:
+    assert r.ttft_slo_ms is not None
+    return r.ttft_s is None or r.ttft_s * 1000 > r.ttft_slo_ms + step_ms
+
+
 def late_past_a_decode_step(run: RunResult) -> tuple[int, int, float | None]:
     """(accepted requests with a TTFT objective whose client TTFT missed it by more than one
     decode step, those accepted with an objective, the decode step in ms): issue 34's bound on
     what routing may cost an accepted request. The decode step is the run's median TPOT, as
     its clients saw it."""
-    tpots = sorted(r.tpot_s for r in run.requests if r.tpot_s is not None)
-    step_ms = tpots[len(tpots) // 2] * 1000 if tpots else None
-    accepted = [r for r in run.requests if r.http_status != 429 and r.ttft_slo_ms is not None]
+    step_ms = _median_tpot_ms(run)
+    accepted = _accepted_with_objective(run)
     if step_ms is None:
         return 0, len(accepted), None
-    late = sum(1 for r in accepted
-               if r.ttft_s is None or r.ttft_s * 1000 > r.ttft_slo_ms + step_ms)
-    return late, len(accepted), step_ms
+    return sum(_late_past(r, step_ms) for r in accepted), len(accepted), step_ms
 
 
 def routing_misses(run: RunResult) -> tuple[int, int] | None:
@@ -236,15 +248,13 @@ def routing_misses(run: RunResult) -> tuple[int, int] | None:
     objective, that missed it by more than a decode step; those predicted in time): the misses
     a routing decision caused rather than foresaw. None where no response carried the router's
     prediction (not a fleet, or a report too old to predict on)."""
-    _, _, step_ms = late_past_a_decode_step(run)
-    foreseen = [r for r in run.requests if r.http_status != 429 and r.ttft_slo_ms is not None
-                and r.routed_predicted_ttft_ms is not None]
+    step_ms = _median_tpot_ms(run)
+    foreseen = [r for r in _accepted_with_objective(run)
+                if r.routed_predicted_ttft_ms is not None]
     if not foreseen or step_ms is None:
         return None
     in_time = [r for r in foreseen if r.routed_predicted_ttft_ms <= r.ttft_slo_ms]
-    missed = sum(1 for r in in_time
-                 if r.ttft_s is None or r.ttft_s * 1000 > r.ttft_slo_ms + step_ms)
-    return missed, len(in_time)
+    return sum(_late_past(r, step_ms) for r in in_time), len(in_time)
 
 
 def _routing_cell(run: RunResult) -> str:
