@@ -32,9 +32,10 @@ from engine.processing.input_processor import check_fits_context
 from engine.serving.choices import (EnginePrompt, best_of_choices, fan_out,
                                     finals_unless_disconnected, merged)
 from engine.serving.openai_protocol import (MAX_N, ChatCompletionRequest, CompletionRequest,
-                                            GenerationRequest, error_body, unsupported_field)
+                                            GenerationRequest, error_body)
 from engine.serving.openai_responses import (ResponseContext, full_response, stream_events,
                                              usage_body)
+from engine.serving.request_fields import unsupported_field
 from engine.serving.tokenize_api import (DetokenizeRequest, TokenizeRequest, detokenize_request,
                                          tokenize_request)
 
@@ -250,7 +251,7 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
         as engine requests that run together; the response gathers them as choices."""
         arrival = request.state.arrival
         _check_model(body)
-        if (unsupported := unsupported_field(body)) is not None:
+        if (unsupported := unsupported_field(body, chat)) is not None:
             name, value = unsupported
             shown = repr(value) if len(repr(value)) <= 80 else f"{repr(value)[:77]}..."
             raise APIError(400, f"`{name}` is not supported by this server (got {shown})", name)

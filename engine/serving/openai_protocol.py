@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.serving.request_fields import unsupported_message_field
 
 # Every integer a request carries ends up in a msgpack frame to EngineCore (or a torch
 # generator's seed), and both stop at 64 bits: Python's ints do not.
@@ -47,9 +47,9 @@ class _RequestModel(BaseModel):
     future, so no field can smuggle in a value the engine cannot take."""
 
     # JSON parsers accept NaN and Infinity (and 1e999 overflows to inf): no sampling or SLO
-    # field means anything with them, so every float field refuses them. Unknown fields (user,
-    # logprobs=None, ...) are kept as extras and ignored, as vLLM does, unless they ask for a
-    # feature this server lacks (NOT_IMPLEMENTED: the server refuses those).
+    # field means anything with them, so every float field refuses them. Undeclared fields are
+    # kept as extras: request_fields.py says which are refused (those asking for a feature this
+    # server lacks), which are accepted without effect, and that the rest are ignored.
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     @field_validator("*", mode="after")
@@ -187,8 +187,18 @@ class CompletionRequest(GenerationRequest):
 class ChatMessage(_RequestModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    # A participant's name: passed to the chat template, as vLLM does (most templates ignore it).
+    name: str | None = None
 
     def as_template_input(self) -> dict[str, Any]:
+        """The message as the chat template reads it. ValueError for a key that would carry
+        something to the template that this server does not render (tool calls, reasoning)."""
+        unsupported = unsupported_message_field(self.model_extra or {})
+        if unsupported is not None:
+            key, value = unsupported
+            shown = repr(value) if len(repr(value)) <= 60 else f"{repr(value)[:57]}..."
+            raise ValueError(f"messages: `{key}` in a message is not supported by this server "
+                             f"(got {shown})")
         content = self.content
         if isinstance(content, list):  # OpenAI content parts: only text is understood here
             texts = [part.get("text") for part in content if part.get("type") == "text"]
@@ -196,7 +206,10 @@ class ChatMessage(_RequestModel):
                 raise ValueError("messages: only text content parts (with a string `text`) "
                                  "are supported")
             content = "".join(texts)
-        return {"role": self.role, "content": content or ""}
+        message = {"role": self.role, "content": content or ""}
+        if self.name:
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -223,38 +236,6 @@ class ChatCompletionRequest(GenerationRequest):
 
 def _or(value: float | None, default: float) -> float:
     return default if value is None else value
-
-
-def _off(*no_op: Any) -> Callable[[Any], bool]:
-    return lambda value: value is None or any(value == v and type(value) is type(v)
-                                              for v in no_op)
-
-
-# OpenAI and vLLM request fields this server does not implement, each with the values that ask
-# for nothing (a client library may send those by default). Any other value is refused with a
-# 400 that names the field: accepting it would return a result the client did not ask for.
-NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
-    # Chat's echo (vLLM: prepend the last message) and completions' top_logprobs (chat's
-    # name; completions take logprobs: k) arrive as extras.
-    "echo": _off(False), "top_logprobs": _off(0),
-    "use_beam_search": _off(False), "tools": _off([]),
-    "tool_choice": _off("none"),
-    "functions": _off([]), "function_call": _off("none"),
-    "response_format": _off({"type": "text"}), "guided_json": _off(), "guided_regex": _off(),
-    "guided_choice": _off(), "guided_grammar": _off(),
-}
-
-
-def unsupported_field(body: BaseModel) -> tuple[str, Any] | None:
-    """The first field of `body` (as sent: unknown fields are kept as extras) that asks for a
-    feature this server does not implement, with its value; None when there is none."""
-    if getattr(body, "suffix", None):  # OpenAI's insert mode: a declared field, but not built
-        return "suffix", body.suffix
-    for name, value in (body.model_extra or {}).items():
-        asks_nothing = NOT_IMPLEMENTED.get(name)
-        if asks_nothing is not None and not asks_nothing(value):
-            return name, value
-    return None
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:

@@ -143,20 +143,42 @@ def test_tokenize_routes_need_the_api_key_like_v1(chat_model):
 
 # Refused on chat (completions implement echo, chat's top_logprobs is completions' logprobs).
 CHAT_ONLY = {"echo"}
-ASKS_FOR_MORE = {"echo": True, "top_logprobs": 2, "use_beam_search": True,
-                 "tools": [{"type": "function"}],
-                 "tool_choice": "auto", "functions": [{"name": "f"}], "function_call": "auto",
-                 "response_format": {"type": "json_object"}, "guided_json": {},
-                 "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "g"}
+# A value asking for something, for every field request_fields.NOT_IMPLEMENTED names.
+ASKS_FOR_MORE = {
+    "echo": True, "top_logprobs": 2, "use_beam_search": True, "length_penalty": 0.5,
+    "tools": [{"type": "function"}], "tool_choice": "auto", "functions": [{"name": "f"}],
+    "function_call": "auto", "response_format": {"type": "json_object"},
+    "structured_outputs": {"json": {}}, "structural_tag": "{}", "guided_json": {},
+    "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "g",
+    "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
+    "reasoning_effort": "low", "include_reasoning": False, "chat_template": "{{ x }}",
+    "chat_template_kwargs": {"enable_thinking": False}, "documents": [{"text": "x"}],
+    "add_generation_prompt": False, "continue_final_message": True,
+    "add_special_tokens": False, "mm_processor_kwargs": {"a": 1}, "prompt_embeds": "AAAA",
+    "truncate_prompt_tokens": 5, "allowed_token_ids": [1], "bad_words": ["x"],
+    "spaces_between_special_tokens": False, "logits_processors": ["m.f"],
+    "vllm_xargs": {"a": 1}, "return_token_ids": True, "request_id": "abc",
+    "cache_salt": "s", "kv_transfer_params": {"a": 1}, "modalities": ["text", "audio"],
+    "audio": {"voice": "x"}, "prediction": {"type": "content", "content": "x"},
+    "web_search_options": {}, "verbosity": "low", "store": True, "service_tier": "flex",
+}
+# Values that ask for nothing (a client's or vLLM's defaults), and fields without effect.
 ASKS_FOR_NOTHING = {"logprobs": None, "echo": False, "best_of": 1, "suffix": "",
                     "top_logprobs": 0,
                     "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
                     "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
-                    "user": "someone"}
+                    "length_penalty": 1, "structured_outputs": None,
+                    "include_reasoning": True, "chat_template_kwargs": {}, "documents": [],
+                    "add_generation_prompt": True, "continue_final_message": False,
+                    "bad_words": [], "spaces_between_special_tokens": True,
+                    "return_token_ids": False, "vllm_xargs": {}, "modalities": ["text"],
+                    "store": False, "service_tier": "auto",
+                    "user": "someone", "metadata": {"k": "v"}, "parallel_tool_calls": False,
+                    "some_field_no_server_defines": 1}
 
 
 def test_fields_asking_for_what_the_server_lacks_are_400s_naming_them(chat_model):
-    from engine.serving.openai_protocol import NOT_IMPLEMENTED
+    from engine.serving.request_fields import NOT_IMPLEMENTED
 
     assert set(ASKS_FOR_MORE) == set(NOT_IMPLEMENTED)  # every refused field is tried
     base = {"prompt": "hello", "max_tokens": 1}
@@ -165,15 +187,62 @@ def test_fields_asking_for_what_the_server_lacks_are_400s_naming_them(chat_model
              if f in CHAT_ONLY else h.post("/v1/completions", json={**base, f: v})
              for field, value in ASKS_FOR_MORE.items()]
     calls.append(lambda h: h.post("/v1/completions", json={**base, "suffix": "end"}))
-    calls.append(lambda h: h.post("/v1/completions", json={**base, **ASKS_FOR_NOTHING}))
+    # add_special_tokens asks for something on chat when true (the template writes them).
+    calls.append(lambda h: h.post("/v1/chat/completions",
+                                  json={**chat, "add_special_tokens": True}))
+    calls.append(lambda h: h.post("/v1/completions",
+                                  json={**base, **ASKS_FOR_NOTHING, "add_special_tokens": True}))
     calls.append(lambda h: h.post("/v1/chat/completions",
                                   json={**chat, **ASKS_FOR_NOTHING, "logprobs": False,
-                                        "top_logprobs": None}))
-    *refused, suffix, plain, plain_chat = _run(chat_model, _settings(chat_model), calls)
-    for field, response in zip([*ASKS_FOR_MORE, "suffix"], [*refused, suffix]):
+                                        "top_logprobs": None, "add_special_tokens": False}))
+    *refused, suffix, chat_special, plain, plain_chat = _run(chat_model, _settings(chat_model),
+                                                             calls)
+    for field, response in zip([*ASKS_FOR_MORE, "suffix", "add_special_tokens"],
+                               [*refused, suffix, chat_special]):
         assert response.status_code == 400, (field, response.text)
         error = response.json()["error"]
         assert error["param"] == field and "not supported" in error["message"], error
+        assert f"`{field}`" in error["message"], error
     # Probe: the values that ask for nothing still get their completion.
     assert plain.status_code == 200, plain.text
     assert plain_chat.status_code == 200, plain_chat.text
+
+
+def test_message_keys_the_template_would_lose_are_400s_and_a_name_reaches_it(tmp_path,
+                                                                             chat_model):
+    from engine.serving.request_fields import MESSAGE_NOT_IMPLEMENTED
+
+    template = tmp_path / "named.jinja"
+    template.write_text("{% for m in messages %}{{ m.get('name', 'nobody') }}: "
+                        "{{ m['content'] }}\n{% endfor %}")
+    lost = {"tool_calls": [{"id": "c1", "type": "function",
+                            "function": {"name": "f", "arguments": "{}"}}],
+            "tool_call_id": "c1", "reasoning_content": "thinking", "reasoning": "thinking",
+            "function_call": {"name": "f", "arguments": "{}"}}
+    assert set(lost) == set(MESSAGE_NOT_IMPLEMENTED)
+
+    def chat(message):
+        return lambda h: h.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}, message], "max_tokens": 1})
+
+    def count(message):
+        return lambda h: h.post("/tokenize", json={"messages": [message]})
+
+    async def go():
+        async with app_client(chat_model, chat_template=str(template)) as (http, _):
+            calls = [*(chat({"role": "assistant", "content": "", key: value})
+                       for key, value in lost.items()),
+                     count({"role": "user", "content": "hi", "name": "bob"}),
+                     count({"role": "user", "content": "hi"}),
+                     chat({"role": "user", "content": "hi", "name": "bob", "tool_calls": []})]
+            return [await call(http) for call in calls]
+
+    *refused, named, unnamed, named_chat = asyncio.run(go())
+    for key, response in zip(lost, refused):
+        assert response.status_code == 400, (key, response.text)
+        error = response.json()["error"]
+        assert error["param"] == "messages" and f"`{key}`" in error["message"], error
+    # Probe: the name is rendered (the template writes "nobody" without it).
+    assert named.status_code == unnamed.status_code == 200
+    assert named.json()["count"] != unnamed.json()["count"]
+    assert named_chat.status_code == 200, named_chat.text

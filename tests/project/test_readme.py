@@ -118,3 +118,15 @@ def test_no_file_points_outside_the_repository() -> None:
                  and name != "tests/project/test_readme.py"
                  and pattern.search((REPO / name).read_text(errors="replace"))]
     assert not offenders, f"files that refer to the team's shared folder: {offenders}"
+
+
+def test_the_request_fields_table_names_every_field_the_server_refuses_or_ignores() -> None:
+    from engine.serving.request_fields import (MESSAGE_NOT_IMPLEMENTED, NOT_IMPLEMENTED,
+                                               WITHOUT_EFFECT)
+
+    text = README.read_text()
+    table = text[text.index("| field | here |"):]
+    table = table[:table.index("\n\n")]
+    named = set(re.findall(r"`([a-z_]+)`", table))
+    missing = (set(NOT_IMPLEMENTED) | set(WITHOUT_EFFECT) | set(MESSAGE_NOT_IMPLEMENTED)) - named
+    assert not missing, f"README's request fields table leaves out {sorted(missing)}"
