@@ -17,6 +17,10 @@ replica has SLO preemption on and the monitor's gate (`should_slo_preempt`, with
 test) lets the best waiter stop it, is stopped after PREEMPT_LATENCY_S and its remaining work
 joins the queue in slack order (a suspended pass resumes at its layer: nothing is recomputed).
 
+What arrives after the request and is due before it (urgent turns overtaking a document) is
+the router's forecast from the replica's recent traffic (engine.fleet.arrivals), given as
+`overtakers`: it lengthens the point estimate, not the optimistic bound.
+
 Not modelled, on purpose: the KV capacity (a replica short of blocks reports a long queue
 anyway), and aging (the report does not carry the replica's aging bound, and an aged request is
 a miss whichever order it then gets).
@@ -28,6 +32,7 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from engine.fleet.arrivals import Overtakers
 from engine.fleet.load_report import ReplicaLoad, RouteHint
 from engine.fleet.prefix_hashes import cached_prefix_blocks
 from monitor.policy import AGED_PRIORITY, order, should_slo_preempt
@@ -171,6 +176,11 @@ class Prediction:
     # The wait it adds to the replica's other prefills, summed: its own prefill, once for each
     # that it goes ahead of (the stopped one included).
     delay_to_others_s: float = 0.0
+    # Its own predicted prefill there (its prefix-cache hit taken off).
+    prefill_s: float = 0.0
+    # Of ttft_s, the expected prefills of requests that will arrive after it and be due before
+    # it (engine.fleet.arrivals; 0 without a forecast).
+    overtaken_s: float = 0.0
 
     @property
     def added_misses(self) -> int:
@@ -340,10 +350,13 @@ def _schedule(timed: list[_Job], free: list[_Job], running: _Job | None,
 
 
 def predict(load: ReplicaLoad | PreparedLoad, unreported: Sequence[RouteHint], hint: RouteHint,
-            now: float, served: Collection[int] = ()) -> Prediction:
+            now: float, served: Collection[int] = (),
+            overtakers: Overtakers | None = None) -> Prediction:
     """`hint`'s predicted TTFT on the replica that reported `load`, to which the router has
     sent `unreported` since the report was made (oldest first), at wall-clock `now`. `served`:
-    prefix hashes the router remembers the replica caching, beside its report's."""
+    prefix hashes the router remembers the replica caching, beside its report's.
+    `overtakers`: the replica's recent sends, the forecast of what will overtake the request
+    (engine.fleet.arrivals; None: nothing)."""
     prepared = load if isinstance(load, PreparedLoad) else PreparedLoad(load)
     load = prepared.load
     model = load.step_model
@@ -403,6 +416,15 @@ def predict(load: ReplicaLoad | PreparedLoad, unreported: Sequence[RouteHint], h
         # Without a deadline it goes last and weighs in no gate: the order stands.
         jobs, stopped_after = [*jobs, new], stopped_before
     misses_after, lateness_after, finish, _, behind = _run(jobs, start)
+    overtaken = 0.0
+    if overtakers is not None and new.deadlines:
+        ttd = new.deadlines[0]
+        expected = overtakers.expected_finish(finish, ttd)
+        overtaken = expected - finish
+        # Its own miss, as `_run` counted it on the queue alone, now on the forecast.
+        misses_after += (expected > ttd) - (finish > ttd)
+        lateness_after += max(0.0, expected - ttd) - max(0.0, finish - ttd)
+        finish = expected
 
     waited = max(0.0, now - hint.arrived_at)
     first = min(step_remaining, PREEMPT_LATENCY_S) if preemptible else step_remaining
@@ -423,4 +445,5 @@ def predict(load: ReplicaLoad | PreparedLoad, unreported: Sequence[RouteHint], h
         preempts=stopped_after and not stopped_before,
         drain_s=drain,
         # Every prefill it goes ahead of (a stopped one included) waits for its own.
-        delay_to_others_s=new.cost * behind)
+        delay_to_others_s=new.cost * behind,
+        prefill_s=new.cost, overtaken_s=overtaken)

@@ -9,7 +9,8 @@ falls back down the list when a replica refuses). Each rank holds one replica: t
 below give a full order, and leaving the pick among equals to Ray would undo it.
 
 Policies (`RouterPolicy`):
-- "slack": the request's predicted TTFT on every replica (engine.fleet.prediction); the
+- "slack": the request's predicted TTFT on every replica (engine.fleet.prediction, with the
+  forecast of what will overtake it there: engine.fleet.arrivals); the
   replica that adds the fewest deadline misses (the request's own and those queued there),
   then the longest prefix-cache hit (affinity keeps a document's blocks in one place), then the
   least predicted TTFT. A request without a deadline cannot miss anything: power of two
@@ -30,8 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from engine.fleet.arrivals import ARRIVAL_WINDOW_PERIODS, RecentArrivals
 from engine.fleet.load_report import ReplicaLoad, RouteHint
-from engine.fleet.prediction import PreparedLoad, Prediction, predict
+from engine.fleet.prediction import PreparedLoad, Prediction, predict, prefill_seconds
 
 RouterPolicy = Literal["slack", "pow2", "least-queue", "round-robin", "prefix"]
 ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
@@ -69,6 +71,8 @@ ROUTED_PREDICTIONS_KEPT = 4096
 class ReplicaState:
     """What the router knows of one replica."""
 
+    # The requests with an objective sent there lately: the forecast of what will arrive.
+    arrivals: RecentArrivals
     prepared: PreparedLoad | None = None
     # Sent since the report was made (oldest first): the report does not count them yet.
     unreported: list[tuple[float, RouteHint]] = field(default_factory=list)
@@ -96,8 +100,11 @@ class FleetBook:
     def __init__(self, *, report_period_s: float = DEFAULT_REPORT_PERIOD_S,
                  stale_after_s: float | None = None, send_skew_s: float = SEND_SKEW_S,
                  seed: int | None = None,
-                 served_prefix_blocks: int = DEFAULT_SERVED_PREFIX_BLOCKS) -> None:
+                 served_prefix_blocks: int = DEFAULT_SERVED_PREFIX_BLOCKS,
+                 arrival_window_s: float | None = None) -> None:
         self.report_period_s = report_period_s
+        self.arrival_window_s = (ARRIVAL_WINDOW_PERIODS * report_period_s
+                                 if arrival_window_s is None else arrival_window_s)
         self.served_prefix_blocks = served_prefix_blocks
         self.stale_after_s = (STALE_AFTER_PERIODS * report_period_s if stale_after_s is None
                               else stale_after_s)
@@ -118,7 +125,8 @@ class FleetBook:
     def _state(self, replica_id: str) -> ReplicaState:
         state = self.replicas.get(replica_id)
         if state is None:
-            state = self.replicas[replica_id] = ReplicaState()
+            state = self.replicas[replica_id] = ReplicaState(
+                arrivals=RecentArrivals(self.arrival_window_s))
         return state
 
     def on_report(self, replica_id: str, load: ReplicaLoad) -> None:
@@ -135,7 +143,9 @@ class FleetBook:
 
     def on_sent(self, replica_id: str, hint: RouteHint, now: float) -> None:
         """`hint` was sent to the replica: it queues there from now. Its predicted TTFT there
-        (whatever the policy that chose the replica) is kept for routed_prediction."""
+        (whatever the policy that chose the replica) is kept for routed_prediction; with an
+        objective, it joins the replica's recent arrivals, at its predicted prefill there."""
+        p: Prediction | None = None
         if hint.request_id and self.is_fresh(replica_id, now):
             ranked_id, ranked = self._ranked
             p = ranked.get(replica_id) if ranked_id == hint.request_id else None
@@ -146,6 +156,12 @@ class FleetBook:
                 while len(self.routed_ttft_s) > ROUTED_PREDICTIONS_KEPT:
                     self.routed_ttft_s.popitem(last=False)
         state = self._state(replica_id)
+        if hint.ttft_slo_s is not None:
+            if p is not None:
+                state.arrivals.add(now, hint.ttft_slo_s, p.prefill_s)
+            elif state.load is not None:  # a stale report: its model still prices it
+                state.arrivals.add(now, hint.ttft_slo_s,
+                                   prefill_seconds(state.load, max(1, hint.prompt_tokens)))
         state.unreported.append((now, hint))
         state.in_flight[hint.request_id] = hint.prefix_hashes
 
@@ -239,7 +255,8 @@ class FleetBook:
         if state is None or state.prepared is None:
             return None
         return predict(state.prepared, state.unreported_hints(), hint, now,
-                       served=state.served_prefixes)
+                       served=state.served_prefixes,
+                       overtakers=state.arrivals.overtakers(now))
 
     def predictions(self, candidate_ids: Sequence[str], hint: RouteHint, now: float
                     ) -> dict[str, Prediction]:

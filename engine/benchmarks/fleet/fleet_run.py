@@ -416,8 +416,9 @@ FLEET_NOTES = (
     "TTFT objective that were not refused and whose client TTFT missed it by more than the "
     "run's median TPOT (in reject mode, issue 34 allows none for a routing decision); of "
     "those predicted in time where routed: the same among the requests whose predicted TTFT on "
-    "the replica the router chose (x-sloserve-predicted-ttft-ms) met the objective, the misses "
-    "a routing decision caused rather than foresaw. /health samples with a stale replica "
+    "the replica the router chose (x-sloserve-predicted-ttft-ms: its queue there and the "
+    "forecast of what would overtake it) met the objective, the misses a routing decision "
+    "caused rather than foresaw. /health samples with a stale replica "
     "report: the ingress's /health polled every 0.5 s during the replay, those naming a "
     "replica whose load report was older than the router's staleness limit (the router "
     "cannot predict on it then).\n")

@@ -4,9 +4,11 @@ admission (`assess`) on the same predictions, per decision, at a fleet's scale.
 The fleet: `--replicas` replicas (8), each reporting `--queued` requests (32; a third without a
 deadline, the rest with deadlines from 100 ms to 5 s), one or two running prefills (half of
 the replicas preemptible), 16 decodes and `--prefix-hashes` cached prefix hashes (4096), with a
-few requests sent since each report. Requests: 4096-token prompts (256 block hashes), half of
-them sharing a cached document's prefix, three in four with an objective. Times are of the
-pure policy code on this machine's CPU (the Ray glue around it is not counted).
+few requests sent since each report and `--recent` (50) sent in the arrival window before it
+(completed: the router's forecast of what will overtake a request, engine/fleet/arrivals.py).
+Requests: 4096-token prompts (256 block hashes), half of them sharing a cached document's
+prefix, three in four with an objective. Times are of the pure policy code on this machine's
+CPU (the Ray glue around it is not counted).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="cached prefix hashes per report")
     parser.add_argument("--unreported", type=int, default=2,
                         help="requests sent to each replica since its report")
+    parser.add_argument("--recent", type=int, default=50,
+                        help="requests with an objective sent to each replica in the arrival "
+                             "window (the forecast); 50 is 80 req/s over 8 replicas for 5 s")
     parser.add_argument("--decisions", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
     return parser
@@ -62,6 +67,15 @@ def build_fleet(args: argparse.Namespace, now: float) -> tuple[FleetBook, list[R
                            cached_prefix_hashes=cached[-args.prefix_hashes:],
                            num_requests=len(waiting) + len(running) + 16)
         rid = f"replica-{r}"
+        window = book.arrival_window_s
+        for i in range(args.recent):
+            at = now - window + window * i / max(1, args.recent)
+            sent = RouteHint(request_id=f"{rid}-recent-{i}",
+                             prompt_tokens=rng.randint(64, 30_000),
+                             ttft_slo_s=rng.choice([0.15, 0.3, 1.0, 10.0, 30.0]),
+                             arrived_at=at)
+            book.on_sent(rid, sent, at)
+            book.on_completed(rid, sent.request_id)
         book.on_report(rid, load)
         for i in range(args.unreported):
             book.on_sent(rid, RouteHint(request_id=f"{rid}-sent-{i}",
@@ -115,8 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for policy in ROUTER_POLICIES}
     cases["slack+admission"] = slack_with_admission
     print(f"routing cost: {args.replicas} replicas x {args.queued} queued, "
-          f"{args.prefix_hashes} prefix hashes, {args.unreported} unreported sends each, "
-          f"{args.decisions} decisions")
+          f"{args.prefix_hashes} prefix hashes, {args.unreported} unreported sends and "
+          f"{args.recent} recent ones each, {args.decisions} decisions")
     print(f"{'policy':<18}{'wall p50 us':>12}{'wall p99 us':>12}{'cpu p50 us':>12}"
           f"{'cpu p99 us':>12}{'cpu mean us':>12}")
     for name, decide in cases.items():
