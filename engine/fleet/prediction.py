@@ -47,6 +47,14 @@ from monitor.predictor import predict_prefill
 # about to end costs no more than its end).
 PREEMPT_LATENCY_S = 0.020
 
+# The slack ranking's tie-break counts, one by one, the prefills a request delays that are due
+# within this many times its own time to deadline (Prediction.delay_to_others_s): for an urgent
+# turn the other turns, not the documents behind it. Counting every document made a replica
+# holding a deep queue of documents with seconds to spare repel every urgent turn, and one
+# replica took 248 turns of a burst trace while the other took 112 (bench/results/HISTORY.md,
+# "Issue 34, fifth session").
+DELAY_HORIZON = 10.0
+
 
 def step_overhead_seconds(load: ReplicaLoad) -> float:
     """What an empty prefill step costs the replica (its model's intercept, its decodes'
@@ -173,8 +181,9 @@ class Prediction:
     preempts: bool
     # Seconds from now until the replica's queue (without the request) has been prefilled.
     drain_s: float
-    # The wait it adds to the replica's other prefills, summed: its own prefill, once for each
-    # that it goes ahead of (the stopped one included).
+    # The wait it adds to the replica's other prefills: its own prefill, once for each that it
+    # goes ahead of (the stopped one included) and is due within DELAY_HORIZON times its
+    # objective, and once for all the others.
     delay_to_others_s: float = 0.0
     # Its own predicted prefill there (its prefix-cache hit taken off).
     prefill_s: float = 0.0
@@ -295,14 +304,18 @@ def _gate_opens(timed: Sequence[_Job], running: _Urgency, margin: float,
     return should_slo_preempt(best, running, margin)  # type: ignore[arg-type]
 
 
-def _run(jobs: Sequence[_Job], start: float) -> tuple[int, float, float, float, int]:
+def _run(jobs: Sequence[_Job], start: float, horizon: float = math.inf
+         ) -> tuple[int, float, float, float, int]:
     """Prefill `jobs` one after another from `start`: (misses, lateness, the new job's finish
-    (nan without one), the last finish, how many jobs come after the new one)."""
+    (nan without one), the last finish, how many prefills the new job delays, as the slack
+    ranking's tie-break weighs them: each one due within `horizon` seconds from now, and all
+    the others as one)."""
     t = start
     misses = 0
     lateness = 0.0
     new_finish = math.nan
-    behind = 0
+    near = 0
+    far = 0
     for job in jobs:
         t += job.cost
         for deadline in job.deadlines:
@@ -312,8 +325,11 @@ def _run(jobs: Sequence[_Job], start: float) -> tuple[int, float, float, float, 
         if job.new:
             new_finish = t
         elif new_finish == new_finish:  # not nan: the new job is ahead of this one
-            behind += 1
-    return misses, lateness, new_finish, t, behind
+            if job.deadlines and min(job.deadlines) <= horizon:
+                near += 1
+            else:
+                far += 1
+    return misses, lateness, new_finish, t, near + min(far, 1)
 
 
 def _ranked(jobs: Sequence[_Job], start: float, base: float) -> list[_Job]:
@@ -415,7 +431,12 @@ def predict(load: ReplicaLoad | PreparedLoad, unreported: Sequence[RouteHint], h
     else:
         # Without a deadline it goes last and weighs in no gate: the order stands.
         jobs, stopped_after = [*jobs, new], stopped_before
-    misses_after, lateness_after, finish, _, behind = _run(jobs, start)
+    # The prefills it delays that are due within DELAY_HORIZON times its own objective weigh
+    # one each in the tie-break (a burst's turns spread); the rest, documents with seconds to
+    # spare, weigh one in all: an idle replica still beats one it would interrupt, but a deep
+    # queue of documents does not push every urgent turn to the replica holding fewer.
+    horizon = DELAY_HORIZON * new.deadlines[0] if new.deadlines else math.inf
+    misses_after, lateness_after, finish, _, behind = _run(jobs, start, horizon)
     overtaken = 0.0
     if overtakers is not None and new.deadlines:
         ttd = new.deadlines[0]
@@ -444,6 +465,6 @@ def predict(load: ReplicaLoad | PreparedLoad, unreported: Sequence[RouteHint], h
         # Only a stop the new request causes: one that happens without it is in both runs.
         preempts=stopped_after and not stopped_before,
         drain_s=drain,
-        # Every prefill it goes ahead of (a stopped one included) waits for its own.
+        # The prefills it goes ahead of (a stopped one included) wait for its own.
         delay_to_others_s=new.cost * behind,
         prefill_s=new.cost, overtaken_s=overtaken)

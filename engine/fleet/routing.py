@@ -345,10 +345,11 @@ class FleetBook:
             p = known[rid]
             # Among replicas that cause as few misses: one that meets the objective with its
             # model's error to spare; then the prefix cache (work saved); then the least wait
-            # in all: its own first token plus what every prefill it goes ahead of (a stopped
-            # one included) waits for it. With its own TTFT alone, an idle replica and a busy
-            # one it would interrupt tie to within the two replicas' model noise, and a burst
-            # piles onto the replica that already stopped its prefill for the first turn.
+            # in all: its own first token plus what the prefills it goes ahead of (a stopped
+            # one included) wait for it (those near their deadlines one by one, the rest as
+            # one: Prediction.delay_to_others_s). With its own TTFT alone, an idle replica and
+            # a busy one it would interrupt tie to within the two replicas' model noise, and a
+            # burst piles onto the replica that already stopped its prefill for the first turn.
             return (p.added_misses, self._at_risk(rid, p, hint), -p.cached_blocks,
                     p.ttft_s + p.delay_to_others_s)
 

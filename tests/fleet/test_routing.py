@@ -291,3 +291,28 @@ def test_routing_cost_benchmark_runs(capsys):
                  "--decisions", "5"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in (*ROUTER_POLICIES, "slack+admission"))
+
+
+def test_a_deep_queue_of_documents_with_time_to_spare_does_not_repel_an_urgent_turn():
+    # Both replicas stop a document's prefill for the turn; A holds 30 more documents due in
+    # 20 s, B 3, and A's model is 5 ms faster. The turn delays each document by its own 0.04 s,
+    # which none of them minds: A, by its first token. Counting each document (as the
+    # tie-break once did) would add 30 delays on A against 3 on B and send every turn to B.
+    book = FleetBook(seed=0)
+    faster = MODEL.__class__(seconds_per_token=4e-5, intercept_s=0.025, relative_error=0.1,
+                             relative_speedup=0.1)
+    running = [(30_000, 25.0)]
+    book.on_report("A", load(running=running, step_remaining_s=1.0, step_preemptible=True,
+                             waiting=[(24_000, 20.0)] * 30, model=faster))
+    book.on_report("B", load(running=running, step_remaining_s=1.0, step_preemptible=True,
+                             waiting=[(24_000, 20.0)] * 3))
+    turn = hint("turn", tokens=256, slo=0.3)
+    on_a = book.predict("A", turn, NOW)
+    assert on_a is not None and on_a.preempts
+    # Probe: the documents behind it count as one delay, not 31.
+    assert on_a.delay_to_others_s == pytest.approx(on_a.prefill_s)
+    assert flat(book.rank("slack", ["A", "B"], turn, NOW))[0] == "A"
+    # Turns due soon behind it still count one by one: a burst queued on A sends the next to B.
+    for i in range(3):
+        book.on_sent("A", hint(f"queued{i}", tokens=256, slo=0.5), NOW)
+    assert flat(book.rank("slack", ["A", "B"], turn, NOW))[0] == "B"
