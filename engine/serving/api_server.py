@@ -35,7 +35,7 @@ from engine.serving.openai_protocol import (MAX_N, ChatCompletionRequest, Comple
                                             GenerationRequest, error_body)
 from engine.serving.openai_responses import (ResponseContext, full_response, stream_events,
                                              usage_body)
-from engine.serving.request_fields import unsupported_field
+from engine.serving.request_fields import shown, unsupported_field
 from engine.serving.tokenize_api import (DetokenizeRequest, TokenizeRequest, detokenize_request,
                                          tokenize_request)
 
@@ -253,8 +253,8 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
         _check_model(body)
         if (unsupported := unsupported_field(body, chat)) is not None:
             name, value = unsupported
-            shown = repr(value) if len(repr(value)) <= 80 else f"{repr(value)[:77]}..."
-            raise APIError(400, f"`{name}` is not supported by this server (got {shown})", name)
+            raise APIError(400, f"`{name}` is not supported by this server "
+                                f"(got {shown(value, 80)})", name)
         slo = _slo(body, request)
         tpot_slo = _tpot_slo(body, request)
         try:

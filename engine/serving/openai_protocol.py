@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from engine.serving.request_fields import unsupported_message_field
+from engine.serving.request_fields import shown, unsupported_message_field
 
 # Every integer a request carries ends up in a msgpack frame to EngineCore (or a torch
 # generator's seed), and both stop at 64 bits: Python's ints do not.
@@ -196,9 +196,8 @@ class ChatMessage(_RequestModel):
         unsupported = unsupported_message_field(self.model_extra or {})
         if unsupported is not None:
             key, value = unsupported
-            shown = repr(value) if len(repr(value)) <= 60 else f"{repr(value)[:57]}..."
             raise ValueError(f"messages: `{key}` in a message is not supported by this server "
-                             f"(got {shown})")
+                             f"(got {shown(value, 60)})")
         content = self.content
         if isinstance(content, list):  # OpenAI content parts: only text is understood here
             texts = [part.get("text") for part in content if part.get("type") == "text"]

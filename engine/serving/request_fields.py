@@ -85,26 +85,31 @@ def asks_for_nothing(value: Any, no_ops: tuple[Any, ...]) -> bool:
     return value is None or any(_same(value, v) for v in no_ops)
 
 
+def _first_asking(fields: dict[str, Any], table: dict[str, tuple[Any, ...]]
+                  ) -> tuple[str, Any] | None:
+    """The first of `fields` that `table` names with a value outside its no-op values."""
+    for name, value in fields.items():
+        no_ops = table.get(name)
+        if no_ops is not None and not asks_for_nothing(value, no_ops):
+            return name, value
+    return None
+
+
 def unsupported_field(body: BaseModel, chat: bool) -> tuple[str, Any] | None:
     """The first field of `body` (as sent: undeclared fields are pydantic extras) that asks for
     a feature this server does not implement, with its value; None when there is none."""
     if getattr(body, "suffix", None):  # OpenAI's insert mode: a declared field, but not built
         return "suffix", body.suffix
-    for name, value in (body.model_extra or {}).items():
-        no_ops = NOT_IMPLEMENTED.get(name)
-        if no_ops is None:
-            continue
-        if chat and name in CHAT_NO_OP:
-            no_ops = CHAT_NO_OP[name]
-        if not asks_for_nothing(value, no_ops):
-            return name, value
-    return None
+    return _first_asking(body.model_extra or {},
+                         {**NOT_IMPLEMENTED, **CHAT_NO_OP} if chat else NOT_IMPLEMENTED)
 
 
 def unsupported_message_field(extras: dict[str, Any]) -> tuple[str, Any] | None:
     """The first key of a chat message's extras that would carry something to the template."""
-    for name, value in extras.items():
-        no_ops = MESSAGE_NOT_IMPLEMENTED.get(name)
-        if no_ops is not None and not asks_for_nothing(value, no_ops):
-            return name, value
-    return None
+    return _first_asking(extras, MESSAGE_NOT_IMPLEMENTED)
+
+
+def shown(value: Any, limit: int) -> str:
+    """`value`'s repr for an error message, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
