@@ -40,8 +40,11 @@ from collections import deque
 # default 0.1 s, which holds a burst of urgent turns and the lull after it, and follows a
 # change of traffic within a few seconds (a document's objective is tens of them).
 ARRIVAL_WINDOW_PERIODS = 50
-# The least time the sends are spread over, as a fraction of the window (RecentArrivals).
-MIN_SPAN_FRACTION = 0.2
+# The least time the sends are read over, in report periods (RecentArrivals): short, because
+# a flow that has just started (a fleet's first burst) must read at its own rate within a few
+# of its requests, or a document routed then is predicted behind a trickle and served behind a
+# flood; long enough that one send is read as at most a few per second.
+MIN_SPAN_PERIODS = 2
 
 
 class Overtakers:
@@ -90,15 +93,16 @@ class Overtakers:
 class RecentArrivals:
     """One replica's sends with an objective in the last `window_s` seconds (router thread only).
 
-    They are read as rates over the time they span, from the oldest kept to now (at least a
-    fifth of the window, so that a first send or two do not read as a flood): traffic that
-    starts with a burst is seen as the burst's rate at once, where dividing by the whole
-    window would dilute it until the window filled."""
+    They are read as rates over the time they span, from the oldest kept to now (at least
+    `min_span_s`, so that a first send is not read as a flood): traffic that starts with a
+    burst is seen as the burst's rate at once, where dividing by the whole window would dilute
+    it until the window filled."""
 
-    __slots__ = ("window_s", "_sends", "_snapshot")
+    __slots__ = ("window_s", "min_span_s", "_sends", "_snapshot")
 
-    def __init__(self, window_s: float) -> None:
+    def __init__(self, window_s: float, min_span_s: float) -> None:
         self.window_s = window_s
+        self.min_span_s = min(min_span_s, window_s)
         self._sends: deque[tuple[float, float, float]] = deque()  # (sent at, objective, prefill)
         self._snapshot: Overtakers | None = None
 
@@ -118,6 +122,5 @@ class RecentArrivals:
             self._snapshot = Overtakers([(slo, prefill) for _, slo, prefill in self._sends],
                                         self.window_s)
         span = now - self._sends[0][0]
-        self._snapshot.seen_s = min(self.window_s,
-                                    max(span, MIN_SPAN_FRACTION * self.window_s))
+        self._snapshot.seen_s = min(self.window_s, max(span, self.min_span_s))
         return self._snapshot

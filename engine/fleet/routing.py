@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from engine.fleet.arrivals import ARRIVAL_WINDOW_PERIODS, RecentArrivals
+from engine.fleet.arrivals import ARRIVAL_WINDOW_PERIODS, MIN_SPAN_PERIODS, RecentArrivals
 from engine.fleet.load_report import ReplicaLoad, RouteHint
 from engine.fleet.prediction import PreparedLoad, Prediction, predict, prefill_seconds
 
@@ -126,7 +126,8 @@ class FleetBook:
         state = self.replicas.get(replica_id)
         if state is None:
             state = self.replicas[replica_id] = ReplicaState(
-                arrivals=RecentArrivals(self.arrival_window_s))
+                arrivals=RecentArrivals(self.arrival_window_s,
+                                        MIN_SPAN_PERIODS * self.report_period_s))
         return state
 
     def on_report(self, replica_id: str, load: ReplicaLoad) -> None:

@@ -63,7 +63,7 @@ def test_expected_finish_is_the_least_fixed_point(seed):
 
 
 def test_recent_arrivals_forget_past_the_window_and_are_read_over_the_time_they_span():
-    arrivals = RecentArrivals(window_s=5.0)
+    arrivals = RecentArrivals(window_s=5.0, min_span_s=0.2)
     assert arrivals.overtakers(NOW) is None
     arrivals.add(NOW + 1.0, 0.2, 0.1)
     arrivals.add(NOW + 2.0, 0.2, 0.1)
@@ -73,12 +73,15 @@ def test_recent_arrivals_forget_past_the_window_and_are_read_over_the_time_they_
     late = arrivals.overtakers(NOW + 6.5)  # the first has left the window
     assert late is not None and len(late) == 1 and late.seen_s == pytest.approx(4.5)
     assert arrivals.overtakers(NOW + 7.5) is None
-    # A first send is not read as a flood: spread over at least a fifth of the window.
-    young = RecentArrivals(window_s=5.0)
+    # A first send is not read as a flood: spread over at least the least span.
+    young = RecentArrivals(window_s=5.0, min_span_s=0.2)
     young.add(NOW, 0.2, 0.1)
-    assert young.overtakers(NOW).seen_s == pytest.approx(1.0)  # type: ignore[union-attr]
+    assert young.overtakers(NOW).seen_s == pytest.approx(0.2)  # type: ignore[union-attr]
+    # A flow that has just begun reads at its own rate past the least span.
+    young.add(NOW + 0.3, 0.2, 0.1)
+    assert young.overtakers(NOW + 0.4).seen_s == pytest.approx(0.4)  # type: ignore[union-attr]
     # A steady flow longer than the window is read over the window.
-    steady = RecentArrivals(window_s=5.0)
+    steady = RecentArrivals(window_s=5.0, min_span_s=0.2)
     for k in range(21):
         steady.add(NOW + 0.5 * k, 0.2, 0.1)
     flow = steady.overtakers(NOW + 10.0)
