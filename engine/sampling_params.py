@@ -6,6 +6,8 @@ import math
 
 import msgspec
 
+from engine.structured_output.params import StructuredOutputsParams
+
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by a smaller one
 # overflows float32 to inf, and softmax of inf is NaN, which no multinomial draw accepts.
 SAMPLING_EPS = 1e-5
@@ -58,6 +60,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Top alternatives returned per sampled token / per prompt token (None: no logprobs).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # The output must match a JSON schema, a regex, a choice or a grammar (engine.structured_output).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -33,6 +33,11 @@ def upload_ids(ids: Sequence[int], device: torch.device | str) -> torch.Tensor:
     return _to_device(torch.tensor(list(ids), dtype=torch.long), torch.device(device))
 
 
+def upload_tensor(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device``, without waiting for the device."""
+    return _to_device(host, torch.device(device))
+
+
 def read_back(tensors: Sequence[torch.Tensor]) -> list[list[float]]:
     """Each tensor's values, flattened, as Python floats: one device-to-host transfer in all."""
     if not tensors:

@@ -266,8 +266,8 @@ class ModelRunner:
         the group)."""
         params: list[SamplingParams] = [r.sampling_params for r in requests]
         indices = [r.num_output_tokens for r in requests]
-        histories = [TokenHistory(r.prompt_token_ids, r.output_token_ids, r.blocked_token_ids)
-                     for r in requests]
+        histories = [TokenHistory(r.prompt_token_ids, r.output_token_ids, r.blocked_token_ids,
+                                  r.allowed_token_bitmask) for r in requests]
         result = self.sampler(logits, params, indices, histories)
         sampled: dict[str, int] = {}
         failed: dict[str, str] = {}

@@ -98,6 +98,8 @@ STANDING_BENCHMARKS = [
     ("latency", "e2e.latency", "an urgent arrival -> the stop of a long prefill"),
     ("serve", "e2e.serve_overhead", "the offline engine vs through the HTTP server"),
     ("soak", "e2e.soak", "concurrent clients against a real server for a while"),
+    ("structured", "e2e.structured_overhead", "TPOT with structured outputs (a JSON schema) "
+                                              "vs unconstrained, one batch beside the other"),
 ]
 
 

@@ -5,9 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import msgspec
 
 from engine.logprobs import LogprobsLists
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured_output.matcher import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -110,9 +116,17 @@ class Request:
     # Prompt tokens 1.. scored so far (sampling_params.prompt_logprobs set): complete, and sent,
     # with the first output token.
     prompt_logprobs: LogprobsLists | None = None
+    # Structured outputs: its grammar state (set once compiled, before the scheduler sees it).
+    grammar: RequestGrammar | None = None
+    # What each step sends the workers: the parameters less the structured-output spec (a
+    # schema need not cross to every rank every step; the step's bitmask carries its effect).
+    step_sampling_params: SamplingParams = field(init=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        self.step_sampling_params = (
+            self.sampling_params if self.sampling_params.structured_outputs is None
+            else msgspec.structs.replace(self.sampling_params, structured_outputs=None))
         if self.sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs = LogprobsLists()
 

@@ -304,7 +304,7 @@ class Scheduler:
                 start_pos=start,
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                 sample=end == request.num_tokens,
-                sampling_params=request.sampling_params,
+                sampling_params=request.step_sampling_params,
                 num_output_tokens=request.num_output_tokens,
                 resume=resume,
                 prompt_logprob_targets=request.prompt_logprob_targets(start, end),
@@ -377,13 +377,22 @@ class Scheduler:
                 request.add_prompt_logprobs(prompt_logprobs)
             if not sr.sample:
                 continue
-            request.append_output_token(runner_output.sampled_token_ids[sr.req_id],
-                                        runner_output.logprobs.get(sr.req_id))
+            token = runner_output.sampled_token_ids[sr.req_id]
+            if request.grammar is not None and not request.grammar.accept(token):
+                # The step's mask allowed it, so the grammar and the mask disagree: a bug, and
+                # this request's alone.
+                self.fail_request(request, f"structured outputs: the grammar refused sampled "
+                                           f"token {token}")
+                outputs.append(request)
+                continue
+            request.append_output_token(token, runner_output.logprobs.get(sr.req_id))
             request.last_token_time = time.monotonic()
             if request.first_token_time is None:
                 request.first_token_time = request.last_token_time
                 self._release_siblings(request)
             status = stop_status(request, self.max_model_len)
+            if status is None and request.grammar is not None and request.grammar.is_terminated:
+                status = RequestStatus.FINISHED_STOPPED  # its stop token (ignore_eos): complete
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
@@ -490,3 +499,5 @@ def _add_sampling_history(scheduled: ScheduledRequest, request: Request) -> None
         if request.eos_token_id is not None and not params.ignore_eos:
             blocked.append(request.eos_token_id)
         scheduled.blocked_token_ids = blocked
+    if request.grammar is not None:
+        scheduled.allowed_token_bitmask = request.grammar.next_token_bitmask()

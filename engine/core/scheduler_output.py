@@ -38,6 +38,9 @@ class ScheduledRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Tokens this step must not sample: EOS and stop_token_ids while the output is shorter
     # than min_tokens.
     blocked_token_ids: list[int] = []
+    # Structured outputs: the tokens its grammar allows next (engine.structured_output.bitmask),
+    # from the state its committed output left; None: no grammar.
+    allowed_token_bitmask: bytes | None = None
     # Prompt logprobs: row i of this chunk is scored against prompt_logprob_targets[i] (the
     # prompt token after it); rows past the list are not scored.
     prompt_logprob_targets: list[int] = []

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from engine.core.slack_policy import SuspendedChunk
 from engine.core.scheduler_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
                                           StepStatus)
+from engine.structured_output.bitmask import first_allowed_from
 from engine.simulation.profile import StepTimeProfile
 from workers.preemption.slo_preempt_vote import SLOPreemptVote, StepSLOPreempted, discarded_share
 
@@ -92,8 +93,18 @@ class SimulatedExecutor:
                 segments[:1] = segments[0].tail(len(r.token_ids))
                 if not segments:
                     del self.suspended[r.req_id]
-        sampled = {r.req_id: self._next_token(r) for r in scheduler_output.requests if r.sample}
+        sampled: dict[str, int] = {}
+        failed: dict[str, str] = {}
+        for r in scheduler_output.requests:
+            if r.sample:
+                token = self._next_token(r)
+                if token is None:
+                    failed[r.req_id] = ("sampling failed: no token can be chosen: the grammar "
+                                        "(structured outputs) allows none")
+                else:
+                    sampled[r.req_id] = token
         return ModelRunnerOutput(step_id=scheduler_output.step_id, sampled_token_ids=sampled,
+                                 failed=failed,
                                  resumed_layers=resumed_layers,
                                  execute_seconds=self._clock() - started)
 
@@ -169,9 +180,13 @@ class SimulatedExecutor:
             kept.append(r.req_id)
         return kept
 
-    def _next_token(self, r: ScheduledRequest) -> int:
+    def _next_token(self, r: ScheduledRequest) -> int | None:
         position = r.start_pos + len(r.token_ids)
         token = (r.token_ids[-1] * 1_000_003 + position * 7919) % self.vocab_size
+        if r.allowed_token_bitmask is not None:
+            # Structured outputs: the first token the grammar allows from there on (its stop
+            # token too once the output is complete: the grammar, not the model, ends it).
+            return first_allowed_from(r.allowed_token_bitmask, token, self.vocab_size)
         while token in self.avoid_token_ids:
             token = (token + 1) % self.vocab_size
         return token

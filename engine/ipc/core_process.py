@@ -162,6 +162,8 @@ def _serve(core: EngineCore, channel: FrameSocket, on_sigterm: _StopOnSigterm) -
     """Runs until the API server or a signal says stop; returns what said so."""
     events: queue.SimpleQueue = queue.SimpleQueue()
     on_sigterm.events = events
+    # A request whose grammar compiled (or failed to) is handed over from the grammar thread.
+    core.wake = lambda: events.put(_ARRIVED)
     threading.Thread(target=_read_messages, args=(core, channel, events),
                      name="sloserve-core-reader", daemon=True).start()
     while True:
@@ -183,11 +185,17 @@ def _serve(core: EngineCore, channel: FrameSocket, on_sigterm: _StopOnSigterm) -
             pass
         if core.has_unfinished_requests():
             outputs = core.step()
-            for request_id, error in core.take_rejected():
-                channel.send(RequestRejected(request_id=request_id, error=error))
+            _send_rejected(core, channel)
             channel.send(CoreOutputs(outputs=outputs, stats=core.stats()))
-        elif changed:  # aborts emptied the engine: let the gauges know
-            channel.send(CoreOutputs(outputs=[], stats=core.stats()))
+        else:
+            _send_rejected(core, channel)  # a grammar that failed to compile
+            if changed:  # aborts emptied the engine: let the gauges know
+                channel.send(CoreOutputs(outputs=[], stats=core.stats()))
+
+
+def _send_rejected(core: EngineCore, channel: FrameSocket) -> None:
+    for request_id, error in core.take_rejected():
+        channel.send(RequestRejected(request_id=request_id, error=error))
 
 
 def _to_request(message: AddRequest) -> Request:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import itertools
 import queue
 import sys
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.executor.base import Executor
@@ -24,8 +26,13 @@ from engine.runtime.startup_calibration import (StartupCalibration, calibrate_at
                                                 wants_startup_calibration)
 from engine.runtime.step_observation import observe_step
 from engine.runtime.step_timing import StepObserver, StepTiming
+from engine.structured_output.compiler import GrammarCompiler
+from engine.structured_output.matcher import RequestGrammar
 from monitor.predictor import LinearTTFT
 from monitor.slo_preempt_signal import SLOPreemptSignal
+
+if TYPE_CHECKING:
+    import xgrammar
 
 
 class EngineStepError(RuntimeError):
@@ -85,8 +92,20 @@ class EngineCore:
         self._first_outputs: queue.SimpleQueue[tuple[str, float]] = queue.SimpleQueue()
         self._arrival_seq = itertools.count(1)
         self._drained_arrivals = 0
-        # (request id, error) for handed-over requests the scheduler refused.
+        # (request id, error) for handed-over requests the scheduler refused; and those whose
+        # grammar failed to compile, from the grammar thread.
         self.rejected: list[tuple[str, str]] = []
+        self._rejected_async: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+        # Structured outputs: grammars compile on a thread of their own (built at the first).
+        self.grammars = GrammarCompiler(config.model.tokenizer or self.model.model_dir,
+                                        self.vocab_size)
+        # Requests handed over whose grammar is compiling: id -> request (an abort drops it).
+        self._compiling: dict[str, Request] = {}
+        self._compiling_lock = threading.Lock()
+        self._hand_over_lock = threading.Lock()
+        # Called (from the grammar thread) when a compiled request was handed to the loop or
+        # refused: the host's loop may be asleep waiting for work (engine.ipc.core_process).
+        self.wake: Callable[[], None] = lambda: None
         # Called with each step's StepTiming as `step` returns (engine/runtime/step_timing.py):
         # how benchmarks time steps. Empty, a step reads no clock for them.
         self.step_observers: list[StepObserver] = []
@@ -118,15 +137,58 @@ class EngineCore:
         validate_prompt(request.prompt_token_ids, self.max_model_len, self.vocab_size)
 
     def add_request(self, request: Request) -> None:
-        """From the engine loop's own thread, between steps."""
+        """From the engine loop's own thread, between steps. A grammar (structured outputs)
+        compiles here and now: ValueError if it cannot."""
         self.validate_request(request)
+        structured = request.sampling_params.structured_outputs
+        if structured is not None and request.grammar is None:
+            self._attach_grammar(request, self.grammars.compile(structured))
         request.max_model_len = self.max_model_len
         self.scheduler.add_request(request)
 
     def submit_request(self, request: Request) -> None:
         """From any thread, also while a step runs: validates at once (ValueError), shows the
-        request to the monitor at once, and hands it to the engine loop for the next step."""
+        request to the monitor at once, and hands it to the engine loop for the next step.
+        A request with structured outputs is handed over once its grammar has compiled, on the
+        grammar thread (not scheduled, not shown to the monitor meanwhile: its deadline pays
+        the compile time); one whose grammar fails is refused (`take_rejected`)."""
         self.validate_request(request)
+        structured = request.sampling_params.structured_outputs
+        if structured is None:
+            self._hand_over(request)
+            return
+        with self._compiling_lock:
+            self._compiling[request.request_id] = request
+
+        def compiled(grammar: xgrammar.CompiledGrammar | None, error: str | None) -> None:
+            with self._compiling_lock:
+                if self._compiling.pop(request.request_id, None) is None:
+                    return  # aborted while it compiled
+            if grammar is None:
+                self._rejected_async.put((request.request_id, error or "structured outputs"))
+            else:
+                self._attach_grammar(request, grammar)
+                try:
+                    self._hand_over(request)
+                except ValueError as exc:
+                    self._rejected_async.put((request.request_id, str(exc)))
+            self.wake()
+
+        self.grammars.then(structured, compiled)
+
+    def _attach_grammar(self, request: Request, compiled: xgrammar.CompiledGrammar) -> None:
+        stop_ids = list(request.sampling_params.stop_token_ids)
+        if request.eos_token_id is not None:
+            stop_ids.append(request.eos_token_id)
+        request.grammar = RequestGrammar(compiled, stop_ids, self.vocab_size)
+
+    def _hand_over(self, request: Request) -> None:
+        # From the reader thread and the grammar thread: one at a time, so that arrival
+        # numbers reach the inbox in order.
+        with self._hand_over_lock:
+            self._hand_over_locked(request)
+
+    def _hand_over_locked(self, request: Request) -> None:
         # What its prefill skips, for the monitor's view of the arrival: a lookup of committed
         # blocks from this thread while a step may run (the engine loop commits between steps;
         # a lookup that misses a block committed meanwhile only underestimates the hit, and
@@ -172,11 +234,18 @@ class EngineCore:
 
     def take_rejected(self) -> list[tuple[str, str]]:
         rejected, self.rejected = self.rejected, []
-        return rejected
+        while True:
+            try:
+                rejected.append(self._rejected_async.get_nowait())
+            except queue.Empty:
+                return rejected
 
     def abort_requests(self, request_ids: Iterable[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         self._drain_inbox()  # an abort may overtake its request's hand-over
+        with self._compiling_lock:  # or its grammar's compilation
+            for request_id in request_ids:
+                self._compiling.pop(request_id, None)
         self.scheduler.abort_requests(list(request_ids), status)
         if not self.scheduler.has_unfinished_requests():
             self._deliver_pending_frees()  # no later step will carry them
@@ -288,6 +357,7 @@ class EngineCore:
         return stats
 
     def shutdown(self) -> None:
+        self.grammars.shutdown()
         if self.slo_preemption is not None:
             self.slo_preemption.shutdown()
             self.slo_preemption = None

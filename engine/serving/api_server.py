@@ -36,6 +36,7 @@ from engine.serving.openai_protocol import (MAX_N, ChatCompletionRequest, Comple
 from engine.serving.openai_responses import (ResponseContext, full_response, stream_events,
                                              usage_body)
 from engine.serving.request_fields import shown, unsupported_field
+from engine.structured_output.grammar import grammar_of
 from engine.serving.tokenize_api import (DetokenizeRequest, TokenizeRequest, detokenize_request,
                                          tokenize_request)
 
@@ -265,6 +266,10 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
                 default_max = 16 if not chat else max(1, client.max_model_len - len(prompt_ids))
                 params_per_prompt.append(body.sampling_params(default_max))
             _check_token_ids(params_per_prompt[0], client.vocab_size)
+            if (structured := params_per_prompt[0].structured_outputs) is not None:
+                # A malformed schema, regex or grammar is refused before any work; EngineCore
+                # compiles it for the vocabulary (engine.structured_output).
+                await off_loop(grammar_of, structured)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
         for _, prompt_ids in prompts:

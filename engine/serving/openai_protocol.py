@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.serving.request_fields import shown, unsupported_message_field
+from engine.serving.structured_fields import structured_outputs_from
 
 # Every integer a request carries ends up in a msgpack frame to EngineCore (or a torch
 # generator's seed), and both stop at 64 bits: Python's ints do not.
@@ -68,6 +69,24 @@ class StreamOptions(_RequestModel):
     continuous_usage_stats: bool = False
 
 
+class JSONSchemaFormat(_RequestModel):
+    """OpenAI's `response_format.json_schema`."""
+
+    name: str | None = None
+    description: str | None = None
+    # `schema` would shadow pydantic's BaseModel.schema.
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    # OpenAI: follow the schema exactly. Always so here: the grammar allows nothing else.
+    strict: bool | None = None
+
+
+class ResponseFormat(_RequestModel):
+    """OpenAI's `response_format` (engine.serving.structured_fields)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class GenerationRequest(_RequestModel):
 
     model: str | None = None
@@ -102,6 +121,9 @@ class GenerationRequest(_RequestModel):
     # sloserve: the time-per-output-token objective, in milliseconds between two tokens.
     tpot_slo_ms: float | None = Field(default=None, gt=0)
     priority: int = 0
+    # Structured outputs (engine.serving.structured_fields; vLLM's guided_* are extras).
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The prompt's parameters (``child(i)``: its i-th sample's). Raises ValueError naming the
@@ -123,7 +145,9 @@ class GenerationRequest(_RequestModel):
             frequency_penalty=_or(self.frequency_penalty, 0.0),
             repetition_penalty=_or(self.repetition_penalty, 1.0), min_p=_or(self.min_p, 0.0),
             min_tokens=self.min_tokens, logit_bias=dict(self.logit_bias or {}),
-            logprobs=self.sample_logprobs, prompt_logprobs=self.prompt_logprobs_wanted)
+            logprobs=self.sample_logprobs, prompt_logprobs=self.prompt_logprobs_wanted,
+            structured_outputs=structured_outputs_from(
+                self.response_format, self.structured_outputs, self.model_extra or {}))
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

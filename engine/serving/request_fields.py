@@ -32,10 +32,8 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,), "length_penalty": (1, 1.0),
     # Tool calling (issue 35) and OpenAI's older function calling.
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    # Structured outputs (issue 35): OpenAI's, vLLM's current and its older names.
-    "response_format": ({"type": "text"},), "structured_outputs": (),
-    "structural_tag": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
-    "guided_grammar": (), "guided_decoding_backend": (), "guided_whitespace_pattern": (),
+    # vLLM's structural tags (structured outputs that switch on at a trigger string).
+    "structural_tag": (),
     # Reasoning models (issue 35): no reasoning parser, so nothing to split or leave out.
     "reasoning_effort": (), "include_reasoning": (True,),
     # The chat template's inputs: the server's template (--chat-template) is the only one,

@@ -137,7 +137,10 @@ def _image_venv(from_image: dict[str, dict[str, str]], env: dict[str, str]) -> P
         pytest.skip(f"installs this machine's CPU torch by its exact version; {torch.__version__}"
                     " is not a CPU build, and a plain pin could pull a CUDA one")
     image = read_image()
-    names = {"transformers"} | {n for n in from_image if not never_carried(n)}
+    # torch is this machine's CPU build (below); triton, which the image's CUDA torch brings,
+    # is installed as the image lists it where a carried package counts on it (xgrammar).
+    names = {"transformers"} | {n for n in from_image
+                                if not never_carried(n) or canonical(n) == "triton"}
     wanted = sorted({f"torch=={torch.__version__}"}
                     | {f"{n}=={image[n]}" if _installable(n, image[n], env) else n
                        for n in names})

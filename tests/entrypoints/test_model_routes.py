@@ -147,10 +147,7 @@ CHAT_ONLY = {"echo"}
 ASKS_FOR_MORE = {
     "echo": True, "top_logprobs": 2, "use_beam_search": True, "length_penalty": 0.5,
     "tools": [{"type": "function"}], "tool_choice": "auto", "functions": [{"name": "f"}],
-    "function_call": "auto", "response_format": {"type": "json_object"},
-    "structured_outputs": {"json": {}}, "structural_tag": "{}", "guided_json": {},
-    "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "g",
-    "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
+    "function_call": "auto", "structural_tag": "{}",
     "reasoning_effort": "low", "include_reasoning": False, "chat_template": "{{ x }}",
     "chat_template_kwargs": {"enable_thinking": False}, "documents": [{"text": "x"}],
     "add_generation_prompt": False, "continue_final_message": True,

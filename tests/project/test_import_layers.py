@@ -37,10 +37,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "engine.processing.chat_template", "engine.entrypoints.arg_types",
      # What a fleet replica reports and the router reads (msgspec structs, the prefix hashes):
      # EngineCore builds the report, so it sits with the other structs both sides read.
-     "engine.fleet.load_report", "engine.fleet.prefix_hashes"),
+     "engine.fleet.load_report", "engine.fleet.prefix_hashes",
+     # A request's structured-output spec, its grammar state and the step's bitmask: the
+     # sampling parameters, the request and the step carry them.
+     "engine.structured_output.params", "engine.structured_output.matcher",
+     "engine.structured_output.bitmask"),
     ("workers",),
     ("engine.executor", "engine.runtime", "engine.simulation", "engine.ipc",
-     "engine.processing"),
+     "engine.processing", "engine.structured_output"),
     ("engine", "engine.entrypoints", "engine.serving", "engine.benchmarks", "engine.__main__"),
 )
 LAYER_NAMES = ("kernels and monitor", "engine base", "workers", "engine", "entrypoints")

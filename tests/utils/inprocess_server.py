@@ -100,8 +100,8 @@ async def app_client(model_dir: str, settings: ServerSettings | None = None,
     engine client. `fake` replaces the EngineCore process; `spawn_core` wraps the real spawn;
     `engine_args` go to build_engine_config."""
     settings = settings or ServerSettings(served_model_name="tiny")
-    config = build_engine_config(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN,
-                                 num_kv_blocks=16, **engine_args)
+    engine_args = {"max_model_len": MAX_MODEL_LEN, "num_kv_blocks": 16, **engine_args}
+    config = build_engine_config(model_dir, dtype="float32", **engine_args)
     app = build_app(config, settings)
     engine: AsyncEngineClient = app.state.client
     if fake is not None:

@@ -1,5 +1,6 @@
-"""What a request's sampling parameters do to its logits before temperature: logit_bias, the
-min_tokens mask and the penalties (vLLM's order, and vLLM's / OpenAI's definitions).
+"""What a request's sampling parameters do to its logits before temperature: its grammar's
+mask (structured outputs), logit_bias, the min_tokens mask and the penalties (vLLM's order, and
+vLLM's / OpenAI's definitions).
 
 The worker keeps no per-request state: the scheduler sends each sampling row the token history
 the penalties need (``TokenHistory``), so a rollback or preemption has nothing here to undo.
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
-from workers.host_transfer import upload, upload_ids
+from workers.host_transfer import upload, upload_ids, upload_tensor
 
 
 @dataclass(frozen=True)
@@ -30,13 +31,16 @@ class TokenHistory:
     output_token_ids: Sequence[int] = ()
     # Never sampled this step (EOS and stop_token_ids while fewer than min_tokens exist).
     blocked_token_ids: Sequence[int] = ()
+    # Structured outputs: the tokens the request's grammar allows (engine.structured_output).
+    allowed_token_bitmask: bytes | None = None
 
 
 NO_HISTORY = TokenHistory()
 
 
 def needs_processing(sp: SamplingParams, history: TokenHistory) -> bool:
-    return sp.processes_logits or bool(history.blocked_token_ids)
+    return (sp.processes_logits or bool(history.blocked_token_ids)
+            or history.allowed_token_bitmask is not None)
 
 
 def process_logits(logits: torch.Tensor, sp: SamplingParams,
@@ -45,6 +49,10 @@ def process_logits(logits: torch.Tensor, sp: SamplingParams,
     beyond the vocabulary (only this request fails)."""
     vocab = logits.shape[-1]
     logits = logits.clone()
+    if history.allowed_token_bitmask is not None:
+        # First, as vLLM applies it: a bias or a penalty then ranks only what the grammar allows.
+        logits.masked_fill_(~allowed_tokens(history.allowed_token_bitmask, vocab, logits.device),
+                            float("-inf"))
     if sp.logit_bias:
         ids = _token_tensor(list(sp.logit_bias), vocab, "logit_bias", logits.device)
         (biases,) = upload([list(sp.logit_bias.values())], logits.device)
@@ -68,6 +76,20 @@ def process_logits(logits: torch.Tensor, sp: SamplingParams,
             logits = torch.where(seen, penalized, logits)
         logits -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0)
     return logits
+
+
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def allowed_tokens(bitmask: bytes, vocab: int, device: torch.device) -> torch.Tensor:
+    """A bool [vocab] tensor from packed bits (bit t % 32 of int32 word t // 32), unpacked on
+    the device; tokens past the mask's width (a vocabulary padded beyond the tokenizer's) are
+    not allowed."""
+    words = upload_tensor(torch.frombuffer(bytearray(bitmask), dtype=torch.int32), device)
+    bits = ((words[:, None] >> _BIT_SHIFTS.to(words.device)) & 1).flatten().bool()
+    if bits.shape[0] >= vocab:
+        return bits[:vocab]
+    return torch.cat([bits, bits.new_zeros(vocab - bits.shape[0])])
 
 
 def _token_tensor(ids: Sequence[int], vocab: int, what: str,

@@ -282,7 +282,7 @@ def _check_row(raw_peak: float, peak: float, sp: SamplingParams,
         return
     if sp.greedy:
         # Only the processors can take every token away from a row whose logits are finite.
-        raise ValueError("no token can be chosen: logit_bias and the stop-token mask leave "
-                         "none")
+        raise ValueError("no token can be chosen: the grammar (structured outputs), "
+                         "logit_bias and the stop-token mask leave none")
     raise ValueError(f"no token can be sampled: the filtered probabilities sum to nan (the "
                      f"largest logit left after temperature and the filters is {peak})")
