@@ -18,6 +18,7 @@ from engine.entrypoints.calibrate import add_calibrate_parser
 from engine.entrypoints.engine_args import add_engine_args, engine_kwargs, under_torchrun
 from engine.fleet.cli_args import add_fleet_args
 from engine.log import configure_logging
+from engine.serving.tool_calls.parsers import PARSERS
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -149,7 +150,8 @@ def _serve(args: argparse.Namespace) -> int:
         min_ttft_slo_ms=args.min_ttft_slo_ms,
         default_tpot_slo_ms=args.default_tpot_slo_ms,
         metrics_require_api_key=args.metrics_require_api_key,
-        shutdown=ShutdownConfig(mode=args.shutdown_mode, timeout_s=args.shutdown_timeout))
+        shutdown=ShutdownConfig(mode=args.shutdown_mode, timeout_s=args.shutdown_timeout),
+        tool_call_parser=args.tool_call_parser)
     if args.replicas is not None:
         return _serve_fleet(config, settings, args)
     run_server(config, settings, args.host, args.port, args.log_level)
@@ -220,6 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "the --model argument as given; the folder's base name is always "
                             "accepted too)")
     serve.add_argument("--max-request-body-bytes", type=positive_int, default=1 << 20)
+    serve.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+                       help="the format the model writes tool calls in, for tool_choice auto "
+                            "(default: the one its chat template shows, when exactly one)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="vLLM's switch for tool_choice auto, accepted as given: auto is "
+                            "on wherever a tool-call parser is known")
     serve.add_argument("--default-ttft-slo-ms", type=non_negative_float, default=None,
                        help="TTFT objective for requests that carry none (default: none)")
     serve.add_argument("--default-tpot-slo-ms", type=positive_float, default=None,

@@ -75,12 +75,13 @@ class InputProcessor:
                              f"{prompt[exc.start]!r} at character {exc.start}") from exc
         return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
-    def apply_chat_template(self, messages: ChatMessages,
-                            add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """``tools``: OpenAI's tool definitions, which the template renders (tool calling)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; pass a plain prompt instead")
         try:
-            ids = self.tokenizer.apply_chat_template(messages,
+            ids = self.tokenizer.apply_chat_template(messages, tools=tools,
                                                      add_generation_prompt=add_generation_prompt,
                                                      tokenize=True, return_dict=False)
         except Exception as exc:  # template errors (bad roles, missing content) are bad input

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
@@ -36,6 +37,8 @@ from engine.serving.openai_protocol import (MAX_N, ChatCompletionRequest, Comple
 from engine.serving.openai_responses import (ResponseContext, full_response, stream_events,
                                              usage_body)
 from engine.serving.request_fields import shown, unsupported_field
+from engine.serving.tool_calls.calling import ToolCalling, tool_calling
+from engine.serving.tool_calls.parsers import parser_for_template
 from engine.structured_output.grammar import grammar_of
 from engine.serving.tokenize_api import (DetokenizeRequest, TokenizeRequest, detokenize_request,
                                          tokenize_request)
@@ -65,6 +68,9 @@ class ServerSettings:
     metrics_require_api_key: bool = False
     # On SIGTERM: abort what is in flight, or drain first (engine.serving.drain).
     shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
+    # The tool-call format the model writes (engine.serving.tool_calls.parsers); None: the one
+    # its chat template shows, if exactly one.
+    tool_call_parser: str | None = None
 
 
 def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
@@ -246,8 +252,15 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
                                 f"{floor:g} ms (--min-ttft-slo-ms)", param)
         return slo_ms
 
+    # What tool_choice auto reads the model's text with: the server's choice, else its
+    # template's format (None: auto is a 400 naming the option).
+    template = getattr(client.inputs.tokenizer, "chat_template", None)
+    tool_parser = settings.tool_call_parser or parser_for_template(
+        template if isinstance(template, str) else None)
+
     async def _serve(body: GenerationRequest, request: Request,
-                     prompts: list[tuple[str | None, list[int]]], chat: bool) -> Response:
+                     prompts: list[tuple[str | None, list[int]]], chat: bool,
+                     tools: ToolCalling | None = None) -> Response:
         """Serve one HTTP request: each prompt (a completions list, else one), n samples each,
         as engine requests that run together; the response gathers them as choices."""
         arrival = request.state.arrival
@@ -266,6 +279,8 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
                 default_max = 16 if not chat else max(1, client.max_model_len - len(prompt_ids))
                 params_per_prompt.append(body.sampling_params(default_max))
             _check_token_ids(params_per_prompt[0], client.vocab_size)
+            if tools is not None:
+                params_per_prompt = [_with_tool_calling(p, tools) for p in params_per_prompt]
             if (structured := params_per_prompt[0].structured_outputs) is not None:
                 # A malformed schema, regex or grammar is refused before any work; EngineCore
                 # compiles it for the vocabulary (engine.structured_output).
@@ -304,7 +319,8 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
                               echo=echo, echo_only=body.echo_only,
                               logprobs=params.logprobs is not None,
                               prompt_logprobs=body.prompt_logprobs is not None,
-                              tokens_as_ids=body.return_tokens_as_token_ids)
+                              tokens_as_ids=body.return_tokens_as_token_ids,
+                              tool_calling=tools)
         num_top = params.logprobs or 0
         # TTFT and TPOT as the client sees them: stamped where the tokens are sent to it.
         # The engine keeps a TTFT deadline live until the client has output (a first token
@@ -349,14 +365,33 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        tools = body.tool_dicts
+        try:
+            calling = tool_calling(tools, body.tool_choice, body.parallel_tool_calls,
+                                   tool_parser)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "tool_choice") from exc
         try:
             messages = [m.as_template_input() for m in body.messages]
-            ids = await off_loop(client.inputs.apply_chat_template, messages)
+            ids = await off_loop(client.inputs.apply_chat_template, messages, True, tools)
         except ValueError as exc:
             raise APIError(400, str(exc), "messages") from exc
-        return await _serve(body, request, [(None, ids)], chat=True)
+        return await _serve(body, request, [(None, ids)], chat=True, tools=calling)
 
     return app
+
+
+def _with_tool_calling(params: SamplingParams, tools: ToolCalling) -> SamplingParams:
+    """The parameters a tool-calling request samples with: required and named functions held
+    to their schema; a parser whose marker is a special token sees special tokens."""
+    if tools.constraint is not None:
+        if params.structured_outputs is not None:
+            raise ValueError(f"tool_choice {tools.mode} and a structured output "
+                             "(response_format, structured_outputs or guided_*): give one")
+        params = msgspec.structs.replace(params, structured_outputs=tools.constraint)
+    if tools.parser is not None and tools.parser.keeps_special_tokens:
+        params = msgspec.structs.replace(params, skip_special_tokens=False)
+    return params
 
 
 def _encode(client: AsyncEngineClient, prompt: str) -> list[int]:

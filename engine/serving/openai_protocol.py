@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -208,11 +209,36 @@ class CompletionRequest(GenerationRequest):
         return self.echo and self.max_tokens == 0
 
 
+class FunctionDefinition(_RequestModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    # A JSON schema of the arguments (none: an object of no particular shape).
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_RequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_RequestModel):
+    name: str
+
+
+class NamedToolChoice(_RequestModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatMessage(_RequestModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     # A participant's name: passed to the chat template, as vLLM does (most templates ignore it).
     name: str | None = None
+    # An assistant's earlier calls, and which call a tool message answers: to the template.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def as_template_input(self) -> dict[str, Any]:
         """The message as the chat template reads it. ValueError for a key that would carry
@@ -229,10 +255,31 @@ class ChatMessage(_RequestModel):
                 raise ValueError("messages: only text content parts (with a string `text`) "
                                  "are supported")
             content = "".join(texts)
-        message = {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [_template_tool_call(call, i)
+                                     for i, call in enumerate(self.tool_calls)]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+def _template_tool_call(call: dict[str, Any], position: int) -> dict[str, Any]:
+    """An earlier call as chat templates read it: the arguments as an object (OpenAI sends
+    them as JSON text; templates write them with `tojson`), as vLLM passes them."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValueError(f"messages: tool_calls[{position}] needs function.name")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            raise ValueError(f"messages: tool_calls[{position}].function.arguments is not "
+                             f"JSON (got {shown(arguments, 60)})") from None
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -240,6 +287,17 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Tool calling (engine.serving.tool_calls): the tools go to the chat template.
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @property
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template and the tool-call schema read them."""
+        if not self.tools:
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
     @property
     def sample_logprobs(self) -> int | None:

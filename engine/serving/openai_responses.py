@@ -15,6 +15,7 @@ from typing import Any
 from engine.logprobs import Logprob, PositionLogprobs
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.serving.edge_clock import EdgeClock
+from engine.serving.tool_calls.calling import ToolCalling, call_body
 
 # time.monotonic() -> Unix time, for the timestamps reported to clients.
 _UNIX_OFFSET = time.time() - time.monotonic()
@@ -41,6 +42,8 @@ class ResponseContext:
     prompt_logprobs: bool = False
     # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>".
     tokens_as_ids: bool = False
+    # Chat with tools: how the output splits into content and tool calls.
+    tool_calling: ToolCalling | None = None
 
     @property
     def created(self) -> int:
@@ -205,7 +208,12 @@ def _choice_body(ctx: ResponseContext, choice: Choice, out: RequestOutput, k: in
     body = _stream_delta(ctx, _ChoiceStream(choice), out, _LogprobSlicer(ctx, k))
     assert body is not None, "a finished output always has a body"
     if ctx.chat:
-        body["message"] = {"role": "assistant", **body.pop("delta")}
+        message = {"role": "assistant", **body.pop("delta")}
+        if message.get("tool_calls"):
+            for call in message["tool_calls"]:
+                del call["index"]  # a stream's delta field; a message lists them in order
+            message["content"] = message["content"] or None  # OpenAI: null beside calls
+        body["message"] = message
     return body
 
 
@@ -233,9 +241,12 @@ class _ChoiceStream:
     text_sent: int = 0
     tokens_sent: int = 0
     started: bool = False
-    # Some output (text or logprobs) has gone out, not only chat's role or echo's prompt.
+    # Some output (text, logprobs or a tool call) has gone out, not only chat's role or echo's
+    # prompt.
     output_sent: bool = False
     finished: bool = False
+    # Tool calls sent so far.
+    calls_sent: int = 0
 
 
 async def stream_events(ctx: ResponseContext, choices: list[Choice],
@@ -302,6 +313,13 @@ def _stream_delta(ctx: ResponseContext, stream: _ChoiceStream, out: RequestOutpu
         return None
     safe = len(out.text) if out.finished else max(stream.text_sent,
                                                   len(out.text) - ctx.stop_holdback)
+    new_calls: list[dict[str, Any]] = []
+    if ctx.tool_calling is not None:
+        # Content stops where tool calls begin (or may: a marker's start is held back).
+        parsed = ctx.tool_calling.parse(out.text, out.finished)
+        safe = max(stream.text_sent, min(safe, parsed.content_end))
+        new_calls = [{"index": i, **call_body(call, ctx.request_id, stream.choice.index, i)}
+                     for i, call in enumerate(parsed.calls) if i >= stream.calls_sent]
     delta = "" if ctx.echo_only else out.text[stream.text_sent:safe]
     # Logprobs go with the tokens whose text is sent (all of them at the end).
     tokens_end = stream.tokens_sent
@@ -313,13 +331,19 @@ def _stream_delta(ctx: ResponseContext, stream: _ChoiceStream, out: RequestOutpu
             while tokens_end < len(out.logprobs) and ends[tokens_end] <= safe:
                 tokens_end += 1
     first = not stream.started
-    if not (delta or tokens_end > stream.tokens_sent or out.finished or (first and ctx.echo)):
+    if not (delta or new_calls or tokens_end > stream.tokens_sent or out.finished
+            or (first and ctx.echo)):
         return None
     index = stream.choice.index
     finish_reason = ("length" if ctx.echo_only else out.finish_reason) if out.finished else None
+    if ctx.tool_calling is not None:
+        finish_reason = ctx.tool_calling.finish_reason(
+            finish_reason, stream.calls_sent + len(new_calls) > 0)
     if ctx.chat:
         body: dict[str, Any] = {"index": index, "delta": {"content": delta}, "logprobs": None,
                                 "finish_reason": finish_reason}
+        if new_calls:
+            body["delta"]["tool_calls"] = new_calls
         if ctx.logprobs and out.logprobs is not None:
             body["logprobs"] = _chat_logprobs(out.logprobs[stream.tokens_sent:tokens_end],
                                               slicer.k, ctx.tokens_as_ids)
@@ -339,7 +363,9 @@ def _stream_delta(ctx: ResponseContext, stream: _ChoiceStream, out: RequestOutpu
     if out.finished:
         body["stop_reason"] = out.stop_reason
     stream.started = True
-    stream.output_sent = stream.output_sent or bool(delta) or tokens_end > stream.tokens_sent
+    stream.output_sent = (stream.output_sent or bool(delta) or bool(new_calls)
+                          or tokens_end > stream.tokens_sent)
+    stream.calls_sent += len(new_calls)
     stream.text_sent = max(stream.text_sent, safe)
     stream.tokens_sent = tokens_end
     return body

@@ -30,7 +30,8 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     # completions take logprobs: k): each route implements the other's.
     "echo": (False,), "top_logprobs": (0,),
     "use_beam_search": (False,), "length_penalty": (1, 1.0),
-    # Tool calling (issue 35) and OpenAI's older function calling.
+    # Tool calling is the chat route's (completions have no template to render tools with),
+    # and OpenAI's older function calling is not built.
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     # vLLM's structural tags (structured outputs that switch on at a trigger string).
     "structural_tag": (),
@@ -62,14 +63,13 @@ CHAT_NO_OP: dict[str, tuple[Any, ...]] = {"add_special_tokens": (False,)}
 WITHOUT_EFFECT: dict[str, str] = {
     "user": "an end user's id, for the operator's logs (OpenAI and vLLM change nothing by it)",
     "metadata": "tags OpenAI keeps with a stored completion; nothing is stored here",
-    "parallel_tool_calls": "an option of tool calling, which takes `tools` (refused)",
+    "parallel_tool_calls": "an option of tool calling, which only the chat route has",
 }
 
 # Keys of a chat message beside `role` and `content` that carry something to the chat template:
 # dropping them would change the prompt without a word. Value: what asks for nothing.
 MESSAGE_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "tool_calls": ([],), "tool_call_id": (), "reasoning_content": ("",),
-    "reasoning": ("",), "function_call": (),
+    "reasoning_content": ("",), "reasoning": ("",), "function_call": (),
 }
 
 

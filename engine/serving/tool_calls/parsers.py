@@ -1,0 +1,170 @@
+"""The tool-call formats models write, read out of their output text.
+
+Each parser reads the whole output so far (a stream re-reads it as it grows): `content_end` is
+how far the text is surely content (a tool call starts after it, or may: a marker's first
+characters are held back), and `calls` the calls complete so far; at the end (`finished`), a
+call that does not parse makes the whole output plain content, as vLLM falls back, never an
+error.
+
+- `hermes` (Qwen2.5, Qwen3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+  blocks after any content.
+- `llama3_json` (Llama 3.1+): the output is the calls, `{"name": ..., "parameters": {...}}`,
+  separated by `;`, after an optional `<|python_tag|>`.
+- `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}}` (the marker is
+  a special token: requests keep special tokens in the text, `skip_special_tokens: false`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class FunctionCall:
+    name: str
+    # The arguments as JSON text, OpenAI's shape.
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    # The text up to where tool calls begin (all of it when there are none).
+    content_end: int
+    calls: tuple[FunctionCall, ...] = ()
+
+
+def _call(value: Any, arguments_key: str = "arguments") -> FunctionCall | None:
+    """A call from a decoded JSON object, or None when it is not one."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get(arguments_key, value.get("arguments", value.get("parameters", {})))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return FunctionCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _held_prefix(text: str, marker: str) -> int:
+    """Where a tail of `text` that could be the start of `marker` begins (len(text): none)."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return len(text) - size
+    return len(text)
+
+
+class ToolParser:
+    name = ""
+    # What the parser needs the text to keep (mistral's marker is a special token).
+    keeps_special_tokens = False
+
+    def parse(self, text: str, finished: bool) -> ParsedOutput:
+        raise NotImplementedError
+
+
+class HermesParser(ToolParser):
+    name = "hermes"
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def parse(self, text: str, finished: bool) -> ParsedOutput:
+        start = text.find(self.OPEN)
+        if start < 0:
+            return ParsedOutput(len(text) if finished else _held_prefix(text, self.OPEN))
+        calls: list[FunctionCall] = []
+        at = start
+        while (begin := text.find(self.OPEN, at)) >= 0:
+            end = text.find(self.CLOSE, begin)
+            if end < 0 and not finished:
+                break  # still being written
+            body = text[begin + len(self.OPEN):end if end >= 0 else len(text)]
+            try:
+                call = _call(json.loads(body))
+            except json.JSONDecodeError:
+                call = None
+            if call is None:
+                if finished:
+                    return ParsedOutput(len(text))  # malformed: plain text, as vLLM
+                break
+            calls.append(call)
+            if end < 0:
+                break
+            at = end + len(self.CLOSE)
+        # Content is what came before the first call (text between or after calls is not).
+        return ParsedOutput(start, tuple(calls))
+
+
+class Llama3JsonParser(ToolParser):
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+
+    def parse(self, text: str, finished: bool) -> ParsedOutput:
+        stripped = text.lstrip()
+        body = stripped[len(self.TAG):] if stripped.startswith(self.TAG) else stripped
+        could_be_call = (body.lstrip().startswith("{") or stripped.startswith(self.TAG)
+                         or (not finished and (not stripped or self.TAG.startswith(stripped))))
+        if not could_be_call:
+            return ParsedOutput(len(text))
+        if not finished:
+            return ParsedOutput(0)  # the calls are known once the output ends
+        calls: list[FunctionCall] = []
+        decoder, at = json.JSONDecoder(), 0
+        body = body.strip()
+        while at < len(body):
+            try:
+                value, at = decoder.raw_decode(body, at)
+            except json.JSONDecodeError:
+                return ParsedOutput(len(text))
+            call = _call(value, "parameters")
+            if call is None:
+                return ParsedOutput(len(text))
+            calls.append(call)
+            rest = body[at:].lstrip()
+            if rest.startswith(";"):
+                rest = rest[1:]
+            at = len(body) - len(rest.lstrip())
+        if not calls:
+            return ParsedOutput(len(text))
+        return ParsedOutput(0, tuple(calls))
+
+
+class MistralParser(ToolParser):
+    name = "mistral"
+    keeps_special_tokens = True
+    MARKER = "[TOOL_CALLS]"
+
+    def parse(self, text: str, finished: bool) -> ParsedOutput:
+        start = text.find(self.MARKER)
+        if start < 0:
+            return ParsedOutput(len(text) if finished else _held_prefix(text, self.MARKER))
+        if not finished:
+            return ParsedOutput(start)
+        try:
+            value = json.loads(text[start + len(self.MARKER):])
+        except json.JSONDecodeError:
+            return ParsedOutput(len(text))
+        items = value if isinstance(value, list) else [value]
+        calls = [_call(item) for item in items]
+        if not calls or any(c is None for c in calls):
+            return ParsedOutput(len(text))
+        return ParsedOutput(start, tuple(c for c in calls if c is not None))
+
+
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser,
+                                                             MistralParser)}
+# What each format's chat template writes: a parser is picked when exactly one is found.
+_TEMPLATE_SIGNS = {"hermes": ("<tool_call>",), "llama3_json": ("<|python_tag|>",),
+                   "mistral": ("[TOOL_CALLS]",)}
+
+
+def parser_for_template(template: str | None) -> str | None:
+    """The parser a chat template's tool format says, when exactly one fits; else None."""
+    if not template:
+        return None
+    found = [name for name, signs in _TEMPLATE_SIGNS.items()
+             if any(sign in template for sign in signs)]
+    return found[0] if len(found) == 1 else None

@@ -1,0 +1,244 @@
+"""Tool calling over HTTP with the openai SDK, on a tiny model whose chat template renders tools
+in the hermes format (so `auto` picks the hermes parser from it): `required` and a named
+function constrained to the tools' schemas, `auto` reading the model's own text (which a
+grammar makes the random model write, so the parser's path runs end to end), streamed deltas
+the SDK's stream helper accumulates, earlier calls and tool results in the history, and every
+bad ask a 400 naming what is wrong; text that only looks like a call stays plain content."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import openai
+import pytest
+
+from engine.serving.api_server import ServerSettings
+from tests.utils.inprocess_server import app_client
+
+TEMPLATE = (
+    "{%- if tools %}<|system|>Tools: {{ tools | tojson }}. Call one as <tool_call>"
+    "{\"name\": ..., \"arguments\": ...}</tool_call>\n{% endif %}"
+    "{%- for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{%- for c in m.tool_calls or [] %}<tool_call>"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>"
+    "{%- endfor %}{% if m.tool_call_id %} ({{ m.tool_call_id }}){% endif %}\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "required": ["city", "unit"], "properties": {
+        "city": {"enum": ["Paris", "Rome"]}, "unit": {"enum": ["C", "F"]}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "required": ["zone"],
+                                       "properties": {"zone": {"enum": ["CET", "UTC"]}}}}}
+TOOLS = [WEATHER, TIME]
+MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+MAX_MODEL_LEN = 1024
+
+
+@pytest.fixture(scope="module")
+def tool_model(tiny_model, tmp_path_factory) -> str:
+    import shutil
+
+    folder = tmp_path_factory.mktemp("tools") / "tiny-tools"
+    shutil.copytree(tiny_model("llama", max_position_embeddings=MAX_MODEL_LEN, eos_token_id=0),
+                    folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return str(folder)
+
+
+def _run(model_dir: str, calls, **settings: Any):
+    async def go():
+        async with app_client(model_dir, ServerSettings(served_model_name="tiny", **settings),
+                              max_model_len=MAX_MODEL_LEN, num_kv_blocks=128) as (http, _):
+            sdk = openai.AsyncOpenAI(base_url="http://sloserve/v1", api_key="none",
+                                     http_client=http)
+            return [await call(sdk, http) for call in calls]
+
+    return asyncio.run(go())
+
+
+def _check_weather_or_time(call) -> None:
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        assert arguments["city"] in ("Paris", "Rome") and arguments["unit"] in ("C", "F")
+    else:
+        assert call.function.name == "get_time" and arguments["zone"] in ("CET", "UTC")
+
+
+def test_required_and_named_tool_choice_return_calls_that_match_the_schemas(tool_model):
+    async def required(sdk, _):
+        return await sdk.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
+                                                 tool_choice="required", max_tokens=300,
+                                                 temperature=0)
+
+    async def required_one(sdk, _):
+        return await sdk.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
+                                                 tool_choice="required", max_tokens=300,
+                                                 temperature=1.0, seed=3, n=3,
+                                                 parallel_tool_calls=False)
+
+    async def named(sdk, _):
+        return await sdk.chat.completions.create(
+            model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=200, temperature=0,
+            tool_choice={"type": "function", "function": {"name": "get_time"}})
+
+    async def none(sdk, _):
+        return await sdk.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
+                                                 tool_choice="none", max_tokens=20,
+                                                 temperature=0)
+
+    forced, single, by_name, plain = _run(tool_model, [required, required_one, named, none])
+    (choice,) = forced.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+        _check_weather_or_time(call)
+    assert all(len(c.message.tool_calls) == 1 for c in single.choices)
+    (named_call,) = by_name.choices[0].message.tool_calls
+    assert named_call.function.name == "get_time" and by_name.choices[0].finish_reason == "stop"
+    _check_weather_or_time(named_call)
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
+
+
+# What the random model is made to write with tool_choice auto (a grammar holds it to the
+# text): the hermes parser must find the call in it.
+HERMES_CALL = ('Checking. <tool_call>{"name": "get_weather", "arguments": '
+               '{"city": "Rome", "unit": "C"}}</tool_call>')
+NOT_A_CALL = '<tool_call>{"name": oops}</tool_call>'
+
+
+def _forced(text: str) -> dict[str, Any]:
+    return {"structured_outputs": {"grammar": f"root ::= {json.dumps(text)}"}}
+
+
+def test_auto_reads_the_models_own_calls_streamed_and_whole(tool_model):
+    async def whole(sdk, _):
+        return await sdk.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
+                                                 max_tokens=200, extra_body=_forced(HERMES_CALL))
+
+    async def streamed(sdk, _):
+        chunks = []
+        async with sdk.chat.completions.stream(
+                model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=200,
+                extra_body=_forced(HERMES_CALL)) as stream:
+            async for event in stream:
+                if event.type == "chunk":
+                    chunks.append(event.chunk)
+            return chunks, await stream.get_final_completion()
+
+    async def malformed(sdk, _):
+        return await sdk.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
+                                                 max_tokens=200, extra_body=_forced(NOT_A_CALL))
+
+    async def unconstrained(sdk, _):
+        return await sdk.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
+                                                 max_tokens=30, temperature=0)
+
+    full, (chunks, accumulated), broken, free = _run(
+        tool_model, [whole, streamed, malformed, unconstrained])
+    (choice,) = full.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking. "
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Rome", "unit": "C"}
+    # Streamed: no chunk's content carries any of the call's markup, the call comes as one
+    # delta, and the SDK's helper accumulates the same message.
+    contents = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert contents == "Checking. "
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    (streamed_call,) = accumulated.choices[0].message.tool_calls
+    assert len(deltas) == 1 and deltas[0].index == 0 and deltas[0].id == streamed_call.id
+    assert streamed_call.function.name == "get_weather"
+    assert streamed_call.function.arguments == call.function.arguments
+    assert accumulated.choices[0].finish_reason == "tool_calls"
+    # Text that only looks like a call is plain content, never an error.
+    assert broken.choices[0].message.content == NOT_A_CALL
+    assert broken.choices[0].message.tool_calls is None
+    assert broken.choices[0].finish_reason == "stop"
+    # Probe: unconstrained, the random model writes no call and gets plain content.
+    assert free.choices[0].message.tool_calls is None
+
+
+def test_earlier_calls_and_tool_results_reach_the_template(tool_model):
+    history = [*MESSAGES,
+               {"role": "assistant", "content": "", "tool_calls": [{
+                   "id": "call-1", "type": "function",
+                   "function": {"name": "get_weather",
+                                "arguments": '{"city": "Paris", "unit": "C"}'}}]},
+               {"role": "tool", "tool_call_id": "call-1", "content": "21 degrees"}]
+
+    async def rendered(_, http):
+        return await http.post("/tokenize", json={"messages": history, "model": "tiny"})
+
+    async def answered(sdk, _):
+        return await sdk.chat.completions.create(model="tiny", messages=history, tools=TOOLS,
+                                                 tool_choice="none", max_tokens=5)
+
+    async def bad_arguments(_, http):
+        broken = [*history[:1], {**history[1], "tool_calls": [{
+            "id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]
+        return await http.post("/v1/chat/completions", json={"model": "tiny",
+                                                              "messages": broken})
+
+    tokens, answer, bad = _run(tool_model, [rendered, answered, bad_arguments])
+    from transformers import AutoTokenizer
+
+    text = AutoTokenizer.from_pretrained(tool_model).decode(tokens.json()["tokens"])
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}' \
+           '</tool_call>' in text
+    assert "21 degrees (call-1)" in text
+    assert answer.choices[0].message.content is not None
+    assert bad.status_code == 400 and "function.arguments is not JSON" in \
+        bad.json()["error"]["message"]
+
+
+BAD = [
+    ({"tool_choice": "required"}, "tool_choice 'required' needs tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "names function 'nope', which tools does not define"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice required and a structured output"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nonsense"}}}}}],
+      "tool_choice": "required"}, 'Unsupported type "nonsense"'),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "name"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+]
+
+
+def test_bad_tool_asks_are_400s_naming_what_is_wrong(tool_model):
+    calls = [lambda _, http, extra=extra: http.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": MESSAGES, "max_tokens": 5, **extra}) for extra, _ in BAD]
+    for (extra, reason), response in zip(BAD, _run(tool_model, calls)):
+        assert response.status_code == 400, (extra, response.text)
+        message = response.json()["error"]["message"]
+        assert reason in message, (extra, message)
+        assert "Traceback" not in message
+
+
+def test_auto_without_a_parser_is_a_400_naming_the_option(tiny_model, tmp_path):
+    import shutil
+
+    folder = tmp_path / "no-tool-format"
+    shutil.copytree(tiny_model("llama", max_position_embeddings=MAX_MODEL_LEN), folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                               "{% if tools %}{{ tools | tojson }}{% endif %}")
+    config_path.write_text(json.dumps(config))
+    request = {"model": "tiny", "messages": MESSAGES, "max_tokens": 5, "tools": TOOLS}
+    (refused,) = _run(str(folder), [lambda _, http: http.post("/v1/chat/completions",
+                                                               json=request)])
+    assert refused.status_code == 400
+    assert "--tool-call-parser" in refused.json()["error"]["message"]
+    # Given the option, the same request is served.
+    (served,) = _run(str(folder), [lambda _, http: http.post("/v1/chat/completions",
+                                                              json=request)],
+                     tool_call_parser="hermes")
+    assert served.status_code == 200, served.text
