@@ -94,6 +94,9 @@ class RequestMetrics:
     # The API server's responses stamp the first token (and the finish) where the client is
     # sent it (engine.serving.edge_clock); the engine's own first-token stamp stays here.
     engine_first_token_time: float | None = None
+    # The first token of the answer sent to the client: after a reasoning model's thinking,
+    # its content or tool call (engine.serving.edge_clock); the first token itself otherwise.
+    first_answer_time: float | None = None
 
     @property
     def queue_time(self) -> float | None:
@@ -127,6 +130,13 @@ class RequestMetrics:
     @property
     def ttft(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def time_to_first_answer(self) -> float | None:
+        """Arrival to the first answer token sent (None: no answer, or not stamped)."""
+        if self.first_answer_time is None:
+            return None
+        return self.first_answer_time - self.arrival_time
 
     @property
     def engine_ttft(self) -> float | None:

@@ -18,6 +18,7 @@ from engine.entrypoints.calibrate import add_calibrate_parser
 from engine.entrypoints.engine_args import add_engine_args, engine_kwargs, under_torchrun
 from engine.fleet.cli_args import add_fleet_args
 from engine.log import configure_logging
+from engine.serving.reasoning_parsers import REASONING_PARSERS
 from engine.serving.tool_calls.parsers import PARSERS
 
 if TYPE_CHECKING:
@@ -151,7 +152,7 @@ def _serve(args: argparse.Namespace) -> int:
         default_tpot_slo_ms=args.default_tpot_slo_ms,
         metrics_require_api_key=args.metrics_require_api_key,
         shutdown=ShutdownConfig(mode=args.shutdown_mode, timeout_s=args.shutdown_timeout),
-        tool_call_parser=args.tool_call_parser)
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     if args.replicas is not None:
         return _serve_fleet(config, settings, args)
     run_server(config, settings, args.host, args.port, args.log_level)
@@ -225,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                        help="the format the model writes tool calls in, for tool_choice auto "
                             "(default: the one its chat template shows, when exactly one)")
+    serve.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                       help="split a reasoning model's thinking (<think>...</think>) from its "
+                            "answer: reasoning_content in messages and stream deltas")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="vLLM's switch for tool_choice auto, accepted as given: auto is "
                             "on wherever a tool-call parser is known")

@@ -76,14 +76,17 @@ class InputProcessor:
         return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
     def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """``tools``: OpenAI's tool definitions, which the template renders (tool calling)."""
+                            tools: list[dict[str, Any]] | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """``tools``: OpenAI's tool definitions, which the template renders (tool calling);
+        ``template_kwargs``: further template variables (Qwen3's `enable_thinking`)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; pass a plain prompt instead")
         try:
             ids = self.tokenizer.apply_chat_template(messages, tools=tools,
                                                      add_generation_prompt=add_generation_prompt,
-                                                     tokenize=True, return_dict=False)
+                                                     tokenize=True, return_dict=False,
+                                                     **(template_kwargs or {}))
         except Exception as exc:  # template errors (bad roles, missing content) are bad input
             raise ValueError(f"messages: the chat template rejected them: {exc}") from exc
         return list(ids)

@@ -28,6 +28,7 @@ from engine.config import EngineConfig, ShutdownConfig
 from engine.serving.drain import Drain, DrainGate
 from engine.serving.edge_clock import EdgeClock, EdgeStampedStream
 from engine.serving.metrics import ServerMetrics
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.processing.input_processor import check_fits_context
 from engine.serving.choices import (EnginePrompt, best_of_choices, fan_out,
@@ -37,6 +38,7 @@ from engine.serving.openai_protocol import (MAX_N, ChatCompletionRequest, Comple
 from engine.serving.openai_responses import (ResponseContext, full_response, stream_events,
                                              usage_body)
 from engine.serving.request_fields import shown, unsupported_field
+from engine.serving.reasoning_parsers import REASONING_PARSERS, ReasoningParser
 from engine.serving.tool_calls.calling import ToolCalling, tool_calling
 from engine.serving.tool_calls.parsers import parser_for_template
 from engine.structured_output.grammar import grammar_of
@@ -71,6 +73,9 @@ class ServerSettings:
     # The tool-call format the model writes (engine.serving.tool_calls.parsers); None: the one
     # its chat template shows, if exactly one.
     tool_call_parser: str | None = None
+    # How a reasoning model's thinking is split from its answer (engine.serving.
+    # reasoning_parsers); None: not split, all of it is content.
+    reasoning_parser: str | None = None
 
 
 def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
@@ -258,6 +263,9 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
     tool_parser = settings.tool_call_parser or parser_for_template(
         template if isinstance(template, str) else None)
 
+    reasoning = (REASONING_PARSERS[settings.reasoning_parser]()
+                 if settings.reasoning_parser is not None else None)
+
     async def _serve(body: GenerationRequest, request: Request,
                      prompts: list[tuple[str | None, list[int]]], chat: bool,
                      tools: ToolCalling | None = None) -> Response:
@@ -320,13 +328,17 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
                               logprobs=params.logprobs is not None,
                               prompt_logprobs=body.prompt_logprobs is not None,
                               tokens_as_ids=body.return_tokens_as_token_ids,
-                              tool_calling=tools)
+                              tool_calling=tools,
+                              reasoning=reasoning if chat else None,
+                              include_reasoning=getattr(body, "include_reasoning", True))
         num_top = params.logprobs or 0
         # TTFT and TPOT as the client sees them: stamped where the tokens are sent to it.
         # The engine keeps a TTFT deadline live until the client has output (a first token
         # with no text, e.g. a special one, sends nothing): told as each choice's is written.
         clock = EdgeClock(len(choices), metrics, on_first_output=None if slo is None else (
-            lambda position, when: client.note_first_output(child_ids[position], when)))
+            lambda position, when: client.note_first_output(child_ids[position], when)),
+            answer_started=(_answer_after_thinking(reasoning)
+                            if chat and reasoning is not None else None))
         if body.stream:
             events = stream_events(ctx, choices,
                                    _forget_on_exit(merged(sources), metrics, child_ids),
@@ -373,12 +385,18 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
             raise APIError(400, str(exc), "tool_choice") from exc
         try:
             messages = [m.as_template_input() for m in body.messages]
-            ids = await off_loop(client.inputs.apply_chat_template, messages, True, tools)
+            ids = await off_loop(client.inputs.apply_chat_template, messages, True, tools,
+                                 body.chat_template_kwargs)
         except ValueError as exc:
             raise APIError(400, str(exc), "messages") from exc
         return await _serve(body, request, [(None, ids)], chat=True, tools=calling)
 
     return app
+
+
+def _answer_after_thinking(reasoning: ReasoningParser) -> Callable[[RequestOutput], bool]:
+    """Whether an output holds answer: its thinking has closed."""
+    return lambda out: reasoning.split(out.text, out.finished).content_start is not None
 
 
 def _with_tool_calling(params: SamplingParams, tools: ToolCalling) -> SamplingParams:

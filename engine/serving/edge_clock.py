@@ -45,6 +45,7 @@ class _ChoiceStamps:
     # The engine's metrics of the choice's request (arrival, SLOs, the engine's own stamps).
     engine: RequestMetrics | None = None
     first_token_time: float | None = None
+    first_answer_time: float | None = None
     finish_time: float | None = None
 
 
@@ -53,14 +54,20 @@ class EdgeClock:
     engine requests), reported to /metrics as each is taken."""
 
     def __init__(self, num_choices: int, metrics: ServerMetrics,
-                 on_first_output: Callable[[int, float], None] | None = None) -> None:
+                 on_first_output: Callable[[int, float], None] | None = None,
+                 answer_started: Callable[[RequestOutput], bool] | None = None) -> None:
         """``on_first_output(position, when)``: called as each choice's first output is
-        stamped (the API server tells EngineCore, whose TTFT deadline for it ends there)."""
+        stamped (the API server tells EngineCore, whose TTFT deadline for it ends there).
+        ``answer_started(out)``: whether an output holds answer (a reasoning model's content
+        or tool call past its thinking); None: every output is answer."""
         self._choices = [_ChoiceStamps(position) for position in range(num_choices)]
         self._metrics = metrics
         self._on_first_output = on_first_output
+        self._answer_started = answer_started
         # Choices whose first output is in the chunk being written: stamped once `send` returns.
         self._awaiting_write: list[_ChoiceStamps] = []
+        # Choices whose first answer is in the chunk being written.
+        self._answers_awaiting_write: list[_ChoiceStamps] = []
 
     # ---- streamed ---------------------------------------------------------------------------
 
@@ -72,12 +79,23 @@ class EdgeClock:
         if stamps.first_token_time is None:
             self._awaiting_write.append(stamps)
 
+    def answer_in_next_write(self, position: int) -> None:
+        """The chunk about to be written carries answer of this choice (content or a tool
+        call, not thinking)."""
+        stamps = self._choices[position]
+        if stamps.first_answer_time is None:
+            self._answers_awaiting_write.append(stamps)
+
     def written(self) -> None:
         """A chunk's `send` returned: its choices' first tokens are with the client's side."""
         now = time.monotonic()
         for stamps in self._awaiting_write:
             self._stamp_first_token(stamps, now)
         self._awaiting_write.clear()
+        for stamps in self._answers_awaiting_write:
+            if stamps.first_answer_time is None:
+                self._stamp_first_answer(stamps, now)
+        self._answers_awaiting_write.clear()
 
     # ---- streamed and not -------------------------------------------------------------------
 
@@ -85,14 +103,21 @@ class EdgeClock:
         """Not streamed: an output of this choice reached the handler."""
         stamps = self._choices[position]
         stamps.engine = out.metrics
+        now = time.monotonic()
         if stamps.first_token_time is None:
-            self._stamp_first_token(stamps, time.monotonic())
+            self._stamp_first_token(stamps, now)
+        if stamps.first_answer_time is None and (self._answer_started is None
+                                                 or self._answer_started(out)):
+            self._stamp_first_answer(stamps, now)
         if out.finished:
             self.finished(position, out)
 
-    def finished(self, position: int, out: RequestOutput) -> RequestMetrics | None:
+    def finished(self, position: int, out: RequestOutput,
+                 answer_in_chunk: bool | None = None) -> RequestMetrics | None:
         """The choice's last output is here: stamps its finish (and its first token, when the
-        chunk about to be written is its first with output) and returns its edge metrics."""
+        chunk about to be written is its first with output) and returns its edge metrics.
+        ``answer_in_chunk``: streamed, whether the final chunk carries answer (None: not
+        streamed, `answer_started` says)."""
         stamps = self._choices[position]
         if stamps.finish_time is not None:  # its output object, updated in place, seen again
             return _edge_metrics(stamps)
@@ -100,6 +125,11 @@ class EdgeClock:
         now = time.monotonic()
         if stamps.first_token_time is None:
             self._stamp_first_token(stamps, now)
+        if answer_in_chunk is None:
+            answer_in_chunk = self._answer_started is None or self._answer_started(out)
+        if stamps.first_answer_time is None and answer_in_chunk:
+            # The final chunk carries the metrics: an answer in it is stamped as it is built.
+            self._stamp_first_answer(stamps, now)
         stamps.finish_time = now
         edge = _edge_metrics(stamps)
         if edge is not None and out.finish_reason != "error":
@@ -119,6 +149,12 @@ class EdgeClock:
             self._metrics.on_edge_first_token(edge)
 
 
+    def _stamp_first_answer(self, stamps: _ChoiceStamps, now: float) -> None:
+        stamps.first_answer_time = now
+        if (edge := _edge_metrics(stamps)) is not None:
+            self._metrics.on_edge_first_answer(edge)
+
+
 def _edge_metrics(stamps: _ChoiceStamps) -> RequestMetrics | None:
     """The choice's metrics with the edge's stamps in place of the engine's (whose first-token
     stamp stays on as engine_first_token_time)."""
@@ -126,6 +162,7 @@ def _edge_metrics(stamps: _ChoiceStamps) -> RequestMetrics | None:
         return None
     return dataclasses.replace(stamps.engine, first_token_time=stamps.first_token_time,
                                finish_time=stamps.finish_time,
+                               first_answer_time=stamps.first_answer_time,
                                engine_first_token_time=stamps.engine.first_token_time)
 
 

@@ -115,6 +115,10 @@ class ServerMetrics:
         self.ttft = _Both(histogram("time_to_first_token_seconds", ttft_doc),
                           histogram("time_to_first_token_seconds", ttft_doc, _VLLM_TTFT_BUCKETS,
                                     prefix="vllm"))
+        self.time_to_first_answer = histogram(
+            "time_to_first_answer_token_seconds",
+            "Arrival to the first answer token sent to the client: after a reasoning model's "
+            "thinking, its content or tool call; the first token otherwise.")
         # Per finished request, as vLLM's request_time_per_output_token_seconds (its older
         # name, which gateways still read, is the one exported).
         tpot_doc = ("Mean time per output token of a finished request: its first token to its "
@@ -197,6 +201,11 @@ class ServerMetrics:
         self.ttft.observe(metrics.ttft)
         if metrics.ttft_slo_met is not None:
             (self.slo_met if metrics.ttft_slo_met else self.slo_missed).inc()
+
+    def on_edge_first_answer(self, metrics: RequestMetrics) -> None:
+        """A choice's first answer token was sent to its client."""
+        if metrics.time_to_first_answer is not None:
+            self.time_to_first_answer.observe(metrics.time_to_first_answer)
 
     def on_edge_finish(self, metrics: RequestMetrics) -> None:
         """A choice finished (not with an error) and its last output reached the handler."""

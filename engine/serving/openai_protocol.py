@@ -209,6 +209,13 @@ class CompletionRequest(GenerationRequest):
         return self.echo and self.max_tokens == 0
 
 
+# apply_chat_template's own arguments: chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_ARGUMENTS = {"conversation", "messages", "tools", "documents", "chat_template",
+                               "add_generation_prompt", "continue_final_message", "tokenize",
+                               "padding", "truncation", "max_length", "return_tensors",
+                               "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+
+
 class FunctionDefinition(_RequestModel):
     name: str = Field(min_length=1)
     description: str | None = None
@@ -239,6 +246,10 @@ class ChatMessage(_RequestModel):
     # An assistant's earlier calls, and which call a tool message answers: to the template.
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    # An assistant's earlier thinking (vLLM's two names): to the template, which may keep or
+    # drop it (Qwen3's drops all but the last turn's).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def as_template_input(self) -> dict[str, Any]:
         """The message as the chat template reads it. ValueError for a key that would carry
@@ -263,6 +274,8 @@ class ChatMessage(_RequestModel):
                                      for i, call in enumerate(self.tool_calls)]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if (thinking := self.reasoning_content or self.reasoning) is not None:
+            message["reasoning_content"] = thinking
         return message
 
 
@@ -291,6 +304,19 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Extra variables for the chat template (Qwen3's `enable_thinking`).
+    chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM: with a reasoning parser, false leaves the thinking out of the response.
+    include_reasoning: bool = True
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(set(value or {}) & RESERVED_TEMPLATE_ARGUMENTS)
+        if reserved:
+            raise ValueError(f"`{reserved[0]}` is not a template variable a request may set "
+                             f"(it is an argument of the templating itself)")
+        return value
 
     @property
     def tool_dicts(self) -> list[dict[str, Any]] | None:

@@ -15,6 +15,7 @@ from typing import Any
 from engine.logprobs import Logprob, PositionLogprobs
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.serving.edge_clock import EdgeClock
+from engine.serving.reasoning_parsers import ReasoningParser
 from engine.serving.tool_calls.calling import ToolCalling, call_body
 
 # time.monotonic() -> Unix time, for the timestamps reported to clients.
@@ -44,6 +45,10 @@ class ResponseContext:
     tokens_as_ids: bool = False
     # Chat with tools: how the output splits into content and tool calls.
     tool_calling: ToolCalling | None = None
+    # Chat with --reasoning-parser: how the thinking splits from the answer, and whether the
+    # response carries it (vLLM's include_reasoning).
+    reasoning: ReasoningParser | None = None
+    include_reasoning: bool = True
 
     @property
     def created(self) -> int:
@@ -75,6 +80,7 @@ def metrics_body(metrics: RequestMetrics | None) -> dict[str, Any] | None:
     return {"arrival_time": unix(metrics.arrival_time),
             "first_token_time": unix(metrics.first_token_time),
             "ttft_ms": ms(metrics.ttft), "engine_ttft_ms": ms(metrics.engine_ttft),
+            "time_to_first_answer_ms": ms(metrics.time_to_first_answer),
             "ttft_slo_ms": metrics.ttft_slo_ms,
             "ttft_slo_met": metrics.ttft_slo_met, "tpot_ms": ms(metrics.tpot),
             "tpot_slo_ms": metrics.tpot_slo_ms, "tpot_slo_met": metrics.tpot_slo_met,
@@ -213,6 +219,12 @@ def _choice_body(ctx: ResponseContext, choice: Choice, out: RequestOutput, k: in
             for call in message["tool_calls"]:
                 del call["index"]  # a stream's delta field; a message lists them in order
             message["content"] = message["content"] or None  # OpenAI: null beside calls
+        if ctx.reasoning is not None:
+            # vLLM's shape: null where a part is absent (no answer: thinking cut short).
+            message["content"] = message["content"] or None
+            if ctx.include_reasoning:
+                thinking = message.get("reasoning_content") or None
+                message["reasoning_content"] = message["reasoning"] = thinking
         body["message"] = message
     return body
 
@@ -247,6 +259,8 @@ class _ChoiceStream:
     finished: bool = False
     # Tool calls sent so far.
     calls_sent: int = 0
+    # Where the reasoning sent so far ends in the output text.
+    reasoning_sent: int = 0
 
 
 async def stream_events(ctx: ResponseContext, choices: list[Choice],
@@ -289,10 +303,14 @@ async def stream_events(ctx: ResponseContext, choices: list[Choice],
             body = _stream_delta(ctx, stream, out, slicer)
             if body is not None:
                 event = chunk(body)
+                answer = _carries_answer(body)
                 if out.finished:
-                    event["metrics"] = metrics_body(clock.finished(position, out))
-                elif stream.output_sent:
-                    clock.output_in_next_write(position, out)
+                    event["metrics"] = metrics_body(clock.finished(position, out, answer))
+                else:
+                    if stream.output_sent:
+                        clock.output_in_next_write(position, out)
+                    if answer:
+                        clock.answer_in_next_write(position)
                 yield _sse(event)
     except Exception as exc:  # the engine died, the server is shutting down, or a bug
         yield _sse(on_error(exc))
@@ -305,6 +323,14 @@ async def stream_events(ctx: ResponseContext, choices: list[Choice],
     yield _sse("[DONE]")
 
 
+def _carries_answer(body: dict[str, Any]) -> bool:
+    """Whether a chunk carries answer: text, or a tool call (a reasoning model's thinking is
+    not answer)."""
+    if "delta" in body:
+        return bool(body["delta"].get("content") or body["delta"].get("tool_calls"))
+    return bool(body.get("text"))
+
+
 def _stream_delta(ctx: ResponseContext, stream: _ChoiceStream, out: RequestOutput,
                   slicer: _LogprobSlicer) -> dict[str, Any] | None:
     """The chunk body for what ``out`` adds to its choice, or None when it adds nothing yet
@@ -313,11 +339,27 @@ def _stream_delta(ctx: ResponseContext, stream: _ChoiceStream, out: RequestOutpu
         return None
     safe = len(out.text) if out.finished else max(stream.text_sent,
                                                   len(out.text) - ctx.stop_holdback)
+    reasoning_delta, answer_from, answering = "", 0, True
+    if ctx.reasoning is not None:
+        # The thinking goes out as it grows; the answer (content, tool calls) after it.
+        split = ctx.reasoning.split(out.text, out.finished)
+        reasoning_from = max(stream.reasoning_sent, split.reasoning_start)
+        reasoning_delta = out.text[reasoning_from:split.reasoning_end]
+        stream.reasoning_sent = max(reasoning_from, split.reasoning_end)
+        answering = split.content_start is not None
+        if not answering:
+            safe = stream.text_sent  # still thinking: no answer yet
+        else:
+            answer_from = split.content_start
+            stream.text_sent = max(stream.text_sent, answer_from)
+            safe = max(safe, stream.text_sent)
+        if not ctx.include_reasoning:
+            reasoning_delta = ""
     new_calls: list[dict[str, Any]] = []
-    if ctx.tool_calling is not None:
+    if ctx.tool_calling is not None and answering:
         # Content stops where tool calls begin (or may: a marker's start is held back).
-        parsed = ctx.tool_calling.parse(out.text, out.finished)
-        safe = max(stream.text_sent, min(safe, parsed.content_end))
+        parsed = ctx.tool_calling.parse(out.text[answer_from:], out.finished)
+        safe = max(stream.text_sent, min(safe, answer_from + parsed.content_end))
         new_calls = [{"index": i, **call_body(call, ctx.request_id, stream.choice.index, i)}
                      for i, call in enumerate(parsed.calls) if i >= stream.calls_sent]
     delta = "" if ctx.echo_only else out.text[stream.text_sent:safe]
@@ -331,8 +373,8 @@ def _stream_delta(ctx: ResponseContext, stream: _ChoiceStream, out: RequestOutpu
             while tokens_end < len(out.logprobs) and ends[tokens_end] <= safe:
                 tokens_end += 1
     first = not stream.started
-    if not (delta or new_calls or tokens_end > stream.tokens_sent or out.finished
-            or (first and ctx.echo)):
+    if not (delta or reasoning_delta or new_calls or tokens_end > stream.tokens_sent
+            or out.finished or (first and ctx.echo)):
         return None
     index = stream.choice.index
     finish_reason = ("length" if ctx.echo_only else out.finish_reason) if out.finished else None
@@ -344,6 +386,9 @@ def _stream_delta(ctx: ResponseContext, stream: _ChoiceStream, out: RequestOutpu
                                 "finish_reason": finish_reason}
         if new_calls:
             body["delta"]["tool_calls"] = new_calls
+        if reasoning_delta:
+            # vLLM's two names: reasoning_content, and its newer reasoning.
+            body["delta"]["reasoning_content"] = body["delta"]["reasoning"] = reasoning_delta
         if ctx.logprobs and out.logprobs is not None:
             body["logprobs"] = _chat_logprobs(out.logprobs[stream.tokens_sent:tokens_end],
                                               slicer.k, ctx.tokens_as_ids)
@@ -363,8 +408,8 @@ def _stream_delta(ctx: ResponseContext, stream: _ChoiceStream, out: RequestOutpu
     if out.finished:
         body["stop_reason"] = out.stop_reason
     stream.started = True
-    stream.output_sent = (stream.output_sent or bool(delta) or bool(new_calls)
-                          or tokens_end > stream.tokens_sent)
+    stream.output_sent = (stream.output_sent or bool(delta) or bool(reasoning_delta)
+                          or bool(new_calls) or tokens_end > stream.tokens_sent)
     stream.calls_sent += len(new_calls)
     stream.text_sent = max(stream.text_sent, safe)
     stream.tokens_sent = tokens_end

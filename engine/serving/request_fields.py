@@ -35,10 +35,11 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     # vLLM's structural tags (structured outputs that switch on at a trigger string).
     "structural_tag": (),
-    # Reasoning models (issue 35): no reasoning parser, so nothing to split or leave out.
+    # OpenAI's reasoning effort (a reasoning model's knob no open template reads alike), and
+    # the chat route's reasoning and template fields on completions, which render no template.
     "reasoning_effort": (), "include_reasoning": (True,),
     # The chat template's inputs: the server's template (--chat-template) is the only one,
-    # rendered with the generation prompt and nothing else.
+    # rendered with the generation prompt, the tools and chat_template_kwargs (chat).
     "chat_template": (), "chat_template_kwargs": ({},), "documents": ([],),
     "add_generation_prompt": (True,), "continue_final_message": (False,),
     # Completions add the tokenizer's special tokens (BOS) and chat leaves them to the
@@ -68,9 +69,7 @@ WITHOUT_EFFECT: dict[str, str] = {
 
 # Keys of a chat message beside `role` and `content` that carry something to the chat template:
 # dropping them would change the prompt without a word. Value: what asks for nothing.
-MESSAGE_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "reasoning_content": ("",), "reasoning": ("",), "function_call": (),
-}
+MESSAGE_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {"function_call": ()}
 
 
 def _same(value: Any, no_op: Any) -> bool:

@@ -212,9 +212,9 @@ def test_message_keys_the_template_would_lose_are_400s_and_a_name_reaches_it(tmp
     template = tmp_path / "named.jinja"
     template.write_text("{% for m in messages %}{{ m.get('name', 'nobody') }}: "
                         "{{ m['content'] }}\n{% endfor %}")
-    # (A message's tool_calls and tool_call_id reach the template: test_tool_calling_http.py.)
-    lost = {"reasoning_content": "thinking", "reasoning": "thinking",
-            "function_call": {"name": "f", "arguments": "{}"}}
+    # (A message's tool_calls, tool_call_id and reasoning_content reach the template:
+    # test_tool_calling_http.py, test_reasoning_http.py.)
+    lost = {"function_call": {"name": "f", "arguments": "{}"}}
     assert set(lost) == set(MESSAGE_NOT_IMPLEMENTED)
 
     def chat(message):

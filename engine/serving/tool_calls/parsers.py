@@ -20,6 +20,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from engine.serving.held_text import held_from
+
 
 @dataclass(frozen=True)
 class FunctionCall:
@@ -50,14 +52,6 @@ def _call(value: Any, arguments_key: str = "arguments") -> FunctionCall | None:
     return FunctionCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def _held_prefix(text: str, marker: str) -> int:
-    """Where a tail of `text` that could be the start of `marker` begins (len(text): none)."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
-            return len(text) - size
-    return len(text)
-
-
 class ToolParser:
     name = ""
     # What the parser needs the text to keep (mistral's marker is a special token).
@@ -74,7 +68,7 @@ class HermesParser(ToolParser):
     def parse(self, text: str, finished: bool) -> ParsedOutput:
         start = text.find(self.OPEN)
         if start < 0:
-            return ParsedOutput(len(text) if finished else _held_prefix(text, self.OPEN))
+            return ParsedOutput(len(text) if finished else held_from(text, self.OPEN))
         calls: list[FunctionCall] = []
         at = start
         while (begin := text.find(self.OPEN, at)) >= 0:
@@ -140,7 +134,7 @@ class MistralParser(ToolParser):
     def parse(self, text: str, finished: bool) -> ParsedOutput:
         start = text.find(self.MARKER)
         if start < 0:
-            return ParsedOutput(len(text) if finished else _held_prefix(text, self.MARKER))
+            return ParsedOutput(len(text) if finished else held_from(text, self.MARKER))
         if not finished:
             return ParsedOutput(start)
         try:
