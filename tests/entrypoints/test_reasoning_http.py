@@ -7,16 +7,14 @@ runs on real engine output."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import shutil
 from typing import Any
 
-import openai
 import pytest
 
 from engine.serving.api_server import ServerSettings
-from tests.utils.inprocess_server import app_client
+from tests.utils.inprocess_server import run_with_sdk
+from tests.utils.server_helpers import copy_with_chat_template
 
 TEMPLATE = (
     "{%- if tools %}<|system|>Tools: {{ tools | tojson }} as <tool_call>...</tool_call>\n"
@@ -34,14 +32,9 @@ MAX_MODEL_LEN = 512
 
 @pytest.fixture(scope="module")
 def qwen3_model(tiny_model, tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("reasoning") / "tiny-qwen3"
-    shutil.copytree(tiny_model("qwen3", max_position_embeddings=MAX_MODEL_LEN, eos_token_id=0),
-                    folder)
-    config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = TEMPLATE
-    config_path.write_text(json.dumps(config))
-    return str(folder)
+    model = tiny_model("qwen3", max_position_embeddings=MAX_MODEL_LEN, eos_token_id=0)
+    return copy_with_chat_template(model, tmp_path_factory.mktemp("reasoning") / "tiny-qwen3",
+                                   TEMPLATE)
 
 
 def _forced(text: str) -> dict[str, Any]:
@@ -49,14 +42,8 @@ def _forced(text: str) -> dict[str, Any]:
 
 
 def _run(model_dir: str, calls, **settings: Any):
-    async def go():
-        async with app_client(model_dir, ServerSettings(served_model_name="tiny", **settings),
-                              max_model_len=MAX_MODEL_LEN, num_kv_blocks=64) as (http, _):
-            sdk = openai.AsyncOpenAI(base_url="http://sloserve/v1", api_key="none",
-                                     http_client=http)
-            return [await call(sdk, http) for call in calls]
-
-    return asyncio.run(go())
+    return run_with_sdk(model_dir, calls, ServerSettings(served_model_name="tiny", **settings),
+                        max_model_len=MAX_MODEL_LEN, num_kv_blocks=64)
 
 
 def test_thinking_is_split_from_the_answer_whole_and_streamed(qwen3_model):

@@ -6,17 +6,15 @@ streamed, and every malformed or conflicting ask is a 400 naming what is wrong, 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from typing import Literal
 
-import openai
 import pytest
 from pydantic import BaseModel
 
 from engine.serving.api_server import ServerSettings
-from tests.utils.inprocess_server import app_client
+from tests.utils.inprocess_server import run_with_sdk
 from tests.utils.server_helpers import copy_with_chat_template
 
 MAX_MODEL_LEN = 256
@@ -35,14 +33,8 @@ def chat_model(tiny_model, tmp_path_factory) -> str:
 
 
 def _run(model_dir: str, calls):
-    async def go():
-        async with app_client(model_dir, ServerSettings(served_model_name="tiny"),
-                              max_model_len=MAX_MODEL_LEN) as (http, engine):
-            sdk = openai.AsyncOpenAI(base_url="http://sloserve/v1", api_key="none",
-                                     http_client=http)
-            return [await call(sdk, http) for call in calls], engine
-
-    return asyncio.run(go())
+    return run_with_sdk(model_dir, calls, ServerSettings(served_model_name="tiny"),
+                        max_model_len=MAX_MODEL_LEN), None
 
 
 MESSAGES = [{"role": "user", "content": "Give me a verdict."}]

@@ -7,15 +7,14 @@ bad ask a 400 naming what is wrong; text that only looks like a call stays plain
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
-import openai
 import pytest
 
 from engine.serving.api_server import ServerSettings
-from tests.utils.inprocess_server import app_client
+from tests.utils.inprocess_server import run_with_sdk
+from tests.utils.server_helpers import copy_with_chat_template
 
 TEMPLATE = (
     "{%- if tools %}<|system|>Tools: {{ tools | tojson }}. Call one as <tool_call>"
@@ -39,27 +38,14 @@ MAX_MODEL_LEN = 1024
 
 @pytest.fixture(scope="module")
 def tool_model(tiny_model, tmp_path_factory) -> str:
-    import shutil
-
-    folder = tmp_path_factory.mktemp("tools") / "tiny-tools"
-    shutil.copytree(tiny_model("llama", max_position_embeddings=MAX_MODEL_LEN, eos_token_id=0),
-                    folder)
-    config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = TEMPLATE
-    config_path.write_text(json.dumps(config))
-    return str(folder)
+    model = tiny_model("llama", max_position_embeddings=MAX_MODEL_LEN, eos_token_id=0)
+    return copy_with_chat_template(model, tmp_path_factory.mktemp("tools") / "tiny-tools",
+                                   TEMPLATE)
 
 
 def _run(model_dir: str, calls, **settings: Any):
-    async def go():
-        async with app_client(model_dir, ServerSettings(served_model_name="tiny", **settings),
-                              max_model_len=MAX_MODEL_LEN, num_kv_blocks=128) as (http, _):
-            sdk = openai.AsyncOpenAI(base_url="http://sloserve/v1", api_key="none",
-                                     http_client=http)
-            return [await call(sdk, http) for call in calls]
-
-    return asyncio.run(go())
+    return run_with_sdk(model_dir, calls, ServerSettings(served_model_name="tiny", **settings),
+                        max_model_len=MAX_MODEL_LEN, num_kv_blocks=128)
 
 
 def _check_weather_or_time(call) -> None:
@@ -223,22 +209,17 @@ def test_bad_tool_asks_are_400s_naming_what_is_wrong(tool_model):
 
 
 def test_auto_without_a_parser_is_a_400_naming_the_option(tiny_model, tmp_path):
-    import shutil
-
-    folder = tmp_path / "no-tool-format"
-    shutil.copytree(tiny_model("llama", max_position_embeddings=MAX_MODEL_LEN), folder)
-    config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
-                               "{% if tools %}{{ tools | tojson }}{% endif %}")
-    config_path.write_text(json.dumps(config))
+    folder = copy_with_chat_template(
+        tiny_model("llama", max_position_embeddings=MAX_MODEL_LEN), tmp_path / "no-tool-format",
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        "{% if tools %}{{ tools | tojson }}{% endif %}")
     request = {"model": "tiny", "messages": MESSAGES, "max_tokens": 5, "tools": TOOLS}
-    (refused,) = _run(str(folder), [lambda _, http: http.post("/v1/chat/completions",
+    (refused,) = _run(folder, [lambda _, http: http.post("/v1/chat/completions",
                                                                json=request)])
     assert refused.status_code == 400
     assert "--tool-call-parser" in refused.json()["error"]["message"]
     # Given the option, the same request is served.
-    (served,) = _run(str(folder), [lambda _, http: http.post("/v1/chat/completions",
+    (served,) = _run(folder, [lambda _, http: http.post("/v1/chat/completions",
                                                               json=request)],
                      tool_call_parser="hermes")
     assert served.status_code == 200, served.text

@@ -5,6 +5,8 @@ be driven without a model and without timing."""
 
 from __future__ import annotations
 
+import asyncio
+
 import socket
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -114,3 +116,17 @@ async def app_client(model_dir: str, settings: ServerSettings | None = None,
         async with httpx.AsyncClient(transport=transport, base_url="http://sloserve",
                                      timeout=60) as http:
             yield http, engine
+
+
+def run_with_sdk(model_dir: str, calls, settings: ServerSettings, **engine_args):
+    """Each of `calls`, awaited in turn as `call(sdk, http)` against one app: the openai SDK's
+    async client and the raw httpx client on the same app. Returns their results."""
+    import openai
+
+    async def go():
+        async with app_client(model_dir, settings, **engine_args) as (http, _):
+            sdk = openai.AsyncOpenAI(base_url="http://sloserve/v1", api_key="none",
+                                     http_client=http)
+            return [await call(sdk, http) for call in calls]
+
+    return asyncio.run(go())

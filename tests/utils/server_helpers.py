@@ -77,13 +77,13 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
-def copy_with_chat_template(model_dir: str, folder: Path) -> str:
-    """A copy of a tiny model folder whose tokenizer carries CHAT_TEMPLATE, so the server and
-    the offline LLM both read the same template."""
+def copy_with_chat_template(model_dir: str, folder: Path, template: str = CHAT_TEMPLATE) -> str:
+    """A copy of a tiny model folder whose tokenizer carries `template` (default CHAT_TEMPLATE),
+    so the server and the offline LLM both read the same template."""
     shutil.copytree(model_dir, folder)
     config_path = folder / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
-    config["chat_template"] = CHAT_TEMPLATE
+    config["chat_template"] = template
     config_path.write_text(json.dumps(config))
     return str(folder)
 
