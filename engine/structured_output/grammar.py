@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 from engine.structured_output.params import StructuredOutputsParams
 
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
 # output several levels deep, but not for a model that pads with newlines until max_tokens
 # (small models do) and never closes the object.
 WHITESPACE_RUN_LIMIT = 20
+
+T = TypeVar("T")
 
 # json_object: OpenAI's "a JSON object" (xgrammar's built-in JSON grammar takes any value).
 ANY_OBJECT = '{"type": "object"}'
@@ -46,44 +49,42 @@ def _json_options(params: StructuredOutputsParams) -> dict[str, object]:
     return {"any_whitespace": True, "max_whitespace_cnt": WHITESPACE_RUN_LIMIT}
 
 
+def _source(params: StructuredOutputsParams) -> tuple[str, str, dict[str, object]]:
+    """What the request's grammar is built from: (json_schema | regex | ebnf, the text, the
+    options), the same for the tokenizer-free check and the compile."""
+    kind = params.kind
+    if kind in ("json", "json_object"):
+        return "json_schema", schema_text(params), _json_options(params)
+    if kind == "regex":
+        return "regex", params.regex or "", {}
+    if kind == "choice":
+        return "ebnf", choice_ebnf(params.choice or []), {}
+    return "ebnf", params.grammar or "", {}
+
+
+def _built(params: StructuredOutputsParams, builders: dict[str, Callable[..., T]]) -> T:
+    form, text, options = _source(params)
+    try:
+        return builders[form](text, **options)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise ValueError(f"structured outputs: the {_what(params.kind)} is not valid: "
+                         f"{xgrammar_message(exc)}") from None
+
+
 def grammar_of(params: StructuredOutputsParams) -> xgrammar.Grammar:
     """The request's grammar, tokenizer-free. ValueError naming what is wrong with it."""
     import xgrammar as xgr
 
-    kind = params.kind
-    try:
-        if kind == "json":
-            return xgr.Grammar.from_json_schema(schema_text(params), **_json_options(params))
-        if kind == "regex":
-            return xgr.Grammar.from_regex(params.regex)
-        if kind == "choice":
-            return xgr.Grammar.from_ebnf(choice_ebnf(params.choice or []))
-        if kind == "grammar":
-            return xgr.Grammar.from_ebnf(params.grammar)
-        return xgr.Grammar.from_json_schema(ANY_OBJECT, **_json_options(params))
-    except (RuntimeError, ValueError, TypeError) as exc:
-        raise ValueError(f"structured outputs: the {_what(kind)} is not valid: "
-                         f"{xgrammar_message(exc)}") from None
+    return _built(params, {"json_schema": xgr.Grammar.from_json_schema,
+                           "regex": xgr.Grammar.from_regex, "ebnf": xgr.Grammar.from_ebnf})
 
 
 def compile_for_vocabulary(compiler: xgrammar.GrammarCompiler,
                            params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
     """The request's grammar compiled for the model's vocabulary (xgrammar caches by input).
     ValueError as grammar_of."""
-    kind = params.kind
-    try:
-        if kind == "json":
-            return compiler.compile_json_schema(schema_text(params), **_json_options(params))
-        if kind == "regex":
-            return compiler.compile_regex(params.regex)
-        if kind == "choice":
-            return compiler.compile_grammar(choice_ebnf(params.choice or []))
-        if kind == "grammar":
-            return compiler.compile_grammar(params.grammar)
-        return compiler.compile_json_schema(ANY_OBJECT, **_json_options(params))
-    except (RuntimeError, ValueError, TypeError) as exc:
-        raise ValueError(f"structured outputs: the {_what(kind)} is not valid: "
-                         f"{xgrammar_message(exc)}") from None
+    return _built(params, {"json_schema": compiler.compile_json_schema,
+                           "regex": compiler.compile_regex, "ebnf": compiler.compile_grammar})
 
 
 def xgrammar_message(exc: BaseException) -> str:

@@ -37,11 +37,12 @@ class ParsedOutput:
     calls: tuple[FunctionCall, ...] = ()
 
 
-def _call(value: Any, arguments_key: str = "arguments") -> FunctionCall | None:
-    """A call from a decoded JSON object, or None when it is not one."""
+def _call(value: Any) -> FunctionCall | None:
+    """A call from a decoded JSON object (its arguments under `arguments`, or `parameters` as
+    Llama 3 writes them), or None when it is not one."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    arguments = value.get(arguments_key, value.get("arguments", value.get("parameters", {})))
+    arguments = value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
@@ -113,7 +114,7 @@ class Llama3JsonParser(ToolParser):
                 value, at = decoder.raw_decode(body, at)
             except json.JSONDecodeError:
                 return ParsedOutput(len(text))
-            call = _call(value, "parameters")
+            call = _call(value)
             if call is None:
                 return ParsedOutput(len(text))
             calls.append(call)
