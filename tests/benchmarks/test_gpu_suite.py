@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "engine" / "benchmarks" / "suite" / "gpu_suite.sh"
 WRAPPER = ROOT / "bench" / "suite" / "gpu_suite.sh"
 CORE_STEPS = ["smoke", "throughput", "calibrate", "burst-http-2048", "stream-gaps"]
-FULL_STEPS = ["equality", "tests-cuda", "preempt-latency", "burst-http-unchunked", "throughput-hf",
-              "kernels", "tests-triton-compiled", "burst-inprocess"]
+FULL_STEPS = ["equality", "structured", "tests-cuda", "preempt-latency", "burst-http-unchunked",
+              "throughput-hf", "kernels", "tests-triton-compiled", "burst-inprocess"]
 # The first lent H100's TTFT line (bench/RESULTS.md, 2026-11-27): what the full call finds in
 # OUT when the core call ran before it on the same machine.
 H100_TTFT_MODEL = {"seconds_per_token": 2.035e-05, "intercept_s": 0.005338,
@@ -275,10 +275,15 @@ def test_full_call_smoke_runs_its_steps_and_summarizes_them(tmp_path: Path) -> N
         assert scenarios["urgent_mid_prefill"]["probe"]["slo_preemptions"] >= 1
     throughput = json.loads((out / "throughput-hf.json").read_text())
     assert throughput["engine"]["mixed"]["steps_measured"] > 0
+    # The bench asserts that every constrained request ran to its limit (a refused token
+    # fails its request); its figures are real times, so positive.
+    structured = json.loads((out / "structured.json").read_text())
+    assert structured["batch"] == 4 and structured["device"] == "cpu"
+    assert structured["constrained_tpot_ms"] > 0 and structured["bitmask_fill_ms_per_step"] > 0
 
     suite = json.loads((out / "suite.json").read_text())
     assert set(suite["steps"]) == set(FULL_SMOKE_STEPS)
-    for key in ("equality", "kernels", "preempt_latency"):
+    for key in ("equality", "structured", "kernels", "preempt_latency"):
         assert suite[key], key
     # Two sizes on one engine: the long prompt and the smallest preemptible step (128 tokens);
     # no graphs on the CPU, so both ran eager.
@@ -293,7 +298,7 @@ def test_full_call_smoke_runs_its_steps_and_summarizes_them(tmp_path: Path) -> N
     summary = (out / "summary.md").read_text()
     assert summary == proc.stdout[proc.stdout.index("# GPU suite"):]
     for heading in ("## GPU tests", "## Greedy equality against HF transformers",
-                    "## Throughput against HF transformers", "## Kernels",
+                    "## Structured outputs", "## Throughput against HF transformers", "## Kernels",
                     "## Preemption latency", "## SLO burst"):
         assert heading in summary, heading
     assert "FAILED" not in summary and "TIMED OUT" not in summary

@@ -60,8 +60,12 @@ def _tpots(outputs: list) -> list[float]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                        help="dummy: random weights (a bench shape's folder, no checkpoint)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--dtype", default="auto",
-                        help="auto: bfloat16 where this CPU runs it natively, else float32")
+                        help="auto: bfloat16 on a GPU or where this CPU runs it natively, "
+                             "else float32")
     parser.add_argument("--batch", type=int, default=16, help="requests decoding together")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -76,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     from engine.structured_output.params import StructuredOutputsParams
 
     model = model_path_or_default(args.model)
-    llm = LLM(model=model, dtype=args.dtype, enable_prefix_caching=False)
+    llm = LLM(model=model, dtype=args.dtype, device=args.device, load_format=args.load_format,
+              enable_prefix_caching=False)
     prompts = [{"prompt_token_ids": p}
                for p in random_prompts(llm.engine.vocab_size, args.batch, args.prompt_len, 0)]
     plain = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -112,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     plain_ms = 1000 * statistics.median(tpot["plain"])
     constrained_ms = 1000 * statistics.median(tpot["constrained"])
     result = {
-        "model": model, "dtype": args.dtype, "batch": args.batch,
+        "model": model, "device": llm.engine.config.model.device, "dtype": args.dtype, "batch": args.batch,
         "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "rounds": args.rounds,
         "plain_tpot_ms": round(plain_ms, 3),
         "constrained_tpot_ms": round(constrained_ms, 3),

@@ -17,10 +17,10 @@
 # bound, and each engine's startup (load, warm-up, capture, graph memory); the TTFT line's
 # calibration in its own process; the SLO burst over HTTP by the client's clock, fcfs against
 # the default policy, at budget 2048; the first request's stream gaps at three context
-# lengths. The full call: greedy equality against HF, the GPU tests, preemption latency, the
-# SLO burst over HTTP unchunked (from the core call's TTFT line when OUT holds it), throughput
-# against HF transformers with the engine's profile, the kernels, the compiled-Triton tests
-# and the SLO burst in process.
+# lengths. The full call: greedy equality against HF, structured outputs' TPOT, the GPU tests,
+# preemption latency, the SLO burst over HTTP unchunked (from the core call's TTFT line when
+# OUT holds it), throughput against HF transformers with the engine's profile, the kernels,
+# the compiled-Triton tests and the SLO burst in process.
 #
 # One deadline for the whole call (--deadline-s; core 330 s, full 330 s): each step gets the
 # smaller of its own limit and the time left, a step with too little time left is skipped, and
@@ -207,6 +207,7 @@ make_random_model('$model', 'llama', vocab_size=512, hidden_size=64, intermediat
     decode_batches=()  # the throughput bench's own smoke sizes
     # The in-process burst calibrates its own TTFT line: each prompt size once, not three times.
     inprocess_calibration=(--calibration-repeats 1)
+    structured_sizes=(--batch 4 --max-tokens 16 --rounds 1)
 else
     model="$out/model-$shape"
     smoke_model="$out/model-$shape-2-layers"
@@ -226,6 +227,7 @@ else
     chunk=()
     decode_batches=(--batches 1 64 --eager-batches 1 64)
     inprocess_calibration=()
+    structured_sizes=(--batch 16 --max-tokens 64 --rounds 3)
 fi
 # --enforce-eager for every engine after a failed graph capture in the smoke step.
 eager=()
@@ -277,6 +279,12 @@ run_core() {
 run_full() {
     step equality 80 $py -m engine.benchmarks.suite.equality --device "$device" "${smoke_flag[@]}" \
         --output "$out/equality.json"
+    # Structured outputs (issue 35) on the device: a batch of 16 under a JSON schema against
+    # the same batch unconstrained, the bitmask filled on the host and applied in the sampler.
+    # Every constrained token the grammar refuses would fail its request, which the bench
+    # asserts against; on the CPU (2026-11-27) the overhead was 1.2% of a 54.5 ms TPOT.
+    step structured 90 $py -m engine bench structured --model "$model" "${load[@]}" \
+        --device "$device" "${structured_sizes[@]}" --output "$out/structured.json"
     # Only the GPU's cases, compiled in this pytest: CI runs the device_cpu ones, and on the
     # H100 (2026-11-27) they took the step's whole limit after its GPU cases had passed.
     step tests-cuda 60 env TRITON_INTERPRET=$([[ $device == cuda ]] && echo 0 || echo 1) \

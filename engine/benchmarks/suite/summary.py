@@ -278,6 +278,25 @@ def _kernels(out: Path) -> list[str]:
     return ["## Kernels (bench.kernels.gpu_kernels)", "", *_fenced(_tail(log, 120)), ""]
 
 
+# The structured step's figures, in the order the table shows them.
+_STRUCTURED_FIGURES = ("batch", "plain_tpot_ms", "constrained_tpot_ms", "tpot_overhead",
+                       "bitmask_fill_ms_per_step", "bitmask_fill_share_of_tpot",
+                       "first_compile_ms", "cached_compile_ms")
+
+
+def _structured(out: Path, steps: dict[str, Step] | None = None) -> list[str]:
+    """sloserve bench structured's JSON as a table (its target: tpot_overhead <= 0.10)."""
+    lines = ["## Structured outputs (sloserve bench structured)", ""]
+    report = _json(out / "structured.json")
+    if report is None:
+        step = (steps or {}).get("structured")
+        # A failed step's log tail follows the sections.
+        return lines + [f"**{_partial_note(step)}**: no figures.", ""]
+    lines += ["| figure | value |", "|---|---:|"]
+    lines += [f"| {name} | {report.get(name, '-')} |" for name in _STRUCTURED_FIGURES]
+    return lines + ["", f"Target: {report.get('target', '-')}.", ""]
+
+
 def _preempt_latency(out: Path, steps: dict[str, Step] | None = None) -> list[str]:
     """A row per prompt size from bench/e2e/preempt_latency.py's JSON ({"sizes": [...]}), or from
     its .jsonl's `size` records (and the trials of a size it did not finish) when the step
@@ -557,6 +576,7 @@ def collect(out: Path) -> dict[str, Any]:
             "smoke": _figures_or_partial(out / "smoke.json"),
             "calibration": _json(out / "ttft_model.json"),
             "equality": _json(out / "equality.json"),
+            "structured": _json(out / "structured.json"),
             "throughput": _figures_or_partial(out / "throughput.json"),
             "throughput_hf": _figures_or_partial(out / "throughput-hf.json"),
             "kernels": _json(out / "kernels.json"),
@@ -586,6 +606,7 @@ def _guarded_section(name: str, build: Callable[[], list[str]]) -> list[str]:
 # The step a section belongs to: a section is written when its step is in steps.tsv (or, with
 # no steps.tsv rows at all, always: an older folder).
 _SECTION_STEPS = {"tests": ("tests-cuda", "tests-triton-compiled"), "equality": ("equality",),
+                  "structured": ("structured",),
                   "throughput": ("throughput",), "throughput-hf": ("throughput-hf",),
                   "kernels": ("kernels",), "preempt-latency": ("preempt-latency",),
                   "stream-gaps": ("stream-gaps",)}
@@ -633,6 +654,7 @@ def summarize(out: Path, device: str, smoke: bool, dry_run: bool = False) -> str
         ("Smoke", lambda: _smoke(out, steps)),
         ("GPU tests", lambda: _tests(out, steps, smoke) if wanted("tests") else []),
         ("Equality", lambda: _equality(out) if wanted("equality") else []),
+        ("Structured outputs", lambda: _structured(out, steps) if wanted("structured") else []),
         ("Throughput", lambda: _throughput(out, "throughput", steps)
          if wanted("throughput") else []),
         ("Throughput (throughput-hf)", lambda: _throughput(out, "throughput-hf", steps)
