@@ -203,3 +203,21 @@ def test_pytest_totals_are_read_with_and_without_a_marker(tmp_path: Path) -> Non
     assert gpu_summary._pytest_totals(tmp_path, "tests-triton-compiled") == \
         "329/449 tests collected (120 deselected) in 1.77s"
     assert gpu_summary._pytest_totals(tmp_path, "tests-cuda") == "3 passed, 1 skipped in 2.00s"
+
+
+def test_a_killed_test_step_names_its_failures_and_the_test_it_was_running(tmp_path: Path) -> None:
+    """The H100's tests-cuda step (2026-11-28) was killed at its limit with one failure in its
+    -q dots and no pytest summary: neither the failing test nor the slow one could be named.
+    With -v each is on a line of its own."""
+    _steps(tmp_path, ("tests-cuda", 124, 120, 120), ("tests-triton-compiled", 0, 50, 120))
+    (tmp_path / "tests-cuda.log").write_text(
+        "tests/gpu/test_a.py::test_fast[device_cuda] PASSED                    [ 10%]\n"
+        "tests/gpu/test_a.py::test_cpu_flag FAILED                           [ 20%]\n"
+        "tests/gpu/test_b.py::test_pool[cuda] 2026-11-28 02:52:07 INFO loading\n")
+    (tmp_path / "tests-triton-compiled.log").write_text(
+        "tests/kernels/test_k.py::test_norm PASSED [100%]\n===== 1 passed in 3.00s =====\n")
+    summary = _summary(tmp_path)
+    assert "  - `tests/gpu/test_a.py::test_cpu_flag FAILED`" in summary
+    assert "  - running when it ended: `tests/gpu/test_b.py::test_pool[cuda]`" in summary
+    # A step that ended by itself was running nothing.
+    assert summary.count("running when it ended") == 1

@@ -100,15 +100,16 @@ def test_the_profile_steps_run_on_the_model_runner(tiny_model) -> None:
 # ---- the configuration -----------------------------------------------------------------------
 
 def test_on_a_cpu_the_flag_only_logs(tiny_model, caplog) -> None:
+    # device="cpu": on a GPU machine "auto" is the GPU (the H100's tests-cuda step, 2026-11-28).
     model = tiny_model("llama")
-    default = resolve(build_engine_config(model, dtype="float32"))
+    default = resolve(build_engine_config(model, device="cpu", dtype="float32"))
     with caplog.at_level(logging.INFO, logger="engine.runtime.model_setup"):
-        given = resolve(build_engine_config(model, dtype="float32",
+        given = resolve(build_engine_config(model, device="cpu", dtype="float32",
                                             gpu_memory_utilization=0.5))
     assert given.num_blocks == default.num_blocks  # 1 GiB, as without the flag
     assert "gpu_memory_utilization 0.5 has no effect: on a CPU the KV pool is " \
            "kv_cache_memory_gb" in caplog.text
-    assert resolve(build_engine_config(model, dtype="float32",
+    assert resolve(build_engine_config(model, device="cpu", dtype="float32",
                                        kv_cache_memory_gb=0.5)).num_blocks == \
         default.num_blocks // 2
 
@@ -157,7 +158,8 @@ def test_a_gpu_config_leaves_the_pool_to_the_workers(tiny_model, monkeypatch) ->
     assert kv_pool_plan(fixed, resolved) is None
 
 
-# ---- EngineCore on a measured pool (the measurement faked, on the CPU) -----------------------
+# ---- EngineCore on a measured pool (the measurement faked, on the CPU: device="cpu", which a
+# GPU machine's "auto" would not be) ------------------------------------------------------------
 
 @dataclasses.dataclass
 class FakeMeasurement:
@@ -187,7 +189,8 @@ def measured(monkeypatch) -> FakeMeasurement:
 def test_the_scheduler_gets_the_pool_the_workers_measured(tiny_model, measured) -> None:
     from engine import LLM
 
-    args = dict(model=tiny_model("llama"), dtype="float32", max_model_len=64, max_num_seqs=4)
+    args = dict(model=tiny_model("llama"), device="cpu", dtype="float32", max_model_len=64,
+                max_num_seqs=4)
     params = SamplingParams(max_tokens=8, temperature=0)
     prompts = ["The quick brown fox", "Paris is the capital of"]
     measured.blocks = 40
@@ -217,7 +220,7 @@ def test_a_measured_pool_too_small_for_max_model_len_is_a_clear_error(tiny_model
     with pytest.raises(ValueError, match=r"max_model_len 64 needs 4 KV blocks of 16 tokens but "
                                          r"the pool has 3; lower max_model_len, or raise "
                                          r"gpu_memory_utilization \(now 0.5\)"):
-        LLM(model=tiny_model("llama"), dtype="float32", max_model_len=64,
+        LLM(model=tiny_model("llama"), device="cpu", dtype="float32", max_model_len=64,
             gpu_memory_utilization=0.5)
 
 
@@ -230,8 +233,8 @@ def test_a_worker_rank_allocates_the_pool_the_ranks_agree_on(tiny_model, monkeyp
     from workers.worker import DriverWorker
 
     monkeypatch.setattr(kv_memory, "measure_kv_pool", lambda runner, plan: 24)
-    config = build_engine_config(tiny_model("llama"), dtype="float32", max_model_len=64,
-                                 slo_preemption=False)
+    config = build_engine_config(tiny_model("llama"), device="cpu", dtype="float32",
+                                 max_model_len=64, slo_preemption=False)
     resolved = dataclasses.replace(resolve(config), num_blocks=None)
     worker = DriverWorker(worker_config(config, resolved,
                                         init_method=f"tcp://127.0.0.1:{_free_port()}"), 0)

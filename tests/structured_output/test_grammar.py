@@ -61,7 +61,7 @@ def test_the_workers_unpack_the_bits_as_xgrammars_own_kernel_masks():
     rng = np.random.default_rng(0)
     words = rng.integers(-2**31, 2**31, size=(1, words_for(vocab)), dtype=np.int64).astype(np.int32)
     mask = words.tobytes()
-    ours = allowed_tokens(mask, vocab, torch.device("cpu"))
+    ours = allowed_tokens([mask], vocab, torch.device("cpu"))[0]
     logits = torch.zeros(1, vocab)
     xgr.apply_token_bitmask_inplace(logits, torch.from_numpy(words))
     theirs = logits[0] == 0  # xgrammar sets the disallowed ones to -inf
@@ -69,7 +69,7 @@ def test_the_workers_unpack_the_bits_as_xgrammars_own_kernel_masks():
     assert 0 < int(ours.sum()) < vocab  # probe: a mix of allowed and refused tokens
     assert allowed_ids(mask)[allowed_ids(mask) < vocab].tolist() == ours.nonzero()[:, 0].tolist()
     # A vocabulary wider than the mask (padded embeddings): the tail is not allowed.
-    wide = allowed_tokens(mask, 32 * words.shape[1] + 7, torch.device("cpu"))
+    wide = allowed_tokens([mask], 32 * words.shape[1] + 7, torch.device("cpu"))[0]
     assert not wide[-7:].any() and torch.equal(wide[:vocab], ours)
 
 

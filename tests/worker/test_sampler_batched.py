@@ -7,8 +7,10 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.sampling_params import SamplingParams
 from tests.utils.host_sync import HostSyncDetector
@@ -261,3 +263,88 @@ def test_a_mix_of_failures_fails_only_those_rows():
         assert out.token_ids[row] == clean.token_ids[row], row
     assert out.logprobs[6] == clean.logprobs[6]
     assert out.token_ids[1] is not None  # unseeded: some token
+
+
+# ---- (5) grammar masks: the whole batch at once ----------------------------------------------------
+
+def _grammar_mask(allowed: set[int], vocab: int = VOCAB) -> bytes:
+    """Packed bits as xgrammar fills them: bit t % 32 of int32 word t // 32."""
+    words = np.zeros((vocab + 31) // 32, dtype=np.uint32)
+    for token in allowed:
+        words[token // 32] |= np.uint32(1 << (token % 32))
+    return words.view(np.int32).tobytes()
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten operations dispatched: on a GPU each is a kernel launch (or a copy)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _constrained(rows: int, constrained: int) -> tuple[list[SamplingParams], list[TokenHistory],
+                                                       list[set[int]]]:
+    params = [SamplingParams(temperature=0)] * rows
+    allowed = [set(range(7 * row, 7 * row + 5)) for row in range(constrained)]
+    histories = ([TokenHistory(allowed_token_bitmask=_grammar_mask(a)) for a in allowed]
+                 + [TokenHistory()] * (rows - constrained))
+    return params, histories, allowed
+
+
+def test_grammar_masks_cost_the_same_operations_for_one_constrained_row_or_sixteen():
+    """Row by row, each constrained row cost a dozen launches and a blocking copy: on the H100
+    a batch of 16 decoded 35% slower under a JSON schema (2026-11-28)."""
+    counts = {}
+    for constrained in (1, 16):
+        params, histories, allowed = _constrained(16, constrained)
+        with _OpCounter() as counter:
+            out = Sampler(seed=0)(_logits(16), params, list(range(16)), histories)
+        counts[constrained] = counter.ops
+        # Probe: every constrained row was masked (its argmax is among its 5 tokens).
+        assert all(out.token_ids[row] in allowed[row] for row in range(constrained))
+    assert counts[1] == counts[16], counts
+
+
+def test_a_grammar_masks_before_bias_penalties_and_filters_and_leaves_other_rows_alone():
+    rows = 12
+    params, indices, histories = _mixed(rows)
+    logits = _logits(rows, seed=4)
+    plain = Sampler(seed=0)(logits, params, indices, histories)
+    allowed = {row: set(range(40 * row, 40 * row + 30)) for row in (1, 4, 6, 8, 9)}
+    masked_histories = list(histories)
+    for row, tokens in allowed.items():
+        masked_histories[row] = TokenHistory(
+            prompt_token_ids=histories[row].prompt_token_ids,
+            output_token_ids=histories[row].output_token_ids,
+            blocked_token_ids=histories[row].blocked_token_ids,
+            allowed_token_bitmask=_grammar_mask(tokens))
+    # Row 8's bias of +5 on token 3, which its grammar refuses, must not bring it back.
+    assert 3 in params[8].logit_bias and 3 not in allowed[8]
+    out = Sampler(seed=0)(logits, params, indices, masked_histories)
+    assert not out.errors
+    for row in range(rows):
+        if row in allowed:
+            assert out.token_ids[row] in allowed[row], row
+        else:  # the same draw as without any grammar in the batch
+            assert out.token_ids[row] == plain.token_ids[row], row
+    # Probe: the masks changed what the constrained rows would have sampled.
+    assert any(plain.token_ids[row] not in tokens for row, tokens in allowed.items())
+
+
+def test_a_grammar_that_allows_nothing_or_a_ragged_mask_fails_only_the_constrained_rows():
+    params, histories, allowed = _constrained(6, 3)
+    histories[1] = TokenHistory(allowed_token_bitmask=_grammar_mask(set()))
+    out = Sampler(seed=0)(_logits(6), params, list(range(6)), histories)
+    assert set(out.errors) == {1} and out.token_ids[0] in allowed[0]
+    assert "no token can be chosen" in str(out.errors[1])
+
+    histories[2] = TokenHistory(allowed_token_bitmask=_grammar_mask({1}, vocab=64))
+    out = Sampler(seed=0)(_logits(6), params, list(range(6)), histories)
+    assert set(out.errors) == {0, 1, 2}
+    assert "share one width" in str(out.errors[2])
+    assert all(token is not None for token in out.token_ids[3:])

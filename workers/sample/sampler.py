@@ -37,7 +37,8 @@ import torch
 from engine.logprobs import LogprobsLists
 from engine.sampling_params import SamplingParams
 from workers.host_transfer import read_back, upload
-from workers.sample.logits_processors import NO_HISTORY, TokenHistory, needs_processing, process_logits
+from workers.sample.logits_processors import (NO_HISTORY, TokenHistory, mask_disallowed,
+                                              needs_processing, process_logits)
 from workers.sample.logprobs import LogprobTensors, lists_from, logprob_tensors
 
 _SEED_STRIDE = 1_000_003  # a prime, so (seed, index) pairs map to distinct generator seeds
@@ -158,15 +159,23 @@ class Sampler:
     def _processed(logits: torch.Tensor, params: list[SamplingParams],
                    histories: list[TokenHistory] | None,
                    errors: dict[int, Exception]) -> torch.Tensor:
-        """The logits after each row's processors (the input itself when no row has any). A row
-        whose processors raise keeps its raw logits and fails."""
+        """The logits after the grammars' masks and each row's processors (the input itself
+        when no row has any). A row whose processors raise keeps its raw logits and fails."""
         work = logits
-        for row, sp in enumerate(params):
-            history = histories[row] if histories is not None else NO_HISTORY
-            if not needs_processing(sp, history):
+        rows = histories if histories is not None else [NO_HISTORY] * len(params)
+        masked = [row for row, history in enumerate(rows)
+                  if history.allowed_token_bitmask is not None]
+        if masked:
+            try:
+                work = mask_disallowed(logits, masked,
+                                       [rows[row].allowed_token_bitmask or b"" for row in masked])
+            except Exception as exc:  # the constrained rows' failure, not the batch's
+                errors.update((row, exc) for row in masked)
+        for row, (sp, history) in enumerate(zip(params, rows)):
+            if row in errors or not needs_processing(sp, history):
                 continue
             try:
-                row_logits = process_logits(logits[row], sp, history)
+                row_logits = process_logits(work[row], sp, history)
             except Exception as exc:  # one request's failure, not the batch's
                 errors[row] = exc
                 continue

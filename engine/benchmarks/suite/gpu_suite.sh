@@ -286,9 +286,12 @@ run_full() {
     step structured 90 $py -m engine bench structured --model "$model" "${load[@]}" \
         --device "$device" "${structured_sizes[@]}" --output "$out/structured.json"
     # Only the GPU's cases, compiled in this pytest: CI runs the device_cpu ones, and on the
-    # H100 (2026-11-27) they took the step's whole limit after its GPU cases had passed.
-    step tests-cuda 60 env TRITON_INTERPRET=$([[ $device == cuda ]] && echo 0 || echo 1) \
-        $py -m pytest -q -p no:cacheprovider "${test_mode[@]}" -m gpu -k "not device_cpu" tests/gpu
+    # H100 (2026-11-27) they took the step's whole limit after its GPU cases had passed. Alone
+    # they needed more than 60 s (2026-11-28: 35 of 38 in 60 s). -v: a killed step's log ends
+    # with the test it was running; --durations: the slowest, when it ends.
+    step tests-cuda 120 env TRITON_INTERPRET=$([[ $device == cuda ]] && echo 0 || echo 1) \
+        $py -m pytest -v --durations=10 -p no:cacheprovider "${test_mode[@]}" -m gpu \
+        -k "not device_cpu" tests/gpu
     # Two sizes on one engine: the long prompt's step runs eager, a 512-token step replays as
     # pieces with the vote between them (the smoke run's 128 is the smallest preemptible step).
     step preempt-latency 60 $py -m bench.e2e.preempt_latency --model "$model" "${load[@]}" \
@@ -316,7 +319,7 @@ run_full() {
     fi
     # Compiles every kernel variant the tests use from an empty Triton cache.
     step tests-triton-compiled 120 env TRITON_INTERPRET=$([[ $device == cuda ]] && echo 0 || echo 1) \
-        $py -m pytest -q -p no:cacheprovider "${test_mode[@]}" -m gpu tests/kernels
+        $py -m pytest -v --durations=10 -p no:cacheprovider "${test_mode[@]}" -m gpu tests/kernels
     step burst-inprocess 90 $py -m engine bench run --model "$model" "${load[@]}" \
         --device "$device" --workload burst --arrival gamma --burstiness 4 "${burst[@]}" \
         --seeds 0 --budgets 2048 --policies fcfs slo+mf-conservative-suspend --runner inprocess \

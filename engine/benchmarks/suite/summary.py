@@ -150,8 +150,25 @@ def _tests(out: Path, steps: dict[str, Step], smoke: bool) -> list[str]:
         lines.append(f"- {label}: {_outcome(steps.get(name))}; pytest: "
                      f"`{_pytest_totals(out, name) or 'no totals line'}`")
         failures = [line for line in log.splitlines() if line.startswith(("FAILED", "ERROR"))]
+        if not failures:  # killed before pytest's short summary: -v's own lines say
+            failures = [f"{m.group(1)} {m.group(2)}" for line in log.splitlines()
+                        if (m := re.match(r"^(\S+::\S+) (FAILED|ERROR)\b", line))]
         lines += [f"  - `{line}`" for line in failures[:20]]
+        running = _test_running_when_killed(log)
+        if _ended_badly(steps.get(name)) and running:
+            lines.append(f"  - running when it ended: `{running}`")
     return lines + [""]
+
+
+def _test_running_when_killed(log: str) -> str | None:
+    """The test pytest -v had started and not finished: its id is the log's last test line
+    with no outcome after it."""
+    for line in reversed(log.splitlines()):
+        match = re.match(r"^(\S+::\S+)", line)
+        if match:
+            finished = re.search(r"\b(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b", line)
+            return None if finished else match.group(1)
+    return None
 
 
 def _equality(out: Path) -> list[str]:
