@@ -6,12 +6,16 @@ A request with structured outputs reaches the scheduler only once its grammar is
 (EngineCore.submit_request): it is not scheduled meanwhile, the monitor does not see it, and
 its TTFT deadline, counted from its arrival, has already spent the compile time. The
 vocabulary's description (xgrammar's TokenizerInfo: each token's bytes) is built on the same
-thread by the first request that needs it, so an engine that never sees one never pays for it.
+thread as soon as the engine has started (``prepare``): it takes 0.9 s for a 49k-token
+vocabulary on this CPU and 2.3 s for Llama 3's 128k (the H100 machine, 2026-11-28), which the
+first constrained request would otherwise pay, and an agent's first turn is as urgent as any.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -21,6 +25,8 @@ from engine.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import xgrammar
+
+logger = logging.getLogger(__name__)
 
 # xgrammar's own threads per compilation: it splits the vocabulary among them.
 COMPILE_THREADS = 2
@@ -34,6 +40,17 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sloserve-grammar")
         self._lock = threading.Lock()
         self._compiler: xgrammar.GrammarCompiler | None = None
+
+    def prepare(self) -> Future[xgrammar.GrammarCompiler]:
+        """Build the vocabulary's description on the compile thread now, ahead of any request
+        (a request's compile queues behind it). Call it once startup's timed work is done: on
+        a CPU it takes the cores that a startup calibration would be measuring."""
+        return self._pool.submit(self._vocabulary_compiler)
+
+    @property
+    def prepared(self) -> bool:
+        """Whether the vocabulary's description is built."""
+        return self._compiler is not None
 
     def submit(self, params: StructuredOutputsParams) -> Future[xgrammar.CompiledGrammar]:
         """The compiled grammar, later; the future raises ValueError for a grammar xgrammar
@@ -66,9 +83,12 @@ class GrammarCompiler:
                 import xgrammar as xgr
                 from transformers import AutoTokenizer
 
+                started = time.perf_counter()
                 tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
                 info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS)
+                logger.info("structured outputs: the vocabulary's description (%d tokens) "
+                            "built in %.2f s", self.vocab_size, time.perf_counter() - started)
             return self._compiler
 
     def shutdown(self) -> None:
