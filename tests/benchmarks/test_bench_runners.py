@@ -290,3 +290,96 @@ def test_http_runner_sends_both_objectives_and_reads_the_final_metrics(tiny_mode
     assert result.slack_at_admission_ms == pytest.approx(42.0)
     assert result.tpot_slo_met is not None
     assert result.server_ttft_s is not None and result.max_stream_gap_s is not None
+
+
+@pytest.mark.parametrize("kind", ["json", "tool"])
+def test_inprocess_runner_constrains_the_urgent_tier_alone(tiny_model, monkeypatch, kind):
+    """--urgent-constraint: the urgent turns carry the kind's grammar, the others none; each
+    language is too long to finish, so every request decodes its full output."""
+    from transformers import AutoTokenizer
+
+    from engine.benchmarks.attainment.constraints import structured_params
+    from engine.benchmarks.attainment.policies import POLICIES
+    from engine.benchmarks.attainment.runners import EnginePool, run_inprocess
+    from engine.benchmarks.attainment.workloads import build_workload
+
+    model = tiny_model("llama")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    trace = build_workload("mixed", 6, 40.0, 0, tokenizer, lambda n: 0.01 + 2e-5 * n,
+                           max_prompt_len=480)
+    with EnginePool(model, dtype="float32", max_model_len=512, num_kv_blocks=400,
+                    enable_prefix_caching=False) as pool:
+        engine = pool.get(POLICIES["slo"], 128)
+        seen = {}
+        submit = engine.submit_request
+
+        def spy(request):
+            seen[request.request_id] = request
+            return submit(request)
+
+        monkeypatch.setattr(engine, "submit_request", spy)
+        run = run_inprocess(trace, POLICIES["slo"], model, 128, progress=False, pool=pool,
+                            constraint=kind)
+    assert run.policy == f"slo [{kind}]"
+    tiers = {r.request_id: r.tier for r in trace.requests}
+    assert "urgent" in tiers.values() and "relaxed" in tiers.values()
+    for req_id, request in seen.items():
+        constraint = request.sampling_params.structured_outputs
+        assert constraint == (structured_params(kind) if tiers[req_id] == "urgent" else None)
+    assert all(r.error is None and r.output_tokens == r_trace.output_tokens
+               for r, r_trace in zip(run.requests, trace.requests))
+    # Probe: the urgent outputs really are in the grammar's language (what of its opening 16
+    # tokens reach, whitespace aside: the json kind allows it), and the others are not.
+    opening = '{"summary":"' if kind == "json" else '[{"name":"'
+
+    def opens(text: str) -> bool:
+        compact = "".join(text.split())
+        return bool(compact) and (compact.startswith(opening) or opening.startswith(compact))
+
+    texts = {req_id: tokenizer.decode(request.output_token_ids)
+             for req_id, request in seen.items()}
+    assert all(opens(texts[req_id]) for req_id in texts if tiers[req_id] == "urgent"), texts
+    assert not any(opens(texts[req_id]) for req_id in texts if tiers[req_id] != "urgent")
+
+
+@pytest.mark.parametrize("kind", ["json", "tool"])
+def test_http_runner_sends_the_urgent_constraint_as_the_api_takes_it(tiny_model, kind):
+    """Over HTTP the constraint is a request field the API server parses (response_format for
+    json, structured_outputs for the tool call's grammar): the engine gets the same grammar as
+    in process, and a relaxed request gets none."""
+    from transformers import AutoTokenizer
+
+    from engine.benchmarks.attainment.constraints import structured_params
+    from engine.benchmarks.attainment.runners import _one_http
+    from engine.benchmarks.attainment.traces import TraceRequest
+    from engine.ipc.core_messages import CoreOutputs
+    from engine.outputs import EngineCoreOutput, SchedulerStats
+    from tests.utils.inprocess_server import FakeCore, app_client
+
+    def one_token(message):
+        out = EngineCoreOutput(req_id=message.request_id, new_token_ids=[5],
+                               finish_reason="length")
+        return [CoreOutputs(outputs=[out], stats=SchedulerStats())], False
+
+    model_dir = tiny_model("llama")
+    fake = FakeCore(len(AutoTokenizer.from_pretrained(model_dir)), script=one_token)
+    urgent = TraceRequest("u0", "urgent", 0.0, [5, 6, 7, 8], 1, ttft_slo_ms=800.0)
+    relaxed = TraceRequest("r0", "relaxed", 0.0, [5, 6, 7, 8], 1, ttft_slo_ms=8000.0)
+
+    async def run():
+        async with app_client(model_dir, fake=fake) as (http, _):
+            return [await _one_http(http, tr, time.monotonic(), priority=0, model_name=None,
+                                    constraint=kind) for tr in (urgent, relaxed)]
+
+    results = asyncio.run(run())
+    assert all(r.error is None for r in results), [r.error for r in results]
+    sent_urgent, sent_relaxed = fake.requests  # sent one after the other, in this order
+    assert sent_urgent.sampling_params.structured_outputs == structured_params(kind)
+    assert sent_relaxed.sampling_params.structured_outputs is None
+
+
+def test_urgent_constraints_are_for_one_server_and_known_kinds(capsys):
+    assert main(["bench", "run", "--replicas", "2", "--urgent-constraint", "json"]) == 2
+    assert "--urgent-constraint runs on one server or engine" in capsys.readouterr().err
+    assert main(["bench", "run", "--urgent-constraint", "yaml"]) == 2
+    assert "invalid choice: 'yaml'" in capsys.readouterr().err

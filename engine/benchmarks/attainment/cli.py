@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.benchmarks.attainment.constraints import CONSTRAINTS
 from engine.benchmarks.attainment.policies import DEFAULT_SWEEP_POLICIES, resolve_policies
 from engine.benchmarks.attainment.salts import PREFIX_SALT_TOKENS
 from engine.benchmarks.attainment.policies import DEFAULT_SERVER_POLICY
@@ -186,16 +187,21 @@ def _served_model(url: str, given: str | None, api_key: str | None) -> str:
     return given or asyncio.run(served_model_name(url, api_key))
 
 
-def _run_cell(setup: BenchSetup, args: argparse.Namespace, trace, policy, budget: int):
+def _run_cell(setup: BenchSetup, args: argparse.Namespace, trace, policy,
+              budget: int) -> list:
+    """The trace's runs under one policy and budget: one per --urgent-constraint kind, each
+    against the same server (over HTTP) or engine (in process), in the order given."""
     from engine.benchmarks.attainment.clairvoyant import clairvoyant_attainment
     from engine.benchmarks.attainment.runners import run_http, run_inprocess
     from engine.benchmarks.attainment.time_scale import restored_run, slowed_trace
 
+    kinds = getattr(args, "urgent_constraint", None) or ["none"]
     replayed = slowed_trace(trace, setup.time_scale)
+    runs = []
     if args.runner == "http" and args.url:
-        run = run_http(trace, args.url, policy, budget, api_key=args.api_key,
-                       model_name=_served_model(args.url, getattr(args, "url_model", None),
-                                                args.api_key))
+        model_name = _served_model(args.url, getattr(args, "url_model", None), args.api_key)
+        runs = [run_http(trace, args.url, policy, budget, api_key=args.api_key,
+                         model_name=model_name, constraint=kind) for kind in kinds]
     elif args.runner == "http":
         from engine.benchmarks.attainment.server import serve
 
@@ -203,16 +209,20 @@ def _run_cell(setup: BenchSetup, args: argparse.Namespace, trace, policy, budget
         header = ", ".join(f"{k} {meta[k]}" for k in ("workload", "rate", "seed") if k in meta)
         with serve(policy, budget, setup.model, log_path=setup.server_log, log_header=header,
                    **setup.engine_overrides) as url:
-            run = run_http(replayed, url, policy, budget)
+            runs = [run_http(replayed, url, policy, budget, constraint=kind) for kind in kinds]
     else:
-        run = run_inprocess(replayed, policy, setup.model, budget, pool=setup.engines,
-                            **setup.engine_overrides)
-    run = restored_run(run, trace, setup.time_scale)
-    run.clairvoyant = clairvoyant_attainment(trace, setup.predict_ttft_s, budget_tokens=budget)
-    # On disk as the run ends: a benchmark killed in a later run keeps this one.
-    for kind, record in run.figure_records():
-        setup.figures.write(kind, **record)
-    return run
+        runs = [run_inprocess(replayed, policy, setup.model, budget, pool=setup.engines,
+                              constraint=kind, **setup.engine_overrides) for kind in kinds]
+    restored = []
+    for run in runs:
+        run = restored_run(run, trace, setup.time_scale)
+        run.clairvoyant = clairvoyant_attainment(trace, setup.predict_ttft_s,
+                                                 budget_tokens=budget)
+        # On disk as the run ends: a benchmark killed in a later run keeps this one.
+        for kind, record in run.figure_records():
+            setup.figures.write(kind, **record)
+        restored.append(run)
+    return restored
 
 
 def _run_peers(setup: BenchSetup, args: argparse.Namespace, trace) -> list:
@@ -298,7 +308,7 @@ def _grid(setup: BenchSetup, args: argparse.Namespace, rates: list[float]) -> li
             for policy in policies:
                 print(f"[{len(runs) + 1}/{total}] rate {rate:g} seed {seed} budget {budget} "
                       f"{policy.name}", file=sys.stderr)
-                runs.append(_run_cell(setup, args, trace, policy, budget))
+                runs += _run_cell(setup, args, trace, policy, budget)
         runs += _run_peers(setup, args, trace)
     return runs
 
@@ -359,6 +369,9 @@ def _stop_if_dry_run(args: argparse.Namespace) -> None:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     if getattr(args, "replicas", None):
+        if args.urgent_constraint != ["none"]:
+            raise ValueError("--urgent-constraint runs on one server or engine: leave it out "
+                             "with --replicas")
         return _cmd_run_fleet(args)
     _stop_if_dry_run(args)
     _check_peers(args)
@@ -374,7 +387,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             for trace in traces:
                 for budget in budgets:
                     for policy in _policies(args):
-                        runs.append(_run_cell(setup, args, trace, policy, budget))
+                        runs += _run_cell(setup, args, trace, policy, budget)
                 runs += _run_peers(setup, args, trace)
         else:
             runs = _grid(setup, args, args.rates)
@@ -450,7 +463,7 @@ def _fcfs_attainment(setup: BenchSetup, args: argparse.Namespace, rate: float) -
 
     trace = _trace(setup, args, rate, args.seeds[0])
     budget = _budgets(args, [trace])[0]
-    run = _run_cell(setup, args, trace, POLICIES["fcfs"], budget)
+    (run,) = _run_cell(setup, args, trace, POLICIES["fcfs"], budget)
     attained = summarize(run)["ttft_slo_attainment"] or 0.0
     print(f"fcfs at {rate:.3f} req/s: attainment {attained:.2f}", file=sys.stderr)
     return attained
@@ -621,6 +634,14 @@ def add_subcommands(sub: Any) -> None:
                      help="the model name to send to peer NAME (default: the first that its "
                           "/v1/models lists; vLLM serves a model under its path unless started "
                           "with --served-model-name)")
+    run.add_argument("--urgent-constraint", nargs="+", choices=CONSTRAINTS, default=["none"],
+                     metavar="KIND",
+                     help="what the urgent tier's requests carry, one run per kind on the same "
+                          "server or engine, in this order: none (plain), json (a "
+                          "response_format JSON schema) or tool (the grammar of a required "
+                          "tool call); each language is too long to finish, so every kind "
+                          "decodes the same tokens. The runs are labelled POLICY [KIND] "
+                          "(default: none)")
     _add_fleet(run)
     run.set_defaults(func=_cmd_run)
 

@@ -29,6 +29,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from engine.benchmarks.attainment.constraints import (check_constraint, constrains,
+                                                      http_fields, labelled, structured_params)
 from engine.benchmarks.attainment.policies import PolicySpec, tier_priorities
 from engine.benchmarks.attainment.results import RequestResult, RunResult
 from engine.benchmarks.attainment.salts import PREFIX_SALT_TOKENS, PrefixSalts, salted
@@ -112,8 +114,9 @@ class EnginePool:
 
 def run_inprocess(trace: Trace, policy: PolicySpec, model: str, budget: int,
                   progress: bool = True, pool: EnginePool | None = None,
-                  **engine_overrides: Any) -> RunResult:
-    """Replay `trace` on an engine of `pool` (or on a fresh one, shut down afterwards)."""
+                  constraint: str = "none", **engine_overrides: Any) -> RunResult:
+    """Replay `trace` on an engine of `pool` (or on a fresh one, shut down afterwards).
+    `constraint`: what the urgent tier's requests carry (attainment.constraints)."""
     from engine.core.request import Request
     from engine.sampling_params import SamplingParams
 
@@ -127,10 +130,16 @@ def run_inprocess(trace: Trace, policy: PolicySpec, model: str, budget: int,
     # text is out (a special or partial first token shows nothing): TTFT counts to that.
     visible = FirstVisibleText(_tokenizer(model))
 
-    def make(tr: TraceRequest, req_id: str) -> Request:
+    structured = structured_params(constraint)
+
+    def make(tr: TraceRequest, req_id: str, warm_up: bool = False) -> Request:
+        # The warm-up is plain, as over HTTP: the first constrained request compiles its
+        # schema, and its deadline pays for it, as a server's first agent turn would.
+        constrained = constrains(constraint, tr.tier) and not warm_up
         request = Request(request_id=req_id, prompt_token_ids=list(tr.prompt_token_ids),
-                          sampling_params=SamplingParams(max_tokens=tr.output_tokens,
-                                                         temperature=0.0, ignore_eos=True),
+                          sampling_params=SamplingParams(
+                              max_tokens=tr.output_tokens, temperature=0.0, ignore_eos=True,
+                              structured_outputs=structured if constrained else None),
                           ttft_slo_ms=tr.ttft_slo_ms, tpot_slo_ms=tr.tpot_slo_ms,
                           priority=priorities.get(tr.tier, 0),
                           reports_first_output=tr.ttft_slo_ms is not None)
@@ -140,7 +149,7 @@ def run_inprocess(trace: Trace, policy: PolicySpec, model: str, budget: int,
     try:
         if engine.scheduler.step_id == 0:
             # Warm-up outside the measurement: first-call allocations and kernel selection.
-            engine.add_request(make(trace.requests[0], "warmup"))
+            engine.add_request(make(trace.requests[0], "warmup", warm_up=True))
             while engine.has_unfinished_requests():
                 engine.step()
         before = engine.stats()
@@ -181,7 +190,7 @@ def run_inprocess(trace: Trace, policy: PolicySpec, model: str, budget: int,
     end = max((r.finish_time or start) for _, r in submitted)
     workload, rate, seed = _meta(trace)
     return RunResult(
-        runner="inprocess", policy=policy.name, budget=budget, workload=workload, rate=rate,
+        runner="inprocess", policy=labelled(policy.name, constraint), budget=budget, workload=workload, rate=rate,
         seed=seed, duration_s=end - (start + trace.requests[0].arrival_s), requests=results,
         engine={"num_preemptions_kv": stats.num_kv_preemptions - before.num_kv_preemptions,
                 "num_preemptions_slo": stats.num_slo_preemptions - before.num_slo_preemptions,
@@ -306,7 +315,8 @@ async def served_model_name(url: str, api_key: str | None = None) -> str:
 
 
 async def _one_http(client: Any, tr: TraceRequest, start: float, priority: int,
-                    model_name: str | None, salt: Sequence[int] = ()) -> RequestResult:
+                    model_name: str | None, salt: Sequence[int] = (),
+                    constraint: str = "none") -> RequestResult:
     delay = start + tr.arrival_s - time.monotonic()
     if delay > 0:
         await asyncio.sleep(delay)
@@ -314,6 +324,8 @@ async def _one_http(client: Any, tr: TraceRequest, start: float, priority: int,
     body: dict[str, Any] = {"prompt": prompt, "max_tokens": tr.output_tokens,
                             "temperature": 0, "ignore_eos": True, "stream": True,
                             "stream_options": {"include_usage": True}, "priority": priority}
+    if constrains(constraint, tr.tier):
+        body.update(http_fields(constraint))
     if model_name:
         body["model"] = model_name
     for name in ("ttft_slo_ms", "tpot_slo_ms"):
@@ -393,11 +405,13 @@ def _rejected_prediction(body: str) -> float | None:
 async def run_http_async(trace: Trace, url: str, policy: PolicySpec, budget: int,
                          api_key: str | None = None, model_name: str | None = None,
                          progress: bool = True, label: str | None = None,
-                         salt_tokens: int = PREFIX_SALT_TOKENS) -> RunResult:
+                         salt_tokens: int = PREFIX_SALT_TOKENS,
+                         constraint: str = "none") -> RunResult:
     """Replay `trace` against the server at `url`. `label` names the run in place of the
     policy's name (a peer server's name: its own settings, not `policy`, run it); every prompt
     starts with `salt_tokens` fresh salt tokens in place of its own (see the module docstring;
-    0: none)."""
+    0: none); `constraint`: what the urgent tier's requests carry (attainment.constraints)."""
+    check_constraint(constraint)
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -431,12 +445,13 @@ async def run_http_async(trace: Trace, url: str, policy: PolicySpec, budget: int
                     session_salts[tr.session] = salts.draw()
                 request_salts[tr.request_id] = session_salts[tr.session]
         start = time.monotonic()
-        bar = tqdm(total=len(trace.requests), desc=f"{label or policy.name} @ {budget} (http)",
+        bar = tqdm(total=len(trace.requests),
+                   desc=f"{labelled(label or policy.name, constraint)} @ {budget} (http)",
                    disable=not progress, leave=False)
 
         async def tracked(tr: TraceRequest) -> RequestResult:
             result = await _one_http(client, tr, start, priorities.get(tr.tier, 0), model_name,
-                                     request_salts[tr.request_id])
+                                     request_salts[tr.request_id], constraint)
             bar.update()
             return result
 
@@ -451,7 +466,8 @@ async def run_http_async(trace: Trace, url: str, policy: PolicySpec, budget: int
         if None not in counted:
             engine[key] = counted[1] - counted[0]
     workload, rate, seed = _meta(trace)
-    return RunResult(runner="http", policy=label or policy.name, budget=budget,
+    return RunResult(runner="http", policy=labelled(label or policy.name, constraint),
+                     budget=budget,
                      workload=workload, rate=rate, seed=seed,
                      duration_s=end - (start + trace.requests[0].arrival_s),
                      requests=list(results), engine=engine,

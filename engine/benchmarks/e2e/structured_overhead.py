@@ -20,13 +20,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from engine.benchmarks.attainment.constraints import LONG_STRING_SCHEMA
 from engine.benchmarks.inputs.random_prompts import random_prompts
 from engine.benchmarks.measure.figures import print_result
 from engine.benchmarks.standalone import standalone_main
 
-# A string field no output of --max-tokens tokens can finish: the grammar masks every step.
-LONG_STRING_SCHEMA = {"type": "object", "required": ["summary"],
-                      "properties": {"summary": {"type": "string", "minLength": 4096}}}
 
 
 @contextmanager
