@@ -197,8 +197,8 @@ class ModelRunner:
             if self.run_ahead is None:
                 self.model.before_attention = vote
             else:
-                vote.progress_lag = self.run_ahead.window
-                self.model.before_attention = self.run_ahead.pace(vote)
+                self.model.before_attention = self.run_ahead.pace(
+                    vote, on_window=lambda window: setattr(vote, "progress_lag", window))
         try:
             if graphs is not None and graph_size is not None:
                 hidden = graphs.replay(graph_size)
