@@ -76,6 +76,10 @@ def run_core_process(config_bytes: bytes, port: int, token: bytes,
         try:
             core = EngineCore(config_decoder.decode(config_bytes),
                               slo_preempt_signal=slo_preempt_signal)
+            # Before ready: a server's first agent turn must not wait 1-2 s for the vocabulary's
+            # description, and building it while requests run would slow their steps (it holds
+            # the GIL). A tokenizer xgrammar cannot read fails only constrained requests.
+            core.grammars.prepare().exception()
         except Exception as exc:
             channel.send(CoreFailed(error=f"{type(exc).__name__}: {exc}"
                                     if isinstance(exc, ValueError) else traceback.format_exc()))

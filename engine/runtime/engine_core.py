@@ -96,11 +96,11 @@ class EngineCore:
         # grammar failed to compile, from the grammar thread.
         self.rejected: list[tuple[str, str]] = []
         self._rejected_async: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
-        # Structured outputs: grammars compile on a thread of their own, which starts on the
-        # vocabulary's description now that startup's measurements are done.
+        # Structured outputs: grammars compile on a thread of their own. The vocabulary's
+        # description is built by the first that needs it, or ahead of any by `prepare` (the
+        # API server's engine process does, before it reports ready).
         self.grammars = GrammarCompiler(config.model.tokenizer or self.model.model_dir,
                                         self.vocab_size)
-        self.grammars.prepare()
         # Requests handed over whose grammar is compiling: id -> request (an abort drops it).
         self._compiling: dict[str, Request] = {}
         self._compiling_lock = threading.Lock()

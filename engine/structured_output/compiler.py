@@ -6,9 +6,11 @@ A request with structured outputs reaches the scheduler only once its grammar is
 (EngineCore.submit_request): it is not scheduled meanwhile, the monitor does not see it, and
 its TTFT deadline, counted from its arrival, has already spent the compile time. The
 vocabulary's description (xgrammar's TokenizerInfo: each token's bytes) is built on the same
-thread as soon as the engine has started (``prepare``): it takes 0.9 s for a 49k-token
-vocabulary on this CPU and 2.3 s for Llama 3's 128k (the H100 machine, 2026-11-28), which the
-first constrained request would otherwise pay, and an agent's first turn is as urgent as any.
+thread, by the first request that needs it or ahead of any (``prepare``): it takes 0.9 s for a
+49k-token vocabulary on this CPU and 2.3 s for Llama 3's 128k (the H100 machine, 2026-11-28).
+A server prepares it before it reports ready (engine/ipc/core_process.py): an agent's first
+turn is as urgent as any, and a build while requests run would slow their steps (most of it is
+Python, holding the GIL).
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ class GrammarCompiler:
     def prepare(self) -> Future[xgrammar.GrammarCompiler]:
         """Build the vocabulary's description on the compile thread now, ahead of any request
         (a request's compile queues behind it). Call it once startup's timed work is done: on
-        a CPU it takes the cores that a startup calibration would be measuring."""
+        a CPU it takes the cores that a startup calibration would be measuring. The future
+        holds the exception of a tokenizer xgrammar cannot read (each constrained request then
+        fails with it)."""
         return self._pool.submit(self._vocabulary_compiler)
 
     @property

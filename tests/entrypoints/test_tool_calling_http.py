@@ -223,3 +223,63 @@ def test_auto_without_a_parser_is_a_400_naming_the_option(tiny_model, tmp_path):
                                                               json=request)],
                      tool_call_parser="hermes")
     assert served.status_code == 200, served.text
+
+
+def test_a_tool_call_held_back_until_complete_is_the_first_output_the_scheduler_hears_of(
+        tool_model):
+    """Issue 35, item 5: the hermes parser holds a call back until it is complete, so the
+    client's first visible output is the call, not the engine's first token. The note that
+    tells the scheduler a request's first output was delivered (FirstOutputDelivered: its TTFT
+    objective met or missed for good) is sent when that chunk is written, not before; the
+    assistant role's empty opening chunk does not count."""
+    import asyncio
+    import time
+
+    from transformers import AutoTokenizer
+
+    from engine.ipc.core_messages import CoreOutputs
+    from engine.outputs import EngineCoreOutput, SchedulerStats
+    from tests.utils.inprocess_server import FakeCore, app_client
+
+    tokenizer = AutoTokenizer.from_pretrained(tool_model)
+    text = '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = [ids[len(ids) * k // 4:len(ids) * (k + 1) // 4] for k in range(4)]
+    gap_s = 0.15
+
+    def call_over_time(message):
+        frames: list = []
+        for k, piece in enumerate(pieces):
+            out = EngineCoreOutput(req_id=message.request_id, new_token_ids=piece,
+                                   finish_reason="stop" if k == len(pieces) - 1 else None)
+            frames += [CoreOutputs(outputs=[out], stats=SchedulerStats()), gap_s]
+        return frames[:-1], False
+
+    fake = FakeCore(len(tokenizer), script=call_over_time, max_model_len=MAX_MODEL_LEN)
+
+    async def run():
+        settings = ServerSettings(served_model_name="tiny", tool_call_parser="hermes")
+        async with app_client(tool_model, settings, fake=fake,
+                              max_model_len=MAX_MODEL_LEN) as (http, _):
+            body = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "stream": True,
+                    "max_tokens": 100, "ttft_slo_ms": 5000}
+            async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200, await response.aread()
+                chunks = [line async for line in response.aiter_lines()
+                          if line.startswith("data: {")]
+            for _ in range(100):  # the note travels to the core on its own
+                if fake.delivered:
+                    break
+                await asyncio.sleep(0.01)
+            return [json.loads(line[6:]) for line in chunks]
+
+    chunks = asyncio.run(run())
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    calls = [d["tool_calls"] for d in deltas if d.get("tool_calls")]
+    assert calls and calls[0][0]["function"]["name"] == "get_time", chunks
+    assert not any(d.get("content") for d in deltas)  # nothing of the call leaked as text
+    (delivered,) = fake.delivered
+    first_token_sent, last_token_sent = fake.sent_at[0], fake.sent_at[-1]
+    # Probe: the engine's tokens really came over 3 gaps, the first long before the last.
+    assert last_token_sent - first_token_sent >= 3 * gap_s * 0.9
+    assert delivered.delivered_at >= last_token_sent

@@ -276,21 +276,18 @@ def test_a_token_the_grammar_refuses_fails_that_request_alone(model):
         engine.shutdown()
 
 
-def test_the_vocabulary_is_described_at_startup_not_by_the_first_constrained_request(
-        model, caplog):
-    """On the H100 the first schema took 2.3 s, most of it describing Llama 3's 128k tokens:
-    the first agent turn would have missed any deadline. The engine builds the description on
-    its grammar thread once it has started."""
+def test_prepare_describes_the_vocabulary_before_any_constrained_request(model, caplog):
+    """On the H100 the first schema took 2.3 s, most of it describing Llama 3's 128k tokens.
+    `prepare` builds the description on the grammar thread ahead of any request (a server's
+    engine process does before it reports ready: tests/entrypoints/test_structured_outputs_http)."""
     import logging
 
-    with caplog.at_level(logging.INFO, logger="engine.structured_output.compiler"):
-        engine = _engine(model)
-        try:
-            deadline = time.monotonic() + 60
-            while not engine.grammars.prepared:  # no request has asked for a grammar
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-            assert not engine.has_unfinished_requests()
-        finally:
-            engine.shutdown()
-    assert "the vocabulary's description" in caplog.text
+    engine = _engine(model)
+    try:
+        assert not engine.grammars.prepared  # probe: nothing built it by itself
+        with caplog.at_level(logging.INFO, logger="engine.structured_output.compiler"):
+            engine.grammars.prepare().result(60)
+        assert engine.grammars.prepared and not engine.has_unfinished_requests()
+        assert "the vocabulary's description" in caplog.text
+    finally:
+        engine.shutdown()

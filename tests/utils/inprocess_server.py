@@ -9,6 +9,7 @@ import asyncio
 
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -18,15 +19,17 @@ import msgspec
 from engine.serving.api_server import ServerSettings, build_app
 from engine.ipc.async_client import AsyncEngineClient
 from engine.config import build_engine_config
-from engine.ipc.core_messages import (AddRequest, CoreHello, CoreOutputs, CoreReady, FrameSocket,
-                                  ShutdownCore, to_core_decoder)
+from engine.ipc.core_messages import (AddRequest, CoreHello, CoreOutputs, CoreReady,
+                                      FirstOutputDelivered, FrameSocket, ShutdownCore,
+                                      to_core_decoder)
 from engine.outputs import EngineCoreOutput, SchedulerStats
 
 MAX_MODEL_LEN = 64
 
-# What the fake core answers to one AddRequest: the frames to send, and whether to hang up
-# after them (as the real core does after CoreFailed).
-Script = Callable[[AddRequest], tuple[list[msgspec.Struct], bool]]
+# What the fake core answers to one AddRequest: the frames to send (a number among them: wait
+# that many seconds before the next), and whether to hang up after them (as the real core does
+# after CoreFailed).
+Script = Callable[[AddRequest], tuple[list[msgspec.Struct | float], bool]]
 
 
 def finish_with_one_token(message: AddRequest) -> tuple[list[msgspec.Struct], bool]:
@@ -38,11 +41,16 @@ class FakeCore:
     """Stands in for the EngineCore process: `spawn` replaces AsyncEngineClient._spawn_core and
     the object itself answers the process interface the client uses (is_alive, join, ...)."""
 
-    def __init__(self, vocab_size: int, script: Script = finish_with_one_token) -> None:
-        self.vocab_size, self.script = vocab_size, script
+    def __init__(self, vocab_size: int, script: Script = finish_with_one_token,
+                 max_model_len: int = MAX_MODEL_LEN) -> None:
+        self.vocab_size, self.script, self.max_model_len = vocab_size, script, max_model_len
         self.thread: threading.Thread | None = None
         self.sock: socket.socket | None = None
         self.requests: list[AddRequest] = []
+        # The API server's notes that a request's first visible output was written.
+        self.delivered: list[FirstOutputDelivered] = []
+        # When each frame went out (time.monotonic()), in order.
+        self.sent_at: list[float] = []
 
     def spawn(self, target, port: int, token: bytes) -> FakeCore:
         self.sock = socket.create_connection(("127.0.0.1", port))
@@ -54,18 +62,24 @@ class FakeCore:
         channel = FrameSocket(self.sock)
         try:
             channel.send(CoreHello(token=token))
-            channel.send(CoreReady(max_model_len=MAX_MODEL_LEN, vocab_size=self.vocab_size,
+            channel.send(CoreReady(max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                                    num_blocks=8))
             while (frames := channel.receive(timeout=None)) is not None:
                 for payload in frames:
                     message = to_core_decoder.decode(payload)
                     if isinstance(message, ShutdownCore):
                         return
+                    if isinstance(message, FirstOutputDelivered):
+                        self.delivered.append(message)
                     if isinstance(message, AddRequest):
                         self.requests.append(message)
                         replies, hang_up = self.script(message)
                         for reply in replies:
+                            if isinstance(reply, float):
+                                time.sleep(reply)
+                                continue
                             channel.send(reply)
+                            self.sent_at.append(time.monotonic())
                         if hang_up:
                             return
         except OSError:

@@ -147,6 +147,9 @@ def run_inprocess(trace: Trace, policy: PolicySpec, model: str, budget: int,
         return request
 
     try:
+        if constraint != "none":
+            # As a server does before it reports ready (engine/ipc/core_process.py).
+            engine.grammars.prepare().result()
         if engine.scheduler.step_id == 0:
             # Warm-up outside the measurement: first-call allocations and kernel selection.
             engine.add_request(make(trace.requests[0], "warmup", warm_up=True))
