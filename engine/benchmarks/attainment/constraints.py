@@ -13,6 +13,14 @@ scheduling around them.
   (engine/serving/tool_calls/calling.py), for two tools each taking one long string; sent as
   `structured_outputs` on /v1/completions (tools are a chat field, and the benchmark's prompts
   are token ids).
+
+Each replay's warm-up carries the kind's constraint, so its schema is compiled (and cached) before
+the measurement: the runs measure an agent deployment's steady state, where a server has
+compiled each of its tools' schemas once. The first compile of a schema is not small: 580-650 ms
+for a string with a ``minLength`` (this bench's, whatever the length) against Llama 3's 128k
+vocabulary on this CPU, 1-10 ms for typical tool arguments; a server's first request with a new
+schema waits for it (measured with the warm-up plain: the first two urgent turns of each seed's
+json run missed by 0.5-0.9 s; bench/results/HISTORY.md, issue 35).
 """
 
 from __future__ import annotations

@@ -132,10 +132,8 @@ def run_inprocess(trace: Trace, policy: PolicySpec, model: str, budget: int,
 
     structured = structured_params(constraint)
 
-    def make(tr: TraceRequest, req_id: str, warm_up: bool = False) -> Request:
-        # The warm-up is plain, as over HTTP: the first constrained request compiles its
-        # schema, and its deadline pays for it, as a server's first agent turn would.
-        constrained = constrains(constraint, tr.tier) and not warm_up
+    def make(tr: TraceRequest, req_id: str) -> Request:
+        constrained = constrains(constraint, tr.tier)
         request = Request(request_id=req_id, prompt_token_ids=list(tr.prompt_token_ids),
                           sampling_params=SamplingParams(
                               max_tokens=tr.output_tokens, temperature=0.0, ignore_eos=True,
@@ -147,12 +145,15 @@ def run_inprocess(trace: Trace, policy: PolicySpec, model: str, budget: int,
         return request
 
     try:
-        if constraint != "none":
-            # As a server does before it reports ready (engine/ipc/core_process.py).
+        if structured is not None:
+            # The vocabulary's description, as a server builds it before it reports ready
+            # (engine/ipc/core_process.py); then the kind's schema, as the HTTP runner's
+            # warm-up compiles it (attainment.constraints).
             engine.grammars.prepare().result()
+            engine.grammars.compile(structured)
         if engine.scheduler.step_id == 0:
             # Warm-up outside the measurement: first-call allocations and kernel selection.
-            engine.add_request(make(trace.requests[0], "warmup", warm_up=True))
+            engine.add_request(make(trace.requests[0], "warmup"))
             while engine.has_unfinished_requests():
                 engine.step()
         before = engine.stats()
@@ -430,6 +431,8 @@ async def run_http_async(trace: Trace, url: str, policy: PolicySpec, budget: int
         response = await client.post("/v1/completions", json={
             "prompt": salted(warmup.prompt_token_ids, salts.draw()),
             "max_tokens": warmup.output_tokens, "temperature": 0, "ignore_eos": True,
+            # The kind's schema compiles here, outside the measurement (attainment.constraints).
+            **http_fields(constraint),
             **({"model": model_name} if model_name else {})})
         if response.status_code != 200:
             raise RuntimeError(f"{url}: the warm-up request failed with HTTP "
