@@ -17,6 +17,7 @@ from engine.outputs import RequestMetrics, RequestOutput
 from engine.serving.edge_clock import EdgeClock
 from engine.serving.reasoning_parsers import ReasoningParser
 from engine.serving.tool_calls.calling import ToolCalling, call_body
+from engine.serving.tool_calls.parsers import FunctionCall, ParsedOutput
 
 # time.monotonic() -> Unix time, for the timestamps reported to clients.
 _UNIX_OFFSET = time.time() - time.monotonic()
@@ -257,8 +258,10 @@ class _ChoiceStream:
     # prompt.
     output_sent: bool = False
     finished: bool = False
-    # Tool calls sent so far.
+    # Tool calls sent so far, whole; and those whose id and name went out (a named call's
+    # before its arguments).
     calls_sent: int = 0
+    headers_sent: int = 0
     # Where the reasoning sent so far ends in the output text.
     reasoning_sent: int = 0
 
@@ -323,6 +326,28 @@ async def stream_events(ctx: ResponseContext, choices: list[Choice],
     yield _sse("[DONE]")
 
 
+def _call_deltas(ctx: ResponseContext, stream: _ChoiceStream, parsed: ParsedOutput
+                 ) -> tuple[list[dict[str, Any]], int]:
+    """The `tool_calls` delta entries for what ``parsed`` adds, and how many calls they
+    complete: a call whose id and name went out before gets its arguments alone (the openai
+    SDK appends them to the entry of the same index); an opening call, its id and name with
+    empty arguments."""
+    request_id, choice = ctx.request_id, stream.choice.index
+    entries: list[dict[str, Any]] = []
+    for i, call in enumerate(parsed.calls):
+        if i < stream.calls_sent:
+            continue
+        if i < stream.headers_sent:
+            entries.append({"index": i, "function": {"arguments": call.arguments}})
+        else:
+            entries.append({"index": i, **call_body(call, request_id, choice, i)})
+    opening_index = len(parsed.calls)
+    if parsed.opening is not None and opening_index >= stream.headers_sent:
+        header = call_body(FunctionCall(parsed.opening, ""), request_id, choice, opening_index)
+        entries.append({"index": opening_index, **header})
+    return entries, len(parsed.calls) - min(stream.calls_sent, len(parsed.calls))
+
+
 def _carries_answer(body: dict[str, Any]) -> bool:
     """Whether a chunk carries answer: text, or a tool call (a reasoning model's thinking is
     not answer)."""
@@ -356,12 +381,13 @@ def _stream_delta(ctx: ResponseContext, stream: _ChoiceStream, out: RequestOutpu
         if not ctx.include_reasoning:
             reasoning_delta = ""
     new_calls: list[dict[str, Any]] = []
+    completed, headers = 0, stream.headers_sent
     if ctx.tool_calling is not None and answering:
         # Content stops where tool calls begin (or may: a marker's start is held back).
         parsed = ctx.tool_calling.parse(out.text[answer_from:], out.finished)
         safe = max(stream.text_sent, min(safe, answer_from + parsed.content_end))
-        new_calls = [{"index": i, **call_body(call, ctx.request_id, stream.choice.index, i)}
-                     for i, call in enumerate(parsed.calls) if i >= stream.calls_sent]
+        new_calls, completed = _call_deltas(ctx, stream, parsed)
+        headers = max(headers, len(parsed.calls) + (parsed.opening is not None))
     delta = "" if ctx.echo_only else out.text[stream.text_sent:safe]
     # Logprobs go with the tokens whose text is sent (all of them at the end).
     tokens_end = stream.tokens_sent
@@ -380,7 +406,7 @@ def _stream_delta(ctx: ResponseContext, stream: _ChoiceStream, out: RequestOutpu
     finish_reason = ("length" if ctx.echo_only else out.finish_reason) if out.finished else None
     if ctx.tool_calling is not None:
         finish_reason = ctx.tool_calling.finish_reason(
-            finish_reason, stream.calls_sent + len(new_calls) > 0)
+            finish_reason, stream.calls_sent + completed > 0)
     if ctx.chat:
         body: dict[str, Any] = {"index": index, "delta": {"content": delta}, "logprobs": None,
                                 "finish_reason": finish_reason}
@@ -410,7 +436,8 @@ def _stream_delta(ctx: ResponseContext, stream: _ChoiceStream, out: RequestOutpu
     stream.started = True
     stream.output_sent = (stream.output_sent or bool(delta) or bool(reasoning_delta)
                           or bool(new_calls) or tokens_end > stream.tokens_sent)
-    stream.calls_sent += len(new_calls)
+    stream.calls_sent += completed
+    stream.headers_sent = max(headers, stream.calls_sent)
     stream.text_sent = max(stream.text_sent, safe)
     stream.tokens_sent = tokens_end
     return body

@@ -283,3 +283,67 @@ def test_a_tool_call_held_back_until_complete_is_the_first_output_the_scheduler_
     # Probe: the engine's tokens really came over 3 gaps, the first long before the last.
     assert last_token_sent - first_token_sent >= 3 * gap_s * 0.9
     assert delivered.delivered_at >= last_token_sent
+
+
+def test_a_named_call_streams_its_name_with_the_first_token_and_its_arguments_when_complete(
+        tool_model):
+    """A named function's output is its arguments: the stream sends the call's id and name at
+    once (the client's first visible output, so what its TTFT counts), then the arguments in a
+    second delta of the same index, which the SDK's helper appends; the accumulated message is
+    the non-streamed one. Cut short by max_tokens, the call keeps the partial arguments in both
+    (vLLM returns them so)."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+
+    def create(max_tokens: int):
+        async def call(sdk, _):
+            return await sdk.chat.completions.create(
+                model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=named,
+                max_tokens=max_tokens, temperature=0)
+        return call
+
+    def streamed(max_tokens: int):
+        async def call(sdk, _):
+            chunks = []
+            async with sdk.chat.completions.stream(
+                    model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=named,
+                    max_tokens=max_tokens, temperature=0) as stream:
+                async for event in stream:
+                    if event.type == "chunk":
+                        chunks.append(event.chunk)
+                return chunks, await stream.get_final_completion()
+        return call
+
+    async def short_streamed_arguments(sdk, _):
+        # The SDK's helper refuses a completion cut short (LengthFinishReasonError): the raw
+        # stream, its argument deltas appended as the helper would.
+        stream = await sdk.chat.completions.create(
+            model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=named, max_tokens=3,
+            temperature=0, stream=True)
+        arguments = ""
+        async for chunk in stream:
+            for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                arguments += delta.function.arguments or ""
+        return arguments
+
+    whole, (chunks, accumulated), short, short_streamed = _run(
+        tool_model, [create(200), streamed(200), create(3), short_streamed_arguments])
+    (call,) = whole.choices[0].message.tool_calls
+    _check_weather_or_time(call)
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert len(deltas) == 2 and [d.index for d in deltas] == [0, 0]
+    header, arguments = deltas
+    (streamed_call,) = accumulated.choices[0].message.tool_calls
+    assert header.id == streamed_call.id and header.function.name == "get_weather"
+    assert header.function.arguments == "" and arguments.id is None
+    assert arguments.function.arguments == call.function.arguments
+    # The header went out in the first chunk after the role's, before any argument text.
+    with_output = [c for c in chunks if c.choices and (c.choices[0].delta.tool_calls
+                                                       or c.choices[0].delta.content)]
+    assert with_output[0].choices[0].delta.tool_calls[0].function.name == "get_weather"
+    assert streamed_call.function.arguments == call.function.arguments
+    assert accumulated.choices[0].finish_reason == whole.choices[0].finish_reason == "stop"
+    # Cut short: the partial arguments, a call all the same, streamed or not.
+    (cut,) = short.choices[0].message.tool_calls
+    assert short.choices[0].finish_reason == "length" and cut.function.name == "get_weather"
+    assert cut.function.arguments and not cut.function.arguments.endswith("}")
+    assert short_streamed == cut.function.arguments

@@ -8,7 +8,9 @@
   ..., "parameters": ...}` whose parameters match that tool's schema (one call at most with
   `parallel_tool_calls: false`), as vLLM does;
 - a named function (`{"type": "function", "function": {"name": ...}}`): the output is that
-  function's arguments, constrained to its parameters' schema.
+  function's arguments, constrained to its parameters' schema; a stream sends the call's id and
+  name with the first token (its first visible output: what its TTFT counts) and the arguments
+  once complete.
 
 Whatever the mode, a call's arguments are JSON text (OpenAI's shape) and its id is derived from
 the response's id, the choice and the call's position, so a stream and its replay agree.
@@ -42,17 +44,23 @@ class ToolCalling:
         if self.mode == "auto":
             assert self.parser is not None
             return self.parser.parse(text, finished)
+        if self.mode == "named":
+            # The output is the call's arguments, whatever it holds: its name is known from
+            # the first token (a stream sends it then), and arguments cut short (max_tokens)
+            # stay the call's, as vLLM returns them.
+            if not finished:
+                return ParsedOutput(0, opening=self.function)
+            try:
+                arguments = json.dumps(json.loads(text), ensure_ascii=False)
+            except json.JSONDecodeError:
+                arguments = text
+            return ParsedOutput(0, (FunctionCall(self.function or "", arguments),))
         if not finished:
             return ParsedOutput(0)  # held to a schema: the calls are known at the end
         try:
             value = json.loads(text)
         except json.JSONDecodeError:
             return ParsedOutput(len(text))  # cut short (max_tokens): plain content
-        if self.mode == "named":
-            if not isinstance(value, dict):
-                return ParsedOutput(len(text))
-            return ParsedOutput(0, (FunctionCall(self.function or "",
-                                                 json.dumps(value, ensure_ascii=False)),))
         calls = [FunctionCall(item["name"], json.dumps(item.get("parameters", {}),
                                                        ensure_ascii=False))
                  for item in value if isinstance(item, dict) and isinstance(item.get("name"), str)]

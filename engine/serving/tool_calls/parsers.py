@@ -35,6 +35,9 @@ class ParsedOutput:
     # The text up to where tool calls begin (all of it when there are none).
     content_end: int
     calls: tuple[FunctionCall, ...] = ()
+    # The function of the call being written after `calls`, where it is known before its
+    # arguments are complete (a named function): a stream sends its id and name at once.
+    opening: str | None = None
 
 
 def _call(value: Any) -> FunctionCall | None:
