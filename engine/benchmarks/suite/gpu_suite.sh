@@ -6,6 +6,7 @@
 #
 #   bash bench/suite/gpu_suite.sh OUT --core        # the decisive facts, in order of value, 5 min
 #   bash bench/suite/gpu_suite.sh OUT               # the full call: everything else, 5.5 min
+#                                                   # of its ~11 (--only STEP picks)
 #   bash bench/suite/gpu_suite.sh OUT --dry-run     # CPU: both calls' steps, full-size flags, up to
 #                                             # the engine configuration (CI runs it)
 #   bash bench/suite/gpu_suite.sh OUT --core --device cpu --smoke   # tiny shapes end to end on a CPU
@@ -274,8 +275,10 @@ run_core() {
 
 # The H100's second lease (2026-11-27) measured the full call: equality 66 s, preempt-latency
 # 35, the unchunked burst 112, throughput-hf 70, kernels 18; the compiled-Triton tests needed
-# more than the 60 s its deadline left them. All of it needs about 500 s: more than the default
-# deadline, which fits a lease whose machine took 3 minutes to start (CONTRIBUTING, GPU tests).
+# more than the 60 s its deadline left them. The third (2026-11-28): structured 39 s,
+# preempt-latency 41, the unchunked burst 123; tests-cuda more than 60. All of it needs about
+# 650 s: more than the default deadline, which fits a lease whose machine took 3 minutes to
+# start; a lease picks its steps with --only (CONTRIBUTING, GPU tests).
 run_full() {
     step equality 80 $py -m engine.benchmarks.suite.equality --device "$device" "${smoke_flag[@]}" \
         --output "$out/equality.json"
