@@ -79,7 +79,10 @@ def run_core_process(config_bytes: bytes, port: int, token: bytes,
             # Before ready: a server's first agent turn must not wait 1-2 s for the vocabulary's
             # description, and building it while requests run would slow their steps (it holds
             # the GIL). A tokenizer xgrammar cannot read fails only constrained requests.
-            core.grammars.prepare().exception()
+            if (unreadable := core.grammars.prepare().exception()) is not None:
+                logger.warning("structured outputs are unavailable: xgrammar cannot describe "
+                               "this tokenizer's vocabulary (%s: %s); each request that asks "
+                               "for them will fail", type(unreadable).__name__, unreadable)
         except Exception as exc:
             channel.send(CoreFailed(error=f"{type(exc).__name__}: {exc}"
                                     if isinstance(exc, ValueError) else traceback.format_exc()))

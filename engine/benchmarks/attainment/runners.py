@@ -194,8 +194,9 @@ def run_inprocess(trace: Trace, policy: PolicySpec, model: str, budget: int,
     end = max((r.finish_time or start) for _, r in submitted)
     workload, rate, seed = _meta(trace)
     return RunResult(
-        runner="inprocess", policy=labelled(policy.name, constraint), budget=budget, workload=workload, rate=rate,
-        seed=seed, duration_s=end - (start + trace.requests[0].arrival_s), requests=results,
+        runner="inprocess", policy=labelled(policy.name, constraint), budget=budget,
+        workload=workload, rate=rate, seed=seed,
+        duration_s=end - (start + trace.requests[0].arrival_s), requests=results,
         engine={"num_preemptions_kv": stats.num_kv_preemptions - before.num_kv_preemptions,
                 "num_preemptions_slo": stats.num_slo_preemptions - before.num_slo_preemptions,
                 "wasted_tokens": stats.slo_preempt_wasted_tokens - before.slo_preempt_wasted_tokens,

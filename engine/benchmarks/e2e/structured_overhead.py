@@ -119,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
     plain_ms = 1000 * statistics.median(tpot["plain"])
     constrained_ms = 1000 * statistics.median(tpot["constrained"])
     result = {
-        "model": model, "device": llm.engine.config.model.device, "dtype": args.dtype, "batch": args.batch,
+        "model": model, "device": llm.engine.config.model.device, "dtype": args.dtype,
+        "batch": args.batch,
         "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "rounds": args.rounds,
         "plain_tpot_ms": round(plain_ms, 3),
         "constrained_tpot_ms": round(constrained_ms, 3),
