@@ -335,7 +335,7 @@ def test_fuzz_openai_routes_from_the_openapi_schema(server, schema, model_dir) -
     seen: dict[str, int] = {}
 
     with httpx.Client(base_url=server.url, timeout=60) as client:
-        @settings(max_examples=200, derandomize=True, deadline=None, database=None,
+        @settings(max_examples=400, derandomize=True, deadline=None, database=None,
                   phases=[Phase.explicit, Phase.generate, Phase.shrink],
                   suppress_health_check=list(HealthCheck))
         # Explicit calls, so that the probes below never hang on what a seed happens to draw.
