@@ -146,10 +146,9 @@ def run_inprocess(trace: Trace, policy: PolicySpec, model: str, budget: int,
 
     try:
         if structured is not None:
-            # The vocabulary's description, as a server builds it before it reports ready
-            # (engine/ipc/core_process.py); then the kind's schema, as the HTTP runner's
-            # warm-up compiles it (attainment.constraints).
-            engine.grammars.prepare().result()
+            # The vocabulary's description (a server builds it before it reports ready:
+            # engine/ipc/core_process.py) and the kind's schema, as the HTTP runner's warm-up
+            # compiles it (attainment.constraints): compile builds both.
             engine.grammars.compile(structured)
         if engine.scheduler.step_id == 0:
             # Warm-up outside the measurement: first-call allocations and kernel selection.
