@@ -383,3 +383,17 @@ def test_urgent_constraints_are_for_one_server_and_known_kinds(capsys):
     assert "--urgent-constraint runs on one server or engine" in capsys.readouterr().err
     assert main(["bench", "run", "--urgent-constraint", "yaml"]) == 2
     assert "invalid choice: 'yaml'" in capsys.readouterr().err
+
+
+def test_a_simulated_runs_model_folder_is_absolute(tmp_path, monkeypatch):
+    """`bench run --simulate PROFILE` without --model writes the shape's folder under the output
+    folder; the HTTP runner's servers run from the project's root, so a relative output folder
+    (the default, bench_results) must not leave them a relative path (they could not find it)."""
+    from pathlib import Path
+
+    from engine.benchmarks.attainment.cli import _simulated_model
+
+    monkeypatch.chdir(tmp_path)
+    folder = _simulated_model("h100-llama-3.1-8b", Path("bench_results"))
+    assert Path(folder).is_absolute() and (Path(folder) / "config.json").exists()
+    assert Path(folder).parent == tmp_path / "bench_results"

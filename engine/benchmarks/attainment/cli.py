@@ -158,7 +158,8 @@ def _simulated_model(profile_name: str, out_dir: Path) -> str:
     if profile.model_shape is None:
         raise ValueError(f"simulate: profile {profile.name!r} names no model shape: pass --model "
                          f"with a folder of its shape")
-    folder = out_dir / f"model-{profile.model_shape}"
+    # Absolute: the HTTP runner's servers run from the project's root, not from here.
+    folder = out_dir.resolve() / f"model-{profile.model_shape}"
     write_shape(profile.model_shape, folder, model_path_or_default(None))
     return str(folder)
 
