@@ -385,15 +385,24 @@ def test_urgent_constraints_are_for_one_server_and_known_kinds(capsys):
     assert "invalid choice: 'yaml'" in capsys.readouterr().err
 
 
-def test_a_simulated_runs_model_folder_is_absolute(tmp_path, monkeypatch):
-    """`bench run --simulate PROFILE` without --model writes the shape's folder under the output
-    folder; the HTTP runner's servers run from the project's root, so a relative output folder
-    (the default, bench_results) must not leave them a relative path (they could not find it)."""
+def test_a_simulated_run_hands_its_servers_absolute_paths(tmp_path, monkeypatch):
+    """`bench run --simulate PROFILE` without --model or --ttft-model writes the shape's folder
+    and the calibrated TTFT line under the output folder; the HTTP runner's servers run from the
+    project's root, so a relative output folder (the default, bench_results) must not leave them
+    relative paths (the README's --urgent-constraint command failed at its first server)."""
     from pathlib import Path
 
-    from engine.benchmarks.attainment.cli import _simulated_model
+    from engine.benchmarks.attainment.cli import _setup
+    from engine.entrypoints.cli import build_parser
 
     monkeypatch.chdir(tmp_path)
-    folder = _simulated_model("h100-llama-3.1-8b", Path("bench_results"))
-    assert Path(folder).is_absolute() and (Path(folder) / "config.json").exists()
-    assert Path(folder).parent == tmp_path / "bench_results"
+    args = build_parser().parse_args(["bench", "run", "--simulate", "h100-llama-3.1-8b",
+                                      "--workload", "burst"])
+    setup = _setup(args, Path("bench_results"))
+    try:
+        assert Path(setup.model).is_absolute() and (Path(setup.model) / "config.json").exists()
+        assert Path(setup.model).parent == tmp_path / "bench_results"
+        ttft = setup.engine_overrides.get("ttft_model")
+        assert ttft is not None and Path(ttft).is_absolute() and Path(ttft).exists()
+    finally:
+        setup.close()

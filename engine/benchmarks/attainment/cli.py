@@ -64,6 +64,9 @@ def _setup(args: argparse.Namespace, out_dir: Path) -> BenchSetup:
     from engine.entrypoints.default_model import model_path_or_default
     from monitor.predictor import LinearTTFT
 
+    # Absolute: the files written here (a simulated model's folder, the calibrated TTFT line)
+    # are handed to the HTTP runner's servers, which run from the project's root.
+    out_dir = out_dir.resolve()
     scale = _time_scale(args)  # a bad value fails before any calibration
     model = _simulated_model(args.simulate, out_dir) if args.simulate and not args.model \
         else model_path_or_default(args.model)
@@ -158,8 +161,7 @@ def _simulated_model(profile_name: str, out_dir: Path) -> str:
     if profile.model_shape is None:
         raise ValueError(f"simulate: profile {profile.name!r} names no model shape: pass --model "
                          f"with a folder of its shape")
-    # Absolute: the HTTP runner's servers run from the project's root, not from here.
-    folder = out_dir.resolve() / f"model-{profile.model_shape}"
+    folder = out_dir / f"model-{profile.model_shape}"
     write_shape(profile.model_shape, folder, model_path_or_default(None))
     return str(folder)
 
