@@ -15,6 +15,7 @@ an earlier benchmark) left there.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -305,11 +306,13 @@ def _grid(setup: BenchSetup, args: argparse.Namespace, rates: list[float]) -> li
               for rate in rates for seed in args.seeds}
     budgets = _budgets(args, list(traces.values()))
     runs = []
+    cells = itertools.count(1)
     total = len(traces) * len(policies) * len(budgets)
     for (rate, seed), trace in traces.items():
         for budget in budgets:
             for policy in policies:
-                print(f"[{len(runs) + 1}/{total}] rate {rate:g} seed {seed} budget {budget} "
+                # A cell's runs: one per --urgent-constraint kind (and peers' after them).
+                print(f"[{next(cells)}/{total}] rate {rate:g} seed {seed} budget {budget} "
                       f"{policy.name}", file=sys.stderr)
                 runs += _run_cell(setup, args, trace, policy, budget)
         runs += _run_peers(setup, args, trace)
