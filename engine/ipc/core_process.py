@@ -44,15 +44,23 @@ class _StopOnSigterm:
 
     While the engine starts there is no loop to tell, so the handler raises; once it serves, the
     handler only queues a stop (SimpleQueue.put is safe in a signal handler) and the loop ends
-    between two steps, never in the middle of one."""
+    between two steps, never in the middle of one.
+
+    It raises once: a signal to the process group reaches this process twice while it starts
+    (the signal itself, then the API server's own terminate() of this process), and a second
+    raise would land in the middle of the first one's unwinding (the constructor's clean-up,
+    the `except _Terminated` handler) and cut it short."""
 
     def __init__(self) -> None:
         self.events: queue.SimpleQueue | None = None
+        self.raised = False
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
-        if self.events is None:
+        if self.events is not None:
+            self.events.put(_TERMINATED)
+        elif not self.raised:
+            self.raised = True
             raise _Terminated()
-        self.events.put(_TERMINATED)
 
 
 def run_core_process(config_bytes: bytes, port: int, token: bytes,

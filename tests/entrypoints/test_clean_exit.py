@@ -280,3 +280,36 @@ def test_generate_stopped_by_sigterm_unlinks(tiny_model, tmp_path) -> None:
     assert LEAK_WARNING not in text, text[-4000:]
     assert "Traceback" not in text, text[-4000:]
     assert not {name for name in segments if (SHM / name).exists()}
+
+
+def test_a_second_sigterm_while_starting_does_not_cut_the_first_short() -> None:
+    """A signal to the process group reaches a starting EngineCore twice: the signal itself,
+    then the API server's terminate() of it. The first unwinds the start; the second, arriving
+    while that unwinding runs (the constructor's clean-up, the `except _Terminated` handler),
+    must not raise again: it used to, and the core died with a traceback mid clean-up (CI,
+    test_stop_while_the_engine_starts[sigterm-group], 1 run in ~20). Once serving, each SIGTERM
+    queues a stop for the loop."""
+    import queue
+
+    from engine.ipc.core_process import _TERMINATED, _StopOnSigterm, _Terminated
+
+    handler = _StopOnSigterm()
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        unwound = False
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler runs between two bytecodes: the sleep is cut short
+            pytest.fail("the first SIGTERM did not unwind the start")
+        except _Terminated:
+            os.kill(os.getpid(), signal.SIGTERM)  # the second, during the unwinding
+            time.sleep(0.05)
+            unwound = True
+        assert unwound and handler.raised
+
+        handler.events = queue.SimpleQueue()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert handler.events.get_nowait() is _TERMINATED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
