@@ -25,12 +25,16 @@ def validate_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size:
         raise ValueError("prompt is empty: it must contain at least one token")
     if n > max_model_len:
         raise ValueError(f"prompt has {n} tokens, longer than max_model_len {max_model_len}")
-    bad = next((t for t in prompt_token_ids
-                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size),
-               None)
-    if bad is not None:
-        raise ValueError(f"prompt_token_ids: token {bad!r} is outside the vocabulary "
-                         f"[0, {vocab_size})")
+    # The common case at C speed: the API server checks each prompt on its event loop, and a
+    # 30k-token prompt checked token by token held it some 10 ms (every other request's
+    # arrival stamp and stream waited). Anything else goes through the search that names it.
+    if (set(map(type, prompt_token_ids)) == {int} and 0 <= min(prompt_token_ids)
+            and max(prompt_token_ids) < vocab_size):
+        return
+    for token in prompt_token_ids:  # (a None token, too: not an int)
+        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab_size:
+            raise ValueError(f"prompt_token_ids: token {token!r} is outside the vocabulary "
+                             f"[0, {vocab_size})")
 
 
 def check_fits_context(prompt_len: int, max_tokens: int, max_model_len: int, *,

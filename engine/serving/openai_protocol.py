@@ -40,8 +40,25 @@ def _first_unfit(value: Any) -> str | None:
     if isinstance(value, dict):
         value = [*value.keys(), *value.values()]
     if isinstance(value, (list, tuple)):
+        if _numbers_within_int64(value):
+            return None
         return next((bad for v in value if (bad := _first_unfit(v)) is not None), None)
     return None
+
+
+def _numbers_within_int64(values: list | tuple) -> bool:
+    """True when `values` holds only numbers and they all lie within 64 bits: checked by
+    min() and max() at C speed. A prompt of 30k token ids checked value by value took 12 ms
+    of the API server's event loop (every other request's arrival stamp and stream waited on
+    it); this takes a fraction of a millisecond. False sends the list through the item-by-item
+    check, which names the culprit: strings, nested lists, or a number out of range (and a
+    NaN, whose comparisons all fail)."""
+    if not values or not isinstance(values[0], (int, float)):
+        return False
+    try:
+        return INT64_MIN <= min(values) and max(values) <= INT64_MAX
+    except TypeError:  # not all numbers
+        return False
 
 
 class _RequestModel(BaseModel):
