@@ -19,6 +19,7 @@ the scheduler it gets through `SchedulerOps`, passed to the hooks that need it.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -32,6 +33,8 @@ from engine.core.step_record import StepInProgress
 from monitor.policy import rank_requests, request_urgency
 from monitor.predictor import (LinearTTFT, OnlineTTFT, attention_work, optimistic_prefill,
                                predict_prefill)
+
+logger = logging.getLogger(__name__)
 
 
 # Share of a protected request's time left that a cap leaves unfilled. The predictor's error and
@@ -518,6 +521,7 @@ class SlackPolicy:
                     continue
                 del self.yielding_to[req_id]
             if req_id not in self.victims or ranks_first(request):
+                logger.debug("release held %s (victim %s)", req_id, req_id in self.victims)
                 self._release(req_id)
 
     def _release(self, req_id: str) -> None:
@@ -560,6 +564,8 @@ class SlackPolicy:
             self.held.add(req_id)
             self.yielding_to[req_id] = waiter_id
         self.victims.add(victim_id)
+        logger.debug("slo preemption: victim %s for waiter %s, held %s", victim_id, waiter_id,
+                     sorted(self.held))
         if victim.status is not RequestStatus.RUNNING:
             return "recompute"
         # The victim may keep its KV and its sequence slot only if the next step (which
