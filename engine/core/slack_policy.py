@@ -30,21 +30,13 @@ from engine.config import SchedulingPolicy, SLOPreemptMode
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import RequestQueue, UrgencyQueue
 from engine.core.step_record import StepInProgress
-from monitor.policy import rank_requests, request_urgency
+from monitor.policy import DEADLINE_HEADROOM, rank_requests, request_urgency
 from monitor.predictor import (LinearTTFT, OnlineTTFT, attention_work, optimistic_prefill,
                                predict_prefill)
 
 logger = logging.getLogger(__name__)
 
 
-# Share of a protected request's time left that a cap leaves unfilled. The predictor's error and
-# the running decodes are charged explicitly (relative_error, the decode term), but the model is
-# fitted on the forward pass's time while a deadline counts the whole engine loop (scheduling,
-# sampling, output processing), and the first steps run before any error is measured. With 0.1
-# instead, tests/core/test_tpot_scheduling.py's inter-token gaps overran their 300 ms objective by
-# up
-# to 7%.
-DEADLINE_HEADROOM = 0.25
 # The share the running decodes may add to the predicted time of a step that already makes an
 # urgent request late: below it they join (its lateness hardly changes, their streams go on).
 DECODES_SHARE = 0.1

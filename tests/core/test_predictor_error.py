@@ -9,7 +9,8 @@ import time
 import pytest
 
 from monitor.monitor import MonitorSnapshot, SLOMonitor
-from monitor.policy import RequestView, choose_slo_preemption
+import monitor.policy as gate_policy
+from monitor.policy import DEADLINE_HEADROOM, RequestView, choose_slo_preemption
 from monitor.predictor import MIN_RELATIVE_ERROR, LinearTTFT, OnlineTTFT
 from monitor.slo_preempt_signal import SLOPreemptSignal
 
@@ -95,16 +96,23 @@ def test_the_error_survives_save_and_load(tmp_path):
         LinearTTFT.load(path)
 
 
-def test_the_gate_waits_only_if_the_slack_covers_the_step_plus_the_margin():
+def test_the_gate_waits_only_if_the_step_and_its_prefill_fit_the_usable_time():
+    """Waiting for the step is safe only if the step's rest and the waiter's prefill, each
+    allowed the predictor's error, fit the waiter's time less DEADLINE_HEADROOM (75% of it)."""
+    assert DEADLINE_HEADROOM == 0.25
     now = 100.0
     line = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.0)
     waiter = RequestView("w", deadline=now + 1.2, remaining_prefill_tokens=200)  # slack 1.0 s
     running = [RequestView("r", deadline=None, remaining_prefill_tokens=3000)]
-    # The rest of the step (0.9 s) fits in the slack: without a margin the waiter waits.
-    assert choose_slo_preemption([waiter], running, now, line.predict, step_remaining_s=0.9) is None
-    # With a 20% error, waiting needs 0.9 + 0.2 * (0.2 + 0.9) = 1.12 s of slack: preempt now.
-    decision = choose_slo_preemption([waiter], running, now, line.predict, step_remaining_s=0.9,
-                                 relative_error=0.2)
+    # 0.6 + 0.2 s fits the usable 0.9 s: the waiter waits.
+    assert choose_slo_preemption([waiter], running, now, line.predict, step_remaining_s=0.6) is None
+    # With a 20% error, 1.2 x 0.8 = 0.96 s does not fit: preempt now.
+    decision = choose_slo_preemption([waiter], running, now, line.predict, step_remaining_s=0.6,
+                                     relative_error=0.2)
+    assert decision is not None and decision.waiter_id == "w"
+    # 0.9 + 0.2 s fits the slack (1.0 s) but not the usable time: preempt (before the headroom
+    # counted here, it waited, and the turn met its deadline only if nothing else ran over).
+    decision = choose_slo_preemption([waiter], running, now, line.predict, step_remaining_s=0.9)
     assert decision is not None and decision.waiter_id == "w"
 
 
@@ -129,10 +137,12 @@ def _ttft_with_gate(model: LinearTTFT, truth: LinearTTFT, slo_s: float) -> float
     return step_s + truth.predict(200) - arrival
 
 
-def test_a_just_in_time_decision_misses_and_the_learned_margin_saves_it():
+def test_a_just_in_time_decision_misses_and_the_learned_margin_saves_it(monkeypatch):
     """The probe-paired survival test: with a calibration 30% optimistic, the gate without a
     margin lets the urgent request wait out the step and it misses; after the engine saw steps
-    run 30% over, the same gate preempts and the request meets its objective."""
+    run 30% over, the same gate preempts and the request meets its objective. The learned
+    margin alone: DEADLINE_HEADROOM (which would cover most of a 30% error by itself) is off."""
+    monkeypatch.setattr(gate_policy, "DEADLINE_HEADROOM", 0.0)
     truth = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.02)
     seed = LinearTTFT(seconds_per_token=1e-3 / 1.3, intercept_s=0.02 / 1.3)
     slo_s = 1.22  # waiting out the step takes 1.02 s + the request's own 0.22 s
@@ -144,7 +154,8 @@ def test_a_just_in_time_decision_misses_and_the_learned_margin_saves_it():
     assert _ttft_with_gate(online.current, truth, slo_s) <= slo_s
 
 
-def test_the_monitor_applies_the_margin_of_the_snapshot_s_predictor():
+def test_the_monitor_applies_the_margin_of_the_snapshot_s_predictor(monkeypatch):
+    monkeypatch.setattr(gate_policy, "DEADLINE_HEADROOM", 0.0)  # the margin alone
     signal = SLOPreemptSignal.create()
     try:
         monitor = SLOMonitor(signal)  # not started: check() is called directly
