@@ -9,7 +9,6 @@ import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +29,7 @@ from engine.serving.edge_clock import EdgeClock, EdgeStampedStream
 from engine.serving.metrics import ServerMetrics
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.processing.input_processor import check_fits_context
+from engine.processing.input_processor import InputProcessor, check_fits_context
 from engine.serving.choices import (EnginePrompt, best_of_choices, fan_out,
                                     finals_unless_disconnected, merged)
 from engine.serving.openai_protocol import (MAX_N, ChatCompletionRequest, CompletionRequest,
@@ -41,7 +40,8 @@ from engine.serving.request_fields import shown, unsupported_field
 from engine.serving.reasoning_parsers import REASONING_PARSERS, ReasoningParser
 from engine.serving.tool_calls.calling import ToolCalling, tool_calling
 from engine.serving.tool_calls.parsers import parser_for_template
-from engine.structured_output.grammar import grammar_of
+from engine.structured_output.grammar import CheckedGrammars, grammar_of
+from engine.serving.tokenize_lanes import TokenizeLanes, text_size
 from engine.serving.tokenize_api import (DetokenizeRequest, TokenizeRequest, detokenize_request,
                                          tokenize_request)
 
@@ -83,14 +83,12 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics(settings.served_model_name)
     client.observer = metrics
     request_ids = itertools.count()
-    # Tokenization and chat templating run here, off the event loop, so that a 1 MiB prompt
-    # does not stall every open stream. One thread: it serializes use of the tokenizer (HF fast
-    # tokenizers are not safe to reconfigure from two threads) and keeps one request's
-    # tokenization from taking more than one core from the engine.
-    tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sloserve-tokenize")
-
-    async def off_loop(fn: Callable[..., T], *args) -> T:
-        return await asyncio.get_running_loop().run_in_executor(tokenize_pool, fn, *args)
+    # Tokenization, chat templating and grammar checks run off the event loop, so that a 1 MiB
+    # prompt does not stall every open stream, in two lanes, so that a turn does not queue
+    # behind a document (engine.serving.tokenize_lanes).
+    lanes = TokenizeLanes(client.inputs, lambda: InputProcessor.for_model(config.model))
+    off_loop = lanes.run
+    checked_grammars = CheckedGrammars()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -105,7 +103,7 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
             try:
                 await client.shutdown()
             finally:
-                tokenize_pool.shutdown(wait=False, cancel_futures=True)
+                lanes.shutdown()
 
     app = FastAPI(title="sloserve", version=VERSION, lifespan=lifespan,
                   default_response_class=JSONBody)
@@ -211,7 +209,9 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(body: TokenizeRequest) -> dict:
         _check_model_name(body.model)
-        ids = await off_loop(tokenize_request, client.inputs, body)
+        size = text_size(body.prompt if body.prompt is not None
+                         else [m.content for m in body.messages or ()])
+        ids = await lanes.on_lane(size, lambda inputs: tokenize_request(inputs, body))
         strs = (await off_loop(client.inputs.tokenizer.convert_ids_to_tokens, ids)
                 if body.return_token_strs else None)
         return {"count": len(ids), "max_model_len": client.max_model_len, "tokens": ids,
@@ -292,7 +292,9 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
             if (structured := params_per_prompt[0].structured_outputs) is not None:
                 # A malformed schema, regex or grammar is refused before any work; EngineCore
                 # compiles it for the vocabulary (engine.structured_output).
-                await off_loop(grammar_of, structured)
+                if not checked_grammars.known(structured):
+                    await off_loop(grammar_of, structured)
+                    checked_grammars.add(structured)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
         for _, prompt_ids in prompts:
@@ -370,7 +372,7 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
         prompts: list[tuple[str | None, list[int]]] = []
         for prompt in given:
             if isinstance(prompt, str):
-                prompts.append((prompt, await off_loop(_encode, client, prompt)))
+                prompts.append((prompt, await _encode(lanes, prompt)))
             else:
                 prompts.append((None, list(prompt)))
         return await _serve(body, request, prompts, chat=False)
@@ -385,8 +387,8 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
             raise APIError(400, str(exc), "tool_choice") from exc
         try:
             messages = [m.as_template_input() for m in body.messages]
-            ids = await off_loop(client.inputs.apply_chat_template, messages, True, tools,
-                                 body.chat_template_kwargs)
+            ids = await lanes.apply_chat_template(messages, True, tools,
+                                                  body.chat_template_kwargs)
         except ValueError as exc:
             raise APIError(400, str(exc), "messages") from exc
         return await _serve(body, request, [(None, ids)], chat=True, tools=calling)
@@ -412,9 +414,9 @@ def _with_tool_calling(params: SamplingParams, tools: ToolCalling) -> SamplingPa
     return params
 
 
-def _encode(client: AsyncEngineClient, prompt: str) -> list[int]:
+async def _encode(lanes: TokenizeLanes, prompt: str) -> list[int]:
     try:
-        return client.inputs.encode(prompt)
+        return await lanes.encode(prompt)
     except ValueError as exc:
         raise APIError(400, str(exc), "prompt") from exc
 

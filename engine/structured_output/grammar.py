@@ -12,6 +12,8 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
+import msgspec
+
 from engine.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -96,3 +98,28 @@ def xgrammar_message(exc: BaseException) -> str:
 def _what(kind: str) -> str:
     return {"json": "JSON schema", "regex": "regex", "choice": "choice",
             "grammar": "grammar"}.get(kind, kind)
+
+
+class CheckedGrammars:
+    """The grammars the API server has already found well formed, so that an agent's next
+    turn with the same tools or schema is not checked again: a check is a hop to another
+    thread and back, and every hop lets whatever else the event loop holds (another request's
+    parsing) go first. Bounded; the oldest are forgotten first."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self.capacity = capacity
+        self._known: dict[bytes, None] = {}
+
+    def known(self, params: StructuredOutputsParams) -> bool:
+        return _key(params) in self._known
+
+    def add(self, params: StructuredOutputsParams) -> None:
+        key = _key(params)
+        self._known.pop(key, None)
+        self._known[key] = None
+        while len(self._known) > self.capacity:
+            del self._known[next(iter(self._known))]
+
+
+def _key(params: StructuredOutputsParams) -> bytes:
+    return msgspec.json.encode(params)
