@@ -85,6 +85,7 @@ R = TypeVar("R", bound=EngineRequest)
 # up to 7%.
 DEADLINE_HEADROOM = 0.25
 
+
 @dataclass(frozen=True)
 class RequestView:
     """What the policy needs of a request (read from the scheduler's snapshot)."""
