@@ -131,7 +131,16 @@ def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONBody:
-        first = exc.errors()[0] if exc.errors() else {}
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") != "json_invalid":
+            # A field of several types (a prompt: text, token ids, or a list of either) fails
+            # once per type; the error that got deepest into the value is the one that names
+            # what is wrong (`prompt.list[int].2: ... a valid integer`, not `prompt.str: ...
+            # a valid string` for a list with a null in it).
+            field = tuple(first.get("loc", ())[:2])
+            first = max((e for e in errors if tuple(e.get("loc", ())[:2]) == field),
+                        key=lambda e: len(e.get("loc", ())), default=first)
         if first.get("type") == "json_invalid":
             reason = first.get("ctx", {}).get("error", "")
             return JSONBody(error_body(f"malformed JSON body: {reason}", 400), 400)

@@ -634,6 +634,10 @@ BAD_INPUTS = [
     ("token-id-2**64", C, lambda: {"json": _prompt(prompt=[1, 2**64])}, "key", 400, "prompt"),
     ("token-id-minus-2**70", C, lambda: {"json": _prompt(prompt=[-2**70])}, "key", 400,
      "prompt"),
+    # A field of several types: the error names the type that got deepest into the value
+    # (before: "prompt.str: Input should be a valid string" for a list with a null).
+    ("token-id-null", C, lambda: {"json": _prompt(prompt=[1, 2, None])}, "key", 400,
+     "prompt.list[int].2"),
     ("stop-token-id-2**64-stream", C,
      lambda: {"json": _prompt(stop_token_ids=[2**64], stream=True)}, "key", 400,
      "stop_token_ids"),
