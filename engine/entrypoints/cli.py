@@ -24,6 +24,7 @@ from engine.serving.tool_calls.parsers import PARSERS
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.entrypoints.llm import LLM
+    from engine.ipc.core_launch import CoreLaunch
     from engine.serving.api_server import ServerSettings
     from engine.sampling_params import SamplingParams
 
@@ -115,10 +116,8 @@ def api_key_from(flag: str | None, file: str | None, environ: Mapping[str, str])
 def _serve(args: argparse.Namespace) -> int:
     import os
 
-    from engine.serving.api_server import ServerSettings, run_server, served_name
-    from engine.config import build_engine_config
     from engine.entrypoints.default_model import model_path_or_default
-    from engine.runtime.model_setup import resolve
+    from engine.ipc.core_launch import CoreLaunch
 
     args.model = model_argument(args.model_tag, args.model)
     kwargs = engine_kwargs(args)
@@ -131,8 +130,25 @@ def _serve(args: argparse.Namespace) -> int:
     _check_slo_settings(args.default_ttft_slo_ms, args.min_ttft_slo_ms)
     given = kwargs.pop("model")
     model = model_path_or_default(given)
+    # EngineCore's process starts now and imports while this one checks the configuration
+    # and loads the tokenizer; it builds nothing before the app's start tells it what
+    # (engine.ipc.core_launch). A fleet's replicas start their own.
+    launch = CoreLaunch.start(model) if args.replicas is None else None
+    try:
+        return _serve_launched(args, given, model, kwargs, api_key, launch)
+    finally:
+        if launch is not None:
+            launch.abandon()  # a no-op once the server adopted it
+
+
+def _serve_launched(args: argparse.Namespace, given: str | None, model: str, kwargs: dict,
+                    api_key: str | None, launch: CoreLaunch | None) -> int:
+    from engine.serving.api_server import ServerSettings, run_server, served_name
+    from engine.config import build_engine_config
+    from engine.runtime.model_setup import resolve
+
     config = build_engine_config(model, **kwargs)
-    resolve(config)  # bad configuration fails here, before any process starts
+    resolve(config)  # bad configuration fails here, before the engine builds anything
     if config.slo_preemption.ttft_model:
         from monitor.predictor import LinearTTFT
 
@@ -155,7 +171,7 @@ def _serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     if args.replicas is not None:
         return _serve_fleet(config, settings, args)
-    run_server(config, settings, args.host, args.port, args.log_level)
+    run_server(config, settings, args.host, args.port, args.log_level, launch)
     return 0
 
 

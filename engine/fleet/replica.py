@@ -26,6 +26,7 @@ from engine.fleet.autoscaling import MAX_REPORTED_SLACK_S, AttainmentWindow
 from engine.fleet.fleet_metrics import carries_output
 from engine.fleet.load_report import ReplicaLoad, RouteHint, encode_load
 from engine.fleet.prediction import predict, prefill_seconds
+from engine.ipc.core_launch import CoreLaunch
 from engine.serving.api_server import ServerSettings, build_app
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,13 @@ class EngineReplica:
 
     async def __init__(self, config: EngineConfig, settings: ServerSettings,
                  attainment_window_s: float = 30.0) -> None:
-        self.app = build_app(config, settings)
+        # EngineCore's process imports while the app loads its tokenizer (engine.ipc.core_launch).
+        launch = CoreLaunch.start(config.model.model)
+        try:
+            self.app = build_app(config, settings, launch)
+        except BaseException:
+            launch.abandon()
+            raise
         self.client = self.app.state.client
         # The app's lifespan starts the EngineCore process (and stops it in __del__).
         self._lifespan = self.app.router.lifespan_context(self.app)

@@ -4,24 +4,23 @@ fans its outputs back out to one asyncio queue per request."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import hmac
 import logging
 import multiprocessing
-import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
 from engine.config import EngineConfig
 from engine.fleet.load_report import ReplicaLoad
+from engine.ipc.core_launch import CoreLaunch
 from engine.ipc.core_messages import (HELLO_MAX_BYTES, AbortRequests, AddRequest, CoreFailed,
-                                  CoreOutputs, CoreReady, FirstOutputDelivered, LoadQuery,
-                                  LoadReport, RequestRejected, ShutdownCore,
-                                  encode_config, frame, from_core_decoder, hello_decoder,
-                                  read_frame)
+                                      CoreOutputs, CoreReady, FirstOutputDelivered, LoadQuery,
+                                      LoadReport, RequestRejected, ShutdownCore, StartCore,
+                                      encode_config, frame, from_core_decoder, hello_decoder,
+                                      read_frame)
 from engine.processing.input_processor import InputProcessor, validate_prompt
 from engine.processing.output_processor import OutputProcessor
 from engine.outputs import RequestOutput, SchedulerStats
@@ -60,8 +59,12 @@ class _Finished:
 
 
 class AsyncEngineClient:
-    def __init__(self, config: EngineConfig, startup_timeout_s: float = 600.0) -> None:
+    def __init__(self, config: EngineConfig, startup_timeout_s: float = 600.0,
+                 launch: CoreLaunch | None = None) -> None:
+        """``launch``: an EngineCore process started ahead of this client (engine.ipc.core_launch),
+        which start() adopts instead of spawning one."""
         self.config = config
+        self._launch = launch
         self.inputs = InputProcessor.for_model(config.model)
         self.tokenizer = self.inputs.tokenizer
         self.startup_timeout_s = startup_timeout_s
@@ -112,19 +115,13 @@ class AsyncEngineClient:
             self._starting = False
 
     async def _start(self) -> None:
-        from engine.ipc.core_process import run_core_process
-
         self.loop = asyncio.get_running_loop()
-        if self.config.slo_preemption.enabled:  # EngineCore's own condition for one
-            self._slo_preempt_signal = SLOPreemptSignal.create()
-            target = functools.partial(run_core_process,
-                                       slo_preempt_signal_name=self._slo_preempt_signal.name)
-        else:
-            target = run_core_process
-        # Any local process may connect to the port below while it is open; only the peer that
-        # shows this token first gets the channel (and so every prompt). The token travels in
-        # the spawned process's arguments, through a pipe, never on a command line.
-        token = secrets.token_bytes(32)
+        # Launched early by `sloserve serve` (it has been importing meanwhile), else now.
+        launch = self._launch or self._launch_core()
+        self._launch = None
+        self._process, listener, token = launch.adopt()
+        if self._stopping:  # told to stop before this client had the process
+            self._process.terminate()
         connected: asyncio.Future = self.loop.create_future()
         peers: set[asyncio.StreamWriter] = set()
 
@@ -140,13 +137,15 @@ class AsyncEngineClient:
                            "present the start-up token", writer.get_extra_info("peername"))
             writer.close()
 
-        server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        self._process = self._spawn_core(target, port, token)
-        if self._stopping:  # told to stop before there was a process to tell
-            self._process.terminate()
+        server = await asyncio.start_server(on_connect, sock=listener)
         try:
             reader, self._writer = await self._wait_for(connected)
+            if self.config.slo_preemption.enabled:  # EngineCore's own condition for one
+                self._slo_preempt_signal = SLOPreemptSignal.create()
+            self._writer.write(frame(StartCore(
+                config=encode_config(self.config),
+                slo_preempt_signal_name=(self._slo_preempt_signal.name
+                                         if self._slo_preempt_signal is not None else None))))
             ready = from_core_decoder.decode(await self._wait_for(read_frame(reader)))
         finally:
             server.close()
@@ -162,14 +161,8 @@ class AsyncEngineClient:
         self.stats = SchedulerStats(num_free_blocks=ready.num_blocks)
         self._reader_task = asyncio.create_task(self._read_outputs(reader))
 
-    def _spawn_core(self, target: Callable[[bytes, int, bytes], None], port: int,
-                    token: bytes) -> multiprocessing.process.BaseProcess:
-        # Not a daemon: EngineCore spawns the TP worker processes itself.
-        process = multiprocessing.get_context("spawn").Process(
-            target=target, args=(encode_config(self.config), port, token),
-            name="sloserve-engine-core")
-        process.start()
-        return process
+    def _launch_core(self) -> CoreLaunch:
+        return CoreLaunch.start(self.config.model.model)
 
     async def _wait_for(self, awaitable):
         """Await, but give up if the EngineCore process dies or startup takes too long."""

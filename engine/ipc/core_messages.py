@@ -109,11 +109,23 @@ class CoreHello(msgspec.Struct, kw_only=True):
 # A hello frame is a few dozen bytes: a peer announcing more is not EngineCore.
 HELLO_MAX_BYTES = 256
 
+
+class StartCore(msgspec.Struct, kw_only=True):
+    """The API server's first frame, once it has checked the configuration: what to build.
+    Until it arrives the EngineCore process only imports (engine.ipc.core_launch), so a start
+    that is called off leaves nothing behind."""
+
+    config: bytes  # encode_config's: the EngineConfig
+    # The preempt signal's segment, which the API server created and owns; None when the
+    # configuration runs no monitor.
+    slo_preempt_signal_name: str | None = None
+
 _encoder = msgspec.msgpack.Encoder()
 to_core_decoder = msgspec.msgpack.Decoder(ToCore)
 from_core_decoder = msgspec.msgpack.Decoder(FromCore)
 config_decoder = msgspec.msgpack.Decoder(EngineConfig)
 hello_decoder = msgspec.msgpack.Decoder(CoreHello)
+start_decoder = msgspec.msgpack.Decoder(StartCore)
 
 
 def frame(message: msgspec.Struct | EngineConfig) -> bytes:

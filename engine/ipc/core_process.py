@@ -19,10 +19,11 @@ from types import FrameType
 
 from engine.ipc.core_messages import (AbortRequests, AddRequest, CoreFailed, CoreHello, CoreOutputs,
                                       FirstOutputDelivered, LoadQuery, LoadReport,
-                                  CoreReady, FrameSocket, RequestRejected, ShutdownCore,
-                                  config_decoder, to_core_decoder)
+                                      CoreReady, FrameSocket, RequestRejected, ShutdownCore,
+                                      StartCore, config_decoder, start_decoder, to_core_decoder)
 from engine.runtime.engine_core import EngineCore
 from engine.log import configure_logging
+from engine.model_folder import load_hf_config
 from engine.core.request import Request, RequestStatus
 from monitor.slo_preempt_signal import SLOPreemptSignal
 
@@ -63,10 +64,12 @@ class _StopOnSigterm:
             raise _Terminated()
 
 
-def run_core_process(config_bytes: bytes, port: int, token: bytes,
-                     slo_preempt_signal_name: str | None = None) -> None:
-    """`slo_preempt_signal_name`: the preempt signal's segment, which the API server created and
-    owns (it unlinks it whatever becomes of this process); this process only maps it."""
+def run_core_process(port: int, token: bytes, warm_model: str | None = None) -> None:
+    """Connects to the API server's `port` with `token`, imports what an engine needs (for
+    `warm_model`'s configuration) while the API server checks its side, then builds the engine
+    that StartCore describes and serves it (engine.ipc.core_launch). The preempt signal's
+    segment named there was created by the API server, which owns it (it unlinks it whatever
+    becomes of this process); this process only maps it."""
     # The API server decides when to stop (it forwards SIGINT/SIGTERM as a ShutdownCore message);
     # a Ctrl-C delivered to the whole process group must not kill this loop mid-step.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -77,12 +80,19 @@ def run_core_process(config_bytes: bytes, port: int, token: bytes,
     slo_preempt_signal: SLOPreemptSignal | None = None
     core: EngineCore | None = None
     try:
-        channel = FrameSocket(socket.create_connection(("127.0.0.1", port)))
-        channel.send(CoreHello(token=token))  # before anything else: how the server knows us
-        if slo_preempt_signal_name is not None:
-            slo_preempt_signal = SLOPreemptSignal.attach(slo_preempt_signal_name)
         try:
-            core = EngineCore(config_decoder.decode(config_bytes),
+            channel = FrameSocket(socket.create_connection(("127.0.0.1", port)))
+        except ConnectionRefusedError:
+            return  # the API server stopped before it needed an engine
+        channel.send(CoreHello(token=token))  # before anything else: how the server knows us
+        _warm_up(warm_model)
+        start = _wait_for_start(channel)
+        if start is None:
+            return  # the API server is gone: it never needed this engine
+        if start.slo_preempt_signal_name is not None:
+            slo_preempt_signal = SLOPreemptSignal.attach(start.slo_preempt_signal_name)
+        try:
+            core = EngineCore(config_decoder.decode(start.config),
                               slo_preempt_signal=slo_preempt_signal)
             # Before ready: a server's first agent turn must not wait 1-2 s for the vocabulary's
             # description, and building it while requests run would slow their steps (it holds
@@ -118,6 +128,37 @@ def run_core_process(config_bytes: bytes, port: int, token: bytes,
             core.shutdown()
         if slo_preempt_signal is not None:
             slo_preempt_signal.close()  # unmaps it; the API server unlinks it
+
+
+def _warm_up(model_dir: str | None) -> None:
+    """Imports what building the engine will import (transformers' configuration class for the
+    model, xgrammar) while the API server has not yet said what to build. Side-effect free:
+    a folder that cannot be read is the API server's to report, from its own check."""
+    if model_dir is not None:
+        try:
+            load_hf_config(model_dir)
+        except Exception:  # noqa: BLE001 - reported by the API server's check, not here
+            pass
+    try:
+        import xgrammar  # noqa: F401 - the grammar compiler's, loaded before ready
+    except ImportError:
+        pass
+
+
+def _wait_for_start(channel: FrameSocket) -> StartCore | None:
+    """The API server's StartCore; None when it closed the connection first."""
+    while True:
+        try:
+            frames = channel.receive(timeout=None)
+        except OSError:
+            return None
+        if frames is None:
+            return None
+        if len(frames) > 1:  # nothing else is sent before this engine says it is ready
+            raise RuntimeError(f"the API server sent {len(frames)} frames before StartCore's "
+                               f"answer")
+        if frames:
+            return start_decoder.decode(frames[0])
 
 
 _ABORT_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "error": RequestStatus.FINISHED_ERROR}

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.serving.api_errors import (APIError, BodyLimit, InternalErrors, JSONBody, describe_error,
                                error_for)
 from engine.ipc.async_client import AsyncEngineClient, EngineDeadError
+from engine.ipc.core_launch import CoreLaunch
 from engine.config import EngineConfig, ShutdownConfig
 from engine.serving.drain import Drain, DrainGate
 from engine.serving.edge_clock import EdgeClock, EdgeStampedStream
@@ -78,8 +79,11 @@ class ServerSettings:
     reasoning_parser: str | None = None
 
 
-def build_app(config: EngineConfig, settings: ServerSettings) -> FastAPI:
-    client = AsyncEngineClient(config)
+def build_app(config: EngineConfig, settings: ServerSettings,
+              launch: CoreLaunch | None = None) -> FastAPI:
+    """``launch``: the EngineCore process `sloserve serve` started ahead of the app
+    (engine.ipc.core_launch); without one the app's start spawns it."""
+    client = AsyncEngineClient(config, launch=launch)
     metrics = ServerMetrics(settings.served_model_name)
     client.observer = metrics
     request_ids = itertools.count()
@@ -473,7 +477,7 @@ def served_name(model_dir: str) -> str:
 
 
 def run_server(config: EngineConfig, settings: ServerSettings, host: str, port: int,
-               log_level: str = "info") -> None:
+               log_level: str = "info", launch: CoreLaunch | None = None) -> None:
     """Run uvicorn with one addition: a shutdown signal first ends every in-flight stream with
     an error event, so that uvicorn's wait for open connections does not wait on generation.
     With `settings.shutdown.mode == "wait"` the first SIGTERM drains instead (the server keeps
@@ -481,7 +485,7 @@ def run_server(config: EngineConfig, settings: ServerSettings, host: str, port: 
     once they have), and stops as above past the timeout or on a second signal."""
     import uvicorn
 
-    app = build_app(config, settings)
+    app = build_app(config, settings, launch)
     client: AsyncEngineClient = app.state.client
     drain: Drain = app.state.drain
     shutdown = settings.shutdown

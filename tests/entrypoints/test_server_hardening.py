@@ -24,6 +24,7 @@ import pytest
 import engine.serving.api_server
 from engine.serving.api_server import ServerSettings
 from engine.ipc.async_client import _shows_token
+from engine.ipc.core_launch import CoreLaunch
 from engine.entrypoints.cli import main
 from engine.ipc.core_messages import CoreFailed, CoreHello, CoreReady, frame
 from tests.utils.inprocess_server import FakeCore, app_client
@@ -251,16 +252,17 @@ def test_impostor_connecting_first_does_not_get_the_engine_channel(model_dir, ca
     caplog.set_level(logging.INFO)
     impostors: list[socket.socket] = []
 
-    def spawn_after_impostors(original, target, port: int, token: bytes):
-        silent = socket.create_connection(("127.0.0.1", port))
-        talker = socket.create_connection(("127.0.0.1", port))
+    def launch_after_impostors() -> CoreLaunch:
+        launch = CoreLaunch.listen()
+        silent = socket.create_connection(("127.0.0.1", launch.port))
+        talker = socket.create_connection(("127.0.0.1", launch.port))
         ready = CoreReady(max_model_len=4096, vocab_size=1 << 20, num_blocks=1 << 20)
         talker.sendall(frame(ready))  # what the real core says first, before this fix
         impostors.extend([silent, talker])
-        return original(target, port, token)
+        return launch.spawn(model_dir)
 
     async def run() -> None:
-        async with app_client(model_dir, spawn_core=spawn_after_impostors) as (http, engine):
+        async with app_client(model_dir, launch_core=launch_after_impostors) as (http, engine):
             assert len(impostors) == 2, "probe: both connected before EngineCore was spawned"
             assert engine.vocab_size != 1 << 20, "the fake CoreReady was taken"
             response = await http.post(C, json={"prompt": "the secret prompt",

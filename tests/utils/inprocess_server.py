@@ -19,9 +19,10 @@ import msgspec
 from engine.serving.api_server import ServerSettings, build_app
 from engine.ipc.async_client import AsyncEngineClient
 from engine.config import build_engine_config
+from engine.ipc.core_launch import CoreLaunch
 from engine.ipc.core_messages import (AddRequest, CoreHello, CoreOutputs, CoreReady,
                                       FirstOutputDelivered, FrameSocket, ShutdownCore,
-                                      to_core_decoder)
+                                      start_decoder, to_core_decoder)
 from engine.outputs import EngineCoreOutput, SchedulerStats
 
 MAX_MODEL_LEN = 64
@@ -38,8 +39,8 @@ def finish_with_one_token(message: AddRequest) -> tuple[list[msgspec.Struct], bo
 
 
 class FakeCore:
-    """Stands in for the EngineCore process: `spawn` replaces AsyncEngineClient._spawn_core and
-    the object itself answers the process interface the client uses (is_alive, join, ...)."""
+    """Stands in for the EngineCore process: `launch` replaces AsyncEngineClient._launch_core
+    and the object itself answers the process interface the client uses (is_alive, join, ...)."""
 
     def __init__(self, vocab_size: int, script: Script = finish_with_one_token,
                  max_model_len: int = MAX_MODEL_LEN) -> None:
@@ -52,16 +53,22 @@ class FakeCore:
         # When each frame went out (time.monotonic()), in order.
         self.sent_at: list[float] = []
 
-    def spawn(self, target, port: int, token: bytes) -> FakeCore:
-        self.sock = socket.create_connection(("127.0.0.1", port))
-        self.thread = threading.Thread(target=self._run, args=(token,), daemon=True)
+    def launch(self) -> CoreLaunch:
+        launch = CoreLaunch.listen()
+        self.sock = socket.create_connection(("127.0.0.1", launch.port))
+        self.thread = threading.Thread(target=self._run, args=(launch.token,), daemon=True)
         self.thread.start()
-        return self
+        launch.process = self  # type: ignore[assignment]
+        return launch
 
     def _run(self, token: bytes) -> None:
         channel = FrameSocket(self.sock)
         try:
             channel.send(CoreHello(token=token))
+            while not (frames := channel.receive(timeout=None)):
+                if frames is None:
+                    return
+            start_decoder.decode(frames[0])  # what to build: nothing, here
             channel.send(CoreReady(max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                                    num_blocks=8))
             while (frames := channel.receive(timeout=None)) is not None:
@@ -110,21 +117,20 @@ class FakeCore:
 @asynccontextmanager
 async def app_client(model_dir: str, settings: ServerSettings | None = None,
                      fake: FakeCore | None = None,
-                     spawn_core: Callable | None = None, **engine_args
+                     launch_core: Callable[[], CoreLaunch] | None = None, **engine_args
                      ) -> AsyncIterator[tuple[httpx.AsyncClient, AsyncEngineClient]]:
     """The app started through its own lifespan; yields an httpx client on it and the app's
-    engine client. `fake` replaces the EngineCore process; `spawn_core` wraps the real spawn;
-    `engine_args` go to build_engine_config."""
+    engine client. `fake` replaces the EngineCore process; `launch_core` replaces the real
+    launch; `engine_args` go to build_engine_config."""
     settings = settings or ServerSettings(served_model_name="tiny")
     engine_args = {"max_model_len": MAX_MODEL_LEN, "num_kv_blocks": 16, **engine_args}
     config = build_engine_config(model_dir, dtype="float32", **engine_args)
     app = build_app(config, settings)
     engine: AsyncEngineClient = app.state.client
     if fake is not None:
-        engine._spawn_core = fake.spawn  # type: ignore[method-assign]
-    elif spawn_core is not None:
-        original = engine._spawn_core
-        engine._spawn_core = lambda *args: spawn_core(original, *args)  # type: ignore
+        engine._launch_core = fake.launch  # type: ignore[method-assign]
+    elif launch_core is not None:
+        engine._launch_core = launch_core  # type: ignore[method-assign]
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://sloserve",
