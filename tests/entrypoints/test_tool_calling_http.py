@@ -133,13 +133,18 @@ def test_auto_reads_the_models_own_calls_streamed_and_whole(tool_model):
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Rome", "unit": "C"}
-    # Streamed: no chunk's content carries any of the call's markup, the call comes as one
-    # delta, and the SDK's helper accumulates the same message.
+    # Streamed: no chunk's content carries any of the call's markup; the call comes as two
+    # deltas of one index, its id and name once the name is written, then its arguments once
+    # the call is whole; the SDK's helper accumulates the same message.
     contents = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert contents == "Checking. "
     deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
     (streamed_call,) = accumulated.choices[0].message.tool_calls
-    assert len(deltas) == 1 and deltas[0].index == 0 and deltas[0].id == streamed_call.id
+    assert len(deltas) == 2 and [d.index for d in deltas] == [0, 0]
+    header, arguments = deltas
+    assert header.id == streamed_call.id and header.function.name == "get_weather"
+    assert header.function.arguments == "" and arguments.id is None
+    assert arguments.function.arguments == call.function.arguments
     assert streamed_call.function.name == "get_weather"
     assert streamed_call.function.arguments == call.function.arguments
     assert accumulated.choices[0].finish_reason == "tool_calls"
@@ -225,15 +230,15 @@ def test_auto_without_a_parser_is_a_400_naming_the_option(tiny_model, tmp_path):
     assert served.status_code == 200, served.text
 
 
-def test_a_tool_call_held_back_until_complete_is_the_first_output_the_scheduler_hears_of(
+def test_a_tool_calls_name_held_back_until_written_is_the_first_output_the_scheduler_hears_of(
         tool_model):
-    """Issue 35, item 5: the hermes parser holds a call back until it is complete, so the
-    client's first visible output is the call, not the engine's first token. The note that
+    """Issue 35, item 5: the hermes parser holds a call back until its name is written (the
+    stream then sends its id and name, the arguments once the call is whole), so the client's
+    first visible output is the call's name, not the engine's first token. The note that
     tells the scheduler a request's first output was delivered (FirstOutputDelivered: its TTFT
     objective met or missed for good) is sent when that chunk is written, not before; the
     assistant role's empty opening chunk does not count."""
     import asyncio
-    import time
 
     from transformers import AutoTokenizer
 
@@ -245,6 +250,10 @@ def test_a_tool_call_held_back_until_complete_is_the_first_output_the_scheduler_
     text = '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
     ids = tokenizer.encode(text, add_special_tokens=False)
     pieces = [ids[len(ids) * k // 4:len(ids) * (k + 1) // 4] for k in range(4)]
+    # The piece whose tokens finish writing the name: its chunk is the first output.
+    named_in = next(k for k in range(4) if '"get_time"' in tokenizer.decode(
+        [t for piece in pieces[:k + 1] for t in piece]))
+    assert named_in < 3, "the name must come before the call's last piece"
     gap_s = 0.15
 
     def call_over_time(message):
@@ -277,12 +286,14 @@ def test_a_tool_call_held_back_until_complete_is_the_first_output_the_scheduler_
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     calls = [d["tool_calls"] for d in deltas if d.get("tool_calls")]
     assert calls and calls[0][0]["function"]["name"] == "get_time", chunks
+    assert calls[0][0]["function"]["arguments"] == "" and len(calls) == 2
     assert not any(d.get("content") for d in deltas)  # nothing of the call leaked as text
     (delivered,) = fake.delivered
     first_token_sent, last_token_sent = fake.sent_at[0], fake.sent_at[-1]
     # Probe: the engine's tokens really came over 3 gaps, the first long before the last.
     assert last_token_sent - first_token_sent >= 3 * gap_s * 0.9
-    assert delivered.delivered_at >= last_token_sent
+    # Delivered with the piece that wrote the name: not before, and not held to the end.
+    assert fake.sent_at[named_in] <= delivered.delivered_at < last_token_sent
 
 
 def test_a_named_call_streams_its_name_with_the_first_token_and_its_arguments_when_complete(

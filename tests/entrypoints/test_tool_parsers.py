@@ -88,3 +88,68 @@ def test_the_template_picks_the_parser_when_exactly_one_fits():
     assert parser_for_template("[TOOL_CALLS]") == "mistral"
     assert parser_for_template("<tool_call> and [TOOL_CALLS]") is None  # ambiguous
     assert parser_for_template("{{ messages }}") is None and parser_for_template(None) is None
+
+
+def _openings(parser, text):
+    """Each growing prefix's opening name, and where it first appears."""
+    steps, _ = _grow(parser, text)
+    names = [step.opening for step in steps]
+    first = next(n for n, name in enumerate(names) if name is not None)
+    return names, first
+
+
+@pytest.mark.parametrize("parser, text, name_end", [
+    (HermesParser(), 'Ok. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+                     '</tool_call>', 'Ok. <tool_call>{"name": "get_weather"'),
+    (Llama3JsonParser(), '<|python_tag|>{"name": "get_weather", "parameters": {"city": '
+                         '"Paris"}}', '<|python_tag|>{"name": "get_weather"'),
+    (MistralParser(), 'Sure.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": '
+                      '"Paris"}}]', 'Sure.[TOOL_CALLS][{"name": "get_weather"'),
+])
+def test_a_calls_name_is_known_once_written_before_its_arguments(parser, text, name_end):
+    """A stream sends a call's id and name as soon as its name is written (as vLLM does),
+    so a tool-calling turn's first visible output does not wait for its arguments."""
+    names, first = _openings(parser, text)
+    assert first == len(name_end)  # the name's closing quote, not a character before
+    assert names[first] == "get_weather"
+    final = parser.parse(text, True)
+    assert final.calls == (WEATHER,) and final.opening is None
+    if isinstance(parser, HermesParser):  # a hermes call is whole at its closing tag
+        assert names[len(text) - len("</tool_call>") - 1] == "get_weather"
+        assert names[-1] is None and parser.parse(text, False).calls == (WEATHER,)
+    else:  # the others are whole at the end: the name stays the opening till then
+        assert all(name == "get_weather" for name in names[first:])
+
+
+def test_a_name_written_as_an_escaped_string_is_decoded():
+    text = '<tool_call>{"name": "say_\\"hi\\"", "arg'
+    assert HermesParser().parse(text, False).opening == 'say_"hi"'
+    assert HermesParser().parse('<tool_call>{"arguments": {}, "na', False).opening is None
+
+
+def test_required_calls_stream_one_by_one_and_a_cut_short_list_keeps_what_was_written():
+    """`tool_choice: required` holds the output to a JSON list of {"name", "parameters"}: each
+    call counts once its object is whole, the next one's name as soon as it is written; cut
+    short (max_tokens), the calls written stay calls, the last with its arguments as far as
+    they got (what a stream had sent by then), as a named function's do."""
+    from engine.serving.tool_calls.calling import tool_calling
+
+    tools = [{"type": "function", "function": {"name": name}} for name in ("get_weather",
+                                                                           "get_time")]
+    required = tool_calling(tools, "required", None, None)
+    text = ('[{"name":"get_weather","parameters":{"city":"Paris"}},'
+            '{"name":"get_time","parameters":{"zone":"CET"}}]')
+    first_whole = text.index("},{") + 1  # the first call's closing brace written
+    steps, final = _grow(required, text)
+    assert final.calls == (WEATHER, TIME) and final.content_end == 0
+    assert [step.opening for step in steps[:len('[{"name":"get_weather')]] == [None] * 21
+    assert steps[len('[{"name":"get_weather"')].opening == "get_weather"
+    assert steps[first_whole - 1].calls == () and steps[first_whole].calls == (WEATHER,)
+    assert steps[first_whole].opening is None
+    assert steps[len(text) - 2].opening == "get_time" and steps[-1].calls == (WEATHER, TIME)
+    assert all(step.content_end == 0 for step in steps)
+
+    cut = required.parse(text[:first_whole + len(',{"name":"get_time","parameters":{"zo')],
+                         True)
+    assert cut.calls == (WEATHER, FunctionCall("get_time", '{"zo')) and cut.content_end == 0
+    assert required.parse('[{"name":"get_wea', True).content_end == len('[{"name":"get_wea')

@@ -6,7 +6,8 @@
   tool-call parser (`parsers`), and text that does not parse stays plain content;
 - `required`: at least one call, constrained by structured outputs to a JSON list of `{"name":
   ..., "parameters": ...}` whose parameters match that tool's schema (one call at most with
-  `parallel_tool_calls: false`), as vLLM does;
+  `parallel_tool_calls: false`), as vLLM does; a stream sends each call's id and name once
+  written and its arguments once the call is whole;
 - a named function (`{"type": "function", "function": {"name": ...}}`): the output is that
   function's arguments, constrained to its parameters' schema; a stream sends the call's id and
   name with the first token (its first visible output: what its TTFT counts) and the arguments
@@ -23,7 +24,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from engine.serving.tool_calls.parsers import PARSERS, FunctionCall, ParsedOutput, ToolParser
+from engine.serving.tool_calls.parsers import (PARSERS, FunctionCall, ParsedOutput, ToolParser,
+                                               arguments_written, name_written)
 from engine.structured_output.params import StructuredOutputsParams
 
 Mode = Literal["auto", "required", "named"]
@@ -55,15 +57,23 @@ class ToolCalling:
             except json.JSONDecodeError:
                 arguments = text
             return ParsedOutput(0, (FunctionCall(self.function or "", arguments),))
+        # required: a JSON list of {"name": ..., "parameters": ...}, written in that order
+        # (the schema's); each call counts once its object is complete, and a stream sends
+        # the next one's name as soon as it is written.
+        items, writing = _listed_so_far(text)
+        calls = [call for call in map(_listed_call, items) if call is not None]
         if not finished:
-            return ParsedOutput(0)  # held to a schema: the calls are known at the end
+            return ParsedOutput(0, tuple(calls), name_written(writing))
         try:
             value = json.loads(text)
         except json.JSONDecodeError:
-            return ParsedOutput(len(text))  # cut short (max_tokens): plain content
-        calls = [FunctionCall(item["name"], json.dumps(item.get("parameters", {}),
-                                                       ensure_ascii=False))
-                 for item in value if isinstance(item, dict) and isinstance(item.get("name"), str)]
+            # Cut short (max_tokens): the calls written whole, and the one being written
+            # with its arguments as far as they got (a named function's are kept so too).
+            if (name := name_written(writing)) is not None:
+                calls.append(FunctionCall(name, arguments_written(writing, "parameters")))
+            return ParsedOutput(0, tuple(calls)) if calls else ParsedOutput(len(text))
+        calls = [call for call in map(_listed_call, value if isinstance(value, list) else [])
+                 if call is not None]
         return ParsedOutput(0, tuple(calls)) if calls else ParsedOutput(len(text))
 
     def finish_reason(self, reason: str | None, made_calls: bool) -> str | None:
@@ -109,6 +119,32 @@ def tool_calling(tools: list[dict[str, Any]] | None, tool_choice: Any,
         raise ValueError(f"tool_choice names function {name!r}, which tools does not define "
                          f"(they define {', '.join(map(repr, functions))})")
     return ToolCalling("named", function=name, constraint=_compact(_parameters(functions[name])))
+
+
+def _listed_call(item: Any) -> FunctionCall | None:
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+        return None
+    return FunctionCall(item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False))
+
+
+def _listed_so_far(text: str) -> tuple[list[Any], str]:
+    """The items of a JSON list being written that are whole, and the text of the one after
+    them (empty when none is begun)."""
+    body = text.lstrip()
+    if not body.startswith("["):
+        return [], ""
+    decoder, items, at = json.JSONDecoder(), [], 1
+    while True:
+        rest = body[at:].lstrip()
+        if rest.startswith(","):
+            rest = rest[1:].lstrip()
+        if not rest or rest.startswith("]"):
+            return items, ""
+        try:
+            item, at = decoder.raw_decode(body, len(body) - len(rest))
+        except json.JSONDecodeError:
+            return items, rest
+        items.append(item)
 
 
 def _compact(schema: dict[str, Any]) -> StructuredOutputsParams:

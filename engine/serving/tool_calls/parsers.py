@@ -2,9 +2,10 @@
 
 Each parser reads the whole output so far (a stream re-reads it as it grows): `content_end` is
 how far the text is surely content (a tool call starts after it, or may: a marker's first
-characters are held back), and `calls` the calls complete so far; at the end (`finished`), a
-call that does not parse makes the whole output plain content, as vLLM falls back, never an
-error.
+characters are held back), `calls` the calls complete so far, and `opening` the name of the
+call being written, once written; at the end (`finished`), a call that does not parse makes the
+whole output plain content, as vLLM falls back, never an error (a stream that sent that call's
+name has sent it: vLLM's streams do the same).
 
 - `hermes` (Qwen2.5, Qwen3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
   blocks after any content.
@@ -17,6 +18,7 @@ error.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,9 +37,38 @@ class ParsedOutput:
     # The text up to where tool calls begin (all of it when there are none).
     content_end: int
     calls: tuple[FunctionCall, ...] = ()
-    # The function of the call being written after `calls`, where it is known before its
-    # arguments are complete (a named function): a stream sends its id and name at once.
+    # The function of the call being written after `calls`, once its name is (a named function
+    # from the first token, a parsed format once the name is written): a stream sends its id
+    # and name then, and its arguments once the call is complete.
     opening: str | None = None
+
+
+# A call object's start, its name written whole: `{"name": "get_weather"`.
+_NAME_FIRST = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+
+
+def name_written(text: str) -> str | None:
+    """The function name at the start of a call object still being written, once its string
+    is closed: a stream sends the call's id and name then, before its arguments (vLLM does
+    too), so the name is the turn's first visible output. None before that, or when the
+    object does not start with its name."""
+    match = _NAME_FIRST.match(text)
+    if match is None:
+        return None
+    try:
+        return json.loads(f'"{match.group(1)}"')
+    except json.JSONDecodeError:
+        return None
+
+
+def arguments_written(text: str, key: str) -> str:
+    """The text of `key`'s value in a call object cut short after its whole name (the call's
+    arguments as far as they got); empty when the key is not reached."""
+    match = _NAME_FIRST.match(text)
+    assert match is not None, "no whole name: name_written(text) is None"
+    rest = text[match.end():]
+    value = re.match(rf'\s*,\s*"{re.escape(key)}"\s*:\s*', rest)
+    return rest[value.end():] if value is not None else ""
 
 
 def _call(value: Any) -> FunctionCall | None:
@@ -77,8 +108,9 @@ class HermesParser(ToolParser):
         at = start
         while (begin := text.find(self.OPEN, at)) >= 0:
             end = text.find(self.CLOSE, begin)
-            if end < 0 and not finished:
-                break  # still being written
+            if end < 0 and not finished:  # still being written
+                return ParsedOutput(start, tuple(calls),
+                                    name_written(text[begin + len(self.OPEN):]))
             body = text[begin + len(self.OPEN):end if end >= 0 else len(text)]
             try:
                 call = _call(json.loads(body))
@@ -108,7 +140,8 @@ class Llama3JsonParser(ToolParser):
         if not could_be_call:
             return ParsedOutput(len(text))
         if not finished:
-            return ParsedOutput(0)  # the calls are known once the output ends
+            # The calls are known once the output ends; the first one's name before that.
+            return ParsedOutput(0, opening=name_written(body))
         calls: list[FunctionCall] = []
         decoder, at = json.JSONDecoder(), 0
         body = body.strip()
@@ -140,7 +173,9 @@ class MistralParser(ToolParser):
         if start < 0:
             return ParsedOutput(len(text) if finished else held_from(text, self.MARKER))
         if not finished:
-            return ParsedOutput(start)
+            # The calls are known once the output ends; the first one's name before that.
+            listed = text[start + len(self.MARKER):].lstrip()
+            return ParsedOutput(start, opening=name_written(listed.removeprefix("[")))
         try:
             value = json.loads(text[start + len(self.MARKER):])
         except json.JSONDecodeError:
