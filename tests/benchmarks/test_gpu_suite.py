@@ -11,9 +11,11 @@ no GPU:
   call's, with another budget).
 
 A dry run's step is one Python process importing torch and building a configuration, on one
-core, and CI's machine has two: the two dry runs start in the background when the module starts
-(`suite_runs`) and go on beside the smoke runs; their tests come last and read what they left.
-The smoke runs, whose steps compute on both cores, run one at a time.
+core, and a smoke step is mostly Python starting (torch, transformers) around a few seconds of
+tiny-model compute; CI's machine has two cores. So the two dry runs and the full call's smoke
+start in the background when the module starts (`suite_runs`) and go on beside the core call's
+smoke runs, which run in the foreground; their tests read what they left. No smoke test checks a
+time against anything but its step's limit (four times the H100's, for --smoke).
 """
 
 from __future__ import annotations
@@ -128,8 +130,24 @@ def _start_eager_dry_run(folder: Path) -> _Background:
                        script=bench / "gpu_suite.sh", env=env)
 
 
+# The full call's steps its smoke test runs: all but the unchunked HTTP burst, which is the core
+# call's HTTP burst (`burst_http`, run end to end by the core smoke test) with another budget;
+# the dry run builds its command at full size. Two more servers would add a quarter of the
+# test's time and nothing it checks.
+FULL_SMOKE_STEPS = [name for name in FULL_STEPS if name != "burst-http-unchunked"]
+
+
+def _start_full_smoke(folder: Path) -> _Background:
+    out = folder / "full"
+    out.mkdir()
+    (out / "ttft_model.json").write_text(json.dumps(H100_TTFT_MODEL))  # the core call's
+    only = [arg for name in FULL_SMOKE_STEPS for arg in ("--only", name)]
+    return _Background(folder, [str(out), "--device", "cpu", "--smoke", *only])
+
+
 # Each background run: the test that reads it, and how it starts.
 BACKGROUND = {
+    "full": ("test_full_call_smoke_runs_its_steps_and_summarizes_them", _start_full_smoke),
     "dry": ("test_dry_run_builds_every_steps_engine_configuration_at_full_size", _start_dry_run),
     "dry-eager": ("test_dry_run_checks_the_enforce_eager_commands_a_renamed_flag_and_a_killed_step",
                   _start_eager_dry_run),
@@ -247,20 +265,12 @@ def test_an_interrupted_suite_still_writes_its_summary(tmp_path: Path) -> None:
     assert leftover.stdout.strip() == ""
 
 
-# The full call's steps its smoke test runs: all but the unchunked HTTP burst, which is the core
-# call's HTTP burst (`burst_http`, run end to end by the core smoke test) with another budget;
-# the dry run builds its command at full size. Two more servers would add a quarter of the
-# test's time and nothing it checks.
-FULL_SMOKE_STEPS = [name for name in FULL_STEPS if name != "burst-http-unchunked"]
-
-
 @pytest.mark.timeout(1500)
-def test_full_call_smoke_runs_its_steps_and_summarizes_them(tmp_path: Path) -> None:
-    out = tmp_path / "full"
-    out.mkdir()
-    (out / "ttft_model.json").write_text(json.dumps(H100_TTFT_MODEL))  # the core call's
-    only = [arg for name in FULL_SMOKE_STEPS for arg in ("--only", name)]
-    proc = _run([str(out), "--device", "cpu", "--smoke", *only], timeout=1400)
+def test_full_call_smoke_runs_its_steps_and_summarizes_them(
+        suite_runs: dict[str, _Background]) -> None:
+    run = suite_runs["full"]
+    proc = run.result(timeout=1400)
+    out = run.stdout.parent / "full"
     steps = _steps(out)
     assert list(steps) == FULL_SMOKE_STEPS  # no calibration: the core call's line serves
     failed = {name: (out / f"{name}.log").read_text()[-2000:]
