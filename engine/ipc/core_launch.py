@@ -14,14 +14,11 @@ entry point loads engine.ipc.core_process (and torch) in the child only.
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import secrets
 import signal
 import socket
 from multiprocessing.process import BaseProcess
-
-logger = logging.getLogger(__name__)
 
 PROCESS_NAME = "sloserve-engine-core"
 
