@@ -21,7 +21,6 @@ import argparse
 import json
 import random
 import statistics
-import sys
 from pathlib import Path
 
 import numpy as np

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
 
 from engine.config import build_engine_config
 from engine.core.request import Request

@@ -5,7 +5,6 @@ step runs; and over the IPC channel, from the API server's AsyncEngineClient."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
@@ -15,7 +14,6 @@ from engine.core.block_pool import BlockPool
 from engine.fleet.load_report import ReplicaLoad, decode_load, encode_load
 from engine.fleet.prefix_hashes import cached_prefix_blocks, prompt_prefix_hashes
 from engine.ipc.async_client import AsyncEngineClient
-from engine.runtime.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from tests.utils.mid_forward import LONG_PROMPT, _engine, _on_long_step, _prompt, _request, _run
 

@@ -13,7 +13,7 @@ import pytest
 
 from engine.core.request_queue import UrgencyQueue
 from monitor.policy import (AGING_SLO_MULTIPLE, RequestView, aging_threshold, choose_slo_preemption,
-                            order, rank, should_slo_preempt, urgency, view_of)
+                            rank, should_slo_preempt, urgency, view_of)
 from monitor.predictor import LinearTTFT
 from tests.utils.scheduling import FakeRunner, _request, _slo_scheduler
 

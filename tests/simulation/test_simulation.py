@@ -3,21 +3,19 @@
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
 import pytest
 
 from engine.config import build_engine_config
-from engine.core.request import Request
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput, StepStatus
 from engine.runtime.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.simulation import StepTimeProfile, load_profile, shipped_profiles
 from engine.executor.simulated import SimulatedExecutor
 from monitor.predictor import LinearTTFT
-from monitor.slo_preempt_signal import NO_TARGET, SLOPreemptSignal
+from monitor.slo_preempt_signal import SLOPreemptSignal
 from workers.preemption.slo_preempt_vote import SLOPreemptVote
 
 H100 = "h100-llama-3.1-8b"
