@@ -23,9 +23,7 @@ import subprocess
 import threading
 import time
 
-import httpx
-
-from engine.benchmarks.server import free_port, serve_command
+from engine.benchmarks.server import free_port, serve_command, wait_until_healthy
 
 LIFESPAN_LINE = "Waiting for application startup."
 ENGINE_LOGGER = "sloserve-engine-core"
@@ -35,6 +33,7 @@ def time_one_start(serve_args: list[str], timeout_s: float = 300.0) -> dict[str,
     port = free_port()
     started = time.monotonic()
     marks: dict[str, float | None] = {"lifespan_s": None, "engine_built_s": None}
+    lines: list[str] = []  # the server's output, quoted if it fails to start
     proc = subprocess.Popen(serve_command(*serve_args, port=port), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -42,6 +41,7 @@ def time_one_start(serve_args: list[str], timeout_s: float = 300.0) -> dict[str,
     def read() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
+            lines.append(line)
             now = round(time.monotonic() - started, 3)
             if marks["lifespan_s"] is None and LIFESPAN_LINE in line:
                 marks["lifespan_s"] = now
@@ -52,17 +52,8 @@ def time_one_start(serve_args: list[str], timeout_s: float = 300.0) -> dict[str,
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"sloserve serve exited with {proc.returncode} while starting")
-            if time.monotonic() - started > timeout_s:
-                raise RuntimeError(f"sloserve serve was not healthy within {timeout_s} s")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.02)
+        wait_until_healthy(proc, f"http://127.0.0.1:{port}", timeout_s, lambda: "".join(lines),
+                           poll_s=0.02)
         healthy = time.monotonic() - started
     finally:
         proc.terminate()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 import time
@@ -24,7 +25,6 @@ from engine.serving.tool_calls.parsers import PARSERS
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.entrypoints.llm import LLM
-    from engine.ipc.core_launch import CoreLaunch
     from engine.serving.api_server import ServerSettings
     from engine.sampling_params import SamplingParams
 
@@ -132,47 +132,41 @@ def _serve(args: argparse.Namespace) -> int:
     model = model_path_or_default(given)
     # EngineCore's process starts now and imports while this one checks the configuration
     # and loads the tokenizer; it builds nothing before the app's start tells it what
-    # (engine.ipc.core_launch). A fleet's replicas start their own.
+    # (engine.ipc.core_launch), and leaving this block ends it unless the server adopted it.
+    # A fleet's replicas start their own.
     launch = CoreLaunch.start(model) if args.replicas is None else None
-    try:
-        return _serve_launched(args, given, model, kwargs, api_key, launch)
-    finally:
-        if launch is not None:
-            launch.abandon()  # a no-op once the server adopted it
+    with launch or contextlib.nullcontext():
+        # Imported after the launch: torch and fastapi take seconds.
+        from engine.serving.api_server import ServerSettings, run_server, served_name
+        from engine.config import build_engine_config
+        from engine.runtime.model_setup import resolve
 
+        config = build_engine_config(model, **kwargs)
+        resolve(config)  # bad configuration fails here, before the engine builds anything
+        if config.slo_preemption.ttft_model:
+            from monitor.predictor import LinearTTFT
 
-def _serve_launched(args: argparse.Namespace, given: str | None, model: str, kwargs: dict,
-                    api_key: str | None, launch: CoreLaunch | None) -> int:
-    from engine.serving.api_server import ServerSettings, run_server, served_name
-    from engine.config import build_engine_config
-    from engine.runtime.model_setup import resolve
-
-    config = build_engine_config(model, **kwargs)
-    resolve(config)  # bad configuration fails here, before the engine builds anything
-    if config.slo_preemption.ttft_model:
-        from monitor.predictor import LinearTTFT
-
-        LinearTTFT.load(config.slo_preemption.ttft_model)
-    # vLLM's convention: clients see the --model argument as given (tools load the tokenizer
-    # from it); the default model, given by no one, is named after its folder.
-    names = args.served_model_name or [given or served_name(model)]
-    if not all(name.strip() for name in names):
-        raise ValueError(f"--served-model-name: a name must not be empty, got {names}")
-    settings = ServerSettings(
-        served_model_name=names[0], other_served_names=tuple(names[1:]),
-        model_root=str(Path(model).resolve()),
-        api_key=api_key,
-        max_request_body_bytes=args.max_request_body_bytes,
-        default_ttft_slo_ms=args.default_ttft_slo_ms,
-        min_ttft_slo_ms=args.min_ttft_slo_ms,
-        default_tpot_slo_ms=args.default_tpot_slo_ms,
-        metrics_require_api_key=args.metrics_require_api_key,
-        shutdown=ShutdownConfig(mode=args.shutdown_mode, timeout_s=args.shutdown_timeout),
-        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
-    if args.replicas is not None:
-        return _serve_fleet(config, settings, args)
-    run_server(config, settings, args.host, args.port, args.log_level, launch)
-    return 0
+            LinearTTFT.load(config.slo_preemption.ttft_model)
+        # vLLM's convention: clients see the --model argument as given (tools load the tokenizer
+        # from it); the default model, given by no one, is named after its folder.
+        names = args.served_model_name or [given or served_name(model)]
+        if not all(name.strip() for name in names):
+            raise ValueError(f"--served-model-name: a name must not be empty, got {names}")
+        settings = ServerSettings(
+            served_model_name=names[0], other_served_names=tuple(names[1:]),
+            model_root=str(Path(model).resolve()),
+            api_key=api_key,
+            max_request_body_bytes=args.max_request_body_bytes,
+            default_ttft_slo_ms=args.default_ttft_slo_ms,
+            min_ttft_slo_ms=args.min_ttft_slo_ms,
+            default_tpot_slo_ms=args.default_tpot_slo_ms,
+            metrics_require_api_key=args.metrics_require_api_key,
+            shutdown=ShutdownConfig(mode=args.shutdown_mode, timeout_s=args.shutdown_timeout),
+            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+        if args.replicas is not None:
+            return _serve_fleet(config, settings, args)
+        run_server(config, settings, args.host, args.port, args.log_level, launch)
+        return 0
 
 
 def _serve_fleet(config: EngineConfig, settings: ServerSettings,

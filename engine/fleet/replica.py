@@ -52,17 +52,14 @@ class EngineReplica:
 
     async def __init__(self, config: EngineConfig, settings: ServerSettings,
                  attainment_window_s: float = 30.0) -> None:
-        # EngineCore's process imports while the app loads its tokenizer (engine.ipc.core_launch).
-        launch = CoreLaunch.start(config.model.model)
-        try:
+        # EngineCore's process imports while the app loads its tokenizer; the app's lifespan
+        # adopts it, sends it what to build (and stops it in __del__), and a failure before
+        # then ends it (engine.ipc.core_launch).
+        with CoreLaunch.start(config.model.model) as launch:
             self.app = build_app(config, settings, launch)
-        except BaseException:
-            launch.abandon()
-            raise
-        self.client = self.app.state.client
-        # The app's lifespan starts the EngineCore process (and stops it in __del__).
-        self._lifespan = self.app.router.lifespan_context(self.app)
-        await self._lifespan.__aenter__()
+            self.client = self.app.state.client
+            self._lifespan = self.app.router.lifespan_context(self.app)
+            await self._lifespan.__aenter__()
         self._attainment = AttainmentWindow(window_s=attainment_window_s)
         self.replica_id = _replica_id()
         self._last_load: ReplicaLoad | None = None

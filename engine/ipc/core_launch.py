@@ -26,7 +26,7 @@ PROCESS_NAME = "sloserve-engine-core"
 class CoreLaunch:
     """A started EngineCore process, the loopback port it connects to and the token it shows
     there. The API server's engine client adopts it (AsyncEngineClient); until then `abandon`
-    ends it."""
+    ends it (as leaving a `with` block does)."""
 
     def __init__(self, listener: socket.socket, token: bytes,
                  process: BaseProcess | None = None) -> None:
@@ -65,6 +65,12 @@ class CoreLaunch:
             self.listener.close()
             raise
         return self
+
+    def __enter__(self) -> CoreLaunch:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.abandon()
 
     def adopt(self) -> tuple[BaseProcess, socket.socket, bytes]:
         """Hands the process, the listening socket and the token to their owner for good."""

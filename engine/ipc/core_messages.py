@@ -120,6 +120,7 @@ class StartCore(msgspec.Struct, kw_only=True):
     # configuration runs no monitor.
     slo_preempt_signal_name: str | None = None
 
+
 _encoder = msgspec.msgpack.Encoder()
 to_core_decoder = msgspec.msgpack.Decoder(ToCore)
 from_core_decoder = msgspec.msgpack.Decoder(FromCore)

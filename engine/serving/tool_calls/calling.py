@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from engine.serving.tool_calls.parsers import (PARSERS, FunctionCall, ParsedOutput, ToolParser,
-                                               arguments_written, name_written)
+                                               arguments_written, call_from_json, name_written)
 from engine.structured_output.params import StructuredOutputsParams
 
 Mode = Literal["auto", "required", "named"]
@@ -61,7 +61,7 @@ class ToolCalling:
         # (the schema's); each call counts once its object is complete, and a stream sends
         # the next one's name as soon as it is written.
         items, writing = _listed_so_far(text)
-        calls = [call for call in map(_listed_call, items) if call is not None]
+        calls = [call for call in map(call_from_json, items) if call is not None]
         if not finished:
             return ParsedOutput(0, tuple(calls), name_written(writing))
         try:
@@ -72,7 +72,7 @@ class ToolCalling:
             if (name := name_written(writing)) is not None:
                 calls.append(FunctionCall(name, arguments_written(writing, "parameters")))
             return ParsedOutput(0, tuple(calls)) if calls else ParsedOutput(len(text))
-        calls = [call for call in map(_listed_call, value if isinstance(value, list) else [])
+        calls = [call for call in map(call_from_json, value if isinstance(value, list) else [])
                  if call is not None]
         return ParsedOutput(0, tuple(calls)) if calls else ParsedOutput(len(text))
 
@@ -119,12 +119,6 @@ def tool_calling(tools: list[dict[str, Any]] | None, tool_choice: Any,
         raise ValueError(f"tool_choice names function {name!r}, which tools does not define "
                          f"(they define {', '.join(map(repr, functions))})")
     return ToolCalling("named", function=name, constraint=_compact(_parameters(functions[name])))
-
-
-def _listed_call(item: Any) -> FunctionCall | None:
-    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-        return None
-    return FunctionCall(item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False))
 
 
 def _listed_so_far(text: str) -> tuple[list[Any], str]:

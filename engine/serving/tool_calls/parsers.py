@@ -71,7 +71,7 @@ def arguments_written(text: str, key: str) -> str:
     return rest[value.end():] if value is not None else ""
 
 
-def _call(value: Any) -> FunctionCall | None:
+def call_from_json(value: Any) -> FunctionCall | None:
     """A call from a decoded JSON object (its arguments under `arguments`, or `parameters` as
     Llama 3 writes them), or None when it is not one."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
@@ -113,7 +113,7 @@ class HermesParser(ToolParser):
                                     name_written(text[begin + len(self.OPEN):]))
             body = text[begin + len(self.OPEN):end if end >= 0 else len(text)]
             try:
-                call = _call(json.loads(body))
+                call = call_from_json(json.loads(body))
             except json.JSONDecodeError:
                 call = None
             if call is None:
@@ -150,7 +150,7 @@ class Llama3JsonParser(ToolParser):
                 value, at = decoder.raw_decode(body, at)
             except json.JSONDecodeError:
                 return ParsedOutput(len(text))
-            call = _call(value)
+            call = call_from_json(value)
             if call is None:
                 return ParsedOutput(len(text))
             calls.append(call)
@@ -181,7 +181,7 @@ class MistralParser(ToolParser):
         except json.JSONDecodeError:
             return ParsedOutput(len(text))
         items = value if isinstance(value, list) else [value]
-        calls = [_call(item) for item in items]
+        calls = [call_from_json(item) for item in items]
         if not calls or any(c is None for c in calls):
             return ParsedOutput(len(text))
         return ParsedOutput(start, tuple(c for c in calls if c is not None))
