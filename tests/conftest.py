@@ -6,6 +6,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Every engine times its steps before serving (engine/runtime/startup_calibration.py); the
 # suite starts hundreds, and a tiny model's sizes need far less than the 5 s a real one gets.
 os.environ.setdefault("SLOSERVE_STARTUP_CALIBRATION_S", "0.3")
+# Side by side under pytest-xdist (the README's test command), each worker and the servers it
+# starts take one torch thread: a worker's OpenMP threads spinning on the other's cores cost
+# the run about a minute of CPU on two cores. Read by torch at import, so set before it.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 

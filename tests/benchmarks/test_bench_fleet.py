@@ -16,6 +16,9 @@ from engine.benchmarks.fleet.fleet_run import (fleet_table, late_past_a_decode_s
 from engine.benchmarks.measure.figures import read_figures
 from monitor.predictor import LinearTTFT
 
+# Alone (the README's serial run): `bench run --replicas` starts a Ray instance of its own.
+pytestmark = pytest.mark.serial
+
 
 def test_fleet_bursts_has_bursts_of_urgent_turns_among_documents(sim_model) -> None:
     from transformers import AutoTokenizer

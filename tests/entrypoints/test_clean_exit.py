@@ -27,7 +27,10 @@ from tests.utils.server_helpers import REPO, children, cmdline, descendants, wai
 SHM = Path("/dev/shm")
 LEAK_WARNING = "leaked shared_memory"
 
-pytestmark = pytest.mark.skipif(not SHM.is_dir(), reason="POSIX shared memory lives in /dev/shm")
+# Alone (the README's serial run): a leaked segment is one in /dev/shm that no process on
+# the machine maps, which a test running beside these could have just created.
+pytestmark = [pytest.mark.skipif(not SHM.is_dir(), reason="POSIX shared memory lives in /dev/shm"),
+              pytest.mark.serial]
 
 
 def mapped_segments(pids: list[int]) -> set[str]:

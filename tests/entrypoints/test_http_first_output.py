@@ -21,6 +21,10 @@ import torch
 
 from tests.utils.server_helpers import slowed_slo_server
 
+# Alone (the README's serial run): an urgent turn's first output is checked against its
+# deadline by the wall clock.
+pytestmark = pytest.mark.serial
+
 LONG_PROMPT = 400
 URGENT_SLO_MS = 500
 URGENT_TOKENS = 8

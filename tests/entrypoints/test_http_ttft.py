@@ -34,6 +34,9 @@ from tests.utils.inprocess_server import FakeCore, app_client
 from tests.utils.server_helpers import ServerProcess, sample, scrape, sse_data
 from tests.utils.slow_first_output import DELAY_ENV
 
+# Alone (the README's serial run): whether a deadline is met depends on the wall clock.
+pytestmark = pytest.mark.serial
+
 NUM_REQUESTS = 16
 MAX_TOKENS = 6
 # An objective no request can meet (tokenization, the EngineCore process and a forward pass

@@ -17,6 +17,10 @@ from engine.fleet.autoscaling import ScalingOptions
 from engine.fleet.options import APP_NAME, ENGINE_DEPLOYMENT, FleetOptions
 from tests.utils.ray_fleet import fleet, replica_env, stream, tiny_fleet_config, wait_for
 
+# Alone (the README's serial run): the session's one Ray instance, and replicas timed against
+# each other on the machine's cores.
+pytestmark = pytest.mark.serial
+
 DELAY_US_PER_TOKEN = 250  # 4 layers: ~1 ms per prompt token
 LONG_PROMPT = [3 + (i * 7919) % 247 for i in range(1200)]
 TIGHT_SLO_MS = 60

@@ -20,6 +20,10 @@ from engine.fleet.options import APP_NAME, FleetOptions
 from tests.utils.ray_fleet import (fleet, in_thread, metric, replica_env, stream,
                                    tiny_fleet_config, wait_for)
 
+# Alone (the README's serial run): the session's one Ray instance, and replicas timed against
+# each other on the machine's cores.
+pytestmark = pytest.mark.serial
+
 # Slowed layers (4 layers x 250 us per token): a 1500-token prompt prefills in ~1.5 s, a
 # 24-token turn in ~25 ms.
 DELAY_US_PER_TOKEN = 250

@@ -18,6 +18,10 @@ from monitor.policy import RequestView, urgency
 from monitor.predictor import LinearTTFT, optimistic_prefill
 from tests.utils.gpu_timed import StepLog, _engine, _replay, _request
 
+# Alone (the README's serial run): the simulated steps are real sleeps, checked against
+# deadlines.
+pytestmark = pytest.mark.serial
+
 
 def _seed(profile, factor: float) -> LinearTTFT:
     """The profile's own step model, every term `factor` x."""

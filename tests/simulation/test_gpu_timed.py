@@ -12,6 +12,10 @@ from engine.core.request import Request
 from engine.core.scheduler_output import StepStatus
 from tests.utils.gpu_timed import StepLog, _engine, _request, _replay
 
+# Alone (the README's serial run): the simulated steps are real sleeps, checked against
+# deadlines.
+pytestmark = pytest.mark.serial
+
 URGENT_SLO_MS = 150.0
 
 

@@ -21,6 +21,10 @@ from engine.core.request import Request
 from engine.runtime.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 
+# Alone (the README's serial run): the simulated steps are real sleeps, checked against
+# deadlines.
+pytestmark = pytest.mark.serial
+
 PROFILE = "h100-llama-3.1-8b"
 SLO_MS = 150.0
 TURN_TOKENS = 16
