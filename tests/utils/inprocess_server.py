@@ -50,7 +50,8 @@ class FakeCore:
         self.requests: list[AddRequest] = []
         # The API server's notes that a request's first visible output was written.
         self.delivered: list[FirstOutputDelivered] = []
-        # When each frame went out (time.monotonic()), in order.
+        # When each frame went out (time.monotonic()), in order: stamped just before the send,
+        # since the server can read and answer a frame before this thread runs again.
         self.sent_at: list[float] = []
 
     def launch(self) -> CoreLaunch:
@@ -85,8 +86,8 @@ class FakeCore:
                             if isinstance(reply, float):
                                 time.sleep(reply)
                                 continue
-                            channel.send(reply)
                             self.sent_at.append(time.monotonic())
+                            channel.send(reply)
                         if hang_up:
                             return
         except OSError:
