@@ -7,6 +7,7 @@ its index, and the response gathers them (engine.serving.choices runs them).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from engine.serving.edge_clock import EdgeClock
 from engine.serving.reasoning_parsers import ReasoningParser
 from engine.serving.tool_calls.calling import ToolCalling, call_body
 from engine.serving.tool_calls.parsers import FunctionCall, ParsedOutput
+
+logger = logging.getLogger(__name__)
 
 # time.monotonic() -> Unix time, for the timestamps reported to clients.
 _UNIX_OFFSET = time.time() - time.monotonic()
@@ -262,6 +265,8 @@ class _ChoiceStream:
     # before its arguments).
     calls_sent: int = 0
     headers_sent: int = 0
+    # The arguments sent of the call whose header went out last, while it is being written.
+    arguments_sent: str = ""
     # Where the reasoning sent so far ends in the output text.
     reasoning_sent: int = 0
 
@@ -329,22 +334,39 @@ async def stream_events(ctx: ResponseContext, choices: list[Choice],
 def _call_deltas(ctx: ResponseContext, stream: _ChoiceStream, parsed: ParsedOutput
                  ) -> tuple[list[dict[str, Any]], int]:
     """The `tool_calls` delta entries for what ``parsed`` adds, and how many calls they
-    complete: a call whose id and name went out before gets its arguments alone (the openai
-    SDK appends them to the entry of the same index); an opening call, its id and name with
-    empty arguments."""
+    complete. A call goes out as OpenAI streams one: its id and name with empty arguments,
+    then its arguments in fragments as they settle (the openai SDK appends each to the entry
+    of the same index), the rest when it is complete; a call complete before its header went
+    out, whole."""
     request_id, choice = ctx.request_id, stream.choice.index
     entries: list[dict[str, Any]] = []
     for i, call in enumerate(parsed.calls):
         if i < stream.calls_sent:
             continue
         if i < stream.headers_sent:
-            entries.append({"index": i, "function": {"arguments": call.arguments}})
+            # (arguments_sent stays as it is until the next header: a chunk with nothing else
+            # in it is not sent, and this call then completes again in the next one.)
+            sent = stream.arguments_sent if i == stream.headers_sent - 1 else ""
+            if not call.arguments.startswith(sent):  # settled text cannot change
+                logger.warning("tool call %d of %s: its arguments do not continue what was "
+                               "streamed of them", i, request_id)
+            if rest := call.arguments[len(sent):]:
+                entries.append({"index": i, "function": {"arguments": rest}})
         else:
             entries.append({"index": i, **call_body(call, request_id, choice, i)})
     opening_index = len(parsed.calls)
-    if parsed.opening is not None and opening_index >= stream.headers_sent:
-        header = call_body(FunctionCall(parsed.opening, ""), request_id, choice, opening_index)
-        entries.append({"index": opening_index, **header})
+    if parsed.opening is not None:
+        if opening_index >= stream.headers_sent:
+            header = call_body(FunctionCall(parsed.opening, ""), request_id, choice,
+                               opening_index)
+            entries.append({"index": opening_index, **header})
+            stream.arguments_sent = ""
+        elif (opening_index == stream.headers_sent - 1
+              and len(settled := parsed.opening_arguments) > len(stream.arguments_sent)
+              and settled.startswith(stream.arguments_sent)):
+            entries.append({"index": opening_index,
+                            "function": {"arguments": settled[len(stream.arguments_sent):]}})
+            stream.arguments_sent = settled
     return entries, len(parsed.calls) - min(stream.calls_sent, len(parsed.calls))
 
 

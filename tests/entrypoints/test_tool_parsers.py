@@ -151,5 +151,28 @@ def test_required_calls_stream_one_by_one_and_a_cut_short_list_keeps_what_was_wr
 
     cut = required.parse(text[:first_whole + len(',{"name":"get_time","parameters":{"zo')],
                          True)
-    assert cut.calls == (WEATHER, FunctionCall("get_time", '{"zo')) and cut.content_end == 0
+    # What a stream had sent of the arguments: their settled part (a key is whole or not yet).
+    assert cut.calls == (WEATHER, FunctionCall("get_time", '{')) and cut.content_end == 0
     assert required.parse('[{"name":"get_wea', True).content_end == len('[{"name":"get_wea')
+
+
+@pytest.mark.parametrize("parser, text", [
+    (HermesParser(), '<tool_call>{"name": "get_weather", "arguments": {"city":"Paris",\n'
+                     '"days": [1, 2.50]}}</tool_call>'),
+    (Llama3JsonParser(), '{"name": "get_weather", "parameters": {"city": "Paris", "days": '
+                         '[1, 2.50]}}'),
+    (MistralParser(), '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", '
+                      '"days": [1, 2.50]}}]'),
+])
+def test_a_calls_arguments_settle_as_written_and_add_up_to_the_whole_calls(parser, text):
+    """What a stream sends of an opening call's arguments only grows, and the whole call's
+    arguments continue it: a client that appends the fragments gets the call's arguments,
+    re-serialized (`2.50` is `2.5`, the model's newline gone) as a whole response has them."""
+    steps, final = _grow(parser, text)
+    settled = [step.opening_arguments for step in steps if step.opening is not None]
+    assert len(set(settled)) > 10  # probe: they grew piece by piece while being written
+    assert all(longer.startswith(shorter) for shorter, longer in zip(settled, settled[1:]))
+    (call,) = final.calls
+    assert call.arguments == '{"city": "Paris", "days": [1, 2.5]}'
+    assert call.arguments.startswith(settled[-1])
+    assert {'{"city": "P', '{"city": "Pa', '{"city": "Par'} <= set(settled)  # a string as it comes

@@ -7,13 +7,14 @@
 - `required`: at least one call, constrained by structured outputs to a JSON list of `{"name":
   ..., "parameters": ...}` whose parameters match that tool's schema (one call at most with
   `parallel_tool_calls: false`), as vLLM does; a stream sends each call's id and name once
-  written and its arguments once the call is whole;
+  written and its arguments as they are written;
 - a named function (`{"type": "function", "function": {"name": ...}}`): the output is that
   function's arguments, constrained to its parameters' schema; a stream sends the call's id and
   name with the first token (its first visible output: what its TTFT counts) and the arguments
-  once complete.
+  as they are written.
 
-Whatever the mode, a call's arguments are JSON text (OpenAI's shape) and its id is derived from
+Whatever the mode, a call's arguments are JSON text (OpenAI's shape; a stream sends them in
+fragments that add up to the whole call's, engine.serving.tool_calls.partial_json) and its id is derived from
 the response's id, the choice and the call's position, so a stream and its replay agree.
 """
 
@@ -25,7 +26,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from engine.serving.tool_calls.parsers import (PARSERS, FunctionCall, ParsedOutput, ToolParser,
-                                               arguments_written, call_from_json, name_written)
+                                               arguments_written, call_from_json, list_items,
+                                               name_written, opening_arguments)
+from engine.serving.tool_calls.partial_json import canonical, settled_prefix
 from engine.structured_output.params import StructuredOutputsParams
 
 Mode = Literal["auto", "required", "named"]
@@ -49,30 +52,37 @@ class ToolCalling:
         if self.mode == "named":
             # The output is the call's arguments, whatever it holds: its name is known from
             # the first token (a stream sends it then), and arguments cut short (max_tokens)
-            # stay the call's, as vLLM returns them.
+            # stay the call's, as vLLM returns them (their settled part: what a stream sent).
             if not finished:
-                return ParsedOutput(0, opening=self.function)
+                return ParsedOutput(0, opening=self.function,
+                                    opening_arguments=settled_prefix(text))
             try:
-                arguments = json.dumps(json.loads(text), ensure_ascii=False)
+                json.loads(text)
             except json.JSONDecodeError:
-                arguments = text
+                arguments = settled_prefix(text) or text
+            else:  # as a stream sent it
+                arguments = canonical(text) or json.dumps(json.loads(text), ensure_ascii=False)
             return ParsedOutput(0, (FunctionCall(self.function or "", arguments),))
         # required: a JSON list of {"name": ..., "parameters": ...}, written in that order
         # (the schema's); each call counts once its object is complete, and a stream sends
         # the next one's name as soon as it is written.
-        items, writing = _listed_so_far(text)
-        calls = [call for call in map(call_from_json, items) if call is not None]
+        items, writing = list_items(text)
+        calls = [call for call in (call_from_json(item, raw) for item, raw in items)
+                 if call is not None]
         if not finished:
-            return ParsedOutput(0, tuple(calls), name_written(writing))
+            return ParsedOutput(0, tuple(calls), name_written(writing),
+                                opening_arguments(writing))
         try:
             value = json.loads(text)
         except json.JSONDecodeError:
             # Cut short (max_tokens): the calls written whole, and the one being written
             # with its arguments as far as they got (a named function's are kept so too).
             if (name := name_written(writing)) is not None:
-                calls.append(FunctionCall(name, arguments_written(writing, "parameters")))
+                calls.append(FunctionCall(name, opening_arguments(writing)
+                                          or arguments_written(writing, "parameters")))
             return ParsedOutput(0, tuple(calls)) if calls else ParsedOutput(len(text))
-        calls = [call for call in map(call_from_json, value if isinstance(value, list) else [])
+        whole = list_items(text)[0] if isinstance(value, list) else []
+        calls = [call for call in (call_from_json(item, raw) for item, raw in whole)
                  if call is not None]
         return ParsedOutput(0, tuple(calls)) if calls else ParsedOutput(len(text))
 
@@ -119,26 +129,6 @@ def tool_calling(tools: list[dict[str, Any]] | None, tool_choice: Any,
         raise ValueError(f"tool_choice names function {name!r}, which tools does not define "
                          f"(they define {', '.join(map(repr, functions))})")
     return ToolCalling("named", function=name, constraint=_compact(_parameters(functions[name])))
-
-
-def _listed_so_far(text: str) -> tuple[list[Any], str]:
-    """The items of a JSON list being written that are whole, and the text of the one after
-    them (empty when none is begun)."""
-    body = text.lstrip()
-    if not body.startswith("["):
-        return [], ""
-    decoder, items, at = json.JSONDecoder(), [], 1
-    while True:
-        rest = body[at:].lstrip()
-        if rest.startswith(","):
-            rest = rest[1:].lstrip()
-        if not rest or rest.startswith("]"):
-            return items, ""
-        try:
-            item, at = decoder.raw_decode(body, len(body) - len(rest))
-        except json.JSONDecodeError:
-            return items, rest
-        items.append(item)
 
 
 def _compact(schema: dict[str, Any]) -> StructuredOutputsParams:

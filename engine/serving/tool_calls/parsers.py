@@ -2,8 +2,9 @@
 
 Each parser reads the whole output so far (a stream re-reads it as it grows): `content_end` is
 how far the text is surely content (a tool call starts after it, or may: a marker's first
-characters are held back), `calls` the calls complete so far, and `opening` the name of the
-call being written, once written; at the end (`finished`), a call that does not parse makes the
+characters are held back), `calls` the calls complete so far, `opening` the name of the
+call being written, once written, and `opening_arguments` what of its arguments is settled
+(engine.serving.tool_calls.partial_json: a stream sends them fragment by fragment); at the end (`finished`), a call that does not parse makes the
 whole output plain content, as vLLM falls back, never an error (a stream that sent that call's
 name has sent it: vLLM's streams do the same).
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.serving.held_text import held_from
+from engine.serving.tool_calls.partial_json import canonical, settled_prefix
 
 
 @dataclass(frozen=True)
@@ -39,12 +41,17 @@ class ParsedOutput:
     calls: tuple[FunctionCall, ...] = ()
     # The function of the call being written after `calls`, once its name is (a named function
     # from the first token, a parsed format once the name is written): a stream sends its id
-    # and name then, and its arguments once the call is complete.
+    # and name then, and its arguments as they settle.
     opening: str | None = None
+    # The settled start of that call's arguments (a prefix of their text once the call is
+    # complete; empty when they are not an object being written after the name).
+    opening_arguments: str = ""
 
 
 # A call object's start, its name written whole: `{"name": "get_weather"`.
 _NAME_FIRST = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+# What comes between the name and the arguments, in the formats' call objects.
+_ARGUMENTS_KEY = re.compile(r'\s*,\s*"(arguments|parameters)"\s*:\s*')
 
 
 def name_written(text: str) -> str | None:
@@ -71,9 +78,25 @@ def arguments_written(text: str, key: str) -> str:
     return rest[value.end():] if value is not None else ""
 
 
-def call_from_json(value: Any) -> FunctionCall | None:
+def _raw_arguments(text: str) -> str | None:
+    """The raw text from the start of the arguments' value on, in a call object that starts
+    with its name and has its arguments next; None in any other object."""
+    name = _NAME_FIRST.match(text)
+    key = _ARGUMENTS_KEY.match(text, name.end()) if name is not None else None
+    return text[key.end():] if key is not None else None
+
+
+def opening_arguments(text: str) -> str:
+    """The settled start of the arguments of the call object being written in `text`."""
+    raw = _raw_arguments(text)
+    return settled_prefix(raw) if raw is not None else ""
+
+
+def call_from_json(value: Any, raw: str | None = None) -> FunctionCall | None:
     """A call from a decoded JSON object (its arguments under `arguments`, or `parameters` as
-    Llama 3 writes them), or None when it is not one."""
+    Llama 3 writes them), or None when it is not one. `raw`, the object's text: its arguments
+    are then serialized as a stream sent them (partial_json.canonical), where they mean the
+    same."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
@@ -84,7 +107,12 @@ def call_from_json(value: Any) -> FunctionCall | None:
             return None
     if not isinstance(arguments, dict):
         return None
-    return FunctionCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+    text = json.dumps(arguments, ensure_ascii=False)
+    raw_arguments = _raw_arguments(raw) if raw is not None else None
+    if raw_arguments is not None and (streamed := canonical(raw_arguments)) is not None:
+        if json.loads(streamed) == arguments:
+            text = streamed
+    return FunctionCall(value["name"], text)
 
 
 class ToolParser:
@@ -109,11 +137,12 @@ class HermesParser(ToolParser):
         while (begin := text.find(self.OPEN, at)) >= 0:
             end = text.find(self.CLOSE, begin)
             if end < 0 and not finished:  # still being written
-                return ParsedOutput(start, tuple(calls),
-                                    name_written(text[begin + len(self.OPEN):]))
+                writing = text[begin + len(self.OPEN):]
+                return ParsedOutput(start, tuple(calls), name_written(writing),
+                                    opening_arguments(writing))
             body = text[begin + len(self.OPEN):end if end >= 0 else len(text)]
             try:
-                call = call_from_json(json.loads(body))
+                call = call_from_json(json.loads(body), body)
             except json.JSONDecodeError:
                 call = None
             if call is None:
@@ -140,17 +169,20 @@ class Llama3JsonParser(ToolParser):
         if not could_be_call:
             return ParsedOutput(len(text))
         if not finished:
-            # The calls are known once the output ends; the first one's name before that.
-            return ParsedOutput(0, opening=name_written(body))
+            # The calls are known once the output ends; the first one's name and arguments
+            # before that.
+            return ParsedOutput(0, opening=name_written(body),
+                                opening_arguments=opening_arguments(body))
         calls: list[FunctionCall] = []
         decoder, at = json.JSONDecoder(), 0
         body = body.strip()
         while at < len(body):
             try:
-                value, at = decoder.raw_decode(body, at)
+                value, end = decoder.raw_decode(body, at)
             except json.JSONDecodeError:
                 return ParsedOutput(len(text))
-            call = call_from_json(value)
+            call = call_from_json(value, body[at:end])
+            at = end
             if call is None:
                 return ParsedOutput(len(text))
             calls.append(call)
@@ -172,19 +204,46 @@ class MistralParser(ToolParser):
         start = text.find(self.MARKER)
         if start < 0:
             return ParsedOutput(len(text) if finished else held_from(text, self.MARKER))
+        listed = text[start + len(self.MARKER):]
         if not finished:
-            # The calls are known once the output ends; the first one's name before that.
-            listed = text[start + len(self.MARKER):].lstrip()
-            return ParsedOutput(start, opening=name_written(listed.removeprefix("[")))
+            # The calls are known once the output ends; the first one's name and arguments
+            # before that.
+            first = listed.lstrip().removeprefix("[")
+            return ParsedOutput(start, opening=name_written(first),
+                                opening_arguments=opening_arguments(first))
         try:
-            value = json.loads(text[start + len(self.MARKER):])
+            value = json.loads(listed)
         except json.JSONDecodeError:
             return ParsedOutput(len(text))
-        items = value if isinstance(value, list) else [value]
-        calls = [call_from_json(item) for item in items]
+        if isinstance(value, list):
+            items = list_items(listed)[0]
+        else:
+            items = [(value, listed)]
+        calls = [call_from_json(item, raw) for item, raw in items]
         if not calls or any(c is None for c in calls):
             return ParsedOutput(len(text))
         return ParsedOutput(start, tuple(c for c in calls if c is not None))
+
+
+def list_items(text: str) -> tuple[list[tuple[Any, str]], str]:
+    """The items of a JSON list being written that are whole, each with its text, and the text
+    of the one after them (empty when none is begun)."""
+    body = text.lstrip()
+    if not body.startswith("["):
+        return [], ""
+    decoder, items, at = json.JSONDecoder(), [], 1
+    while True:
+        rest = body[at:].lstrip()
+        if rest.startswith(","):
+            rest = rest[1:].lstrip()
+        if not rest or rest.startswith("]"):
+            return items, ""
+        begin = len(body) - len(rest)
+        try:
+            item, at = decoder.raw_decode(body, begin)
+        except json.JSONDecodeError:
+            return items, rest
+        items.append((item, body[begin:at]))
 
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser,
