@@ -303,8 +303,8 @@ def test_a_named_call_streams_its_name_with_the_first_token_and_its_arguments_as
     """A named function's output is its arguments: the stream sends the call's id and name at
     once (the client's first visible output, so what its TTFT counts), then the arguments in
     fragments of the same index as they settle, which the SDK's helper appends; the
-    accumulated message is the non-streamed one. Cut short by max_tokens, the call keeps the partial arguments in both
-    (vLLM returns them so)."""
+    accumulated message is the non-streamed one. Cut short by max_tokens, the call keeps the
+    settled part of its arguments in both (vLLM returns them so)."""
     named = {"type": "function", "function": {"name": "get_weather"}}
 
     def create(max_tokens: int):

@@ -14,8 +14,9 @@
   as they are written.
 
 Whatever the mode, a call's arguments are JSON text (OpenAI's shape; a stream sends them in
-fragments that add up to the whole call's, engine.serving.tool_calls.partial_json) and its id is derived from
-the response's id, the choice and the call's position, so a stream and its replay agree.
+fragments that add up to the whole call's, engine.serving.tool_calls.partial_json) and its id
+is derived from the response's id, the choice and the call's position, so a stream and its
+replay agree.
 """
 
 from __future__ import annotations

@@ -2,11 +2,12 @@
 
 Each parser reads the whole output so far (a stream re-reads it as it grows): `content_end` is
 how far the text is surely content (a tool call starts after it, or may: a marker's first
-characters are held back), `calls` the calls complete so far, `opening` the name of the
-call being written, once written, and `opening_arguments` what of its arguments is settled
-(engine.serving.tool_calls.partial_json: a stream sends them fragment by fragment); at the end (`finished`), a call that does not parse makes the
-whole output plain content, as vLLM falls back, never an error (a stream that sent that call's
-name has sent it: vLLM's streams do the same).
+characters are held back), `calls` the calls complete so far, `opening` the name of the call
+being written, once written, and `opening_arguments` what of its arguments is settled
+(engine.serving.tool_calls.partial_json: a stream sends them fragment by fragment); at the end
+(`finished`), a call that does not parse makes the whole output plain content, as vLLM falls
+back, never an error (a stream that sent that call's name has sent it: vLLM's streams do the
+same).
 
 - `hermes` (Qwen2.5, Qwen3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
   blocks after any content.

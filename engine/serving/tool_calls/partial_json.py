@@ -12,7 +12,12 @@ writes twice stays twice, in both (a client's JSON reader keeps the last, as `js
 
 Held back until they are whole: a key, a number (`12` may go on to `12.5`; `1e5` is written
 `100000.0`), a literal, an escape cut in half, a lone high surrogate (its pair would make one
-character with it); and every closing quote and bracket.
+character with it). Nothing the model has not written is added: no closing quote or bracket
+before the model's own.
+
+Each read goes over the whole text again (the parsers are stateless, as the stream re-reads
+the output): about 1.5 ms for 4 KB of arguments on this project's CPU, on the API server's
+loop, per update of a stream; typical arguments are a few hundred bytes.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ def settled_prefix(raw: str) -> str:
         return ""
     try:
         reader.value()
-    except _Stop:
+    except (_Stop, RecursionError):  # nested deeper than Python's stack: settles no further
         pass
     return "".join(reader.out)
 
@@ -55,7 +60,7 @@ def canonical(raw: str) -> str | None:
         return None
     try:
         reader.value()
-    except _Stop:
+    except (_Stop, RecursionError):
         return None
     return "".join(reader.out)
 
