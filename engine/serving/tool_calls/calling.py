@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from engine.serving.tool_calls.parsers import (PARSERS, FunctionCall, ParsedOutput, ToolParser,
-                                               arguments_written, call_from_json, list_items,
-                                               name_written, opening_arguments)
+                                               call_from_json, list_items, name_written,
+                                               opening_arguments, raw_arguments)
 from engine.serving.tool_calls.partial_json import canonical, settled_prefix
 from engine.structured_output.params import StructuredOutputsParams
 
@@ -58,11 +58,11 @@ class ToolCalling:
                 return ParsedOutput(0, opening=self.function,
                                     opening_arguments=settled_prefix(text))
             try:
-                json.loads(text)
+                value = json.loads(text)
             except json.JSONDecodeError:
                 arguments = settled_prefix(text) or text
             else:  # as a stream sent it
-                arguments = canonical(text) or json.dumps(json.loads(text), ensure_ascii=False)
+                arguments = canonical(text) or json.dumps(value, ensure_ascii=False)
             return ParsedOutput(0, (FunctionCall(self.function or "", arguments),))
         # required: a JSON list of {"name": ..., "parameters": ...}, written in that order
         # (the schema's); each call counts once its object is complete, and a stream sends
@@ -80,7 +80,7 @@ class ToolCalling:
             # with its arguments as far as they got (a named function's are kept so too).
             if (name := name_written(writing)) is not None:
                 calls.append(FunctionCall(name, opening_arguments(writing)
-                                          or arguments_written(writing, "parameters")))
+                                          or raw_arguments(writing) or ""))
             return ParsedOutput(0, tuple(calls)) if calls else ParsedOutput(len(text))
         whole = list_items(text)[0] if isinstance(value, list) else []
         calls = [call for call in (call_from_json(item, raw) for item, raw in whole)

@@ -69,17 +69,7 @@ def name_written(text: str) -> str | None:
         return None
 
 
-def arguments_written(text: str, key: str) -> str:
-    """The text of `key`'s value in a call object cut short after its whole name (the call's
-    arguments as far as they got); empty when the key is not reached."""
-    match = _NAME_FIRST.match(text)
-    assert match is not None, "no whole name: name_written(text) is None"
-    rest = text[match.end():]
-    value = re.match(rf'\s*,\s*"{re.escape(key)}"\s*:\s*', rest)
-    return rest[value.end():] if value is not None else ""
-
-
-def _raw_arguments(text: str) -> str | None:
+def raw_arguments(text: str) -> str | None:
     """The raw text from the start of the arguments' value on, in a call object that starts
     with its name and has its arguments next; None in any other object."""
     name = _NAME_FIRST.match(text)
@@ -89,7 +79,7 @@ def _raw_arguments(text: str) -> str | None:
 
 def opening_arguments(text: str) -> str:
     """The settled start of the arguments of the call object being written in `text`."""
-    raw = _raw_arguments(text)
+    raw = raw_arguments(text)
     return settled_prefix(raw) if raw is not None else ""
 
 
@@ -109,8 +99,8 @@ def call_from_json(value: Any, raw: str | None = None) -> FunctionCall | None:
     if not isinstance(arguments, dict):
         return None
     text = json.dumps(arguments, ensure_ascii=False)
-    raw_arguments = _raw_arguments(raw) if raw is not None else None
-    if raw_arguments is not None and (streamed := canonical(raw_arguments)) is not None:
+    written = raw_arguments(raw) if raw is not None else None
+    if written is not None and (streamed := canonical(written)) is not None:
         if json.loads(streamed) == arguments:
             text = streamed
     return FunctionCall(value["name"], text)
