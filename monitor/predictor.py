@@ -60,8 +60,10 @@ RECENCY_HALF_LIFE = 64
 # Online refits: a mixed (prefill and decodes) or partial (unwound, resumed) step weighs this
 # much of a whole step of one kind, and fits no decode term (OnlineTTFT._refit).
 MIXED_WEIGHT = 0.25
-# Decode-only steps determine the decode term once their contexts per decode differ this much.
-DECODE_SPREAD = 2.0
+# A decode-only step above the floor that implies this many times the decode term the
+# floor-bound steps allow is a stall of the host, not the KV it read (OnlineTTFT's
+# _decode_coefficient).
+STALL_FACTOR = 2.0
 
 
 class StepPoint(NamedTuple):
@@ -708,20 +710,31 @@ class OnlineTTFT:
                          for p, w in zip(points, weights)])
         except ValueError:
             return fallback
+        def rest(point: StepPoint) -> float:
+            return point.seconds - joint.intercept_s - joint.seconds_per_token * point.tokens
+
+        # A step at the floor bounds the term: its decodes cost no more than the floor leaves
+        # them.
+        at_floor = [p.seconds <= joint.floor_s * (1 + FLOOR_TOLERANCE) for p, _ in decodes]
+        bound = min((max(0.0, rest(p)) / p.decode_context
+                     for (p, _), floor_bound in zip(decodes, at_floor) if floor_bound),
+                    default=math.inf)
         # Weighted least squares of relative residuals, one coefficient: d = sum(w x r) /
         # sum(w x x), x the context and r what the step cost beyond the other terms, both
-        # relative to its time (as fit_step weighs them).
+        # relative to its time (as fit_step weighs them). Over the steps above the floor that
+        # the floor-bound ones do not contradict: one that implies STALL_FACTOR times what
+        # they allow was slowed by something else (a GC pause, another process on the core).
+        # Where every other decode step ran at the floor, such a step set the term alone: one
+        # decode step of 190 ms at 20k tokens of context made it 9e-6 s a KV token in the
+        # GPU-timed simulation, a 200-token prefill beside 100k tokens of decodes was predicted
+        # at 944 ms, and urgent turns were ranked as doomed for the 128 decode steps it stayed
+        # in the window.
         num = den = 0.0
-        # A step at the floor bounds the term instead: its decodes cost no more than the
-        # floor leaves them.
-        bound = math.inf
-        for point, weight in decodes:
-            rest = point.seconds - joint.intercept_s - joint.seconds_per_token * point.tokens
-            if point.seconds <= joint.floor_s * (1 + FLOOR_TOLERANCE):
-                bound = min(bound, max(0.0, rest) / point.decode_context)
-                continue  # the floor's
+        for (point, weight), floor_bound in zip(decodes, at_floor):
+            if floor_bound or rest(point) > STALL_FACTOR * bound * point.decode_context:
+                continue
             x = point.decode_context / point.seconds
-            num += weight * x * rest / point.seconds
+            num += weight * x * rest(point) / point.seconds
             den += weight * x * x
         if den <= 0:
             # Every decode-only step ran at the floor: they show the floor, not what a KV
@@ -730,7 +743,7 @@ class OnlineTTFT:
             # what the floor-bound steps allow (a seed timed on a noisy CPU once said 1.3e-4 s
             # a KV token, where its decode steps at 2000 tokens of context ran at the floor).
             return min(self.current.seconds_per_decode_context, bound)
-        return max(0.0, num / den)
+        return min(max(0.0, num / den), bound)
 
     def predict(self, tokens: int, decode_context: int = 0) -> float:
         return self.current.predict(tokens, decode_context)

@@ -137,3 +137,57 @@ def test_decode_steps_at_the_floor_bound_a_seed_that_overprices_them():
         online.observe(n, truth.predict(n))
     bound = (0.041 * 1.1 - 0.023) / 200
     assert online.current.seconds_per_decode_context <= bound
+
+
+# The GPU-timed simulation's 8B shape on an H100: decode-only steps run at the launch floor
+# whatever KV they read (5e-8 s a KV token: 5 ms at 100k tokens, under the 30 ms floor).
+H100_8B = LinearTTFT(seconds_per_token=3e-5, intercept_s=0.0042, seconds_per_token_sq=8.3e-10,
+                     seconds_per_decode_context=5e-8, floor_s=0.0302)
+
+
+def _served(truth: LinearTTFT, stall_at: int, steps: int = 240, seed: int = 7,
+            stall: StepPoint = StepPoint(8, 0, 20_000, 0.19)) -> OnlineTTFT:
+    """An online model seeded as the bench's TTFT line seeds it (no decode term), then served
+    decode-only steps of 20k-100k tokens of context and some prefill chunks, step `stall_at`
+    a decode step the host stalled for (190 ms at 20k tokens of context)."""
+    online = OnlineTTFT()
+    points = [StepPoint(n, n * n, 0, truth.predict(n)) for n in (128, 1024, 2048, 8192)]
+    online.reseed(dataclasses.replace(truth, seconds_per_decode_context=0.0), points)
+    rng = random.Random(seed)
+    for i in range(steps):
+        if i == stall_at:
+            online.observe_point(stall)
+        elif i % 4 == 0:
+            n = rng.choice([150, 240, 1000, 2048])
+            online.observe(n, truth.predict(n) * (1 + abs(rng.gauss(0, 0.02))))
+        else:
+            context = rng.randrange(20_000, 100_000)
+            online.observe(8, truth.predict_step(8, 0, context) * (1 + abs(rng.gauss(0, 0.02))),
+                           attention=0, decode_context=context)
+    return online
+
+
+def test_a_stalled_decode_step_does_not_set_the_decode_term():
+    """Every other decode-only step ran at the floor, so the one the host stalled for (a GC
+    pause, another process on the core) was the only one above it, and it set the term
+    alone: 9.35e-6 s a KV token, 200x the profile's, and a 200-token prefill beside 100k tokens
+    of decodes predicted at 944 ms instead of the floor's 30 ms. The monitor ranked urgent
+    turns as doomed until the step left the window (the constrained burst over HTTP, seed 1:
+    admitted with -809 and -782 ms of slack, one of them at 371 ms)."""
+    stall = StepPoint(8, 0, 20_000, 0.19)
+    online = _served(H100_8B, stall_at=200, stall=stall)
+    # Probe: the stalled step is in the decode window, and refits ran after it.
+    assert stall in online._decode_points
+    assert online._since_fit < 8
+    assert online.current.seconds_per_decode_context <= 2 * H100_8B.seconds_per_decode_context
+    from monitor.predictor import predict_prefill
+    assert predict_prefill(online.current, 200, 100_000, 2048) <= 1.1 * H100_8B.floor_s
+
+
+def test_decode_steps_above_the_floor_still_set_the_term_beside_a_stall():
+    """Leaving stalls out does not leave out decode cost: where the KV a step reads does lift
+    it over the floor (here from 60k tokens of context), those steps set the term, stall or
+    not."""
+    truth = dataclasses.replace(H100_8B, seconds_per_decode_context=5e-7)
+    online = _served(truth, stall_at=200)
+    assert abs(online.current.seconds_per_decode_context / 5e-7 - 1) <= TOLERANCE
