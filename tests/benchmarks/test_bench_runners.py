@@ -385,6 +385,38 @@ def test_urgent_constraints_are_for_one_server_and_known_kinds(capsys):
     assert "invalid choice: 'yaml'" in capsys.readouterr().err
 
 
+def test_the_replay_order_rotates_per_trace_only_when_asked():
+    from engine.benchmarks.attainment.cli import replay_order
+
+    kinds = ["none", "json", "tool"]
+    assert [replay_order(kinds, i, rotate=False) for i in range(3)] == [kinds] * 3
+    rotated = [replay_order(kinds, i, rotate=True) for i in range(4)]
+    assert rotated == [kinds, ["json", "tool", "none"], ["tool", "none", "json"], kinds]
+    # Over as many traces as kinds, each kind replays once in each place.
+    assert all(sorted(order[place] for order in rotated[:3]) == sorted(kinds)
+               for place in range(3))
+
+
+def test_rotated_constraints_replay_in_each_place_and_say_so(sim_model, tmp_path):
+    """--rotate-constraints: the second seed replays its kinds from the second on; each run
+    records its place (meta.replay), so a table's kinds can be read against their places."""
+    ttft = tmp_path / "ttft.json"
+    LinearTTFT(seconds_per_token=3e-5, intercept_s=0.004, seconds_per_token_sq=8.3e-10,
+               floor_s=0.03).save(ttft)
+    out = tmp_path / "out"
+    assert main(["bench", "run", "--model", sim_model, "--simulate", "h100-llama-3.1-8b",
+                 "--ttft-model", str(ttft), "--workload", "mixed", "--num-requests", "4",
+                 "--rates", "2", "--seeds", "0", "1", "--budgets", "2048", "--policies", "fcfs",
+                 "--urgent-constraint", "none", "json", "--rotate-constraints",
+                 "--output-dir", str(out)]) == 0
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    placed = {(run["seed"], run["meta"]["replay"]): run["policy"] for run in runs}
+    assert placed == {(0, 0): "fcfs", (0, 1): "fcfs [json]",
+                      (1, 0): "fcfs [json]", (1, 1): "fcfs"}
+    # Probe: the runs are in results.json in the order they ran.
+    assert [(r["seed"], r["meta"]["replay"]) for r in runs] == sorted(placed)
+
+
 def test_a_simulated_run_hands_its_servers_absolute_paths(tmp_path, monkeypatch):
     """`bench run --simulate PROFILE` without --model or --ttft-model writes the shape's folder
     and the calibrated TTFT line under the output folder; the HTTP runner's servers run from the

@@ -191,15 +191,27 @@ def _served_model(url: str, given: str | None, api_key: str | None) -> str:
     return given or asyncio.run(served_model_name(url, api_key))
 
 
+def replay_order(kinds: list[str], trace_index: int, rotate: bool) -> list[str]:
+    """The order in which a trace's --urgent-constraint kinds replay on one server or engine:
+    as given, or (--rotate-constraints) starting at kind `trace_index` (mod their count), so
+    that over as many traces (seeds) as kinds each kind replays once in each place."""
+    if not rotate or not kinds:
+        return list(kinds)
+    start = trace_index % len(kinds)
+    return [*kinds[start:], *kinds[:start]]
+
+
 def _run_cell(setup: BenchSetup, args: argparse.Namespace, trace, policy,
-              budget: int) -> list:
+              budget: int, trace_index: int = 0) -> list:
     """The trace's runs under one policy and budget: one per --urgent-constraint kind, each
-    against the same server (over HTTP) or engine (in process), in the order given."""
+    against the same server (over HTTP) or engine (in process), in `replay_order`. Each run
+    records its place in that order (`meta["replay"]`, from 0)."""
     from engine.benchmarks.attainment.clairvoyant import clairvoyant_attainment
     from engine.benchmarks.attainment.runners import run_http, run_inprocess
     from engine.benchmarks.attainment.time_scale import restored_run, slowed_trace
 
-    kinds = getattr(args, "urgent_constraint", None) or ["none"]
+    kinds = replay_order(getattr(args, "urgent_constraint", None) or ["none"], trace_index,
+                         getattr(args, "rotate_constraints", False))
     replayed = slowed_trace(trace, setup.time_scale)
     runs = []
     if args.runner == "http" and args.url:
@@ -218,8 +230,9 @@ def _run_cell(setup: BenchSetup, args: argparse.Namespace, trace, policy,
         runs = [run_inprocess(replayed, policy, setup.model, budget, pool=setup.engines,
                               constraint=kind, **setup.engine_overrides) for kind in kinds]
     restored = []
-    for run in runs:
+    for place, run in enumerate(runs):
         run = restored_run(run, trace, setup.time_scale)
+        run.meta["replay"] = place
         run.clairvoyant = clairvoyant_attainment(trace, setup.predict_ttft_s,
                                                  budget_tokens=budget)
         # On disk as the run ends: a benchmark killed in a later run keeps this one.
@@ -314,7 +327,8 @@ def _grid(setup: BenchSetup, args: argparse.Namespace, rates: list[float]) -> li
                 # A cell's runs: one per --urgent-constraint kind (and peers' after them).
                 print(f"[{next(cells)}/{total}] rate {rate:g} seed {seed} budget {budget} "
                       f"{policy.name}", file=sys.stderr)
-                runs += _run_cell(setup, args, trace, policy, budget)
+                runs += _run_cell(setup, args, trace, policy, budget,
+                                  trace_index=args.seeds.index(seed))
         runs += _run_peers(setup, args, trace)
     return runs
 
@@ -390,10 +404,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
             runs = []
             traces = [_load_trace(p, setup.tokenizer) for p in args.trace]
             budgets = _budgets(args, traces)
-            for trace in traces:
+            for index, trace in enumerate(traces):
                 for budget in budgets:
                     for policy in _policies(args):
-                        runs += _run_cell(setup, args, trace, policy, budget)
+                        runs += _run_cell(setup, args, trace, policy, budget,
+                                          trace_index=index)
                 runs += _run_peers(setup, args, trace)
         else:
             runs = _grid(setup, args, args.rates)
@@ -648,6 +663,13 @@ def add_subcommands(sub: Any) -> None:
                           "tool call); each language is too long to finish, so every kind "
                           "decodes the same tokens. The runs are labelled POLICY [KIND] "
                           "(default: none)")
+    run.add_argument("--rotate-constraints", action="store_true",
+                     help="replay the --urgent-constraint kinds in a rotated order per seed "
+                          "(or --trace): the first seed in the order given, the second from "
+                          "the second kind on, and so on, so that over as many seeds as kinds "
+                          "each kind replays once in each place. A later replay runs on a "
+                          "server whose predictor and prefix cache the earlier ones have "
+                          "warmed; each run's place is in results.json (meta.replay)")
     _add_fleet(run)
     run.set_defaults(func=_cmd_run)
 
