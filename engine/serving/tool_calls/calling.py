@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from engine.serving.tool_calls.parsers import (PARSERS, FunctionCall, ParsedOutput, ToolParser,
                                                call_from_json, list_items, name_written,
                                                opening_arguments, raw_arguments)
-from engine.serving.tool_calls.partial_json import canonical, settled_prefix
+from engine.serving.tool_calls.partial_json import ArgumentReaders
 from engine.structured_output.params import StructuredOutputsParams
 
 Mode = Literal["auto", "required", "named"]
@@ -44,6 +44,9 @@ class ToolCalling:
     function: str | None = None
     # required / named: the schema the output is held to.
     constraint: StructuredOutputsParams | None = None
+    # required / named: the stream's reads of the call being written (auto: the parser's).
+    arguments: ArgumentReaders = field(default_factory=ArgumentReaders, compare=False,
+                                       repr=False)
 
     def parse(self, text: str, finished: bool) -> ParsedOutput:
         """The content's end and the calls complete so far in the output `text`."""
@@ -56,34 +59,37 @@ class ToolCalling:
             # stay the call's, as vLLM returns them (their settled part: what a stream sent).
             if not finished:
                 return ParsedOutput(0, opening=self.function,
-                                    opening_arguments=settled_prefix(text))
+                                    opening_arguments=self.arguments.settled(text))
             try:
                 value = json.loads(text)
             except json.JSONDecodeError:
-                arguments = settled_prefix(text) or text
+                arguments = self.arguments.settled(text) or text
             else:  # as a stream sent it
-                arguments = canonical(text) or json.dumps(value, ensure_ascii=False)
+                arguments = (self.arguments.canonical(text)
+                             or json.dumps(value, ensure_ascii=False))
             return ParsedOutput(0, (FunctionCall(self.function or "", arguments),))
         # required: a JSON list of {"name": ..., "parameters": ...}, written in that order
         # (the schema's); each call counts once its object is complete, and a stream sends
         # the next one's name as soon as it is written.
         items, writing = list_items(text)
-        calls = [call for call in (call_from_json(item, raw) for item, raw in items)
+        calls = [call for call in (call_from_json(item, raw, self.arguments)
+                                   for item, raw in items)
                  if call is not None]
         if not finished:
             return ParsedOutput(0, tuple(calls), name_written(writing),
-                                opening_arguments(writing))
+                                opening_arguments(writing, self.arguments))
         try:
             value = json.loads(text)
         except json.JSONDecodeError:
             # Cut short (max_tokens): the calls written whole, and the one being written
             # with its arguments as far as they got (a named function's are kept so too).
             if (name := name_written(writing)) is not None:
-                calls.append(FunctionCall(name, opening_arguments(writing)
+                calls.append(FunctionCall(name, opening_arguments(writing, self.arguments)
                                           or raw_arguments(writing) or ""))
             return ParsedOutput(0, tuple(calls)) if calls else ParsedOutput(len(text))
         whole = list_items(text)[0] if isinstance(value, list) else []
-        calls = [call for call in (call_from_json(item, raw) for item, raw in whole)
+        calls = [call for call in (call_from_json(item, raw, self.arguments)
+                                   for item, raw in whole)
                  if call is not None]
         return ParsedOutput(0, tuple(calls)) if calls else ParsedOutput(len(text))
 

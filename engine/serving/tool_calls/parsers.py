@@ -1,6 +1,7 @@
 """The tool-call formats models write, read out of their output text.
 
-Each parser reads the whole output so far (a stream re-reads it as it grows): `content_end` is
+Each parser reads the whole output so far (a stream reads it again as it grows; a call's
+arguments are read on from the last read, partial_json.ArgumentReaders): `content_end` is
 how far the text is surely content (a tool call starts after it, or may: a marker's first
 characters are held back), `calls` the calls complete so far, `opening` the name of the call
 being written, once written, and `opening_arguments` what of its arguments is settled
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.serving.held_text import held_from
-from engine.serving.tool_calls.partial_json import canonical, settled_prefix
+from engine.serving.tool_calls.partial_json import ArgumentReaders, canonical
 
 
 @dataclass(frozen=True)
@@ -77,17 +78,19 @@ def raw_arguments(text: str) -> str | None:
     return text[key.end():] if key is not None else None
 
 
-def opening_arguments(text: str) -> str:
-    """The settled start of the arguments of the call object being written in `text`."""
+def opening_arguments(text: str, readers: ArgumentReaders) -> str:
+    """The settled start of the arguments of the call object being written in `text`, read on
+    by `readers` from where the last read of the same call stopped."""
     raw = raw_arguments(text)
-    return settled_prefix(raw) if raw is not None else ""
+    return readers.settled(raw) if raw is not None else ""
 
 
-def call_from_json(value: Any, raw: str | None = None) -> FunctionCall | None:
+def call_from_json(value: Any, raw: str | None = None,
+                   readers: ArgumentReaders | None = None) -> FunctionCall | None:
     """A call from a decoded JSON object (its arguments under `arguments`, or `parameters` as
     Llama 3 writes them), or None when it is not one. `raw`, the object's text: its arguments
     are then serialized as a stream sent them (partial_json.canonical), where they mean the
-    same."""
+    same; read on by `readers` from the stream's last read of them, when given."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
@@ -100,16 +103,21 @@ def call_from_json(value: Any, raw: str | None = None) -> FunctionCall | None:
         return None
     text = json.dumps(arguments, ensure_ascii=False)
     written = raw_arguments(raw) if raw is not None else None
-    if written is not None and (streamed := canonical(written)) is not None:
+    serialize = readers.canonical if readers is not None else canonical
+    if written is not None and (streamed := serialize(written)) is not None:
         if json.loads(streamed) == arguments:
             text = streamed
     return FunctionCall(value["name"], text)
 
 
 class ToolParser:
+    """One request's parser (a stream's reads of a call's arguments go on from the last)."""
     name = ""
     # What the parser needs the text to keep (mistral's marker is a special token).
     keeps_special_tokens = False
+
+    def __init__(self) -> None:
+        self.arguments = ArgumentReaders()
 
     def parse(self, text: str, finished: bool) -> ParsedOutput:
         raise NotImplementedError
@@ -130,10 +138,10 @@ class HermesParser(ToolParser):
             if end < 0 and not finished:  # still being written
                 writing = text[begin + len(self.OPEN):]
                 return ParsedOutput(start, tuple(calls), name_written(writing),
-                                    opening_arguments(writing))
+                                    opening_arguments(writing, self.arguments))
             body = text[begin + len(self.OPEN):end if end >= 0 else len(text)]
             try:
-                call = call_from_json(json.loads(body), body)
+                call = call_from_json(json.loads(body), body, self.arguments)
             except json.JSONDecodeError:
                 call = None
             if call is None:
@@ -163,7 +171,7 @@ class Llama3JsonParser(ToolParser):
             # The calls are known once the output ends; the first one's name and arguments
             # before that.
             return ParsedOutput(0, opening=name_written(body),
-                                opening_arguments=opening_arguments(body))
+                                opening_arguments=opening_arguments(body, self.arguments))
         calls: list[FunctionCall] = []
         decoder, at = json.JSONDecoder(), 0
         body = body.strip()
@@ -172,7 +180,7 @@ class Llama3JsonParser(ToolParser):
                 value, end = decoder.raw_decode(body, at)
             except json.JSONDecodeError:
                 return ParsedOutput(len(text))
-            call = call_from_json(value, body[at:end])
+            call = call_from_json(value, body[at:end], self.arguments)
             at = end
             if call is None:
                 return ParsedOutput(len(text))
@@ -201,7 +209,7 @@ class MistralParser(ToolParser):
             # before that.
             first = listed.lstrip().removeprefix("[")
             return ParsedOutput(start, opening=name_written(first),
-                                opening_arguments=opening_arguments(first))
+                                opening_arguments=opening_arguments(first, self.arguments))
         try:
             value = json.loads(listed)
         except json.JSONDecodeError:
@@ -210,7 +218,7 @@ class MistralParser(ToolParser):
             items = list_items(listed)[0]
         else:
             items = [(value, listed)]
-        calls = [call_from_json(item, raw) for item, raw in items]
+        calls = [call_from_json(item, raw, self.arguments) for item, raw in items]
         if not calls or any(c is None for c in calls):
             return ParsedOutput(len(text))
         return ParsedOutput(start, tuple(c for c in calls if c is not None))
