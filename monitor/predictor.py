@@ -710,6 +710,7 @@ class OnlineTTFT:
                          for p, w in zip(points, weights)])
         except ValueError:
             return fallback
+
         def rest(point: StepPoint) -> float:
             return point.seconds - joint.intercept_s - joint.seconds_per_token * point.tokens
 
