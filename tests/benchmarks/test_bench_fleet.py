@@ -14,7 +14,6 @@ from engine.benchmarks.fleet.bursts import (BURST_SIZE, DOCUMENT_PROMPT, URGENT_
 from engine.benchmarks.fleet.fleet_run import (fleet_table, late_past_a_decode_step, rejections,
                                               routing_misses)
 from engine.benchmarks.measure.figures import read_figures
-from monitor.predictor import LinearTTFT
 
 # Alone (the README's serial run): `bench run --replicas` starts a Ray instance of its own.
 pytestmark = pytest.mark.serial
@@ -145,15 +144,14 @@ def test_bench_run_replicas_compares_routers_on_one_trace(sim_model, tmp_path) -
                                             "'.[test,cluster]'")
     from engine.entrypoints.cli import main
 
-    ttft = tmp_path / "ttft.json"
-    LinearTTFT(seconds_per_token=3e-5, intercept_s=0.004, seconds_per_token_sq=8.3e-10,
-               floor_s=0.03).save(ttft)
+    from tests.utils.gpu_timed import simulated_run_argv
+
     out = tmp_path / "out"
     num_requests = 8
-    assert main(["bench", "run", "--model", sim_model, "--simulate", "h100-llama-3.1-8b",
-                 "--ttft-model", str(ttft), "--replicas", "2", "--router", "slack", "pow2",
-                 "--workload", "fleet-bursts", "--num-requests", str(num_requests),
-                 "--rates", "4", "--seeds", "0", "--output-dir", str(out)]) == 0
+    assert main(simulated_run_argv(
+        sim_model, tmp_path, "--replicas", "2", "--router", "slack", "pow2", "--workload",
+        "fleet-bursts", "--num-requests", str(num_requests), "--rates", "4", "--seeds", "0",
+        "--output-dir", str(out))) == 0
     table = (out / "fleet.md").read_text()
     head = next(line for line in table.splitlines() if line.startswith("|  |"))
     assert head == "|  | slack | pow2 |"

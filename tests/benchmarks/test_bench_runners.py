@@ -400,15 +400,13 @@ def test_the_replay_order_rotates_per_trace_only_when_asked():
 def test_rotated_constraints_replay_in_each_place_and_say_so(sim_model, tmp_path):
     """--rotate-constraints: the second seed replays its kinds from the second on; each run
     records its place (meta.replay), so a table's kinds can be read against their places."""
-    ttft = tmp_path / "ttft.json"
-    LinearTTFT(seconds_per_token=3e-5, intercept_s=0.004, seconds_per_token_sq=8.3e-10,
-               floor_s=0.03).save(ttft)
+    from tests.utils.gpu_timed import simulated_run_argv
+
     out = tmp_path / "out"
-    assert main(["bench", "run", "--model", sim_model, "--simulate", "h100-llama-3.1-8b",
-                 "--ttft-model", str(ttft), "--workload", "mixed", "--num-requests", "4",
-                 "--rates", "2", "--seeds", "0", "1", "--budgets", "2048", "--policies", "fcfs",
-                 "--urgent-constraint", "none", "json", "--rotate-constraints",
-                 "--output-dir", str(out)]) == 0
+    assert main(simulated_run_argv(
+        sim_model, tmp_path, "--workload", "mixed", "--num-requests", "4", "--rates", "2",
+        "--seeds", "0", "1", "--budgets", "2048", "--policies", "fcfs", "--urgent-constraint",
+        "none", "json", "--rotate-constraints", "--output-dir", str(out))) == 0
     runs = json.loads((out / "results.json").read_text())["runs"]
     placed = {(run["seed"], run["meta"]["replay"]): run["policy"] for run in runs}
     assert placed == {(0, 0): "fcfs", (0, 1): "fcfs [json]",

@@ -87,14 +87,13 @@ def test_a_slowed_run_reports_the_profiles_time(sim_model, tmp_path) -> None:
     show a third of it."""
     from engine.entrypoints.cli import main
 
-    ttft = tmp_path / "ttft.json"
-    LinearTTFT(seconds_per_token=3e-5, intercept_s=0.004, seconds_per_token_sq=8.3e-10,
-               floor_s=0.03).save(ttft)
+    from tests.utils.gpu_timed import simulated_run_argv
+
     out = tmp_path / "out"
-    assert main(["bench", "run", "--model", sim_model, "--simulate", "h100-llama-3.1-8b",
-                 "--ttft-model", str(ttft), "--workload", "mixed", "--num-requests", "4",
-                 "--rates", "2", "--seeds", "0", "--budgets", "2048", "--policies", "fcfs",
-                 "--time-scale", "3", "--output-dir", str(out)]) == 0
+    assert main(simulated_run_argv(
+        sim_model, tmp_path, "--workload", "mixed", "--num-requests", "4", "--rates", "2",
+        "--seeds", "0", "--budgets", "2048", "--policies", "fcfs", "--time-scale", "3",
+        "--output-dir", str(out))) == 0
     written = json.loads((out / "slowed" / "profile-x3.json").read_text())
     profile = load_profile("h100-llama-3.1-8b")
     assert written["intercept_s"] == pytest.approx(3 * profile.intercept_s)

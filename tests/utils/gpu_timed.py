@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from engine.benchmarks.inputs.arrivals import submit_on_schedule
 from engine.config import build_engine_config
@@ -14,9 +15,21 @@ from engine.core.request import Request
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
 from engine.runtime.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
+from monitor.predictor import LinearTTFT
 
 
 PROFILE = "h100-llama-3.1-8b"
+
+
+def simulated_run_argv(sim_model: str, folder: Path, *options: str) -> list[str]:
+    """`sloserve bench run` on the simulated profile with the shape's folder `sim_model` (the
+    sim_model fixture) and the profile's TTFT line (to a few percent) saved in `folder`, which a
+    run would otherwise calibrate first; then `options`."""
+    ttft = folder / "ttft.json"
+    LinearTTFT(seconds_per_token=3e-5, intercept_s=0.004, seconds_per_token_sq=8.3e-10,
+               floor_s=0.03).save(ttft)
+    return ["bench", "run", "--model", sim_model, "--simulate", PROFILE, "--ttft-model",
+            str(ttft), *options]
 
 
 @dataclass
