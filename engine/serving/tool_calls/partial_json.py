@@ -19,9 +19,9 @@ A stream reads the same arguments again at every update, each time a little long
 `SettledReader` resumes where its last read stopped when the text continues the one it read
 (the pieces read so far are kept, a string value's characters decoded as they come), so a
 stream's reads cost its arguments' length once, not once per update (read afresh each time, 5
-KB of arguments cost a stream about 1 s of the API server's loop on this project's CPU, 1.7 ms
-for the last update). `ArgumentReaders` keeps a request's readers: one per call being written,
-per choice.
+KB of small fields cost a stream 1.1 s of the API server's loop on this project's CPU, 1.6 ms
+for the last update; read on, 13 ms: `python -m bench.diagnostics.tool_call_stream`).
+`ArgumentReaders` keeps a request's readers: one per call being written, per choice.
 """
 
 from __future__ import annotations
