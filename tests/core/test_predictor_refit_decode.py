@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from monitor.predictor import LinearTTFT, OnlineTTFT, StepPoint, step_point
+from monitor.predictor import LinearTTFT, OnlineTTFT, StepPoint, predict_prefill, step_point
 
 TRUTH = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.02, seconds_per_token_sq=2e-8,
                    seconds_per_decode_context=5e-6)
@@ -180,7 +180,6 @@ def test_a_stalled_decode_step_does_not_set_the_decode_term():
     assert stall in online._decode_points
     assert online._since_fit < 8
     assert online.current.seconds_per_decode_context <= 2 * H100_8B.seconds_per_decode_context
-    from monitor.predictor import predict_prefill
     assert predict_prefill(online.current, 200, 100_000, 2048) <= 1.1 * H100_8B.floor_s
 
 
