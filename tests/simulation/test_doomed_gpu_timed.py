@@ -12,6 +12,8 @@ max(its objective, its prefill) plus one step."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from monitor.policy import RequestView, urgency
@@ -59,7 +61,14 @@ def test_a_turn_judged_doomed_is_served_within_a_step_of_when_it_could_be(
     try:
         doc = _request("doc", 24_000, 60_000.0, 1)
         turn = _request("turn", tokens, slo_ms, 2)
-        _replay(engine, [(0.0, doc), (0.3, turn)])
+        # The turn arrives 0.2 s after the document's first chunk (of about a second of them),
+        # not 0.3 s after the document: a first step the machine delayed (once by 0.31 s, in
+        # the suite's serial step) let the turn arrive before the document began.
+        doc.arrival_time = time.monotonic()
+        engine.submit_request(doc)
+        while not log.steps:
+            engine.step()
+        _replay(engine, [(0.2, turn)])
         # Probe: judged doomed at arrival (even by the optimistic estimate; nothing decoded
         # then).
         at_arrival = RequestView("turn", turn.deadline, tokens, slo_s=slo_ms / 1000)
