@@ -732,10 +732,11 @@ class OnlineTTFT:
         # in the window.
         num = den = 0.0
         for (point, weight), floor_bound in zip(decodes, at_floor):
-            if floor_bound or rest(point) > STALL_FACTOR * bound * point.decode_context:
+            beyond = rest(point)
+            if floor_bound or beyond > STALL_FACTOR * bound * point.decode_context:
                 continue
             x = point.decode_context / point.seconds
-            num += weight * x * rest(point) / point.seconds
+            num += weight * x * beyond / point.seconds
             den += weight * x * x
         if den <= 0:
             # Every decode-only step ran at the floor: they show the floor, not what a KV

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.serving.held_text import held_from
-from engine.serving.tool_calls.partial_json import ArgumentReaders, canonical
+from engine.serving.tool_calls.partial_json import ArgumentReaders
 
 
 @dataclass(frozen=True)
@@ -85,12 +85,11 @@ def opening_arguments(text: str, readers: ArgumentReaders) -> str:
     return readers.settled(raw) if raw is not None else ""
 
 
-def call_from_json(value: Any, raw: str | None = None,
-                   readers: ArgumentReaders | None = None) -> FunctionCall | None:
+def call_from_json(value: Any, raw: str, readers: ArgumentReaders) -> FunctionCall | None:
     """A call from a decoded JSON object (its arguments under `arguments`, or `parameters` as
     Llama 3 writes them), or None when it is not one. `raw`, the object's text: its arguments
-    are then serialized as a stream sent them (partial_json.canonical), where they mean the
-    same; read on by `readers` from the stream's last read of them, when given."""
+    are serialized as a stream sent them (partial_json.canonical, read on by `readers` from
+    the stream's last read of them), where they mean the same."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
@@ -102,9 +101,8 @@ def call_from_json(value: Any, raw: str | None = None,
     if not isinstance(arguments, dict):
         return None
     text = json.dumps(arguments, ensure_ascii=False)
-    written = raw_arguments(raw) if raw is not None else None
-    serialize = readers.canonical if readers is not None else canonical
-    if written is not None and (streamed := serialize(written)) is not None:
+    written = raw_arguments(raw)
+    if written is not None and (streamed := readers.canonical(written)) is not None:
         if json.loads(streamed) == arguments:
             text = streamed
     return FunctionCall(value["name"], text)

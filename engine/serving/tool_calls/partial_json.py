@@ -68,7 +68,7 @@ class SettledReader:
     @property
     def whole(self) -> bool:
         """Whether the text last read holds a whole object (what follows it is ignored)."""
-        return self._next is _Next.NOTHING and self._whole
+        return self._whole
 
     def read(self, text: str) -> str:
         if not text.startswith(self._text):
