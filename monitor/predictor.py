@@ -36,10 +36,12 @@ import json
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
+
+from monitor.speed_drift import Drift, SpeedDrift
 
 # Before any measurement: pessimistic for a 135M model on 2 CPU cores (about 1 ms per token plus
 # 50 ms per step), so that slack is underestimated rather than overestimated.
@@ -64,6 +66,12 @@ MIXED_WEIGHT = 0.25
 # floor-bound steps allow is a stall of the host, not the KV it read (OnlineTTFT's
 # _decode_coefficient).
 STALL_FACTOR = 2.0
+# Confidence (OnlineTTFT): a startup calibration that timed fewer prompt sizes than this seeds
+# an unconfident model; a model whose observed error exceeds CONFIDENT_ERROR is unconfident;
+# an unconfident model's error margin is at least UNCERTAIN_ERROR.
+CONFIDENT_SIZES = 3
+CONFIDENT_ERROR = 0.5
+UNCERTAIN_ERROR = 0.5
 
 
 class StepPoint(NamedTuple):
@@ -195,6 +203,11 @@ class LinearTTFT:
     edge_seconds_per_token: float | None = None
     edge_seconds_per_token_sq: float | None = None
     edge_seconds_per_decode_context: float | None = None
+    # Whether the model rests on enough measurement to write a request off: a fit on fewer than
+    # CONFIDENT_SIZES prompt sizes (a calibration cut short, the default seed) before
+    # MIN_ERROR_SAMPLES served prefill steps, or right after the machine's speed changed, is
+    # not (OnlineTTFT). An unconfident model judges no request doomed (`optimistic`).
+    confident: bool = True
 
     def margin(self, seconds: float) -> float:
         """The safety margin to add to a predicted duration of `seconds`."""
@@ -202,8 +215,28 @@ class LinearTTFT:
 
     def optimistic(self, seconds: float) -> float:
         """A predicted duration of `seconds` as it comes out when steps run as much faster than
-        predicted as they have been: the bound for deciding that a request is doomed."""
+        predicted as they have been: the bound for deciding that a request is doomed. An
+        unconfident model's is 0: only a deadline already passed dooms a request then, since
+        giving up on a request the machine could still serve costs its deadline for sure."""
+        if not self.confident:
+            return 0.0
         return seconds * max(0.0, 1.0 - self.relative_speedup)
+
+    def scaled(self, factor: float) -> LinearTTFT:
+        """The same model on a machine `factor` times slower: every time term, the floor and
+        the edge costs multiplied (the calibrated range and the margins stay)."""
+        def times(value: float | None) -> float | None:
+            return None if value is None else value * factor
+
+        return dataclasses.replace(
+            self, seconds_per_token=self.seconds_per_token * factor,
+            intercept_s=self.intercept_s * factor,
+            seconds_per_token_sq=self.seconds_per_token_sq * factor,
+            seconds_per_decode_context=self.seconds_per_decode_context * factor,
+            floor_s=self.floor_s * factor,
+            edge_seconds_per_token=times(self.edge_seconds_per_token),
+            edge_seconds_per_token_sq=times(self.edge_seconds_per_token_sq),
+            edge_seconds_per_decode_context=times(self.edge_seconds_per_decode_context))
 
     def predict(self, tokens: int, decode_context: int = 0) -> float:
         """Seconds to prefill `tokens` more tokens (0 when none are left), in steps that also
@@ -518,6 +551,11 @@ def _optional_float(value: object) -> float | None:
     return None if value is None else float(value)  # type: ignore[arg-type]
 
 
+# Before any measurement (no calibration file, no startup calibration): pessimistic, and
+# unconfident until served steps have measured the machine.
+DEFAULT_SEED = LinearTTFT(confident=False)
+
+
 def predict_prefill(model: LinearTTFT, tokens: int, decode_context: int = 0,
                     chunk_tokens: int = 0) -> float:
     """Seconds to prefill `tokens` more tokens of one prompt in chunks of at most
@@ -575,6 +613,40 @@ def error_quantiles(ratios: Iterable[float], quantile: float) -> tuple[float, fl
     return max(MIN_RELATIVE_ERROR, high), min(0.95, max(MIN_RELATIVE_ERROR, -low))
 
 
+class _Window:
+    """A sliding window of step points with the observation index of each (-1: a calibration
+    point, older than every served step), so that a change of the machine's speed can rescale
+    the points measured before it."""
+
+    def __init__(self, maxlen: int) -> None:
+        self.points: deque[StepPoint] = deque(maxlen=maxlen)
+        self._indices: deque[int] = deque(maxlen=maxlen)
+
+    def __iter__(self) -> Iterator[StepPoint]:
+        return iter(self.points)
+
+    def __len__(self) -> int:
+        return len(self.points)
+
+    def __getitem__(self, i: int) -> StepPoint:
+        return self.points[i]
+
+    def append(self, index: int, point: StepPoint) -> None:
+        self.points.append(point)
+        self._indices.append(index)
+
+    def clear(self) -> None:
+        self.points.clear()
+        self._indices.clear()
+
+    def rescale(self, factor: float, before: int) -> None:
+        """Every point observed before index `before` as if it had taken `factor` times as
+        long (measured at the old speed, it stands for the new one)."""
+        self.points = deque((p._replace(seconds=p.seconds * factor) if i < before else p
+                             for i, p in zip(self._indices, self.points)),
+                            maxlen=self.points.maxlen)
+
+
 class OnlineTTFT:
     """Refits the model from the engine's observed steps, starting from a seed (the startup
     calibration's, a file's, or the pessimistic default). Steps that prefill something and
@@ -588,7 +660,20 @@ class OnlineTTFT:
     against the new model; between refits each prefill step adds its residual against the model
     it was predicted with. `refit_every=None` never refits: the seed's coefficients stay and
     only its margins are learned. Readers get the current model by reference; `observe`
-    replaces it, never mutates it."""
+    replaces it, never mutates it.
+
+    The machine's speed can change under a fitted model (monitor.speed_drift): when recent
+    steps depart from it, every point measured before the change is rescaled by the departure
+    and the model refitted at once (`_follow_drift`), and until MIN_ERROR_SAMPLES prefill steps
+    have been served at the new speed the departure stands as the model's error and the model
+    is unconfident.
+
+    Confidence (LinearTTFT.confident): a seed fitted on fewer than CONFIDENT_SIZES prompt
+    sizes, or the default seed, is unconfident until MIN_ERROR_SAMPLES prefill steps were
+    served; so is any model whose observed error exceeds CONFIDENT_ERROR, or that follows a
+    drift not yet confirmed by MIN_ERROR_SAMPLES prefill steps. While it is, its error margin
+    is at least UNCERTAIN_ERROR: deadlines get the benefit of the doubt (docs/design.md
+    section 5)."""
 
     def __init__(self, seed: LinearTTFT | None = None, window: int = 256,
                  refit_every: int | None = 8, error_quantile: float = 0.9,
@@ -597,27 +682,38 @@ class OnlineTTFT:
             raise ValueError(f"error_quantile must be in (0, 1], got {error_quantile}")
         self.error_quantile = error_quantile
         self._refit_every = refit_every
-        self._points: deque[StepPoint] = deque(maxlen=window)
-        self._decode_points: deque[StepPoint] = deque(maxlen=decode_window)
+        self._points = _Window(window)
+        self._decode_points = _Window(decode_window)
         # The recent observed prefill steps and their residuals actual / predicted - 1 against
         # the current model (recomputed at every refit). A shorter window than the fit's: the
         # margin should forget errors the refits have corrected.
-        self._recent: deque[StepPoint] = deque(maxlen=error_window)
+        self._recent = _Window(error_window)
         self._residuals: deque[float] = deque(maxlen=error_window)
-        self.reseed(seed or LinearTTFT())
+        self._drift = SpeedDrift()
+        self.reseed(seed or DEFAULT_SEED)
 
     def reseed(self, seed: LinearTTFT, points: Iterable[StepPoint] = ()) -> None:
         """Start over from `seed` (a startup calibration's), with the points it was fitted on
         as the windows' oldest: real steps outweigh them as they come, then push them out.
         Calibration points add no residuals: the seed's own relative_error (held out)
         stands for them until MIN_ERROR_SAMPLES steps were observed."""
-        self.current = seed
         self._seed = seed
-        for window in (self._points, self._decode_points, self._recent, self._residuals):
+        for window in (self._points, self._decode_points, self._recent):
             window.clear()
+        self._residuals.clear()
+        points = list(points)
         for point in points:
-            (self._points if point.attention > 0 else self._decode_points).append(point)
+            (self._points if point.attention > 0 else self._decode_points).append(-1, point)
+        self._drift.reseed(seed, points)
         self._since_fit = 0
+        self._observed = 0
+        # Prefill steps served since the seed, and since the last drift followed.
+        self._prefills_served = 0
+        self._prefills_since_drift: int | None = None
+        self._drift_error = 0.0
+        # An unconfident seed carries the uncertain margin from the start (see _publish).
+        self.current = (seed if seed.confident else dataclasses.replace(
+            seed, relative_error=max(seed.relative_error, UNCERTAIN_ERROR)))
 
     def observe(self, tokens: int, seconds: float, attention: int | None = None,
                 decode_context: int = 0) -> None:
@@ -632,35 +728,77 @@ class OnlineTTFT:
         if point.tokens <= 0 or point.seconds <= 0 or point.share <= 0:
             return
         model = self.current
+        index = self._observed
+        self._observed += 1
         prefill = point.attention > 0
         if prefill:
-            self._points.append(point)
-            self._recent.append(point)
+            self._points.append(index, point)
+            self._recent.append(index, point)
             self._residuals.append(_residual(model, point))
+            self._prefills_served += 1
+            if self._prefills_since_drift is not None:
+                self._prefills_since_drift += 1
         else:
-            self._decode_points.append(point)
+            self._decode_points.append(index, point)
         self._since_fit += 1
-        settling = prefill and len(self._recent) <= MIN_ERROR_SAMPLES
-        if self._refit_every is not None and (settling
-                                              or self._since_fit >= self._refit_every):
+        drift = self._drift.observe(model, point, index)
+        settling = prefill and len(self._recent.points) <= MIN_ERROR_SAMPLES
+        if drift is not None and self._refit_every is not None:
+            model = self._follow_drift(model, drift)
+        elif self._refit_every is not None and (settling
+                                                or self._since_fit >= self._refit_every):
             self._since_fit = 0
-            fitted = self._refit()
+            fitted = self._refit(model)
             if fitted is not None and fitted.seconds_per_token > 0:
                 model = fitted
-                self._residuals = deque((_residual(model, p) for p in self._recent),
+                self._residuals = deque((_residual(model, p) for p in self._recent.points),
                                         maxlen=self._residuals.maxlen)
+                self._drift.refit(model)
+        self._publish(model)
+
+    def _follow_drift(self, model: LinearTTFT, drift: Drift) -> LinearTTFT:
+        """The machine runs `drift.factor` times as long as `model` says since step
+        `drift.since`: what was measured before then is rescaled to the new speed and the
+        model refitted on it (or, where the points fit no model, scaled)."""
+        for window in (self._points, self._decode_points, self._recent):
+            window.rescale(drift.factor, drift.since)
+        scaled = model.scaled(drift.factor)
+        fitted = self._refit(scaled)
+        if fitted is None or fitted.seconds_per_token <= 0:
+            fitted = scaled
+        self._since_fit = 0
+        self._residuals = deque((_residual(fitted, p) for p in self._recent.points),
+                                maxlen=self._residuals.maxlen)
+        self._drift.rescale(drift, fitted)
+        self._prefills_since_drift = 0
+        self._drift_error = abs(drift.factor - 1.0)
+        return fitted
+
+    def _publish(self, model: LinearTTFT) -> None:
+        """`model` with the margins and the confidence the observed steps allow."""
         error, speedup = error_quantiles(self._residuals, self.error_quantile)
         if len(self._residuals) < MIN_ERROR_SAMPLES:  # too few steps to overrule the seed
             error = max(error, self._seed.relative_error)
             speedup = max(speedup, self._seed.relative_speedup)
+        after_drift = (self._prefills_since_drift is not None
+                       and self._prefills_since_drift < MIN_ERROR_SAMPLES)
+        if after_drift:
+            # The departure that was followed is the error there is evidence of, until steps
+            # served at the new speed measure it.
+            error = max(error, self._drift_error)
+            speedup = max(speedup, min(0.95, self._drift_error))
+        confident = ((self._seed.confident or self._prefills_served >= MIN_ERROR_SAMPLES)
+                     and not after_drift and error <= CONFIDENT_ERROR)
+        if not confident:
+            error = max(error, UNCERTAIN_ERROR)
         if (model is not self.current or error != model.relative_error
-                or speedup != model.relative_speedup):
+                or speedup != model.relative_speedup or confident != model.confident):
             self.current = dataclasses.replace(model, relative_error=error,
-                                               relative_speedup=speedup)
+                                               relative_speedup=speedup, confident=confident)
 
-    def _refit(self) -> LinearTTFT | None:
-        """The model fitted on both windows (recent points weigh more), keeping the current
-        floor; None while the prefill steps span too few distinct sizes (decodes alone say
+    def _refit(self, base: LinearTTFT) -> LinearTTFT | None:
+        """The model fitted on both windows (recent points weigh more), with `base`'s floor
+        (the model it replaces, at the machine's current speed); None while the prefill steps span too few distinct sizes (decodes alone say
         nothing about prompts).
 
         The decode term is fitted first, on whole decode-only steps (_decode_coefficient),
@@ -673,24 +811,24 @@ class OnlineTTFT:
         of such steps, so they say little about it anyway. On a server where nearly every step
         carries a prefill chunk, the online fit once doubled the decode term that way
         (tests/core/test_predictor_refit_decode.py)."""
-        points = [*self._points, *self._decode_points]
-        weights = [*recency_weights(len(self._points)),
-                   *recency_weights(len(self._decode_points))]
-        first = self._points[0].full_tokens if self._points else 0.0
-        if not any(abs(p.full_tokens - first) > 1e-6 for p in self._points):
+        prefills, decodes = self._points.points, self._decode_points.points
+        points = [*prefills, *decodes]
+        weights = [*recency_weights(len(prefills)), *recency_weights(len(decodes))]
+        first = prefills[0].full_tokens if prefills else 0.0
+        if not any(abs(p.full_tokens - first) > 1e-6 for p in prefills):
             return None  # one prefill size at most
         decode = any(p.decode_context > 0 for p in points)
-        decode_s = self._decode_coefficient(points, weights) if decode else None
+        decode_s = self._decode_coefficient(points, weights, base) if decode else None
         weights = [w * (1.0 if _single_kind(p) else MIXED_WEIGHT)
                    for p, w in zip(points, weights)]
         try:
             return LinearTTFT.fit_step(points, quadratic=True, decode=decode, weights=weights,
-                                       floor_s=self.current.floor_s, decode_s=decode_s)
+                                       floor_s=base.floor_s, decode_s=decode_s)
         except ValueError:  # too few distinct sizes (above the floor)
             return None
 
-    def _decode_coefficient(self, points: Sequence[StepPoint],
-                            weights: Sequence[float]) -> float | None:
+    def _decode_coefficient(self, points: Sequence[StepPoint], weights: Sequence[float],
+                            base: LinearTTFT) -> float | None:
         """The decode term as the whole decode-only steps (the seed's among them, until served
         steps push them out) show it: what they cost beyond the intercept and the per-token
         cost of a fit on every point (mixed and partial ones weighing MIXED_WEIGHT), per KV
@@ -705,7 +843,7 @@ class OnlineTTFT:
             return fallback
         try:
             joint = LinearTTFT.fit_step(
-                points, quadratic=True, decode=True, floor_s=self.current.floor_s,
+                points, quadratic=True, decode=True, floor_s=base.floor_s,
                 weights=[w * (1.0 if _single_kind(p) else MIXED_WEIGHT)
                          for p, w in zip(points, weights)])
         except ValueError:
@@ -744,7 +882,7 @@ class OnlineTTFT:
             # term (in the GPU-timed simulation, 11x the profile's). Keep what it was, within
             # what the floor-bound steps allow (a seed timed on a noisy CPU once said 1.3e-4 s
             # a KV token, where its decode steps at 2000 tokens of context ran at the floor).
-            return min(self.current.seconds_per_decode_context, bound)
+            return min(base.seconds_per_decode_context, bound)
         return min(max(0.0, num / den), bound)
 
     def predict(self, tokens: int, decode_context: int = 0) -> float:

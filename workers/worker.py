@@ -125,11 +125,14 @@ class Worker:
         self._runner.prepare_for_serving()
 
     def install_test_hooks(self) -> None:
-        """The tests' slow-layer hook, where LAYER_DELAY_ENV asks for it (in the environment, so
-        every rank has it): after the startup passes, outside the model runner's code."""
+        """The tests' slow-layer and slow-machine hooks, where LAYER_DELAY_ENV and SLOWDOWN_ENV
+        ask for them (in the environment, so every rank has them): after the startup passes,
+        outside the model runner's code."""
         from workers.preemption.layer_delay import install_layer_delay
+        from workers.preemption.slowdown import install_slowdown
 
         install_layer_delay(self._runner)
+        install_slowdown(self._runner)
 
     def install_vote(self) -> None:
         """With SLO preemption, every rank votes (so every rank enters each

@@ -21,6 +21,13 @@ budget. The points are fitted by monitor/step_model_choice.py (the attention ter
 term and a floor are kept where they predict held-out sizes better) and seed the engine's
 OnlineTTFT, points included.
 
+Nothing measured is thrown away. On a machine slower than the budget was made for (busy with
+other processes, throttled), the budget extends until CONFIDENT_SIZES prompt sizes are timed,
+up to MAX_BUDGET_FACTOR times itself; where even that times fewer, the fit rests on what was
+timed (one size: a line through it and its decode steps) and is marked unconfident, which the
+online fit and the policy read (monitor.predictor.LinearTTFT.confident): served steps refit it
+from the first, and it writes no request off as doomed.
+
 It drives the executor through its protocol only (`execute_model(SchedulerOutput)`), with a
 throwaway fcfs Scheduler of its own over the same number of KV blocks (prefix caching off): no
 request, counter, metric or step id of the engine's scheduler is touched. The scratch KV it
@@ -50,7 +57,7 @@ from engine.entrypoints.arg_types import non_negative_float
 from engine.executor.base import Executor
 from engine.runtime.model_setup import ResolvedModel
 from engine.sampling_params import SamplingParams
-from monitor.predictor import LinearTTFT, StepPoint
+from monitor.predictor import CONFIDENT_SIZES, LinearTTFT, StepPoint
 from monitor.step_model_choice import choose_step_model
 
 logger = logging.getLogger(__name__)
@@ -60,6 +67,9 @@ logger = logging.getLogger(__name__)
 STARTUP_BUDGET_S = 5.0
 # Overrides it (seconds): the test suite starts hundreds of engines and keeps this short.
 BUDGET_ENV = "SLOSERVE_STARTUP_CALIBRATION_S"
+# Where the budget would time fewer prompt sizes than a confident fit needs
+# (monitor.predictor.CONFIDENT_SIZES), it extends up to this many times itself (_time_prompts).
+MAX_BUDGET_FACTOR = 2.0
 SMALLEST_PROMPT = 16
 LADDER_FACTOR = 4
 TIMED_REPEATS = 3
@@ -177,6 +187,7 @@ class _Plan:
 
     def __init__(self, budget_s: float) -> None:
         self.budget_s = budget_s
+        self.max_budget_s = MAX_BUDGET_FACTOR * budget_s
         self.started = time.monotonic()
         self.prefills: dict[int, StepPoint] = {}
         self.decodes: dict[tuple[int, int], StepPoint] = {}
@@ -190,15 +201,20 @@ class _Plan:
     def left_s(self) -> float:
         return self.budget_s - (time.monotonic() - self.started)
 
+    def extend(self, seconds: float) -> None:
+        self.budget_s += seconds
+
     def estimate(self, tokens: int, attention: int, decode_context: int = 0) -> float:
-        """Seconds for a step, from a line through the prompt sizes timed so far (scaled from
-        the largest one before there are two), with COST_SAFETY to spare."""
+        """Seconds for a step, from a line through the prompt sizes timed so far (before there
+        are two, through the one and the decodes that followed it: see sparse_model), with
+        COST_SAFETY to spare."""
         points = list(self.prefills.values())
         if not points:
             return 0.0
         if len(points) < 2:
-            return COST_SAFETY * points[0].seconds * tokens / points[0].tokens
-        line = LinearTTFT.fit_step(points, quadratic=len(points) >= 3, decode=False)
+            line = sparse_model(points, list(self.decodes.values()))
+        else:
+            line = LinearTTFT.fit_step(points, quadratic=len(points) >= 3, decode=False)
         return COST_SAFETY * line.predict_step(tokens, attention, decode_context)
 
     @property
@@ -208,6 +224,20 @@ class _Plan:
     @property
     def points(self) -> list[StepPoint]:
         return [*self.prefills.values(), *self.decodes.values(), *self.chunks]
+
+
+def sparse_model(prefills: list[StepPoint], decodes: list[StepPoint]) -> LinearTTFT:
+    """The step model where one prompt size was timed: a line through it and the decode steps
+    (a decode step is a step of one token per sequence: what a step costs besides its tokens
+    shows there), or, without decodes, the prompt's time per token. Unconfident
+    (LinearTTFT.confident): it dooms nobody, and served steps refit it from the first."""
+    points = [*prefills, *decodes]
+    try:
+        line = LinearTTFT.fit_step(points, quadratic=False, decode=False)
+    except ValueError:  # one size in all
+        largest = max(prefills, key=lambda p: p.tokens)
+        line = LinearTTFT(seconds_per_token=largest.seconds / largest.tokens, intercept_s=0.0)
+    return dataclasses.replace(line.with_range(points), confident=False)
 
 
 def _prompt_ladder(limit: int) -> list[int]:
@@ -221,13 +251,24 @@ def _prompt_ladder(limit: int) -> list[int]:
 def _time_prompts(scratch: _Scratch, plan: _Plan, limit: int, reserve_s: float = 0.0) -> None:
     """The prompt sizes, cheapest first, while the budget less `reserve_s` lasts. The last
     timed run of each size also decodes a few tokens: decodes over the longest context come
-    almost free."""
+    almost free.
+
+    The budget adapts to the machine: where it would stop short of CONFIDENT_SIZES sizes (a
+    busy or slow machine, whose first steps ran slower than the budget was made for), the next
+    sizes are timed once each on a budget extended for them, up to MAX_BUDGET_FACTOR times the
+    budget in all."""
     for size in _prompt_ladder(limit):
         one_run = plan.estimate(size, size * size)
         repeats = TIMED_REPEATS if one_run < ONE_REPEAT_SHARE * plan.budget_s else 1
         decodes = DECODE_STEPS * plan.estimate(1, 0, size)
         if plan.prefills and (1 + repeats) * one_run + decodes > plan.left_s - reserve_s:
-            break  # each larger size costs more
+            if len(plan.prefills) >= CONFIDENT_SIZES:
+                break  # each larger size costs more
+            repeats = 1
+            short = 2 * one_run + decodes - (plan.left_s - reserve_s)
+            if plan.budget_s + short > plan.max_budget_s:
+                break
+            plan.extend(max(0.0, short))
         scratch.run([size], max_tokens=1)  # first use of the shape, untimed
         timed = [point for _ in range(repeats - 1)
                  for point, _ in scratch.run([size], max_tokens=1)]
@@ -334,9 +375,11 @@ def startup_budget_s() -> float:
 
 def calibrate_at_startup(executor: Executor, config: EngineConfig, model: ResolvedModel,
                          budget_s: float | None = None) -> StartupCalibration | None:
-    """Times steps on `executor` for at most about `budget_s` (default: startup_budget_s())
-    and fits the step model; None (logged) when the limits leave fewer than two prompt sizes
-    to time."""
+    """Times steps on `executor` for about `budget_s` (default: startup_budget_s(); more on a
+    machine too slow for it to time CONFIDENT_SIZES prompt sizes, see _time_prompts) and fits
+    the step model on whatever it measured; None (logged) only where the limits leave no
+    prompt size to time. A fit on fewer than CONFIDENT_SIZES sizes is unconfident
+    (monitor.predictor.LinearTTFT.confident)."""
     budget_s = startup_budget_s() if budget_s is None else budget_s
     scratch = _Scratch(executor, config, model)
     sched = config.scheduler
@@ -352,16 +395,25 @@ def calibrate_at_startup(executor: Executor, config: EngineConfig, model: Resolv
         reserve = (LONG_DECODE_SHARE * budget_s
                    if longest_decode_context(scratch, model.max_model_len) > limit else 0.0)
         _time_prompts(scratch, plan, limit, reserve)
-    if len(plan.prefills) < 2:
-        logger.info("startup calibration skipped: %s prompt size(s) fit the limits (step "
-                    "budget, max_model_len, KV pool, %.1f s); the predictor starts from its "
-                    "default and fits online", len(plan.prefills), budget_s)
+    if not plan.prefills:
+        logger.info("startup calibration: no prompt fits the limits (step budget, "
+                    "max_model_len, KV pool); the predictor starts from its default and fits "
+                    "online")
         return None
+    if len(plan.prefills) < 2:
+        # Kept, never thrown away: one size and its decodes still say more about this machine
+        # than a default made for another.
+        fitted = sparse_model(list(plan.prefills.values()), list(plan.decodes.values()))
+        result = StartupCalibration(fitted, plan.points, {}, time.monotonic() - plan.started)
+        logger.info("%s", describe(result, plan))
+        return result
     _time_long_decode(scratch, plan, min(sched.max_num_batched_tokens, limit),
                       model.max_model_len)
     _time_decode_batch(scratch, plan, sched.max_num_seqs)
     _time_chunks(scratch, plan, limit, model.max_model_len)
     fitted, errors = choose_step_model(plan.points, config.slo_preemption.predictor_error_quantile)
+    if len(plan.prefills) < CONFIDENT_SIZES:
+        fitted = dataclasses.replace(fitted, confident=False)
     result = StartupCalibration(fitted, plan.points, errors, time.monotonic() - plan.started)
     logger.info("%s", describe(result, plan))
     return result
@@ -380,4 +432,6 @@ def describe(result: StartupCalibration, plan: _Plan) -> str:
             f"decode ms by batch x context {{{decodes}}}; chunk ms [{chunks}]; held-out error: {errors}; fit: {m.seconds_per_token * 1e3:.4g} ms/token"
             f", {m.seconds_per_token_sq:.3g} s/attention, {m.seconds_per_decode_context:.3g} "
             f"s/decode-context token, intercept {m.intercept_s * 1e3:.1f} ms, floor "
-            f"{m.floor_s * 1e3:.1f} ms, relative error {m.relative_error * 100:.0f}%")
+            f"{m.floor_s * 1e3:.1f} ms, relative error {m.relative_error * 100:.0f}%"
+            + ("" if m.confident else f"; unconfident ({len(plan.prefills)} prompt size(s) "
+               f"timed): served steps refit it, and it writes no request off until they have"))

@@ -30,10 +30,13 @@ def test_the_error_is_how_wrong_the_current_model_is_both_ways():
     # margin is the floor.
     assert online.current.seconds_per_token == pytest.approx(1e-3)
     assert online.current.relative_error == MIN_RELATIVE_ERROR
-    # Every size's steps alternately 20% over and 20% under the truth: the refit stays near
-    # it, and the margins say how far steps stray from it each way.
+    # Every size's steps alternately 20% over and 20% under the truth (the order shifted each
+    # round, so that every size is seen both ways): the refit stays near it, and the margins
+    # say how far steps stray from it each way. (Eight in a row 20% over after eight 20% under
+    # would be the machine slowing down by half: monitor/speed_drift.py.)
     for i in range(48):
-        online.observe(SIZES[i % 8], truth.predict(SIZES[i % 8]) * (1.2 if i // 8 % 2 else 0.8))
+        over = (i + i // 8) % 2
+        online.observe(SIZES[i % 8], truth.predict(SIZES[i % 8]) * (1.2 if over else 0.8))
     assert online.current.predict(512) == pytest.approx(truth.predict(512), rel=0.1)
     # (The fit weighs relative errors, so it leans to the faster runs: about 0.92x the truth.)
     assert 0.15 < online.current.relative_error < 0.35
@@ -52,8 +55,9 @@ def test_the_error_is_never_0_after_a_seed_ten_times_too_pessimistic():
         same_size.observe(512, truth.predict(512))
         assert same_size.current.predict(512) == pytest.approx(10 * truth.predict(512))  # probe
         assert same_size.current.relative_error == pytest.approx(0.9)
-        assert same_size.current.optimistic(same_size.current.predict(512)) == \
-            pytest.approx(truth.predict(512))
+        # A model that far off is not trusted to write anyone off (monitor.policy: doomed).
+        assert not same_size.current.confident
+        assert same_size.current.optimistic(same_size.current.predict(512)) == 0.0
     refitted = OnlineTTFT(seed)
     for i in range(20):
         refitted.observe(SIZES[i % 8], truth.predict(SIZES[i % 8]))

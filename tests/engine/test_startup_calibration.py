@@ -3,6 +3,7 @@ before serving, and the TTFT predictor starts from that fit instead of the CPU d
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -17,7 +18,7 @@ from engine.runtime.engine_core import EngineCore
 from engine.runtime.startup_calibration import (BUDGET_ENV, STARTUP_BUDGET_S,
                                                 calibrate_at_startup)
 from engine.sampling_params import SamplingParams
-from monitor.predictor import LinearTTFT
+from monitor.predictor import DEFAULT_SEED, UNCERTAIN_ERROR, LinearTTFT
 from workers.preemption.layer_delay import LAYER_DELAY_ENV
 
 # Every decoder layer sleeps this long per token (3 layers): a step's time is then mostly a
@@ -105,7 +106,9 @@ def test_no_calibration_where_it_is_off_or_unused(tiny_model, overrides, monkeyp
     engine = _engine(tiny_model("llama"), **overrides)
     try:
         assert engine.startup_calibration is None
-        assert engine.scheduler.slack.predictor.current == LinearTTFT()
+        current = engine.scheduler.slack.predictor.current
+        assert current == dataclasses.replace(DEFAULT_SEED, relative_error=UNCERTAIN_ERROR)
+        assert not current.confident  # the default seed is nobody's measurement
     finally:
         engine.shutdown()
     # Probe: the same engine calibrates by default. The suite's 0.3 s budget can run out
@@ -134,9 +137,11 @@ def test_the_budget_and_the_limits_bound_what_is_timed(tiny_model, monkeypatch):
     engine = _engine(tiny_model("llama"), startup_calibration=False)
     try:
         started = time.monotonic()
-        # A spent budget: the first size only, which no line can be fitted on.
-        assert calibrate_at_startup(engine.executor, engine.config, engine.model,
-                                    budget_s=0.0) is None
+        # A spent budget: the first size only, kept (with its decodes), and unconfident.
+        spent = calibrate_at_startup(engine.executor, engine.config, engine.model,
+                                     budget_s=0.0)
+        assert spent is not None and not spent.model.confident
+        assert {p.tokens for p in spent.points if p.attention > 0} == {16}
         full = calibrate_at_startup(engine.executor, engine.config, engine.model,
                                     budget_s=STARTUP_BUDGET_S)
         assert full is not None and full.seconds < time.monotonic() - started  # probe: it ran
@@ -147,7 +152,10 @@ def test_the_budget_and_the_limits_bound_what_is_timed(tiny_model, monkeypatch):
         engine.shutdown()
     tiny = _engine(tiny_model("llama"), max_model_len=16, num_kv_blocks=2)
     try:
-        assert tiny.startup_calibration is None  # one prompt size fits: nothing to fit
+        # One prompt size fits: kept, the line through it and its decodes, unconfident.
+        calibration = tiny.startup_calibration
+        assert calibration is not None and not calibration.model.confident
+        assert {p.tokens for p in calibration.points if p.attention > 0} == {15}
     finally:
         tiny.shutdown()
     monkeypatch.setenv(BUDGET_ENV, "-1")
