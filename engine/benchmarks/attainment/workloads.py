@@ -32,6 +32,10 @@
   2k-8k-token history and adds 64-512 new tokens with fleet-bursts' 150-300 ms objectives, in
   bursts, among its documents; only a replica holding the history in its prefix cache meets
   them. A conversation's requests share one prefix salt over HTTP.
+- `cpu-bursts`: the CPU's bursts (engine/benchmarks/attainment/cpu_bursts.py): urgent turns of
+  32-160 tokens with 250-700 ms objectives in bursts of 2-4 among 2000-5000-token documents
+  with a 30 s one; absolute objectives for the default model on a few CPU cores, so a trace
+  means the same on a quiet machine and a busy one (`--busy`). Its arrivals are its own.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from engine.benchmarks.attainment.traces import (AbsoluteSLO, Arrival, ChunkMult
                                                  generate_trace)
 
 WORKLOADS: tuple[str, ...] = ("mixed", "flowprefill", "uniform", "burst", "deadline-burst",
-                              "fleet-bursts", "fleet-chat")
+                              "fleet-bursts", "fleet-chat", "cpu-bursts")
 
 # Every built-in request generates this many tokens: the benchmark is mostly about TTFT, and a
 # short decode keeps the engine's time dominated by the prefills that the schedulers compete over
@@ -184,6 +188,10 @@ def workload_tiers(name: str, predict_ttft_s: Callable[[int], float],
         from engine.benchmarks.fleet.chat import fleet_chat_tiers
 
         return fleet_chat_tiers()
+    if name == "cpu-bursts":
+        from engine.benchmarks.attainment.cpu_bursts import cpu_bursts_tiers
+
+        return cpu_bursts_tiers()
     raise ValueError(f"unknown workload {name!r}; built-ins: {', '.join(WORKLOADS)}")
 
 
@@ -202,6 +210,11 @@ def build_workload(name: str, num_requests: int, rate: float, seed: int, tokeniz
         from engine.benchmarks.fleet.chat import build_fleet_chat
 
         return build_fleet_chat(num_requests, rate, seed, tokenizer, predict_ttft_s,
+                                max_prompt_len=max_prompt_len)
+    if name == "cpu-bursts":
+        from engine.benchmarks.attainment.cpu_bursts import build_cpu_bursts
+
+        return build_cpu_bursts(num_requests, rate, seed, tokenizer, predict_ttft_s,
                                 max_prompt_len=max_prompt_len)
     tiers = workload_tiers(name, predict_ttft_s, max_prompt_len)
     return generate_trace(tiers, num_requests, rate, seed, tokenizer, predict_ttft_s,

@@ -81,20 +81,22 @@ def fleet_bursts_tiers() -> list[TierSpec]:
 
 
 def burst_arrivals(num_urgent: int, num_documents: int, rate: float,
-                   rng: np.random.Generator) -> tuple[list[float], list[float]]:
-    """Arrival offsets of the urgent turns (in bursts) and of the documents (Poisson), at a mean
-    total rate `rate`; each list sorted."""
+                   rng: np.random.Generator, burst_size: tuple[int, int] = BURST_SIZE,
+                   burst_gap_s: float = BURST_GAP_S) -> tuple[list[float], list[float]]:
+    """Arrival offsets of the urgent turns (in bursts of `burst_size` turns, uniform and
+    inclusive, `burst_gap_s` apart on average) and of the documents (Poisson), at a mean total
+    rate `rate`; each list sorted."""
     total = num_urgent + num_documents
     span = total / rate
     documents = np.sort(rng.uniform(0.0, span, num_documents)) if num_documents else []
     urgent: list[float] = []
     while len(urgent) < num_urgent:
-        size = int(rng.integers(BURST_SIZE[0], BURST_SIZE[1] + 1))
+        size = int(rng.integers(burst_size[0], burst_size[1] + 1))
         start = float(rng.uniform(0.0, span))
         at = start
         for _ in range(min(size, num_urgent - len(urgent))):
             urgent.append(at)
-            at += float(rng.exponential(BURST_GAP_S))
+            at += float(rng.exponential(burst_gap_s))
     return sorted(urgent), [float(x) for x in documents]
 
 
@@ -103,15 +105,25 @@ def build_fleet_bursts(num_requests: int, rate: float, seed: int, tokenizer: Tok
                        max_prompt_len: int | None = None) -> Trace:
     """The seeded `fleet-bursts` trace: prompts and objectives from the shared generator, the
     arrivals re-timed into bursts (the request ids follow the new order)."""
-    base = generate_trace(fleet_bursts_tiers(), num_requests, rate, seed, tokenizer,
-                          predict_ttft_s, workload="fleet-bursts",
-                          max_prompt_len=max_prompt_len)
+    return bursty_trace(fleet_bursts_tiers(), "fleet-bursts", num_requests, rate, seed,
+                        tokenizer, predict_ttft_s, max_prompt_len=max_prompt_len)
+
+
+def bursty_trace(tiers: list[TierSpec], workload: str, num_requests: int, rate: float,
+                 seed: int, tokenizer: Tokenizer, predict_ttft_s: Callable[[int], float], *,
+                 max_prompt_len: int | None = None, burst_size: tuple[int, int] = BURST_SIZE,
+                 burst_gap_s: float = BURST_GAP_S) -> Trace:
+    """A seeded trace of an `urgent` and a `document` tier: prompts and objectives from the
+    shared generator, the urgent turns re-timed into bursts and the documents into Poisson
+    arrivals (`burst_arrivals`; the request ids follow the new order)."""
+    base = generate_trace(tiers, num_requests, rate, seed, tokenizer, predict_ttft_s,
+                          workload=workload, max_prompt_len=max_prompt_len)
     by_tier: dict[str, list[TraceRequest]] = {"urgent": [], "document": []}
     for r in base.requests:
         by_tier[r.tier].append(r)
     rng = np.random.default_rng(np.random.SeedSequence([seed, 34]))
     urgent_at, document_at = burst_arrivals(len(by_tier["urgent"]), len(by_tier["document"]),
-                                            rate, rng)
+                                            rate, rng, burst_size, burst_gap_s)
     timed = [(t, r) for t, r in zip(urgent_at, by_tier["urgent"])]
     timed += [(t, r) for t, r in zip(document_at, by_tier["document"])]
     timed.sort(key=lambda tr: tr[0])
@@ -119,6 +131,6 @@ def build_fleet_bursts(num_requests: int, rate: float, seed: int, tokenizer: Tok
                              prompt_token_ids=r.prompt_token_ids, output_tokens=r.output_tokens,
                              ttft_slo_ms=r.ttft_slo_ms, tpot_slo_ms=r.tpot_slo_ms)
                 for i, (t, r) in enumerate(timed)]
-    meta = {**base.meta, "arrival": "fleet-bursts", "burstiness": None,
-            "burst_size": list(BURST_SIZE), "burst_gap_s": BURST_GAP_S}
+    meta = {**base.meta, "arrival": workload, "burstiness": None,
+            "burst_size": list(burst_size), "burst_gap_s": burst_gap_s}
     return Trace(requests=requests, meta=meta)
