@@ -225,10 +225,17 @@ class EngineConfig:
     distributed_executor: DistributedExecutor = "auto"
     # Bound on any collective (and on joining the group): a dead rank cannot hang the engine.
     collective_timeout_s: float = 60.0
+    # Each rank's torch threads (--cpu-threads); None: what fits the machine
+    # (engine.compute_threads).
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool) or
+                                             not isinstance(self.cpu_threads, int) or
+                                             self.cpu_threads < 1):
+            raise ValueError(f"cpu_threads must be an integer >= 1, got {self.cpu_threads!r}")
         if self.distributed_executor not in ("auto", "mp", "external"):
             raise ValueError(f"distributed_executor must be auto, mp or external, "
                              f"got {self.distributed_executor!r}")
@@ -263,6 +270,7 @@ def build_engine_config(model: str, *, dtype: str = ModelConfig.dtype,
                         tensor_parallel_size: int = EngineConfig.tensor_parallel_size,
                         distributed_executor: str = EngineConfig.distributed_executor,
                         collective_timeout_s: float = EngineConfig.collective_timeout_s,
+                        cpu_threads: int | None = EngineConfig.cpu_threads,
                         slo_preemption: bool = SLOPreemptionConfig.enabled,
                         slo_preempt_policy: str = SLOPreemptionConfig.policy,
                         slo_preempt_margin: float = SLOPreemptionConfig.margin,
@@ -313,6 +321,7 @@ def build_engine_config(model: str, *, dtype: str = ModelConfig.dtype,
         tensor_parallel_size=tensor_parallel_size,
         distributed_executor=distributed_executor,  # type: ignore[arg-type]
         collective_timeout_s=collective_timeout_s,
+        cpu_threads=cpu_threads,
     )
     # Under `gpu_suite.sh --dry-run` every command stops here (engine/dry_run.py).
     stop_if_dry_run(config)

@@ -12,6 +12,7 @@ no process group.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from engine.compute_threads import compute_threads_for_rank, wait_policy
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
 from engine.worker_messages import (ExecuteStep, KVPoolSize, Shutdown, WorkerConfig,
                                     decode_command, decode_config, encode)
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from workers.model_runner import ModelRunner
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 # Test hook: a folder where each rank writes, when it releases its runner at shutdown, which of
 # the runner, its weights and its KV cache outlived the release, checked with the garbage
@@ -85,18 +88,29 @@ class Worker:
         self.wait_for_peers()
 
     def init_device(self) -> None:
-        """Take this rank's GPU and join the process group (a lone in-process rank does
-        neither: it runs on the configured device in EngineCore's process)."""
+        """Set this rank's compute threads; take its GPU and join the process group (a lone
+        in-process rank does neither: it runs on the configured device in EngineCore's
+        process)."""
+        self.set_compute_threads()
         if not self.distributed:
             return
-        # Ranks sharing a machine split its cores; oversubscribed OpenMP threads spin each other.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // self._local_world_size))
         if self.device.type == "cuda":
             self.device = torch.device("cuda", self._local_rank)
             torch.cuda.set_device(self.device)
         config = self.config
         self.groups = init_distributed(self.rank, config.tp_size, config.init_method,
                                        self.device, config.engine.collective_timeout_s)
+
+    def set_compute_threads(self) -> None:
+        """Threads that fit the machine (engine.compute_threads): oversubscribed OpenMP threads
+        wait at every barrier for one that another process descheduled."""
+        choice = compute_threads_for_rank(self.device.type, self._local_world_size,
+                                          self.config.engine.cpu_threads)
+        torch.set_num_threads(choice.threads)
+        rank = f"rank {self.rank}: " if self.distributed else ""
+        # Read back: what torch runs with, not what was asked.
+        logger.info("%scompute threads: %d (%s); OpenMP wait policy: %s", rank,
+                    torch.get_num_threads(), choice.why, wait_policy(os.environ))
 
     def load_model(self) -> None:
         """Build the runner: this rank's shard of the weights, and a KV pool of the configured

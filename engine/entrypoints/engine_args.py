@@ -107,6 +107,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--collective-timeout-s", type=positive_float,
                    default=EngineConfig.collective_timeout_s,
                    help="bound on any collective: a dead rank fails the step within this time")
+    g.add_argument("--cpu-threads", type=positive_int, default=EngineConfig.cpu_threads,
+                   metavar="N",
+                   help="torch threads per rank (default: OMP_NUM_THREADS if set, else 1 per "
+                        "rank on a GPU, else the usable cores, less one left to the API server, "
+                        "split between the local ranks; the startup log says which and why)")
     p = parser.add_argument_group("SLO preemption (docs/design.md sections 4-5)")
     on_off = p.add_argument("--slo-preemption", choices=["on", "off"],
                             default=_on_off(SLOPreemptionConfig.enabled),
@@ -178,7 +183,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 tensor_parallel_size=EngineConfig.tensor_parallel_size
                 if args.tensor_parallel_size is None
                 else args.tensor_parallel_size,
-                collective_timeout_s=args.collective_timeout_s,
+                collective_timeout_s=args.collective_timeout_s, cpu_threads=args.cpu_threads,
                 slo_preemption=args.slo_preemption == "on",
                 slo_preempt_policy=args.slo_preempt_policy,
                 slo_preempt_margin=args.slo_preempt_margin,

@@ -1,5 +1,10 @@
 """torchrun: every torchrun rank is a worker. Rank 0 (this process) hosts EngineCore and drives
-the others through ``ExternalExecutor``; the other ranks run ``run_follower``."""
+the others through ``ExternalExecutor``; the other ranks run ``run_follower``.
+
+The followers are torchrun's processes, which imported torch before sloserve ran: their OpenMP
+wait policy is whatever torchrun's environment held (engine.compute_threads). Each sets its
+threads, and its startup log asks for ``OMP_WAIT_POLICY=PASSIVE`` in torchrun's environment
+where it is missing."""
 
 from __future__ import annotations
 

@@ -20,6 +20,8 @@ import signal
 import socket
 from multiprocessing.process import BaseProcess
 
+from engine.compute_threads import passive_wait_for_children
+
 PROCESS_NAME = "sloserve-engine-core"
 
 
@@ -60,7 +62,10 @@ class CoreLaunch:
             self.process = multiprocessing.get_context("spawn").Process(
                 target=run_launched_core, args=(self.port, self.token, warm_model),
                 name=PROCESS_NAME)
-            self.process.start()
+            # libgomp reads its wait policy when the child imports torch: it must be in the
+            # environment the child starts with (engine.compute_threads).
+            with passive_wait_for_children(api_server=True):
+                self.process.start()
         except BaseException:
             self.listener.close()
             raise

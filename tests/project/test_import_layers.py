@@ -31,6 +31,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine.config", "engine.device", "engine.dry_run", "engine.log", "engine.logprobs",
      "engine.outputs", "engine.sampling_params", "engine.core", "engine.worker_messages",
      "engine.model_folder",
+     # Each rank's torch threads: the workers set them, the API server and the executors put
+     # the wait policy into the environment of the processes they spawn; imports nothing.
+     "engine.compute_threads",
      # build_engine_config parses a --chat-template where the configuration is built, and
      # startup calibration reads an environment variable with the command line's value types:
      # both import nothing of the project.
