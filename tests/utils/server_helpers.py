@@ -90,11 +90,13 @@ def copy_with_chat_template(model_dir: str, folder: Path, template: str = CHAT_T
 class ServerProcess:
     """`python -m engine serve ...` on a free loopback port, output to a log file. `module`
     runs another entry point that takes the same arguments (a test's patched server), with
-    `env` added to its environment."""
+    `env` added to its environment and the variables in `unset` removed from it; `affinity`:
+    the CPUs it (and so every process it starts) may run on."""
 
     def __init__(self, model: str, log_path: Path, *extra: str, api_key: str | None = None,
                  startup_timeout: float = 120.0, module: str = "engine",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, unset: tuple[str, ...] = (),
+                 affinity: set[int] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -106,9 +108,13 @@ class ServerProcess:
         environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                        "PYTHONUNBUFFERED": "1", **(env or {})}
         environment.pop("SLOSERVE_API_KEY", None)
+        for name in unset:
+            environment.pop(name, None)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the server
+        pin = None if affinity is None else (lambda: os.sched_setaffinity(0, affinity))
         self.proc = subprocess.Popen(args, cwd=REPO, env=environment, stdout=self._log,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     preexec_fn=pin)
         try:
             self._wait_healthy(startup_timeout)
         except BaseException:
