@@ -16,10 +16,12 @@ computes, and a forward pass is a chain of parallel regions, each ending in a ba
 for its slowest thread, so one compute thread descheduled by the API server (or by any other
 busy process) delays the whole step. How it was decided, on 2 cores, the default model, float32
 (``python -m bench.diagnostics.omp_threads``: a 2048-token prefill and a decode step at batch 8
-for 1 and 2 threads, each wait policy, quiet and beside busy processes, side by side): one
-thread's prefill was never slower than two threads', and beside busy processes it was faster;
-two threads won only the decode step, and only while they spin. With two busy processes beside
-the server, one thread met every urgent deadline of a loaded burst where the default met none.
+for 1 and 2 threads and each wait policy, each in a fresh process, side by side): one thread's
+prefill took 5.0 s against two threads' 6.4 s (spinning) and 7.4 s (passive); two threads won
+only the decode step, and only while spinning (51 against 76 ms; passive, 81 ms). Other work
+shared the machine during that run, so these are indicative, not clean quiet figures. Beside two
+busy processes, one thread met every urgent deadline of a loaded burst (6/6) where the default
+two spinning threads met none (0/6).
 So 2 cores give the engine one thread and leave the other to the API server, as vLLM's CPU
 backend reserves cores (``VLLM_CPU_NUM_OF_RESERVED_CPU``). Larger machines leave one core too
 (not measured: it costs them at most a third of their cores, and less the more they have).
@@ -31,6 +33,9 @@ puts ``OMP_WAIT_POLICY=PASSIVE`` into the environment of the processes sloserve 
 TP ranks), since libgomp reads it once, when ``import torch`` loads it; a process that imported
 torch before sloserve ran (a torchrun rank, an offline ``LLM``'s caller) keeps what its launcher
 set, and the startup log says so. A user's own ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` wins.
+Passive cost two threads' quiet decode step in the run above (81 against 51 ms); it is kept
+because spinning beside busy processes is the failure this module exists for, and the default
+single thread on 2 cores has no barrier partner to wait for.
 
 Nothing here imports torch: the API server uses it before it has loaded torch.
 """
