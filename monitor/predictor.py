@@ -39,9 +39,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import NamedTuple
-
 from monitor.speed_drift import Drift, SpeedDrift
+from monitor.step_point import StepPoint
 
 # Before any measurement: pessimistic for a 135M model on 2 CPU cores (about 1 ms per token plus
 # 50 ms per step), so that slack is underestimated rather than overestimated.
@@ -72,22 +71,6 @@ STALL_FACTOR = 2.0
 CONFIDENT_SIZES = 3
 CONFIDENT_ERROR = 0.5
 UNCERTAIN_ERROR = 0.5
-
-
-class StepPoint(NamedTuple):
-    """One timed step as the fit sees it (see attention_work, decode_context, step_point)."""
-
-    tokens: float
-    attention: float
-    decode_context: float
-    seconds: float
-    # Share of the layers the step ran: the intercept's (and the floor's) feature.
-    share: float = 1.0
-
-    @property
-    def full_tokens(self) -> float:
-        """Tokens of the whole-step equivalent: partial points of one size share it."""
-        return self.tokens / self.share
 
 
 def attention_work(chunks: Iterable[tuple[int, int]]) -> int:

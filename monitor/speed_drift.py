@@ -28,10 +28,9 @@ import statistics
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from monitor.predictor import StepPoint
+from monitor.step_point import StepPoint
 
 RECENT_STEPS = 5
 BASELINE_STEPS = 64
