@@ -304,7 +304,7 @@ def test_a_run_as_figure_records_rebuilds_the_run_and_its_summary(tmp_path: Path
     records = read_figures(path)
     assert [r["kind"] for r in records] == ["request"] * len(run.requests) + ["run"]
     cell = {"runner": "inprocess", "policy": "fcfs", "budget": 512, "workload": "mixed",
-            "rate": 2.0, "seed": 0}
+            "rate": 2.0, "seed": 0, "busy": 0}
     assert all({k: r[k] for k in cell} == cell for r in records)
     last = records[-1]
     assert last["summary"] == json.loads(json.dumps(summarize(run)))

@@ -388,7 +388,7 @@ def test_user_trace_duplicate_id(tokenizer, tmp_path):
 
 def test_workload_names():
     assert WORKLOADS == ("mixed", "flowprefill", "uniform", "burst", "deadline-burst",
-                         "fleet-bursts", "fleet-chat")
+                         "fleet-bursts", "fleet-chat", "cpu-bursts")
     with pytest.raises(ValueError, match="unknown workload"):
         build_workload("nope", 10, 1.0, 0, None, predict)
 

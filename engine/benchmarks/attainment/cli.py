@@ -45,6 +45,8 @@ class BenchSetup:
     # In-process runner: engines reused across the runs
     # (engine.benchmarks.attainment.runners.EnginePool).
     engines: Any = None
+    # --busy with the in-process runner: the busy replays' engines, built beside the neighbours.
+    busy_engines: Any = None
     # Each finished run's records (OUTPUT_DIR/results.jsonl for run and sweep).
     figures: FigureLog = field(default_factory=lambda: FigureLog(None))
     # Where the HTTP runner's servers append their logs (None: a temporary file each).
@@ -55,8 +57,9 @@ class BenchSetup:
 
     def close(self) -> None:
         self.figures.close()
-        if self.engines is not None:
-            self.engines.close()
+        for pool in (self.engines, self.busy_engines):
+            if pool is not None:
+                pool.close()
 
 
 def _setup(args: argparse.Namespace, out_dir: Path) -> BenchSetup:
@@ -128,6 +131,8 @@ def _setup(args: argparse.Namespace, out_dir: Path) -> BenchSetup:
         from engine.benchmarks.attainment.runners import EnginePool
 
         setup.engines = EnginePool(model, **overrides)
+        if getattr(args, "busy", 0):
+            setup.busy_engines = EnginePool(model, **overrides)
     return setup
 
 
@@ -205,13 +210,35 @@ def _run_cell(setup: BenchSetup, args: argparse.Namespace, trace, policy,
               budget: int, trace_index: int = 0) -> list:
     """The trace's runs under one policy and budget: one per --urgent-constraint kind, each
     against the same server (over HTTP) or engine (in process), in `replay_order`. Each run
-    records its place in that order (`meta["replay"]`, from 0)."""
+    records its place in that order (`meta["replay"]`, from 0). With --busy N, all of it twice:
+    quiet, then beside N busy neighbours started before the server (attainment/busy.py)."""
+    from engine.benchmarks.attainment.busy import neighbour_limit_s, quiet_and_busy
     from engine.benchmarks.attainment.clairvoyant import clairvoyant_attainment
-    from engine.benchmarks.attainment.runners import run_http, run_inprocess
-    from engine.benchmarks.attainment.time_scale import restored_run, slowed_trace
 
     kinds = replay_order(getattr(args, "urgent_constraint", None) or ["none"], trace_index,
                          getattr(args, "rotate_constraints", False))
+    busy = getattr(args, "busy", 0)
+    runs = quiet_and_busy(
+        lambda neighbours: _replays(setup, args, trace, policy, budget, kinds, neighbours),
+        busy, neighbour_limit_s(trace, setup.predict_ttft_s, len(kinds)))
+    for run in runs:
+        run.clairvoyant = clairvoyant_attainment(trace, setup.predict_ttft_s,
+                                                 budget_tokens=budget)
+        # On disk as the run ends (a busy pair: once its neighbours' report is in): a benchmark
+        # killed in a later run keeps this one.
+        for kind, record in run.figure_records():
+            setup.figures.write(kind, **record)
+    return runs
+
+
+def _replays(setup: BenchSetup, args: argparse.Namespace, trace, policy, budget: int,
+             kinds: list[str], busy: int) -> list:
+    """One replay of the trace per kind in `kinds` on one server (started here unless --url
+    names one) or in-process engine; `busy`: the neighbours beside it (in process, the busy
+    replays run on engines of their own, built under the load)."""
+    from engine.benchmarks.attainment.runners import run_http, run_inprocess
+    from engine.benchmarks.attainment.time_scale import restored_run, slowed_trace
+
     replayed = slowed_trace(trace, setup.time_scale)
     runs = []
     if args.runner == "http" and args.url:
@@ -222,24 +249,37 @@ def _run_cell(setup: BenchSetup, args: argparse.Namespace, trace, policy,
         from engine.benchmarks.attainment.server import serve
 
         meta = trace.meta if isinstance(getattr(trace, "meta", None), dict) else {}
-        header = ", ".join(f"{k} {meta[k]}" for k in ("workload", "rate", "seed") if k in meta)
-        with serve(policy, budget, setup.model, log_path=setup.server_log, log_header=header,
-                   **setup.engine_overrides) as url:
+        header = ", ".join([*(f"{k} {meta[k]}" for k in ("workload", "rate", "seed")
+                              if k in meta), *([f"busy {busy}"] if busy else [])])
+        defaults = getattr(args, "server_defaults", False)
+        with serve(policy, None if defaults else budget, setup.model,
+                   log_path=setup.server_log, log_header=header, own_defaults=defaults,
+                   **(_machine_overrides(setup.engine_overrides) if defaults
+                      else setup.engine_overrides)) as url:
             runs = [run_http(replayed, url, policy, budget, constraint=kind) for kind in kinds]
+        for run in runs:
+            run.meta["server_defaults"] = defaults
     else:
-        runs = [run_inprocess(replayed, policy, setup.model, budget, pool=setup.engines,
+        pool = setup.engines if busy == 0 else setup.busy_engines
+        runs = [run_inprocess(replayed, policy, setup.model, budget, pool=pool,
                               constraint=kind, **setup.engine_overrides) for kind in kinds]
     restored = []
     for place, run in enumerate(runs):
         run = restored_run(run, trace, setup.time_scale)
         run.meta["replay"] = place
-        run.clairvoyant = clairvoyant_attainment(trace, setup.predict_ttft_s,
-                                                 budget_tokens=budget)
-        # On disk as the run ends: a benchmark killed in a later run keeps this one.
-        for kind, record in run.figure_records():
-            setup.figures.write(kind, **record)
         restored.append(run)
     return restored
+
+
+def _machine_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
+    """What a server on its own defaults (--server-defaults) is still told: the machine it runs
+    on and how its model is loaded, as the user running it would say, and nothing of the
+    benchmark's (its TTFT line, budget, prefix caching off, context length)."""
+    kept = {k: v for k, v in overrides.items()
+            if k in ("simulate", "device", "load_format", "enforce_eager")}
+    if overrides.get("dtype", ModelConfig.dtype) != ModelConfig.dtype:
+        kept["dtype"] = overrides["dtype"]
+    return kept
 
 
 def _run_peers(setup: BenchSetup, args: argparse.Namespace, trace) -> list:
@@ -261,6 +301,7 @@ def _run_peers(setup: BenchSetup, args: argparse.Namespace, trace) -> list:
 
 
 def _write_outputs(runs: list, out_dir: Path) -> None:
+    from engine.benchmarks.attainment.busy import BUSY_NOTES, side_by_side as busy_side_by_side
     from engine.benchmarks.attainment.report import (TABLE_NOTES, markdown_table,
                                                      plot_attainment_vs_rate, plot_ttft_cdf,
                                                      write_json)
@@ -269,7 +310,13 @@ def _write_outputs(runs: list, out_dir: Path) -> None:
     cells = aggregate(runs)
     write_json(out_dir / "results.json", runs, cells)
     table = markdown_table(cells)
-    (out_dir / "summary.md").write_text(table + "\n" + TABLE_NOTES)
+    # With --busy: each trace's quiet and busy runs side by side, under the table.
+    busy = busy_side_by_side(runs)
+    summary = table + "\n" + TABLE_NOTES
+    if busy:
+        table += "\n" + busy
+        summary += "\n" + busy + "\n" + BUSY_NOTES
+    (out_dir / "summary.md").write_text(summary)
     plot_attainment_vs_rate(cells, out_dir / "attainment_vs_rate.png")
     plot_ttft_cdf(runs, out_dir / "ttft_cdf.png")
     print(table)
@@ -285,6 +332,11 @@ def _write_outputs(runs: list, out_dir: Path) -> None:
 
 
 def _budgets(args: argparse.Namespace, traces: list) -> list[int]:
+    if getattr(args, "server_defaults", False):
+        from engine.config import SchedulerConfig
+
+        # The server's own budget: the runs are recorded under it.
+        return [SchedulerConfig.max_num_batched_tokens]
     return [_large_budget(traces) if b == "large" else int(b)
             for b in args.budgets or DEFAULT_BUDGETS]
 
@@ -292,9 +344,10 @@ def _budgets(args: argparse.Namespace, traces: list) -> list[int]:
 def _policies(args: argparse.Namespace) -> list:
     names = args.policies
     if names is None:
-        # A running server at --url runs one policy: by default the engine's own.
+        # A running server at --url runs one policy: by default the engine's own; a server on
+        # its own defaults runs the engine's own unless told another.
         names = [DEFAULT_SERVER_POLICY] if args.runner == "http" and args.url \
-            else DEFAULT_SWEEP_POLICIES
+            or getattr(args, "server_defaults", False) else DEFAULT_SWEEP_POLICIES
     policies = resolve_policies(names)
     if args.runner == "http" and args.url and len(policies) > 1:
         raise ValueError("--url names one running server, which runs one policy: pass that "
@@ -387,7 +440,25 @@ def _stop_if_dry_run(args: argparse.Namespace) -> None:
                         **overrides)
 
 
+def _check_busy(args: argparse.Namespace) -> None:
+    """--busy and --server-defaults apply to the servers and engines this run starts."""
+    if args.busy < 0:
+        raise ValueError(f"--busy: the number of busy processes must be >= 0, got {args.busy}")
+    if args.busy and (args.url or args.peer or args.replicas):
+        raise ValueError("--busy starts its neighbours before the server, so that its startup "
+                         "runs under the load: it needs the servers or engines this run starts "
+                         "(not --url, --peer or --replicas)")
+    if args.server_defaults:
+        if args.runner != "http" or args.url or args.replicas:
+            raise ValueError("--server-defaults starts `sloserve serve` with its own settings: "
+                             "add --runner http, without --url or --replicas")
+        if args.budgets:
+            raise ValueError("--server-defaults runs the server's own budget (its default "
+                             "--max-num-batched-tokens): leave out --budgets")
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
+    _check_busy(args)
     if getattr(args, "replicas", None):
         if args.urgent_constraint != ["none"]:
             raise ValueError("--urgent-constraint runs on one server or engine: leave it out "
@@ -670,6 +741,24 @@ def add_subcommands(sub: Any) -> None:
                           "each kind replays once in each place. A later replay runs on a "
                           "server whose predictor and prefix cache the earlier ones have "
                           "warmed; each run's place is in results.json (meta.replay)")
+    run.add_argument("--busy", type=int, default=0, metavar="N",
+                     help="replay everything twice: quiet, then beside N busy processes (each "
+                          "spinning on one core), started before the server or engines so that "
+                          "their startup runs under the load and stopped after them; the two "
+                          "side by side in summary.md (the neighbours' CPU seconds and the "
+                          "machine's load included) and a `busy` field on each run in "
+                          "results.json. Not with --url, --peer or --replicas. It does not "
+                          "imply --server-defaults: a server handed a line calibrated on a "
+                          "quiet machine (the default) is a case of its own")
+    run.add_argument("--server-defaults", action="store_true",
+                     help="--runner http: start each `sloserve serve` as a user would, on its "
+                          "own defaults: its own startup calibration (not the benchmark's "
+                          "--ttft-model line), budget, prefix caching and context length; only "
+                          "--simulate, --device, --load-format, --dtype and --enforce-eager are "
+                          "passed on, and a policy's flags unless it is the default "
+                          f"({DEFAULT_SERVER_POLICY}, the default --policies here). The "
+                          "benchmark's line still sets the traces' relative objectives and the "
+                          "clairvoyant bound")
     _add_fleet(run)
     run.set_defaults(func=_cmd_run)
 

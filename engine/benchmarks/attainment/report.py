@@ -70,7 +70,8 @@ def _completion_vs_baseline(cell: dict[str, Any], cells: Sequence[dict[str, Any]
     if tier is None or not cell["diff"]:
         return "–"
     base = next((c for c in cells if c["policy"] == cell["diff"]["baseline"]
-                 and all(c[k] == cell[k] for k in ("runner", "workload", "rate", "budget"))),
+                 and all(c.get(k) == cell.get(k)
+                         for k in ("runner", "workload", "rate", "budget", "busy"))),
                 None)
     mine = _get(cell, "tiers", tier, "mean_e2el_ms", "median")
     theirs = _get(base, "tiers", tier, "mean_e2el_ms", "median") if base else None
@@ -156,8 +157,10 @@ def markdown_table(aggregate: list[dict[str, Any]], urgent: str | None = None) -
     such tier's when several have one, and that tier's median TPOT."""
     urgent = urgent or urgent_tier(aggregate)
     base = next((c["diff"]["baseline"] for c in aggregate if c["diff"]), "fcfs")
-    # Runner and workload columns only when they vary, to keep the common table narrow.
-    extra = [k for k in ("runner", "workload") if len({c[k] for c in aggregate}) > 1]
+    # Runner, workload and busy-neighbour columns only when they vary, to keep the common table
+    # narrow.
+    extra = [k for k in ("runner", "workload", "busy")
+             if len({c.get(k, 0) for c in aggregate}) > 1]
     u = urgent or "urgent"
     tpot = _tpot_columns(tpot_tiers(aggregate))
     loose = loosest_tier(aggregate)
@@ -173,7 +176,7 @@ def markdown_table(aggregate: list[dict[str, Any]], urgent: str | None = None) -
         rows.append([
             # Budget 0: a peer server's run (engine/benchmarks/attainment/peers.py), at its own
             # settings.
-            *(str(c[k]) for k in extra), c["policy"], str(c["budget"] or "own"),
+            *(str(c.get(k, 0)) for k in extra), c["policy"], str(c["budget"] or "own"),
             f"{c['rate']:g}",
             str(c["num_seeds"]),
             _fmt(m["ttft_slo_attainment"], 100),
@@ -198,14 +201,15 @@ def markdown_table(aggregate: list[dict[str, Any]], urgent: str | None = None) -
 
 
 def _label(c: dict[str, Any], varying: Sequence[str]) -> str:
-    return " ".join([c["policy"], *(f"{k}={c[k]}" for k in varying)])
+    return " ".join([c["policy"], *(f"{k}={c.get(k, 0)}" for k in varying)])
 
 
 def plot_attainment_vs_rate(aggregate: list[dict[str, Any]], path: str | Path) -> None:
     """Attainment vs request rate: one subplot for overall and one per tier, one line per
     policy (and budget/runner/workload when those vary), median with the min–max band over
     seeds; the clairvoyant bound dashed where known."""
-    varying = [k for k in ("budget", "runner", "workload") if len({c[k] for c in aggregate}) > 1]
+    varying = [k for k in ("budget", "runner", "workload", "busy")
+               if len({c.get(k, 0) for c in aggregate}) > 1]
     tiers = sorted({t for c in aggregate for t in c["tiers"]})
     panels: list[tuple[str, tuple[str, ...]]] = [("overall", ())]
     panels += [(t, ("tiers", t)) for t in tiers]
@@ -228,7 +232,8 @@ def plot_attainment_vs_rate(aggregate: list[dict[str, Any]], path: str | Path) -
                 if s is not None:
                     pts.append((c["rate"], s["median"], s["min"], s["max"]))
                 if b is not None:
-                    bkey = " ".join(f"{k}={c[k]}" for k in varying)
+                    # The bound is the trace's: the same quiet and busy.
+                    bkey = " ".join(f"{k}={c.get(k, 0)}" for k in varying if k != "busy")
                     bounds.setdefault(bkey, []).append((c["rate"], b["median"]))
             if not pts:
                 continue
@@ -271,7 +276,7 @@ def plot_ttft_cdf(runs: Sequence[RunResult], path: str | Path, rate: float | Non
     chosen = [r for r in runs if r.rate == rate]
     if not chosen:
         raise ValueError(f"no run at rate {rate}; rates present: {rates}")
-    varying = [k for k in ("budget", "runner", "workload")
+    varying = [k for k in ("budget", "runner", "workload", "busy")
                if len({getattr(r, k) for r in chosen}) > 1]
     groups: dict[str, list[RunResult]] = {}
     for r in chosen:

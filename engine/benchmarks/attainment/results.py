@@ -125,6 +125,9 @@ class RunResult:
     clairvoyant: dict[str, Any] | None = None
     # Free-form provenance (model, trace file, predictor line, command line, ...).
     meta: dict[str, Any] = field(default_factory=dict)
+    # Busy neighbours beside the server or engine (`sloserve bench run --busy N`): 0 for a
+    # quiet run; what they consumed is in meta["busy_load"] (measure/busy_neighbours.py).
+    busy: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return json_safe(asdict(self))
@@ -132,7 +135,8 @@ class RunResult:
     def cell(self) -> dict[str, Any]:
         """What tells this run from the others of one invocation."""
         return {"runner": self.runner, "policy": self.policy, "budget": self.budget,
-                "workload": self.workload, "rate": self.rate, "seed": self.seed}
+                "workload": self.workload, "rate": self.rate, "seed": self.seed,
+                "busy": self.busy}
 
     def figure_records(self) -> list[tuple[str, dict[str, Any]]]:
         """The run as JSON-lines records (engine/benchmarks/measure/figures.py), written as it ends so that
@@ -285,13 +289,14 @@ def _diff(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a - b
 
 
-CellKey = tuple[str, str, float, int, str]  # (runner, workload, rate, budget, policy)
+# (runner, workload, rate, budget, policy, busy neighbours)
+CellKey = tuple[str, str, float, int, str, int]
 
 
 def aggregate(runs: list[RunResult], baseline_policy: str = "fcfs",
               clairvoyant: Mapping[tuple[str, float, int, int], Mapping[str, Any]] | None = None,
               ) -> list[dict[str, Any]]:
-    """One dict per cell (runner, workload, rate, budget, policy) over its seeds.
+    """One dict per cell (runner, workload, rate, budget, policy, busy) over its seeds.
 
     Each metric is {"median", "min", "max", "n"} over seeds (None when unknown). `diff` holds the
     per-seed differences (cell minus baseline) against the `baseline_policy` cell with the same
@@ -305,7 +310,7 @@ def aggregate(runs: list[RunResult], baseline_policy: str = "fcfs",
     cells: dict[CellKey, dict[int, RunResult]] = {}
     summaries: dict[int, dict[str, Any]] = {}
     for run in runs:
-        key = (run.runner, run.workload, run.rate, run.budget, run.policy)
+        key = (run.runner, run.workload, run.rate, run.budget, run.policy, run.busy)
         by_seed = cells.setdefault(key, {})
         if run.seed in by_seed:
             raise ValueError(f"two runs for cell {key} with the same seed {run.seed}")
@@ -321,19 +326,19 @@ def aggregate(runs: list[RunResult], baseline_policy: str = "fcfs",
 
     out: list[dict[str, Any]] = []
     for key, by_seed in cells.items():
-        runner, workload, rate, budget, policy = key
+        runner, workload, rate, budget, policy, busy = key
         seeds = sorted(by_seed)
         sums = [summaries[id(by_seed[s])] for s in seeds]
         tiers = sorted({t for s in sums for t in s["tiers"]})
         cell: dict[str, Any] = {
             "runner": runner, "workload": workload, "rate": rate, "budget": budget,
-            "policy": policy, "num_seeds": len(seeds), "seeds": seeds,
+            "policy": policy, "busy": busy, "num_seeds": len(seeds), "seeds": seeds,
             "metrics": {m: stat(s.get(m) for s in sums) for m in HEADLINE_METRICS},
             "tiers": {t: {m: stat(s["tiers"].get(t, {}).get(m) for s in sums)
                           for m in TIER_METRICS} for t in tiers},
             "diff": None, "clairvoyant": None,
         }
-        base = cells.get((runner, workload, rate, budget, baseline_policy))
+        base = cells.get((runner, workload, rate, budget, baseline_policy, busy))
         if policy != baseline_policy and base is not None:
             paired = [s for s in seeds if s in base]
             bsums = {s: summaries[id(base[s])] for s in paired}
@@ -359,12 +364,13 @@ def aggregate(runs: list[RunResult], baseline_policy: str = "fcfs",
                     for s, b in known),
             }
         out.append(cell)
-    # Baseline first within each (runner, workload, budget, rate) group, then first-seen order.
+    # Baseline first within each (runner, workload, budget, rate, busy) group, then first-seen
+    # order.
     order = {k: i for i, k in enumerate(cells)}
-    out.sort(key=lambda c: (c["runner"], c["workload"], c["budget"], c["rate"],
+    out.sort(key=lambda c: (c["runner"], c["workload"], c["budget"], c["rate"], c["busy"],
                             c["policy"] != baseline_policy,
                             order[(c["runner"], c["workload"], c["rate"], c["budget"],
-                                   c["policy"])]))
+                                   c["policy"], c["busy"])]))
     return json_safe(out)
 
 

@@ -1,1 +1,2 @@
-"""How a benchmark measures and reports: machine limits, roofline, step log, stats, figures."""
+"""How a benchmark measures and reports: machine limits, roofline, step log, stats, figures, busy
+neighbours."""
