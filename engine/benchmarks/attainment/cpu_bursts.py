@@ -5,8 +5,8 @@ sized for the default model (SmolLM2-135M) on a few CPU cores.
   TTFT objective from 250 ms (32 tokens) to 700 ms (160 tokens), linear in the prompt's length.
   They come in bursts of BURST_SIZE turns (uniform), BURST_GAP_S apart on average: two to four
   turns that land during one document's prefill.
-- `document`: Uniform(2000, 5000) prompt tokens (about 2-5 s of isolated prefill on 2 CPU
-  cores), 8 output tokens, a 30 s TTFT objective. Poisson arrivals.
+- `document`: Uniform(2000, 5000) prompt tokens, 8 output tokens, a 30 s TTFT objective.
+  Poisson arrivals.
 
 `rate` is the mean rate of all requests, as for every built-in workload. The objectives are
 absolute, not multiples of a calibrated line: what a chat user asks of this machine, so one
@@ -14,9 +14,13 @@ trace means the same on a quiet machine and on a busy one (`sloserve bench run -
 a slower machine shows as misses rather than as laxer objectives. Prompt lengths are clipped to
 `max_prompt_len` (a short-context model); the objectives follow the clipped lengths.
 
-The rate the README runs it at, 0.5 req/s (an urgent turn every ~2.7 s and a document every
-8 s: the documents fill about half of the two cores), is one where the default server meets
-nearly every urgent turn on a quiet 2-core machine (bench/results/).
+A document is most of the work: 3-12 s of isolated prefill each on bench/results/
+ttft_model.json's line (2 cores; the attention term grows with the prompt's square; the first
+2729-token document of seed 0 took 7.2 s here). At 0.5 req/s (a document every 8 s) the
+documents alone keep the machine busy; the README runs 0.25 req/s (a document every 16 s).
+Measured on a shared 2-core machine (bench/results/busy_cpu_bursts*/, 0.15 to 0.5 req/s), the
+default server's quiet misses at 0.15 and 0.25 req/s were mostly the third to fifth turn of a
+burst, about as many at either rate: the bursts, more than the rate, decide them.
 """
 
 from __future__ import annotations
