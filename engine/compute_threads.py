@@ -8,34 +8,43 @@ this machine, the user's setting and whether an API server shares the machine:
 - the user's setting wins: ``--cpu-threads N``, else an ``OMP_NUM_THREADS`` in the environment;
 - on a GPU the host only launches kernels and copies: 1 thread per rank (as vLLM's GPU workers,
   "to avoid unnecessary CPU contention"), so that it never starves the API server;
-- on a CPU, the usable cores (the affinity mask, capped by the cgroup's CPU quota) less one left
-  to the API server, split between the local ranks.
+- on a CPU, the usable cores (the affinity mask, capped by the cgroup's CPU quota), less one
+  left to the API server on machines of RESERVE_FROM_CORES cores or more, split between the
+  local ranks.
 
-Why a core for the API server: it tokenizes, detokenizes and answers HTTP while the engine
-computes, and a forward pass is a chain of parallel regions, each ending in a barrier that waits
-for its slowest thread, so one compute thread descheduled by the API server (or by any other
-busy process) delays the whole step. How it was decided, on 2 cores, the default model, float32
-(``python -m bench.diagnostics.omp_threads``: a 2048-token prefill and a decode step at batch 8
-for 1 and 2 threads and each wait policy, each in a fresh process, side by side): one thread's
-prefill took 5.0 s against two threads' 6.4 s (spinning) and 7.4 s (passive); two threads won
-only the decode step, and only while spinning (51 against 76 ms; passive, 81 ms). Other work
-shared the machine during that run, so these are indicative, not clean quiet figures. Beside two
-busy processes, one thread met every urgent deadline of a loaded burst (6/6) where the default
-two spinning threads met none (0/6).
-So 2 cores give the engine one thread and leave the other to the API server, as vLLM's CPU
-backend reserves cores (``VLLM_CPU_NUM_OF_RESERVED_CPU``). Larger machines leave one core too
-(not measured: it costs them at most a third of their cores, and less the more they have).
-Without an API server (the offline ``LLM``, ``sloserve generate``) nothing is left over.
+How it was decided, on 2 cores (Intel Xeon, AVX-512 without AMX), the default model, float32:
+``python -m bench.diagnostics.omp_threads --threads 1 2 --policies active passive spin10000
+--busy 0 2 --repeats 2`` (a 2048-token prefill and a decode step at batch 8, each configuration
+in a fresh process, side by side, nothing else running: bench/results/omp_threads_2026-11-29.md),
+milliseconds:
 
-How idle threads wait: libgomp's default spins at each barrier before sleeping, which against
-another runnable process burns the very core the straggler needs. ``passive_wait_for_children``
-puts ``OMP_WAIT_POLICY=PASSIVE`` into the environment of the processes sloserve spawns (EngineCore,
-TP ranks), since libgomp reads it once, when ``import torch`` loads it; a process that imported
-torch before sloserve ran (a torchrun rank, an offline ``LLM``'s caller) keeps what its launcher
-set, and the startup log says so. A user's own ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` wins.
-Passive cost two threads' quiet decode step in the run above (81 against 51 ms); it is kept
-because spinning beside busy processes is the failure this module exists for, and the default
-single thread on 2 cores has no barrier partner to wait for.
+    |                   | quiet prefill | quiet decode | 2 busy prefill | 2 busy decode |
+    | 1 thread          |          4888 |         82.5 |      6882-7727 |       124-136 |
+    | 2, libgomp spins  |          2621 |         52.8 |          10052 |          2212 |
+    | 2, passive        |          2760 |         72.2 |           5030 |          88.1 |
+    | 2, spin 10000     |          2590 |         54.1 |           5851 |         143.8 |
+
+- Every core computes, on a machine of up to RESERVE_FROM_CORES - 1 cores: one thread per core
+  beats one thread fewer everywhere measured, quiet (1.9x the prefill) and beside two busy
+  processes, with the API server's work in between. vLLM's CPU backend leaves a core to its API
+  server (``VLLM_CPU_NUM_OF_RESERVED_CPU``); here that halves a 2-core machine's prefill for
+  work that takes the API server a few milliseconds a request. From RESERVE_FROM_CORES cores on
+  one core is left to the API server (not measured: at most an eighth of the cores, and the
+  front end of a many-core server has many clients).
+- libgomp's default wait is the failure: each barrier spins 300,000 iterations before sleeping,
+  and beside two busy processes a spinning thread burns the very core its straggling partner
+  needs (decode 16.8x the one thread's). A bounded spin (``GOMP_SPINCOUNT=10000``: a few
+  microseconds, then it sleeps) keeps the quiet machine's speed (decode 54 ms against the
+  default's 53; passive's 72 ms would cost a quiet server a third of its decode throughput)
+  and stops the collapse beside busy processes (5.9 s and 144 ms against 10.1 s and 2212 ms).
+  Passive did better still beside busy processes (5.0 s, 88 ms): it is what to set
+  (``OMP_WAIT_POLICY=PASSIVE``) on a machine that is always shared.
+
+``bounded_spin_for_children`` puts ``GOMP_SPINCOUNT=10000`` into the environment of the
+processes sloserve spawns (EngineCore, TP ranks), since libgomp reads it once, when ``import
+torch`` loads it; a process that imported torch before sloserve ran (a torchrun rank, an
+offline ``LLM``'s caller) keeps what its launcher set, and the startup log says so. A user's own
+``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` wins.
 
 Nothing here imports torch: the API server uses it before it has loaded torch.
 """
@@ -53,10 +62,13 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 # Set by the API server in the environment of the EngineCore process it spawns (and so of the TP
 # ranks EngineCore spawns): an API server runs on this machine beside the ranks.
 API_SERVER_ENV = "SLOSERVE_API_SERVER_SHARES_CORES"
-# Cores left to the API server where one shares the machine (measured on 2 cores: module doc).
+# Cores left to the API server where one shares a machine of at least RESERVE_FROM_CORES usable
+# cores (on 2 cores, leaving one halved the prefill: module doc).
 API_SERVER_CORES = 1
-# What the ranks' threads do at a barrier unless the user says otherwise.
-WAIT_POLICY_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+RESERVE_FROM_CORES = 8
+# What the ranks' threads do at a barrier unless the user says otherwise: spin briefly, then
+# sleep (module doc).
+WAIT_POLICY_ENV = {"GOMP_SPINCOUNT": "10000"}
 USER_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
@@ -127,7 +139,7 @@ def decide_compute_threads(device: str, cores: UsableCores, local_ranks: int,
         return ThreadChoice(env_threads, "OMP_NUM_THREADS")
     if device == "cuda":
         return ThreadChoice(1, "a GPU rank's host thread only launches work")
-    left = API_SERVER_CORES if api_server and cores.count > API_SERVER_CORES else 0
+    left = API_SERVER_CORES if api_server and cores.count >= RESERVE_FROM_CORES else 0
     threads = max(1, (cores.count - left) // local_ranks)
     parts = [cores.describe()]
     if left:
@@ -146,14 +158,16 @@ def wait_policy(environ: Mapping[str, str]) -> str:
         return f"GOMP_SPINCOUNT={environ['GOMP_SPINCOUNT']}"
     # Only a process that loaded torch before sloserve ran gets here (a torchrun rank, an
     # offline LLM's caller): its launcher must set the policy.
-    return "libgomp's default, spinning (set OMP_WAIT_POLICY=PASSIVE where it is launched)"
+    return ("libgomp's default, spinning 300000 times at each barrier (set GOMP_SPINCOUNT=10000 "
+            "or OMP_WAIT_POLICY=PASSIVE where it is launched)")
 
 
 @contextlib.contextmanager
-def passive_wait_for_children(environ: MutableMapping[str, str] = os.environ,
+def bounded_spin_for_children(environ: MutableMapping[str, str] = os.environ,
                               api_server: bool = False) -> Iterator[None]:
-    """Within the block, processes spawned from here start with the passive wait policy (unless
-    the user set one) and, with ``api_server``, know that an API server shares the machine;
+    """Within the block, processes spawned from here start with a bounded spin at OpenMP's
+    barriers (WAIT_POLICY_ENV, unless the user set a wait policy) and, with ``api_server``, know
+    that an API server shares the machine;
     ``environ`` is restored afterwards, since this process's own libgomp read it long ago."""
     added = {} if any(name in environ for name in USER_WAIT_VARIABLES) else dict(WAIT_POLICY_ENV)
     if api_server:

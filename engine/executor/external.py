@@ -3,8 +3,8 @@ the others through ``ExternalExecutor``; the other ranks run ``run_follower``.
 
 The followers are torchrun's processes, which imported torch before sloserve ran: their OpenMP
 wait policy is whatever torchrun's environment held (engine.compute_threads). Each sets its
-threads, and its startup log asks for ``OMP_WAIT_POLICY=PASSIVE`` in torchrun's environment
-where it is missing."""
+threads, and its startup log asks for ``GOMP_SPINCOUNT=10000`` or ``OMP_WAIT_POLICY=PASSIVE``
+in torchrun's environment where neither is set."""
 
 from __future__ import annotations
 

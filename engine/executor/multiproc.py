@@ -8,7 +8,7 @@ import multiprocessing
 import socket
 from multiprocessing.connection import wait
 
-from engine.compute_threads import passive_wait_for_children
+from engine.compute_threads import bounded_spin_for_children
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
 from engine.worker_messages import (ExecuteStep, Shutdown, WorkerConfig, decode_output,
                                    decode_pool_size, encode)
@@ -37,7 +37,7 @@ class MultiprocExecutor:
             ctx.Process(target=run_worker_process, name=f"sloserve-tp{rank}", daemon=True,
                         args=(payload, rank, driver_end if rank == 0 else None))
             for rank in range(config.tp_size)]
-        with passive_wait_for_children():  # read as each rank imports torch
+        with bounded_spin_for_children():  # read as each rank imports torch
             for proc in self._procs:
                 proc.start()
         driver_end.close()

@@ -20,7 +20,7 @@ import signal
 import socket
 from multiprocessing.process import BaseProcess
 
-from engine.compute_threads import passive_wait_for_children
+from engine.compute_threads import bounded_spin_for_children
 
 PROCESS_NAME = "sloserve-engine-core"
 
@@ -64,7 +64,7 @@ class CoreLaunch:
                 name=PROCESS_NAME)
             # libgomp reads its wait policy when the child imports torch: it must be in the
             # environment the child starts with (engine.compute_threads).
-            with passive_wait_for_children(api_server=True):
+            with bounded_spin_for_children(api_server=True):
                 self.process.start()
         except BaseException:
             self.listener.close()

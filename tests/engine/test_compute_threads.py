@@ -13,7 +13,7 @@ import pytest
 
 from engine.compute_threads import (API_SERVER_ENV, UsableCores, cgroup_cpu_quota,
                                     compute_threads_for_rank, decide_compute_threads,
-                                    omp_num_threads, passive_wait_for_children, wait_policy)
+                                    omp_num_threads, bounded_spin_for_children, wait_policy)
 from engine.config import EngineConfig, ModelConfig
 from engine.entrypoints.cli import main
 from tests.utils.server_helpers import ServerProcess, cmdline, descendants
@@ -32,10 +32,18 @@ def cpu(cores: UsableCores, *, ranks: int = 1, flag: int | None = None, env: int
 
 # ---- the decision -------------------------------------------------------------------------------
 
-def test_a_server_on_two_cores_computes_on_one_and_leaves_one_to_the_api_server() -> None:
+def test_a_server_on_two_cores_computes_on_both() -> None:
+    """Leaving one to the API server halved the prefill (engine/compute_threads.py)."""
     choice = cpu(UsableCores(2))
-    assert choice.threads == 1
-    assert choice.why == "2 usable cores: affinity 2, cgroup quota none; 1 left to the API server"
+    assert choice.threads == 2
+    assert choice.why == "2 usable cores: affinity 2, cgroup quota none"
+
+
+def test_a_server_on_eight_cores_or_more_leaves_one_to_the_api_server() -> None:
+    assert cpu(UsableCores(7)).threads == 7
+    choice = cpu(UsableCores(8))
+    assert choice.threads == 7 and choice.why.endswith("; 1 left to the API server")
+    assert cpu(UsableCores(64)).threads == 63
 
 
 def test_without_an_api_server_every_usable_core_computes() -> None:
@@ -50,6 +58,7 @@ def test_a_single_core_is_never_left_idle() -> None:
 
 def test_the_cores_are_split_between_the_local_ranks() -> None:
     assert cpu(UsableCores(8), ranks=2).threads == 3  # (8 - 1) // 2
+    assert cpu(UsableCores(4), ranks=2).threads == 2
     assert cpu(UsableCores(8), ranks=2, api_server=False).threads == 4
     assert cpu(UsableCores(2), ranks=4).threads == 1  # never below one
     assert "split between 2 local ranks" in cpu(UsableCores(8), ranks=2).why
@@ -59,7 +68,7 @@ def test_a_cgroup_quota_below_the_affinity_caps_the_cores() -> None:
     cores = UsableCores(affinity=16, quota=3)
     assert cores.count == 3
     choice = cpu(cores)
-    assert choice.threads == 2
+    assert choice.threads == 3  # fewer than 8: none left over
     assert choice.why.startswith("3 usable cores: affinity 16, cgroup quota 3")
     assert UsableCores(affinity=2, quota=8).count == 2  # a quota above the affinity: no cap
 
@@ -123,20 +132,20 @@ def test_this_process_decides_from_its_affinity_quota_and_environment(tmp_path: 
 
 # ---- the wait policy ----------------------------------------------------------------------------
 
-def test_spawned_processes_start_with_the_passive_policy_and_the_parent_keeps_its_own() -> None:
+def test_spawned_processes_start_with_a_bounded_spin_and_the_parent_keeps_its_own() -> None:
     environ: dict[str, str] = {"PATH": "/bin"}
-    with passive_wait_for_children(environ, api_server=True):
-        assert environ == {"PATH": "/bin", "OMP_WAIT_POLICY": "PASSIVE", API_SERVER_ENV: "1"}
+    with bounded_spin_for_children(environ, api_server=True):
+        assert environ == {"PATH": "/bin", "GOMP_SPINCOUNT": "10000", API_SERVER_ENV: "1"}
     assert environ == {"PATH": "/bin"}
-    with passive_wait_for_children(environ):
-        assert API_SERVER_ENV not in environ and environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    with bounded_spin_for_children(environ):
+        assert API_SERVER_ENV not in environ and environ["GOMP_SPINCOUNT"] == "10000"
     assert environ == {"PATH": "/bin"}
 
 
 @pytest.mark.parametrize("users", [{"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "1000"}])
 def test_the_users_wait_policy_wins(users: dict[str, str]) -> None:
     environ = dict(users)
-    with passive_wait_for_children(environ):
+    with bounded_spin_for_children(environ):
         assert environ == users
     assert environ == users
 
@@ -145,7 +154,7 @@ def test_the_wait_policy_as_logged() -> None:
     assert wait_policy({"OMP_WAIT_POLICY": "PASSIVE"}) == "passive"
     assert wait_policy({"OMP_WAIT_POLICY": "active"}) == "active"
     assert wait_policy({"GOMP_SPINCOUNT": "1000"}) == "GOMP_SPINCOUNT=1000"
-    assert "OMP_WAIT_POLICY=PASSIVE" in wait_policy({})  # what the launcher should set
+    assert "GOMP_SPINCOUNT=10000" in wait_policy({})  # what the launcher should set
 
 
 # ---- the flag -----------------------------------------------------------------------------------
@@ -181,10 +190,10 @@ def _started_with(pid: int) -> dict[str, str]:
     return dict(p.decode(errors="replace").split("=", 1) for p in pairs if b"=" in p)
 
 
-def test_a_default_server_on_two_cores_computes_on_one_passive_thread(tiny_model,
-                                                                       tmp_path) -> None:
-    """The spinning defect: EngineCore ran torch's default, one thread per core spinning at
-    every barrier, against the API server and any other busy process."""
+def test_a_default_server_on_two_cores_computes_on_both_with_a_bounded_spin(tiny_model,
+                                                                             tmp_path) -> None:
+    """The spinning defect: EngineCore ran torch's default, one thread per core spinning
+    300,000 times at every barrier, against the API server and any other busy process."""
     two = sorted(os.sched_getaffinity(0))[:2]
     if len(two) < 2 or UsableCores(2, cgroup_cpu_quota()).count < 2:
         pytest.skip("needs two usable cores")
@@ -192,10 +201,10 @@ def test_a_default_server_on_two_cores_computes_on_one_passive_thread(tiny_model
                            affinity=set(two))
     try:
         pid, threads, why, policy = _engine_core(server)
-        assert threads == 1
-        assert "affinity 2" in why and "1 left to the API server" in why
-        assert policy == "passive"
-        assert _started_with(pid).get("OMP_WAIT_POLICY") == "PASSIVE"
+        assert threads == 2
+        assert "affinity 2" in why and "left to the API server" not in why
+        assert policy == "GOMP_SPINCOUNT=10000"
+        assert _started_with(pid).get("GOMP_SPINCOUNT") == "10000"
     finally:
         server.assert_clean_stop()
 
