@@ -16,8 +16,8 @@ deadline anywhere the order is fcfs's).
 Aging bounds how long a request can be kept behind: one still without its first token past its
 deadline by more than AGING_SLO_MULTIPLE x its own objective (at most `aging_bound_s`) is
 *aged*. It goes ahead of every other request (the longest overdue first), and a step that serves
-it is never stopped for someone else, so no stream of tighter objectives can hold it back for
-good.
+it is stopped for someone else only for a rescuable waiter's short prefill, AGED_YIELD_SHARE of
+its own objective in all, so no stream of tighter objectives can hold it back for good.
 """
 
 from __future__ import annotations
@@ -45,6 +45,15 @@ AGED_PRIORITY = 1e12
 # deadline into a miss (EDF's domino effect).
 AGING_SLO_MULTIPLE = 1.0
 
+# An aged request's step may still be stopped for a rescuable waiter whose predicted prefill fits
+# what is left of this share of the aged request's own objective (all such waiters together):
+# once a request is late by seconds, a turn's 100 ms more costs it little and saves a deadline,
+# while a step that is never stopped makes every turn behind it miss (beside two busy processes,
+# one 4k-token document aged 5 s past its 30 s objective held eight urgent turns 4-9 s behind
+# it). Bounded, so aging still bounds how long the request waits: 3 s in all for a 30 s
+# objective.
+AGED_YIELD_SHARE = 0.1
+
 
 class EngineRequest(Protocol):
     """What the policy reads of an engine request (engine.core.request.Request), named here so
@@ -70,6 +79,9 @@ class EngineRequest(Protocol):
 
     @property
     def live_deadline(self) -> float | None: ...
+
+    @property
+    def aged_yield_s(self) -> float: ...
 
 
 R = TypeVar("R", bound=EngineRequest)
@@ -98,6 +110,9 @@ class RequestView:
     slo_preempted: bool = False
     # Its TTFT objective in seconds (None: not known to the view): aging counts in it.
     slo_s: float | None = None
+    # Once aged: the predicted prefill it may still yield to rescuable waiters
+    # (AGED_YIELD_SHARE).
+    aged_yield_left_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -226,11 +241,14 @@ def view_of(request: EngineRequest, *, computed_tokens: int | None = None,
     else:
         # A request not yet admitted skips what the prefix cache holds of its prompt.
         computed = max(request.num_computed_tokens, request.num_cached_prefix_tokens)
+    slo_s = None if request.ttft_slo_ms is None else request.ttft_slo_ms / 1000
     return RequestView(request.request_id, request.live_deadline,
                        max(0, request.num_tokens - computed),
                        slo_preempted=(request.num_slo_preemptions > 0 if slo_preempted is None
                                       else slo_preempted),
-                       slo_s=None if request.ttft_slo_ms is None else request.ttft_slo_ms / 1000)
+                       slo_s=slo_s,
+                       aged_yield_left_s=0.0 if slo_s is None else max(
+                           0.0, AGED_YIELD_SHARE * slo_s - request.aged_yield_s))
 
 
 def request_urgency(request: EngineRequest, now: float, predict: Callable[[int], float],
@@ -267,7 +285,8 @@ def should_slo_preempt(waiter: Urgency, running: Urgency, margin: float,
       order among doomed requests: the most overdue first).
 
     Without `step_remaining_s` a doomed waiter never preempts. Aged requests are out of it: a
-    step serving one is never stopped, and an aged waiter does not preempt."""
+    step serving one stops only as choose_slo_preemption's _yield_of_aged allows, and an aged
+    waiter does not preempt."""
     if waiter.aged or running.aged:
         return False
     if not waiter.doomed:
@@ -326,9 +345,10 @@ def choose_slo_preemption(waiting: Sequence[RequestView], running: Sequence[Requ
     time, and DEADLINE_HEADROOM of the waiter's time stays out of it, as out of the
     scheduler's caps.
 
-    Aging (`aging_bound_s`, see aging_threshold): a step serving an aged request is never
-    stopped, and an aged waiter (doomed by definition) neither preempts nor keeps another
-    waiter from preempting.
+    Aging (`aging_bound_s`, see aging_threshold): a step serving an aged request stops only for
+    the best rescuable waiter whose prefill fits what the aged requests may still yield
+    (AGED_YIELD_SHARE of their objectives, `_yield_of_aged`), and an aged waiter (doomed by
+    definition) neither preempts nor keeps another waiter from preempting.
     """
     if policy not in ("conservative", "aggressive"):
         raise ValueError(f"preempt policy must be conservative or aggressive, got {policy!r}")
@@ -336,14 +356,17 @@ def choose_slo_preemption(waiting: Sequence[RequestView], running: Sequence[Requ
         raise ValueError(f"preempt margin must be >= 1, got {margin}")
     scored_waiting = [(u, w) for w in waiting if w.deadline is not None
                       and not (u := urgency(w, now, predict, aging_bound_s, optimistic)).aged]
-    # Scored once, with aging: an aged runner stops the search, the rest are the candidates.
     scored_all = [(urgency(r, now, predict, aging_bound_s, optimistic), r) for r in running]
-    if not scored_waiting or any(u.aged for u, _ in scored_all):
+    if not scored_waiting:
         return None
     eligible = [(u, r) for u, r in scored_all if not r.slo_preempted]
     if not eligible:
         return None
     victim_id = order(eligible)[-1][1].request_id
+    aged = [r for u, r in scored_all if u.aged]
+    if aged:
+        return _yield_of_aged(aged, scored_waiting, victim_id, step_remaining_s,
+                              relative_error)
     head_urgency, head = order(scored_waiting)[0]
     if head_urgency.doomed and all(
             should_slo_preempt(head_urgency, u, margin, step_remaining_s, relative_error)
@@ -356,5 +379,22 @@ def choose_slo_preemption(waiting: Sequence[RequestView], running: Sequence[Requ
         return None
     verdicts = (should_slo_preempt(best_urgency, u, margin) for u, _ in eligible)
     if not (all(verdicts) if policy == "conservative" else any(verdicts)):
+        return None
+    return SLOPreemptDecision(victim_id=victim_id, waiter_id=best.request_id)
+
+
+def _yield_of_aged(aged: Sequence[RequestView],
+                   scored_waiting: Sequence[tuple[Urgency, RequestView]], victim_id: str,
+                   step_remaining_s: float | None,
+                   relative_error: float) -> SLOPreemptDecision | None:
+    """A step serving aged requests stops only for the most urgent rescuable waiter whose
+    predicted prefill fits what every aged one may still yield (AGED_YIELD_SHARE), and only
+    where that waiter cannot wait for the step (`may_wait`)."""
+    best_urgency, best = max(scored_waiting, key=lambda item: item[0].priority)
+    if best_urgency.doomed:
+        return None
+    if best_urgency.prefill > min(r.aged_yield_left_s for r in aged):
+        return None
+    if step_remaining_s is not None and may_wait(best_urgency, step_remaining_s, relative_error):
         return None
     return SLOPreemptDecision(victim_id=victim_id, waiter_id=best.request_id)

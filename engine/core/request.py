@@ -81,6 +81,9 @@ class Request:
     # SLO preemptions: the monitor stopped a pass for an urgent request (Rule 1: once
     # preempted, never a victim again).
     num_slo_preemptions: int = 0
+    # Predicted prefill seconds of the waiters its steps were stopped for while it was aged
+    # (monitor.policy.AGED_YIELD_SHARE bounds them).
+    aged_yield_s: float = 0.0
     # Tokens served from the prefix cache at the first admission (-1 until admitted).
     num_cached_tokens: int = -1
     # Tokens of its prompt the prefix cache held when it arrived: until admission claims the

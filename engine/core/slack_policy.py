@@ -30,7 +30,7 @@ from engine.config import SchedulingPolicy, SLOPreemptMode
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import RequestQueue, UrgencyQueue
 from engine.core.step_record import StepInProgress
-from monitor.policy import DEADLINE_HEADROOM, rank_requests, request_urgency
+from monitor.policy import AGED_PRIORITY, DEADLINE_HEADROOM, rank_requests, request_urgency
 from monitor.predictor import (LinearTTFT, OnlineTTFT, attention_work, optimistic_prefill,
                                predict_prefill)
 
@@ -552,6 +552,8 @@ class SlackPolicy:
         victim.num_slo_preemptions += 1
         self.num_slo_preemptions += 1
         waiter = ops.get_request(waiter_id)
+        if waiter is not None:
+            self._charge_aged_yield(ops, waiter)
         for req_id in {victim_id, *kept} - {waiter_id}:
             self.held.add(req_id)
             self.yielding_to[req_id] = waiter_id
@@ -570,6 +572,16 @@ class SlackPolicy:
             self.drop_suspensions([victim_id])
         ops.requeue_for_recompute(victim)
         return "recompute"
+
+    def _charge_aged_yield(self, ops: SchedulerOps, waiter: Request) -> None:
+        """Every aged request running in the stopped step (aged: still awaiting its first
+        output) yielded the waiter's predicted prefill (monitor.policy.AGED_YIELD_SHARE)."""
+        now = time.monotonic()
+        cost = self.predict_prefill(max(0, waiter.num_tokens - max(
+            waiter.num_computed_tokens, waiter.num_cached_prefix_tokens)))
+        for request in ops.running:
+            if self.urgency(request, now) >= AGED_PRIORITY:
+                request.aged_yield_s += cost
 
     def protected_by_rule1(self, request: Request) -> bool:
         """Rule 1: a request the monitor preempted once is never its victim again, except in

@@ -1,5 +1,6 @@
-"""Aging (issue 15): a request past its TTFT deadline by more than the aging bound goes ahead of
-every other and is never a preemption victim, so no stream of tighter objectives starves it."""
+"""Aging: a request past its TTFT deadline by more than the aging bound goes ahead of every other
+and its step is stopped only for short prefills of rescuable waiters, a bounded share of its own
+objective in all, so no stream of tighter objectives starves it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.scheduler import Scheduler
-from monitor.policy import AGED_PRIORITY, RequestView, choose_slo_preemption, urgency
+from monitor.policy import (AGED_PRIORITY, AGED_YIELD_SHARE, RequestView, choose_slo_preemption,
+                           urgency, view_of)
 from monitor.predictor import LinearTTFT
 from tests.utils.scheduling import FakeRunner, _request, _slo_scheduler
 
@@ -38,6 +40,49 @@ def test_a_step_serving_an_aged_request_is_never_stopped():
     assert choose_slo_preemption([waiter], running, now, PREDICT, step_remaining_s=2.0) is not None
     assert choose_slo_preemption([waiter], running, now, PREDICT, step_remaining_s=2.0,
                              aging_bound_s=5.0) is None
+
+
+def _aged_document(now: float, yield_left_s: float) -> RequestView:
+    return RequestView("aged", deadline=now - 6.0, remaining_prefill_tokens=2000, slo_s=30.0,
+                       aged_yield_left_s=yield_left_s)
+
+
+def test_an_aged_step_yields_to_a_short_rescuable_prefill_within_its_share():
+    """A document 6 s late (aged) may still yield a few hundred ms to an urgent turn that would
+    otherwise miss: it costs the document little, and a step that is never stopped makes every
+    turn behind it miss."""
+    now = 1000.0
+    turn = RequestView("urgent", deadline=now + 0.3, remaining_prefill_tokens=100)  # 0.1 s
+    decision = choose_slo_preemption([turn], [_aged_document(now, 3.0)], now, PREDICT,
+                                     step_remaining_s=2.0, aging_bound_s=5.0)
+    assert decision is not None and decision.waiter_id == "urgent"
+    # What is left of its share is too little for the turn's prefill: it runs on.
+    assert choose_slo_preemption([turn], [_aged_document(now, 0.05)], now, PREDICT,
+                                 step_remaining_s=2.0, aging_bound_s=5.0) is None
+    # A turn that can wait for the step does.
+    assert choose_slo_preemption([turn], [_aged_document(now, 3.0)], now, PREDICT,
+                                 step_remaining_s=0.05, aging_bound_s=5.0) is None
+    # A doomed waiter (already late) takes nothing from a request later still.
+    late = RequestView("late", deadline=now - 0.01, remaining_prefill_tokens=100)
+    assert choose_slo_preemption([late], [_aged_document(now, 3.0)], now, PREDICT,
+                                 step_remaining_s=2.0, aging_bound_s=5.0) is None
+
+
+def test_what_an_aged_request_yielded_is_charged_and_bounds_what_it_yields_next():
+    sched = _slo_scheduler(num_blocks=400, budget=1000)
+    document = _request("document", 600, 30_000)
+    document.arrival_time -= 40.0  # 10 s past its deadline: aged (bound 5 s)
+    sched.add_request(document)
+    out = sched.schedule()  # the document prefills
+    assert document.request_id in {r.req_id for r in out.requests}
+    assert sched.slack.urgency(document) >= AGED_PRIORITY  # probe: it is aged
+    turn = _request("turn", 200, 400)
+    sched.add_request(turn)
+    view = view_of(document)
+    assert view.aged_yield_left_s == AGED_YIELD_SHARE * 30.0
+    sched.slack.preempt_for_slo(sched, "document", "turn")
+    assert document.aged_yield_s == pytest.approx(0.2)  # the turn's predicted prefill
+    assert view_of(document).aged_yield_left_s == pytest.approx(AGED_YIELD_SHARE * 30.0 - 0.2)
 
 
 def test_an_aged_waiter_does_not_keep_a_rescuable_one_from_preempting():
