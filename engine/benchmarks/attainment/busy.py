@@ -19,7 +19,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from engine.benchmarks.attainment.results import RunResult, summarize
+from engine.benchmarks.attainment.results import (RunResult, format_met, format_number,
+                                                  markdown_table, summarize)
 from engine.benchmarks.attainment.traces import Trace
 from engine.benchmarks.measure.busy_neighbours import busy_neighbours
 
@@ -75,16 +76,6 @@ def _tiers(group: Sequence[RunResult]) -> list[str]:
     return sorted(objectives, key=lambda t: (objectives[t], t))
 
 
-def _ratio(met: int | None, total: int | None) -> str:
-    if not total:
-        return "–"
-    return f"{met}/{total} ({100.0 * (met or 0) / total:.0f}%)"
-
-
-def _num(value: float | None, digits: int = 0) -> str:
-    return "–" if value is None else f"{value:.{digits}f}"
-
-
 def column_name(run: RunResult) -> str:
     where = "quiet" if run.busy == 0 else f"busy {run.busy}"
     return f"{run.policy} @ {run.budget}, {where}"
@@ -108,32 +99,31 @@ def side_by_side(runs: Sequence[RunResult]) -> str:
         rows: list[tuple[str, list[str]]] = []
         for tier in _tiers(group):
             rows.append((f"{tier} TTFT attainment (met/total)",
-                         [_ratio(s["tiers"].get(tier, {}).get("num_slo_met"),
+                         [format_met(s["tiers"].get(tier, {}).get("num_slo_met"),
                                  s["tiers"].get(tier, {}).get("num_slo_requests"))
                           for s in sums]))
         for tier in _tiers(group):
             rows.append((f"{tier} TTFT p50 / p99 (ms)",
-                         [" / ".join(_num(s["tiers"].get(tier, {}).get(k))
+                         [" / ".join(format_number(s["tiers"].get(tier, {}).get(k))
                                      for k in ("median_ttft_ms", "p99_ttft_ms"))
                           for s in sums]))
         rows += [
             ("failed", [str(s["failed"]) for s in sums]),
             ("busy processes' CPU s (share of their wall time)",
-             [f"{_num(_load(r, 'cpu_s'), 1)} ({_num(100 * (_load(r, 'cpu_share') or 0))}%)"
+             [f"{format_number(_load(r, 'cpu_s'), 1)} "
+              f"({format_number(100 * (_load(r, 'cpu_share') or 0))}%)"
               if r.busy else "–" for r in group]),
             ("machine CPU use over the window (%)",
-             [_num(_load(r, "machine_cpu_percent")) for r in group]),
+             [format_number(_load(r, "machine_cpu_percent")) for r in group]),
             ("load average (1 min) at the end",
-             [_num(_load(r, "load_avg_1m_end"), 2) for r in group]),
-            ("window (s)", [_num(_load(r, "wall_s")) for r in group]),
+             [format_number(_load(r, "load_avg_1m_end"), 2) for r in group]),
+            ("window (s)", [format_number(_load(r, "wall_s")) for r in group]),
         ]
         defaults = any(r.meta.get("server_defaults") for r in group)
-        head = ["", *(column_name(r) for r in group)]
-        lines = [f"{workload} at {rate:g} req/s, seed {seed}: quiet, then beside busy "
-                 f"neighbours{' (servers on their own defaults)' if defaults else ''}", "",
-                 "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        lines += ["| " + " | ".join([name, *cells]) + " |" for name, cells in rows]
-        parts.append("\n".join(lines) + "\n")
+        parts.append(markdown_table(
+            f"{workload} at {rate:g} req/s, seed {seed}: quiet, then beside busy "
+            f"neighbours{' (servers on their own defaults)' if defaults else ''}",
+            ["", *(column_name(r) for r in group)], rows))
     return "\n".join(parts)
 
 

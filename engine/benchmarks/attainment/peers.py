@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.benchmarks.attainment.policies import POLICIES, PolicySpec
-from engine.benchmarks.attainment.results import RunResult, summarize
+from engine.benchmarks.attainment.results import (RunResult, format_met, format_number,
+                                                  markdown_table, summarize)
 
 # The budget a peer's run is recorded under: the peer runs its own settings.
 PEER_BUDGET = 0
@@ -77,16 +78,6 @@ def _urgent(runs: Sequence[RunResult]) -> str | None:
     return None if best is None else best[1]
 
 
-def _ratio(met: int | None, total: int | None) -> str:
-    if not total:
-        return "–"
-    return f"{met}/{total} ({100.0 * (met or 0) / total:.0f}%)"
-
-
-def _num(value: float | None, digits: int = 0) -> str:
-    return "–" if value is None else f"{value:.{digits}f}"
-
-
 def column_name(run: RunResult) -> str:
     """A server's column: the peer's name, or the sloserve policy (and its budget)."""
     if run.budget == PEER_BUDGET:
@@ -107,29 +98,29 @@ def side_by_side(runs: Sequence[RunResult]) -> str:
         tier = (lambda s: s["tiers"].get(urgent, {})) if urgent else (lambda s: {})
         rows: list[tuple[str, list[str]]] = [
             (f"{urgent or 'urgent'} TTFT attainment (met/total)",
-             [_ratio(tier(s).get("num_slo_met"), tier(s).get("num_slo_requests"))
+             [format_met(tier(s).get("num_slo_met"), tier(s).get("num_slo_requests"))
               for s in sums]),
             ("TTFT attainment, all (met/total)",
-             [_ratio(s["num_slo_met"], s["num_slo_requests"]) for s in sums]),
+             [format_met(s["num_slo_met"], s["num_slo_requests"]) for s in sums]),
         ]
         if any(s["num_tpot_slo_requests"] for s in sums):
             rows.append(("TPOT attainment (met/total)",
-                         [_ratio(s["num_tpot_slo_met"], s["num_tpot_slo_requests"])
+                         [format_met(s["num_tpot_slo_met"], s["num_tpot_slo_requests"])
                           for s in sums]))
         rows += [
-            ("good (met every objective)", [_ratio(s["num_good"], s["num_requests"])
+            ("good (met every objective)", [format_met(s["num_good"], s["num_requests"])
                                             for s in sums]),
-            ("goodput (req/s)", [_num(s["request_goodput"], 3) for s in sums]),
-            ("output throughput (tok/s)", [_num(s["output_throughput"], 1) for s in sums]),
-            ("total throughput (tok/s)", [_num(s["total_token_throughput"], 0) for s in sums]),
+            ("goodput (req/s)", [format_number(s["request_goodput"], 3) for s in sums]),
+            ("output throughput (tok/s)", [format_number(s["output_throughput"], 1) for s in sums]),
+            ("total throughput (tok/s)", [format_number(s["total_token_throughput"], 0) for s in sums]),
             ("TTFT p50 / p90 / p99 (ms)",
-             [" / ".join(_num(s[k]) for k in ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms"))
+             [" / ".join(format_number(s[k]) for k in ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms"))
               for s in sums]),
             (f"{urgent or 'urgent'} TTFT p50 / p99 (ms)",
-             [" / ".join(_num(tier(s).get(k)) for k in ("median_ttft_ms", "p99_ttft_ms"))
+             [" / ".join(format_number(tier(s).get(k)) for k in ("median_ttft_ms", "p99_ttft_ms"))
               for s in sums]),
             ("TPOT p50 / p99 (ms)",
-             [" / ".join(_num(s[k], 1) for k in ("median_tpot_ms", "p99_tpot_ms"))
+             [" / ".join(format_number(s[k], 1) for k in ("median_tpot_ms", "p99_tpot_ms"))
               for s in sums]),
             ("failed", [str(s["failed"]) for s in sums]),
             ("requests the server counted", [_counted(r, "server_finished_requests")
@@ -137,12 +128,9 @@ def side_by_side(runs: Sequence[RunResult]) -> str:
             ("prefix-cache hits (tokens)", [_counted(r, "server_prefix_cache_hit_tokens")
                                             for r in group]),
         ]
-        head = ["", *(column_name(r) for r in group)]
-        lines = [f"{workload} at {rate:g} req/s, seed {seed}: the same trace, one server "
-                 f"after the other", "",
-                 "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        lines += ["| " + " | ".join([name, *cells]) + " |" for name, cells in rows]
-        parts.append("\n".join(lines) + "\n")
+        parts.append(markdown_table(
+            f"{workload} at {rate:g} req/s, seed {seed}: the same trace, one server after "
+            f"the other", ["", *(column_name(r) for r in group)], rows))
     return "\n".join(parts)
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -385,3 +385,23 @@ def json_safe(obj: Any) -> Any:
     if isinstance(obj, np.generic):
         return json_safe(obj.item())
     return obj
+
+
+def format_met(met: int | None, total: int | None) -> str:
+    """A table cell: met/total (percent), or a dash where nothing carried the objective."""
+    if not total:
+        return "–"
+    return f"{met}/{total} ({100.0 * (met or 0) / total:.0f}%)"
+
+
+def format_number(value: float | None, digits: int = 0) -> str:
+    """A table cell: the number, or a dash where there is none."""
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def markdown_table(title: str, head: Sequence[str], rows: Sequence[tuple[str, Sequence[str]]]
+                 ) -> str:
+    """A markdown table under its title: one row a figure, one column a run."""
+    lines = [title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join([name, *cells]) + " |" for name, cells in rows]
+    return "\n".join(lines) + "\n"
