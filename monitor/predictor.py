@@ -39,6 +39,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
 from monitor.speed_drift import Drift, SpeedDrift
 from monitor.step_point import StepPoint
 

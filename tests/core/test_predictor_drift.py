@@ -89,7 +89,7 @@ def test_a_stalled_step_now_and_then_is_not_a_change_of_speed():
 def test_a_kind_the_fit_gets_wrong_as_a_rule_is_no_drift():
     """Decode steps that always run 30% under their prediction: the kind's usual ratio, not a
     change of speed; the prefill predictions stay where the prefill steps put them."""
-    online, rng = _calibrated(), random.Random(3)
+    online = _calibrated()
     for i in range(120):
         if i % 3 == 0:
             n = SIZES[(i // 3) % len(SIZES)]
