@@ -68,10 +68,13 @@ MIXED_WEIGHT = 0.25
 STALL_FACTOR = 2.0
 # Confidence (OnlineTTFT): a startup calibration that timed fewer prompt sizes than this seeds
 # an unconfident model; a model whose observed error exceeds CONFIDENT_ERROR is unconfident;
-# an unconfident model's error margin is at least UNCERTAIN_ERROR.
+# an unconfident model's error margin is at least UNCERTAIN_ERROR, and its speedup (how much
+# faster than predicted steps may run: the bound a request is written off as doomed against) at
+# least UNCERTAIN_SPEEDUP.
 CONFIDENT_SIZES = 3
 CONFIDENT_ERROR = 0.5
 UNCERTAIN_ERROR = 0.5
+UNCERTAIN_SPEEDUP = 0.75
 
 
 def attention_work(chunks: Iterable[tuple[int, int]]) -> int:
@@ -190,7 +193,7 @@ class LinearTTFT:
     # Whether the model rests on enough measurement to write a request off: a fit on fewer than
     # CONFIDENT_SIZES prompt sizes (a calibration cut short, the default seed) before
     # MIN_ERROR_SAMPLES served prefill steps, or right after the machine's speed changed, is
-    # not (OnlineTTFT). An unconfident model judges no request doomed (`optimistic`).
+    # not (OnlineTTFT), and carries wide margins: UNCERTAIN_ERROR, UNCERTAIN_SPEEDUP.
     confident: bool = True
 
     def margin(self, seconds: float) -> float:
@@ -200,10 +203,8 @@ class LinearTTFT:
     def optimistic(self, seconds: float) -> float:
         """A predicted duration of `seconds` as it comes out when steps run as much faster than
         predicted as they have been: the bound for deciding that a request is doomed. An
-        unconfident model's is 0: only a deadline already passed dooms a request then, since
-        giving up on a request the machine could still serve costs its deadline for sure."""
-        if not self.confident:
-            return 0.0
+        unconfident model's speedup is at least UNCERTAIN_SPEEDUP (OnlineTTFT): it writes a
+        request off only where even a step four times faster than it predicts would miss."""
         return seconds * max(0.0, 1.0 - self.relative_speedup)
 
     def scaled(self, factor: float) -> LinearTTFT:
@@ -656,8 +657,8 @@ class OnlineTTFT:
     sizes, or the default seed, is unconfident until MIN_ERROR_SAMPLES prefill steps were
     served; so is any model whose observed error exceeds CONFIDENT_ERROR, or that follows a
     drift not yet confirmed by MIN_ERROR_SAMPLES prefill steps. While it is, its error margin
-    is at least UNCERTAIN_ERROR: deadlines get the benefit of the doubt (docs/design.md
-    section 5)."""
+    is at least UNCERTAIN_ERROR and its speedup at least UNCERTAIN_SPEEDUP: deadlines get the
+    benefit of the doubt (docs/design.md section 5)."""
 
     def __init__(self, seed: LinearTTFT | None = None, window: int = 256,
                  refit_every: int | None = 8, error_quantile: float = 0.9,
@@ -695,9 +696,10 @@ class OnlineTTFT:
         self._prefills_served = 0
         self._prefills_since_drift: int | None = None
         self._drift_error = 0.0
-        # An unconfident seed carries the uncertain margin from the start (see _publish).
+        # An unconfident seed carries the uncertain margins from the start (see _publish).
         self.current = (seed if seed.confident else dataclasses.replace(
-            seed, relative_error=max(seed.relative_error, UNCERTAIN_ERROR)))
+            seed, relative_error=max(seed.relative_error, UNCERTAIN_ERROR),
+            relative_speedup=max(seed.relative_speedup, UNCERTAIN_SPEEDUP)))
 
     def observe(self, tokens: int, seconds: float, attention: int | None = None,
                 decode_context: int = 0) -> None:
@@ -775,6 +777,7 @@ class OnlineTTFT:
                      and not after_drift and error <= CONFIDENT_ERROR)
         if not confident:
             error = max(error, UNCERTAIN_ERROR)
+            speedup = max(speedup, UNCERTAIN_SPEEDUP)
         if (model is not self.current or error != model.relative_error
                 or speedup != model.relative_speedup or confident != model.confident):
             self.current = dataclasses.replace(model, relative_error=error,

@@ -18,7 +18,7 @@ from engine.runtime.engine_core import EngineCore
 from engine.runtime.startup_calibration import (BUDGET_ENV, STARTUP_BUDGET_S,
                                                 calibrate_at_startup)
 from engine.sampling_params import SamplingParams
-from monitor.predictor import DEFAULT_SEED, UNCERTAIN_ERROR, LinearTTFT
+from monitor.predictor import DEFAULT_SEED, UNCERTAIN_ERROR, UNCERTAIN_SPEEDUP, LinearTTFT
 from workers.preemption.layer_delay import LAYER_DELAY_ENV
 
 # Every decoder layer sleeps this long per token (3 layers): a step's time is then mostly a
@@ -107,7 +107,8 @@ def test_no_calibration_where_it_is_off_or_unused(tiny_model, overrides, monkeyp
     try:
         assert engine.startup_calibration is None
         current = engine.scheduler.slack.predictor.current
-        assert current == dataclasses.replace(DEFAULT_SEED, relative_error=UNCERTAIN_ERROR)
+        assert current == dataclasses.replace(DEFAULT_SEED, relative_error=UNCERTAIN_ERROR,
+                                              relative_speedup=UNCERTAIN_SPEEDUP)
         assert not current.confident  # the default seed is nobody's measurement
     finally:
         engine.shutdown()
