@@ -235,6 +235,10 @@ def sparse_model(prefills: list[StepPoint], decodes: list[StepPoint]) -> LinearT
     try:
         line = LinearTTFT.fit_step(points, quadratic=False, decode=False)
     except ValueError:  # one size in all
+        line = None
+    if line is None or line.seconds_per_token <= 0:
+        # One size, or sizes that all ran as fast (a launch floor): what a token costs does
+        # not show; the prompt's time per token overestimates it, which underestimates slack.
         largest = max(prefills, key=lambda p: p.tokens)
         line = LinearTTFT(seconds_per_token=largest.seconds / largest.tokens, intercept_s=0.0)
     return dataclasses.replace(line.with_range(points), confident=False)
@@ -412,7 +416,11 @@ def calibrate_at_startup(executor: Executor, config: EngineConfig, model: Resolv
     _time_decode_batch(scratch, plan, sched.max_num_seqs)
     _time_chunks(scratch, plan, limit, model.max_model_len)
     fitted, errors = choose_step_model(plan.points, config.slo_preemption.predictor_error_quantile)
-    if len(plan.prefills) < CONFIDENT_SIZES:
+    if fitted.seconds_per_token <= 0:
+        # Every size ran as fast (all at a launch floor: a simulated GPU's 30 ms with the
+        # suite's short budget): no cost per token to fit (a slope of -4e-7 s once).
+        fitted = sparse_model(list(plan.prefills.values()), [])
+    elif len(plan.prefills) < CONFIDENT_SIZES:
         fitted = dataclasses.replace(fitted, confident=False)
     result = StartupCalibration(fitted, plan.points, errors, time.monotonic() - plan.started)
     logger.info("%s", describe(result, plan))

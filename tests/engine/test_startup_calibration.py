@@ -16,9 +16,10 @@ from engine.entrypoints.cli import build_parser
 from engine.entrypoints.engine_args import engine_kwargs
 from engine.runtime.engine_core import EngineCore
 from engine.runtime.startup_calibration import (BUDGET_ENV, STARTUP_BUDGET_S,
-                                                calibrate_at_startup)
+                                                calibrate_at_startup, sparse_model)
 from engine.sampling_params import SamplingParams
-from monitor.predictor import DEFAULT_SEED, UNCERTAIN_ERROR, UNCERTAIN_SPEEDUP, LinearTTFT
+from monitor.predictor import (DEFAULT_SEED, UNCERTAIN_ERROR, UNCERTAIN_SPEEDUP, LinearTTFT,
+                               StepPoint)
 from workers.preemption.layer_delay import LAYER_DELAY_ENV
 
 # Every decoder layer sleeps this long per token (3 layers): a step's time is then mostly a
@@ -172,3 +173,13 @@ def test_the_command_line_switch():
         assert kwargs["startup_calibration"] is value
         config = build_engine_config(kwargs.pop("model"), **kwargs)
         assert config.slo_preemption.startup_calibration is value
+
+
+def test_sizes_that_all_ran_at_a_floor_seed_a_positive_cost_per_token():
+    """Two prompt sizes and a decode all at a simulated GPU's 30 ms launch floor once fitted a
+    slope of -4e-7 s a token: every prompt then looked free. What a token costs does not show
+    there; the prompt's time per token stands for it, unconfident."""
+    floor_bound = [StepPoint(16, 256, 0, 0.0301), StepPoint(64, 4096, 0, 0.0301)]
+    model = sparse_model(floor_bound, [StepPoint(1, 0, 16, 0.0302)])
+    assert model.seconds_per_token == pytest.approx(0.0301 / 64)
+    assert not model.confident and model.predict(24_000) > 1.0
