@@ -57,7 +57,7 @@ from engine.entrypoints.arg_types import non_negative_float
 from engine.executor.base import Executor
 from engine.runtime.model_setup import ResolvedModel
 from engine.sampling_params import SamplingParams
-from monitor.predictor import CONFIDENT_SIZES, LinearTTFT, StepPoint
+from monitor.predictor import CONFIDENT_SIZES, FLOOR_TOLERANCE, LinearTTFT, StepPoint
 from monitor.step_model_choice import choose_step_model
 
 logger = logging.getLogger(__name__)
@@ -244,6 +244,12 @@ def sparse_model(prefills: list[StepPoint], decodes: list[StepPoint]) -> LinearT
     return dataclasses.replace(line.with_range(points), confident=False)
 
 
+def _floor_bound(plan: _Plan) -> bool:
+    """Whether every prompt size timed ran as fast as the smallest (within FLOOR_TOLERANCE)."""
+    times = [p.seconds for p in plan.prefills.values()]
+    return max(times) <= min(times) * (1 + FLOOR_TOLERANCE)
+
+
 def _prompt_ladder(limit: int) -> list[int]:
     sizes, size = [], SMALLEST_PROMPT
     while size < limit:
@@ -416,9 +422,11 @@ def calibrate_at_startup(executor: Executor, config: EngineConfig, model: Resolv
     _time_decode_batch(scratch, plan, sched.max_num_seqs)
     _time_chunks(scratch, plan, limit, model.max_model_len)
     fitted, errors = choose_step_model(plan.points, config.slo_preemption.predictor_error_quantile)
-    if fitted.seconds_per_token <= 0:
+    if fitted.seconds_per_token <= 0 or _floor_bound(plan):
         # Every size ran as fast (all at a launch floor: a simulated GPU's 30 ms with the
-        # suite's short budget): no cost per token to fit (a slope of -4e-7 s once).
+        # suite's short budget): no cost per token shows (a fit said -4e-7 s once, and
+        # 1.7e-7 s another time, which let a document's chunk join an urgent turn's step
+        # predicted at 30 ms that took 107 ms).
         fitted = sparse_model(list(plan.prefills.values()), [])
     elif len(plan.prefills) < CONFIDENT_SIZES:
         fitted = dataclasses.replace(fitted, confident=False)
