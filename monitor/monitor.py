@@ -191,6 +191,9 @@ class SLOMonitor:
         decided_at = time.monotonic()
         self.signal.publish(snapshot.step_id, decision.victim_id, decision.waiter_id, decided_at)
         made = MonitorDecision(snapshot.step_id, decision, decided_at)
+        logger.debug("stop step %d for %s (victim %s): its predicted time left %.1f ms",
+                     snapshot.step_id, decision.waiter_id, decision.victim_id,
+                     1000 * step_remaining)
         self.decisions.append(made)
         return made
 

@@ -24,6 +24,7 @@ from engine.runtime.load_report import LoadTracker
 from engine.runtime.slo_preemption import SLOPreemptionControl, snapshot_of_step
 from engine.runtime.startup_calibration import (StartupCalibration, calibrate_at_startup,
                                                 wants_startup_calibration)
+from engine.runtime.step_log import log_admitted, log_step
 from engine.runtime.step_observation import observe_step
 from engine.runtime.step_timing import StepObserver, StepTiming
 from engine.structured_output.compiler import GrammarCompiler
@@ -232,6 +233,9 @@ class EngineCore:
                 self.add_request(request)
             except ValueError as exc:
                 self.rejected.append((request.request_id, str(exc)))
+            else:
+                log_admitted(request.request_id, len(request.prompt_token_ids),
+                             request.ttft_slo_ms, time.monotonic() - request.arrival_time)
             self._drained_arrivals = seq
 
     def take_rejected(self) -> list[tuple[str, str]]:
@@ -292,6 +296,7 @@ class EngineCore:
             runner_output = self._execute(scheduler_output, timing)
         finally:
             self.load.step_ended(scheduler_output.step_id)
+        log_step(scheduler_output, runner_output)
         if runner_output.status is StepStatus.SLO_PREEMPTED and self.slo_preemption is not None:
             self.slo_preemption.on_preempted(scheduler_output, runner_output)
             return []
