@@ -483,8 +483,11 @@ class LinearTTFT:
             implied.append((seconds - others) / features[j])
         return min(coefs[j], max(0.0, statistics.median(implied)))
 
+    def to_dict(self) -> dict[str, float | bool | None]:
+        return asdict(self)
+
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> LinearTTFT:
@@ -493,6 +496,15 @@ class LinearTTFT:
         are trusted everywhere, as before)."""
         try:
             data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"ttft model {str(path)!r} is not a calibration file written by "
+                             f"`sloserve calibrate`: {exc}") from exc
+        return cls.from_dict(data, source=f"ttft model {str(path)!r}")
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "ttft model") -> LinearTTFT:
+        """What `to_dict` gave (a file's contents, a server's /debug/stats `ttft_model`)."""
+        try:
             model = cls(seconds_per_token=float(data["seconds_per_token"]),
                         intercept_s=float(data["intercept_s"]), r2=data.get("r2"),
                         seconds_per_token_sq=float(data.get("seconds_per_token_sq", 0.0)),
@@ -503,24 +515,24 @@ class LinearTTFT:
                         relative_speedup=float(data.get("relative_speedup", 0.0)),
                         **{name: _optional_float(data.get(name)) for name in _RANGE_FIELDS})
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"ttft model {str(path)!r} is not a calibration file written by "
-                             f"`sloserve calibrate`: {exc}") from exc
+            raise ValueError(f"{source} is not a step model as `sloserve calibrate` writes "
+                             f"it: {exc}") from exc
         if (model.seconds_per_token <= 0 or model.seconds_per_token_sq < 0
                 or model.seconds_per_decode_context < 0):
-            raise ValueError(f"ttft model {str(path)!r}: seconds_per_token must be > 0, "
+            raise ValueError(f"{source}: seconds_per_token must be > 0, "
                              f"seconds_per_token_sq and seconds_per_decode_context >= 0, got "
                              f"{model.seconds_per_token}, {model.seconds_per_token_sq} and "
                              f"{model.seconds_per_decode_context}")
         if not 0 <= model.relative_error < math.inf:
-            raise ValueError(f"ttft model {str(path)!r}: relative_error must be a finite number "
+            raise ValueError(f"{source}: relative_error must be a finite number "
                              f">= 0, got {model.relative_error}")
         bad_range = [name for name in _RANGE_FIELDS
                      if not 0 <= (getattr(model, name) or 0.0) < math.inf]
         if bad_range:
-            raise ValueError(f"ttft model {str(path)!r}: {', '.join(bad_range)} must be finite "
+            raise ValueError(f"{source}: {', '.join(bad_range)} must be finite "
                              f"numbers >= 0 (or null)")
         if not 0 <= model.floor_s < math.inf or not 0 <= model.relative_speedup < 1:
-            raise ValueError(f"ttft model {str(path)!r}: floor_s must be a finite number >= 0 "
+            raise ValueError(f"{source}: floor_s must be a finite number >= 0 "
                              f"and relative_speedup in [0, 1), got {model.floor_s} and "
                              f"{model.relative_speedup}")
         return model

@@ -84,6 +84,9 @@ class Scheduler:
         # Tokens handed to the model so far, unwound steps included (the denominator of the
         # share of work that preemptions threw away).
         self.num_scheduled_tokens_total = 0
+        # The predictor's model as stats() last reported it, and its fields.
+        self._stats_model: object | None = None
+        self._stats_model_fields: dict[str, float | bool | None] = {}
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -446,7 +449,16 @@ class Scheduler:
                               num_scheduled_tokens=self.num_scheduled_tokens_total,
                               num_steps=self.step_id,
                               ttft_predictor_relative_error=(
-                                  self.slack.predictor.current.relative_error))
+                                  self.slack.predictor.current.relative_error),
+                              ttft_model=self._ttft_model_fields())
+
+    def _ttft_model_fields(self) -> dict[str, float | bool | None]:
+        """The predictor's current model as fields, built once per model (a refit replaces
+        the model; stats are taken every step)."""
+        current = self.slack.predictor.current
+        if self._stats_model is not current:
+            self._stats_model, self._stats_model_fields = current, current.to_dict()
+        return self._stats_model_fields
 
     def check_invariants(self) -> None:
         self.kv_cache_manager.check_invariants()

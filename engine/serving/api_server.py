@@ -190,7 +190,8 @@ def build_app(config: EngineConfig, settings: ServerSettings,
         stats = client.stats
         return {"num_blocks": client.num_blocks, "num_free_blocks": stats.num_free_blocks,
                 "num_running": stats.num_running, "num_waiting": stats.num_waiting,
-                "kv_cache_usage": stats.kv_cache_usage, "num_steps": stats.num_steps}
+                "kv_cache_usage": stats.kv_cache_usage, "num_steps": stats.num_steps,
+                "ttft_model": stats.ttft_model}
 
     listed = (settings.served_model_name, *settings.other_served_names)
     accepted = set(listed)

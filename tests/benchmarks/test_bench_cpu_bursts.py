@@ -97,6 +97,19 @@ def test_quiet_and_busy_runs_of_one_trace_are_cells_of_their_own_side_by_side() 
     assert "| busy processes' CPU s (share of their wall time) | – | 17.3 (86%) | – | " \
         "18.0 (90%) |" in sides
     assert side_by_side([_run("fcfs", 0, True)]) == ""  # without --busy: no such table
+    assert "the bound on the server's own step model" not in sides  # no server reported one
+
+
+def test_a_busy_run_shows_the_bound_on_its_servers_own_step_model() -> None:
+    """The busy column carries the clairvoyant bound costed by the busy server's step model
+    (meta `clairvoyant_server_line`); the quiet column has none."""
+    quiet, busy = _run("slo", 0, True), _run("slo", 2, False, 18.0)
+    busy.meta["clairvoyant_server_line"] = {"tiers": {"urgent": 0.0, "document": 1.0}}
+    sides = side_by_side([quiet, busy])
+    assert "| urgent: the bound on the server's own step model (met/total) | – | 0/1 (0%) |" \
+        in sides
+    assert "| document: the bound on the server's own step model (met/total) | – | " \
+        "1/1 (100%) |" in sides
 
 
 def test_the_neighbours_bound_covers_the_servers_start_and_a_slow_replay(sim_model) -> None:

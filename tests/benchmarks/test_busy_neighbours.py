@@ -140,6 +140,16 @@ def test_bench_run_busy_replays_quiet_then_busy_and_shows_them_side_by_side(sim_
                if line.startswith("| busy processes' CPU s"))
     assert row.split(" | ")[1] == "–" and f"{busy['cpu_s']:.1f}" in row.split(" | ")[2]
     assert "urgent TTFT attainment" in summary and "document TTFT p50 / p99" in summary
+    # The busy replay's bound, costed by the step model its server ended with (/debug/stats):
+    # the simulated machine's own, so its per-token cost is the profile's to a few percent.
+    quiet_run, busy_run = runs
+    assert "clairvoyant_server_line" not in quiet_run["meta"]
+    own = busy_run["meta"]["server_ttft_model"]
+    assert own["seconds_per_token"] == pytest.approx(3e-5, rel=0.5)
+    assert busy_run["meta"]["clairvoyant_server_line"]["num_slo_requests"] == num_requests
+    row = next(line for line in summary.splitlines()
+               if line.startswith("| urgent: the bound on the server's own step model"))
+    assert row.split(" | ")[1] == "–" and "/" in row.split(" | ")[2]
     # As each pair ended: both runs on disk before the end.
     records = read_figures(out / "results.jsonl")
     assert [(r["kind"], r.get("busy")) for r in records if r["kind"] != "request"] == [

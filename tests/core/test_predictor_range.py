@@ -102,3 +102,20 @@ def test_online_refits_keep_the_range_of_their_windows():
                        decode_context=2000)
     assert online.current.calibrated_decode_context == 2000
     assert not online.current.is_extrapolated(105, decode_context=2000)
+
+
+def test_a_servers_step_model_travels_with_its_stats_and_reads_back():
+    """/debug/stats' `ttft_model`: the predictor's fields in the scheduler's stats snapshot,
+    through the EngineCore -> API server channel (msgspec, typed), and back into a model."""
+    import msgspec
+
+    from engine.outputs import SchedulerStats
+
+    model = _dragged()
+    stats = SchedulerStats(ttft_model=model.to_dict())
+    received = msgspec.msgpack.decode(msgspec.msgpack.encode(stats), type=SchedulerStats)
+    assert received.ttft_model["confident"] is True
+    assert LinearTTFT.from_dict(received.ttft_model) == model
+    with pytest.raises(ValueError, match="the server's ttft_model: seconds_per_token"):
+        LinearTTFT.from_dict({**model.to_dict(), "seconds_per_token": 0.0},
+                             source="the server's ttft_model")

@@ -81,6 +81,16 @@ def column_name(run: RunResult) -> str:
     return f"{run.policy} @ {run.budget}, {where}"
 
 
+def _bound_met(bound: dict[str, Any] | None, tier: str, run: RunResult) -> str:
+    """The clairvoyant bound's met/total for `tier`, costed by the server's own step model
+    (`meta["clairvoyant_server_line"]`); '–' where there is none (a quiet run, a peer)."""
+    share = (bound or {}).get("tiers", {}).get(tier)
+    if share is None:
+        return "–"
+    total = sum(1 for r in run.requests if r.tier == tier and r.ttft_slo_ms is not None)
+    return format_met(round(share * total), total)
+
+
 def _load(run: RunResult, key: str) -> Any:
     return (run.meta.get("busy_load") or {}).get(key)
 
@@ -102,6 +112,11 @@ def side_by_side(runs: Sequence[RunResult]) -> str:
                          [format_met(s["tiers"].get(tier, {}).get("num_slo_met"),
                                  s["tiers"].get(tier, {}).get("num_slo_requests"))
                           for s in sums]))
+        bounds = [r.meta.get("clairvoyant_server_line") for r in group]
+        if any(bounds):
+            for tier in _tiers(group):
+                rows.append((f"{tier}: the bound on the server's own step model (met/total)",
+                             [_bound_met(b, tier, r) for b, r in zip(bounds, group)]))
         for tier in _tiers(group):
             rows.append((f"{tier} TTFT p50 / p99 (ms)",
                          [" / ".join(format_number(s["tiers"].get(tier, {}).get(k))
@@ -133,4 +148,8 @@ BUSY_NOTES = (
     "so its startup calibration ran under the load. TTFT is timed by the client at the first "
     "streamed chunk carrying text (over HTTP). busy processes' CPU s: what the neighbours "
     "consumed (the kernel's accounting), and its share of their wall time x N; machine CPU "
-    "use: all cores, over the same window (a quiet window's shows what else ran).\n")
+    "use: all cores, over the same window (a quiet window's shows what else ran). The bound "
+    "on the server's own step model: the clairvoyant bound (preemptive EDF on the prefill "
+    "work alone) costed by the step model the busy server held at the end of its replay "
+    "(/debug/stats: its startup calibration under the load, refined by the steps it served): "
+    "what any scheduler could meet on the machine as it was then.\n")

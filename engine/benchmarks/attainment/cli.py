@@ -214,6 +214,7 @@ def _run_cell(setup: BenchSetup, args: argparse.Namespace, trace, policy,
     quiet, then beside N busy neighbours started before the server (attainment/busy.py)."""
     from engine.benchmarks.attainment.busy import neighbour_limit_s, quiet_and_busy
     from engine.benchmarks.attainment.clairvoyant import clairvoyant_attainment
+    from monitor.predictor import LinearTTFT
 
     kinds = replay_order(getattr(args, "urgent_constraint", None) or ["none"], trace_index,
                          getattr(args, "rotate_constraints", False))
@@ -224,6 +225,15 @@ def _run_cell(setup: BenchSetup, args: argparse.Namespace, trace, policy,
     for run in runs:
         run.clairvoyant = clairvoyant_attainment(trace, setup.predict_ttft_s,
                                                  budget_tokens=budget)
+        if run.busy and run.meta.get("server_ttft_model"):
+            # What the machine could do beside the neighbours: the same bound, costed by the
+            # step model the server itself ended the replay with (its startup calibration
+            # under the load, and every step it served since). The quiet line's bound says
+            # nothing of a machine three times slower.
+            own_line = LinearTTFT.from_dict(run.meta["server_ttft_model"],
+                                            source="the server's ttft_model")
+            run.meta["clairvoyant_server_line"] = clairvoyant_attainment(
+                trace, own_line.predict, budget_tokens=budget)
         # On disk as the run ends (a busy pair: once its neighbours' report is in): a benchmark
         # killed in a later run keeps this one.
         for kind, record in run.figure_records():
@@ -257,8 +267,11 @@ def _replays(setup: BenchSetup, args: argparse.Namespace, trace, policy, budget:
                    **(_machine_overrides(setup.engine_overrides) if defaults
                       else setup.engine_overrides)) as url:
             runs = [run_http(replayed, url, policy, budget, constraint=kind) for kind in kinds]
+            server_model = _server_ttft_model(url)
         for run in runs:
             run.meta["server_defaults"] = defaults
+            if server_model:
+                run.meta["server_ttft_model"] = server_model
     else:
         pool = setup.engines if busy == 0 else setup.busy_engines
         runs = [run_inprocess(replayed, policy, setup.model, budget, pool=pool,
@@ -269,6 +282,17 @@ def _replays(setup: BenchSetup, args: argparse.Namespace, trace, policy, budget:
         run.meta["replay"] = place
         restored.append(run)
     return restored
+
+
+def _server_ttft_model(url: str) -> dict[str, Any] | None:
+    """The step model a sloserve server holds now (/debug/stats), None if it says none."""
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/debug/stats", timeout=10.0).json().get("ttft_model") or None
+    except (httpx.HTTPError, ValueError) as exc:
+        print(f"the server's step model could not be read: {exc}", file=sys.stderr)
+        return None
 
 
 def _machine_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
