@@ -133,6 +133,15 @@ class Urgency:
     def aged(self) -> bool:
         return self.priority >= AGED_PRIORITY
 
+    @property
+    def lendable_slack(self) -> float:
+        """The slack it may lend a doomed request: DEADLINE_HEADROOM of its time left stays its
+        own, as the scheduler's caps keep it. Lent down to its point slack, a relaxed document
+        had nothing left for the steps around the doomed prefills (their decodes, its own
+        chunks' granularity), was judged doomed itself, and then went behind every later turn
+        (doomed ones go by deadline)."""
+        return self.time_to_deadline * (1 - DEADLINE_HEADROOM) - self.prefill
+
 
 def aging_threshold(slo_s: float | None, aging_bound_s: float | None) -> float | None:
     """Seconds past its deadline after which a request is aged: AGING_SLO_MULTIPLE x its
@@ -198,7 +207,7 @@ def order(scored: Sequence[tuple[Urgency, T]]) -> list[tuple[Urgency, T]]:
     # rescuable[i] delays).
     least_slack = [math.inf] * (len(rescuable) + 1)
     for i in range(len(rescuable) - 1, -1, -1):
-        least_slack[i] = min(rescuable[i][0].slack, least_slack[i + 1])
+        least_slack[i] = min(rescuable[i][0].lendable_slack, least_slack[i + 1])
     merged: list[tuple[Urgency, T]] = []
     i = spent = 0
     for item in doomed:
@@ -297,7 +306,8 @@ def should_slo_preempt(waiter: Urgency, running: Urgency, margin: float,
         return False  # waiting for the step costs it no more than serving it costs the others
     if running.doomed:
         return waiter.time_to_deadline <= running.time_to_deadline
-    return running.slack >= waiter.prefill + relative_error * (waiter.prefill + running.prefill)
+    return running.lendable_slack >= waiter.prefill + relative_error * (waiter.prefill
+                                                                         + running.prefill)
 
 
 def may_wait(waiter: Urgency, step_remaining_s: float, relative_error: float) -> bool:

@@ -370,10 +370,12 @@ class SlackPolicy:
         for the document's whole prefill: the document joins with the chunk that fits."""
         if self.scheduling_policy != "slo":
             return step.budget
-        return self._deadline_cap(step, request.num_computed_tokens, (), late_blocks=False)
+        return self._deadline_cap(step, request.num_computed_tokens, (), late_blocks=False,
+                                  joiner=request)
 
     def _deadline_cap(self, step: StepInProgress, joining_prefix: int,
-                      pending_decodes: Sequence[Request], late_blocks: bool) -> int:
+                      pending_decodes: Sequence[Request], late_blocks: bool,
+                      joiner: Request | None = None) -> int:
         if not step.with_deadline:
             return step.budget
         now = time.monotonic()
@@ -393,7 +395,13 @@ class SlackPolicy:
             if alone > time_left or with_decodes > usable:
                 if not late_blocks:
                     if alone > time_left:
-                        continue  # late whatever joins it: nothing left to protect
+                        if joiner is not None and self._can_wait_for(joiner, alone, now):
+                            # Late whatever joins it, so late as little as can be: a joiner
+                            # whose own deadline allows a step of it waits for the next one
+                            # (before, a document's 1908 suspended tokens joined a late
+                            # 138-token turn's step, and its first token waited 3.3 s).
+                            return 0
+                        continue  # nothing left to protect from those that cannot wait
                     # It can still make it, but the step already fills the share of its time
                     # a cap may fill: nothing more joins. (Before: a 1355-token document
                     # joined a 53-token turn with 150 ms left, and both waited 1.8 s.)
@@ -432,6 +440,7 @@ class SlackPolicy:
         # Interactive turns only: the tokens their gaps allow (enforced unless that pace would
         # make a prefill with a deadline miss it).
         interactive_allowed, interactive_gap, interactive_steps = step.budget, 0.0, 0
+        num_interactive = 0
         for request in decodes:
             assert request.last_token_time is not None
             gap = gap_objective(request, decode_step)
@@ -446,26 +455,33 @@ class SlackPolicy:
                                                         step.attention, context,
                                                         self._deepest_prefix)
             if request.tpot_slo_ms is None:
+                num_interactive += 1
                 interactive_allowed = min(interactive_allowed, fits)
                 interactive_gap = max(interactive_gap, gap)
                 interactive_steps = max(interactive_steps, request.sampling_params.max_tokens
                                         - request.num_output_tokens)
             else:
                 allowed = min(allowed, fits)
-        if interactive_allowed < allowed and not self._pace_misses_a_deadline(
+        if interactive_allowed < allowed and not self._pace_must_yield(
                 ops, step, interactive_allowed - len(decodes), interactive_gap,
-                interactive_steps, now):
+                interactive_steps, num_interactive, now):
             allowed = interactive_allowed
         return allowed
 
-    def _pace_misses_a_deadline(self, ops: SchedulerOps, step: StepInProgress,
-                                prefill_per_step: int, step_s: float, num_steps: int,
-                                now: float) -> bool:
-        """Whether a request with prefill left and a live deadline (running or waiting, not
-        held, not served by `step` already) would meet it at full speed but miss it if, for
-        the next `num_steps` steps (the interactive turns' tokens left), it got only
-        `prefill_per_step` tokens a step of `step_s`: an interactive turn's pace must not cost
-        another request its deadline."""
+    def _pace_must_yield(self, ops: SchedulerOps, step: StepInProgress,
+                         prefill_per_step: int, step_s: float, num_steps: int,
+                         num_streams: int, now: float) -> bool:
+        """Whether the interactive turns' pace (for the next `num_steps` steps, their tokens
+        left, only `prefill_per_step` prefill tokens join a step of `step_s`) costs a request
+        with prefill left and a live deadline (running or waiting, not held, not served by
+        `step` already) more than it protects:
+
+        - its deadline: it would meet it at full speed, and miss it at the pace;
+        - or, already late at full speed, more lateness than its prefill would stall the
+          `num_streams` streams (each once, by about its prefill): late as little as possible.
+          Before, such a request waited for every turn's last token: beside two busy
+          processes, two turns of a burst the deadline cap had kept out of the first turn's
+          step waited 1.8 s more behind the decodes of the turns served before them."""
         per_step = max(1, prefill_per_step)
         for request in (*ops.running, *ops.waiting):
             deadline = request.live_deadline
@@ -477,12 +493,27 @@ class SlackPolicy:
                 paced = math.ceil(owed / per_step) * step_s
             else:  # at full speed once the turns are done
                 paced = num_steps * step_s + self.predict_prefill(owed - per_step * num_steps)
-            # Judged with the caps' margins (DEADLINE_HEADROOM, the predictor's error): a
-            # relaxed document must not find out at its deadline that the turns took its time.
-            if self.predict_prefill(owed) <= deadline - now and paced > self._usable(
-                    deadline - now):
+            full_speed = self.predict_prefill(owed)
+            if full_speed <= deadline - now:
+                # Judged with the caps' margins (DEADLINE_HEADROOM, the predictor's error): a
+                # relaxed document must not find out at its deadline that the turns took its
+                # time.
+                if paced > self._usable(deadline - now):
+                    return True
+            elif paced - full_speed > num_streams * full_speed:
                 return True
         return False
+
+    def _can_wait_for(self, request: Request, step_s: float, now: float) -> bool:
+        """Whether `request` still meets its deadline if it waits for a step of `step_s`
+        first, judged with the caps' margins. A request without a deadline (or past its first
+        token) is not kept waiting here: nothing would age it, and nothing says when it may
+        run."""
+        deadline = request.live_deadline
+        if deadline is None:
+            return False
+        wait = step_s + self.predict_prefill(request.num_tokens_owed)
+        return wait <= self._usable(deadline - now)
 
     def _usable(self, time_left: float) -> float:
         """The part of `time_left` a cap may fill: DEADLINE_HEADROOM stays free, and the rest

@@ -47,9 +47,10 @@ def test_a_doomed_request_goes_ahead_of_every_one_whose_slack_covers_its_prefill
 
 
 def test_doomed_requests_go_earliest_deadline_first_and_count_against_the_slack_behind():
-    """Each 0.2 s doomed prefill fits the 0.3 s slack of the rescuable request alone; both do
-    not: the first (the most overdue) goes ahead of it, the second behind."""
-    views = [view("late", -0.5, 200), view("later", -1.0, 200), view("r", 0.4, 100)]
+    """Each 0.2 s doomed prefill fits the slack the rescuable request can lend alone (0.24 s:
+    its 0.35 s of slack less DEADLINE_HEADROOM of its 0.45 s left); both do not: the first
+    (the most overdue) goes ahead of it, the second behind."""
+    views = [view("late", -0.5, 200), view("later", -1.0, 200), view("r", 0.45, 100)]
     assert ids(rank(views, NOW, PREDICT)) == ["later", "r", "late"]
     # With room for both, both go first, the most overdue first.
     views[2] = view("r", 1.0, 100)
@@ -75,8 +76,9 @@ def test_aged_requests_still_go_first_the_longest_overdue_first():
 def test_the_order_keeps_every_rescuable_request_in_time_and_places_doomed_ones_early(seed):
     """Random mixes, against the rule itself: rescuable ones keep their priority order and
     doomed ones their deadline order; no rescuable request has doomed ones ahead of it whose
-    predicted prefills exceed its slack; and each doomed one is as early as that allows (one
-    place earlier would break it for the rescuable request it would jump)."""
+    predicted prefills exceed the slack it can lend (Urgency.lendable_slack); and each doomed
+    one is as early as that allows (one place earlier would break it for the rescuable request
+    it would jump)."""
     rng = random.Random(seed)
     views = [view(f"q{i}", rng.choice([None, rng.uniform(-2, 3)]), rng.randrange(1, 800))
              for i in range(rng.randrange(1, 30))]
@@ -96,13 +98,13 @@ def test_the_order_keeps_every_rescuable_request_in_time_and_places_doomed_ones_
         if rid in rescuable:
             ahead_of_it = [d for d in ranked[:pos] if scored[d].doomed]
             if ahead_of_it:
-                assert ahead <= scored[rid].slack + 1e-9, (rid, ranked)
+                assert ahead <= scored[rid].lendable_slack + 1e-9, (rid, ranked)
         if rid in doomed and pos > 0 and ranked[pos - 1] in rescuable:
             jumped = ranked[pos - 1]
             # Placed right behind a rescuable one: jumping it would not fit some rescuable
             # one from there on.
             behind = [r for r in ranked[pos - 1:] if r in rescuable]
-            assert min(scored[r].slack for r in behind) - ahead < scored[rid].prefill, (
+            assert min(scored[r].lendable_slack for r in behind) - ahead < scored[rid].prefill, (
                 rid, jumped, ranked)
 
 
@@ -148,8 +150,9 @@ def test_a_doomed_waiter_stops_a_long_step_that_every_running_request_can_afford
 
 def test_a_doomed_waiter_never_costs_a_running_request_its_deadline():
     waiter = view("turn", 0.25, 300)  # 0.3 s of prefill
-    # 0.4 s of slack covers 0.3 s, not 0.3 s plus 50% error on both predictions.
-    running = [view("doc", 60.0, 24_000), view("mid", 0.5, 100)]
+    # The 0.35 s of slack "mid" can lend (0.5 s, less DEADLINE_HEADROOM of its 0.6 s left)
+    # covers 0.3 s, not 0.3 s plus 50% error on both predictions.
+    running = [view("doc", 60.0, 24_000), view("mid", 0.6, 100)]
     assert choose_slo_preemption([waiter], running, NOW, PREDICT, step_remaining_s=1.2,
                              relative_error=0.0) is not None
     assert choose_slo_preemption([waiter], running, NOW, PREDICT, step_remaining_s=1.2,
