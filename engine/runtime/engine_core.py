@@ -23,6 +23,7 @@ from engine.fleet.load_report import ReplicaLoad
 from engine.runtime.load_report import LoadTracker
 from engine.runtime.slo_preemption import SLOPreemptionControl, snapshot_of_step
 from engine.runtime.startup_calibration import (StartupCalibration, calibrate_at_startup,
+                                                log_uncalibrated_start,
                                                 wants_startup_calibration)
 from engine.runtime.step_log import log_admitted, log_step
 from engine.runtime.step_observation import observe_step
@@ -77,6 +78,8 @@ class EngineCore:
                 if self.startup_calibration is not None:
                     self.scheduler.slack.predictor.reseed(self.startup_calibration.model,
                                                           self.startup_calibration.points)
+            elif ttft_seed is None and not config.slo_preemption.startup_calibration:
+                log_uncalibrated_start()
         except BaseException:
             if self.slo_preemption is not None:
                 self.slo_preemption.shutdown()  # closes the signal

@@ -108,6 +108,14 @@ def wants_startup_calibration(config: EngineConfig) -> bool:
             and (config.scheduler.policy == "slo" or slo_preemption.enabled))
 
 
+def log_uncalibrated_start() -> None:
+    """What the predictor starts from when the startup calibration is off (and no TTFT
+    model was given): said once in the log, as a calibration's result is."""
+    logger.info("startup calibration off: the predictor starts from its default seed, "
+                "unconfident (wide margins, no request written off) until served prefills "
+                "have measured this machine")
+
+
 class CalibrationStepError(RuntimeError):
     """A worker failed a calibration step: the engine cannot serve either."""
 

@@ -4,6 +4,7 @@ before serving, and the TTFT predictor starts from that fit instead of the CPU d
 from __future__ import annotations
 
 import dataclasses
+import logging
 import statistics
 import time
 
@@ -103,14 +104,20 @@ def test_the_seed_is_the_machine_s_own_before_the_first_request(tiny_model, monk
     dict(startup_calibration=False),
     dict(scheduling_policy="fcfs", slo_preemption=False),  # no predictor in use
 ])
-def test_no_calibration_where_it_is_off_or_unused(tiny_model, overrides, monkeypatch):
-    engine = _engine(tiny_model("llama"), **overrides)
+def test_no_calibration_where_it_is_off_or_unused(tiny_model, overrides, monkeypatch, caplog):
+    with caplog.at_level(logging.INFO, logger="engine.runtime.startup_calibration"):
+        engine = _engine(tiny_model("llama"), **overrides)
     try:
         assert engine.startup_calibration is None
         current = engine.scheduler.slack.predictor.current
         assert current == dataclasses.replace(DEFAULT_SEED, relative_error=UNCERTAIN_ERROR,
                                               relative_speedup=UNCERTAIN_SPEEDUP)
         assert not current.confident  # the default seed is nobody's measurement
+        # Turned off, the log says what the predictor starts from; unused, nothing is said.
+        said = [r.getMessage() for r in caplog.records]
+        assert any(m.startswith("startup calibration off: the predictor starts from its "
+                                "default seed") for m in said) == (
+            overrides.get("startup_calibration") is False), said
     finally:
         engine.shutdown()
     # Probe: the same engine calibrates by default. The suite's 0.3 s budget can run out
