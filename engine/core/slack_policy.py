@@ -438,7 +438,8 @@ class SlackPolicy:
         decode_step = line.predict(len(decodes), context)
         allowed = step.budget
         # Interactive turns only: the tokens their gaps allow (enforced unless that pace would
-        # make a prefill with a deadline miss it).
+        # make a prefill with a deadline miss it, or a late one later than it stalls them:
+        # _pace_must_yield).
         interactive_allowed, interactive_gap, interactive_steps = step.budget, 0.0, 0
         num_interactive = 0
         for request in decodes:
