@@ -140,7 +140,13 @@ class Urgency:
         had nothing left for the steps around the doomed prefills (their decodes, its own
         chunks' granularity), was judged doomed itself, and then went behind every later turn
         (doomed ones go by deadline)."""
-        return self.time_to_deadline * (1 - DEADLINE_HEADROOM) - self.prefill
+        return lendable_slack(self.time_to_deadline, self.prefill)
+
+
+def lendable_slack(time_to_deadline: float, prefill: float) -> float:
+    """Urgency.lendable_slack's formula (the fleet's predictor has a slotted Urgency of its
+    own)."""
+    return time_to_deadline * (1 - DEADLINE_HEADROOM) - prefill
 
 
 def aging_threshold(slo_s: float | None, aging_bound_s: float | None) -> float | None:

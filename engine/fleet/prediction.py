@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from engine.fleet.arrivals import Overtakers
 from engine.fleet.load_report import ReplicaLoad, RouteHint
 from engine.fleet.prefix_hashes import cached_prefix_blocks
-from monitor.policy import AGED_PRIORITY, order, should_slo_preempt
+from monitor.policy import AGED_PRIORITY, lendable_slack, order, should_slo_preempt
 from monitor.predictor import predict_prefill
 
 # Seconds from the monitor's decision to stop a preemptible step until the waiter's own prefill
@@ -87,7 +87,7 @@ def prefill_seconds(load: ReplicaLoad, tokens: int) -> float:
 
 class _Urgency:
     """monitor.policy.Urgency's fields, in a slotted class: `order` and `should_slo_preempt`
-    read only these attributes, and a routing decision builds hundreds of them (the frozen
+    read only these attributes and the two properties, and a routing decision builds hundreds of them (the frozen
     dataclass's constructor alone would take a fifth of the budget)."""
 
     __slots__ = ("time_to_deadline", "slack", "priority", "doomed", "prefill")
@@ -103,6 +103,10 @@ class _Urgency:
     @property
     def aged(self) -> bool:
         return self.priority >= AGED_PRIORITY
+
+    @property
+    def lendable_slack(self) -> float:
+        return lendable_slack(self.time_to_deadline, self.prefill)
 
 
 # Urgency of a job without a deadline (policy.urgency's answer for one), shared: no allocation.
@@ -262,8 +266,9 @@ def _head(timed: Sequence[_Job]) -> _Urgency | None:
     """The urgency of `order(timed)[0]` without sorting: the gate asks only for the head, and the
     router cannot afford a second sort per replica. `timed`: jobs with deadlines, none aged (see
     the module's docstring). In `order`, the doomed job with the earliest deadline goes first
-    iff the least slack among the rescuable ones covers its prefill; else the rescuable one of
-    highest priority (ties: the first given, as order's stable sorts keep them).
+    iff the least lendable slack among the rescuable ones covers its prefill; else the
+    rescuable one of highest priority (ties: the first given, as order's stable sorts keep
+    them).
     tests/fleet/test_prediction.py checks it against order."""
     doomed: _Urgency | None = None
     best: _Urgency | None = None
@@ -276,7 +281,7 @@ def _head(timed: Sequence[_Job]) -> _Urgency | None:
         else:
             if best is None or u.priority > best.priority:
                 best = u
-            least_slack = min(least_slack, u.slack)
+            least_slack = min(least_slack, u.lendable_slack)
     if doomed is not None and least_slack >= doomed.prefill:
         return doomed
     return best if best is not None else doomed
