@@ -1,6 +1,6 @@
 """Dry runs: a command goes as far as building its engine configuration, then exits 0.
 
-A GPU call is scarce (a lent machine, 15 minutes in all): a renamed flag or a missing file must
+A GPU call is scarce (a machine held briefly, 15 minutes in all): a renamed flag or a missing file must
 fail on the CPU, in CI, not there. With ``SLOSERVE_DRY_RUN=1`` in the environment,
 ``bench/suite/gpu_suite.sh --dry-run`` runs every step with its exact full-size flags; each
 entry point parses its arguments, reads the model folder's config and builds the engine

@@ -1,1 +1,1 @@
-"""The GPU suite: what a lent GPU machine measures in its two calls (gpu_suite.sh)."""
+"""The GPU suite: what a GPU machine measures in its two calls (gpu_suite.sh)."""

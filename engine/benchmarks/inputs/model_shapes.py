@@ -1,6 +1,6 @@
 """Model folders of real shapes without their weights, for `--load-format dummy` runs.
 
-A Llama-3.1-8B checkpoint is 16 GB: too big to carry to a lent GPU or to download there. The
+A Llama-3.1-8B checkpoint is 16 GB: too big to carry to an air-gapped GPU machine or to download there. The
 engine's kernels, vote and preemption timings depend on the shape alone, so a folder holding the
 shape's config.json and a tokenizer is enough; `--load-format dummy` then draws the weights on
 the device.
@@ -87,7 +87,7 @@ def cover_vocabulary(folder: Path, vocab_size: int) -> None:
     Dummy weights sample ids from the model's whole vocabulary (128256 for Llama 3), and an id
     the tokenizer lacks decodes to nothing: with a smaller tokenizer (the default model's 49152,
     the small one's 400) a client would wait for visible text that almost never comes, and
-    every TTFT timed to the first visible output would be missing (the first lent H100 run's
+    every TTFT timed to the first visible output would be missing (the first H100 run's
     bursts were). Each added id is a short string of letters and digits, never produced by
     encoding (no merge makes it), so prompts tokenize as before and every sampled id shows.
     """

@@ -1,6 +1,6 @@
 """Figures written the moment they are measured: one JSON object a line, flushed at once.
 
-A benchmark on a lent GPU runs under a hard time limit (`bench/suite/gpu_suite.sh` kills a step that
+A benchmark on a GPU machine held briefly runs under a hard time limit (`bench/suite/gpu_suite.sh` kills a step that
 overruns it). Its final JSON is written at exit, so a killed step would lose every figure it had
 measured; each figure, cell or trial also goes to a JSON-lines file as soon as it exists, so the
 summary (engine/benchmarks/suite/summary.py) can still report what a killed step measured.

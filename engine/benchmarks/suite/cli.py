@@ -1,5 +1,5 @@
-"""`sloserve bench suite OUT_DIR [--core] [--only STEP]...`: the GPU suite, what a lent GPU machine
-measures in two calls sized for its 15 minutes of device time.
+"""`sloserve bench suite OUT_DIR [--core] [--only STEP]...`: the GPU suite, what a GPU machine
+held briefly measures, in two calls sized for 15 minutes of device time.
 
 It runs engine/benchmarks/suite/gpu_suite.sh (the same script as `bash bench/suite/gpu_suite.sh`,
 whose header says what each call runs) with these arguments: the same steps (smoke, throughput,
@@ -58,7 +58,7 @@ def _cmd_suite(args: argparse.Namespace) -> int:
 
 def add_subcommands(sub: Any) -> None:
     """`sloserve bench suite` under the `bench` parser's subparsers."""
-    suite = sub.add_parser("suite", help="the GPU suite (what a lent GPU measures; --smoke on "
+    suite = sub.add_parser("suite", help="the GPU suite (what a GPU machine measures; --smoke on "
                                          "a CPU)",
                            description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)

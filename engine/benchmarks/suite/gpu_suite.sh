@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU suite: what a lent GPU machine measures, in two calls sized for its 15 minutes of
+# The GPU suite: what a GPU machine held briefly measures, in two calls sized for 15 minutes of
 # device time (machine start 1-3 min, one command at most 10 min; CONTRIBUTING.md, GPU tests).
 # `sloserve bench suite OUT ...` runs this script with the same arguments, and so does
 # bench/suite/gpu_suite.sh; it is package data of engine.benchmarks.suite.
