@@ -1,4 +1,4 @@
-"""The wheel recipe for the lent GPU machines, resolved for real (PyPI, through pip as this
+"""The wheel recipe for air-gapped GPU machines, resolved for real (PyPI, through pip as this
 machine is set up) and proved:
 
 - `python -m tools.device_wheels` downloads the closure for the GPU image's Python 3.12, which

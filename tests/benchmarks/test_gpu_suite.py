@@ -1,5 +1,5 @@
 """The GPU suite (engine/benchmarks/suite/gpu_suite.sh, run as `bash bench/suite/gpu_suite.sh` and
-`sloserve bench suite`) on the CPU, so that the two calls a lent GPU runs cannot rot where CI has
+`sloserve bench suite`) on the CPU, so that the two calls a GPU machine runs cannot rot where CI has
 no GPU:
 
 - `--dry-run`: every step of both calls with its exact full-size flags (the 8B shape, `--device
