@@ -172,6 +172,10 @@ class ModelConfig:
     # A step-time profile (engine/simulation): run no model, every step takes the profile's
     # time. The name of a shipped profile, a profile file, or a calibration file.
     simulate: str | None = None
+    # vLLM's --quantization: "fp8" quantizes a full-precision checkpoint's linear weights at
+    # load (one scale per output channel; workers.quantization). None: the checkpoint decides
+    # (an FP8 checkpoint's quantization_config is read whatever this says).
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         from engine.device import resolve_device
@@ -182,6 +186,8 @@ class ModelConfig:
             raise ValueError("simulate runs no model on any device: leave device as auto or cpu")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
         if self.max_cudagraph_capture_size < 1:
             raise ValueError(f"max_cudagraph_capture_size must be >= 1, got "
                              f"{self.max_cudagraph_capture_size}")
@@ -251,6 +257,7 @@ def build_engine_config(model: str, *, dtype: str = ModelConfig.dtype,
                         chat_template: str | None = ModelConfig.chat_template,
                         load_format: str = ModelConfig.load_format,
                         simulate: str | None = ModelConfig.simulate,
+                        quantization: str | None = ModelConfig.quantization,
                         max_model_len: int | None = ModelConfig.max_model_len,
                         block_size: int = CacheConfig.block_size,
                         num_kv_blocks: int | None = CacheConfig.num_blocks,
@@ -297,7 +304,7 @@ def build_engine_config(model: str, *, dtype: str = ModelConfig.dtype,
                           max_cudagraph_capture_size=max_cudagraph_capture_size,
                           max_model_len=max_model_len,
                           seed=seed, tokenizer=tokenizer, load_format=load_format,
-                          simulate=simulate,
+                          simulate=simulate, quantization=quantization,
                           chat_template=None if chat_template is None
                           else load_chat_template(chat_template)),
         cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,

@@ -40,6 +40,11 @@ class KernelBackend:
     rms_norm: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]] | None = None
     apply_rotary: Callable[..., torch.Tensor] | None = None
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # A mixture-of-experts layer's experts (kernels.triton_moe.fused_experts), or None where
+    # workers.layers.moe computes them in PyTorch. Part of the Triton backend whether or not the
+    # other fused ops are on: the PyTorch path reads per-expert counts on the host, which a CUDA
+    # graph cannot capture.
+    fused_moe: Callable[..., torch.Tensor] | None = None
 
 
 _CACHE: dict[tuple[str, bool], KernelBackend] = {}
@@ -104,7 +109,9 @@ def _load(name: str, fused_ops: bool) -> KernelBackend:
                              torch_attention.paged_attention)
     cache = importlib.import_module("kernels.triton_cache")
     attention = importlib.import_module("kernels.triton_attention")
-    backend = KernelBackend("triton", cache.write_kv_cache, attention.paged_attention)
+    moe = importlib.import_module("kernels.triton_moe")
+    backend = KernelBackend("triton", cache.write_kv_cache, attention.paged_attention,
+                            fused_moe=moe.fused_experts)
     if not fused_ops:
         return backend
     norm = importlib.import_module("kernels.triton_norm")

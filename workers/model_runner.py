@@ -90,7 +90,7 @@ class ModelRunner:
         dtype = getattr(torch, config.dtype)
         hf_config = load_hf_config(str(settings.model))
         self.model = build_model(hf_config, dtype, device, tp_rank=rank, tp_size=config.tp_size,
-                                 tp_group=tp_group)
+                                 tp_group=tp_group, quantization=settings.quantization)
         if settings.load_format == "dummy":
             init_dummy_weights(self.model, settings.seed + rank)
         else:

@@ -34,6 +34,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "`sloserve calibrate` file), with the real scheduler, monitor, vote and "
                         "unwind; the model folder gives the shape and tokenizer "
                         "(sloserve bench shape writes one)")
+    g.add_argument("--quantization", "-q", choices=["fp8"], default=ModelConfig.quantization,
+                   help="fp8: quantize a full-precision checkpoint's linear layers to FP8 at "
+                        "load (one scale per output channel; on a GPU activations per token, "
+                        "on a CPU the weights are dequantized per layer), as vLLM's. Unset: "
+                        "the checkpoint decides (its quantization_config: FP8 block-wise or "
+                        "compressed-tensors FP8 are served, anything else is refused)")
     g.add_argument("--dtype", default=ModelConfig.dtype,
                    help="auto (bfloat16 where the CPU or GPU runs it natively, else float32 on "
                         "a CPU and float16 on a GPU), bfloat16, float16 or float32")
@@ -163,6 +169,7 @@ def _on_off(flag: bool) -> str:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, tokenizer=args.tokenizer, chat_template=args.chat_template,
                 load_format=args.load_format, simulate=args.simulate,
+                quantization=args.quantization,
                 dtype=args.dtype, device=args.device,
                 attention_backend=args.attention_backend, fused_ops=args.fused_ops,
                 enforce_eager=args.enforce_eager,

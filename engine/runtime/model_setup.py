@@ -157,10 +157,14 @@ def check_tensor_parallel(hf_config, tp_size: int) -> None:
     if (kv_heads >= tp_size and kv_heads % tp_size) or (kv_heads < tp_size and tp_size % kv_heads):
         raise ValueError(f"tensor_parallel_size {tp_size} and the model's {kv_heads} KV heads: "
                          f"one must divide the other")
-    intermediate = getattr(hf_config, "intermediate_size", tp_size)
-    if intermediate % tp_size:
-        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's MLP "
-                         f"intermediate_size {intermediate}")
+    # Dense MLPs, every expert of a mixture and a shared expert are split over the ranks along
+    # their intermediate dimension.
+    for field in ("intermediate_size", "moe_intermediate_size",
+                  "shared_expert_intermediate_size"):
+        intermediate = getattr(hf_config, field, None) or tp_size
+        if intermediate % tp_size:
+            raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's "
+                             f"{field} {intermediate}")
 
 
 def check_tokenizer(model: ModelConfig) -> None:
@@ -180,9 +184,12 @@ def resolve(config: EngineConfig) -> ResolvedModel:
 
     hf_config = load_hf_config(config.model.model)
     check_tokenizer(config.model)
-    check_architecture(hf_config)  # unsupported architectures fail here, before any weights load
-    check_tensor_parallel(hf_config, config.tensor_parallel_size)
+    # Unsupported architectures and quantizations (FP8 on a GPU without it included) fail here,
+    # before any weights load; a simulated model computes nothing on this machine's device.
     device = torch.device(config.model.device)
+    check_architecture(hf_config, config.model.quantization,
+                       "cpu" if config.model.simulate is not None else device)
+    check_tensor_parallel(hf_config, config.tensor_parallel_size)
     check_device(device, config.tensor_parallel_size, config.distributed_executor)
     # A Triton request that cannot run here fails now, not in every worker after spawning.
     resolve_backend_name(device, config.model.attention_backend, config.model.fused_ops)

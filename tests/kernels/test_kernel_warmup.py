@@ -235,3 +235,18 @@ def test_the_specialization_by_hand_agrees_with_tritons_own():
     assert variants._specialization_by_hand(x, True)[1] == variants._specialization(x, True)[1]
     assert variants._specialization_by_hand(x[1:], True)[1] == \
         variants._specialization(x[1:], True)[1]
+
+
+def test_the_warm_up_compiles_every_experts_variant(tiny_model, triton_device):
+    """A mixture of experts: the fused experts kernels in each BLOCK_M the launch can choose
+    (the largest is chosen only for prefills of thousands of tokens, which no warm-up step
+    makes), so a long prompt never compiles one while serving."""
+    from kernels.triton_moe import block_m_for
+
+    runner = _runner(tiny_model("qwen3_moe"), triton_device)
+    warmup = warm_up_kernels(runner, MAX_MODEL_LEN, MAX_NUM_SEQS)
+    assert warmup is not None
+    chosen = {v.constant("BLOCK_M") for v in warmup.variants
+              if v.kernel in ("_gate_up_silu_kernel", "_down_weighted_kernel")}
+    experts = runner.model.model.layers[0].mlp.experts.num_experts
+    assert chosen == {block_m_for(pairs, experts) for pairs in (1, 20 * experts, 100 * experts)}

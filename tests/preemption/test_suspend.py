@@ -1,7 +1,8 @@
 """Suspended passes on the model runner (mode `suspend`): a prefill chunk whose pass was
 unwound between two layers resumes at that layer from the activations the runner kept, and its
 logits equal those of an uninterrupted pass, whatever else shares the steps (fresh chunks,
-decodes, a second unwind before or after the chunk joined). Every scenario runs eager and with
+decodes, a second unwind before or after the chunk joined), on a dense model and on a mixture
+of experts. Every scenario runs eager and with
 the steps replayed as pieces between the attention ops (workers.graphs.piecewise_graphs, through the
 CPU stand-in for CUDA graphs): a stop there must suspend the same activations."""
 
@@ -23,12 +24,15 @@ NUM_LAYERS = 8
 BLOCK = 16
 
 
-@pytest.fixture(scope="module", params=["eager", "piecewise"])
+@pytest.fixture(scope="module", params=[("llama", "eager"), ("llama", "piecewise"),
+                                        ("qwen3_moe", "eager"), ("qwen3_moe", "piecewise")],
+                ids=lambda param: "-".join(param))
 def runner(tiny_model, request) -> ModelRunner:
-    model = tiny_model("llama", num_hidden_layers=NUM_LAYERS)
+    arch, replay = request.param
+    model = tiny_model(arch, num_hidden_layers=NUM_LAYERS)
     runner = ModelRunner(runner_config(model, num_blocks=64, block_size=BLOCK,
                                        limits=StepLimits(128, 4, 128)), torch.device("cpu"))
-    if request.param == "piecewise":
+    if replay == "piecewise":
         runner.piecewise = capture_piecewise_graphs(runner, 128, EagerReplayBackend())
     return runner
 

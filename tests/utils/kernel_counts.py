@@ -25,7 +25,8 @@ import pytest
 
 from workers.graphs.cuda_graphs import CudaGraphBackend, EagerReplayBackend
 
-OPS = ("write_kv_cache", "paged_attention", "rms_norm", "apply_rotary", "silu_and_mul")
+OPS = ("write_kv_cache", "paged_attention", "rms_norm", "apply_rotary", "silu_and_mul",
+       "fused_moe")
 
 
 class KernelsRan:

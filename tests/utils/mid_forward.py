@@ -38,13 +38,24 @@ _TTFT_FILE: dict[str, str] = {}
 
 @pytest.fixture
 def model(tiny_model, monkeypatch, tmp_path_factory) -> str:
+    return _slowed_model("llama", tiny_model, monkeypatch, tmp_path_factory)
+
+
+@pytest.fixture(params=["qwen3_moe", "mixtral"])
+def moe_model(request, tiny_model, monkeypatch, tmp_path_factory) -> str:
+    """The same slowed tiny model as ``model``, a mixture of experts of each family (8 experts,
+    2 per token) between its attention ops."""
+    return _slowed_model(request.param, tiny_model, monkeypatch, tmp_path_factory)
+
+
+def _slowed_model(arch: str, tiny_model, monkeypatch, tmp_path_factory) -> str:
     monkeypatch.setenv(LAYER_DELAY_ENV, str(DELAY_US_PER_TOKEN))
     if "path" not in _TTFT_FILE:
         path = tmp_path_factory.mktemp("ttft") / "ttft.json"
         LinearTTFT(seconds_per_token=NUM_LAYERS * DELAY_US_PER_TOKEN * 1e-6,
                    intercept_s=0.02).save(path)
         _TTFT_FILE["path"] = str(path)
-    return tiny_model("llama", num_hidden_layers=NUM_LAYERS, max_position_embeddings=1024)
+    return tiny_model(arch, num_hidden_layers=NUM_LAYERS, max_position_embeddings=1024)
 
 
 def _prompt(n: int, seed: int, prefix: list[int] | None = None) -> list[int]:

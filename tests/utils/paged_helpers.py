@@ -8,7 +8,7 @@ import torch
 
 from kernels import AttentionMetadata, padded_block_tables
 from workers.kv_cache import allocate_kv_caches
-from workers.models.llama import LlamaForCausalLM
+from workers.models import DecoderForCausalLM
 from workers.preemption.slo_preempt_vote import StepSLOPreempted
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -26,7 +26,7 @@ class PagedSequence:
         return self.blocks[pos // self.block_size] * self.block_size + pos % self.block_size
 
 
-def make_kv_caches(model: LlamaForCausalLM, num_blocks: int, block_size: int) -> KVCaches:
+def make_kv_caches(model: DecoderForCausalLM, num_blocks: int, block_size: int) -> KVCaches:
     return allocate_kv_caches(model.num_layers, num_blocks, block_size, model.num_kv_heads,
                               model.head_dim, model.dtype, model.device)
 
@@ -56,7 +56,7 @@ def build_metadata(work: list[tuple[PagedSequence, int]],
     return meta, torch.tensor(ids), torch.tensor(positions)
 
 
-def paged_step(model: LlamaForCausalLM, kv_caches: KVCaches,
+def paged_step(model: DecoderForCausalLM, kv_caches: KVCaches,
                work: list[tuple[PagedSequence, int]], num_decodes: int) -> None:
     """One forward over `work`; appends every computed position's logits to its sequence (a
     test may look at all of them; the runner only computes the sampled rows)."""

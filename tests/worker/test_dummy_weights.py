@@ -14,15 +14,42 @@ from engine.benchmarks.inputs.model_shapes import SHAPES, main, write_shape
 from engine.entrypoints.llm import LLM
 from engine.sampling_params import SamplingParams
 
+# The config class transformers reads each shape's folder as.
+CONFIG_CLASSES = {"llama-3.2-1b": "LlamaConfig", "llama-3.1-8b": "LlamaConfig",
+                  "qwen2.5-7b": "Qwen2Config", "qwen3-30b-a3b": "Qwen3MoeConfig",
+                  "mixtral-8x7b": "MixtralConfig", "llama-3.1-8b-fp8": "LlamaConfig"}
+# Fields newer transformers keep elsewhere (rope_parameters, dtype): checked on their own.
+_MOVED = {"rope_theta", "rope_scaling", "torch_dtype"}
+
 
 def test_real_shapes_are_written_with_a_tokenizer(tiny_model, tmp_path):
+    assert set(SHAPES) == set(CONFIG_CLASSES)
     for name in SHAPES:
         folder = write_shape(name, tmp_path / name, tiny_model("llama"))
         config = AutoConfig.from_pretrained(str(folder))
-        assert config.hidden_size == SHAPES[name]["hidden_size"]
+        assert type(config).__name__ == CONFIG_CLASSES[name], name
+        shape = SHAPES[name]
+        for field, value in shape.items():
+            if field not in _MOVED:
+                assert getattr(config, field) == value, (name, field)
+        rope = getattr(config, "rope_parameters", None) or {"rope_theta": config.rope_theta}
+        assert rope["rope_theta"] == shape["rope_theta"], name
+        assert str(getattr(config, "dtype", None) or config.torch_dtype).endswith("bfloat16")
         assert (folder / "tokenizer.json").exists()
         assert not list(folder.glob("*.safetensors"))  # the point: no weights
     assert SHAPES["llama-3.1-8b"]["num_hidden_layers"] == 32
+    # The FP8 8B is the 8B with the block-wise FP8 layout its checkpoints ship with.
+    fp8 = AutoConfig.from_pretrained(str(tmp_path / "llama-3.1-8b-fp8"))
+    assert fp8.quantization_config == {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                       "fmt": "e4m3", "weight_block_size": [128, 128]}
+    assert {k: v for k, v in SHAPES["llama-3.1-8b-fp8"].items()
+            if k != "quantization_config"} == SHAPES["llama-3.1-8b"]
+    assert getattr(AutoConfig.from_pretrained(str(tmp_path / "llama-3.1-8b")),
+                   "quantization_config", None) is None
+    moe = AutoConfig.from_pretrained(str(tmp_path / "qwen3-30b-a3b"))
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (128, 8, 768)
+    mixtral = AutoConfig.from_pretrained(str(tmp_path / "mixtral-8x7b"))
+    assert (mixtral.num_local_experts, mixtral.num_experts_per_tok) == (8, 2)
     with pytest.raises(ValueError, match="unknown shape"):
         write_shape("gpt-5", tmp_path / "x", tiny_model("llama"))
 

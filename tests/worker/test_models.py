@@ -1,4 +1,5 @@
-"""Our Llama-family models over a paged KV cache against HF transformers' forward (float32)."""
+"""Our models of every family, dense and mixtures of experts, over a paged KV cache against HF
+transformers' forward (float32)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,12 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("mistral", {}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
+    # Mixtures of experts: 8 experts, 2 per token.
+    "qwen3-moe": ("qwen3_moe", {}),
+    "qwen3-moe-unnormalized-dense-layer": ("qwen3_moe", {"norm_topk_prob": False,
+                                                         "mlp_only_layers": [1]}),
+    "qwen2-moe-shared-expert": ("qwen2_moe", {}),
+    "mixtral": ("mixtral", {}),
 }
 
 

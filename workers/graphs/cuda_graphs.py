@@ -339,6 +339,10 @@ def select_graph_backend(runner: Runner, tp_size: int = 1) -> GraphBackend | Non
     if tp_size > 1:
         logger.info("CUDA graphs: off with tensor parallelism (every step runs eager)")
         return None
+    if not all(getattr(module, "capturable", True) for module in runner.model.modules()):
+        logger.info("CUDA graphs: off: the experts run in PyTorch here (not the fused Triton "
+                    "kernel), reading their per-expert token counts on the host")
+        return None
     return CudaGraphBackend(runner.device)
 
 

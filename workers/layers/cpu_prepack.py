@@ -64,7 +64,9 @@ def prepack_linear_weights(model: nn.Module) -> int:
     packed = 0
     for module in modules:
         weight = module.weight
-        if weight.is_mkldnn:
+        # Packed already; or not float32 (an FP8 layer's weight is float8_e4m3fn and multiplied
+        # by its quant method, which sets prepack_weight False; checked here too).
+        if weight.is_mkldnn or weight.dtype != torch.float32:
             continue
         shared = owners.get(id(weight), 0) > 1
         packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)

@@ -1,8 +1,8 @@
 """Model registry: HF ``architectures`` name -> our implementation, and the model constructor.
 
 Model API used by the model runner:
-- ``build_model(hf_config, dtype, device, tp_rank=0, tp_size=1, tp_group=None)`` then
-  ``workers.startup.weight_loader.load_weights(model, model_dir)``;
+- ``build_model(hf_config, dtype, device, tp_rank=0, tp_size=1, tp_group=None,
+  quantization=None)`` then ``workers.startup.weight_loader.load_weights(model, model_dir)``;
 - ``model.forward(input_ids, positions, attn_meta, kv_caches, joins=()) -> hidden_states
   [T, hidden]`` (``joins``: ``LayerJoin`` chunks resuming a suspended pass at their layer);
 - ``model.compute_logits(hidden_states[N, hidden]) -> float32 [N, vocab]``;
@@ -19,18 +19,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from workers.models.llama import (LayerJoin, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+from workers.models.decoder import DecoderForCausalLM, LayerJoin
+from workers.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                   Qwen3ForCausalLM)
+from workers.models.mixtral import MixtralForCausalLM
+from workers.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from workers.quantization import get_quant_config
 
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 
-def get_model_class(hf_config: Any) -> type[LlamaForCausalLM]:
+def get_model_class(hf_config: Any) -> type[DecoderForCausalLM]:
     """The implementation for the first supported name in ``hf_config.architectures``."""
     architectures = list(getattr(hf_config, "architectures", None) or [])
     for arch in architectures:
@@ -42,11 +49,15 @@ def get_model_class(hf_config: Any) -> type[LlamaForCausalLM]:
 
 def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str,
                 tp_rank: int = 0, tp_size: int = 1,
-                tp_group: dist.ProcessGroup | None = None) -> LlamaForCausalLM:
-    """An uninitialized model (weights come from ``load_weights``) for this rank's shard."""
+                tp_group: dist.ProcessGroup | None = None,
+                quantization: str | None = None) -> DecoderForCausalLM:
+    """An uninitialized model (weights come from ``load_weights``) for this rank's shard.
+    ``quantization``: the ``--quantization`` asked for (None: what the checkpoint says)."""
     model_class = get_model_class(hf_config)
+    quant_config = get_quant_config(hf_config, quantization)
     return model_class(hf_config, dtype=dtype, device=device, tp_rank=tp_rank, tp_size=tp_size,
-                       tp_group=tp_group).eval()
+                       tp_group=tp_group, quant_config=quant_config).eval()
 
 
-__all__ = ["LayerJoin", "MODEL_REGISTRY", "build_model", "get_model_class"]
+__all__ = ["DecoderForCausalLM", "LayerJoin", "MODEL_REGISTRY", "build_model",
+           "get_model_class"]

@@ -86,6 +86,7 @@ def warm_up_kernels(runner: WarmupRunner, max_model_len: int,
     started = time.perf_counter()
     with recording() as seen:
         run_steps(runner, steps)
+        warm_up_experts(runner.model)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     warmup = KernelWarmup(variants=frozenset(seen), seconds=time.perf_counter() - started,
@@ -99,6 +100,17 @@ def warm_up_kernels(runner: WarmupRunner, max_model_len: int,
                 "compiled" if warmup.compiled else "run in the interpreter", warmup.seconds,
                 describe(warmup.variants))
     return warmup
+
+
+def warm_up_experts(model: Any) -> None:
+    """Every variant of the fused experts kernel, for a mixture-of-experts model (every layer's
+    experts share one shape and dtype, so the first layer's stand for all)."""
+    from kernels import triton_moe
+
+    for module in model.modules():
+        if getattr(module, "fused_experts", None) is not None and hasattr(module, "w13_weight"):
+            triton_moe.warm_up_experts(module.w13_weight, module.w2_weight)
+            return
 
 
 def _plan(runner: WarmupRunner, max_model_len: int, max_num_seqs: int,

@@ -26,6 +26,17 @@ ARCHS: dict[str, tuple[str, str, bool, dict[str, Any]]] = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", True, {}),
     # Explicit head_dim larger than hidden / heads, as real Qwen3 checkpoints have.
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", True, {"head_dim": 32}),
+    # Mixtures of experts: 8 experts, 2 per token, each narrower than a dense MLP. Qwen3-MoE
+    # renormalises the top-k weights as the released checkpoints do (norm_topk_prob true);
+    # Qwen2-MoE keeps its config's default (false) and adds its shared expert.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", False,
+                  {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 48, "norm_topk_prob": True}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", True,
+                  {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                   "shared_expert_intermediate_size": 96}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", False,
+                {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None}),
 }
 
 _CORPUS = [
@@ -82,6 +93,33 @@ def make_random_model(path: str | os.PathLike[str], arch: str = "llama", seed: i
                 param.normal_(0.0, 0.1)
     Path(path).mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path))
+    return str(path)
+
+
+# A small mixture of experts of Qwen3-MoE's layout (q/k norms, top-k routing renormalised, no
+# shared expert) at a size a CPU serves: 8 layers, 32 experts of which each token takes 4, about
+# 0.4B parameters with the default model's 49152-token vocabulary (0.1B of them the embedding and
+# head). For CPU benchmarks of the MoE path against HF transformers, not for output quality.
+SMALL_MOE: dict[str, Any] = dict(
+    hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+    head_dim=64, moe_intermediate_size=384, intermediate_size=2048, num_experts=32,
+    num_experts_per_tok=4, max_position_embeddings=4096, rms_norm_eps=1e-6,
+    initializer_range=0.02)
+
+
+def small_moe(path: str | os.PathLike[str], tokenizer_from: str | os.PathLike[str],
+              seed: int = 0) -> str:
+    """A seeded random ``SMALL_MOE`` checkpoint (bfloat16, as released MoE checkpoints are) with
+    the tokenizer files of ``tokenizer_from``, at ``path``; returns the path."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_from))
+    hf_config = make_config("qwen3_moe", **{**SMALL_MOE, "vocab_size": len(tokenizer)})
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(hf_config).to(torch.bfloat16)
+    Path(path).mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
     return str(path)
 
 

@@ -1,0 +1,368 @@
+"""The decoder every family shares: attention, the dense SwiGLU MLP, the layer, the model body
+and the causal-LM wrapper with its one attention op (where a step can stop).
+
+A family is a thin subclass of ``DecoderForCausalLM`` (``workers.models.llama`` for the dense
+ones, ``workers.models.qwen_moe`` and ``workers.models.mixtral`` for mixtures of experts): class
+switches for where biases sit and whether q/k are normed, and ``make_mlp`` for what follows
+attention in each layer. Module names mirror HF's (``model.layers.N.self_attn...``) except the
+fused ``qkv_proj`` and ``gate_up_proj`` and the experts' stacked ``w13_weight``/``w2_weight``, so
+the weight loader's mapping is a short table (``checkpoint_renames`` adds a family's own).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kernels import AttentionMetadata, KernelBackend, select_backend
+from workers.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+                            RMSNorm, RowParallelLinear, VocabParallelEmbedding, apply_rotary,
+                            get_rotary_embedding, silu_and_mul)
+from workers.preemption.slo_preempt_vote import StepSLOPreempted
+from workers.quantization import QuantizationConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+# attention_op(layer_idx, q, k, v, attn_meta, kv_cache) -> attention output [T, Hq, D]
+AttentionOp = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata,
+                        KVCache], torch.Tensor]
+
+
+class ParallelContext:
+    """What every layer is built with: dtype, device, tensor-parallel placement, and the
+    checkpoint's quantization (which linear layers hold quantized weights)."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, tp_rank: int, tp_size: int,
+                 tp_group: dist.ProcessGroup | None,
+                 quant_config: QuantizationConfig | None = None) -> None:
+        self.dtype, self.device = dtype, device
+        self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
+        self.quant_config = quant_config
+
+    def args(self, with_group: bool = False) -> dict[str, Any]:
+        kwargs: dict[str, Any] = dict(dtype=self.dtype, device=self.device, tp_rank=self.tp_rank,
+                                      tp_size=self.tp_size)
+        if with_group:
+            kwargs["tp_group"] = self.tp_group
+        return kwargs
+
+    def linear_args(self, prefix: str, with_group: bool = False) -> dict[str, Any]:
+        """``args`` plus the quantization method of the linear layer named ``prefix``."""
+        quant = self.quant_config.linear_method(prefix) if self.quant_config else None
+        return {**self.args(with_group), "quant_method": quant}
+
+    def experts_method(self, prefix: str) -> Any:
+        return self.quant_config.experts_method(prefix) if self.quant_config else None
+
+
+def head_dim_of(config: Any) -> int:
+    # Qwen3 sets head_dim explicitly (it need not be hidden / heads); others may leave it None.
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: Any, par: ParallelContext, prefix: str, *, qkv_bias: bool,
+                 o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.head_dim = head_dim_of(config)
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({num_kv_heads})")
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, num_heads,
+                                          num_kv_heads, bias=qkv_bias,
+                                          **par.linear_args(f"{prefix}.qkv_proj"))
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size,
+                                        bias=o_bias,
+                                        **par.linear_args(f"{prefix}.o_proj", with_group=True))
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=par.dtype,
+                                  device=par.device)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=par.dtype,
+                                  device=par.device)
+        # The backend's fused rotary kernel where it has one (DecoderForCausalLM.use_kernels).
+        self.apply_rotary: Callable[..., torch.Tensor] = apply_rotary
+
+    def project_qkv(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D] and k [T, Hkv, D] rotated, and v [T, Hkv, D]: the attention op's inputs."""
+        num_tokens = hidden_states.shape[0]
+        qkv = self.qkv_proj(hidden_states)
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None or self.k_norm is None:
+            # q and k are adjacent in qkv, so one rotary pass covers both.
+            qk = qkv[:, :q_size + kv_size].view(num_tokens, -1, self.head_dim)
+            qk = self.apply_rotary(qk, cos, sin)
+            return qk[:, :self.num_heads], qk[:, self.num_heads:], v
+        q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        return (self.apply_rotary(self.q_norm(q), cos, sin),
+                self.apply_rotary(self.k_norm(k), cos, sin), v)
+
+    def project_out(self, attention_out: torch.Tensor) -> torch.Tensor:
+        """The attention op's output [T, Hq, D] through o_proj: [T, hidden]."""
+        return self.o_proj(attention_out.reshape(attention_out.shape[0], -1))
+
+
+class DecoderMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up in one matmul."""
+
+    def __init__(self, config: Any, par: ParallelContext, prefix: str, *, bias: bool,
+                 intermediate_size: int | None = None) -> None:
+        super().__init__()
+        check_silu(config)
+        size = intermediate_size or config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size],
+                                                       bias=bias,
+                                                       **par.linear_args(f"{prefix}.gate_up_proj"))
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias,
+                                           **par.linear_args(f"{prefix}.down_proj",
+                                                             with_group=True))
+        # The backend's fused kernel where it has one (DecoderForCausalLM.use_kernels).
+        self.silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
+
+
+def check_silu(config: Any) -> None:
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is supported")
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention then ``mlp`` (dense or a mixture of experts), each with a residual."""
+
+    def __init__(self, config: Any, par: ParallelContext, prefix: str, mlp: nn.Module, *,
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(config, par, f"{prefix}.self_attn", qkv_bias=qkv_bias,
+                                          o_bias=o_bias, qk_norm=qk_norm)
+        self.mlp = mlp
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=par.dtype,
+                                       device=par.device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=par.dtype,
+                                                device=par.device)
+
+    def before_attention(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                         cos: torch.Tensor, sin: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer up to its attention op: (q, k, v, residual stream entering the layer plus
+        ``hidden_states``). ``residual`` None: the first layer, whose input is the residual."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        q, k, v = self.self_attn.project_qkv(hidden_states, cos, sin)
+        return q, k, v, residual
+
+    def after_attention(self, attention_out: torch.Tensor, residual: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer after its attention op: (MLP output, residual stream), the next layer's
+        inputs."""
+        hidden_states = self.self_attn.project_out(attention_out)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+    def forward(self, layer_idx: int, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                cos: torch.Tensor, sin: torch.Tensor, attn_meta: AttentionMetadata,
+                kv_cache: KVCache, attention_op: AttentionOp
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, residual = self.before_attention(hidden_states, residual, cos, sin)
+        return self.after_attention(attention_op(layer_idx, q, k, v, attn_meta, kv_cache),
+                                    residual)
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: Any, par: ParallelContext, layers: Sequence[DecoderLayer]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                   **par.args(with_group=True))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=par.dtype,
+                            device=par.device)
+        self.rotary_emb = get_rotary_embedding(config, head_dim_of(config), dtype=par.dtype,
+                                               device=par.device)
+
+
+@dataclass
+class LayerJoin:
+    """A prefill chunk resuming a suspended pass: the inputs of ``layer`` for its tokens."""
+
+    layer: int
+    hidden_states: torch.Tensor
+    residual: torch.Tensor
+
+    def append_to(self, hidden_states: torch.Tensor | None, residual: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        if hidden_states is None or residual is None:
+            return self.hidden_states, self.residual
+        return (torch.cat([hidden_states, self.hidden_states]),
+                torch.cat([residual, self.residual]))
+
+
+class DecoderForCausalLM(nn.Module):
+    """A causal LM over a paged KV cache. See ``workers.models`` for the API."""
+
+    # Per-family switches, overridden by the families' subclasses.
+    qkv_bias_always: ClassVar[bool] = False  # Qwen2: q/k/v always have a bias, o_proj never
+    qk_norm: ClassVar[bool] = False  # Qwen3: RMSNorm over head_dim on q and k before rotary
+    # HF name fragment -> ours, for modules a family names its own way (Mixtral's MoE block).
+    checkpoint_renames: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, config: Any, *, dtype: torch.dtype, device: torch.device | str,
+                 tp_rank: int = 0, tp_size: int = 1,
+                 tp_group: dist.ProcessGroup | None = None,
+                 quant_config: QuantizationConfig | None = None) -> None:
+        super().__init__()
+        self.check_config(config)
+        self.config = config
+        device = torch.device(device)
+        par = ParallelContext(dtype, device, tp_rank, tp_size, tp_group, quant_config)
+        self.quant_config = quant_config
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        layers = [DecoderLayer(config, par, f"model.layers.{i}",
+                               self.make_mlp(config, par, i, f"model.layers.{i}.mlp"),
+                               qkv_bias=self.qkv_bias_always or attention_bias,
+                               o_bias=attention_bias and not self.qkv_bias_always,
+                               qk_norm=self.qk_norm)
+                  for i in range(config.num_hidden_layers)]
+        self.model = DecoderModel(config, par, layers)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
+                                      **par.args(with_group=True))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+        attn = self.model.layers[0].self_attn
+        self.num_layers: int = config.num_hidden_layers
+        self.num_kv_heads: int = attn.num_kv_heads  # local to this rank
+        self.head_dim: int = attn.head_dim
+        self.vocab_size: int = config.vocab_size
+        self.scale: float = self.head_dim ** -0.5
+        # Attention never slides here; an engine must cap max_model_len at this when it is set.
+        self.sliding_window: int | None = self._sliding_window(config)
+        self.dtype, self.device = dtype, device
+        # Called with the layer index before every attention op (the preemption vote); None is
+        # the common case and costs one attribute check per layer.
+        self.before_attention: Callable[[int], None] | None = None
+        self.kernels: KernelBackend = select_backend(device)
+        self.use_kernels(self.kernels)
+
+    def make_mlp(self, config: Any, par: ParallelContext, layer_idx: int,
+                 prefix: str) -> nn.Module:
+        """What follows attention in layer ``layer_idx``: the dense SwiGLU MLP here."""
+        return DecoderMLP(config, par, prefix, bias=bool(getattr(config, "mlp_bias", False)))
+
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        """A ValueError for a config this implementation would not compute exactly."""
+        check_no_sliding_layers(config)
+
+    def use_kernels(self, kernels: KernelBackend) -> None:
+        """Run attention, and the norms, rotary, SwiGLU activation and experts where the
+        backend fuses them, on ``kernels``."""
+        self.kernels = kernels
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.fused = kernels.rms_norm
+            elif isinstance(module, DecoderAttention):
+                module.apply_rotary = kernels.apply_rotary or apply_rotary
+            elif isinstance(module, DecoderMLP):
+                module.silu_and_mul = kernels.silu_and_mul or silu_and_mul
+            elif hasattr(module, "use_kernels") and module is not self:
+                module.use_kernels(kernels)
+
+    @staticmethod
+    def _sliding_window(config: Any) -> int | None:
+        return None
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_meta: AttentionMetadata, kv_caches: list[KVCache],
+                joins: Sequence[LayerJoin] = ()) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] for a flattened batch (see kernels.attention
+        for the token order).
+
+        ``joins`` resume suspended passes: they are the batch's last prefill chunks, in order of
+        their layer, and ``input_ids`` covers only the tokens before them. Each enters the
+        residual stream at its layer with the activations saved when its pass stopped, so the
+        layers below it run without it. If the pass is unwound (StepSLOPreempted), the exception
+        carries the inputs of the layer it stopped at (``hidden_states``/``residual``, the rows
+        of the tokens active there), which is what a suspended chunk resumes from.
+        """
+        cos, sin = self.model.rotary_emb(positions)
+        pending = list(joins)
+        hidden_states: torch.Tensor | None = None
+        residual: torch.Tensor | None = None
+        first_layer = pending[0].layer if pending else 0
+        if input_ids.numel() > 0:
+            hidden_states = self.model.embed_tokens(input_ids)
+            first_layer = 0
+        meta = attn_meta.without_last_prefills(len(pending))
+        attention_op = self.attention_op
+        # The rows of the tokens active at a layer: all of them, or fewer below a join's layer.
+        # Sliced only when that count changes (at a join), not once per layer.
+        layer_cos, layer_sin = cos, sin
+        try:
+            for layer_idx in range(first_layer, self.num_layers):
+                if pending and pending[0].layer == layer_idx:
+                    while pending and pending[0].layer == layer_idx:
+                        hidden_states, residual = pending.pop(0).append_to(hidden_states,
+                                                                           residual)
+                    meta = attn_meta.without_last_prefills(len(pending))
+                assert hidden_states is not None
+                n = hidden_states.shape[0]
+                if layer_cos.shape[0] != n:
+                    layer_cos, layer_sin = cos[:n], sin[:n]
+                hidden_states, residual = self.model.layers[layer_idx](
+                    layer_idx, hidden_states, residual, layer_cos, layer_sin, meta,
+                    kv_caches[layer_idx], attention_op)
+        except StepSLOPreempted as stop:
+            stop.hidden_states, stop.residual = hidden_states, residual
+            raise
+        assert hidden_states is not None and not pending
+        hidden_states, _ = self.model.norm(hidden_states, residual)
+        return hidden_states
+
+    def attention_op(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     attn_meta: AttentionMetadata, kv_cache: KVCache,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """The single entry point of every attention computation: hook, cache write, attention
+        (into ``out`` when given)."""
+        hook = self.before_attention
+        if hook is not None:
+            hook(layer_idx)
+        key_cache, value_cache = kv_cache
+        kernels = self.kernels
+        kernels.write_kv_cache(k, v, key_cache, value_cache, attn_meta.slot_mapping)
+        return kernels.paged_attention(q, k, v, key_cache, value_cache, attn_meta, self.scale,
+                                       out=out)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab] for the rows to sample (never every prompt position)."""
+        return self.lm_head(hidden_states).float()
+
+
+def check_no_sliding_layers(config: Any) -> None:
+    # Qwen2/Qwen3 can mark layers as sliding-window; the kernels only do full attention, so such
+    # a model would silently diverge from HF past the window. (Mistral's `sliding_window` covers
+    # every layer and is usually >= the context in use; it is exposed as `model.sliding_window`.)
+    layer_types = getattr(config, "layer_types", None) or []
+    if getattr(config, "use_sliding_window", False) and "sliding_attention" in layer_types:
+        raise ValueError("sliding-window attention layers are not supported")
