@@ -1,19 +1,28 @@
 """Step-time profiles: how long a step takes on some machine, layer by layer.
 
-A step's time is the TTFT predictor's step model (monitor/predictor.py) with a floor:
+A step's time is the TTFT predictor's step model (monitor/predictor.py) with a floor, and for a
+mixture of experts the expert weights its tokens read:
 
-    max(floor_s, intercept_s + a * tokens + b * attention + d * decode_context)
+    max(floor_s, intercept_s + a * tokens + b * attention + d * decode_context
+                 + e * E * (1 - (1 - k / E) ** tokens))
 
 `attention` sums n * (2 * prefix + n) over the prefill chunks and `decode_context` the KV tokens
-the decodes read. The floor is the host: an engine that launches ~1000 kernels a step cannot run
-a step faster than it launches them, however few tokens it holds (a decode step of an 8B model on
-an H100 takes ~30 ms for ~5 ms of GPU work), and a longer step hides the launches behind the GPU.
+the decodes read. The last term is a mixture-of-experts model's (0 for a dense one, whose
+weights the intercept reads): a step whose tokens each route to k of E experts reads the distinct
+experts they touch, E * (1 - (1 - k/E) ** tokens) of them in expectation, e seconds each: k at
+one decode, nearly all of them at a batch of 64 or any prefill chunk.
+
+The floor is the host: an engine that launches ~1000 kernels a step cannot run a step faster
+than it launches them, however few tokens it holds (a decode step of an 8B model on an H100
+takes ~30 ms for ~5 ms of GPU work), and a longer step hides the launches behind the GPU.
 Every layer takes an equal share, and a chunk that joins the pass at a later layer (a resumed
 suspended chunk) counts only in the layers it runs.
 
 Profiles ship as JSON files in engine/simulation/profiles/ (by name), or are a JSON file of
 their own, or are fitted from a calibration file of any machine (`sloserve calibrate`'s output:
-the same step model, no floor).
+the same step model, no floor). A shipped profile is measured on its device, or derived from a
+measured one and its model shape's parameter counts (engine/benchmarks/inputs/derived_profiles.py, `derived_from`
+names the measured one) until a GPU measures it.
 """
 
 from __future__ import annotations
@@ -48,6 +57,15 @@ class StepTimeProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     dtype: str = "bfloat16"
     # The model shape it times (a `sloserve bench shape` name), for tools that write a model folder.
     model_shape: str | None = None
+    # A mixture of experts' weight reads: each token routes to `experts_per_token` of
+    # `num_experts` experts, and reading one expert's weights in every layer takes
+    # `seconds_per_expert` (0: a dense model).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    seconds_per_expert: float = 0.0
+    # None where the figures were measured on the device; else the measured profile they were
+    # derived from (engine/benchmarks/inputs/derived_profiles.py), until a GPU measures them.
+    derived_from: str | None = None
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -56,15 +74,27 @@ class StepTimeProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         if self.seconds_per_token <= 0:
             raise ValueError(f"profile {self.name!r}: seconds_per_token must be > 0")
         for field in ("seconds_per_attention", "seconds_per_decode_context", "intercept_s",
-                      "floor_s", "unwind_s"):
+                      "floor_s", "unwind_s", "seconds_per_expert"):
             if not getattr(self, field) >= 0:
                 raise ValueError(f"profile {self.name!r}: {field} must be >= 0")
+        if self.seconds_per_expert and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(f"profile {self.name!r}: seconds_per_expert needs 1 <= "
+                             f"experts_per_token <= num_experts")
+
+    def experts_read(self, tokens: float) -> float:
+        """The distinct experts (per layer) a step of ``tokens`` tokens reads, in expectation
+        over independent uniform routing: E * (1 - (1 - k/E) ** tokens); 0 for a dense model."""
+        if not self.num_experts:
+            return 0.0
+        e = self.num_experts
+        return e * (1.0 - (1.0 - self.experts_per_token / e) ** tokens)
 
     def compute_seconds(self, tokens: float, attention: float, decode_context: float) -> float:
         """The device's work for a step of these features, without the floor."""
         return (self.intercept_s + self.seconds_per_token * tokens
                 + self.seconds_per_attention * attention
-                + self.seconds_per_decode_context * decode_context)
+                + self.seconds_per_decode_context * decode_context
+                + self.seconds_per_expert * self.experts_read(tokens))
 
     def step_seconds(self, tokens: int, attention: int, decode_context: int) -> float:
         """A whole step with every chunk in every layer."""

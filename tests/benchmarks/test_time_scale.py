@@ -16,12 +16,16 @@ from engine.simulation.profile import load_profile
 from monitor.predictor import LinearTTFT, predict_prefill
 
 
-def test_a_slowed_profile_and_line_take_k_times_as_long() -> None:
-    profile = load_profile("h100-llama-3.1-8b")
+@pytest.mark.parametrize("name", ["h100-llama-3.1-8b", "h100-qwen3-30b-a3b"])
+def test_a_slowed_profile_and_line_take_k_times_as_long(name: str) -> None:
+    profile = load_profile(name)  # dense, and a mixture of experts (its expert reads slowed too)
     slow = slowed_profile(profile, 4)
     assert slow.num_layers == profile.num_layers and slow.model_shape == profile.model_shape
-    for features in [(1, 0, 300), (2048, 2048 * (2 * 8000 + 2048), 0), (24_000, 24_000 ** 2, 0)]:
+    for features in [(1, 0, 300), (64, 0, 64 * 4096), (2048, 2048 * (2 * 8000 + 2048), 0),
+                     (24_000, 24_000 ** 2, 0)]:
         assert slow.step_seconds(*features) == pytest.approx(4 * profile.step_seconds(*features))
+        assert slow.compute_seconds(*features) == pytest.approx(
+            4 * profile.compute_seconds(*features))
     assert slow.unwind_s == pytest.approx(4 * profile.unwind_s)
     line = LinearTTFT(seconds_per_token=2e-5, intercept_s=0.005, seconds_per_token_sq=1e-9,
                       seconds_per_decode_context=3e-7, floor_s=0.008, relative_error=0.1,

@@ -157,9 +157,13 @@ def _on_gpu(device: str) -> bool:
 
 
 def _simulated_model(profile_name: str, out_dir: Path) -> str:
-    """A model folder of the profile's shape (config.json and the default model's tokenizer):
-    all a simulated engine reads of a model."""
-    from engine.benchmarks.inputs.model_shapes import write_shape
+    """A model folder of the profile's shape (config.json and the default model's tokenizer, or
+    a small one trained here where the shape's vocabulary is smaller than the default model's,
+    as Mixtral's 32000 tokens are): all a simulated engine reads of a model."""
+    from transformers import AutoTokenizer
+
+    from engine.benchmarks.inputs.model_shapes import SHAPES, write_shape
+    from engine.benchmarks.inputs.random_checkpoints import save_small_tokenizer
     from engine.entrypoints.default_model import model_path_or_default
     from engine.simulation.profile import load_profile
 
@@ -167,8 +171,12 @@ def _simulated_model(profile_name: str, out_dir: Path) -> str:
     if profile.model_shape is None:
         raise ValueError(f"simulate: profile {profile.name!r} names no model shape: pass --model "
                          f"with a folder of its shape")
+    tokenizer: str | Path = model_path_or_default(None)
+    if len(AutoTokenizer.from_pretrained(str(tokenizer))) > SHAPES[profile.model_shape][
+            "vocab_size"]:
+        tokenizer = save_small_tokenizer(out_dir / "tokenizer-small")
     folder = out_dir / f"model-{profile.model_shape}"
-    write_shape(profile.model_shape, folder, model_path_or_default(None))
+    write_shape(profile.model_shape, folder, tokenizer)
     return str(folder)
 
 

@@ -33,7 +33,7 @@ from monitor.predictor import LinearTTFT
 
 # The durations of a profile: every one runs K times as long.
 _PROFILE_SECONDS = ("seconds_per_token", "seconds_per_attention", "seconds_per_decode_context",
-                    "intercept_s", "floor_s", "unwind_s")
+                    "intercept_s", "floor_s", "unwind_s", "seconds_per_expert")
 # The coefficients of a TTFT line (seconds per unit of a feature, or seconds).
 _LINE_SECONDS = ("seconds_per_token", "intercept_s", "seconds_per_token_sq",
                  "seconds_per_decode_context", "floor_s", "edge_seconds_per_token",

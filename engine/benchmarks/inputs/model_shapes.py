@@ -7,6 +7,9 @@ the device.
 
     sloserve bench shape llama-3.1-8b /tmp/llama-8b-shape
     sloserve serve /tmp/llama-8b-shape --load-format dummy --device cuda
+
+Shapes: llama-3.2-1b, llama-3.1-8b, qwen2.5-7b (dense); qwen3-30b-a3b and mixtral-8x7b
+(mixture of experts); llama-3.1-8b-fp8 (the 8B with block-wise FP8 weights).
 """
 
 from __future__ import annotations
@@ -23,7 +26,13 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0,
                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
 
-# The published configs' shape fields (meta-llama/Llama-3.2-1B, Llama-3.1-8B, Qwen2.5-7B).
+# Block-wise FP8 as the FP8 checkpoints users download hold it: e4m3 weights with one float32
+# scale per 128x128 block, activations quantized per step ("dynamic").
+_FP8_BLOCKWISE = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                  "weight_block_size": [128, 128]}
+
+# The published configs' shape fields (meta-llama/Llama-3.2-1B, Llama-3.1-8B, Qwen2.5-7B,
+# Qwen/Qwen3-30B-A3B, mistralai/Mixtral-8x7B-v0.1).
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
@@ -45,7 +54,31 @@ SHAPES: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 32768,
         "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
         "hidden_act": "silu", "torch_dtype": "bfloat16"},
+    # 128 experts, 8 per token, in every layer (decoder_sparse_step 1, no mlp_only_layers): 30.5B
+    # parameters, 3.3B of them active per token.
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
+        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
+        "torch_dtype": "bfloat16"},
+    # 8 experts, 2 per token: 46.7B parameters (93 GB in bf16: more than an H100's 80 GB), 12.9B
+    # of them active per token.
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 8,
+        "num_experts_per_tok": 2, "vocab_size": 32000, "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5, "rope_theta": 1e6, "sliding_window": None,
+        "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16"},
 }
+# The 8B as its block-wise FP8 checkpoints ship: a dummy load draws FP8 weights where the
+# engine reads this quantization_config (workers/quantization). The other way to FP8 is
+# `--quantization fp8` on the bf16 llama-3.1-8b shape (weights quantized as they load).
+SHAPES["llama-3.1-8b-fp8"] = {**SHAPES["llama-3.1-8b"], "quantization_config": _FP8_BLOCKWISE}
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "vocab.json", "merges.txt", "tokenizer.model")
