@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from engine.benchmarks.measure.roofline import (ModelShape, attention_flops, decode_bytes_per_step,
                             decode_flops_per_step, prefill_flops)
 
@@ -86,3 +88,24 @@ def test_bench_throughput_prints_roofline_json_on_a_tiny_model(tiny_model, tmp_p
     # The HF comparison is still there.
     assert result["prefill_ratio"][0] > 0 and result["decode_ratio"][0] > 0
     assert result["wall_s"] > 0
+
+
+def test_a_mixture_of_experts_bound_counts_active_and_touched_experts():
+    """Qwen3-30B-A3B's shape: a token multiplies by its 8 experts (3.3B active parameters of
+    30.5B), and a decode step reads the experts its batch touches: 8 of 128 per layer at batch 1,
+    nearly all at batch 64."""
+    import transformers
+
+    from engine.benchmarks.inputs.model_shapes import SHAPES
+    from engine.benchmarks.measure.roofline import ModelShape, decode_bytes_per_step
+
+    fields = {k: v for k, v in SHAPES["qwen3-30b-a3b"].items() if k != "model_type"}
+    shape = ModelShape.from_hf_config(transformers.AutoConfig.for_model("qwen3_moe", **fields))
+    assert (shape.num_experts, shape.experts_per_token, shape.expert_intermediate) == (128, 8, 768)
+    assert shape.experts_touched(1) == pytest.approx(8)
+    assert 125 < shape.experts_touched(64) < 128
+    attention = 48 * 2048 * (32 * 128 * 2 + 4 * 128 * 2)
+    assert shape.linear_params == attention + 48 * 8 * 3 * 2048 * 768
+    one, many = (decode_bytes_per_step(shape, [100] * b, 2)["weights"] for b in (1, 64))
+    assert one == 2 * (shape.linear_params + shape.lm_head_params)
+    assert many > 8 * one  # nearly every expert's weights, at batch 64

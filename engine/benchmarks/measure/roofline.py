@@ -29,7 +29,10 @@ from engine.benchmarks.measure.machine_limits import Timer, copy_gbps, read_gbps
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The dimensions the FLOP and byte counts need."""
+    """The dimensions the FLOP and byte counts need. A mixture of experts (``num_experts`` > 0)
+    computes ``experts_per_token`` experts of ``expert_intermediate`` per token in place of the
+    dense MLP (plus a shared expert where it has one), and a step reads the weights of the
+    experts its tokens touch."""
     hidden: int
     intermediate: int
     n_layers: int
@@ -37,27 +40,70 @@ class ModelShape:
     n_kv_heads: int
     head_dim: int
     vocab: int
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    shared_expert_intermediate: int = 0
 
     @classmethod
     def from_hf_config(cls, config) -> "ModelShape":
         n_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+        experts = (getattr(config, "num_experts", None)
+                   or getattr(config, "num_local_experts", None) or 0)
         return cls(hidden=config.hidden_size, intermediate=config.intermediate_size,
                    n_layers=config.num_hidden_layers, n_heads=n_heads,
                    n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
-                   head_dim=head_dim, vocab=config.vocab_size)
+                   head_dim=head_dim, vocab=config.vocab_size, num_experts=experts,
+                   experts_per_token=getattr(config, "num_experts_per_tok", 0) if experts else 0,
+                   expert_intermediate=(getattr(config, "moe_intermediate_size", None)
+                                        or config.intermediate_size) if experts else 0,
+                   shared_expert_intermediate=getattr(
+                       config, "shared_expert_intermediate_size", 0) or 0)
+
+    def attention_gemms(self) -> list[tuple[str, int, int]]:
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        h = self.hidden
+        return [("q", h, q), ("k", h, kv), ("v", h, kv), ("o", q, h)]
 
     def layer_gemms(self) -> list[tuple[str, int, int]]:
-        """(name, K, N) of each linear layer of one decoder layer: x[M, K] @ W[K, N]."""
-        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        h, i = self.hidden, self.intermediate
-        return [("q", h, q), ("k", h, kv), ("v", h, kv), ("o", q, h),
-                ("gate", h, i), ("up", h, i), ("down", i, h)]
+        """(name, K, N) of each linear layer one token goes through in one decoder layer:
+        x[M, K] @ W[K, N] (a mixture of experts: its experts' MLPs, each as wide as it is)."""
+        h = self.hidden
+        if not self.num_experts:
+            i = self.intermediate
+            return [*self.attention_gemms(), ("gate", h, i), ("up", h, i), ("down", i, h)]
+        i = self.expert_intermediate * self.experts_per_token + self.shared_expert_intermediate
+        return [*self.attention_gemms(), ("experts gate", h, i), ("experts up", h, i),
+                ("experts down", i, h)]
 
     @property
     def linear_params(self) -> int:
-        """Non-embedding linear parameters (norm weights are negligible and read-only)."""
+        """Non-embedding linear parameters one token multiplies by (a mixture of experts: the
+        active ones; norm weights and routers are negligible)."""
         return self.n_layers * sum(k * n for _, k, n in self.layer_gemms())
+
+    @property
+    def expert_params(self) -> int:
+        """One expert's parameters in one layer."""
+        return 3 * self.hidden * self.expert_intermediate
+
+    def experts_touched(self, batch: int) -> float:
+        """The expected distinct experts a layer runs for ``batch`` tokens routed uniformly:
+        E * (1 - (1 - k/E)^batch)."""
+        if not self.num_experts:
+            return 0.0
+        return self.num_experts * (1 - (1 - self.experts_per_token / self.num_experts) ** batch)
+
+    def linear_params_read(self, batch: int) -> int:
+        """Linear parameters a step of ``batch`` tokens reads: every dense weight, and the
+        experts its tokens touch."""
+        if not self.num_experts:
+            return self.linear_params
+        attention = sum(k * n for _, k, n in self.attention_gemms())
+        shared = 3 * self.hidden * self.shared_expert_intermediate
+        return round(self.n_layers * (attention + shared
+                                      + self.experts_touched(batch) * self.expert_params))
 
     @property
     def lm_head_params(self) -> int:
@@ -81,9 +127,10 @@ def prefill_flops(shape: ModelShape, prompt_len: int, sampled_rows: int = 1) -> 
 
 
 def decode_bytes_per_step(shape: ModelShape, contexts: list[int], dtype_bytes: int) -> dict[str, int]:
-    """Bytes one decode step must read: the weights once (linear layers and LM head; the
-    embedding rows of a batch are negligible) and every request's K/V over its context."""
-    weights = (shape.linear_params + shape.lm_head_params) * dtype_bytes
+    """Bytes one decode step must read: the weights once (linear layers, of a mixture of experts
+    those its batch touches, and the LM head; the embedding rows of a batch are negligible) and
+    every request's K/V over its context."""
+    weights = (shape.linear_params_read(len(contexts)) + shape.lm_head_params) * dtype_bytes
     kv = shape.kv_bytes_per_token(dtype_bytes) * sum(contexts)
     return {"weights": weights, "kv": kv, "total": weights + kv}
 
