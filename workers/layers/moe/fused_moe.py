@@ -113,9 +113,10 @@ class FusedMoE(nn.Module):
     def capturable(self) -> bool:
         """Whether a CUDA graph can capture this layer: its experts never read a device value on
         the host (the fused kernel does not; the PyTorch paths read per-expert counts)."""
-        if self.quant_method is not None:
-            return bool(getattr(self.quant_method, "capturable", False))
-        return self.fused_experts is not None
+        # A quantized experts method on CUDA hands its dequantized weights to the same kernel
+        # (workers.quantization.fp8_moe); one that reads the host says so with capturable=False.
+        return (self.fused_experts is not None
+                and bool(getattr(self.quant_method, "capturable", True)))
 
     def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
