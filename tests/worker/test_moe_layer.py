@@ -95,3 +95,17 @@ def test_cuda_graphs_are_off_where_experts_read_counts_on_the_host(tiny_model, m
     for layer in experts:
         layer.fused_experts = experts_reference  # stands in for the Triton kernel
     assert cuda_graphs.select_graph_backend(runner) == "captured"  # probe: only the experts
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5])
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_experts_round_as_the_reference(num_tokens: int, weights_dtype) -> None:
+    """In bf16 every path rounds where HF's loop rounds, bit for bit: Mixtral's float32 routing
+    weights promote the weighted product before it is rounded, Qwen's bf16 ones do not."""
+    w13, w2 = (w.to(torch.bfloat16) for w in _weights(7))
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(num_tokens, H, generator=g).to(torch.bfloat16)
+    weights, ids = select_experts(torch.randn(num_tokens, E, generator=g), K, True,
+                                  weights_dtype)
+    assert torch.equal(experts_sorted(x, w13, w2, weights, ids),
+                       experts_reference(x, w13, w2, weights, ids))
