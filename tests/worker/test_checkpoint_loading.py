@@ -142,3 +142,17 @@ def test_the_engine_refuses_to_start_on_a_broken_checkpoint(tmp_path: Path) -> N
     with pytest.raises(Exception, match=r"model\.layers\.2\.mlp\.experts\.w2_weight "
                                         r"\(experts \[3\]: w2\)"):
         LLM(model=source, dtype="float32")
+
+
+def test_an_fp8_tensor_where_the_model_keeps_full_precision_is_named(tmp_path: Path) -> None:
+    """An FP8 LM head in a checkpoint whose config quantizes nothing: refused, never cast
+    without its scale."""
+    source = make_tiny_model(tmp_path, "mixtral")
+    path = Path(source) / "model.safetensors"
+    weights = load_file(str(path))
+    weights["lm_head.weight"] = weights["lm_head.weight"].to(torch.float8_e4m3fn)
+    save_file(weights, str(path))
+    with pytest.raises(ValueError, match=r"lm_head\.weight in model\.safetensors is "
+                                         r"torch\.float8_e4m3fn but this model holds "
+                                         r"lm_head\.weight in torch\.float32"):
+        _our_logits(source)

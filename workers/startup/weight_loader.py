@@ -25,6 +25,7 @@ from workers.layers.moe import PROJECTIONS
 from workers.quantization import FP8_DTYPE, FP8_MAX, is_scale_name
 
 INDEX_FILE = "model.safetensors.index.json"
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 ShardId = Any  # None, "q"/"k"/"v", 0/1, or an expert shard (expert, "w1"/"w3"/"w2")
 
 # HF name fragment -> (our fragment, shard id).
@@ -160,9 +161,15 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
                 unexpected.append(hf_name)
                 continue
             loader = getattr(param, "weight_loader", default_weight_loader)
+            tensor = f.get_tensor(hf_name)
+            if tensor.dtype in _FP8_DTYPES and param.dtype not in _FP8_DTYPES:
+                # Cast without its scale it would be a different weight, silently.
+                raise ValueError(f"{hf_name} in {path.name} is {tensor.dtype} but this model "
+                                 f"holds {name} in {param.dtype}: the checkpoint's "
+                                 f"quantization_config does not cover it")
             with torch.no_grad():
                 try:
-                    loader(param, f.get_tensor(hf_name), shard_id)
+                    loader(param, tensor, shard_id)
                 except ValueError as e:
                     raise ValueError(f"{hf_name} in {path.name}: {e}") from None
             loaded[name] |= _loaded_shards(param, shard_id)
