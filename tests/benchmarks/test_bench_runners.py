@@ -436,3 +436,26 @@ def test_a_simulated_run_hands_its_servers_absolute_paths(tmp_path, monkeypatch)
         assert ttft is not None and Path(ttft).is_absolute() and Path(ttft).exists()
     finally:
         setup.close()
+
+
+def test_a_simulated_shape_with_a_smaller_vocabulary_gets_a_tokenizer_that_fits(tmp_path,
+                                                                               monkeypatch):
+    """Mixtral's 32000 tokens are fewer than the default tokenizer's 49152: the simulated run's
+    folder gets a small tokenizer trained for it instead of failing on the default one (here
+    in miniature: a 420-token shape and a 439-token default)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from engine.benchmarks.attainment import cli
+    from engine.entrypoints import default_model
+    from tests.utils.tiny_tokenizer import save_tiny_tokenizer
+
+    large = save_tiny_tokenizer(tmp_path / "large", vocab_size=600)  # 439 tokens: the corpus
+    monkeypatch.setattr(default_model, "model_path_or_default", lambda model: str(large))
+    from engine.benchmarks.inputs import model_shapes
+
+    monkeypatch.setitem(model_shapes.SHAPES, "mixtral-8x7b",
+                        {**model_shapes.SHAPES["mixtral-8x7b"], "vocab_size": 420})
+    folder = cli._simulated_model("h200-mixtral-8x7b", tmp_path)
+    assert len(AutoTokenizer.from_pretrained(str(large))) > 420  # probe: the default is too big
+    assert len(AutoTokenizer.from_pretrained(folder)) <= 420
+    assert AutoConfig.from_pretrained(folder).architectures == ["MixtralForCausalLM"]
