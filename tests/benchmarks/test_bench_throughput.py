@@ -109,3 +109,23 @@ def test_a_mixture_of_experts_bound_counts_active_and_touched_experts():
     one, many = (decode_bytes_per_step(shape, [100] * b, 2)["weights"] for b in (1, 64))
     assert one == 2 * (shape.linear_params + shape.lm_head_params)
     assert many > 8 * one  # nearly every expert's weights, at batch 64
+
+
+def test_an_fp8_shape_reads_one_byte_a_linear_weight():
+    """Llama-3.1-8B's FP8 shape: a decode step reads its linear weights at one byte each and the
+    LM head at the compute dtype's two, against the bf16 shape's two for both."""
+    import transformers
+
+    from engine.benchmarks.inputs.model_shapes import SHAPES
+    from engine.benchmarks.measure.roofline import ModelShape, decode_bytes_per_step
+
+    def shape(name: str) -> ModelShape:
+        fields = {k: v for k, v in SHAPES[name].items() if k != "model_type"}
+        return ModelShape.from_hf_config(transformers.AutoConfig.for_model("llama", **fields))
+
+    fp8, bf16 = shape("llama-3.1-8b-fp8"), shape("llama-3.1-8b")
+    assert fp8.linear_weight_bytes == 1.0 and bf16.linear_weight_bytes is None
+    fp8_bytes = decode_bytes_per_step(fp8, [1], 2)["weights"]
+    assert fp8_bytes == fp8.linear_params + 2 * fp8.lm_head_params
+    assert decode_bytes_per_step(bf16, [1], 2)["weights"] == 2 * (bf16.linear_params
+                                                                   + bf16.lm_head_params)

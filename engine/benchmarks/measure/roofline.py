@@ -44,6 +44,10 @@ class ModelShape:
     experts_per_token: int = 0
     expert_intermediate: int = 0
     shared_expert_intermediate: int = 0
+    # Bytes of one linear-layer weight when the checkpoint stores them quantized (FP8: 1; the
+    # block scales add 1/4096 and are left out); None: the compute dtype's. The LM head and the
+    # KV cache stay in the compute dtype.
+    linear_weight_bytes: float | None = None
 
     @classmethod
     def from_hf_config(cls, config) -> "ModelShape":
@@ -59,7 +63,8 @@ class ModelShape:
                    expert_intermediate=(getattr(config, "moe_intermediate_size", None)
                                         or config.intermediate_size) if experts else 0,
                    shared_expert_intermediate=getattr(
-                       config, "shared_expert_intermediate_size", 0) or 0)
+                       config, "shared_expert_intermediate_size", 0) or 0,
+                   linear_weight_bytes=_quantized_weight_bytes(config))
 
     def attention_gemms(self) -> list[tuple[str, int, int]]:
         q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
@@ -113,6 +118,16 @@ class ModelShape:
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype_bytes
 
 
+def _quantized_weight_bytes(config) -> float | None:
+    """1 for a checkpoint of FP8 weights (either layout), None for full-precision ones."""
+    quant = getattr(config, "quantization_config", None)
+    if quant is None:
+        return None
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(
+        quant, "quant_method", None)
+    return 1.0 if str(method) in ("fp8", "compressed-tensors") else None
+
+
 def attention_flops(shape: ModelShape, start: int, length: int) -> int:
     """Causal attention FLOPs of `length` new tokens after `start` cached ones: the token at
     position p attends to p + 1 keys, 2 FLOPs per multiply-add in QK^T and again in PV."""
@@ -130,7 +145,9 @@ def decode_bytes_per_step(shape: ModelShape, contexts: list[int], dtype_bytes: i
     """Bytes one decode step must read: the weights once (linear layers, of a mixture of experts
     those its batch touches, and the LM head; the embedding rows of a batch are negligible) and
     every request's K/V over its context."""
-    weights = (shape.linear_params_read(len(contexts)) + shape.lm_head_params) * dtype_bytes
+    linear_bytes = shape.linear_weight_bytes or dtype_bytes
+    weights = round(shape.linear_params_read(len(contexts)) * linear_bytes
+                    + shape.lm_head_params * dtype_bytes)
     kv = shape.kv_bytes_per_token(dtype_bytes) * sum(contexts)
     return {"weights": weights, "kv": kv, "total": weights + kv}
 
