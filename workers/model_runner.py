@@ -30,6 +30,7 @@ from workers.startup.kernel_warmup import warm_up_graph_paths, warm_up_kernels
 from workers.kv_cache import allocate_kv_caches, num_kv_blocks, resized_kv_caches
 from workers.layers.cpu_prepack import prepack_available, prepack_linear_weights
 from workers.models import build_model
+from workers.quantization import describe_weights
 from workers.models import LayerJoin
 from workers.preemption.slo_preempt_vote import SLOPreemptVote, StepSLOPreempted, discarded_share
 from workers.preemption.run_ahead import RunAheadLimit
@@ -95,6 +96,8 @@ class ModelRunner:
             init_dummy_weights(self.model, settings.seed + rank)
         else:
             load_weights(self.model, str(settings.model))
+        if self.model.quant_config is not None:
+            logger.info("%s", describe_weights(self.model))
         self.model.eval()
         if prepack_available(device, dtype):
             packed = prepack_linear_weights(self.model)

@@ -144,3 +144,18 @@ def test_quantization_fp8_quantizes_experts_at_load(tiny_model, tmp_path):
     finally:
         llm.shutdown()
     assert got == hf_greedy(write_online_reference(source, tmp_path / "ref"), prompts, MAX_NEW)
+
+
+def test_the_startup_log_says_what_the_weights_hold(fp8_checkpoint, caplog):
+    """The FP8 tensors and their memory, beside the rest, as a user reads them at startup."""
+    import logging
+
+    from engine import LLM
+
+    folder, _ = fp8_checkpoint("llama", "block")
+    with caplog.at_level(logging.INFO, logger="workers.model_runner"):
+        llm = LLM(model=folder, dtype="float32", startup_calibration=False)
+    llm.shutdown()
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weights:")]
+    # 2 layers x (qkv, o, gate_up, down)
+    assert line.startswith("weights: quantization fp8; 8 FP8 weight tensors, ")

@@ -55,6 +55,28 @@ def check_quantization(hf_config: Any, quantization: str | None,
     return config
 
 
+def describe_weights(model: torch.nn.Module) -> str:
+    """What the loaded weights hold, for the startup log: how many tensors are FP8 and how much
+    memory they and the rest take."""
+    fp8_bytes = other_bytes = fp8_tensors = 0
+    seen: set[int] = set()
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) in seen or tensor.is_mkldnn:
+            continue
+        seen.add(id(tensor))
+        nbytes = tensor.numel() * tensor.element_size()
+        if tensor.dtype == FP8_DTYPE:
+            fp8_bytes += nbytes
+            fp8_tensors += 1
+        else:
+            other_bytes += nbytes
+    quant = getattr(model, "quant_config", None)
+    name = getattr(quant, "name", "none")
+    return (f"weights: quantization {name}; {fp8_tensors} FP8 weight tensors, "
+            f"{fp8_bytes / 2**20:.0f} MiB; everything else (embeddings, head, norms, scales) "
+            f"{other_bytes / 2**20:.0f} MiB")
+
+
 def is_scale_name(name: str) -> bool:
     """Whether a parameter or buffer name (dotted) is a quantization scale."""
     return name.rpartition(".")[2] in SCALE_NAMES
@@ -67,6 +89,7 @@ __all__ = [
     "SCALE_NAMES",
     "QuantizationConfig",
     "check_quantization",
+    "describe_weights",
     "get_quant_config",
     "is_scale_name",
 ]
