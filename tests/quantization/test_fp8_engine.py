@@ -5,6 +5,7 @@ quantizes a float32 checkpoint as the test's reference does, and TP=2 equals TP=
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import random
 
@@ -148,10 +149,6 @@ def test_quantization_fp8_quantizes_experts_at_load(tiny_model, tmp_path):
 
 def test_the_startup_log_says_what_the_weights_hold(fp8_checkpoint, caplog):
     """The FP8 tensors and their memory, beside the rest, as a user reads them at startup."""
-    import logging
-
-    from engine import LLM
-
     folder, _ = fp8_checkpoint("llama", "block")
     with caplog.at_level(logging.INFO, logger="workers.model_runner"):
         llm = LLM(model=folder, dtype="float32", startup_calibration=False)
