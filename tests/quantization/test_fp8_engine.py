@@ -156,3 +156,21 @@ def test_the_startup_log_says_what_the_weights_hold(fp8_checkpoint, caplog):
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weights:")]
     # 2 layers x (qkv, o, gate_up, down)
     assert line.startswith("weights: quantization fp8; 8 FP8 weight tensors, ")
+
+
+def test_fp8_experts_tp2_equal_tp1(tiny_model, tmp_path):
+    """Per-channel FP8 experts split over two ranks: each rank's slice of every expert keeps its
+    rows' scales, and the outputs equal one rank's."""
+    from tests.utils.fp8_checkpoints import write_fp8_checkpoint
+
+    source = tiny_model("qwen3_moe", **MOE_SHAPE)
+    quantized, _ = write_fp8_checkpoint(source, tmp_path / "fp8", tmp_path / "ref", "channel")
+    outputs = {}
+    for tp in (1, 2):
+        llm = LLM(model=quantized, tensor_parallel_size=tp, **ENGINE)
+        try:
+            outputs[tp] = _greedy(llm, _prompts(llm.engine.vocab_size))
+        finally:
+            llm.shutdown()
+    assert outputs[2] == outputs[1]
+    assert not multiprocessing.active_children()
