@@ -38,6 +38,16 @@ from monitor.predictor import LinearTTFT
 _PROFILE_PACKAGE = "engine.simulation.profiles"
 
 
+def expected_experts_read(num_experts: int, experts_per_token: int, tokens: float) -> float:
+    """The distinct experts per layer that ``tokens`` tokens touch, each routed to
+    ``experts_per_token`` of ``num_experts`` independently and uniformly, in expectation:
+    E * (1 - (1 - k/E) ** tokens). 0 for a dense model (E = 0). The one formula the step profiles,
+    their derivation and the throughput bounds share."""
+    if not num_experts:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - experts_per_token / num_experts) ** tokens)
+
+
 class StepTimeProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     name: str
     num_layers: int
@@ -82,12 +92,9 @@ class StepTimeProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
                              f"experts_per_token <= num_experts")
 
     def experts_read(self, tokens: float) -> float:
-        """The distinct experts (per layer) a step of ``tokens`` tokens reads, in expectation
-        over independent uniform routing: E * (1 - (1 - k/E) ** tokens); 0 for a dense model."""
-        if not self.num_experts:
-            return 0.0
-        e = self.num_experts
-        return e * (1.0 - (1.0 - self.experts_per_token / e) ** tokens)
+        """The distinct experts (per layer) a step of ``tokens`` tokens reads (0 for a dense
+        model): ``expected_experts_read``."""
+        return expected_experts_read(self.num_experts, self.experts_per_token, tokens)
 
     def compute_seconds(self, tokens: float, attention: float, decode_context: float) -> float:
         """The device's work for a step of these features, without the floor."""

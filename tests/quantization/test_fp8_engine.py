@@ -83,16 +83,17 @@ def test_quantization_fp8_quantizes_a_float32_checkpoint_at_load(fp8_source, tmp
     assert got == hf_greedy(reference, prompts, MAX_NEW)
 
 
+def _greedy_at_tp(model: str, tp: int) -> list[list[int]]:
+    llm = LLM(model=model, tensor_parallel_size=tp, **ENGINE)
+    try:
+        return _greedy(llm, _prompts(llm.engine.vocab_size))
+    finally:
+        llm.shutdown()
+
+
 def test_block_layout_tp2_equals_tp1(fp8_checkpoint):
     quantized, _ = fp8_checkpoint("llama", "block")
-    outputs = {}
-    for tp in (1, 2):
-        llm = LLM(model=quantized, tensor_parallel_size=tp, **ENGINE)
-        try:
-            outputs[tp] = _greedy(llm, _prompts(llm.engine.vocab_size))
-        finally:
-            llm.shutdown()
-    assert outputs[2] == outputs[1]
+    assert _greedy_at_tp(quantized, 2) == _greedy_at_tp(quantized, 1)
     assert not multiprocessing.active_children()
 
 
@@ -165,12 +166,5 @@ def test_fp8_experts_tp2_equal_tp1(tiny_model, tmp_path):
 
     source = tiny_model("qwen3_moe", **MOE_SHAPE)
     quantized, _ = write_fp8_checkpoint(source, tmp_path / "fp8", tmp_path / "ref", "channel")
-    outputs = {}
-    for tp in (1, 2):
-        llm = LLM(model=quantized, tensor_parallel_size=tp, **ENGINE)
-        try:
-            outputs[tp] = _greedy(llm, _prompts(llm.engine.vocab_size))
-        finally:
-            llm.shutdown()
-    assert outputs[2] == outputs[1]
+    assert _greedy_at_tp(quantized, 2) == _greedy_at_tp(quantized, 1)
     assert not multiprocessing.active_children()

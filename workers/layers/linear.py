@@ -48,16 +48,7 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"weight shape mismatch: expected {tuple(dst.shape)}, "
                          f"checkpoint slice has {tuple(src.shape)}")
-    if src.dtype in _FLOAT8 and dst.dtype not in _FLOAT8:
-        # Cast as it is, an FP8 tensor would lose its scale: a layer the checkpoint's
-        # quantization_config does not describe as quantized must not hold one.
-        raise ValueError(f"the checkpoint tensor is {str(src.dtype).removeprefix('torch.')} "
-                         f"but this parameter is not quantized (its quantization_config does "
-                         f"not cover this layer)")
     dst.copy_(src)
-
-
-_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
 
 def weakly_bound(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -25,7 +25,10 @@ from workers.layers.moe import PROJECTIONS
 from workers.quantization import FP8_DTYPE, FP8_MAX, is_scale_name
 
 INDEX_FILE = "model.safetensors.index.json"
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# An FP8 tensor cast into a full-precision parameter would lose its scale: refused, for every
+# parameter (linear, embedding, head), in this one place.
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
+               torch.float8_e5m2fnuz)
 ShardId = Any  # None, "q"/"k"/"v", 0/1, or an expert shard (expert, "w1"/"w3"/"w2")
 
 # HF name fragment -> (our fragment, shard id).
@@ -94,16 +97,17 @@ def _describe_missing(name: str, missing: set[ShardId]) -> str:
     return f"{name} (shards {sorted(map(str, missing))})"
 
 
-def checkpoint_files(model_dir: str) -> list[Path]:
-    """The safetensors files to read: those the index lists (each checked to exist), or every
-    ``*.safetensors`` file in the folder without an index."""
+def checkpoint_files(model_dir: str) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files to read and the index's tensor -> shard map: the files the index
+    lists (each checked to exist), or every ``*.safetensors`` file in a folder without an index
+    (and no map)."""
     folder = Path(model_dir)
     index = folder / INDEX_FILE
     if not index.exists():
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
-        return files
+        return files, None
     try:
         weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
     except (ValueError, KeyError, TypeError) as e:
@@ -114,12 +118,7 @@ def checkpoint_files(model_dir: str) -> list[Path]:
     if absent:
         raise FileNotFoundError(f"{INDEX_FILE} in {model_dir} lists shards that are not there: "
                                 f"{_summary(absent)}")
-    return [folder / name for name in names]
-
-
-def _index_tensors(model_dir: str) -> dict[str, str] | None:
-    index = Path(model_dir) / INDEX_FILE
-    return json.loads(index.read_text())["weight_map"] if index.exists() else None
+    return [folder / name for name in names], weight_map
 
 
 def _tensors(path: Path) -> Iterator[tuple[str, Any]]:
@@ -141,7 +140,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     Raises FileNotFoundError without checkpoint files and ValueError for weights the model does
     not have, missing weights, or shape mismatches.
     """
-    files = checkpoint_files(model_dir)
+    files, indexed = checkpoint_files(model_dir)
     params = dict(model.named_parameters())
     tied = bool(getattr(model, "tie_word_embeddings", False))
     renames = getattr(model, "checkpoint_renames", None)
@@ -173,7 +172,6 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
                 except ValueError as e:
                     raise ValueError(f"{hf_name} in {path.name}: {e}") from None
             loaded[name] |= _loaded_shards(param, shard_id)
-    indexed = _index_tensors(model_dir)
     if indexed is not None:
         absent = sorted(set(indexed) - seen)
         if absent:

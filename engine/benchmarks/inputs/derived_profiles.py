@@ -62,7 +62,7 @@ from typing import Any
 
 import msgspec
 
-from engine.simulation.profile import StepTimeProfile, load_profile
+from engine.simulation.profile import StepTimeProfile, expected_experts_read, load_profile
 
 GIB = 2**30
 # The FP8 GEMM rate over the bf16 one (the H100's tensor-core peaks, 1979 / 989 TFLOP/s dense):
@@ -139,10 +139,8 @@ class ShapeWork:
 
     def bytes_read(self, tokens: float) -> float:
         """A step's weight reads: the dense weights and the experts its tokens touch."""
-        if not self.num_experts:
-            return self.dense_bytes_read
-        e, k = self.num_experts, self.experts_per_token
-        return self.dense_bytes_read + e * (1 - (1 - k / e) ** tokens) * self.expert_bytes
+        return self.dense_bytes_read + expected_experts_read(
+            self.num_experts, self.experts_per_token, tokens) * self.expert_bytes
 
 
 def shape_work(config: dict[str, Any]) -> ShapeWork:

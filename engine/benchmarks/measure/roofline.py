@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.benchmarks.measure.machine_limits import Timer, copy_gbps, read_gbps
+from engine.simulation.profile import expected_experts_read
 
 
 @dataclass(frozen=True)
@@ -96,9 +97,7 @@ class ModelShape:
     def experts_touched(self, batch: int) -> float:
         """The expected distinct experts a layer runs for ``batch`` tokens routed uniformly:
         E * (1 - (1 - k/E)^batch)."""
-        if not self.num_experts:
-            return 0.0
-        return self.num_experts * (1 - (1 - self.experts_per_token / self.num_experts) ** batch)
+        return expected_experts_read(self.num_experts, self.experts_per_token, batch)
 
     def linear_params_read(self, batch: int) -> int:
         """Linear parameters a step of ``batch`` tokens reads: every dense weight, and the

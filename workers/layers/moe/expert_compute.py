@@ -61,9 +61,8 @@ def experts_sorted(hidden_states: torch.Tensor, w13: Sequence[torch.Tensor] | to
         if count == 0:
             continue
         end = start + count
-        activated = silu_and_mul(linear(rows[start:end], w13[expert], None))
-        expert_out = linear(activated, w2[expert], None) * pair_weights[start:end]
-        results[start:end] = expert_out.to(results.dtype)
+        expert_out = _expert_mlp(rows[start:end], w13[expert], w2[expert])
+        results[start:end] = (expert_out * pair_weights[start:end]).to(results.dtype)
         start = end
     out = torch.zeros_like(hidden_states)
     return out.index_add_(0, token_of_pair, results)
@@ -79,9 +78,13 @@ def _one_token(hidden_states: torch.Tensor, w13: Sequence[torch.Tensor] | torch.
     expert_ids = topk_ids[0].tolist()
     for slot in sorted(range(len(expert_ids)), key=expert_ids.__getitem__):
         expert = expert_ids[slot]
-        activated = silu_and_mul(linear(hidden_states, w13[expert], None))
         # Weighted as the reference weights its rows: the product in float32 where the routing
         # weights are (Mixtral), rounded once to the model dtype.
-        expert_out = linear(activated, w2[expert], None) * topk_weights[0, slot:slot + 1]
-        out += expert_out.to(out.dtype)
+        expert_out = _expert_mlp(hidden_states, w13[expert], w2[expert])
+        out += (expert_out * topk_weights[0, slot:slot + 1]).to(out.dtype)
     return out
+
+
+def _expert_mlp(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One expert's SwiGLU over its rows: ``down(silu(gate(x)) * up(x))``."""
+    return linear(silu_and_mul(linear(rows, w13, None)), w2, None)
