@@ -369,13 +369,14 @@ def fused_experts_reference(hidden_states: torch.Tensor, w13: torch.Tensor, w2: 
     return out.to(hidden_states.dtype)
 
 
-def warm_up_experts(w13: torch.Tensor, w2: torch.Tensor) -> None:
-    """Launch every variant :func:`block_m_for` can choose for these weights (BLOCK_M 16, 32 and
-    64), so no step compiles one while serving: the largest needs a prefill of thousands of
-    tokens to be chosen, which a startup warm-up step does not make."""
+def warm_up_experts(w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> None:
+    """Launch every variant :func:`block_m_for` can choose for weights of this kind (BLOCK_M 16,
+    32 and 64) at the layer's ``top_k`` (a compile-time constant), so no step compiles one while
+    serving: the largest needs a prefill of thousands of tokens to be chosen, which a startup
+    warm-up step does not make. ``w13``/``w2`` need only the layer's first ``top_k`` experts."""
     device, dtype = w13.device, w13.dtype
     hidden = torch.zeros((1, w13.shape[2]), dtype=dtype, device=device)
-    weights = torch.ones((1, 1), dtype=torch.float32, device=device)
-    ids = torch.zeros((1, 1), dtype=torch.int64, device=device)
+    weights = torch.full((1, top_k), 1.0 / top_k, dtype=torch.float32, device=device)
+    ids = torch.arange(top_k, dtype=torch.int64, device=device).unsqueeze(0)
     for block_m in (16, 32, 64):
         _fused_experts(hidden, w13, w2, weights, ids, block_m=block_m)

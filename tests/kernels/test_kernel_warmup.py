@@ -250,3 +250,8 @@ def test_the_warm_up_compiles_every_experts_variant(tiny_model, triton_device):
               if v.kernel in ("_gate_up_silu_kernel", "_down_weighted_kernel")}
     experts = runner.model.model.layers[0].mlp.experts.num_experts
     assert chosen == {block_m_for(pairs, experts) for pairs in (1, 20 * experts, 100 * experts)}
+    # ... at the layer's top-k, a compile-time constant of the gate/up kernel (a warm-up at
+    # another would leave the served variants to compile while serving).
+    top_k = runner.model.model.layers[0].mlp.gate.top_k
+    assert {(v.constant("TOP_K"), v.constant("BLOCK_M")) for v in warmup.variants
+            if v.kernel == "_gate_up_silu_kernel"} == {(top_k, m) for m in chosen}

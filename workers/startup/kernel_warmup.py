@@ -104,13 +104,22 @@ def warm_up_kernels(runner: WarmupRunner, max_model_len: int,
 
 def warm_up_experts(model: Any) -> None:
     """Every variant of the fused experts kernel, for a mixture-of-experts model (every layer's
-    experts share one shape and dtype, so the first layer's stand for all)."""
+    experts share one shape, dtype and top-k, so the first layer's stand for all). The kernel
+    multiplies weights of the model's dtype (quantized experts hand it dequantized ones): a
+    layer's first top-k experts in that dtype are all a launch needs."""
     from kernels import triton_moe
 
     for module in model.modules():
-        if getattr(module, "fused_experts", None) is not None and hasattr(module, "w13_weight"):
-            triton_moe.warm_up_experts(module.w13_weight, module.w2_weight)
-            return
+        experts, router = getattr(module, "experts", None), getattr(module, "gate", None)
+        if getattr(experts, "fused_experts", None) is None or router is None:
+            continue
+        top_k = router.top_k
+        w13, w2 = experts.w13_weight[:top_k], experts.w2_weight[:top_k]
+        if w13.dtype != model.dtype:
+            w13, w2 = (torch.zeros(w.shape, dtype=model.dtype, device=w.device)
+                       for w in (w13, w2))
+        triton_moe.warm_up_experts(w13, w2, top_k)
+        return
 
 
 def _plan(runner: WarmupRunner, max_model_len: int, max_num_seqs: int,
