@@ -100,24 +100,50 @@ def test_nan_codes_are_refused_at_load():
         layer.quant_method.process_weights_after_loading(layer)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
 @pytest.mark.parametrize("block", [False, True], ids=["rows", "blocks"])
-def test_compiled_cpu_kernels_multiply_like_the_eager_path(block):
+def test_compiled_cpu_kernels_multiply_like_the_eager_path(block, dtype):
     """A layer large enough for the compiled kernels (workers.quantization.cpu_dequant): one
     row takes the fused dequantize-and-multiply (float32 sums in another order: within float32
-    rounding of |x| @ |W|^T), three rows the scratch buffer (bit for bit the eager path)."""
+    rounding of |x| @ |W|^T, plus the one rounding of the result to bf16), three rows the
+    scratch buffer (bit for bit the eager path)."""
     from workers.quantization import cpu_dequant
 
     g = torch.Generator().manual_seed(5)
     w = torch.randn(1024, 1024, generator=g) * 0.05
     q, scale = quantize_block(w) if block else quantize_rows(w)
-    dense = cpu_dequant.dequantized_weight(q, scale, block, torch.float32)
-    cpu_dequant.warm_up(q, scale, block, torch.float32)
+    dense = cpu_dequant.dequantized_weight(q, scale, block, dtype)
+    cpu_dequant.warm_up(q, scale, block, dtype)
     assert cpu_dequant._compiled() is not None  # probe: compiled, not fallen back to eager
     with torch.inference_mode():
-        one = torch.randn(1, 1024, generator=g)
+        one = torch.randn(1, 1024, generator=g).to(dtype)
         fused = cpu_dequant.fp8_linear_cpu(q, scale, block, one, None)
-        bound = 1024 * 2.0**-24 * (one.abs() @ dense.abs().T) * 2
-        assert bool(((fused - F.linear(one, dense)).abs() <= bound).all())
-        three = torch.randn(3, 1024, generator=g)
+        assert fused.dtype == dtype
+        exact = F.linear(one.float(), dense.float())
+        magnitude = one.float().abs() @ dense.float().abs().T
+        bound = 1024 * 2.0**-24 * magnitude * 2
+        if dtype == torch.bfloat16:
+            bound = bound + exact.abs() * 2.0**-8
+        assert bool(((fused.float() - exact).abs() <= bound).all())
+        three = torch.randn(3, 1024, generator=g).to(dtype)
         assert torch.equal(cpu_dequant.fp8_linear_cpu(q, scale, block, three, None),
                            F.linear(three, dense))
+
+
+def test_compiled_cpu_cast_is_exact_for_every_fp8_code():
+    """The compiled kernels widen float8 from its bits (cpu_dequant._fp8_to_float32): every
+    finite e4m3fn code, subnormals and both zeros included, gives PyTorch's own cast bit for
+    bit, and the bf16 rounding on the bits matches PyTorch's round-to-nearest-even."""
+    from workers.quantization import cpu_dequant
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = (codes & 0x7F) != 0x7F
+    fp8 = codes[finite].view(torch.float8_e4m3fn)
+    widened = torch.compile(cpu_dequant._fp8_to_float32, dynamic=True)(fp8)
+    assert torch.equal(widened.view(torch.int32), fp8.to(torch.float32).view(torch.int32))
+    assert bool((widened[fp8.view(torch.uint8) == 0x80].view(torch.int32) < 0).all())  # -0.0
+    values = torch.randn(4096, generator=torch.Generator().manual_seed(3)) * 1e3
+    ties = (values.view(torch.int32) & -0x10000) | 0x8000  # halfway: even and odd both
+    values = torch.cat([values, ties.view(torch.float32)])
+    rounded = cpu_dequant._round_to_bfloat16(values)
+    assert torch.equal(rounded, values.to(torch.bfloat16).to(torch.float32))

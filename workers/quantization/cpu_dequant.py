@@ -5,15 +5,16 @@ What dequantizing costs. PyTorch's eager float8 -> float32 cast is scalar code, 
 element on this project's 2-core AVX-512 machine (no AVX512-BF16/AMX): ``fp8.float() * scale``
 of a 4096x4096 weight takes ~78 ms, of a 14336x4096 one ~270 ms, against ~2.3 and ~8 ms for a
 one-row bf16 (or float32) ``F.linear`` over the same weight: eager dequantization costs ~35x a
-decode step's GEMV. Two compiled kernels (TorchInductor's C++ backend, whose float8 conversions
-are vectorized) cut that:
+decode step's GEMV. Two kernels compiled by TorchInductor's C++ backend
+(vectorized) cut that:
 
 - up to ``FUSED_MAX_ROWS`` rows (decode): dequantize and multiply in one loop, reading the FP8
-  weight once and never writing the dequantized one. Over one Llama-3.2-1B layer's four
-  weights at one row: 9.2 ms computing in float32 and 10.7 ms in bf16, against 8.5 ms for bf16
-  ``F.linear`` and 7.8 ms for float32 (it reads a quarter of float32's bytes, but converting
-  each costs about what reading float32 does). Each row converts the weight again, so the cost
-  grows with the rows: at 3 rows it meets the scratch path's, hence the cap of 2.
+  weight once and never writing the dequantized one. The float8 -> float32 widening is written
+  on the bits (``_fp8_to_float32``): Inductor's own float8 cast made this kernel about twice as
+  slow. Over one Llama-3.2-1B layer's four weights at one row: 9.0 ms computing in float32 and
+  11.7 ms in bf16 (rounding each weight to bf16, as the eager path holds it, costs the
+  difference), against 8.0 ms for float32 ``F.linear`` and 8.4 ms for bf16. Each row converts
+  the weight again, so the cost grows with the rows, hence the cap of 2.
 - more rows (prefill): dequantize into a scratch buffer shared by every layer (its size: the
   largest layer's weight in the compute dtype), then ``F.linear``: about twice the one-row
   float32 GEMV for the 16384x2048 gate/up weight, paid once per step.
@@ -69,9 +70,10 @@ def fp8_linear_cpu(weight: torch.Tensor, scale: torch.Tensor, block: bool, x: to
     if kernels is None:
         return F.linear(x, dequantized_weight(weight, scale, block, x.dtype), bias)
     flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] <= FUSED_MAX_ROWS:
-        out = kernels["fused_block" if block else "fused_rows"](flat, weight, scale)
-        out = out.view(*x.shape[:-1], weight.shape[0])
+    if flat.shape[0] <= FUSED_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16):
+        fused = kernels["fused_block" if block else "fused_rows"]
+        out = fused(flat.to(torch.float32), weight, scale, x.dtype == torch.bfloat16)
+        out = out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
         return out if bias is None else out + bias
     dense = _scratch(weight.shape, x.dtype)
     kernels["into_block" if block else "into_rows"](dense, weight, scale)
@@ -135,28 +137,54 @@ def _compiled() -> dict[str, Callable[..., Any]] | None:
     return _KERNELS
 
 
+def _fp8_to_float32(weight: torch.Tensor) -> torch.Tensor:
+    """``weight.to(torch.float32)`` from the bits, which Inductor vectorizes (its own float8
+    cast made the fused kernel ~2x slower). e4m3fn is S.EEEE.MMM with bias 7: a normal code is
+    the float32 with the exponent rebiased by 127 - 7 = 120 and the mantissa moved up 20 bits; a
+    subnormal one (exponent 0) is MMM * 2**-9, built in arithmetic rather than as a float32
+    denormal times 2**120 (denormal operands take microcode assists: ~10x slower). The NaN codes
+    S.1111.111 come out as +-480; loading refuses weights that hold them."""
+    code = weight.view(torch.uint8).to(torch.int32)
+    magnitude = code & 0x7F
+    normal = ((magnitude << 20) + (120 << 23)).view(torch.float32)
+    subnormal = (magnitude & 0x7).to(torch.float32) * 2.0**-9
+    value = torch.where(magnitude < 0x8, subnormal, normal)
+    return torch.where(code >= 0x80, -value, value)
+
+
+def _round_to_bfloat16(value: torch.Tensor) -> torch.Tensor:
+    """``value.to(torch.bfloat16).to(torch.float32)`` (round to nearest even) on the bits, for
+    finite values: vectorized where the two casts are not."""
+    bits = value.view(torch.int32)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000
+    return rounded.view(torch.float32)
+
+
 def _rows_dequantized(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return weight.to(torch.float32) * scale[:, None]
+    return _fp8_to_float32(weight) * scale[:, None]
 
 
 def _blocks_dequantized(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     rows, cols = weight.shape
-    blocked = weight.to(torch.float32).view(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
+    blocked = _fp8_to_float32(weight).view(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
     return (blocked * scale[:, None, :, None]).view(rows, cols)
 
 
-def _fused(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-    # The weight rounded to the compute dtype, as the eager path holds it; sums in float32.
-    weight = dense.to(x.dtype).to(torch.float32)
-    return (x.to(torch.float32)[:, None, :] * weight[None]).sum(-1).to(x.dtype)
+def _fused(x: torch.Tensor, dense: torch.Tensor, bfloat16: bool) -> torch.Tensor:
+    # x is float32 (bf16 activations widened by the caller: exact). The weight is rounded to the
+    # compute dtype, as the eager path holds it; the sums are float32.
+    weight = _round_to_bfloat16(dense) if bfloat16 else dense
+    return (x[:, None, :] * weight[None]).sum(-1)
 
 
-def _fused_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return _fused(x, _rows_dequantized(weight, scale))
+def _fused_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bfloat16: bool
+                ) -> torch.Tensor:
+    return _fused(x, _rows_dequantized(weight, scale), bfloat16)
 
 
-def _fused_block(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return _fused(x, _blocks_dequantized(weight, scale))
+def _fused_block(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bfloat16: bool
+                 ) -> torch.Tensor:
+    return _fused(x, _blocks_dequantized(weight, scale), bfloat16)
 
 
 def _into_rows(out: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> None:
