@@ -23,6 +23,8 @@ The standing end-to-end benchmarks (each `--output PATH` writes its figures to a
   latency     an urgent request's arrival -> the stop of a long prefill (--simulate supported)
   serve       the offline engine vs the same requests through `sloserve serve` (HTTP, SSE)
   soak        N concurrent clients for T seconds against a real server; nothing may be lost
+  host        the engine loop's host time per step and per sequence against a simulated
+              device (--simulate's profile), and the share of its time the device sits idle
 """
 
 from __future__ import annotations
@@ -98,6 +100,8 @@ STANDING_BENCHMARKS = [
     ("latency", "e2e.latency", "an urgent arrival -> the stop of a long prefill"),
     ("serve", "e2e.serve_overhead", "the offline engine vs through the HTTP server"),
     ("soak", "e2e.soak", "concurrent clients against a real server for a while"),
+    ("host", "e2e.host", "the engine loop's host time per step and per sequence against a "
+                         "simulated device, and the share of its time the device sits idle"),
     ("structured", "e2e.structured_overhead", "TPOT with structured outputs (a JSON schema) "
                                               "vs unconstrained, one batch beside the other"),
 ]
