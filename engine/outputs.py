@@ -60,9 +60,9 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     monitor_errors: int = 0
     # The TTFT predictor's safety margin: how far from predicted recent steps ran, either way.
     ttft_predictor_relative_error: float = 0.0
-    # The TTFT predictor's step model as it stands (monitor.predictor.LinearTTFT's fields, as
-    # `sloserve calibrate` writes them): what this engine now believes a step costs on this
-    # machine, drift followed (/debug/stats).
+    # The TTFT predictor's step model as it stands (monitor.step_time_model.StepTimeModel's
+    # fields, as `sloserve calibrate` writes them): what this engine now believes a step costs
+    # on this machine, drift followed (/debug/stats).
     ttft_model: dict[str, float | bool | None] = {}
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from monitor.policy import SLOPreemptDecision, SLOPreemptPolicy, RequestView, choose_slo_preemption
 from monitor.arrivals import PendingArrivals
-from monitor.predictor import LinearTTFT, optimistic_prefill, predict_prefill
+from monitor.step_time_model import StepTimeModel, optimistic_prefill, predict_prefill
 from monitor.slo_preempt_signal import SLOPreemptSignal
 from monitor.step_progress import remaining_seconds
 
@@ -47,7 +47,7 @@ class MonitorSnapshot:
     # Requests prefilling in this step: the ones whose work holds the waiters back. Their
     # remaining tokens count this step's chunk, which a preemption would throw away.
     running: tuple[RequestView, ...]
-    predictor: LinearTTFT
+    predictor: StepTimeModel
     # Arrivals with a sequence number up to this one are in the scheduler (or were rejected).
     drained_arrivals: int = 0
     # When the step was handed to the workers (time.monotonic()) and its predicted duration:
@@ -64,7 +64,7 @@ class MonitorSnapshot:
     # predicted_step_s spread evenly over num_layers.
     layer_ends: tuple[float, ...] = ()
     # The step budget: a waiting prompt longer than it is prefilled in chunks of it, each a
-    # step (monitor.predictor.predict_prefill); 0: priced as one step.
+    # step (monitor.step_time_model.predict_prefill); 0: priced as one step.
     chunk_tokens: int = 0
 
     def predicted_layer_ends(self) -> tuple[float, ...]:

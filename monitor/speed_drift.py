@@ -1,9 +1,10 @@
 """Noticing that the machine's steps have started to run slower or faster than the fitted step
 model says: a neighbour taking the cores, a throttled clock, a slower GPU clock.
 
-The online fit (monitor.predictor.OnlineTTFT) weighs recent steps more, but it refits every few
-steps over windows of hundreds with a half-life of 64 steps: after a change of speed its
-predictions trail the machine for tens of steps, and an urgent deadline is lost in one or two.
+The online fit (monitor.predictor.StepTimePredictor) weighs recent steps more, but it refits
+every few steps over windows of hundreds with a half-life of 64 steps: after a change of speed
+its predictions trail the machine for tens of steps, and an urgent deadline is lost in one or
+two.
 So the change is looked for apart from the fit:
 
 - each whole step (every layer ran) gives a ratio, its time over the model's prediction;
@@ -18,7 +19,7 @@ So the change is looked for apart from the fit:
   times in 400 steps of a machine whose speed never changed.
 
 The predictor then rescales what it measured before the change by that factor and refits
-(OnlineTTFT._follow_drift): the fit's shape stays, and its scale follows within RECENT_STEPS
+(StepTimePredictor._follow_drift): the fit's shape stays, and its scale follows within RECENT_STEPS
 steps.
 """
 

@@ -18,9 +18,11 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 
-from monitor.predictor import LinearTTFT, StepPoint, error_quantiles
+from monitor.step_point import StepPoint
+from monitor.step_time_fit import error_quantiles, fit_step
+from monitor.step_time_model import StepTimeModel
 
-Fitter = Callable[[Sequence[StepPoint]], LinearTTFT]
+Fitter = Callable[[Sequence[StepPoint]], StepTimeModel]
 # A richer candidate must beat the simpler ones' held-out error by this much (RMS, absolute):
 # on points it fits exactly, every candidate's error is rounding noise.
 MIN_IMPROVEMENT = 0.005
@@ -28,16 +30,16 @@ MIN_IMPROVEMENT = 0.005
 MIN_POINTS_ABOVE_FLOOR = 2
 
 
-def fit_with_floor(points: Sequence[StepPoint], quadratic: bool, decode: bool) -> LinearTTFT:
+def fit_with_floor(points: Sequence[StepPoint], quadratic: bool, decode: bool) -> StepTimeModel:
     """`max(floor, terms)`: the floor is the median time of the k cheapest points for the k
     whose model fits all points best (weighted like fit_step: relative errors)."""
     by_time = sorted(points, key=lambda p: p.seconds / p.share)
-    best: tuple[float, LinearTTFT] | None = None
+    best: tuple[float, StepTimeModel] | None = None
     for k in range(1, len(by_time) - MIN_POINTS_ABOVE_FLOOR + 1):
         floor = statistics.median(p.seconds / p.share for p in by_time[:k])
         try:
-            model = LinearTTFT.fit_step(points, quadratic=quadratic, decode=decode,
-                                        floor_s=floor)
+            model = fit_step(points, quadratic=quadratic, decode=decode,
+                             floor_s=floor)
         except ValueError:  # too few sizes left above that floor
             continue
         error = sum(_prediction_error(model, p) ** 2 for p in points)
@@ -51,8 +53,8 @@ def fit_with_floor(points: Sequence[StepPoint], quadratic: bool, decode: bool) -
 def candidates(decode: bool) -> dict[str, Fitter]:
     """The candidate models by name, simplest first."""
     return {
-        "line": lambda pts: LinearTTFT.fit_step(pts, quadratic=False, decode=decode),
-        "quadratic": lambda pts: LinearTTFT.fit_step(pts, quadratic=True, decode=decode),
+        "line": lambda pts: fit_step(pts, quadratic=False, decode=decode),
+        "quadratic": lambda pts: fit_step(pts, quadratic=True, decode=decode),
         "line+floor": lambda pts: fit_with_floor(pts, quadratic=False, decode=decode),
         "quadratic+floor": lambda pts: fit_with_floor(pts, quadratic=True, decode=decode),
     }
@@ -78,7 +80,7 @@ def rms(errors: Sequence[float]) -> float:
 
 
 def choose_step_model(points: Sequence[StepPoint], error_quantile: float = 0.9
-                      ) -> tuple[LinearTTFT, dict[str, float | None]]:
+                      ) -> tuple[StepTimeModel, dict[str, float | None]]:
     """The kept model, fitted on all points, and every candidate's held-out error (root mean
     square of relative errors; None: too few points to tell). The kept model's margins come
     from its held-out errors (actual / predicted - 1 of each point left out), the honest
@@ -108,6 +110,6 @@ def choose_step_model(points: Sequence[StepPoint], error_quantile: float = 0.9
     return model, scores
 
 
-def _prediction_error(model: LinearTTFT, point: StepPoint) -> float:
+def _prediction_error(model: StepTimeModel, point: StepPoint) -> float:
     """predicted / actual - 1: relative to the actual time, as fit_step weighs residuals."""
     return model.predict_point(point) / point.seconds - 1.0

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from monitor.predictor import attention_work, decode_context
+from monitor.step_point import attention_work, decode_context
 
 # (tokens, attention, decode_context) -> predicted seconds of the whole step.
 StepPredictor = Callable[[int, int, int], float]

@@ -1,8 +1,9 @@
 """Turns a SchedulerOutput into model inputs, runs the forward pass and samples.
 
-The runner is stateless across steps apart from the KV cache contents: every scheduled request
-carries its block table and token slice, so a step that is abandoned or rolled back leaves nothing
-behind here that needs undoing.
+Across steps the runner keeps the KV cache contents and each request's block table
+(workers.block_tables: a step sends only what changed of a table); every scheduled request carries
+its token slice, so a step that is abandoned or rolled back leaves nothing behind here that needs
+undoing (the next step's table updates start where the scheduler's rollback left the tables).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from workers.preemption.run_ahead import RunAheadLimit
 from workers.graphs.cuda_graphs import DecodeGraphs, capture_decode_graphs, padded, select_graph_backend
 from workers.graphs.piecewise_graphs import PiecewiseGraphs, capture_piecewise_graphs
 from workers.startup.startup_report import ServingStartup
+from workers.block_tables import BlockTables
 from workers.step_buffers import StepBuffers, StepLimits
 from workers.preemption.suspension import HeldChunks
 from workers.sample.logits_processors import TokenHistory
@@ -111,6 +113,8 @@ class ModelRunner:
         self.buffers = StepBuffers(device, StepLimits(config.engine.scheduler.max_num_batched_tokens,
                                                       self.max_num_seqs, self.max_model_len),
                                    block_size)
+        # Each request's block table, updated by what each step sends (workers.block_tables).
+        self.block_tables = BlockTables(self.buffers.max_blocks, rows=self.max_num_seqs + 1)
         # Captured decode steps (workers.graphs.cuda_graphs) and the pieces of steps with prefill tokens
         # (workers.graphs.piecewise_graphs), set at startup on CUDA; None: those steps run eager.
         self.graphs: DecodeGraphs | None = None
@@ -147,6 +151,13 @@ class ModelRunner:
         graphs for decode batches, pieces between the attention ops for steps with prefill
         tokens, and warm up the kernels their paths launch. Every TP rank runs the same steps,
         so their collectives match. Sets ``startup_report`` (workers.startup.serving_startup)."""
+        try:
+            self._warm_up_and_capture()
+        finally:
+            # The startup steps' made-up requests leave block tables behind: none is served.
+            self.block_tables.release(list(self.block_tables.row_of))
+
+    def _warm_up_and_capture(self) -> None:
         self.startup_report = None
         max_model_len, max_num_seqs = self.max_model_len, self.max_num_seqs
         started = time.perf_counter()
@@ -171,9 +182,10 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         started = time.perf_counter()
         self.suspended.free(scheduler_output.free_suspended)
+        self.block_tables.release(scheduler_output.released_req_ids)
         if not scheduler_output.requests:
-            # The engine had nothing to compute but suspended chunks to free (every rank frees
-            # its own copy; no collective is entered).
+            # The engine had nothing to compute but suspended chunks or block tables to free
+            # (every rank frees its own copy; no collective is entered).
             return ModelRunnerOutput(step_id=scheduler_output.step_id)
         requests = scheduler_output.requests
         graphs, piecewise = self.graphs, self.piecewise
@@ -310,11 +322,7 @@ class ModelRunner:
         positions = starts[seq_of_token] + (np.arange(num_tokens) - first_rows[seq_of_token])
         # Every sequence's table, decodes first, padded with block 0 to the longest (one upload
         # for all), or to ``table_width``.
-        widths = np.fromiter((len(r.block_ids) for r in ordered), np.int64, num_seqs)
-        tables = np.zeros((num_seqs, max(int(widths.max()), table_width or 0)), np.int64)
-        tables[np.arange(tables.shape[1]) < widths[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(r.block_ids for r in ordered), np.int64,
-            int(widths.sum()))
+        tables, widths = self.block_tables.gather(ordered, table_width)
         bs = self.block_size
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
         input_ids = np.fromiter(
@@ -341,8 +349,8 @@ class ModelRunner:
             decode_context_lens=upload(buffers.context_lens, torch.from_numpy(context_lens)),
             prefill_query_lens=[len(r.token_ids) for r in prefills],
             prefill_context_lens=[r.start_pos + len(r.token_ids) for r in prefills],
-            prefill_block_tables=[device_tables[num_decodes + i, :len(r.block_ids)]
-                                  for i, r in enumerate(prefills)],
+            prefill_block_tables=[device_tables[num_decodes + i, :int(widths[num_decodes + i])]
+                                  for i in range(len(prefills))],
             decode_max_context=int(context_lens.max()) if num_decodes else 0,
             decode_min_context=int(context_lens.min()) if num_decodes else 0,
             decode_context_list=context_lens.tolist(),

@@ -26,7 +26,9 @@ from pathlib import Path
 import numpy as np
 
 from engine.runtime.step_timing import StepTiming
-from monitor.predictor import LinearTTFT, StepPoint
+from monitor.step_point import StepPoint
+from monitor.step_time_fit import fit_step
+from monitor.step_time_model import StepTimeModel
 
 # (tokens, attention, decode_context, decodes, seconds) of one step.
 Step = tuple[int, int, int, int, float]
@@ -41,7 +43,7 @@ def record_steps(model: str | None, num_requests: int, budget: int, seed: int,
     llm = LLM(model=model_path_or_default(model), dtype="float32",
               max_num_batched_tokens=budget, enable_prefix_caching=False)
     steps: list[Step] = []
-    online = llm.engine.scheduler.slack.predictor
+    online = llm.engine.step_time_predictor
     observe = online.observe_point
     observed: list[StepPoint] = []
 
@@ -88,18 +90,18 @@ def kind_of(step: Step) -> str:
     return "mixed" if decodes else "prefill-only"
 
 
-def fit_variants(steps: list[Step], quadratic: bool) -> dict[str, LinearTTFT]:
+def fit_variants(steps: list[Step], quadratic: bool) -> dict[str, StepTimeModel]:
     prefill = [s for s in steps if s[1] > 0]
     # Before the decode term a decode was attention work: n * (2 * prefix + n) = 2 * context - 1.
     old = [(n, q + 2 * c - d, 0, t) for n, q, c, d, t in prefill]
     return {
-        "prefill-only": LinearTTFT.fit_step(old, quadratic=quadratic, decode=False),
-        "decode-term": LinearTTFT.fit_step([(n, q, c, t) for n, q, c, _, t in steps],
-                                           quadratic=quadratic, decode=True),
+        "prefill-only": fit_step(old, quadratic=quadratic, decode=False),
+        "decode-term": fit_step([(n, q, c, t) for n, q, c, _, t in steps],
+                                quadratic=quadratic, decode=True),
     }
 
 
-def errors(model: LinearTTFT, name: str, steps: list[Step]) -> dict[str, dict[str, float]]:
+def errors(model: StepTimeModel, name: str, steps: list[Step]) -> dict[str, dict[str, float]]:
     by_kind: dict[str, list[float]] = {}
     for step in steps:
         n, q, c, d, seconds = step

@@ -106,15 +106,27 @@ def _sim_model(folder: Path) -> str:
 
 def run_once(model: str, budget: int, seed: int, num_docs: int, num_turns: int,
              silent_share: float, report_first_output: bool, bias: float) -> dict[str, Any]:
+    from unittest import mock
+
     from engine.config import build_engine_config
     from engine.core.request import Request
-    from engine.runtime.engine_core import EngineCore
+    from engine.runtime import engine_core
     from engine.sampling_params import SamplingParams
+    from monitor.predictor import StepTimePredictor
 
-    engine = EngineCore(build_engine_config(model, simulate=PROFILE, max_num_batched_tokens=budget,
-                                            max_model_len=40_000, enable_prefix_caching=False))
-    if bias != 1.0:
-        engine.scheduler.slack.predictor = BiasedPredictor(engine.scheduler.slack.predictor, bias)
+    config = build_engine_config(model, simulate=PROFILE, max_num_batched_tokens=budget,
+                                 max_model_len=40_000, enable_prefix_caching=False)
+    if bias == 1.0:
+        engine = engine_core.EngineCore(config)
+    else:
+        # EngineCore builds its step-time predictor and hands that one object to every reader
+        # (the scheduler, the monitor, the load report): built wrapped, they all read the
+        # biased model, while the steps it is fed still refit the machine's underneath.
+        def biased(*args: Any, **kwargs: Any) -> BiasedPredictor:
+            return BiasedPredictor(StepTimePredictor(*args, **kwargs), bias)
+
+        with mock.patch.object(engine_core, "StepTimePredictor", biased):
+            engine = engine_core.EngineCore(config)
     rng = random.Random(seed + 1)
     turns: dict[str, Turn] = {}
     docs: dict[str, Any] = {}

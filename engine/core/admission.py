@@ -82,16 +82,17 @@ class AdmissionControl:
         prev_num_computed = request.num_computed_tokens
         num_blocks_before = len(kv.req_blocks.get(request.request_id, ()))
         queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
-        block_ids = kv.allocate_slots(request, num_new, num_cached, plan.computed_blocks,
+        allocated = kv.allocate_slots(request, num_new, num_cached, plan.computed_blocks,
                                       admission=True, num_running=len(running))
-        assert block_ids is not None, "the admission plan said it fits"
+        assert allocated, "the admission plan said it fits"
         record = step.record
         record.admitted.append(Admission(request, request.status, request.num_cached_tokens,
                                          request.first_scheduled_time,
                                          prefix_cache_queries=kv.prefix_cache_queries - queries,
                                          prefix_cache_hits=kv.prefix_cache_hits - hits))
         record.prev_num_computed_tokens[request.request_id] = prev_num_computed
-        record.new_block_ids[request.request_id] = block_ids[num_blocks_before:]
+        record.new_block_ids[request.request_id] = kv.block_ids_from(request.request_id,
+                                                                     num_blocks_before)
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_cached
         request.num_computed_tokens += num_cached

@@ -51,6 +51,12 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVBlock]] = {}
         # How many leading blocks of each request have been through commit (hashed or skipped).
         self._num_committed: dict[str, int] = {}
+        # How many leading blocks of each request's table the workers hold (sent in earlier
+        # steps and not given back since): a step sends only the rest (``table_update``).
+        self._num_sent: dict[str, int] = {}
+        # Requests whose blocks were all freed since the last step the workers were sent: they
+        # drop their copies of the tables (``take_released``).
+        self.released: list[str] = []
         # In tokens: queried = tokens of admitted requests looked up, hit = tokens served from cache.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -69,6 +75,28 @@ class KVCacheManager:
 
     def get_block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(req_id, ())]
+
+    def block_ids_from(self, req_id: str, start: int) -> list[int]:
+        """The ids of ``req_id``'s blocks from index ``start`` of its table on."""
+        return [b.block_id for b in self.req_blocks.get(req_id, ())[start:]]
+
+    def table_update(self, req_id: str) -> tuple[int, list[int]]:
+        """What the workers need of ``req_id``'s block table for a step they will be sent:
+        (the index they hold up to, the ids from there on). Counts the table as sent.
+
+        The workers keep each request's table across steps (workers/block_tables.py), so a
+        decode sends a block id only when it starts a new block, not its whole table (at 30k
+        tokens of context, ~1900 ids a request a step). A table only grows at its end or loses
+        blocks from its end (a rolled-back step's tail, ``release_tail``) or all of them
+        (``free``), which is what keeps the prefix the workers hold valid."""
+        blocks = self.req_blocks.get(req_id, ())
+        start = min(self._num_sent.get(req_id, 0), len(blocks))
+        self._num_sent[req_id] = len(blocks)
+        return start, [b.block_id for b in blocks[start:]]
+
+    def take_released(self) -> list[str]:
+        released, self.released = self.released, []
+        return released
 
     def update_block_hashes(self, request: Request) -> None:
         """Extend ``request.block_hashes`` to cover every full block of its tokens."""
@@ -135,17 +163,21 @@ class KVCacheManager:
         *,
         admission: bool = False,
         num_running: int = 0,
-    ) -> list[int] | None:
+    ) -> bool:
         """Grow ``request``'s block table to hold its computed tokens, the cache hits and
-        ``num_new_tokens`` more. Returns the full block table, or None (changing nothing) when the
-        pool cannot provide the blocks.
+        ``num_new_tokens`` more. False (changing nothing) when the pool cannot provide the
+        blocks. Runs for every scheduled request of every step: a decode whose table already
+        covers its next token returns at once.
         """
         assert num_new_computed_tokens == len(new_computed_blocks) * self.block_size
         num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        held = self.req_blocks.get(request.request_id)
+        if held and not new_computed_blocks and len(held) * self.block_size >= num_total:
+            return True
         if not self.can_allocate(
             request, num_total, new_computed_blocks, admission=admission, num_running=num_running
         ):
-            return None
+            return False
         req_id = request.request_id
         blocks = self.req_blocks.setdefault(req_id, [])
         if not blocks:
@@ -159,7 +191,7 @@ class KVCacheManager:
         num_new_blocks = cdiv(num_total, self.block_size) - len(blocks)
         if num_new_blocks > 0:
             blocks.extend(self.pool.allocate(num_new_blocks))
-        return [b.block_id for b in blocks]
+        return True
 
     def commit_computed_blocks(self, request: Request, num_computed_tokens: int | None = None) -> None:
         """Commit the hashes of ``request``'s full blocks whose KV is now computed.
@@ -194,11 +226,16 @@ class KVCacheManager:
         assert [b.block_id for b in tail] == list(block_ids), "not the tail of the block table"
         del blocks[len(blocks) - len(block_ids):]
         self.pool.free(tail)
+        req_id = request.request_id
+        if req_id in self._num_sent:
+            self._num_sent[req_id] = min(self._num_sent[req_id], len(blocks))
 
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])
         self._num_committed.pop(request.request_id, None)
         self.pool.free(blocks)
+        if self._num_sent.pop(request.request_id, None) is not None:
+            self.released.append(request.request_id)
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()

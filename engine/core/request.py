@@ -106,7 +106,8 @@ class Request:
     # When its first visible output reached the client (time.monotonic()), as reported.
     first_output_time: float | None = None
     # A mid-forward preemption was made for it: it streams as an interactive turn, its next
-    # tokens kept within a gap of twice a decode step (engine.core.slack_policy.cap_for_tpot).
+    # tokens kept within a gap of twice a decode step (engine.core.deadline_caps:
+    # DeadlineCaps.cap_for_tpot).
     served_urgently: bool = False
     # When the latest output token was sampled: the next one is due tpot_slo_ms after it.
     last_token_time: float | None = None

@@ -8,11 +8,12 @@ last (`engine/core/admission.py`: the one admission test). When a running reques
 blocks, a running request is preempted with recompute.
 
 The slack-aware parts are a policy object, ``self.slack`` (`engine/core/slack_policy.py`), called
-through named hooks: who goes first in a step and how much of the step the rest may take, who is
-held back or resumes a suspended chunk, the KV-pressure victim, and what a mid-forward preemption
-does to its victim. A step's own bookkeeping: `engine/core/step_record.py` (building it, and
-undoing it after an abandoned forward pass), `engine/core/step_outcome.py` (reading the output
-of a completed one).
+through named hooks: who goes first in a step and how much of the step the rest may take, the
+KV-pressure victim, and what a mid-forward preemption does to its victim. Who is held back
+(``self.slack.holds``) and which chunks resume a suspended pass (``self.slack.suspensions``)
+the scheduler asks the policy's collaborators directly. A step's own bookkeeping:
+`engine/core/step_record.py` (building it, and undoing it after an abandoned forward pass),
+`engine/core/step_outcome.py` (reading the output of a completed one).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from engine.core.slack_policy import SlackPolicy
 from engine.core.step_outcome import live_requests, stop_status
 from engine.core.step_record import StepInProgress, StepRecord
 from engine.outputs import SchedulerStats
-from monitor.predictor import LinearTTFT
+from monitor.predictor import StepTimePredictor
 
 # The smallest piece a suspended segment resumes in, and the least it leaves held.
 MIN_RESUME_PIECE = 16
@@ -45,8 +46,12 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
         slo_preemption: SLOPreemptionConfig | None = None,
-        ttft_seed: LinearTTFT | None = None,
+        predictor: StepTimePredictor | None = None,
     ) -> None:
+        """`predictor`: the step-time predictor the slack policy prices prefills with, the
+        engine's (EngineCore owns and feeds it); without one, a scheduler of its own (a test, a
+        simulation, the startup calibration's scratch scheduler) gets one from the default
+        seed."""
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         budget = scheduler_config.max_num_batched_tokens
@@ -61,12 +66,12 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.kv_cache_manager = KVCacheManager(cache_config, num_blocks, max_model_len)
         self.admission = AdmissionControl(scheduler_config, self.kv_cache_manager)
+        if predictor is None:
+            predictor = StepTimePredictor(error_quantile=slo_preemption.predictor_error_quantile
+                                          if slo_preemption is not None else 0.9)
         self.slack = SlackPolicy(scheduler_config.policy,
                                  slo_preemption.mode if slo_preemption is not None else "pause",
-                                 ttft_seed,
-                                 slo_preemption.predictor_error_quantile
-                                 if slo_preemption is not None else 0.9,
-                                 scheduler_config.aging_bound_ms / 1000,
+                                 predictor, scheduler_config.aging_bound_ms / 1000,
                                  chunk_tokens=budget)
         # Steps with at least this many prefill tokens are marked preemptible (None: never).
         self.slo_preempt_min_tokens = (slo_preemption.min_tokens if slo_preemption is not None
@@ -209,7 +214,8 @@ class Scheduler:
         self.waiting.prepend(request)
 
     def _preempt_for_kv(self, request: Request, step: StepInProgress) -> None:
-        self.slack.on_kv_preempted(request.request_id)
+        # Its suspended chunk (if any) lost its blocks; a held victim stays held, now waiting.
+        self.slack.suspensions.discard(request.request_id)
         self.requeue_for_recompute(request)
         request.num_preemptions += 1
         request.num_kv_preemptions += 1
@@ -234,10 +240,10 @@ class Scheduler:
         if not step.record.kv_preempted:
             # Blocks just taken from a victim must not go straight to a newcomer.
             self._admit_waiting(step)
-        if not step.scheduled and not step.record.kv_preempted and self.slack.held:
+        if not step.scheduled and not step.record.kv_preempted and self.slack.holds:
             # Only held requests could run: release them rather than send an empty step that
             # would come back forever.
-            self.slack.release_all_holds()
+            self.slack.holds.release_all()
             self._schedule_running(step)
             if not step.record.kv_preempted:
                 self._admit_waiting(step)
@@ -250,12 +256,13 @@ class Scheduler:
         while i < len(self.running) and step.budget > 0:
             request = self.running[i]
             num_new = self._tokens_for_running(request, self.slack.join_budget(step, request))
-            if num_new == 0 or self.slack.is_held(request.request_id) or request.request_id in step:
+            if (num_new == 0 or self.slack.holds.is_held(request.request_id)
+                    or request.request_id in step):
                 # Its sampled token has not arrived yet; nothing to compute until it does.
                 i += 1
                 continue
             num_blocks_before = len(kv.req_blocks.get(request.request_id, ()))
-            while kv.allocate_slots(request, num_new) is None:
+            while not kv.allocate_slots(request, num_new):
                 victim = self.slack.choose_kv_victim(self.running, step)
                 if victim.request_id in step:
                     # The priority and slo policies may pick a request already served this step.
@@ -267,14 +274,14 @@ class Scheduler:
                 # It was its own victim: nothing left running can free blocks for anyone after it.
                 break
             step.record.prev_num_computed_tokens[request.request_id] = request.num_computed_tokens
-            step.record.new_block_ids[request.request_id] = (
-                kv.get_block_ids(request.request_id)[num_blocks_before:])
+            step.record.new_block_ids[request.request_id] = kv.block_ids_from(
+                request.request_id, num_blocks_before)
             step.add(request, num_new)
             # Victims of the priority policy may have sat before it, shifting its index.
             i = self.running.index(request) + 1
 
     def _tokens_for_running(self, request: Request, budget: int) -> int:
-        suspended = self.slack.suspended_chunk(request.request_id)
+        suspended = self.slack.suspensions.next_chunk(request.request_id)
         if suspended is not None:
             # The workers hold its stopped pass: it resumes as much of its first segment as the
             # budget (capped by the deadlines and TPOT of the step) allows.
@@ -283,7 +290,7 @@ class Scheduler:
 
     def _admit_waiting(self, step: StepInProgress) -> None:
         """Admit waiting requests (held victims skipped) in queue order while they fit."""
-        with self.slack.waiting_past_held(self.waiting) as next_waiter:
+        with self.slack.holds.waiting_past_held(self.waiting) as next_waiter:
             while step.budget > 0 and (request := next_waiter()) is not None:
                 budget = self.slack.join_budget(step, request)
                 if budget <= 0 or self.admit(request, step, budget) is None:
@@ -291,21 +298,25 @@ class Scheduler:
                 self.waiting.pop()
 
     def _output_of(self, step: StepInProgress) -> SchedulerOutput:
+        kv = self.kv_cache_manager
         output = SchedulerOutput(step_id=self.step_id, requests=[],
-                                 free_suspended=self.slack.take_unneeded_suspensions())
+                                 free_suspended=self.slack.suspensions.take_unneeded(),
+                                 released_req_ids=kv.take_released())
         num_prefill_tokens = 0
         for request, num_new in step.scheduled.values():
             start = request.num_computed_tokens
             end = start + num_new
-            resume = self.slack.is_suspended(request.request_id)
-            held = self.slack.suspended_chunk(request.request_id)
+            resume = self.slack.suspensions.is_suspended(request.request_id)
+            held = self.slack.suspensions.next_chunk(request.request_id)
             assert not resume or (held is not None and held.start_pos == start
                                   and num_new <= held.num_tokens)
+            table_start, new_block_ids = kv.table_update(request.request_id)
             scheduled = ScheduledRequest(
                 req_id=request.request_id,
                 token_ids=request.all_token_ids[start:end],
                 start_pos=start,
-                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                block_ids=new_block_ids,
+                block_table_start=table_start,
                 sample=end == request.num_tokens,
                 sampling_params=request.step_sampling_params,
                 num_output_tokens=request.num_output_tokens,
@@ -348,7 +359,7 @@ class Scheduler:
         undone = record.undo(self.requests, self.kv_cache_manager,
                              {req_id: sr.start_pos for req_id, sr in kept.items()})
         for req_id, sr in kept.items():
-            self.slack.suspend(req_id, sr.start_pos, len(sr.token_ids), stopped_layer)
+            self.slack.suspensions.suspend(req_id, sr.start_pos, len(sr.token_ids), stopped_layer)
         for admission in reversed(undone):
             self.running.remove(admission.request)
             admission.undo(self.kv_cache_manager)
@@ -370,7 +381,7 @@ class Scheduler:
         for sr in live:
             request = self.requests[sr.req_id]
             if sr.resume:
-                self.slack.resumed(sr.req_id, len(sr.token_ids))
+                self.slack.suspensions.resumed(sr.req_id, len(sr.token_ids))
             if (error := runner_output.failed.get(sr.req_id)) is not None:
                 self.fail_request(request, error)
                 outputs.append(request)
@@ -421,6 +432,12 @@ class Scheduler:
 
     def get_request(self, req_id: str) -> Request | None:
         return self.requests.get(req_id)
+
+    @property
+    def step_time_predictor(self) -> StepTimePredictor:
+        """The step-time predictor the slack policy prices prefills with, for code that holds
+        only a scheduler; whoever feeds it steps holds it from its owner (EngineCore)."""
+        return self.slack.predictor
 
     @property
     def kv_cache_usage(self) -> float:
@@ -481,7 +498,7 @@ class Scheduler:
             assert r.status is RequestStatus.RUNNING, f"{r.request_id} in running is {r.status.name}"
             # A suspended first chunk has its blocks and layers but no computed tokens yet.
             assert (0 < r.num_computed_tokens <= r.num_tokens
-                    or self.slack.is_suspended(r.request_id))
+                    or self.slack.suspensions.is_suspended(r.request_id))
             assert len(kv.req_blocks[r.request_id]) * kv.block_size >= r.num_computed_tokens
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r.status.name

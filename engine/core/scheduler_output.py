@@ -14,7 +14,7 @@ import msgspec
 
 from engine.logprobs import LogprobsLists
 from engine.sampling_params import SamplingParams
-from monitor.predictor import StepPoint, attention_work, decode_context, step_point
+from monitor.step_point import StepPoint, attention_work, decode_context, step_point
 
 
 class ScheduledRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -22,11 +22,14 @@ class ScheduledRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Tokens whose KV this step computes: all_token_ids[start_pos : start_pos + len(token_ids)].
     token_ids: list[int]
     start_pos: int
-    # Physical KV block ids holding positions [0, start_pos + len(token_ids)).
+    # Physical KV block ids holding positions [0, start_pos + len(token_ids)): those of the
+    # table from index block_table_start on. The workers hold the ones before it from earlier
+    # steps (workers/block_tables.py); 0 sends the whole table.
     block_ids: list[int]
     # True when this step reaches the end of the known tokens, so a next token is sampled.
     sample: bool
     sampling_params: SamplingParams
+    block_table_start: int = 0
     # Index of the token to be sampled within the output (seeds per-token random draws).
     num_output_tokens: int = 0
     # This chunk's pass was suspended (mid-forward preemption, mode suspend): the workers hold
@@ -56,6 +59,9 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     suspend_on_unwind: bool = False
     # Suspended chunks that will never resume (dropped, preempted for KV, finished): free them.
     free_suspended: list[str] = []
+    # Requests whose KV blocks were freed since the last step the workers ran (finished,
+    # aborted, preempted): they drop their block tables, before this step's updates.
+    released_req_ids: list[str] = []
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -63,19 +69,19 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
 
     @property
     def attention_work(self) -> int:
-        """The step's quadratic cost feature (see monitor.predictor.attention_work)."""
+        """The step's quadratic cost feature (see monitor.step_point.attention_work)."""
         return attention_work((r.start_pos, len(r.token_ids)) for r in self.requests)
 
     @property
     def decode_context(self) -> int:
-        """The KV tokens the step's decodes read (see monitor.predictor.decode_context)."""
+        """The KV tokens the step's decodes read (see monitor.step_point.decode_context)."""
         return decode_context((r.start_pos, len(r.token_ids)) for r in self.requests)
 
     def step_point(self, seconds: float, num_layers: int,
                    layers: Mapping[str, tuple[int, int]]) -> StepPoint | None:
         """The predictor's point for this step when it took `seconds` and each request ran
         the layers [start, end) of `layers` (all of them when absent): an unwound or resumed
-        step ran only some (see monitor.predictor.step_point)."""
+        step ran only some (see monitor.step_point.step_point)."""
         return step_point(((r.start_pos, len(r.token_ids),
                             *layers.get(r.req_id, (0, num_layers))) for r in self.requests),
                           num_layers, seconds)

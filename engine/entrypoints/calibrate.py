@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.entrypoints.engine_args import add_engine_args, engine_kwargs, under_torchrun
-from monitor.predictor import LinearTTFT, StepPoint
+from monitor.step_point import StepPoint
+from monitor.step_time_model import StepTimeModel
 from monitor.step_model_choice import choose_step_model
 
 # Up to 3072: above about 1024 tokens prefill grows visibly faster than linearly (attention),
@@ -42,7 +43,7 @@ DECODE_STEPS = 8
 class CalibrationResult:
     points: list[tuple[int, float]]  # every measured (prompt tokens, seconds) pair
     medians: dict[int, float]  # prompt tokens -> median seconds
-    model: LinearTTFT
+    model: StepTimeModel
     # Leave-one-size-out error of each candidate (root mean square of relative errors); None
     # where there are too few sizes to tell.
     held_out_error: dict[str, float | None]
@@ -52,7 +53,7 @@ class CalibrationResult:
 
 def choose_model(medians: dict[int, float],
                  decode_medians: dict[tuple[int, int], float] | None = None
-                 ) -> tuple[LinearTTFT, dict[str, float | None]]:
+                 ) -> tuple[StepTimeModel, dict[str, float | None]]:
     """The candidate that predicts held-out prompt sizes best (docs/design.md section 5: a
     richer model must beat the line on held-out data), fitted on every point, and each
     candidate's held-out error."""

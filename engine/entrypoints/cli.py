@@ -144,9 +144,9 @@ def _serve(args: argparse.Namespace) -> int:
         config = build_engine_config(model, **kwargs)
         resolve(config)  # bad configuration fails here, before the engine builds anything
         if config.slo_preemption.ttft_model:
-            from monitor.predictor import LinearTTFT
+            from monitor.step_time_model import StepTimeModel
 
-            LinearTTFT.load(config.slo_preemption.ttft_model)
+            StepTimeModel.load(config.slo_preemption.ttft_model)
         # vLLM's convention: clients see the --model argument as given (tools load the tokenizer
         # from it); the default model, given by no one, is named after its folder.
         names = args.served_model_name or [given or served_name(model)]

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from engine.core.slack_policy import SuspendedChunk
+from engine.core.suspension_ledger import SuspendedChunk
 from engine.core.scheduler_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
                                           StepStatus)
 from engine.structured_output.bitmask import first_allowed_from

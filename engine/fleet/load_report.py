@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import msgspec
 
-from monitor.predictor import LinearTTFT
+from monitor.step_time_model import StepTimeModel
 
 # Prefix hashes a report carries at most: the most recently cached blocks. Enough to recognise
 # the system prompts and documents a replica holds; a report stays a few tens of KiB.
@@ -38,7 +38,7 @@ class ReplicaLoad(msgspec.Struct, kw_only=True, frozen=True):
     made_at: float
     # The step-time model the replica's monitor predicts with (online refit included), and its
     # honest error (relative_error / relative_speedup).
-    step_model: LinearTTFT
+    step_model: StepTimeModel
     # Waiting for admission (paused SLO-preemption victims included: their prefill is owed).
     waiting: list[QueuedRequest] = []
     # Prefilling in the running step.

@@ -36,7 +36,7 @@ from engine.fleet.arrivals import Overtakers
 from engine.fleet.load_report import ReplicaLoad, RouteHint
 from engine.fleet.prefix_hashes import cached_prefix_blocks
 from monitor.policy import AGED_PRIORITY, lendable_slack, order, should_slo_preempt
-from monitor.predictor import predict_prefill
+from monitor.step_time_model import predict_prefill
 
 # Seconds from the monitor's decision to stop a preemptible step until the waiter's own prefill
 # starts. The vote is read at every attention op, so the step stops at the next layer boundary:
@@ -78,7 +78,7 @@ def marginal_prefill_seconds(load: ReplicaLoad, tokens: int, cost: float,
 def prefill_seconds(load: ReplicaLoad, tokens: int) -> float:
     """Predicted seconds for the replica to prefill `tokens` more tokens of one prompt: in
     chunks of its step budget, beside its decodes, as its own scheduler predicts them
-    (monitor.predictor.predict_prefill). One step of the whole prompt would charge a document
+    (monitor.step_time_model.predict_prefill). One step of the whole prompt would charge a document
     one step's fixed cost, and the replicas' refitted models differ most in that cost: the
     router would send documents to the replica whose model puts the least in it."""
     return predict_prefill(load.step_model, tokens, load.decode_context,

@@ -1,4 +1,11 @@
-"""EngineCore: the busy loop schedule() -> execute -> update, over one scheduler and one executor."""
+"""EngineCore: the busy loop schedule() -> execute -> update, over one scheduler and one executor.
+
+EngineCore owns the engine's step-time predictor (monitor.predictor.StepTimePredictor) and hands
+it to whoever reads it: the scheduler (its slack policy ranks and caps steps by it), the SLO
+preemption control (each monitor snapshot carries its current model) and the load report. The
+step loop feeds it: every completed step here, every unwound one through the SLO preemption
+control.
+"""
 
 from __future__ import annotations
 
@@ -30,7 +37,8 @@ from engine.runtime.step_observation import observe_step
 from engine.runtime.step_timing import StepObserver, StepTiming
 from engine.structured_output.compiler import GrammarCompiler
 from engine.structured_output.matcher import RequestGrammar
-from monitor.predictor import LinearTTFT
+from monitor.predictor import StepTimePredictor
+from monitor.step_time_model import StepTimeModel
 from monitor.slo_preempt_signal import SLOPreemptSignal
 
 if TYPE_CHECKING:
@@ -49,8 +57,12 @@ class EngineCore:
         self.config = config
         self.model: ResolvedModel = resolve(config)
         slo_preemption = config.slo_preemption
-        ttft_seed = (LinearTTFT.load(slo_preemption.ttft_model) if slo_preemption.ttft_model
-                     else None)
+        # A calibration file (--ttft-model) seeds the step-time predictor; without one, the
+        # startup calibration below or else the pessimistic default does.
+        seed = (StepTimeModel.load(slo_preemption.ttft_model) if slo_preemption.ttft_model
+                else None)
+        self.step_time_predictor = StepTimePredictor(
+            seed, error_quantile=slo_preemption.predictor_error_quantile)
         signal = None
         if slo_preemption.enabled:
             signal = (slo_preempt_signal if slo_preempt_signal is not None
@@ -62,23 +74,22 @@ class EngineCore:
             # A pool size the configuration fixes: the scheduler checks it before any weights
             # load. Otherwise the workers measure it on the GPU once they have loaded them.
             if self.model.num_blocks is not None:
-                self._start_scheduling(signal, ttft_seed)
+                self._start_scheduling(signal)
             started = (executor if executor is not None
                        else make_executor(config, self.model, signal))
             if self.model.num_blocks is None:
                 self.model.num_blocks = started.num_kv_blocks
                 check_pool_fits(self.model.max_model_len, config.cache, self.model.num_blocks,
                                 measured=True)
-                self._start_scheduling(signal, ttft_seed)
-            if ttft_seed is None and wants_startup_calibration(config):
-                # Either way the scheduler exists by now (before the executor when the pool
-                # size is fixed) and holds the default seed: swap in the machine's own, before
-                # any request.
+                self._start_scheduling(signal)
+            if seed is None and wants_startup_calibration(config):
+                # The predictor holds the default seed: swap in the machine's own, before any
+                # request.
                 self.startup_calibration = calibrate_at_startup(started, config, self.model)
                 if self.startup_calibration is not None:
-                    self.scheduler.slack.predictor.reseed(self.startup_calibration.model,
-                                                          self.startup_calibration.points)
-            elif ttft_seed is None and not config.slo_preemption.startup_calibration:
+                    self.step_time_predictor.reseed(self.startup_calibration.model,
+                                                    self.startup_calibration.points)
+            elif seed is None and not config.slo_preemption.startup_calibration:
                 log_uncalibrated_start()
         except BaseException:
             if self.slo_preemption is not None:
@@ -116,19 +127,20 @@ class EngineCore:
         # how benchmarks time steps. Empty, a step reads no clock for them.
         self.step_observers: list[StepObserver] = []
 
-    def _start_scheduling(self, signal: SLOPreemptSignal | None,
-                          ttft_seed: LinearTTFT | None) -> None:
+    def _start_scheduling(self, signal: SLOPreemptSignal | None) -> None:
         config, model = self.config, self.model
         assert model.num_blocks is not None
+        predictor = self.step_time_predictor
         self.scheduler = Scheduler(config.scheduler, config.cache, model.num_blocks,
-                                   model.max_model_len, config.slo_preemption, ttft_seed)
+                                   model.max_model_len, config.slo_preemption, predictor)
         if signal is not None:
             self.slo_preemption = SLOPreemptionControl(config.slo_preemption, self.scheduler,
-                                                   model.hf_config.num_hidden_layers, signal)
+                                                       predictor,
+                                                       model.hf_config.num_hidden_layers, signal)
             # The monitor and the request reader must get the GIL within a fraction of a layer,
             # not after CPython's default 5 ms switch interval.
             sys.setswitchinterval(0.0005)
-        self.load = LoadTracker(config, self.scheduler, signal)
+        self.load = LoadTracker(config, self.scheduler, predictor, signal)
 
     @property
     def max_model_len(self) -> int:
@@ -284,7 +296,8 @@ class EngineCore:
             self.load.publish_idle(self._drained_arrivals)
             return []
         scheduler_output = self.scheduler.schedule()
-        snapshot = snapshot_of_step(self.scheduler, scheduler_output, self._drained_arrivals,
+        snapshot = snapshot_of_step(self.scheduler, scheduler_output,
+                                    self.step_time_predictor.current, self._drained_arrivals,
                                     self.model.hf_config.num_hidden_layers)
         self.load.publish(snapshot)
         if self.slo_preemption is not None:
@@ -328,9 +341,10 @@ class EngineCore:
 
     def _deliver_frees(self, scheduler_output: SchedulerOutput) -> None:
         """Suspended chunks dropped while no forward pass runs must still reach the workers,
-        or their activations stay allocated (GPU memory on CUDA): a step with nothing to
-        compute carries them."""
-        if not scheduler_output.free_suspended:
+        or their activations stay allocated (GPU memory on CUDA), and so must the requests
+        whose blocks were freed (the workers' copies of their block tables): a step with
+        nothing to compute carries them."""
+        if not scheduler_output.free_suspended and not scheduler_output.released_req_ids:
             return
         runner_output = self.executor.execute_model(scheduler_output)
         if runner_output.status is not StepStatus.OK:
@@ -340,14 +354,15 @@ class EngineCore:
             raise EngineStepError(self.dead)
 
     def _deliver_pending_frees(self) -> None:
-        if self.dead is None and self.scheduler.slack.unneeded_suspensions:
+        if self.dead is None and (self.scheduler.slack.suspensions.unneeded
+                                  or self.scheduler.kv_cache_manager.released):
             self._deliver_frees(self.scheduler.schedule())
 
     def _observe_step_time(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> None:
         """Feed the online step model (prefill, decode and mixed steps alike; a chunk resuming
         a suspended pass counts only the layers it ran)."""
-        observe_step(self.scheduler.slack.predictor, scheduler_output, runner_output,
+        observe_step(self.step_time_predictor, scheduler_output, runner_output,
                      self.model.hf_config.num_hidden_layers)
 
     def load_report(self) -> ReplicaLoad:

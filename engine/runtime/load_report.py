@@ -26,6 +26,7 @@ from engine.fleet.prefix_hashes import short_hash
 from monitor.arrivals import PendingArrivals
 from monitor.monitor import MonitorSnapshot
 from monitor.policy import RequestView, view_of
+from monitor.predictor import StepTimePredictor
 from monitor.slo_preempt_signal import SLOPreemptSignal
 from monitor.step_progress import remaining_seconds
 
@@ -41,9 +42,12 @@ class _Published:
 
 class LoadTracker:
     def __init__(self, config: EngineConfig, scheduler: Scheduler,
-                 signal: SLOPreemptSignal | None) -> None:
+                 predictor: StepTimePredictor, signal: SLOPreemptSignal | None) -> None:
         self.config = config
         self.scheduler = scheduler
+        # The engine's step-time predictor (EngineCore owns it): a report carries its current
+        # model, for the router to price this replica's queue with.
+        self.predictor = predictor
         # Reports the preemptible steps' layer progress (the vote); None: SLO preemption off.
         self.signal = signal
         self._published: _Published | None = None
@@ -76,7 +80,7 @@ class LoadTracker:
         self._finished_step = scheduler.step_id
         self._published = _Published(MonitorSnapshot(
             step_id=scheduler.step_id, preemptible=False, waiting=(), running=(),
-            predictor=scheduler.slack.predictor.current, drained_arrivals=drained_arrivals,
+            predictor=self.predictor.current, drained_arrivals=drained_arrivals,
             chunk_tokens=scheduler.slack.chunk_tokens), 0)
 
     # ---- any thread -------------------------------------------------------------------------
@@ -103,7 +107,7 @@ class LoadTracker:
             step_remaining = self._step_remaining(snapshot, now)
         return ReplicaLoad(
             made_at=made_at,
-            step_model=scheduler.slack.predictor.current,
+            step_model=self.predictor.current,
             waiting=waiting,
             running=running,
             num_decoding=num_decoding,

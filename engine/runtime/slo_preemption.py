@@ -2,7 +2,8 @@
 
 Owns the shared-memory signal and the monitor thread; after every `schedule()` it publishes the
 monitor's snapshot, and when the workers unwind a step it rolls the step back and applies the
-monitor's decision to the victim.
+monitor's decision to the victim. The step-time predictor is EngineCore's, handed in: each
+snapshot carries its current model to the monitor, and an unwound step's layers feed it.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from engine.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, Sc
 from engine.runtime.step_observation import observe_step
 from monitor.monitor import MonitorSnapshot, SLOMonitor
 from monitor.policy import RequestView, view_of
+from monitor.predictor import StepTimePredictor
 from monitor.slo_preempt_signal import SLOPreemptSignal
 from monitor.step_progress import predicted_layer_ends
+from monitor.step_time_model import StepTimeModel
 
 
 @dataclass
@@ -54,12 +57,16 @@ class SLOPreemptionStats:
 
 
 class SLOPreemptionControl:
-    def __init__(self, config: SLOPreemptionConfig, scheduler: Scheduler, num_layers: int,
+    def __init__(self, config: SLOPreemptionConfig, scheduler: Scheduler,
+                 predictor: StepTimePredictor, num_layers: int,
                  signal: SLOPreemptSignal | None = None) -> None:
-        """``signal``: one created earlier (the workers attach to it as they start); this
-        object owns it from now on and closes it at shutdown."""
+        """``predictor``: the engine's step-time predictor (EngineCore owns it), whose model
+        the monitor decides by and which unwound steps feed. ``signal``: one created earlier
+        (the workers attach to it as they start); this object owns it from now on and closes it
+        at shutdown."""
         self.config = config
         self.scheduler = scheduler
+        self.predictor = predictor
         self.num_layers = num_layers
         self.signal = signal if signal is not None else SLOPreemptSignal.create()
         self.monitor = SLOMonitor(self.signal, config.policy, config.margin,
@@ -85,15 +92,16 @@ class SLOPreemptionControl:
             # work on the step loop.
             self.monitor.publish(MonitorSnapshot(
                 step_id=output.step_id, preemptible=False, waiting=(), running=(),
-                predictor=slack.predictor.current,
+                predictor=self.predictor.current,
                 drained_arrivals=drained_arrivals))
             return
         if snapshot is None:
-            snapshot = snapshot_of_step(scheduler, output, drained_arrivals, self.num_layers)
+            snapshot = snapshot_of_step(scheduler, output, self.predictor.current,
+                                        drained_arrivals, self.num_layers)
         # Paused victims resume at a step boundary by the scheduler's own rule: not waiters
         # the monitor could stop a step for (the load report counts them: their prefill is
         # owed).
-        waiting = tuple(v for v in snapshot.waiting if not slack.is_held(v.request_id))
+        waiting = tuple(v for v in snapshot.waiting if not slack.holds.is_held(v.request_id))
         if len(waiting) != len(snapshot.waiting):
             snapshot = dataclasses.replace(snapshot, waiting=waiting)
         self.monitor.publish(snapshot)
@@ -103,7 +111,7 @@ class SLOPreemptionControl:
         target, victim_id, waiter_id, decided_at = self.signal.decision()
         scheduler = self.scheduler
         # The layers below the stop ran: what they took is a step point like any other.
-        observe_step(scheduler.slack.predictor, output, runner_output, self.num_layers)
+        observe_step(self.predictor, output, runner_output, self.num_layers)
         layer = runner_output.slo_preempted_layer or 0
         applied, kept_tokens = unwind_step(scheduler, output, runner_output.suspended_req_ids,
                                            target, victim_id, waiter_id, layer)
@@ -128,12 +136,13 @@ class SLOPreemptionControl:
         self.signal.close()
 
 
-def snapshot_of_step(scheduler: Scheduler, output: SchedulerOutput, drained_arrivals: int,
-                     num_layers: int) -> MonitorSnapshot:
+def snapshot_of_step(scheduler: Scheduler, output: SchedulerOutput, model: StepTimeModel,
+                     drained_arrivals: int, num_layers: int) -> MonitorSnapshot:
     """The scheduler's state as the step it just scheduled leaves it: every waiting request
     (paused victims included), the requests prefilling in the step, and the step's predicted
-    duration from now (time.monotonic()). Built once per step; the monitor reads it for its
-    decisions, the load report (engine.runtime.load_report) from any thread.
+    duration from now (time.monotonic()) by `model` (the step-time predictor's current one,
+    which the snapshot carries to the monitor). Built once per step; the monitor reads it for
+    its decisions, the load report (engine.runtime.load_report) from any thread.
 
     Layer boundaries only for a preemptible step, whose progress the vote reports layer by
     layer; another step's duration is one prediction, spread evenly."""
@@ -147,31 +156,30 @@ def snapshot_of_step(scheduler: Scheduler, output: SchedulerOutput, drained_arri
         n = len(sr.token_ids)
         tokens += n
         if n == 1:
-            decodes += sr.start_pos + 1  # monitor.predictor.decode_context
+            decodes += sr.start_pos + 1  # monitor.step_point.decode_context
             continue
-        attention += n * (2 * sr.start_pos + n)  # monitor.predictor.attention_work
+        attention += n * (2 * sr.start_pos + n)  # monitor.step_point.attention_work
         request = scheduler.requests[sr.req_id]
         running.append(view_of(request, computed_tokens=sr.start_pos,
                                slo_preempted=slack.protected_by_rule1(request)))
-    line = slack.predictor.current
     if output.preemptible:
         chunks = [(sr.start_pos, len(sr.token_ids), _join_layer(scheduler, sr))
                   for sr in output.requests]
-        layer_ends = predicted_layer_ends(line.predict_step, chunks, num_layers)
+        layer_ends = predicted_layer_ends(model.predict_step, chunks, num_layers)
         predicted = layer_ends[-1]
     else:
         layer_ends = ()
-        predicted = line.predict_step(tokens, attention, decodes) if tokens else 0.0
+        predicted = model.predict_step(tokens, attention, decodes) if tokens else 0.0
     return MonitorSnapshot(
         step_id=output.step_id, preemptible=output.preemptible, waiting=waiting,
-        running=tuple(running), predictor=line, drained_arrivals=drained_arrivals,
+        running=tuple(running), predictor=model, drained_arrivals=drained_arrivals,
         started_at=time.monotonic(), predicted_step_s=predicted, decode_context=decodes,
         num_layers=num_layers, layer_ends=layer_ends, chunk_tokens=slack.chunk_tokens)
 
 
 def _join_layer(scheduler: Scheduler, sr: ScheduledRequest) -> int:
     """The layer a chunk enters the pass at: a resumed one where its pass stopped."""
-    held = scheduler.slack.suspended_chunk(sr.req_id) if sr.resume else None
+    held = scheduler.slack.suspensions.next_chunk(sr.req_id) if sr.resume else None
     return held.layer if held is not None else 0
 
 
@@ -199,6 +207,7 @@ def unwind_step(scheduler: Scheduler, output: SchedulerOutput, suspended_req_ids
     if target == output.step_id:
         applied = slack.preempt_for_slo(scheduler, victim_id, waiter_id,
                                         kept=[sr.req_id for sr in kept])
-    slack.drop_suspensions([i for i in suspended if not slack.is_suspended(i)])
-    kept_tokens = sum(len(sr.token_ids) for sr in kept if slack.is_suspended(sr.req_id))
+    ledger = slack.suspensions
+    ledger.drop([i for i in suspended if not ledger.is_suspended(i)])
+    kept_tokens = sum(len(sr.token_ids) for sr in kept if ledger.is_suspended(sr.req_id))
     return applied, kept_tokens

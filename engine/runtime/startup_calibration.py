@@ -19,14 +19,14 @@ predictor and no `--ttft-model` file is given, EngineCore runs, within a time bu
 Sizes are tried cheapest first, and one is skipped once its predicted cost would overrun the
 budget. The points are fitted by monitor/step_model_choice.py (the attention term, the decode
 term and a floor are kept where they predict held-out sizes better) and seed the engine's
-OnlineTTFT, points included.
+StepTimePredictor, points included.
 
 Nothing measured is thrown away. On a machine slower than the budget was made for (busy with
 other processes, throttled), the budget extends until CONFIDENT_SIZES prompt sizes are timed,
 up to MAX_BUDGET_FACTOR times itself; where even that times fewer, the fit rests on what was
 timed (one size: a line through it and its decode steps) and is marked unconfident, which the
-online fit and the policy read (monitor.predictor.LinearTTFT.confident): served steps refit it
-from the first, and it writes no request off as doomed.
+online fit and the policy read (monitor.step_time_model.StepTimeModel.confident): served steps
+refit it from the first, and it writes no request off as doomed.
 
 It drives the executor through its protocol only (`execute_model(SchedulerOutput)`), with a
 throwaway fcfs Scheduler of its own over the same number of KV blocks (prefix caching off): no
@@ -57,8 +57,11 @@ from engine.entrypoints.arg_types import non_negative_float
 from engine.executor.base import Executor
 from engine.runtime.model_setup import ResolvedModel
 from engine.sampling_params import SamplingParams
-from monitor.predictor import CONFIDENT_SIZES, FLOOR_TOLERANCE, LinearTTFT, StepPoint
+from monitor.predictor import CONFIDENT_SIZES
 from monitor.step_model_choice import choose_step_model
+from monitor.step_point import StepPoint
+from monitor.step_time_fit import FLOOR_TOLERANCE, fit_step, with_range
+from monitor.step_time_model import StepTimeModel
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +97,7 @@ LONG_DECODE_GAIN = 1.5
 
 @dataclass
 class StartupCalibration:
-    model: LinearTTFT
+    model: StepTimeModel
     # Every point fitted (medians): prompt sizes, decode batches, a chunk over a prefix.
     points: list[StepPoint]
     held_out_error: dict[str, float | None]
@@ -222,7 +225,7 @@ class _Plan:
         if len(points) < 2:
             line = sparse_model(points, list(self.decodes.values()))
         else:
-            line = LinearTTFT.fit_step(points, quadratic=len(points) >= 3, decode=False)
+            line = fit_step(points, quadratic=len(points) >= 3, decode=False)
         return COST_SAFETY * line.predict_step(tokens, attention, decode_context)
 
     @property
@@ -234,22 +237,22 @@ class _Plan:
         return [*self.prefills.values(), *self.decodes.values(), *self.chunks]
 
 
-def sparse_model(prefills: list[StepPoint], decodes: list[StepPoint]) -> LinearTTFT:
+def sparse_model(prefills: list[StepPoint], decodes: list[StepPoint]) -> StepTimeModel:
     """The step model where one prompt size was timed: a line through it and the decode steps
     (a decode step is a step of one token per sequence: what a step costs besides its tokens
     shows there), or, without decodes, the prompt's time per token. Unconfident
-    (LinearTTFT.confident): it dooms nobody, and served steps refit it from the first."""
+    (StepTimeModel.confident): it dooms nobody, and served steps refit it from the first."""
     points = [*prefills, *decodes]
     try:
-        line = LinearTTFT.fit_step(points, quadratic=False, decode=False)
+        line = fit_step(points, quadratic=False, decode=False)
     except ValueError:  # one size in all
         line = None
     if line is None or line.seconds_per_token <= 0:
         # One size, or sizes that all ran as fast (a launch floor): what a token costs does
         # not show; the prompt's time per token overestimates it, which underestimates slack.
         largest = max(prefills, key=lambda p: p.tokens)
-        line = LinearTTFT(seconds_per_token=largest.seconds / largest.tokens, intercept_s=0.0)
-    return dataclasses.replace(line.with_range(points), confident=False)
+        line = StepTimeModel(seconds_per_token=largest.seconds / largest.tokens, intercept_s=0.0)
+    return dataclasses.replace(with_range(line, points), confident=False)
 
 
 def _floor_bound(plan: _Plan) -> bool:
@@ -397,7 +400,7 @@ def calibrate_at_startup(executor: Executor, config: EngineConfig, model: Resolv
     machine too slow for it to time CONFIDENT_SIZES prompt sizes, see _time_prompts) and fits
     the step model on whatever it measured; None (logged) only where the limits leave no
     prompt size to time. A fit on fewer than CONFIDENT_SIZES sizes is unconfident
-    (monitor.predictor.LinearTTFT.confident)."""
+    (monitor.step_time_model.StepTimeModel.confident)."""
     budget_s = startup_budget_s() if budget_s is None else budget_s
     scratch = _Scratch(executor, config, model)
     sched = config.scheduler

@@ -1,11 +1,11 @@
-"""Feeding the online TTFT predictor from the engine's steps (docs/design.md section 5): completed
-steps, steps that resumed suspended passes, and unwound steps, each counted by the layers its
-chunks really ran."""
+"""Feeding the engine's step-time predictor (monitor.predictor.StepTimePredictor, which EngineCore
+owns) from the engine's steps (docs/design.md section 5): completed steps, steps that resumed
+suspended passes, and unwound steps, each counted by the layers its chunks really ran."""
 
 from __future__ import annotations
 
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
-from monitor.predictor import OnlineTTFT
+from monitor.predictor import StepTimePredictor
 
 
 def layers_run(output: SchedulerOutput, runner_output: ModelRunnerOutput,
@@ -29,7 +29,7 @@ def layers_run(output: SchedulerOutput, runner_output: ModelRunnerOutput,
     return layers
 
 
-def observe_step(predictor: OnlineTTFT, output: SchedulerOutput,
+def observe_step(predictor: StepTimePredictor, output: SchedulerOutput,
                  runner_output: ModelRunnerOutput, num_layers: int) -> None:
     """One step that completed or was unwound, timed by the workers (execute_seconds)."""
     layers = layers_run(output, runner_output, num_layers)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import msgspec
 
-from monitor.predictor import LinearTTFT
+from monitor.step_time_model import StepTimeModel
 
 _PROFILE_PACKAGE = "engine.simulation.profiles"
 
@@ -113,7 +113,7 @@ class StepTimeProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         return self.step_seconds(tokens, attention, decode_context) / self.num_layers
 
     @classmethod
-    def from_ttft_model(cls, model: LinearTTFT, num_layers: int, name: str) -> StepTimeProfile:
+    def from_ttft_model(cls, model: StepTimeModel, num_layers: int, name: str) -> StepTimeProfile:
         """The machine a calibration file measured: its step model, with no floor beyond the
         intercept (calibration fits the sum of terms) and an unwind at the next boundary."""
         return cls(name=name, num_layers=num_layers,
@@ -150,7 +150,7 @@ def load_profile(spec: str, num_layers: int | None = None) -> StepTimeProfile:
         if num_layers is None:
             raise ValueError(f"simulate: the calibration file {spec!r} needs the model's "
                              f"number of layers")
-        return StepTimeProfile.from_ttft_model(LinearTTFT.load(path), num_layers, path.name)
+        return StepTimeProfile.from_ttft_model(StepTimeModel.load(path), num_layers, path.name)
     return _decode(text, spec)
 
 

@@ -205,11 +205,11 @@ def test_peer_side_by_side_against_two_servers(tiny_model, tmp_path, capsys):
     gets the same trace, one after the other, and the table has a column for each."""
     from engine.benchmarks.attainment.server import serve
     from engine.entrypoints.cli import main
-    from monitor.predictor import LinearTTFT
+    from monitor.step_time_model import StepTimeModel
 
     model = tiny_model("llama")
     ttft = tmp_path / "ttft.json"
-    LinearTTFT(seconds_per_token=2e-5, intercept_s=0.01).save(ttft)
+    StepTimeModel(seconds_per_token=2e-5, intercept_s=0.01).save(ttft)
     common = dict(dtype="float32", max_model_len=512, num_kv_blocks=400,
                   ttft_model=str(ttft))  # prefix caching on: the salts must keep it cold
     out = tmp_path / "out"

@@ -15,7 +15,7 @@ import pytest
 
 from engine.benchmarks.measure.figures import read_figures
 from engine.entrypoints.cli import main
-from monitor.predictor import LinearTTFT
+from monitor.step_time_model import StepTimeModel
 from tests.utils.figures_wait import wait_for_figures
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _args(tiny_model, tmp_path: Path, num_requests: int, rate: str) -> list[str]:
     ttft = tmp_path / "ttft.json"
-    LinearTTFT(seconds_per_token=2e-5, intercept_s=0.01).save(ttft)
+    StepTimeModel(seconds_per_token=2e-5, intercept_s=0.01).save(ttft)
     return ["bench", "run", "--model", tiny_model("llama"), "--dtype", "float32",
             "--max-model-len", "512", "--num-kv-blocks", "400", "--ttft-model", str(ttft),
             "--workload", "mixed", "--num-requests", str(num_requests), "--rates", rate,

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from engine.entrypoints.cli import main
-from monitor.predictor import LinearTTFT
+from monitor.step_time_model import StepTimeModel
 
 NUM_REQUESTS = 20
 # The relaxed tier's TPOT objective in these runs: two isolated prefills of a 512-token chunk,
@@ -22,7 +22,7 @@ RELAXED_TPOT_MS = 2 * (0.01 + 2e-5 * 496) * 1000
 
 def _bench(tiny_model, tmp_path: Path, *extra: str) -> dict:
     ttft = tmp_path / "ttft.json"
-    LinearTTFT(seconds_per_token=2e-5, intercept_s=0.01).save(ttft)
+    StepTimeModel(seconds_per_token=2e-5, intercept_s=0.01).save(ttft)
     out = tmp_path / "out"
     code = main(["bench", "run", "--model", tiny_model("llama"), "--dtype", "float32",
                  "--max-model-len", "512", "--num-kv-blocks", "400", "--ttft-model", str(ttft),
@@ -95,7 +95,7 @@ def test_user_trace_file_runs(tiny_model, tmp_path):
              "arrival_s": 0.05, "tier": "batch"}]
     user.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     ttft = tmp_path / "ttft.json"
-    LinearTTFT(seconds_per_token=2e-5, intercept_s=0.01).save(ttft)
+    StepTimeModel(seconds_per_token=2e-5, intercept_s=0.01).save(ttft)
     out = tmp_path / "out"
     assert main(["bench", "run", "--model", tiny_model("llama"), "--dtype", "float32",
                  "--max-model-len", "512", "--ttft-model", str(ttft), "--trace", str(user),
@@ -108,7 +108,7 @@ def test_user_trace_file_runs(tiny_model, tmp_path):
 
 def test_sweep_searches_a_rate_and_runs_the_three_rates(tiny_model, tmp_path):
     ttft = tmp_path / "ttft.json"
-    LinearTTFT(seconds_per_token=2e-5, intercept_s=0.01).save(ttft)
+    StepTimeModel(seconds_per_token=2e-5, intercept_s=0.01).save(ttft)
     out = tmp_path / "out"
     assert main(["bench", "sweep", "--model", tiny_model("llama"), "--dtype", "float32",
                  "--max-model-len", "512", "--ttft-model", str(ttft), "--num-requests", "6",

@@ -2,9 +2,9 @@
 the model with and without the decode term on held-out steps."""
 
 from bench.diagnostics.step_model import errors, fit_variants, kind_of, record_steps
-from monitor.predictor import LinearTTFT
+from monitor.step_time_model import StepTimeModel
 
-TRUE = LinearTTFT(seconds_per_token=2e-3, intercept_s=0.05, seconds_per_decode_context=3e-5)
+TRUE = StepTimeModel(seconds_per_token=2e-3, intercept_s=0.05, seconds_per_decode_context=3e-5)
 
 
 def _step(tokens: int, prefill: int, context: int, decodes: int):

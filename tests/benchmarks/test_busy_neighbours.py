@@ -16,7 +16,7 @@ from engine.benchmarks.attainment.busy import quiet_and_busy
 from engine.benchmarks.attainment.results import RunResult
 from engine.benchmarks.measure.busy_neighbours import busy_neighbours
 from engine.benchmarks.measure.figures import read_figures
-from monitor.predictor import LinearTTFT
+from monitor.step_time_model import StepTimeModel
 
 # Alone (the README's serial run): these tests keep cores busy on purpose, which would slow the
 # tests beside them, and their CPU-seconds probe needs cores that are not all taken.
@@ -146,8 +146,8 @@ def test_bench_run_busy_replays_quiet_then_busy_and_shows_them_side_by_side(sim_
     # the server on its own defaults was never given).
     quiet_run, busy_run = runs
     assert "clairvoyant_server_line" not in quiet_run["meta"]
-    own = LinearTTFT.from_dict(busy_run["meta"]["server_ttft_model"])
-    assert own.seconds_per_token > 0 and own != LinearTTFT()  # measured, not the default
+    own = StepTimeModel.from_dict(busy_run["meta"]["server_ttft_model"])
+    assert own.seconds_per_token > 0 and own != StepTimeModel()  # measured, not the default
     assert busy_run["meta"]["clairvoyant_server_line"]["num_slo_requests"] == num_requests
     row = next(line for line in summary.splitlines()
                if line.startswith("| urgent: the bound on the server's own step model"))

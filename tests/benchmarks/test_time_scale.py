@@ -13,7 +13,7 @@ from engine.benchmarks.attainment.time_scale import (restored_run, slowed_line, 
                                                      slowed_trace)
 from engine.benchmarks.attainment.traces import Trace, TraceRequest
 from engine.simulation.profile import load_profile
-from monitor.predictor import LinearTTFT, predict_prefill
+from monitor.step_time_model import StepTimeModel, predict_prefill
 
 
 @pytest.mark.parametrize("name", ["h100-llama-3.1-8b", "h100-qwen3-30b-a3b"])
@@ -27,9 +27,9 @@ def test_a_slowed_profile_and_line_take_k_times_as_long(name: str) -> None:
         assert slow.compute_seconds(*features) == pytest.approx(
             4 * profile.compute_seconds(*features))
     assert slow.unwind_s == pytest.approx(4 * profile.unwind_s)
-    line = LinearTTFT(seconds_per_token=2e-5, intercept_s=0.005, seconds_per_token_sq=1e-9,
-                      seconds_per_decode_context=3e-7, floor_s=0.008, relative_error=0.1,
-                      calibrated_tokens=8192, edge_seconds_per_token=1.5e-5)
+    line = StepTimeModel(seconds_per_token=2e-5, intercept_s=0.005, seconds_per_token_sq=1e-9,
+                         seconds_per_decode_context=3e-7, floor_s=0.008, relative_error=0.1,
+                         calibrated_tokens=8192, edge_seconds_per_token=1.5e-5)
     slow_line = slowed_line(line, 4)
     assert slow_line.relative_error == 0.1 and slow_line.calibrated_tokens == 8192
     for tokens in (16, 2048, 20_000):  # past the calibrated range too

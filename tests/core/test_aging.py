@@ -12,10 +12,10 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.core.scheduler import Scheduler
 from monitor.policy import (AGED_PRIORITY, AGED_YIELD_SHARE, RequestView, choose_slo_preemption,
                            urgency, view_of)
-from monitor.predictor import LinearTTFT
+from monitor.step_time_model import StepTimeModel
 from tests.utils.scheduling import FakeRunner, _request, _slo_scheduler
 
-PREDICT = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.0).predict
+PREDICT = StepTimeModel(seconds_per_token=1e-3, intercept_s=0.0).predict
 
 
 def test_aged_requests_go_first_the_longest_overdue_first():

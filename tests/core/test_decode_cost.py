@@ -15,11 +15,14 @@ from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.core.slack_policy import SlackPolicy
 from engine.runtime.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
-from monitor.predictor import LinearTTFT, OnlineTTFT, attention_work, decode_context
+from monitor.predictor import StepTimePredictor
+from monitor.step_point import attention_work, decode_context
+from monitor.step_time_fit import fit_step
+from monitor.step_time_model import StepTimeModel
 from tests.utils.scheduling import make_request, FakeScheduler, _step
 
-TRUE = LinearTTFT(seconds_per_token=2e-3, intercept_s=0.04, seconds_per_token_sq=1e-7,
-                  seconds_per_decode_context=2e-5)
+TRUE = StepTimeModel(seconds_per_token=2e-3, intercept_s=0.04, seconds_per_token_sq=1e-7,
+                     seconds_per_decode_context=2e-5)
 _true_time = TRUE.predict_step
 
 
@@ -43,7 +46,7 @@ def test_fit_step_recovers_every_term_of_mixed_steps():
             steps.append((tokens + 8, attention, context, _true_time(tokens + 8, attention,
                                                                      context)))
     steps += [(b, 0, b * n, _true_time(b, 0, b * n)) for b in (1, 8) for n in (64, 2048)]
-    model = LinearTTFT.fit_step(steps, quadratic=True, decode=True)
+    model = fit_step(steps, quadratic=True, decode=True)
     assert model.seconds_per_decode_context == pytest.approx(2e-5, rel=1e-6)
     assert model.seconds_per_token == pytest.approx(2e-3, rel=1e-6)
     assert model.seconds_per_token_sq == pytest.approx(1e-7, rel=1e-6)
@@ -54,7 +57,7 @@ def test_a_decode_term_the_data_contradicts_is_dropped():
     # Decodes cheaper than the prefill line predicts: a negative coefficient means no term.
     steps = [(n, n * n, 0, 0.04 + 2e-3 * n) for n in (64, 512, 2048)]
     steps += [(1, 0, n, 0.03 - 1e-6 * n) for n in (64, 1024, 2048)]
-    model = LinearTTFT.fit_step(steps, quadratic=False, decode=True)
+    model = fit_step(steps, quadratic=False, decode=True)
     assert model.seconds_per_decode_context == 0.0
     assert model.seconds_per_token > 0
 
@@ -62,22 +65,22 @@ def test_a_decode_term_the_data_contradicts_is_dropped():
 def test_the_decode_term_survives_save_and_load(tmp_path):
     path = tmp_path / "m.json"
     TRUE.save(path)
-    assert LinearTTFT.load(path) == TRUE
+    assert StepTimeModel.load(path) == TRUE
     path.write_text('{"seconds_per_token": 0.001, "intercept_s": 0.01, '
                     '"seconds_per_decode_context": -1}')
     with pytest.raises(ValueError, match="seconds_per_decode_context"):
-        LinearTTFT.load(path)
+        StepTimeModel.load(path)
 
 
 def test_max_tokens_within_leaves_the_decodes_their_time():
-    line = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.01, seconds_per_decode_context=1e-5)
+    line = StepTimeModel(seconds_per_token=1e-3, intercept_s=0.01, seconds_per_decode_context=1e-5)
     assert line.max_tokens_within(0.5) == 490
     assert line.max_tokens_within(0.5, decode_context=20_000) == 290  # 200 ms for the decodes
 
 
 def test_online_decode_steps_fill_their_own_window_and_fit_the_term():
-    line = LinearTTFT(seconds_per_token=2e-3, intercept_s=0.04, seconds_per_decode_context=2e-5)
-    online = OnlineTTFT(LinearTTFT(), window=12, decode_window=12, refit_every=1)
+    line = StepTimeModel(seconds_per_token=2e-3, intercept_s=0.04, seconds_per_decode_context=2e-5)
+    online = StepTimePredictor(StepTimeModel(), window=12, decode_window=12, refit_every=1)
     for tokens in (128, 512, 1024, 2048) * 3:
         online.observe(tokens, line.predict_step(tokens, 0), tokens * tokens)
     prefill_steps = list(online._recent)
@@ -106,8 +109,8 @@ def _decode(req_id: str, context: int, tpot_ms: float, now: float) -> Request:
 
 
 def _tpot_cap(context: int) -> int:
-    seed = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.01, seconds_per_decode_context=1e-5)
-    policy = SlackPolicy("slo", "suspend", ttft_seed=seed)
+    seed = StepTimeModel(seconds_per_token=1e-3, intercept_s=0.01, seconds_per_decode_context=1e-5)
+    policy = SlackPolicy("slo", "suspend", StepTimePredictor(seed))
     ops = FakeScheduler(waiting=UrgencyQueue(policy.urgency))
     ops.running = [_decode(f"d{i}", context, 1000.0, 0.0) for i in range(4)]
     now = time.monotonic()
@@ -115,7 +118,7 @@ def _tpot_cap(context: int) -> int:
         request.last_token_time = now
     assert all(r.num_tokens_owed == 1 and r.num_tokens == context for r in ops.running)
     policy.begin_step(ops)
-    return policy.cap_for_tpot(ops, _step(budget=4096))
+    return policy.caps.cap_for_tpot(ops, _step(budget=4096))
 
 
 def test_the_tpot_cap_leaves_room_for_the_kv_the_decodes_read():
@@ -127,8 +130,8 @@ def test_the_tpot_cap_leaves_room_for_the_kv_the_decodes_read():
 
 
 def test_a_waiter_s_slack_counts_the_decodes_beside_it():
-    seed = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.01, seconds_per_decode_context=1e-4)
-    policy = SlackPolicy("slo", "suspend", ttft_seed=seed)
+    seed = StepTimeModel(seconds_per_token=1e-3, intercept_s=0.01, seconds_per_decode_context=1e-4)
+    policy = SlackPolicy("slo", "suspend", StepTimePredictor(seed))
     ops = FakeScheduler(waiting=UrgencyQueue(policy.urgency))
     before = policy.predict_prefill(200)
     ops.running = [_decode("d", 5000, 1000.0, time.monotonic())]
@@ -145,7 +148,7 @@ def test_the_engine_feeds_decode_steps_to_the_model_with_their_context(tiny_mode
                                    sampling_params=params, arrival_time=time.monotonic()))
         while engine.has_unfinished_requests():
             engine.step()
-        online = engine.scheduler.slack.predictor
+        online = engine.step_time_predictor
         # One prefill step, then four decodes reading 21 .. 24 KV tokens (after the startup
         # calibration's points, which seed the windows).
         assert [(p.tokens, p.attention, p.share) for p in online._points][-1] == (20, 400, 1)

@@ -23,11 +23,11 @@ def make_request(req_id: str, tokens: list[int]) -> Request:
 
 def compute(kv: KVCacheManager, req: Request, n: int, **kwargs: object) -> list[int] | None:
     """Schedule-and-complete ``n`` tokens the way the scheduler does."""
-    block_ids = kv.allocate_slots(req, n, **kwargs)  # type: ignore[arg-type]
-    if block_ids is not None:
-        req.num_computed_tokens += n
-        kv.commit_computed_blocks(req)
-    return block_ids
+    if not kv.allocate_slots(req, n, **kwargs):  # type: ignore[arg-type]
+        return None
+    req.num_computed_tokens += n
+    kv.commit_computed_blocks(req)
+    return kv.get_block_ids(req.request_id)
 
 
 def test_refuses_max_model_len_that_cannot_fit() -> None:
@@ -45,7 +45,7 @@ def test_allocate_slots_grows_block_table() -> None:
     for t in (6, 7, 8):
         req.append_output_token(t)
     assert compute(kv, req, 2) == [0, 1]
-    assert kv.allocate_slots(req, 1) == [0, 1, 2]
+    assert kv.allocate_slots(req, 1) and kv.get_block_ids("a") == [0, 1, 2]
     assert kv.num_free_blocks == 5
     kv.check_invariants()
 
@@ -55,7 +55,7 @@ def test_allocate_slots_failure_changes_nothing() -> None:
     a, b = make_request("a", list(range(12))), make_request("b", list(range(8)))
     assert compute(kv, a, 12) == [0, 1, 2]
     queries = kv.prefix_cache_queries
-    assert kv.allocate_slots(b, 8, admission=True) is None
+    assert kv.allocate_slots(b, 8, admission=True) is False
     assert kv.num_free_blocks == 1 and "b" not in kv.req_blocks
     assert kv.get_block_ids("a") == [0, 1, 2] and kv.prefix_cache_queries == queries
     kv.check_invariants()
@@ -69,16 +69,16 @@ def test_watermark_holds_back_admissions_only_while_something_runs() -> None:
     assert compute(kv, a, 28, admission=True, num_running=0) is not None
     assert kv.num_free_blocks == 3
     b = make_request("b", list(range(100, 108)))
-    assert kv.allocate_slots(b, 8, admission=True, num_running=1) is None
+    assert kv.allocate_slots(b, 8, admission=True, num_running=1) is False
     c = make_request("c", list(range(200, 204)))
-    assert kv.allocate_slots(c, 4, admission=True, num_running=1) is not None
+    assert kv.allocate_slots(c, 4, admission=True, num_running=1) is True
     # A running request may take the very last blocks.
     a.append_output_token(1)
-    assert kv.allocate_slots(a, 1) is not None
+    assert kv.allocate_slots(a, 1) is True
     a.num_computed_tokens += 1
     for _ in range(4):
         a.append_output_token(1)
-    assert kv.allocate_slots(a, 5) is not None
+    assert kv.allocate_slots(a, 5) is True
     assert kv.num_free_blocks == 0
     kv.check_invariants()
 
@@ -105,7 +105,7 @@ def test_prefix_hit_only_after_commit_and_never_whole_sequence() -> None:
     kv = make_manager()
     prompt = list(range(10))
     a = make_request("a", prompt)
-    assert kv.allocate_slots(a, 10, admission=True) is not None
+    assert kv.allocate_slots(a, 10, admission=True) is True
     a.num_computed_tokens = 10
     # Written but not yet committed: no hit.
     assert kv.get_computed_blocks(make_request("x", prompt)) == ([], 0)
@@ -120,7 +120,7 @@ def test_prefix_hit_only_after_commit_and_never_whole_sequence() -> None:
 def test_commit_only_full_computed_blocks() -> None:
     kv = make_manager()
     a = make_request("a", list(range(12)))
-    assert kv.allocate_slots(a, 12) is not None
+    assert kv.allocate_slots(a, 12) is True
     a.num_computed_tokens = 12
     kv.commit_computed_blocks(a, num_computed_tokens=6)
     assert [b.block_hash is not None for b in kv.req_blocks["a"]] == [True, False, False]
@@ -142,8 +142,8 @@ def test_hits_counted_in_tokens_at_admission_and_shared_blocks() -> None:
     assert n == 8
     # Lookups alone count nothing; the admission that uses them does.
     assert kv.prefix_cache_queries == 9
-    table = kv.allocate_slots(b, b.num_tokens - n, n, blocks, admission=True)
-    assert table is not None and table[:2] == kv.get_block_ids("a")[:2]
+    assert kv.allocate_slots(b, b.num_tokens - n, n, blocks, admission=True)
+    assert kv.get_block_ids("b")[:2] == kv.get_block_ids("a")[:2]
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (20, 8)
     assert [blk.ref_count for blk in blocks] == [2, 2]
     kv.check_invariants()
@@ -166,9 +166,9 @@ def test_hit_on_free_cached_block_consumes_free_capacity() -> None:
     # 2 revived + 2 new = 4 blocks: fits exactly; one more block would not.
     assert kv.num_blocks_to_allocate(b, 16, blocks) == 4
     assert not kv.can_allocate(b, 17, blocks)
-    assert kv.allocate_slots(b, 9, n, blocks) is None
+    assert kv.allocate_slots(b, 9, n, blocks) is False
     assert kv.num_free_blocks == 4 and all(blk.ref_count == 0 for blk in blocks)
-    assert kv.allocate_slots(b, 8, n, blocks) is not None
+    assert kv.allocate_slots(b, 8, n, blocks) is True
     assert kv.num_free_blocks == 0
     kv.check_invariants()
 

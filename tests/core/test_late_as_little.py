@@ -9,11 +9,11 @@ from __future__ import annotations
 import gc
 
 from monitor.policy import DEADLINE_HEADROOM, RequestView, rank, urgency
-from monitor.predictor import LinearTTFT
+from monitor.step_time_model import StepTimeModel
 from tests.utils.scheduling import FakeRunner, _request, _slo_scheduler
 
 NOW = 1000.0
-PREDICT = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.0).predict
+PREDICT = StepTimeModel(seconds_per_token=1e-3, intercept_s=0.0).predict
 
 
 def _ids(views) -> list[str]:

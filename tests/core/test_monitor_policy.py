@@ -6,11 +6,13 @@ import random
 import pytest
 
 from monitor.policy import RequestView, choose_slo_preemption, should_slo_preempt, urgency
-from monitor.predictor import LinearTTFT, OnlineTTFT
+from monitor.predictor import StepTimePredictor
+from monitor.step_time_fit import fit_line, fit_quadratic
+from monitor.step_time_model import StepTimeModel
 
 NOW = 1000.0
 # 1 ms per token, no intercept: remaining TTFT in seconds = tokens / 1000.
-PREDICT = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.0).predict
+PREDICT = StepTimeModel(seconds_per_token=1e-3, intercept_s=0.0).predict
 
 
 def view(rid, deadline_in, tokens, preempted=False):
@@ -104,7 +106,7 @@ def test_bad_policy_arguments():
 def test_fit_recovers_a_noisy_line_and_reports_r2():
     rng = random.Random(0)
     points = [(n, 2e-4 * n + 0.03 + rng.gauss(0, 1e-3)) for n in range(64, 4096, 64)]
-    line = LinearTTFT.fit(points)
+    line = fit_line(points)
     assert line.seconds_per_token == pytest.approx(2e-4, rel=0.02)
     assert line.intercept_s == pytest.approx(0.03, abs=3e-3)
     assert 0.99 < line.r2 <= 1.0
@@ -113,20 +115,20 @@ def test_fit_recovers_a_noisy_line_and_reports_r2():
 
 def test_fit_needs_two_token_counts():
     with pytest.raises(ValueError, match="two or more token counts"):
-        LinearTTFT.fit([(100, 0.1), (100, 0.11)])
+        fit_line([(100, 0.1), (100, 0.11)])
 
 
 def test_save_load_roundtrip_and_bad_file(tmp_path):
-    line = LinearTTFT(seconds_per_token=3e-4, intercept_s=0.02, r2=0.98)
+    line = StepTimeModel(seconds_per_token=3e-4, intercept_s=0.02, r2=0.98)
     line.save(tmp_path / "ttft.json")
-    assert LinearTTFT.load(tmp_path / "ttft.json") == line
+    assert StepTimeModel.load(tmp_path / "ttft.json") == line
     (tmp_path / "bad.json").write_text('{"slope": 1}')
     with pytest.raises(ValueError, match="calibrat"):
-        LinearTTFT.load(tmp_path / "bad.json")
+        StepTimeModel.load(tmp_path / "bad.json")
 
 
 def test_online_refit_replaces_the_seed():
-    online = OnlineTTFT(refit_every=4)
+    online = StepTimePredictor(refit_every=4)
     seed = online.current
     for n in (100, 200, 400, 800):
         online.observe(n, 5e-4 * n + 0.01)
@@ -138,10 +140,10 @@ def test_online_refit_replaces_the_seed():
 
 def test_quadratic_fit_recovers_the_attention_term_and_inverts():
     rng = random.Random(1)
-    truth = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.02, seconds_per_token_sq=2e-7)
+    truth = StepTimeModel(seconds_per_token=1e-3, intercept_s=0.02, seconds_per_token_sq=2e-7)
     points = [(n, n * n, truth.predict(n) * (1 + rng.gauss(0, 0.01)))
               for n in range(64, 4096, 128)]
-    fitted = LinearTTFT.fit_quadratic(points)
+    fitted = fit_quadratic(points)
     assert fitted.seconds_per_token_sq == pytest.approx(2e-7, rel=0.1)
     assert fitted.predict(3000) == pytest.approx(truth.predict(3000), rel=0.02)
     # Inverse of predict: the most tokens within a time.
@@ -154,17 +156,17 @@ def test_quadratic_fit_recovers_the_attention_term_and_inverts():
 
 def test_quadratic_fit_without_curvature_is_the_line():
     points = [(n, n * n, 5e-4 * n + 0.01) for n in (100, 200, 400, 800)]
-    fitted = LinearTTFT.fit_quadratic(points)
+    fitted = fit_quadratic(points)
     assert fitted.seconds_per_token_sq == 0.0
     assert fitted.seconds_per_token == pytest.approx(5e-4)
 
 
 def test_online_refit_keeps_the_attention_term_of_a_quadratic_seed(tmp_path):
-    seed = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.02, seconds_per_token_sq=1e-7)
+    seed = StepTimeModel(seconds_per_token=1e-3, intercept_s=0.02, seconds_per_token_sq=1e-7)
     seed.save(tmp_path / "q.json")
-    assert LinearTTFT.load(tmp_path / "q.json") == seed
-    online = OnlineTTFT(LinearTTFT.load(tmp_path / "q.json"), refit_every=6)
-    truth = LinearTTFT(seconds_per_token=2e-3, intercept_s=0.01, seconds_per_token_sq=3e-7)
+    assert StepTimeModel.load(tmp_path / "q.json") == seed
+    online = StepTimePredictor(StepTimeModel.load(tmp_path / "q.json"), refit_every=6)
+    truth = StepTimeModel(seconds_per_token=2e-3, intercept_s=0.01, seconds_per_token_sq=3e-7)
     # Mixed steps: (tokens, attention work) of several chunks each.
     steps = [(300, 90_000), (1200, 700_000), (2500, 3_000_000), (800, 640_000),
              (4000, 9_000_000), (1600, 1_300_000)]
@@ -204,7 +206,7 @@ def test_the_steps_own_pace_reveals_that_it_runs_longer_than_predicted():
         started = now - 2.0
         waiter = RequestView("w", deadline=now + 0.6, remaining_prefill_tokens=100)
         running = RequestView("r", deadline=now + 60.0, remaining_prefill_tokens=3000)
-        line = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.0)
+        line = StepTimeModel(seconds_per_token=1e-3, intercept_s=0.0)
         snapshot = MonitorSnapshot(step_id=7, preemptible=True, waiting=(waiter,),
                                    running=(running,), predictor=line, started_at=started,
                                    predicted_step_s=1.0, num_layers=30)
@@ -238,7 +240,7 @@ def test_before_any_layer_is_done_the_whole_step_is_left():
         now = time.monotonic()
         waiter = RequestView("w", deadline=now + 0.6, remaining_prefill_tokens=100)
         running = RequestView("r", deadline=now + 60.0, remaining_prefill_tokens=3000)
-        line = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.0)
+        line = StepTimeModel(seconds_per_token=1e-3, intercept_s=0.0)
         monitor.publish(MonitorSnapshot(step_id=7, preemptible=True, waiting=(waiter,),
                                         running=(running,), predictor=line,
                                         started_at=now - 2.0, predicted_step_s=1.0,

@@ -10,10 +10,10 @@ import pytest
 
 from monitor.monitor import DECISION_HISTORY, MonitorSnapshot, SLOMonitor
 from monitor.policy import RequestView
-from monitor.predictor import LinearTTFT
 from monitor.slo_preempt_signal import SLOPreemptSignal
+from monitor.step_time_model import StepTimeModel
 
-LINE = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.0)
+LINE = StepTimeModel(seconds_per_token=1e-3, intercept_s=0.0)
 
 
 @pytest.fixture
@@ -146,9 +146,9 @@ def test_a_long_prefill_is_priced_as_the_chunks_of_the_step_budget(signal):
     meet its deadline and gives its step up to a waiter that needs it; priced as one step, it
     looked 0.14 s early, more urgent than the waiter, and kept it (the probe: the same
     snapshot with `chunk_tokens=0`)."""
-    from monitor.predictor import predict_prefill
+    from monitor.step_time_model import predict_prefill
 
-    line = LinearTTFT(seconds_per_token=1.6e-5, intercept_s=0.0327)
+    line = StepTimeModel(seconds_per_token=1.6e-5, intercept_s=0.0327)
     assert line.predict(20480) == pytest.approx(0.3604, rel=1e-3)  # one step: inside 0.5 s
     assert predict_prefill(line, 20480, chunk_tokens=2048) == pytest.approx(0.6547, rel=1e-3)
     decisions = {}

@@ -1,6 +1,6 @@
 """The predictor follows a change of the machine's speed within a few steps, and widens its
 margins and withholds its confidence until steps at the new speed have measured it
-(monitor/speed_drift.py, monitor.predictor.OnlineTTFT)."""
+(monitor/speed_drift.py, monitor.predictor.StepTimePredictor)."""
 
 from __future__ import annotations
 
@@ -8,24 +8,27 @@ import random
 
 import pytest
 
-from monitor.predictor import (MIN_ERROR_SAMPLES, UNCERTAIN_ERROR, UNCERTAIN_SPEEDUP, LinearTTFT,
-                               OnlineTTFT, StepPoint)
+from monitor.predictor import (MIN_ERROR_SAMPLES, UNCERTAIN_ERROR, UNCERTAIN_SPEEDUP,
+                               StepTimePredictor)
+from monitor.step_point import StepPoint
+from monitor.step_time_fit import fit_step
+from monitor.step_time_model import StepTimeModel
 from monitor.speed_drift import RECENT_STEPS
 
-TRUTH = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.02, seconds_per_decode_context=5e-6)
+TRUTH = StepTimeModel(seconds_per_token=1e-3, intercept_s=0.02, seconds_per_decode_context=5e-6)
 SIZES = (128, 512, 256, 1024, 384, 768)
 
 
-def _calibrated() -> OnlineTTFT:
+def _calibrated() -> StepTimePredictor:
     """Seeded as the startup calibration seeds it: its fit and its points (four sizes)."""
     points = ([StepPoint(n, n * n, 0, TRUTH.predict(n)) for n in (16, 64, 256, 1024)]
               + [StepPoint(1, 0, c, TRUTH.predict_step(1, 0, c)) for c in (64, 1024)])
-    online = OnlineTTFT()
-    online.reseed(LinearTTFT.fit_step(points, quadratic=False, decode=True), points)
+    online = StepTimePredictor()
+    online.reseed(fit_step(points, quadratic=False, decode=True), points)
     return online
 
 
-def _serve(online: OnlineTTFT, steps: int, slowdown: float, rng: random.Random,
+def _serve(online: StepTimePredictor, steps: int, slowdown: float, rng: random.Random,
            noise: float = 0.05) -> list[float]:
     """Served steps, a prefill every third and decodes between, `slowdown` times TRUTH's time
     with a little noise; each step's prediction / actual for a 512-token prompt afterwards."""
@@ -105,7 +108,7 @@ def test_an_unconfident_seed_earns_confidence_from_served_prefills():
     """The default seed, or a calibration cut short, is unconfident: its margin is at least
     UNCERTAIN_ERROR and it dooms only what even UNCERTAIN_SPEEDUP faster would not save, until
     MIN_ERROR_SAMPLES prefill steps were served."""
-    online = OnlineTTFT()
+    online = StepTimePredictor()
     assert not online.current.confident
     assert online.current.optimistic(1.0) == pytest.approx(1 - UNCERTAIN_SPEEDUP)
     for i in range(MIN_ERROR_SAMPLES):

@@ -11,16 +11,18 @@ import pytest
 from monitor.monitor import MonitorSnapshot, SLOMonitor
 import monitor.policy as gate_policy
 from monitor.policy import DEADLINE_HEADROOM, RequestView, choose_slo_preemption
-from monitor.predictor import MIN_RELATIVE_ERROR, LinearTTFT, OnlineTTFT
+from monitor.predictor import StepTimePredictor
+from monitor.step_time_fit import MIN_RELATIVE_ERROR
+from monitor.step_time_model import StepTimeModel
 from monitor.slo_preempt_signal import SLOPreemptSignal
 
 SIZES = [128, 512, 256, 1024, 384, 768, 640, 896]
 
 
 def test_the_error_is_how_wrong_the_current_model_is_both_ways():
-    truth = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.02)
-    optimistic = LinearTTFT(seconds_per_token=1e-3 / 1.25, intercept_s=0.02 / 1.25)
-    online = OnlineTTFT(optimistic)
+    truth = StepTimeModel(seconds_per_token=1e-3, intercept_s=0.02)
+    optimistic = StepTimeModel(seconds_per_token=1e-3 / 1.25, intercept_s=0.02 / 1.25)
+    online = StepTimePredictor(optimistic)
     online.observe(SIZES[0], truth.predict(SIZES[0]))
     # One size: no refit yet, and the step ran 25% over the seed.
     assert online.current.seconds_per_token == optimistic.seconds_per_token
@@ -48,9 +50,9 @@ def test_the_error_is_never_0_after_a_seed_ten_times_too_pessimistic():
     """The H100 bug: residuals were taken against the model before each step and clipped at
     0, so against a pessimistic seed they were all 0 and the margin was 0 while the model was
     10x off."""
-    truth = LinearTTFT(seconds_per_token=1e-4, intercept_s=0.003)
-    seed = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.03)
-    same_size = OnlineTTFT(seed)  # one size: nothing to refit on, the model stays 10x off
+    truth = StepTimeModel(seconds_per_token=1e-4, intercept_s=0.003)
+    seed = StepTimeModel(seconds_per_token=1e-3, intercept_s=0.03)
+    same_size = StepTimePredictor(seed)  # one size: nothing to refit on, the model stays 10x off
     for _ in range(20):
         same_size.observe(512, truth.predict(512))
         assert same_size.current.predict(512) == pytest.approx(10 * truth.predict(512))  # probe
@@ -60,7 +62,7 @@ def test_the_error_is_never_0_after_a_seed_ten_times_too_pessimistic():
         assert not same_size.current.confident
         assert same_size.current.optimistic(same_size.current.predict(512)) == \
             pytest.approx(truth.predict(512))
-    refitted = OnlineTTFT(seed)
+    refitted = StepTimePredictor(seed)
     for i in range(20):
         refitted.observe(SIZES[i % 8], truth.predict(SIZES[i % 8]))
         assert refitted.current.relative_error >= MIN_RELATIVE_ERROR
@@ -68,18 +70,18 @@ def test_the_error_is_never_0_after_a_seed_ten_times_too_pessimistic():
 
 
 def test_the_quantile_is_the_configured_one_and_both_directions_count():
-    truth = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.02)
+    truth = StepTimeModel(seconds_per_token=1e-3, intercept_s=0.02)
     spread = [0.0, 0.05, 0.10, 0.15, 0.20, 0.25, 0.30, 0.35, 0.40, 0.45]
     errors = {}
     for quantile in (0.5, 0.9):
-        online = OnlineTTFT(truth, refit_every=None, error_quantile=quantile)  # never refit
+        online = StepTimePredictor(truth, refit_every=None, error_quantile=quantile)  # never refit
         for i, over in enumerate(spread * 3):
             online.observe(SIZES[i % 8], truth.predict(SIZES[i % 8]) * (1 + over))
         errors[quantile] = online.current.relative_error
         assert online.current.relative_speedup == MIN_RELATIVE_ERROR  # none ran faster
     assert errors[0.5] == pytest.approx(0.20)
     assert errors[0.9] == pytest.approx(0.40)
-    faster = OnlineTTFT(truth, refit_every=None)
+    faster = StepTimePredictor(truth, refit_every=None)
     for i in range(20):
         faster.observe(SIZES[i % 8], truth.predict(SIZES[i % 8]) * 0.5)
     # Overpredicting 2x is as wrong as underpredicting: the margin is not 0.
@@ -87,19 +89,19 @@ def test_the_quantile_is_the_configured_one_and_both_directions_count():
     assert faster.current.relative_speedup == pytest.approx(0.5)
     assert faster.current.optimistic(truth.predict(512)) == pytest.approx(truth.predict(512) / 2)
     with pytest.raises(ValueError, match="error_quantile"):
-        OnlineTTFT(error_quantile=0.0)
+        StepTimePredictor(error_quantile=0.0)
 
 
 def test_the_error_survives_save_and_load(tmp_path):
     path = tmp_path / "ttft.json"
-    LinearTTFT(seconds_per_token=2e-3, intercept_s=0.01, relative_error=0.15).save(path)
-    assert LinearTTFT.load(path).relative_error == 0.15
+    StepTimeModel(seconds_per_token=2e-3, intercept_s=0.01, relative_error=0.15).save(path)
+    assert StepTimeModel.load(path).relative_error == 0.15
     # A seed's error is the online model's margin until enough steps were seen.
-    assert OnlineTTFT(LinearTTFT.load(path)).current.relative_error == 0.15
+    assert StepTimePredictor(StepTimeModel.load(path)).current.relative_error == 0.15
     data = json.loads(path.read_text())
     path.write_text(json.dumps({**data, "relative_error": -0.1}))
     with pytest.raises(ValueError, match="relative_error"):
-        LinearTTFT.load(path)
+        StepTimeModel.load(path)
 
 
 def test_the_gate_waits_only_if_the_step_and_its_prefill_fit_the_usable_time():
@@ -107,7 +109,7 @@ def test_the_gate_waits_only_if_the_step_and_its_prefill_fit_the_usable_time():
     allowed the predictor's error, fit the waiter's time less DEADLINE_HEADROOM (75% of it)."""
     assert DEADLINE_HEADROOM == 0.25
     now = 100.0
-    line = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.0)
+    line = StepTimeModel(seconds_per_token=1e-3, intercept_s=0.0)
     waiter = RequestView("w", deadline=now + 1.2, remaining_prefill_tokens=200)  # slack 1.0 s
     running = [RequestView("r", deadline=None, remaining_prefill_tokens=3000)]
     # 0.6 + 0.2 s fits the usable 0.9 s: the waiter waits.
@@ -122,7 +124,7 @@ def test_the_gate_waits_only_if_the_step_and_its_prefill_fit_the_usable_time():
     assert decision is not None and decision.waiter_id == "w"
 
 
-def _ttft_with_gate(model: LinearTTFT, truth: LinearTTFT, slo_s: float) -> float:
+def _ttft_with_gate(model: StepTimeModel, truth: StepTimeModel, slo_s: float) -> float:
     """A 3000-token step starts at t = 0 (30 layers, at the true speed); a 200-token request
     with a TTFT objective of `slo_s` arrives at t = 2 s. The monitor's gate runs every 2 ms with
     the step's remaining time from its own pace (exact here) and the waiter's prefill from
@@ -149,11 +151,11 @@ def test_a_just_in_time_decision_misses_and_the_learned_margin_saves_it(monkeypa
     run 30% over, the same gate preempts and the request meets its objective. The learned
     margin alone: DEADLINE_HEADROOM (which would cover most of a 30% error by itself) is off."""
     monkeypatch.setattr(gate_policy, "DEADLINE_HEADROOM", 0.0)
-    truth = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.02)
-    seed = LinearTTFT(seconds_per_token=1e-3 / 1.3, intercept_s=0.02 / 1.3)
+    truth = StepTimeModel(seconds_per_token=1e-3, intercept_s=0.02)
+    seed = StepTimeModel(seconds_per_token=1e-3 / 1.3, intercept_s=0.02 / 1.3)
     slo_s = 1.22  # waiting out the step takes 1.02 s + the request's own 0.22 s
     assert _ttft_with_gate(seed, truth, slo_s) > slo_s  # probe: the error really costs a miss
-    online = OnlineTTFT(seed, refit_every=None)  # the margin alone, no refit
+    online = StepTimePredictor(seed, refit_every=None)  # the margin alone, no refit
     for i in range(16):
         online.observe(SIZES[i % 8], truth.predict(SIZES[i % 8]))
     assert online.current.relative_error == pytest.approx(0.3)
@@ -169,7 +171,7 @@ def test_the_monitor_applies_the_margin_of_the_snapshot_s_predictor(monkeypatch)
         waiter = RequestView("w", deadline=now + 1.2, remaining_prefill_tokens=200)
         running = (RequestView("r", None, 3000),)
         for step, error in ((1, 0.0), (2, 0.2)):
-            line = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.0, relative_error=error)
+            line = StepTimeModel(seconds_per_token=1e-3, intercept_s=0.0, relative_error=error)
             monitor.publish(MonitorSnapshot(step_id=step, preemptible=True, waiting=(waiter,),
                                             running=running, predictor=line, started_at=now,
                                             predicted_step_s=0.9, num_layers=30))
@@ -182,14 +184,14 @@ def test_the_monitor_applies_the_margin_of_the_snapshot_s_predictor(monkeypatch)
 def test_a_refit_from_the_first_steps_of_two_and_three_sizes():
     """The seed is replaced as soon as the steps determine a model: two sizes for the line,
     three for the attention term (tried whatever the seed had)."""
-    line = LinearTTFT(seconds_per_token=2e-4, intercept_s=0.004)
-    online = OnlineTTFT()  # the pessimistic default, a plain line
+    line = StepTimeModel(seconds_per_token=2e-4, intercept_s=0.004)
+    online = StepTimePredictor()  # the pessimistic default, a plain line
     online.observe(128, line.predict(128))
-    assert online.current.seconds_per_token == LinearTTFT().seconds_per_token  # one size
+    assert online.current.seconds_per_token == StepTimeModel().seconds_per_token  # one size
     online.observe(1024, line.predict(1024))
     assert online.current.predict(512) == pytest.approx(line.predict(512))
-    curved = LinearTTFT(seconds_per_token=2e-4, intercept_s=0.004, seconds_per_token_sq=1e-7)
-    online = OnlineTTFT()
+    curved = StepTimeModel(seconds_per_token=2e-4, intercept_s=0.004, seconds_per_token_sq=1e-7)
+    online = StepTimePredictor()
     for n in (128, 1024, 2048):
         online.observe(n, curved.predict(n))
     assert online.current.seconds_per_token_sq == pytest.approx(1e-7)
@@ -198,19 +200,19 @@ def test_a_refit_from_the_first_steps_of_two_and_three_sizes():
 
 def test_every_field_survives_save_and_load_and_older_files_still_load(tmp_path):
     path = tmp_path / "ttft.json"
-    model = LinearTTFT(seconds_per_token=2e-4, intercept_s=0.002, r2=0.99,
-                       seconds_per_token_sq=1e-10, relative_error=0.12,
-                       seconds_per_decode_context=3e-6, floor_s=0.03, relative_speedup=0.08)
+    model = StepTimeModel(seconds_per_token=2e-4, intercept_s=0.002, r2=0.99,
+                          seconds_per_token_sq=1e-10, relative_error=0.12,
+                          seconds_per_decode_context=3e-6, floor_s=0.03, relative_speedup=0.08)
     model.save(path)
-    assert LinearTTFT.load(path) == model
+    assert StepTimeModel.load(path) == model
     # A file from before the floor and the speedup: both 0, the rest as written.
     path.write_text(json.dumps({"seconds_per_token": 2e-4, "intercept_s": 0.002, "r2": 0.9,
                                 "seconds_per_token_sq": 0.0, "relative_error": 0.1,
                                 "seconds_per_decode_context": 0.0}))
-    old = LinearTTFT.load(path)
+    old = StepTimeModel.load(path)
     assert (old.floor_s, old.relative_speedup, old.relative_error) == (0.0, 0.0, 0.1)
     assert old.optimistic(1.0) == 1.0
     for bad in ({"floor_s": -0.01}, {"relative_speedup": 1.0}):
         path.write_text(json.dumps({"seconds_per_token": 2e-4, "intercept_s": 0.0, **bad}))
         with pytest.raises(ValueError, match="floor_s"):
-            LinearTTFT.load(path)
+            StepTimeModel.load(path)

@@ -8,7 +8,10 @@ import json
 
 import pytest
 
-from monitor.predictor import LinearTTFT, OnlineTTFT, StepPoint
+from monitor.predictor import StepTimePredictor
+from monitor.step_point import StepPoint
+from monitor.step_time_fit import fit_step, with_range
+from monitor.step_time_model import StepTimeModel
 
 # The defect: a decode slope of 6e-5 s per KV token, dragged there by other steps, while the
 # longest decode measured (259 tokens of context) cost what 3e-5 s per KV token says.
@@ -21,16 +24,17 @@ def _points() -> list[StepPoint]:
     return prompts + decodes
 
 
-def _dragged() -> LinearTTFT:
+def _dragged() -> StepTimeModel:
     """The fit with its decode slope doubled (as mixed steps once pushed it), then given the
     range of the points it came from."""
-    fitted = LinearTTFT.fit_step(_points(), quadratic=False, decode=True)
-    return LinearTTFT(seconds_per_token=fitted.seconds_per_token, intercept_s=fitted.intercept_s,
-                      seconds_per_decode_context=2 * TRUE_DECODE).with_range(_points())
+    fitted = fit_step(_points(), quadratic=False, decode=True)
+    return with_range(StepTimeModel(seconds_per_token=fitted.seconds_per_token,
+                                    intercept_s=fitted.intercept_s,
+                                    seconds_per_decode_context=2 * TRUE_DECODE), _points())
 
 
 def test_the_fit_keeps_the_range_of_its_points():
-    model = LinearTTFT.fit_step(_points(), quadratic=False, decode=True)
+    model = fit_step(_points(), quadratic=False, decode=True)
     assert model.calibrated_tokens == 1024
     assert model.calibrated_attention == 1024 * 1024
     assert model.calibrated_decode_context == 259
@@ -75,25 +79,25 @@ def test_old_files_load_and_new_ones_round_trip(tmp_path):
     model = _dragged()
     path = tmp_path / "ttft.json"
     model.save(path)
-    assert LinearTTFT.load(path) == model
+    assert StepTimeModel.load(path) == model
     data = json.loads(path.read_text())
     for name in ("calibrated_tokens", "calibrated_attention", "calibrated_decode_context",
                  "edge_seconds_per_token", "edge_seconds_per_token_sq",
                  "edge_seconds_per_decode_context"):
         del data[name]
     path.write_text(json.dumps(data))
-    old = LinearTTFT.load(path)
+    old = StepTimeModel.load(path)
     assert not old.has_range and not old.is_extrapolated(1 << 20, decode_context=1 << 20)
     assert old.predict(105, 3949) == pytest.approx(INTERCEPT + PER_TOKEN * 105
                                                    + 2 * TRUE_DECODE * 3949, rel=0.02)
     data["edge_seconds_per_decode_context"] = -1.0
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="edge_seconds_per_decode_context"):
-        LinearTTFT.load(path)
+        StepTimeModel.load(path)
 
 
 def test_online_refits_keep_the_range_of_their_windows():
-    online = OnlineTTFT(LinearTTFT.fit_step(_points(), quadratic=True, decode=True))
+    online = StepTimePredictor(fit_step(_points(), quadratic=True, decode=True))
     online.reseed(online.current, _points())
     for i in range(16):
         n = (100, 300, 500, 700)[i % 4]
@@ -115,7 +119,7 @@ def test_a_servers_step_model_travels_with_its_stats_and_reads_back():
     stats = SchedulerStats(ttft_model=model.to_dict())
     received = msgspec.msgpack.decode(msgspec.msgpack.encode(stats), type=SchedulerStats)
     assert received.ttft_model["confident"] is True
-    assert LinearTTFT.from_dict(received.ttft_model) == model
+    assert StepTimeModel.from_dict(received.ttft_model) == model
     with pytest.raises(ValueError, match="the server's ttft_model: seconds_per_token"):
-        LinearTTFT.from_dict({**model.to_dict(), "seconds_per_token": 0.0},
-                             source="the server's ttft_model")
+        StepTimeModel.from_dict({**model.to_dict(), "seconds_per_token": 0.0},
+                                source="the server's ttft_model")

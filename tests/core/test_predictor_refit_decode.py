@@ -1,6 +1,6 @@
 """Online refits keep the decode term where the decode-only steps put it (issue 32): on a
 server where nearly every step carries a prefill chunk, and some are unwound or resumed, the
-refit once let those steps drag the decode term (monitor.predictor: OnlineTTFT._refit).
+refit once let those steps drag the decode term (monitor.predictor: StepTimePredictor._refit).
 
 Ground truth: whole steps of one kind cost exactly TRUTH (plus 10% noise). An unwound or
 resumed step also does 8 ms of work per request it holds that the share-scaled features do
@@ -12,10 +12,13 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from monitor.predictor import LinearTTFT, OnlineTTFT, StepPoint, predict_prefill, step_point
+from monitor.predictor import StepTimePredictor
+from monitor.step_point import StepPoint, step_point
+from monitor.step_time_fit import fit_step
+from monitor.step_time_model import StepTimeModel, predict_prefill
 
-TRUTH = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.02, seconds_per_token_sq=2e-8,
-                   seconds_per_decode_context=5e-6)
+TRUTH = StepTimeModel(seconds_per_token=1e-3, intercept_s=0.02, seconds_per_token_sq=2e-8,
+                      seconds_per_decode_context=5e-6)
 LAYERS = 30
 PER_REQUEST_S = 0.008
 TOLERANCE = 0.15
@@ -47,13 +50,13 @@ def _steps(seed: int, count: int = 400, decode_only: float = 0.02) -> list[StepP
     return steps
 
 
-def _seeded() -> OnlineTTFT:
+def _seeded() -> StepTimePredictor:
     """Started as the startup calibration starts it: its fit and its points."""
     points = ([StepPoint(n, n * n, 0, TRUTH.predict(n)) for n in (16, 64, 256, 1024)]
               + [StepPoint(1, 0, c, TRUTH.predict_step(1, 0, c)) for c in (64, 1024, 4000)]
               + [StepPoint(8, 0, 512, TRUTH.predict_step(8, 0, 512))])
-    online = OnlineTTFT()
-    online.reseed(LinearTTFT.fit_step(points, quadratic=True, decode=True), points)
+    online = StepTimePredictor()
+    online.reseed(fit_step(points, quadratic=True, decode=True), points)
     return online
 
 
@@ -74,8 +77,8 @@ def test_decode_only_steps_still_move_the_term():
     """The decode term is fitted, not frozen at the seed's: served decode-only steps that
     cost half the seed's decode term bring it down."""
     online = _seeded()
-    half = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.02, seconds_per_token_sq=2e-8,
-                      seconds_per_decode_context=2.5e-6)
+    half = StepTimeModel(seconds_per_token=1e-3, intercept_s=0.02, seconds_per_token_sq=2e-8,
+                         seconds_per_decode_context=2.5e-6)
     rng = random.Random(1)
     for i in range(400):
         if i % 3:
@@ -96,11 +99,11 @@ def test_floor_bound_decode_steps_leave_the_decode_term_as_it_was():
     decode term 10x the simulated H100's (5e-8 s per KV token) in bench/e2e/urgent_streams.py;
     every prediction beside long-context decodes then ran 100 ms high, and the TTFT cap shut
     the running decodes out of urgent steps."""
-    truth = LinearTTFT(seconds_per_token=3e-5, intercept_s=0.004, seconds_per_token_sq=8.3e-10,
-                       seconds_per_decode_context=5e-8, floor_s=0.03)
+    truth = StepTimeModel(seconds_per_token=3e-5, intercept_s=0.004, seconds_per_token_sq=8.3e-10,
+                          seconds_per_decode_context=5e-8, floor_s=0.03)
     seed = dataclasses.replace(truth, seconds_per_decode_context=0.0)
     points = [StepPoint(n, n * n, 0, truth.predict(n)) for n in (1024, 4096, 16384)]
-    online = OnlineTTFT()
+    online = StepTimePredictor()
     online.reseed(seed, points)
     rng = random.Random(3)
     decode_only = 0
@@ -122,11 +125,11 @@ def test_decode_steps_at_the_floor_bound_a_seed_that_overprices_them():
     put 1.3e-4 s on each KV token a decode reads; the served decode-only steps then ran at the
     floor with 2000 tokens of context, which that term prices at 0.3 s. They bound it: the
     term cannot exceed what the floor leaves a step's decodes."""
-    truth = LinearTTFT(seconds_per_token=1.2e-3, intercept_s=0.023, floor_s=0.041,
-                       seconds_per_decode_context=1e-6)
+    truth = StepTimeModel(seconds_per_token=1.2e-3, intercept_s=0.023, floor_s=0.041,
+                          seconds_per_decode_context=1e-6)
     seed = dataclasses.replace(truth, seconds_per_decode_context=1.28e-4)
     points = [StepPoint(n, 0, 0, truth.predict(n)) for n in (64, 256, 1024)]
-    online = OnlineTTFT()
+    online = StepTimePredictor()
     online.reseed(seed, points)
     rng = random.Random(5)
     for _ in range(60):
@@ -141,16 +144,16 @@ def test_decode_steps_at_the_floor_bound_a_seed_that_overprices_them():
 
 # The GPU-timed simulation's 8B shape on an H100: decode-only steps run at the launch floor
 # whatever KV they read (5e-8 s a KV token: 5 ms at 100k tokens, under the 30 ms floor).
-H100_8B = LinearTTFT(seconds_per_token=3e-5, intercept_s=0.0042, seconds_per_token_sq=8.3e-10,
-                     seconds_per_decode_context=5e-8, floor_s=0.0302)
+H100_8B = StepTimeModel(seconds_per_token=3e-5, intercept_s=0.0042, seconds_per_token_sq=8.3e-10,
+                        seconds_per_decode_context=5e-8, floor_s=0.0302)
 
 
-def _served(truth: LinearTTFT, stall_at: int, steps: int = 240, seed: int = 7,
-            stall: StepPoint = StepPoint(8, 0, 20_000, 0.19)) -> OnlineTTFT:
+def _served(truth: StepTimeModel, stall_at: int, steps: int = 240, seed: int = 7,
+            stall: StepPoint = StepPoint(8, 0, 20_000, 0.19)) -> StepTimePredictor:
     """An online model seeded as the bench's TTFT line seeds it (no decode term), then served
     decode-only steps of 20k-100k tokens of context and some prefill chunks, step `stall_at`
     a decode step the host stalled for (190 ms at 20k tokens of context)."""
-    online = OnlineTTFT()
+    online = StepTimePredictor()
     points = [StepPoint(n, n * n, 0, truth.predict(n)) for n in (128, 1024, 2048, 8192)]
     online.reseed(dataclasses.replace(truth, seconds_per_decode_context=0.0), points)
     rng = random.Random(seed)

@@ -15,12 +15,12 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.runtime import startup_calibration
 from engine.runtime.model_setup import ResolvedModel
-from monitor.predictor import LinearTTFT
+from monitor.step_time_model import StepTimeModel
 
 # About the default model on 2 CPU cores: 1 ms per token, 20 ms per step, 10 us per KV token a
 # decode reads.
-TRUTH = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.02, seconds_per_token_sq=5e-8,
-                   seconds_per_decode_context=1e-5)
+TRUTH = StepTimeModel(seconds_per_token=1e-3, intercept_s=0.02, seconds_per_token_sq=5e-8,
+                      seconds_per_decode_context=1e-5)
 MAX_MODEL_LEN = 4096
 
 

@@ -45,7 +45,9 @@ def test_scheduled_request_fields() -> None:
     out, got = step(sched, runner)
     (sr,) = out.requests
     assert (sr.token_ids, sr.start_pos, sr.sample) == ([6, 7, 8, 9], 6, True)
-    assert len(sr.block_ids) == 3 and got == [req] and req.first_token_time is not None
+    # The workers hold the first two blocks: only the third is sent.
+    assert (sr.block_table_start, len(sr.block_ids)) == (2, 1)
+    assert got == [req] and req.first_token_time is not None
     out, got = step(sched, runner)
     (sr,) = out.requests
     assert (sr.start_pos, sr.sample, sr.num_output_tokens) == (10, True, 1)

@@ -10,13 +10,15 @@ from engine.core.scheduler_output import (ModelRunnerOutput, ScheduledRequest, S
                                           StepStatus)
 from engine.runtime.step_observation import layers_run
 from engine.sampling_params import SamplingParams
-from monitor.predictor import LinearTTFT, OnlineTTFT, StepPoint, step_point
+from monitor.predictor import StepTimePredictor
+from monitor.step_point import StepPoint, step_point
+from monitor.step_time_model import StepTimeModel
 # The 4-layer engine (the `engine` fixture, tests/core/conftest.py) whose first step a stand-in
 # vote unwinds at layer 2.
 from tests.utils.engine_steps import _request, _suspend_first_step
 
-TRUTH = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.03, seconds_per_token_sq=2e-7,
-                   seconds_per_decode_context=1e-5)
+TRUTH = StepTimeModel(seconds_per_token=1e-3, intercept_s=0.03, seconds_per_token_sq=2e-7,
+                      seconds_per_decode_context=1e-5)
 
 
 def test_each_chunk_counts_the_share_of_the_layers_it_ran():
@@ -62,7 +64,7 @@ def test_a_scheduler_output_and_the_runner_s_layers_make_the_point():
 
 
 def test_partial_steps_of_a_known_model_fit_that_model():
-    online = OnlineTTFT(LinearTTFT(), refit_every=1)
+    online = StepTimePredictor(StepTimeModel(), refit_every=1)
     shapes = [(0, 128), (0, 512), (256, 256), (0, 1024), (1024, 512), (0, 2048)]
     for i, (prefix, n) in enumerate(shapes * 3):
         start, end = [(0, 30), (0, 10 + i % 15), (5 + i % 20, 30)][i % 3]
@@ -78,9 +80,10 @@ def test_partial_steps_of_a_known_model_fit_that_model():
 
 def test_the_engine_observes_unwound_and_resumed_steps(engine):
     engine.add_request(_request("long", 64, seed=1))
-    online = engine.scheduler.slack.predictor
+    online = engine.step_time_predictor
     _suspend_first_step(engine)  # unwound before layer 2 (of 4): layers 0 and 1 ran
-    assert engine.scheduler.slack.suspended == {"long": [(0, 64, 2)]}  # probe: suspended
+    # Probe: suspended.
+    assert engine.scheduler.slack.suspensions.suspended == {"long": [(0, 64, 2)]}
     unwound = online._recent[-1]
     assert (unwound.tokens, unwound.attention, unwound.share) == (32, 64 * 64 / 2, 0.5)
     (output,) = engine.step()  # resumes at layer 2: layers 2 and 3 ran

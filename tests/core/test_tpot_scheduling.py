@@ -18,7 +18,7 @@ from engine.config import build_engine_config
 from engine.core.request import Request
 from engine.runtime.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
-from monitor.predictor import LinearTTFT
+from monitor.step_time_model import StepTimeModel
 from workers.preemption.layer_delay import LAYER_DELAY_ENV
 
 TPOT_SLO_MS = 300.0
@@ -75,7 +75,7 @@ def test_decodes_stay_within_their_tpot_while_a_long_prefill_is_chunked(tiny_mod
     model = tiny_model("llama")
     monkeypatch.setenv(LAYER_DELAY_ENV, "400")
     line = tmp_path / "ttft.json"
-    predictor = LinearTTFT(seconds_per_token=1.2e-3, intercept_s=0.002)
+    predictor = StepTimeModel(seconds_per_token=1.2e-3, intercept_s=0.002)
     predictor.save(line)
     gaps, chunks, decodes_beside = _gaps_and_long_chunks(model, "slo", str(line))
     assert sum(chunks) == LONG_PROMPT and len(chunks) > 3  # probe: the cap chunked it

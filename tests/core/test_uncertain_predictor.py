@@ -14,13 +14,14 @@ import pytest
 import monitor.policy as gate_policy
 from monitor.monitor import MonitorSnapshot, SLOMonitor
 from monitor.policy import RequestView
-from monitor.predictor import UNCERTAIN_ERROR, UNCERTAIN_SPEEDUP, LinearTTFT, OnlineTTFT
+from monitor.predictor import UNCERTAIN_ERROR, UNCERTAIN_SPEEDUP, StepTimePredictor
 from monitor.slo_preempt_signal import SLOPreemptSignal
+from monitor.step_time_model import StepTimeModel
 
-LINE = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.0, relative_error=0.05)
+LINE = StepTimeModel(seconds_per_token=1e-3, intercept_s=0.0, relative_error=0.05)
 
 
-def _fires(model: LinearTTFT, waiter: RequestView, step_s: float) -> bool:
+def _fires(model: StepTimeModel, waiter: RequestView, step_s: float) -> bool:
     """Whether the monitor stops a step of `step_s` (a relaxed document's chunk, just started)
     for `waiter`, judged on `model` as the engine publishes it."""
     signal = SLOPreemptSignal.create()
@@ -36,8 +37,8 @@ def _fires(model: LinearTTFT, waiter: RequestView, step_s: float) -> bool:
         signal.close()
 
 
-def _unconfident(model: LinearTTFT) -> LinearTTFT:
-    """`model` as OnlineTTFT publishes it while unconfident."""
+def _unconfident(model: StepTimeModel) -> StepTimeModel:
+    """`model` as StepTimePredictor publishes it while unconfident."""
     return dataclasses.replace(model, confident=False,
                                relative_error=max(model.relative_error, UNCERTAIN_ERROR),
                                relative_speedup=max(model.relative_speedup, UNCERTAIN_SPEEDUP))
@@ -66,6 +67,6 @@ def test_an_unconfident_model_writes_no_waiter_off(monkeypatch):
 def test_the_default_seed_is_published_unconfident():
     """Probe for the two tests above: the engine's predictor publishes such a model before it
     has measured anything."""
-    current = OnlineTTFT().current
+    current = StepTimePredictor().current
     assert not current.confident and current.relative_error >= UNCERTAIN_ERROR
     assert current.optimistic(1.0) == pytest.approx(1 - UNCERTAIN_SPEEDUP)

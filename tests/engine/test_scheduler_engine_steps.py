@@ -11,7 +11,7 @@ from tests.utils.engine_steps import _request, _suspend_first_step
 def _suspended(engine) -> dict[str, tuple[int, int]]:
     """The scheduler's suspended chunks as (start_pos, num_tokens) of their first segment."""
     return {req_id: segments[0][:2]
-            for req_id, segments in engine.scheduler.slack.suspended.items()}
+            for req_id, segments in engine.scheduler.slack.suspensions.suspended.items()}
 
 
 def test_aborting_the_last_request_frees_its_suspended_chunk_on_the_worker(engine) -> None:
@@ -22,7 +22,7 @@ def test_aborting_the_last_request_frees_its_suspended_chunk_on_the_worker(engin
     assert _suspended(engine) == {"long": (0, 64)}  # probe: really suspended
     assert len(runner.suspended) == 1
     engine.abort_requests(["long"])
-    assert len(runner.suspended) == 0 and engine.scheduler.slack.unneeded_suspensions == []
+    assert len(runner.suspended) == 0 and engine.scheduler.slack.suspensions.unneeded == []
     assert engine.scheduler.kv_cache_manager.num_free_blocks == 32
 
 
@@ -42,7 +42,7 @@ def test_an_unadmittable_request_fails_alone_and_empty_steps_deliver_frees(
     assert len(runner.suspended) == 1  # probe: a chunk to free
     engine.add_request(stuck := _request("stuck", 8, seed=2))
     engine.abort_requests(["long"])
-    assert scheduler.slack.unneeded_suspensions == ["long"]  # stuck waits: no step has run yet
+    assert scheduler.slack.suspensions.unneeded == ["long"]  # stuck waits: no step has run yet
     (out,) = engine.step()  # empty: nothing runs, stuck cannot come in
     assert len(runner.suspended) == 0  # the empty step delivered the free
     assert out.req_id == "stuck" and out.finish_reason == "error" and "'stuck'" in out.error

@@ -13,8 +13,9 @@ import torch
 from engine.entrypoints.llm import LLM
 from engine.runtime.startup_calibration import BUDGET_ENV
 from engine.sampling_params import SamplingParams
-from monitor.predictor import DEFAULT_SEED, MIN_ERROR_SAMPLES, OnlineTTFT
+from monitor.predictor import MIN_ERROR_SAMPLES, StepTimePredictor
 from monitor.speed_drift import RECENT_STEPS
+from monitor.step_time_model import DEFAULT_SEED
 from workers.preemption.layer_delay import LAYER_DELAY_ENV
 from workers.preemption.slowdown import SLOWDOWN_ENV, slowdown_of
 
@@ -64,7 +65,7 @@ class _StepLog:
 
     def __init__(self, llm: LLM) -> None:
         self.engine = llm.engine
-        self.predictor: OnlineTTFT = llm.engine.scheduler.slack.predictor
+        self.predictor: StepTimePredictor = llm.engine.step_time_predictor
         self.steps: list[tuple[int, float, float]] = []  # (tokens, measured, predicted)
         execute = self.engine.executor.execute_model
 
@@ -119,7 +120,7 @@ def test_a_calibration_cut_short_is_kept_and_the_served_steps_refine_it(tiny_mod
         calibration = llm.engine.startup_calibration
         assert calibration is not None, "the measured size was thrown away"
         assert {p.tokens for p in calibration.points if p.attention > 0} == {16}  # probe: cut
-        seed = llm.engine.scheduler.slack.predictor.current
+        seed = llm.engine.step_time_predictor.current
         assert not seed.confident and seed.seconds_per_token != DEFAULT_SEED.seconds_per_token
         log = _StepLog(llm)
         _serve(llm, MIN_ERROR_SAMPLES + 8, seed=1)

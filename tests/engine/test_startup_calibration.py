@@ -19,8 +19,9 @@ from engine.runtime.engine_core import EngineCore
 from engine.runtime.startup_calibration import (BUDGET_ENV, STARTUP_BUDGET_S,
                                                 calibrate_at_startup, sparse_model)
 from engine.sampling_params import SamplingParams
-from monitor.predictor import (DEFAULT_SEED, UNCERTAIN_ERROR, UNCERTAIN_SPEEDUP, LinearTTFT,
-                               StepPoint)
+from monitor.predictor import UNCERTAIN_ERROR, UNCERTAIN_SPEEDUP
+from monitor.step_point import StepPoint
+from monitor.step_time_model import DEFAULT_SEED, StepTimeModel
 from workers.preemption.layer_delay import LAYER_DELAY_ENV
 
 # Every decoder layer sleeps this long per token (3 layers): a step's time is then mostly a
@@ -82,8 +83,8 @@ def test_the_seed_is_the_machine_s_own_before_the_first_request(tiny_model, monk
     try:
         calibration = engine.startup_calibration
         assert calibration is not None and len(calibration.points) >= 4  # probe: it ran
-        seed = engine.scheduler.slack.predictor.current
-        assert seed == calibration.model != LinearTTFT()
+        seed = engine.step_time_predictor.current
+        assert seed == calibration.model != StepTimeModel()
         assert calibration.held_out_error["line"] is not None
         # Nothing of the engine's own was touched: no step, request, token or block.
         assert engine.scheduler.step_id == 0 and not engine.scheduler.requests
@@ -94,7 +95,7 @@ def test_the_seed_is_the_machine_s_own_before_the_first_request(tiny_model, monk
                                          for i in range(3))
             assert measured / BOUND <= seed.predict(size) <= measured * BOUND, size
             # Probe: the default seed is outside the bound, so the bound tells them apart.
-            assert not measured / BOUND <= LinearTTFT().predict(size) <= measured * BOUND
+            assert not measured / BOUND <= StepTimeModel().predict(size) <= measured * BOUND
         assert engine.scheduler.step_id == 3 * len(HELD_OUT_SIZES)  # the first step was 1
     finally:
         engine.shutdown()
@@ -109,7 +110,7 @@ def test_no_calibration_where_it_is_off_or_unused(tiny_model, overrides, monkeyp
         engine = _engine(tiny_model("llama"), **overrides)
     try:
         assert engine.startup_calibration is None
-        current = engine.scheduler.slack.predictor.current
+        current = engine.step_time_predictor.current
         assert current == dataclasses.replace(DEFAULT_SEED, relative_error=UNCERTAIN_ERROR,
                                               relative_speedup=UNCERTAIN_SPEEDUP)
         assert not current.confident  # the default seed is nobody's measurement
@@ -132,12 +133,12 @@ def test_no_calibration_where_it_is_off_or_unused(tiny_model, overrides, monkeyp
 
 def test_a_calibration_file_is_the_seed_as_it_is(tiny_model, tmp_path):
     path = tmp_path / "ttft.json"
-    line = LinearTTFT(seconds_per_token=2e-5, intercept_s=0.01, relative_error=0.1)
+    line = StepTimeModel(seconds_per_token=2e-5, intercept_s=0.01, relative_error=0.1)
     line.save(path)
     engine = _engine(tiny_model("llama"), ttft_model=str(path))
     try:
         assert engine.startup_calibration is None
-        assert engine.scheduler.slack.predictor.current == line
+        assert engine.step_time_predictor.current == line
     finally:
         engine.shutdown()
 

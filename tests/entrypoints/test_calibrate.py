@@ -8,7 +8,8 @@ import pytest
 from engine.entrypoints.calibrate import calibrate, choose_model
 from engine.entrypoints.cli import main
 from engine.entrypoints.llm import LLM
-from monitor.predictor import LinearTTFT
+from monitor.step_time_fit import fit_line
+from monitor.step_time_model import StepTimeModel
 from workers.preemption.layer_delay import LAYER_DELAY_ENV
 
 # Small pool and context: the tiny model needs no more, and the engine starts in a blink.
@@ -34,7 +35,7 @@ def test_calibrate_writes_a_loadable_line(tiny_model, tmp_path, capsys):
                       "--repeats", "5", "--decode-batches", "1", "64",
                       "--decode-contexts", "32", "256", "--output", str(out))
     assert code == 0
-    model = LinearTTFT.load(out)
+    model = StepTimeModel.load(out)
     assert isinstance(model.r2, float) and -math.inf < model.r2 <= 1.0
     assert model.seconds_per_token > 0
     printed = capsys.readouterr().out
@@ -91,7 +92,7 @@ def test_calibrate_result_keeps_every_point_and_the_medians(tiny_model):
     assert list(result.medians) == [32, 768]
     # Two sizes: nothing can be held out, so the line through both is kept.
     assert (result.model, result.held_out_error) == choose_model(result.medians)
-    line = LinearTTFT.fit(result.medians.items())
+    line = fit_line(result.medians.items())
     assert result.model.seconds_per_token == pytest.approx(line.seconds_per_token)
     assert set(result.held_out_error.values()) == {None}
 

@@ -146,12 +146,12 @@ def test_an_enormous_objective_caps_nothing_and_overflows_nothing():
     cap convert an infinite token count to int and took EngineCore down."""
     import time
 
-    from monitor.predictor import MAX_TOKENS_WITHIN, LinearTTFT
+    from monitor.step_time_model import MAX_TOKENS_WITHIN, StepTimeModel
     from tests.utils.scheduling import FakeRunner, make_request, make_scheduler
 
-    assert LinearTTFT(seconds_per_token=1e-9).max_tokens_within(1e305) == MAX_TOKENS_WITHIN
+    assert StepTimeModel(seconds_per_token=1e-9).max_tokens_within(1e305) == MAX_TOKENS_WITHIN
     sched = make_scheduler(num_blocks=64, budget=64, policy="slo")
-    sched.slack.predictor.current = LinearTTFT(seconds_per_token=1e-9, intercept_s=0.0)
+    sched.step_time_predictor.current = StepTimeModel(seconds_per_token=1e-9, intercept_s=0.0)
     runner = FakeRunner(sched)
     for i, slo in enumerate((1e308, 1e-300, 50.0)):
         request = make_request(f"r{i}", 20, max_tokens=4, ignore_eos=True,

@@ -5,11 +5,11 @@ at 90% of that, 10% relative error."""
 from __future__ import annotations
 
 from engine.fleet.load_report import QueuedRequest, ReplicaLoad, RouteHint
-from monitor.predictor import LinearTTFT
+from monitor.step_time_model import StepTimeModel
 
 NOW = 1_000_000.0
-MODEL = LinearTTFT(seconds_per_token=4e-5, intercept_s=0.03, relative_error=0.1,
-                   relative_speedup=0.1)
+MODEL = StepTimeModel(seconds_per_token=4e-5, intercept_s=0.03, relative_error=0.1,
+                      relative_speedup=0.1)
 
 
 def prefill(tokens: int) -> float:
@@ -18,7 +18,7 @@ def prefill(tokens: int) -> float:
 
 def load(*, made_at: float = NOW, waiting=(), running=(), step_remaining_s: float = 0.0,
          step_preemptible: bool = False, slo_preemption: bool = True, num_decoding: int = 0,
-         cached=(), num_requests: int | None = None, model: LinearTTFT = MODEL) -> ReplicaLoad:
+         cached=(), num_requests: int | None = None, model: StepTimeModel = MODEL) -> ReplicaLoad:
     def q(item) -> QueuedRequest:
         if isinstance(item, QueuedRequest):
             return item

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from engine.fleet.load_report import ReplicaLoad
 from engine.fleet.prediction import PREEMPT_LATENCY_S, PreparedLoad, _urgency, predict
 from monitor.policy import RequestView, urgency
-from monitor.predictor import LinearTTFT
+from monitor.step_time_model import StepTimeModel
 from tests.fleet.builders import MODEL, NOW, hint, load, prefill
 
 
@@ -232,8 +232,8 @@ def test_a_long_prompt_is_predicted_as_the_chunks_its_replica_prefills():
 
     from engine.fleet.prediction import prefill_seconds
 
-    steep = LinearTTFT(seconds_per_token=3.0e-5, intercept_s=0.004)
-    flat = LinearTTFT(seconds_per_token=1.6e-5, intercept_s=0.0327)
+    steep = StepTimeModel(seconds_per_token=3.0e-5, intercept_s=0.004)
+    flat = StepTimeModel(seconds_per_token=1.6e-5, intercept_s=0.0327)
     chunked = [msgspec.structs.replace(load(model=m), max_num_batched_tokens=2048)
                for m in (steep, flat)]
     # A 2048-token chunk costs both the same: 65.4 ms.

@@ -14,12 +14,12 @@ import pytest
 from engine.core.request_queue import UrgencyQueue
 from monitor.policy import (AGING_SLO_MULTIPLE, RequestView, aging_threshold, choose_slo_preemption,
                             rank, should_slo_preempt, urgency, view_of)
-from monitor.predictor import LinearTTFT
+from monitor.step_time_model import StepTimeModel
 from tests.utils.scheduling import FakeRunner, _request, _slo_scheduler
 
 NOW = 1000.0
 # 1 ms per token, no intercept: a 300-token prefill takes 0.3 s.
-PREDICT = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.0).predict
+PREDICT = StepTimeModel(seconds_per_token=1e-3, intercept_s=0.0).predict
 
 
 def view(rid: str, deadline_in: float | None, tokens: int, preempted: bool = False,
@@ -209,7 +209,7 @@ def test_the_monitor_thread_fires_for_a_doomed_waiter():
     signal = SLOPreemptSignal.create()
     try:
         monitor = SLOMonitor(signal, aging_bound_s=5.0)
-        line = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.0)
+        line = StepTimeModel(seconds_per_token=1e-3, intercept_s=0.0)
         for started_ago, fires in ((1.15, False), (0.0, True)):
             now = time.monotonic()
             waiter = RequestView("turn", deadline=now + 0.25, remaining_prefill_tokens=300,
@@ -286,13 +286,13 @@ def test_a_held_doomed_victim_is_released_when_the_rest_can_afford_it():
     assert victim.num_computed_tokens == 100
     assert urgency(view_of(victim), time.monotonic(), sched.slack.predict_prefill).doomed
     sched.add_request(_request("relaxed", 2000, 60_000))
-    sched.slack.held.add("victim")
-    sched.slack.victims.add("victim")
+    sched.slack.holds.held.add("victim")
+    sched.slack.holds.victims.add("victim")
     sched.slack.begin_step(sched)
-    assert not sched.slack.is_held("victim")
+    assert not sched.slack.holds.is_held("victim")
     # Probe: a tight request (50 ms of slack, less than the victim's 0.2 s) keeps it held.
     sched.add_request(_request("tight", 50, 100))
-    sched.slack.held.add("victim")
-    sched.slack.victims.add("victim")
+    sched.slack.holds.held.add("victim")
+    sched.slack.holds.victims.add("victim")
     sched.slack.begin_step(sched)
-    assert sched.slack.is_held("victim")
+    assert sched.slack.holds.is_held("victim")

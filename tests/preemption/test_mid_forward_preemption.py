@@ -24,7 +24,7 @@ from workers.preemption.layer_delay import observe_attention_ops
 def _suspended(engine) -> dict[str, tuple[int, int]]:
     """The scheduler's suspended chunks as (start_pos, num_tokens) of their first segment."""
     return {req_id: segments[0][:2]
-            for req_id, segments in engine.scheduler.slack.suspended.items()}
+            for req_id, segments in engine.scheduler.slack.suspensions.suspended.items()}
 
 
 @pytest.mark.parametrize("mode", ["recompute", "pause", "suspend"])

@@ -9,7 +9,7 @@ import pytest
 from engine.config import CacheConfig, SLOPreemptionConfig, SchedulerConfig, SLOPreemptMode
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
-from monitor.predictor import LinearTTFT
+from monitor.step_time_model import StepTimeModel
 from tests.utils.scheduling import BS, FakeRunner, make_request, run_to_completion, scheduled
 
 
@@ -21,7 +21,7 @@ def _scheduler(mode: SLOPreemptMode = "suspend", *, num_blocks: int = 64, budget
                          full_sequence_admission=full_seq)
     cc = CacheConfig(block_size=BS, num_blocks=num_blocks, watermark=watermark)
     sched = Scheduler(sc, cc, num_blocks, num_blocks * BS, SLOPreemptionConfig(mode=mode))
-    sched.slack.predictor.current = LinearTTFT(seconds_per_token=1e-4, intercept_s=0.0)
+    sched.step_time_predictor.current = StepTimeModel(seconds_per_token=1e-4, intercept_s=0.0)
     return sched
 
 
@@ -61,7 +61,8 @@ def test_a_held_victim_at_the_head_of_the_queue_blocks_nobody() -> None:
     _unwind(sched, "V", "W")
     sched.add_request(_slo(x := make_request("X", 8, max_tokens=2)))
     # Probe: V really is held at the head of the queue, ahead of X.
-    assert "V" in sched.slack.held and [r.request_id for r in sched.waiting] == ["V", "W", "X"]
+    assert sched.slack.holds.is_held("V")
+    assert [r.request_id for r in sched.waiting] == ["V", "W", "X"]
     steps = [_step(sched, runner) for _ in range(3)]
     assert "X" in steps[0] and x.first_token_time is not None
     assert all(steps), "no step may come back empty while requests are waiting"
@@ -83,7 +84,8 @@ def test_when_only_held_requests_can_run_they_are_released() -> None:
     assert _unwind(sched, "V", "W") == "pause"  # W fits beside V
     assert _step(sched, runner) == {"W": 8}
     sched.add_request(_slo(x := make_request("X", 40, max_tokens=1)))  # 10 blocks, 7 free
-    assert "V" in sched.slack.held and v.status is RequestStatus.RUNNING  # probe: paused, held
+    # Probe: paused, held.
+    assert sched.slack.holds.is_held("V") and v.status is RequestStatus.RUNNING
     assert sched.num_free_blocks < 10  # probe: X cannot come in beside V
     out = sched.schedule()
     assert scheduled(out) == {"V": 1}

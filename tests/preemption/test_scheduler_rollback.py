@@ -27,7 +27,8 @@ def _state(sched):
 
 
 def _plan(out):
-    return [(r.req_id, tuple(r.token_ids), r.start_pos, tuple(r.block_ids), r.sample)
+    return [(r.req_id, tuple(r.token_ids), r.start_pos, r.block_table_start, tuple(r.block_ids),
+             r.sample)
             for r in out.requests]
 
 

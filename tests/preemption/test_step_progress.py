@@ -11,12 +11,12 @@ import pytest
 
 from monitor.monitor import MonitorSnapshot, SLOMonitor
 from monitor.policy import RequestView, choose_slo_preemption, urgency
-from monitor.predictor import LinearTTFT
 from monitor.slo_preempt_signal import SLOPreemptSignal
 from monitor.step_progress import predicted_layer_ends, remaining_seconds
+from monitor.step_time_model import StepTimeModel
 from workers.preemption.slo_preempt_vote import SLOPreemptVote
 
-H100_LINE = LinearTTFT(seconds_per_token=3e-5, intercept_s=0.03, seconds_per_token_sq=8.3e-10)
+H100_LINE = StepTimeModel(seconds_per_token=3e-5, intercept_s=0.03, seconds_per_token_sq=8.3e-10)
 LAYERS = 32
 # A fresh 2048-token chunk beside a 24k-token chunk that resumes at layer 20.
 CHUNKS = [(0, 2048, 0), (0, 24_000, 20)]

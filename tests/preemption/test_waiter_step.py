@@ -20,17 +20,17 @@ import pytest
 from engine.config import CacheConfig, SLOPreemptionConfig, SchedulerConfig
 from engine.core.scheduler import Scheduler
 from engine.runtime.slo_preemption import unwind_step
-from monitor.predictor import LinearTTFT
+from monitor.step_time_model import StepTimeModel
 from tests.utils.scheduling import BS, FakeRunner, make_request, scheduled, step
 
-H100_LINE = LinearTTFT(seconds_per_token=3e-5, intercept_s=0.03, seconds_per_token_sq=8.3e-10)
+H100_LINE = StepTimeModel(seconds_per_token=3e-5, intercept_s=0.03, seconds_per_token_sq=8.3e-10)
 
 
 def _scheduler(budget: int, num_blocks: int) -> Scheduler:
     sc = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16, policy="slo")
     cc = CacheConfig(block_size=BS, num_blocks=num_blocks, enable_prefix_caching=False)
     sched = Scheduler(sc, cc, num_blocks, num_blocks * BS, SLOPreemptionConfig(mode="suspend"))
-    sched.slack.predictor.current = H100_LINE
+    sched.step_time_predictor.current = H100_LINE
     return sched
 
 
@@ -50,11 +50,13 @@ def test_chunks_kept_from_the_unwound_step_wait_for_the_waiters_first_token(wait
     stopped = sched.schedule()
     assert scheduled(stopped) == {"A": 24_000, "C": 600}
     sched.add_request(_request("W", 128, waiter_slo_ms))
+    runner.receive(stopped)  # the workers ran the step until the vote stopped it
     applied, kept_tokens = unwind_step(sched, stopped, ["A", "C"], target=stopped.step_id,
                                        victim_id="A", waiter_id="W", stopped_layer=9)
     # Probe: the step really was unwound, both chunks kept at the stopped layer.
     assert applied == "suspend" and kept_tokens == 24_600
-    assert {k: c[0].layer for k, c in sched.slack.suspended.items()} == {"A": 9, "C": 9}
+    suspended = sched.slack.suspensions.suspended
+    assert {k: c[0].layer for k, c in suspended.items()} == {"A": 9, "C": 9}
     sched.check_invariants()
 
     serving, _ = step(sched, runner)
@@ -113,6 +115,7 @@ def test_a_turn_late_anyway_is_served_alone():
         stopped = sched.schedule()
         sched.add_request(_request("W", 128, slo_ms))
         sched.add_request(_request("D", 1500, 600_000))
+        runner.receive(stopped)
         applied, _ = unwind_step(sched, stopped, ["R"], target=stopped.step_id, victim_id="R",
                                  waiter_id="W", stopped_layer=3)
         assert applied == "suspend"  # probe: the preemption was made for W
@@ -157,6 +160,7 @@ def test_a_waiter_keeps_its_protection_until_its_client_has_output():
     waiter.sampling_params.max_tokens = 8
     waiter.reports_first_output = True
     sched.add_request(waiter)
+    runner.receive(stopped)
     applied, _ = unwind_step(sched, stopped, ["A"], target=stopped.step_id, victim_id="A",
                              waiter_id="W", stopped_layer=9)
     assert applied == "suspend"  # probe: the preemption was made for W
@@ -167,10 +171,10 @@ def test_a_waiter_keeps_its_protection_until_its_client_has_output():
     for _ in range(2):
         alone, _ = step(sched, runner)
         assert scheduled(alone) == {"W": 1}
-    assert sched.slack.is_held("A")
+    assert sched.slack.holds.is_held("A")
     waiter.first_output_time = time.monotonic()  # as EngineCore.note_first_output sets it
     resumed, _ = step(sched, runner)
-    assert not sched.slack.is_held("A")
+    assert not sched.slack.holds.is_held("A")
     assert scheduled(resumed)["W"] == 1 and scheduled(resumed).get("A", 0) > 0
 
 

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from monitor.policy import RequestView, urgency
-from monitor.predictor import LinearTTFT, optimistic_prefill
+from monitor.step_time_model import StepTimeModel, optimistic_prefill
 from tests.utils.gpu_timed import StepLog, _engine, _replay, _request
 
 # Alone (the README's serial run): the simulated steps are real sleeps, checked against
@@ -25,12 +25,13 @@ from tests.utils.gpu_timed import StepLog, _engine, _replay, _request
 pytestmark = pytest.mark.serial
 
 
-def _seed(profile, factor: float) -> LinearTTFT:
+def _seed(profile, factor: float) -> StepTimeModel:
     """The profile's own step model, every term `factor` x."""
-    return LinearTTFT(seconds_per_token=factor * profile.seconds_per_token,
-                      seconds_per_token_sq=factor * profile.seconds_per_attention,
-                      seconds_per_decode_context=factor * profile.seconds_per_decode_context,
-                      intercept_s=factor * profile.intercept_s, floor_s=factor * profile.floor_s)
+    return StepTimeModel(seconds_per_token=factor * profile.seconds_per_token,
+                         seconds_per_token_sq=factor * profile.seconds_per_attention,
+                         seconds_per_decode_context=factor * profile.seconds_per_decode_context,
+                         intercept_s=factor * profile.intercept_s,
+                         floor_s=factor * profile.floor_s)
 
 
 @pytest.mark.parametrize("tokens,slo_ms,factor", [
@@ -54,7 +55,7 @@ def test_a_turn_judged_doomed_is_served_within_a_step_of_when_it_could_be(
     if factor != 1.0:
         # Kept pessimistic: the online refit and its margins would otherwise learn the truth
         # from the document's steps within a few of them.
-        engine.scheduler.slack.predictor.observe_point = (  # type: ignore[method-assign]
+        engine.step_time_predictor.observe_point = (  # type: ignore[method-assign]
             lambda point: None)
     log = StepLog()
     log.wrap(engine)

@@ -26,6 +26,8 @@ from hypothesis import HealthCheck, seed, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import engine.core.admission
+import engine.core.deadline_caps
+import engine.core.preemption_holds
 import engine.core.scheduler
 import engine.core.slack_policy
 from engine.config import CacheConfig, SLOPreemptionConfig, SchedulerConfig
@@ -34,7 +36,7 @@ from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import StepStatus
 from engine.runtime.slo_preemption import unwind_step
-from monitor.predictor import LinearTTFT
+from monitor.step_time_model import StepTimeModel
 from tests.utils.scheduling import VOCAB, reference_output
 from tests.utils.sim_runner import SimWorker
 
@@ -47,7 +49,8 @@ ARRIVAL = st.tuples(st.integers(1, 64), st.integers(1, 12),
                     st.one_of(st.none(), st.sampled_from([5.0, 30.0, 120.0, 1_000.0, 10_000.0])),
                     st.integers(0, 2), st.integers(-1, 2), st.booleans(), st.integers(0, 2**16))
 # The modules whose time.monotonic() the simulated clock replaces.
-CLOCKED_MODULES = (engine.core.admission, engine.core.scheduler, engine.core.slack_policy)
+CLOCKED_MODULES = (engine.core.admission, engine.core.deadline_caps, engine.core.preemption_holds,
+                   engine.core.scheduler, engine.core.slack_policy)
 # Shared prompt heads, so that admissions hit the prefix cache.
 PREFIXES = [[(7 * i + j) % VOCAB for j in range(n)] for i, n in enumerate((8, 13, 21))]
 
@@ -123,7 +126,7 @@ class SchedulerSimulation(RuleBasedStateMachine):
                          enable_prefix_caching=prefix)
         pc = SLOPreemptionConfig(mode=mode, min_tokens=min_tokens)  # type: ignore[arg-type]
         self.sched = Scheduler(sc, cc, num_blocks, max_model_len, pc)
-        self.sched.slack.predictor.current = LinearTTFT(seconds_per_token=1e-3,
+        self.sched.step_time_predictor.current = StepTimeModel(seconds_per_token=1e-3,
                                                        intercept_s=2e-3)
         self.worker = SimWorker(self.sched.kv_cache_manager.pool, block_size)
         self.max_model_len = max_model_len
@@ -178,7 +181,7 @@ class SchedulerSimulation(RuleBasedStateMachine):
 
     def _deliver_pending_frees(self) -> None:
         assert self.sched is not None
-        if self.sched.slack.unneeded_suspensions:
+        if self.sched.slack.suspensions.unneeded:
             out = self.sched.schedule()
             assert out.is_empty
             self.worker.execute(out)
@@ -195,7 +198,7 @@ class SchedulerSimulation(RuleBasedStateMachine):
             TOTALS["empty"] += 1
             assert not self.last_step_empty, (
                 f"step {out.step_id}: a second empty step in a row ({len(sched.running)} running, "
-                f"{len(sched.waiting)} waiting, held {sorted(sched.slack.held)})")
+                f"{len(sched.waiting)} waiting, held {sorted(sched.slack.holds.held)})")
             self.last_step_empty = True
             self.worker.execute(out)  # EngineCore delivers the frees of an empty step
             assert sched.fail_stalled() == [], "an admissible request was declared stuck"
@@ -229,7 +232,7 @@ class SchedulerSimulation(RuleBasedStateMachine):
         assert self.sched is not None
         prefills = [r.req_id for r in out.requests if len(r.token_ids) > 1]
         waiters = [r.request_id for r in self.sched.waiting
-                   if r.request_id not in self.sched.slack.held]
+                   if r.request_id not in self.sched.slack.holds.held]
         if not prefills or not waiters:
             return None
         target = out.step_id if targeted else out.step_id - 1
@@ -244,10 +247,11 @@ class SchedulerSimulation(RuleBasedStateMachine):
             return
         sched.check_invariants()  # the KV manager's too: no block both free and owned
         slack = sched.slack
+        ledger = slack.suspensions
         worker_chunks = self.worker.suspended
-        for req_id, chunk in slack.suspended.items():
+        for req_id, chunk in ledger.suspended.items():
             assert worker_chunks.get(req_id) == chunk, f"{req_id}: the worker lost its chunk"
-        stray = set(worker_chunks) - set(slack.suspended) - set(slack.unneeded_suspensions)
+        stray = set(worker_chunks) - set(ledger.suspended) - set(ledger.unneeded)
         assert not stray, f"suspended chunks nobody will resume or free: {sorted(stray)}"
         self.worker.check_committed_blocks(self.hash_contents)
         if slack.slo_preempt_mode != "suspend":

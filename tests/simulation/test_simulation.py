@@ -14,7 +14,7 @@ from engine.runtime.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.simulation import StepTimeProfile, load_profile, shipped_profiles
 from engine.executor.simulated import SimulatedExecutor
-from monitor.predictor import LinearTTFT
+from monitor.step_time_model import StepTimeModel
 from monitor.slo_preempt_signal import SLOPreemptSignal
 from workers.preemption.slo_preempt_vote import SLOPreemptVote
 
@@ -42,8 +42,8 @@ def test_the_h100_profile_holds_the_figures_measured_on_the_gpu():
 
 
 def test_a_profile_from_a_calibration_file(tmp_path):
-    line = LinearTTFT(seconds_per_token=2e-4, intercept_s=0.01, seconds_per_token_sq=1e-8,
-                      seconds_per_decode_context=3e-6)
+    line = StepTimeModel(seconds_per_token=2e-4, intercept_s=0.01, seconds_per_token_sq=1e-8,
+                         seconds_per_decode_context=3e-6)
     line.save(tmp_path / "cal.json")
     p = load_profile(str(tmp_path / "cal.json"), num_layers=30)
     assert p.num_layers == 30 and p.floor_s == 0.0

@@ -17,7 +17,7 @@ from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, Ste
 from engine.runtime.engine_core import EngineCore
 from engine.runtime.startup_calibration import BUDGET_ENV, STARTUP_BUDGET_S
 from engine.sampling_params import SamplingParams
-from monitor.predictor import LinearTTFT
+from monitor.step_time_model import StepTimeModel
 
 
 PROFILE = "h100-llama-3.1-8b"
@@ -28,8 +28,8 @@ def simulated_run_argv(sim_model: str, folder: Path, *options: str) -> list[str]
     sim_model fixture) and the profile's TTFT line (to a few percent) saved in `folder`, which a
     run would otherwise calibrate first; then `options`."""
     ttft = folder / "ttft.json"
-    LinearTTFT(seconds_per_token=3e-5, intercept_s=0.004, seconds_per_token_sq=8.3e-10,
-               floor_s=0.03).save(ttft)
+    StepTimeModel(seconds_per_token=3e-5, intercept_s=0.004, seconds_per_token_sq=8.3e-10,
+                  floor_s=0.03).save(ttft)
     return ["bench", "run", "--model", sim_model, "--simulate", PROFILE, "--ttft-model",
             str(ttft), *options]
 

@@ -19,7 +19,7 @@ from engine.config import build_engine_config
 from engine.core.request import Request
 from engine.runtime.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
-from monitor.predictor import LinearTTFT
+from monitor.step_time_model import StepTimeModel
 from workers.preemption.layer_delay import LAYER_DELAY_ENV, observe_attention_ops
 
 NUM_LAYERS = 8
@@ -52,8 +52,8 @@ def _slowed_model(arch: str, tiny_model, monkeypatch, tmp_path_factory) -> str:
     monkeypatch.setenv(LAYER_DELAY_ENV, str(DELAY_US_PER_TOKEN))
     if "path" not in _TTFT_FILE:
         path = tmp_path_factory.mktemp("ttft") / "ttft.json"
-        LinearTTFT(seconds_per_token=NUM_LAYERS * DELAY_US_PER_TOKEN * 1e-6,
-                   intercept_s=0.02).save(path)
+        StepTimeModel(seconds_per_token=NUM_LAYERS * DELAY_US_PER_TOKEN * 1e-6,
+                      intercept_s=0.02).save(path)
         _TTFT_FILE["path"] = str(path)
     return tiny_model(arch, num_hidden_layers=NUM_LAYERS, max_position_embeddings=1024)
 
@@ -238,7 +238,7 @@ def check_tp2_remote_rank_unwinds_with_rank0(tiny_model, monkeypatch, tmp_path,
     model = tiny_model("llama", num_hidden_layers=NUM_LAYERS, max_position_embeddings=1024)
     prompts = {"long": _prompt(LONG_PROMPT, seed=11), "urgent": _prompt(30, seed=12)}
     ttft = tmp_path / "ttft.json"  # the slowed layers' line: see test_mid_forward_preemption
-    LinearTTFT(seconds_per_token=NUM_LAYERS * DELAY_US_PER_TOKEN * 1e-6, intercept_s=0.02).save(
+    StepTimeModel(seconds_per_token=NUM_LAYERS * DELAY_US_PER_TOKEN * 1e-6, intercept_s=0.02).save(
         ttft)
     args = dict(dtype="float32", num_kv_blocks=160, block_size=16, max_num_batched_tokens=1024,
                 scheduling_policy="slo", slo_preempt_min_tokens=32, collective_timeout_s=60,

@@ -19,8 +19,9 @@ from engine.core.request_queue import FCFSQueue, RequestQueue
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.core.step_record import StepInProgress, StepRecord
+from workers.block_tables import BlockTables
 from engine.sampling_params import SamplingParams
-from monitor.predictor import LinearTTFT
+from monitor.step_time_model import StepTimeModel
 
 
 BS = 4
@@ -49,18 +50,31 @@ def reference_output(
 
 
 class FakeRunner:
+    """Keeps each request's block table from the updates steps send, as the workers do
+    (workers.block_tables.BlockTables), so a wrong update reads or writes a wrong slot."""
+
     def __init__(self, sched: Scheduler) -> None:
         self.sched = sched
         self.kv: dict[tuple[int, int], int] = {}
+        self.tables = BlockTables(max_blocks=8)
+
+    def receive(self, out: SchedulerOutput) -> None:
+        """What the workers do with a step before its pass (and so also for one the vote then
+        unwinds): apply its block table updates."""
+        self.tables.release(out.released_req_ids)
+        for r in out.requests:
+            self.tables.update(r)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         pool = self.sched.kv_cache_manager.pool
         sampled: dict[str, int] = {}
+        self.tables.release(out.released_req_ids)
         for r in out.requests:
             assert len(r.token_ids) > 0
+            table = self.tables.full_table(r)
             for i, tok in enumerate(r.token_ids):
                 pos = r.start_pos + i
-                block = r.block_ids[pos // BS]
+                block = table[pos // BS]
                 slot = (block, pos % BS)
                 # A committed block is shared content: nobody may write different tokens into it.
                 if pool.blocks[block].block_hash is not None:
@@ -68,7 +82,7 @@ class FakeRunner:
                 self.kv[slot] = tok
             if r.sample:
                 end = r.start_pos + len(r.token_ids)
-                history = [self.kv[(r.block_ids[p // BS], p % BS)] for p in range(end)]
+                history = [self.kv[(table[p // BS], p % BS)] for p in range(end)]
                 sampled[r.req_id] = next_token(history)
         return ModelRunnerOutput(step_id=out.step_id, sampled_token_ids=sampled)
 
@@ -149,7 +163,7 @@ def scheduled(out: SchedulerOutput) -> dict[str, int]:
 def _slo_scheduler(**kwargs):
     sched = make_scheduler(policy="slo", **kwargs)
     # 1 ms per token: a 100-token prompt needs 0.1 s.
-    sched.slack.predictor.current = LinearTTFT(seconds_per_token=1e-3, intercept_s=0.0)
+    sched.step_time_predictor.current = StepTimeModel(seconds_per_token=1e-3, intercept_s=0.0)
     return sched
 
 

@@ -280,14 +280,14 @@ def slowed_slo_server(tiny_model, tmp_path: Path, monkeypatch, module: str = "en
     preemptible steps from 32 prompt tokens and the slowed layers' TTFT line (2.4 ms per
     token), so that the monitor knows how much of a long step is left when an urgent request
     arrives. `module`: a test's patched server (see ServerProcess)."""
-    from monitor.predictor import LinearTTFT
+    from monitor.step_time_model import StepTimeModel
     from workers.preemption.layer_delay import LAYER_DELAY_ENV
 
     monkeypatch.setenv(LAYER_DELAY_ENV, str(SLOWED_US_PER_TOKEN))
     model = tiny_model("llama", num_hidden_layers=SLOWED_LAYERS, max_position_embeddings=1024)
     ttft = tmp_path / "ttft.json"
-    LinearTTFT(seconds_per_token=SLOWED_LAYERS * SLOWED_US_PER_TOKEN * 1e-6,
-               intercept_s=0.02).save(ttft)
+    StepTimeModel(seconds_per_token=SLOWED_LAYERS * SLOWED_US_PER_TOKEN * 1e-6,
+                  intercept_s=0.02).save(ttft)
     return ServerProcess(model, tmp_path / "server.log", "--scheduling-policy", "slo",
                          "--slo-preempt-min-tokens", "32", "--num-kv-blocks", "160",
                          "--max-num-batched-tokens", "1024", "--ttft-model", str(ttft),

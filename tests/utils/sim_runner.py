@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from engine.core.block_pool import BlockPool
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
-from engine.core.slack_policy import SuspendedChunk
+from engine.core.suspension_ledger import SuspendedChunk
 from tests.utils.scheduling import next_token
+from workers.block_tables import BlockTables
 
 
 class SimWorker:
@@ -26,6 +27,8 @@ class SimWorker:
         # this worker holds, in token order: the first resumes next, maybe in pieces.
         self.suspended: dict[str, list[SuspendedChunk]] = {}
         self.num_frees = 0
+        # Each request's block table from the updates steps send, as the workers keep them.
+        self.tables = BlockTables(max_blocks=8)
 
     def execute(self, out: SchedulerOutput, stop_layer: int | None = None) -> ModelRunnerOutput:
         """Runs the step; ``stop_layer``: the vote unwinds it before that layer (only honoured
@@ -33,8 +36,10 @@ class SimWorker:
         for req_id in out.free_suspended:
             self.num_frees += req_id in self.suspended
             self.suspended.pop(req_id, None)
+        self.tables.release(out.released_req_ids)
         writes: dict[tuple[int, int], int] = {}
         bs = self.block_size
+        tables = {r.req_id: self.tables.full_table(r) for r in out.requests}
         for r in out.requests:
             assert r.token_ids, f"{r.req_id}: an empty chunk"
             if r.resume:
@@ -46,7 +51,7 @@ class SimWorker:
                     f"holds {self.suspended.get(r.req_id)}")
             for i, tok in enumerate(r.token_ids):
                 pos = r.start_pos + i
-                slot = (r.block_ids[pos // bs], pos % bs)
+                slot = (tables[r.req_id][pos // bs], pos % bs)
                 # A committed block is shared content: nobody may write other tokens into it.
                 if self.pool.blocks[slot[0]].block_hash is not None:
                     assert self.kv.get(slot) == tok, f"overwrote committed block {slot[0]}"
@@ -64,7 +69,7 @@ class SimWorker:
                     del self.suspended[r.req_id]
             if r.sample:
                 end = r.start_pos + len(r.token_ids)
-                history = [self.kv[(r.block_ids[p // bs], p % bs)] for p in range(end)]
+                history = [self.kv[(tables[r.req_id][p // bs], p % bs)] for p in range(end)]
                 sampled[r.req_id] = next_token(history)
         return ModelRunnerOutput(step_id=out.step_id, sampled_token_ids=sampled)
 

@@ -1,9 +1,11 @@
-"""oneDNN-prepacked linear weights on a CPU (workers.layers.cpu_prepack): which weights are packed,
-that the packed model still equals HF, and when nothing is packed."""
+"""The CPU linear kernels (workers.layers.cpu_prepack): which weights are packed, which kernel a
+step of so many rows runs, that the model still equals HF with either or both, and when nothing
+is packed."""
 
 from __future__ import annotations
 
 import os
+from collections import defaultdict
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -107,3 +109,120 @@ def test_engine_runs_prepacked_and_the_switch_turns_it_off(tmp_path,
         finally:
             llm.shutdown()
     assert outputs["1"] == outputs["0"]
+
+
+def test_the_kernel_is_chosen_by_the_two_ratios() -> None:
+    """plain/packed time at one row over every weight, and at BATCH_ROWS per shape."""
+    choose = cpu_prepack.choose_kernel
+    # Plain does not win single rows (the AVX2 machine): packed, as before the measurement.
+    assert choose((8, 8), 0.95, 0.5).kernel == cpu_prepack.PACKED
+    assert choose((8, 8), 1.3, 2.0).kernel == cpu_prepack.PACKED
+    # It does (the AVX-512 machine): both where packing wins batches (its gate/up, 1.4-1.6)...
+    both = choose((3072, 576), 0.74, 1.5)
+    assert (both.kernel, both.packed_min_rows) == (cpu_prepack.BOTH,
+                                                   cpu_prepack.PACKED_MIN_ROWS)
+    # ...plain only where it does not, by the margin (q/k/v 1.00-1.10, o and down below 1).
+    assert choose((960, 576), 0.74, 1.10).kernel == cpu_prepack.PLAIN
+    assert choose((576, 576), 0.74, 0.95).kernel == cpu_prepack.PLAIN
+    assert "from 3 rows" in both.describe(30, 212_000_000)
+
+
+def _measured_model(model_dir: str, monkeypatch: pytest.MonkeyPatch, one_row: float,
+                    batch: dict[tuple[int, int], float]) -> torch.nn.Module:
+    """The model with its kernels chosen from these ratios, as if measured."""
+    monkeypatch.setattr(cpu_prepack, "MIN_TUNED_ELEMENTS", 0)
+    monkeypatch.setattr(cpu_prepack, "_time_kernels", lambda modules, packed: (one_row, {
+        tuple(m.weight.shape): batch[tuple(m.weight.shape)] for m in modules}))
+    return _model(model_dir, prepack=True)
+
+
+def test_the_row_count_picks_the_kernel_that_runs(tmp_path, monkeypatch) -> None:
+    model_dir = make_tiny_model(tmp_path, "llama", seed=0)
+    config = AutoConfig.from_pretrained(model_dir)
+    hidden, inter = config.hidden_size, config.intermediate_size
+    head_dim = hidden // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    # Packing wins batches for gate/up and the (tied) LM head only.
+    batch = {(q + 2 * kv, hidden): 1.0, (hidden, q): 0.9, (2 * inter, hidden): 1.5,
+             (hidden, inter): 1.0, (config.vocab_size, hidden): 2.0}
+    model = _measured_model(model_dir, monkeypatch, 0.75, batch)
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    assert [m.linear_kernel for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                      mlp.down_proj, model.lm_head)] == \
+        ["plain", "plain", "both", "plain", "both"]
+    assert not attn.qkv_proj.weight.is_mkldnn and attn.qkv_proj.packed_weight is None
+    assert mlp.gate_up_proj.packed_min_rows == 3 and mlp.gate_up_proj.packed_weight.is_mkldnn
+    # The tied head keeps multiplying by the embedding's own weight below 3 rows: no copy.
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.packed_weight.is_mkldnn
+
+    ran: list[tuple[str, tuple[int, int]]] = []
+    for name in ("_mkl_linear", "_onednn_linear"):
+        inner = getattr(cpu_prepack, name)
+
+        def recorded(x, weight, bias, _inner=inner, _name=name):
+            ran.append((_name, tuple(x.shape)))
+            return _inner(x, weight, bias)
+
+        monkeypatch.setattr(cpu_prepack, name, recorded)
+    for rows, kernel in ((1, "_mkl_linear"), (2, "_mkl_linear"), (3, "_onednn_linear"),
+                         (8, "_onednn_linear")):
+        ran.clear()
+        mlp.gate_up_proj(torch.randn(rows, hidden))
+        model.compute_logits(torch.randn(rows, hidden))
+        attn.qkv_proj(torch.randn(rows, hidden))
+        assert ran == [(kernel, (rows, hidden))] * 2 + [("_mkl_linear", (rows, hidden))]
+
+    # Mixed kernels, HF's logits all the same: a prefill and a chunk (packed gate/up), decodes
+    # (plain gate/up and head).
+    seq = PagedSequence(torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1))
+                        .tolist(), blocks=[2, 0, 1])
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([seq.tokens])).logits[0]
+    caches = make_kv_caches(model, 8, 16)
+    paged_step(model, caches, [(seq, 30)], num_decodes=0)
+    paged_step(model, caches, [(seq, 2)], num_decodes=0)
+    for _ in range(8):
+        paged_step(model, caches, [(seq, 1)], num_decodes=1)
+    torch.testing.assert_close(torch.stack(seq.logits), ref, atol=ATOL, rtol=0)
+
+
+def test_where_plain_loses_single_rows_every_weight_is_packed(tmp_path, monkeypatch) -> None:
+    model_dir = make_tiny_model(tmp_path, "llama", seed=0)
+    config = AutoConfig.from_pretrained(model_dir)
+    model = _measured_model(model_dir, monkeypatch, 1.3, defaultdict(lambda: 2.0))
+    packed = [m for m in model.modules() if getattr(m, "prepack_weight", False)]
+    assert all(m.linear_kernel == "packed" and m.weight.is_mkldnn for m in packed)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight  # the head's copy
+    assert len(packed) == 4 * config.num_hidden_layers + 1
+
+
+def test_the_measurement_runs_on_the_models_weights(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(cpu_prepack, "MIN_TUNED_ELEMENTS", 0)
+    measured = []
+    time_kernels = cpu_prepack._time_kernels
+    monkeypatch.setattr(cpu_prepack, "_time_kernels",
+                        lambda *args: measured.append(time_kernels(*args)) or measured[-1])
+    model = _model(make_tiny_model(tmp_path, "llama", seed=0, tie_word_embeddings=False),
+                   prepack=True)
+    modules = [m for m in model.modules() if getattr(m, "prepack_weight", False)]
+    ((one_row, batch),) = measured
+    shapes = {tuple(m.weight.size()) for m in modules}
+    assert set(batch) == shapes and 0 < one_row < 100
+    assert all(0 < ratio < 100 for ratio in batch.values())
+    # Each module got the kernel its shape's ratios choose.
+    for m in modules:
+        shape = tuple(m.weight.size())
+        assert m.linear_kernel == cpu_prepack.choose_kernel(shape, one_row, batch[shape]).kernel
+
+
+def test_the_switch_packs_every_weight_unmeasured(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(cpu_prepack, "MIN_TUNED_ELEMENTS", 0)
+    monkeypatch.setattr(cpu_prepack, "_time_kernels",
+                        lambda *args: pytest.fail("measured with SLOSERVE_CPU_PREPACK=1"))
+    monkeypatch.setenv(cpu_prepack.PREPACK_ENV, "1")
+    model = _model(make_tiny_model(tmp_path, "llama", seed=0), prepack=True)
+    packed = [m for m in model.modules() if getattr(m, "prepack_weight", False)]
+    assert all(m.linear_kernel == "packed" and m.weight.is_mkldnn for m in packed)

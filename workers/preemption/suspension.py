@@ -12,7 +12,7 @@ a piece needs only the KV of the tokens before it, which the earlier pieces wrot
 they ran. A piece whose pass is stopped again past its join layer is held at the new layer, ahead
 of the rest of its chunk: a request's suspended tokens are a list of segments, each with its own
 layer, resumed front first. The engine's scheduler keeps the same list
-(engine.core.slack_policy) by the same rules.
+(engine.core.suspension_ledger) by the same rules.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from workers.preemption.slo_preempt_vote import StepSLOPreempted
 
 @dataclass
 class HeldChunk:
-    """The worker's side of an engine.core.slack_policy.SuspendedChunk: the same tokens and
+    """The worker's side of an engine.core.suspension_ledger.SuspendedChunk: the same tokens and
     layer, with the activations that enter that layer."""
 
     start_pos: int

@@ -66,7 +66,7 @@ def _setup(args: argparse.Namespace, out_dir: Path) -> BenchSetup:
     from transformers import AutoTokenizer
 
     from engine.entrypoints.default_model import model_path_or_default
-    from monitor.predictor import LinearTTFT
+    from monitor.step_time_model import StepTimeModel
 
     # Absolute: the files written here (a simulated model's folder, the calibrated TTFT line)
     # are handed to the HTTP runner's servers, which run from the project's root.
@@ -89,7 +89,7 @@ def _setup(args: argparse.Namespace, out_dir: Path) -> BenchSetup:
         overrides["enforce_eager"] = True
     if args.ttft_model:
         path = args.ttft_model
-        line = LinearTTFT.load(path)
+        line = StepTimeModel.load(path)
     else:
         # Isolated TTFTs set the SLOs and the clairvoyant bound's costs; every policy's engine is
         # seeded with the same line, so none starts from a better guess than another.
@@ -222,7 +222,7 @@ def _run_cell(setup: BenchSetup, args: argparse.Namespace, trace, policy,
     quiet, then beside N busy neighbours started before the server (attainment/busy.py)."""
     from engine.benchmarks.attainment.busy import neighbour_limit_s, quiet_and_busy
     from engine.benchmarks.attainment.clairvoyant import clairvoyant_attainment
-    from monitor.predictor import LinearTTFT
+    from monitor.step_time_model import StepTimeModel
 
     kinds = replay_order(getattr(args, "urgent_constraint", None) or ["none"], trace_index,
                          getattr(args, "rotate_constraints", False))
@@ -238,8 +238,8 @@ def _run_cell(setup: BenchSetup, args: argparse.Namespace, trace, policy,
             # step model the server itself ended the replay with (its startup calibration
             # under the load, and every step it served since). The quiet line's bound says
             # nothing of a machine three times slower.
-            own_line = LinearTTFT.from_dict(run.meta["server_ttft_model"],
-                                            source="the server's ttft_model")
+            own_line = StepTimeModel.from_dict(run.meta["server_ttft_model"],
+                                               source="the server's ttft_model")
             run.meta["clairvoyant_server_line"] = clairvoyant_attainment(
                 trace, own_line.predict, budget_tokens=budget)
         # On disk as the run ends (a busy pair: once its neighbours' report is in): a benchmark

@@ -29,7 +29,7 @@ import msgspec
 from engine.benchmarks.attainment.results import RequestResult, RunResult
 from engine.benchmarks.attainment.traces import Trace, TraceRequest
 from engine.simulation.profile import StepTimeProfile
-from monitor.predictor import LinearTTFT
+from monitor.step_time_model import StepTimeModel
 
 # The durations of a profile: every one runs K times as long.
 _PROFILE_SECONDS = ("seconds_per_token", "seconds_per_attention", "seconds_per_decode_context",
@@ -59,7 +59,7 @@ def slowed_profile(profile: StepTimeProfile, scale: float) -> StepTimeProfile:
         **{name: getattr(profile, name) * scale for name in _PROFILE_SECONDS})
 
 
-def slowed_line(line: LinearTTFT, scale: float) -> LinearTTFT:
+def slowed_line(line: StepTimeModel, scale: float) -> StepTimeModel:
     """The TTFT line of the slowed profile: each coefficient `scale` times as large (its
     relative error and calibrated ranges are the same)."""
     return dataclasses.replace(line, **{name: None if getattr(line, name) is None
@@ -67,7 +67,7 @@ def slowed_line(line: LinearTTFT, scale: float) -> LinearTTFT:
                                         for name in _LINE_SECONDS})
 
 
-def write_slowed(profile: StepTimeProfile, line: LinearTTFT, scale: float,
+def write_slowed(profile: StepTimeProfile, line: StepTimeModel, scale: float,
                  folder: Path) -> tuple[str, str]:
     """Writes the slowed profile and line into `folder`: the `simulate` and `ttft_model` the
     engines are started with."""

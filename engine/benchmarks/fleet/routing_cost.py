@@ -22,11 +22,11 @@ from collections.abc import Callable, Sequence
 from engine.fleet.admission import assess
 from engine.fleet.load_report import QueuedRequest, ReplicaLoad, RouteHint
 from engine.fleet.routing import ROUTER_POLICIES, FleetBook
-from monitor.predictor import LinearTTFT
+from monitor.step_time_model import StepTimeModel
 
 # Section 9's orders of magnitude: a 24k-token prefill ~1 s, a step's intercept ~30 ms.
-MODEL = LinearTTFT(seconds_per_token=4e-5, intercept_s=0.03, relative_error=0.1,
-                   relative_speedup=0.1)
+MODEL = StepTimeModel(seconds_per_token=4e-5, intercept_s=0.03, relative_error=0.1,
+                      relative_speedup=0.1)
 BLOCK_SIZE = 16
 
 
