@@ -275,8 +275,18 @@ def request_urgency(request: EngineRequest, now: float, predict: Callable[[int],
 def rank_requests(requests: Iterable[R], now: float, predict: Callable[[int], float],
                   aging_bound_s: float | None = None,
                   optimistic: Callable[[int], float] | None = None) -> list[R]:
-    """Engine requests in the ranking's order (the scheduler's waiting queue and running set)."""
-    return rank(requests, now, predict, aging_bound_s, optimistic, view=view_of)
+    """Engine requests in the ranking's order (the scheduler's waiting queue and running set).
+
+    Those without a live deadline rank last in the given order (``urgency``'s first case) and
+    weigh on nobody else's place, so they go there without a view or an urgency each: in a
+    serving engine most running requests are decodes past their first output, and this runs
+    every step."""
+    requests = list(requests)
+    timed = [r for r in requests if r.live_deadline is not None]
+    if len(timed) == len(requests):
+        return rank(requests, now, predict, aging_bound_s, optimistic, view=view_of)
+    ranked = rank(timed, now, predict, aging_bound_s, optimistic, view=view_of)
+    return ranked + [r for r in requests if r.live_deadline is None]
 
 
 @dataclass(frozen=True)

@@ -248,3 +248,33 @@ def test_before_any_layer_is_done_the_whole_step_is_left():
         assert monitor.check() is not None
     finally:
         signal.close()
+
+
+def test_requests_without_a_live_deadline_rank_last_in_their_order_as_views_would() -> None:
+    """rank_requests skips the views of requests without a live deadline: the order must be
+    what ranking every request through its view gives (random deadlines, some past, some
+    aged, some requests without one, some whose first output is out)."""
+    import time
+
+    from engine.core.request import Request
+    from engine.sampling_params import SamplingParams
+    from monitor.policy import rank, rank_requests, view_of
+
+    rng = random.Random(7)
+    now = time.monotonic()
+    requests = []
+    for i in range(60):
+        slo = rng.choice([None, 50.0, 150.0, 2000.0])
+        request = Request(request_id=f"r{i}", prompt_token_ids=[1] * rng.randint(2, 4000),
+                          sampling_params=SamplingParams(max_tokens=4), ttft_slo_ms=slo,
+                          arrival_time=now - rng.uniform(0, 3))
+        if rng.random() < 0.3:
+            request.first_output_time = now  # its client has output: no live deadline
+        requests.append(request)
+    assert any(r.live_deadline is None for r in requests)  # probe: both kinds present
+    assert any(r.live_deadline is not None for r in requests)
+    def predict(tokens: int) -> float:
+        return 1e-4 * tokens
+
+    assert rank_requests(requests, now, predict, aging_bound_s=1.0) == \
+        rank(requests, now, predict, aging_bound_s=1.0, view=view_of)
