@@ -11,6 +11,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
     HF's LlamaMLP computes ``act_fn(gate_proj(x)) * up_proj(x)``: silu rounded to the model dtype,
     then the product rounded again; this is the same two ops, so bf16 results match it. A fused
-    kernel with this contract (kernels.KernelBackend.silu_and_mul) replaces it on Triton."""
+    kernel with this contract (kernels.KernelBackend.silu_and_mul) replaces it on Triton, and
+    in float32 models on a CPU (kernels.cpu_fused: bit for bit these two ops)."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -109,6 +109,11 @@ class LinearBase(nn.Module):
     ``quant_method`` registers in its place), the bias, and the multiplication."""
 
     prepack_weight = True  # see workers.layers.cpu_prepack
+    # The kernel workers.layers.cpu_prepack gave the weight (None: not yet), and with "both" the
+    # packed copy that multiplies inputs of packed_min_rows rows or more.
+    linear_kernel: str | None = None
+    packed_weight: torch.Tensor | None = None
+    packed_min_rows = 0
     # The checkpoint's shard ids of a merged layer, in their order in the local weight.
     shard_ids: tuple[Any, ...] = (None,)
 
@@ -144,7 +149,7 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, bias)
-        return linear(x, self.weight, bias)
+        return linear(x, self.weight, bias, self.packed_weight, self.packed_min_rows)
 
 
 class ColumnParallelLinear(LinearBase):

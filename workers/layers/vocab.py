@@ -66,13 +66,17 @@ class ParallelLMHead(VocabParallelEmbedding):
     """logits = h W^T over this rank's vocabulary slice, gathered to the full vocabulary on every
     rank when tp_size > 1 (all ranks then hold identical logits)."""
 
-    prepack_weight = True  # see workers.layers.cpu_prepack
+    prepack_weight = True  # see workers.layers.cpu_prepack (as workers.layers.linear.LinearBase)
+    linear_kernel: str | None = None
+    packed_weight: torch.Tensor | None = None
+    packed_min_rows = 0
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden_states, self.weight, None)
+        logits = linear(hidden_states, self.weight, None, self.packed_weight,
+                        self.packed_min_rows)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             dist.all_gather(parts, logits.contiguous(), group=self.tp_group)

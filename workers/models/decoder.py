@@ -11,6 +11,7 @@ the weight loader's mapping is a short table (``checkpoint_renames`` adds a fami
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -275,15 +276,25 @@ class DecoderForCausalLM(nn.Module):
 
     def use_kernels(self, kernels: KernelBackend) -> None:
         """Run attention, and the norms, rotary, SwiGLU activation and experts where the
-        backend fuses them, on ``kernels``."""
+        backend fuses them, on ``kernels``. Where the backend's fused ops serve this model (the
+        CPU's: float32, not a tiny model) they also bring their own paged attention kernel;
+        ``attention_op`` calls whichever it is, after the vote, as before."""
+        # The CPU's fused ops serve float32 models past a size only, and compile here, at
+        # load, the first time (kernels.cpu_fused); Triton's serve every model.
+        fused = kernels.fused_for is None or kernels.fused_for(self.dtype,
+                                                               self.config.hidden_size)
+        if fused and kernels.fused_paged_attention is not None:
+            # Still called from attention_op alone, after the vote: only the kernel changes.
+            kernels = dataclasses.replace(kernels, paged_attention=kernels.fused_paged_attention,
+                                          fused_paged_attention=None)
         self.kernels = kernels
         for module in self.modules():
             if isinstance(module, RMSNorm):
-                module.fused = kernels.rms_norm
+                module.fused = kernels.rms_norm if fused else None
             elif isinstance(module, DecoderAttention):
-                module.apply_rotary = kernels.apply_rotary or apply_rotary
+                module.apply_rotary = (kernels.apply_rotary if fused else None) or apply_rotary
             elif isinstance(module, DecoderMLP):
-                module.silu_and_mul = kernels.silu_and_mul or silu_and_mul
+                module.silu_and_mul = (kernels.silu_and_mul if fused else None) or silu_and_mul
             elif hasattr(module, "use_kernels") and module is not self:
                 module.use_kernels(kernels)
 
