@@ -281,12 +281,11 @@ def rank_requests(requests: Iterable[R], now: float, predict: Callable[[int], fl
     weigh on nobody else's place, so they go there without a view or an urgency each: in a
     serving engine most running requests are decodes past their first output, and this runs
     every step."""
-    requests = list(requests)
-    timed = [r for r in requests if r.live_deadline is not None]
-    if len(timed) == len(requests):
-        return rank(requests, now, predict, aging_bound_s, optimistic, view=view_of)
-    ranked = rank(timed, now, predict, aging_bound_s, optimistic, view=view_of)
-    return ranked + [r for r in requests if r.live_deadline is None]
+    timed: list[R] = []
+    free: list[R] = []
+    for request in requests:
+        (free if request.live_deadline is None else timed).append(request)
+    return rank(timed, now, predict, aging_bound_s, optimistic, view=view_of) + free
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ class BlockTables:
         for req_id in req_ids:
             row = self.row_of.pop(req_id, None)
             if row is not None:
+                self._truncate(row, 0)
                 self._free_rows.append(row)
 
     def update(self, request: ScheduledRequest) -> int:
@@ -55,8 +56,16 @@ class BlockTables:
             if end > self.table.shape[1]:
                 self._grow(columns=end)
             self.table[row, start:end] = ids
-        self.widths[row] = end
+        self._truncate(row, end)
         return row
+
+    def _truncate(self, row: int, width: int) -> None:
+        """Set the row's width, zeroing what a longer table left past it (so that a gather
+        needs no padding pass: entries past a row's width are always block 0)."""
+        old = int(self.widths[row])
+        if width < old:
+            self.table[row, width:old] = 0
+        self.widths[row] = width
 
     def full_table(self, request: ScheduledRequest) -> list[int]:
         """Apply ``request``'s update; returns its whole table."""
@@ -72,10 +81,7 @@ class BlockTables:
         columns = max(int(widths.max()), width or 0)
         if columns > self.table.shape[1]:
             self._grow(columns=columns)
-        tables = self.table[rows, :columns]
-        # Entries past a row's width are whatever a longer table left there: pad with block 0.
-        tables[np.arange(columns) >= widths[:, None]] = 0
-        return tables, widths
+        return self.table[rows, :columns], widths
 
     def _new_row(self) -> int:
         if not self._free_rows:

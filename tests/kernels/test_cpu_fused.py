@@ -11,13 +11,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
 
 from kernels import cpu_fused, select_backend, torch_attention  # noqa: E402
 from tests.utils.attention_cases import MIXED, MIXED_DECODES, make_case, slots  # noqa: E402
 from tests.utils.kernel_counts import KernelsRan  # noqa: E402
 from tests.utils.mid_forward import check_urgent_arrival_unwinds_long_prefill  # noqa: E402
-from tests.utils.paged_helpers import PagedSequence, make_kv_caches, paged_step  # noqa: E402
+from tests.utils.paged_helpers import PagedSequence, assert_chunks_match_hf  # noqa: E402
 from tests.utils.tiny_models import make_tiny_model  # noqa: E402
 from workers.layers import RMSNorm, apply_rotary, silu_and_mul  # noqa: E402
 from workers.models import build_model  # noqa: E402
@@ -178,15 +178,7 @@ def test_a_model_on_the_fused_kernels_matches_hf(compiled, tmp_path, monkeypatch
     assert model.kernels.paged_attention is cpu_fused.paged_attention
     seq = PagedSequence(torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1))
                         .tolist(), blocks=[3, 1, 0])
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        ref = hf(torch.tensor([seq.tokens])).logits[0]
-    caches = make_kv_caches(model, 8, 16)
-    paged_step(model, caches, [(seq, 20)], num_decodes=0)
-    paged_step(model, caches, [(seq, 18)], num_decodes=0)
-    for _ in range(2):
-        paged_step(model, caches, [(seq, 1)], num_decodes=1)
-    torch.testing.assert_close(torch.stack(seq.logits), ref, atol=ATOL, rtol=0)
+    assert_chunks_match_hf(model, model_dir, seq, [20, 18], decodes=2, num_blocks=8, atol=ATOL)
     layers = model.config.num_hidden_layers
     # Two norms a layer and the final one (qwen3: two per-head norms more), one rotary and one
     # SiLU·mul a layer, in each of the 4 passes.

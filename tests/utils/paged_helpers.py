@@ -71,6 +71,24 @@ def paged_step(model: DecoderForCausalLM, kv_caches: KVCaches,
         row += n
 
 
+def assert_chunks_match_hf(model: DecoderForCausalLM, model_dir, seq: PagedSequence,
+                           chunks: list[int], decodes: int, num_blocks: int, atol: float) -> None:
+    """Prefill ``seq`` in ``chunks`` (each over the cached prefix the ones before it left), then
+    decode ``decodes`` tokens; every position's logits equal HF transformers' on the whole
+    sequence within ``atol``."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([seq.tokens])).logits[0]
+    caches = make_kv_caches(model, num_blocks, seq.block_size)
+    for n in chunks:
+        paged_step(model, caches, [(seq, n)], num_decodes=0)
+    for _ in range(decodes):
+        paged_step(model, caches, [(seq, 1)], num_decodes=1)
+    torch.testing.assert_close(torch.stack(seq.logits), ref, atol=atol, rtol=0)
+
+
 class StopAt:
     """Stands in for the vote: unwinds the step before the attention op of `layer`."""
 

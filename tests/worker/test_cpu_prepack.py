@@ -11,9 +11,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
 
-from tests.utils.paged_helpers import PagedSequence, make_kv_caches, paged_step  # noqa: E402
+from tests.utils.paged_helpers import PagedSequence, assert_chunks_match_hf  # noqa: E402
 from tests.utils.tiny_models import make_tiny_model  # noqa: E402
 from workers.layers import cpu_prepack  # noqa: E402
 from workers.models import build_model  # noqa: E402
@@ -51,15 +51,8 @@ def test_prepacked_model_matches_hf(tmp_path, variant) -> None:
 
     seq = PagedSequence(torch.randint(0, 512, (70,), generator=torch.Generator().manual_seed(1))
                         .tolist(), blocks=[7, 2, 11, 4, 0])
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        ref = hf(torch.tensor([seq.tokens])).logits[0]
-    caches = make_kv_caches(model, 16, 16)
-    paged_step(model, caches, [(seq, 40)], num_decodes=0)
-    paged_step(model, caches, [(seq, 28)], num_decodes=0)  # a chunk over a cached prefix
-    for _ in range(2):
-        paged_step(model, caches, [(seq, 1)], num_decodes=1)
-    torch.testing.assert_close(torch.stack(seq.logits), ref, atol=ATOL, rtol=0)
+    # 28 tokens: a chunk over a cached prefix.
+    assert_chunks_match_hf(model, model_dir, seq, [40, 28], decodes=2, num_blocks=16, atol=ATOL)
 
 
 def test_packing_twice_is_a_no_op(tmp_path) -> None:
@@ -178,15 +171,7 @@ def test_the_row_count_picks_the_kernel_that_runs(tmp_path, monkeypatch) -> None
     # (plain gate/up and head).
     seq = PagedSequence(torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1))
                         .tolist(), blocks=[2, 0, 1])
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        ref = hf(torch.tensor([seq.tokens])).logits[0]
-    caches = make_kv_caches(model, 8, 16)
-    paged_step(model, caches, [(seq, 30)], num_decodes=0)
-    paged_step(model, caches, [(seq, 2)], num_decodes=0)
-    for _ in range(8):
-        paged_step(model, caches, [(seq, 1)], num_decodes=1)
-    torch.testing.assert_close(torch.stack(seq.logits), ref, atol=ATOL, rtol=0)
+    assert_chunks_match_hf(model, model_dir, seq, [30, 2], decodes=8, num_blocks=8, atol=ATOL)
 
 
 def test_where_plain_loses_single_rows_every_weight_is_packed(tmp_path, monkeypatch) -> None:
