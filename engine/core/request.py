@@ -51,7 +51,9 @@ class Request:
 
     ``num_tokens`` counts prompt + generated tokens; ``num_computed_tokens`` counts those whose KV is
     in the cache. Prefill, chunked prefill, decode and resume after preemption are all "compute the
-    tokens owed": ``num_tokens - num_computed_tokens``.
+    tokens owed": ``num_tokens - num_computed_tokens``, plus ``num_output_placeholders``: tokens
+    sampled by steps scheduled but not yet read back (one while a step that samples for it runs;
+    two while async scheduling has the next step scheduled ahead).
     """
 
     request_id: str
@@ -74,6 +76,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
+    # Output tokens that scheduled steps will sample and the host has not read yet (see above).
+    num_output_placeholders: int = 0
     # Preemptions of either kind (num_kv_preemptions + num_slo_preemptions).
     num_preemptions: int = 0
     # KV preemptions: evicted for KV space, to be recomputed.
@@ -148,7 +152,23 @@ class Request:
 
     @property
     def num_tokens_owed(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_tokens + self.num_output_placeholders - self.num_computed_tokens
+
+    @property
+    def needs_output_history(self) -> bool:
+        """Whether sampling its next token reads its output so far on the host (penalties, a
+        grammar's mask): it cannot be decoded before its last token is read back."""
+        return self.grammar is not None or self.sampling_params.has_penalties
+
+    def may_decode_ahead(self, max_model_len: int) -> bool:
+        """Whether its next decode may be scheduled before the token in flight is read back:
+        sampling reads no history, and the token in flight cannot end it by length (a decode
+        past its limit would write KV beyond the table it may hold). Stop tokens and stop
+        strings are seen a step late: the token computed ahead is then dropped."""
+        pending = self.num_output_placeholders
+        return (not self.needs_output_history
+                and self.num_output_tokens + pending < self.sampling_params.max_tokens
+                and self.num_tokens + pending < (self.max_model_len or max_model_len))
 
     @property
     def is_finished(self) -> bool:

@@ -27,7 +27,8 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import RequestQueue, create_request_queue
 from engine.core.sibling_gate import SiblingGate
-from engine.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.core.scheduler_output import (PENDING_TOKEN, ModelRunnerOutput, ScheduledRequest,
+                                          SchedulerOutput)
 from engine.core.slack_policy import SlackPolicy
 from engine.core.step_outcome import live_requests, stop_status
 from engine.core.step_record import StepInProgress, StepRecord
@@ -210,6 +211,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        # A token in flight for it is dropped when it arrives: it samples that token again.
+        request.num_output_placeholders = 0
         request.restart_prompt_logprobs()
         self.waiting.prepend(request)
 
@@ -286,6 +289,8 @@ class Scheduler:
             # The workers hold its stopped pass: it resumes as much of its first segment as the
             # budget (capped by the deadlines and TPOT of the step) allows.
             return resume_piece(suspended.num_tokens, budget)
+        if request.num_output_placeholders and not request.may_decode_ahead(self.max_model_len):
+            return 0  # its next input is in flight, and it may not be decoded ahead of it
         return chunk_size(request.num_tokens_owed, budget, self.config.long_prefill_token_threshold)
 
     def _admit_waiting(self, step: StepInProgress) -> None:
@@ -306,6 +311,8 @@ class Scheduler:
         for request, num_new in step.scheduled.values():
             start = request.num_computed_tokens
             end = start + num_new
+            # A decode scheduled ahead (can_schedule_ahead): its input is the token in flight.
+            pending = end > request.num_tokens
             resume = self.slack.suspensions.is_suspended(request.request_id)
             held = self.slack.suspensions.next_chunk(request.request_id)
             assert not resume or (held is not None and held.start_pos == start
@@ -313,18 +320,21 @@ class Scheduler:
             table_start, new_block_ids = kv.table_update(request.request_id)
             scheduled = ScheduledRequest(
                 req_id=request.request_id,
-                token_ids=request.all_token_ids[start:end],
+                token_ids=[PENDING_TOKEN] if pending else request.all_token_ids[start:end],
                 start_pos=start,
                 block_ids=new_block_ids,
                 block_table_start=table_start,
-                sample=end == request.num_tokens,
+                sample=end == request.num_tokens + request.num_output_placeholders,
                 sampling_params=request.step_sampling_params,
-                num_output_tokens=request.num_output_tokens,
+                num_output_tokens=request.num_output_tokens + request.num_output_placeholders,
                 resume=resume,
                 prompt_logprob_targets=request.prompt_logprob_targets(start, end),
+                last_token_pending=pending,
             )
             if scheduled.sample:
                 _add_sampling_history(scheduled, request)
+                request.num_output_placeholders += 1
+                step.record.sampled.append(request.request_id)
             output.requests.append(scheduled)
             if num_new > 1:
                 num_prefill_tokens += num_new
@@ -338,6 +348,19 @@ class Scheduler:
         self.prev_scheduled_req_ids = frozenset(step.scheduled)
         self.last_step_record = step.record
         return output
+
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the step in flight is read back
+        (async scheduling): only as a decode of the running requests, which never votes.
+        Nothing may wait, be held or be suspended (a prefill step waits for the pipeline to
+        drain), and every running request must be a decode that may run ahead of its token."""
+        slack = self.slack
+        if (not self.running or self.waiting or slack.holds or slack.suspensions.suspended
+                or slack.urgent_waiter_id is not None):
+            return False
+        max_model_len = self.max_model_len
+        return all(r.num_tokens_owed == 1 and r.may_decode_ahead(max_model_len)
+                   for r in self.running)
 
     # ---- after the forward pass ----------------------------------------------------------
 
@@ -391,6 +414,7 @@ class Scheduler:
                 request.add_prompt_logprobs(prompt_logprobs)
             if not sr.sample:
                 continue
+            request.num_output_placeholders -= 1
             token = runner_output.sampled_token_ids[sr.req_id]
             if request.grammar is not None and not request.grammar.accept(token):
                 # The step's mask allowed it, so the grammar and the mask disagree: a bug, and
@@ -497,12 +521,13 @@ class Scheduler:
         for r in self.running:
             assert r.status is RequestStatus.RUNNING, f"{r.request_id} in running is {r.status.name}"
             # A suspended first chunk has its blocks and layers but no computed tokens yet.
-            assert (0 < r.num_computed_tokens <= r.num_tokens
+            assert (0 < r.num_computed_tokens <= r.num_tokens + r.num_output_placeholders
                     or self.slack.suspensions.is_suspended(r.request_id))
+            assert 0 <= r.num_output_placeholders <= 2, r.num_output_placeholders
             assert len(kv.req_blocks[r.request_id]) * kv.block_size >= r.num_computed_tokens
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r.status.name
-            assert r.num_computed_tokens == 0
+            assert r.num_computed_tokens == 0 and r.num_output_placeholders == 0
 
 
 def resume_piece(held: int, budget: int) -> int:
@@ -523,7 +548,7 @@ def _add_sampling_history(scheduled: ScheduledRequest, request: Request) -> None
         scheduled.output_token_ids = list(request.output_token_ids)
         if params.repetition_penalty != 1.0:
             scheduled.prompt_token_ids = list(request.prompt_token_ids)
-    if request.num_output_tokens < params.min_tokens:
+    if scheduled.num_output_tokens < params.min_tokens:
         blocked = list(params.stop_token_ids)
         if request.eos_token_id is not None and not params.ignore_eos:
             blocked.append(request.eos_token_id)

@@ -47,6 +47,14 @@ class ScheduledRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Prompt logprobs: row i of this chunk is scored against prompt_logprob_targets[i] (the
     # prompt token after it); rows past the list are not scored.
     prompt_logprob_targets: list[int] = []
+    # A decode scheduled ahead (async scheduling): its one input token is the token the step
+    # before sampled for it, which the host has not read back yet. ``token_ids`` holds
+    # PENDING_TOKEN; the executor takes the token from the previous step's samples, on the device.
+    last_token_pending: bool = False
+
+
+# The input token of a decode scheduled before its token was read back (last_token_pending).
+PENDING_TOKEN = -1
 
 
 class SchedulerOutput(msgspec.Struct, kw_only=True):

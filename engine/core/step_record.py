@@ -31,6 +31,7 @@ class Admission:
         request.status = self.prev_status
         request.num_cached_tokens = self.prev_num_cached_tokens
         request.first_scheduled_time = self.prev_first_scheduled_time
+        request.num_output_placeholders = 0
         kv.prefix_cache_queries -= self.prefix_cache_queries
         kv.prefix_cache_hits -= self.prefix_cache_hits
 
@@ -52,6 +53,8 @@ class StepRecord:
     - ``kv_preempted``: stay preempted. Their blocks went back to the pool and the abandoned pass
       may already have written into them, so the only safe state is recompute, which they are
       in.
+    - ``sampled``: each still-running request gives back the output placeholder the step took
+      (its token will never arrive).
     - ``prev_scheduled_req_ids``: becomes the scheduler's previous-step set again.
     - each admission's ``prefix_cache_queries`` / ``prefix_cache_hits``: subtracted from the KV
       manager's counters.
@@ -68,6 +71,8 @@ class StepRecord:
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     admitted: list[Admission] = field(default_factory=list)
     kv_preempted: list[Request] = field(default_factory=list)
+    # Requests the step samples a token for (set when the step is output).
+    sampled: list[str] = field(default_factory=list)
 
     def forget(self, req_id: str) -> None:
         """The request left this step's scheduled set (a KV-pressure victim): drop every entry
@@ -94,6 +99,9 @@ class StepRecord:
         for req_id, num_computed in self.prev_num_computed_tokens.items():
             if (request := requests.get(req_id)) is not None:
                 request.num_computed_tokens = num_computed
+        for req_id in self.sampled:
+            if (request := requests.get(req_id)) is not None and request.num_output_placeholders:
+                request.num_output_placeholders -= 1
         for req_id, start_pos in kept.items():
             # After its prefix-cache hits, where its chunk starts.
             requests[req_id].num_computed_tokens = start_pos

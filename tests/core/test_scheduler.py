@@ -430,11 +430,12 @@ def test_hashes_committed_only_after_update_from_output() -> None:
     sched.add_request(a)
     out1 = sched.schedule()
     assert all(sched.kv_cache_manager.pool.blocks[i].block_hash is None for i in out1.requests[0].block_ids)
-    # b arrives while step 1 (which writes a's blocks) is still in flight.
+    # b arrives while step 1 (which writes a's blocks) is still in flight; a's decode is
+    # scheduled ahead of its first token.
     b = make_request("b", prompt + [1], max_tokens=4)
     sched.add_request(b)
     out2 = sched.schedule()
-    assert scheduled(out2) == {"b": 13} and b.num_cached_tokens == 0
+    assert scheduled(out2) == {"a": 1, "b": 13} and b.num_cached_tokens == 0
     assert sched.prefix_cache_hits == 0
     sched.update_from_output(out1, runner.execute(out1))
     sched.check_invariants()
@@ -442,7 +443,8 @@ def test_hashes_committed_only_after_update_from_output() -> None:
     assert all(pool.blocks[i].block_hash is not None for i in out1.requests[0].block_ids)
     sched.update_from_output(out2, runner.execute(out2))
     # b computed the same blocks; the first commit won, b's copies stay private.
-    assert all(pool.blocks[i].block_hash is None for i in out2.requests[0].block_ids)
+    (b_step,) = [r for r in out2.requests if r.req_id == "b"]
+    assert all(pool.blocks[i].block_hash is None for i in b_step.block_ids)
     c = make_request("c", prompt + [2], max_tokens=4)
     sched.add_request(c)
     out3, _ = step(sched, runner)

@@ -57,6 +57,8 @@ class FakeRunner:
         self.sched = sched
         self.kv: dict[tuple[int, int], int] = {}
         self.tables = BlockTables(max_blocks=8)
+        # The last step's samples: the input of a decode scheduled ahead (last_token_pending).
+        self.last_sampled: dict[str, int] = {}
 
     def receive(self, out: SchedulerOutput) -> None:
         """What the workers do with a step before its pass (and so also for one the vote then
@@ -72,7 +74,8 @@ class FakeRunner:
         for r in out.requests:
             assert len(r.token_ids) > 0
             table = self.tables.full_table(r)
-            for i, tok in enumerate(r.token_ids):
+            tokens = [self.last_sampled[r.req_id]] if r.last_token_pending else r.token_ids
+            for i, tok in enumerate(tokens):
                 pos = r.start_pos + i
                 block = table[pos // BS]
                 slot = (block, pos % BS)
@@ -84,6 +87,8 @@ class FakeRunner:
                 end = r.start_pos + len(r.token_ids)
                 history = [self.kv[(table[p // BS], p % BS)] for p in range(end)]
                 sampled[r.req_id] = next_token(history)
+        if sampled:
+            self.last_sampled = sampled
         return ModelRunnerOutput(step_id=out.step_id, sampled_token_ids=sampled)
 
 
@@ -142,6 +147,37 @@ def step(sched: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[Re
     finished = sched.update_from_output(out, runner.execute(out))
     sched.check_invariants()
     return out, finished
+
+
+def run_ahead_to_completion(sched: Scheduler, runner: FakeRunner,
+                            max_steps: int = 10_000) -> tuple[dict[str, list[int]], int]:
+    """As EngineCore's async scheduling: while the scheduler can schedule ahead, the next step
+    is scheduled (and run) before the one in flight is committed. Returns the outputs and the
+    number of decodes scheduled ahead."""
+    outputs: dict[str, list[int]] = {}
+    in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+    ahead = 0
+
+    def commit(flight: tuple[SchedulerOutput, ModelRunnerOutput]) -> None:
+        for r in sched.update_from_output(*flight):
+            if r.is_finished:
+                outputs[r.request_id] = list(r.output_token_ids)
+        sched.check_invariants()
+
+    for _ in range(max_steps):
+        if in_flight is not None and not sched.can_schedule_ahead():
+            commit(in_flight)
+            in_flight = None
+        if not sched.has_unfinished_requests():
+            return outputs, ahead
+        out = sched.schedule()
+        sched.check_invariants()
+        ahead += sum(r.last_token_pending for r in out.requests)
+        ran = (out, runner.execute(out))
+        if in_flight is not None:
+            commit(in_flight)
+        in_flight = ran
+    raise AssertionError(f"not finished after {max_steps} steps")
 
 
 def run_to_completion(sched: Scheduler, runner: FakeRunner, max_steps: int = 10_000) -> dict[str, list[int]]:
