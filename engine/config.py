@@ -68,6 +68,9 @@ class SchedulerConfig:
     aging_bound_ms: float = 5000.0
     # Admit a request only if the whole sequence (prompt + max_tokens) fits in the free blocks.
     full_sequence_admission: bool = True
+    # Schedule the next decode step while the device runs this one (engine.runtime.engine_core;
+    # vLLM's --async-scheduling). Needs an executor that can queue steps: TP=1 or --simulate.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -273,6 +276,7 @@ def build_engine_config(model: str, *, dtype: str = ModelConfig.dtype,
                         scheduling_policy: str = SchedulerConfig.policy,
                         full_sequence_admission: bool = SchedulerConfig.full_sequence_admission,
                         aging_bound_ms: float = SchedulerConfig.aging_bound_ms,
+                        async_scheduling: bool = SchedulerConfig.async_scheduling,
                         seed: int = ModelConfig.seed,
                         tensor_parallel_size: int = EngineConfig.tensor_parallel_size,
                         distributed_executor: str = EngineConfig.distributed_executor,
@@ -317,7 +321,8 @@ def build_engine_config(model: str, *, dtype: str = ModelConfig.dtype,
                                   enable_chunked_prefill=enable_chunked_prefill,
                                   policy=scheduling_policy,  # type: ignore[arg-type]
                                   full_sequence_admission=full_sequence_admission,
-                                  aging_bound_ms=aging_bound_ms),
+                                  aging_bound_ms=aging_bound_ms,
+                                  async_scheduling=async_scheduling),
         slo_preemption=SLOPreemptionConfig(
             enabled=slo_preemption, policy=slo_preempt_policy,  # type: ignore[arg-type]
             margin=slo_preempt_margin, stubborn_fraction=stubborn_fraction,

@@ -106,6 +106,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="slo policy: a request still without its first token this long past its "
                         "TTFT deadline goes ahead of every other, and no step serving it is "
                         "stopped (no stream of tighter SLOs starves it)")
+    g.add_argument("--async-scheduling", action="store_true",
+                   default=SchedulerConfig.async_scheduling,
+                   help="schedule the next decode step while the device runs this one; its "
+                        "input tokens are read on the device, stop checks land a step late "
+                        "(outputs unchanged). A prefill step waits for the pipeline to drain. "
+                        "TP=1 and --simulate only")
     g.add_argument("--seed", type=int, default=ModelConfig.seed)
     g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=None,
                    help=f"TP worker processes (default {EngineConfig.tensor_parallel_size}; "
@@ -186,7 +192,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 watermark=args.watermark,
                 full_sequence_admission=not args.no_full_sequence_admission,
                 scheduling_policy=args.scheduling_policy, aging_bound_ms=args.aging_bound_ms,
-                seed=args.seed,
+                async_scheduling=args.async_scheduling, seed=args.seed,
                 tensor_parallel_size=EngineConfig.tensor_parallel_size
                 if args.tensor_parallel_size is None
                 else args.tensor_parallel_size,

@@ -1,5 +1,16 @@
 """EngineCore: the busy loop schedule() -> execute -> update, over one scheduler and one executor.
 
+With async scheduling (`SchedulerConfig.async_scheduling`, on an executor that can queue steps:
+engine.executor.base.Overlapping) a step that cannot be preempted is submitted and left in
+flight: the next call schedules and submits the next step while the device runs it, and only
+then reads it back (vLLM's async scheduling, SGLang's overlap scheduler). The next step can be
+scheduled ahead only as a decode of the running requests (`Scheduler.can_schedule_ahead`), each
+fed on the device by the token in flight; anything else (an arrival, a prefill, a request whose
+sampling reads its history) first drains the pipeline, so a preemptible step never queues behind
+another and an arrival waits at most for the steps already queued: the one running and one
+behind it. Stop tokens and stop strings are then seen a step late, and the token computed ahead
+is dropped: outputs are the same as the serial loop's.
+
 EngineCore owns the engine's step-time predictor (monitor.predictor.StepTimePredictor) and hands
 it to whoever reads it: the scheduler (its slack policy ranks and caps steps by it), the SLO
 preemption control (each monitor snapshot carries its current model) and the load report. The
@@ -10,6 +21,7 @@ control.
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import sys
 import threading
@@ -18,7 +30,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
-from engine.executor.base import Executor
+from engine.executor.base import Executor, Overlapping, StepHandle
 from engine.executor.factory import make_executor
 from engine.processing.input_processor import validate_prompt
 from engine.runtime.model_setup import ResolvedModel, check_pool_fits, resolve
@@ -43,6 +55,9 @@ from monitor.slo_preempt_signal import SLOPreemptSignal
 
 if TYPE_CHECKING:
     import xgrammar
+
+
+logger = logging.getLogger(__name__)
 
 
 class EngineStepError(RuntimeError):
@@ -101,6 +116,13 @@ class EngineCore:
             raise
         self.executor: Executor = started
         self.dead: str | None = None
+        # Async scheduling: the step submitted and not yet read back (None: the loop is serial).
+        self._overlap = config.scheduler.async_scheduling and isinstance(started, Overlapping)
+        if config.scheduler.async_scheduling and not self._overlap:
+            logger.warning("async scheduling is off: the %s runs one step at a time "
+                           "(tensor-parallel workers read their tokens back every step)",
+                           type(started).__name__)
+        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         # Requests handed over by other threads (submit_request), with their arrival number.
         self._inbox: queue.SimpleQueue[tuple[int, Request]] = queue.SimpleQueue()
         # (request id, when) of first visible outputs the consumer reported (note_first_output).
@@ -268,12 +290,14 @@ class EngineCore:
             for request_id in request_ids:
                 self._compiling.pop(request_id, None)
         self.scheduler.abort_requests(list(request_ids), status)
-        if not self.scheduler.has_unfinished_requests():
+        if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
             self._deliver_pending_frees()  # no later step will carry them
             self.load.publish_idle(self._drained_arrivals)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or not self._inbox.empty()
+        """Whether `step` has work: requests to run, or a step in flight to read back."""
+        return (self.scheduler.has_unfinished_requests() or not self._inbox.empty()
+                or self._in_flight is not None)
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one engine step; returns the requests that got a new token this step. Each
@@ -291,10 +315,14 @@ class EngineCore:
         if self.dead is not None:
             raise EngineStepError(f"the engine stopped after a worker failure:\n{self.dead}")
         self._drain_inbox()
+        outputs: list[EngineCoreOutput] = []
+        if self._in_flight is not None and not self.scheduler.can_schedule_ahead():
+            # What comes next depends on the tokens in flight (or must not queue behind them).
+            outputs = self._complete_in_flight()
         if not self.scheduler.has_unfinished_requests():
             self._deliver_pending_frees()
             self.load.publish_idle(self._drained_arrivals)
-            return []
+            return outputs
         scheduler_output = self.scheduler.schedule()
         snapshot = snapshot_of_step(self.scheduler, scheduler_output,
                                     self.step_time_predictor.current, self._drained_arrivals,
@@ -304,14 +332,49 @@ class EngineCore:
             self.slo_preemption.after_schedule(scheduler_output, self._drained_arrivals,
                                                snapshot)
         if scheduler_output.is_empty:
+            if self._in_flight is not None:
+                outputs += self._complete_in_flight()
             self._deliver_frees(scheduler_output)
             # Nothing ran and nothing changed: the same empty step would repeat forever. That
             # is one request's problem (it cannot be admitted), never the engine's.
-            return [_core_output(r) for r in self.scheduler.fail_stalled()]
+            return outputs + [_core_output(r) for r in self.scheduler.fail_stalled()]
+        if self._overlap and not scheduler_output.preemptible:
+            return outputs + self._submit(scheduler_output, timing)
+        assert self._in_flight is None, "a preemptible step was scheduled ahead"
         try:
             runner_output = self._execute(scheduler_output, timing)
         finally:
             self.load.step_ended(scheduler_output.step_id)
+        return outputs + self._commit(scheduler_output, runner_output)
+
+    def _submit(self, scheduler_output: SchedulerOutput,
+                timing: StepTiming | None) -> list[EngineCoreOutput]:
+        """Queue the step, then read back the one before it (if any): the host's work for the
+        next step overlaps this one's on the device."""
+        started = time.perf_counter() if timing is not None else 0.0
+        assert isinstance(self.executor, Overlapping)
+        handle = self.executor.submit_model(scheduler_output)
+        outputs = self._complete_in_flight() if self._in_flight is not None else []
+        self._in_flight = (scheduler_output, handle)
+        if timing is not None:
+            timing.scheduled = scheduler_output
+            timing.execute_seconds = time.perf_counter() - started
+        return outputs
+
+    def _complete_in_flight(self) -> list[EngineCoreOutput]:
+        assert self._in_flight is not None
+        scheduler_output, handle = self._in_flight
+        self._in_flight = None
+        try:
+            runner_output = handle.result()
+        finally:
+            self.load.step_ended(scheduler_output.step_id)
+        return self._commit(scheduler_output, runner_output)
+
+    def _commit(self, scheduler_output: SchedulerOutput,
+                runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """What a step that came back does: a preempted one is rolled back, a failed one stops
+        the engine, a completed one is committed."""
         log_step(scheduler_output, runner_output)
         if runner_output.status is StepStatus.SLO_PREEMPTED and self.slo_preemption is not None:
             self.slo_preemption.on_preempted(scheduler_output, runner_output)
@@ -382,6 +445,9 @@ class EngineCore:
         return stats
 
     def shutdown(self) -> None:
+        if self._in_flight is not None and self.dead is None:
+            self._in_flight[1].result()  # nothing may still run on the device as it is freed
+            self._in_flight = None
         self.grammars.shutdown()
         if self.slo_preemption is not None:
             self.slo_preemption.shutdown()

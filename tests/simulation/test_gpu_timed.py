@@ -8,28 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.request import Request
 from engine.core.scheduler_output import StepStatus
-from tests.utils.gpu_timed import StepLog, _engine, _request, _replay
+from tests.utils.gpu_timed import URGENT, URGENT_SLO_MS, StepLog, _burst, _engine, _replay
 
 # Alone (the README's serial run): the simulated steps are real sleeps, checked against
 # deadlines.
 pytestmark = pytest.mark.serial
-
-URGENT_SLO_MS = 150.0
-
-
-# Two documents prefilling (24k and 20k tokens) and three urgent turns arriving during them.
-DOCUMENTS = [(0.0, "doc0", 24_000), (0.05, "doc1", 20_000)]
-URGENT = [(0.35, "turn0", 64), (0.9, "turn1", 200), (1.6, "turn2", 256)]
-
-
-def _burst() -> list[tuple[float, Request]]:
-    arrivals = [(t, _request(rid, n, 20_000.0, i)) for i, (t, rid, n) in enumerate(DOCUMENTS)]
-    arrivals += [(t, _request(rid, n, URGENT_SLO_MS, 10 + i))
-                 for i, (t, rid, n) in enumerate(URGENT)]
-    return sorted(arrivals, key=lambda a: a[0])
-
 
 @pytest.mark.parametrize("budget", [2048, 40_000], ids=["chunked", "unchunked"])
 def test_every_urgent_turn_during_a_long_prefill_gets_a_decision_and_a_step_of_its_own(

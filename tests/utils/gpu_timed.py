@@ -88,3 +88,19 @@ def _replay(engine: EngineCore, arrivals: list[tuple[float, Request]]) -> None:
             engine.step()
         else:
             time.sleep(0.0005)
+
+
+URGENT_SLO_MS = 150.0
+
+
+# Two documents prefilling (24k and 20k tokens) and three urgent turns arriving during them.
+DOCUMENTS = [(0.0, "doc0", 24_000), (0.05, "doc1", 20_000)]
+URGENT = [(0.35, "turn0", 64), (0.9, "turn1", 200), (1.6, "turn2", 256)]
+
+
+def _burst() -> list[tuple[float, Request]]:
+    """The documents and the urgent turns, in arrival order (offsets in seconds)."""
+    arrivals = [(t, _request(rid, n, 20_000.0, i)) for i, (t, rid, n) in enumerate(DOCUMENTS)]
+    arrivals += [(t, _request(rid, n, URGENT_SLO_MS, 10 + i))
+                 for i, (t, rid, n) in enumerate(URGENT)]
+    return sorted(arrivals, key=lambda a: a[0])
