@@ -10,7 +10,11 @@ for the rest of that pass and adds to the time per token (issue 26). Hence two h
   allocator keeps the pinned block alive until the copy has run);
 - ``read_back``: the step's results come down in ONE transfer: every tensor flattened into a
   single float64 vector (exact for token ids, counts and float32 values alike), read with one
-  ``tolist()``.
+  ``tolist()``. ``start_read_back`` splits it in two: on CUDA the copy is queued into pinned
+  host memory behind the work that computes the values, with an event after it, and
+  ``PendingRead.values()`` waits for that event alone. With async scheduling the next step is
+  queued on the device before this one's values are read, and a device or stream synchronize
+  would wait for it too.
 """
 
 from __future__ import annotations
@@ -40,16 +44,54 @@ def upload_tensor(host: torch.Tensor, device: torch.device | str) -> torch.Tenso
 
 def read_back(tensors: Sequence[torch.Tensor]) -> list[list[float]]:
     """Each tensor's values, flattened, as Python floats: one device-to-host transfer in all."""
+    return start_read_back(tensors).values()
+
+
+class PendingRead:
+    """Values on their way to the host (``start_read_back``); ``values()`` waits for them."""
+
+    def __init__(self, flat: torch.Tensor | None, sizes: list[int],
+                 copied: torch.cuda.Event | None = None) -> None:
+        # The flattened values: in pinned host memory when ``copied`` is set (the copy
+        # completes with that event), else where the tensors were.
+        self._flat = flat
+        self._sizes = sizes
+        self._copied = copied
+
+    def values(self) -> list[list[float]]:
+        """Each tensor's values, flattened, as Python floats (what ``read_back`` returns)."""
+        if self._flat is None:
+            return []
+        if self._copied is not None:
+            # The copy only: work queued after it (the next step) runs on.
+            self._copied.synchronize()
+        values = self._flat.tolist()
+        out: list[list[float]] = []
+        start = 0
+        for size in self._sizes:
+            out.append(values[start:start + size])
+            start += size
+        return out
+
+
+def start_read_back(tensors: Sequence[torch.Tensor]) -> PendingRead:
+    """Start the one transfer ``read_back`` makes; on CUDA it does not wait for the device."""
     if not tensors:
-        return []
+        return PendingRead(None, [])
     flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
-    values = flat.tolist()
-    out: list[list[float]] = []
-    start = 0
-    for tensor in tensors:
-        out.append(values[start:start + tensor.numel()])
-        start += tensor.numel()
-    return out
+    sizes = [t.numel() for t in tensors]
+    if flat.device.type != "cuda":
+        # Computed already (the CPU), or read the ordinary way (no events to wait on).
+        return PendingRead(flat, sizes)
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    # Non-blocking into pinned memory: queued on the stream, the host goes on.
+    host.copy_(flat, non_blocking=True)
+    stream = torch.cuda.current_stream(flat.device)
+    # Blocking: the thread that waits on it sleeps instead of spinning a core the monitor and
+    # the HTTP front end need (as workers.preemption.run_ahead's events).
+    copied = torch.cuda.Event(blocking=True)
+    copied.record(stream)
+    return PendingRead(host, sizes, copied)
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -4,6 +4,12 @@ Across steps the runner keeps the KV cache contents and each request's block tab
 (workers.block_tables: a step sends only what changed of a table); every scheduled request carries
 its token slice, so a step that is abandoned or rolled back leaves nothing behind here that needs
 undoing (the next step's table updates start where the scheduler's rollback left the tables).
+
+A step is launched (``ModelRunner.launch``) and read back later (``LaunchedStep.result``): on a
+GPU nothing in between waits for the device, so the host can launch the next step while this one
+runs (async scheduling). The one thing a step leaves for the next is its sampled ids, on the
+device: a decode scheduled before its last token was read back (``last_token_pending``) takes
+that token from them.
 """
 
 from __future__ import annotations
@@ -39,11 +45,12 @@ from workers.graphs.cuda_graphs import DecodeGraphs, capture_decode_graphs, padd
 from workers.graphs.piecewise_graphs import PiecewiseGraphs, capture_piecewise_graphs
 from workers.startup.startup_report import ServingStartup
 from workers.block_tables import BlockTables
+from workers.host_transfer import upload_tensor
 from workers.step_buffers import StepBuffers, StepLimits
 from workers.preemption.suspension import HeldChunks
 from workers.sample.logits_processors import TokenHistory
 from workers.sample.logprobs import logprobs_of
-from workers.sample.sampler import Sampler
+from workers.sample.sampler import PendingSample, Sampler, SamplerOutput
 from workers.startup.weight_loader import init_dummy_weights, load_weights
 
 logger = logging.getLogger(__name__)
@@ -131,6 +138,10 @@ class ModelRunner:
         # preemptible step, or its votes come too early to stop anything, and a stop leaves the
         # queued layers for the urgent step to wait behind.
         self.run_ahead = RunAheadLimit() if device.type == "cuda" else None
+        # The last launched step's sampled ids, still on the device: the input tokens of the
+        # decodes scheduled ahead of them (async scheduling). None after a step that sampled
+        # nothing: no decode may then be scheduled ahead.
+        self._last_samples: _Samples | None = None
 
     @property
     def num_kv_blocks(self) -> int:
@@ -178,28 +189,40 @@ class ModelRunner:
             warmup_s += time.perf_counter() - started
         self.startup_report = cost.report(warmup_s, self.graphs, self.piecewise)
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        started = time.perf_counter()
+        """Run the step and wait for it."""
+        return self.launch(scheduler_output).result()
+
+    @torch.inference_mode()
+    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+        """Queue the step on the device and return without waiting for it (on a GPU; a CPU
+        computes it here): its handle's ``result()`` waits. Steps run in launch order, and a
+        decode scheduled ahead (``last_token_pending``) reads its input token from the step
+        launched before it, on the device."""
+        timer = _StepTimer(self.device)
+        started = timer.started
         self.suspended.free(scheduler_output.free_suspended)
         self.block_tables.release(scheduler_output.released_req_ids)
         if not scheduler_output.requests:
             # The engine had nothing to compute but suspended chunks or block tables to free
             # (every rank frees its own copy; no collective is entered).
-            return ModelRunnerOutput(step_id=scheduler_output.step_id)
+            return LaunchedStep(ModelRunnerOutput(step_id=scheduler_output.step_id))
         requests = scheduler_output.requests
         graphs, piecewise = self.graphs, self.piecewise
         graph_size = graphs.size_for(scheduler_output) if graphs is not None else None
         piece_size = None
         if graph_size is None and piecewise is not None:
             piece_size = piecewise.size_for(scheduler_output)
+        # This step's inputs take the previous step's samples; from here on those are spent
+        # (a step that fails before it samples leaves none for a decode scheduled after it).
+        previous, self._last_samples = self._last_samples, None
         if graph_size is None:
-            inputs = self.prepare_inputs(requests)
+            inputs = self.prepare_inputs(requests, previous=previous)
         else:
             # The padding rows repeat the last decode (workers.graphs.cuda_graphs); only the real
             # rows are sampled.
             inputs = self.prepare_inputs(padded(requests, graph_size),
-                                         table_width=graphs.table_width)
+                                         table_width=graphs.table_width, previous=previous)
             real = sum(r.sample for r in requests)
             inputs.sampled, inputs.logits_indices = (inputs.sampled[:real],
                                                      inputs.logits_indices[:real])
@@ -227,12 +250,11 @@ class ModelRunner:
             suspended: list[str] = []
             if scheduler_output.suspend_on_unwind:
                 suspended = self.suspended.suspend(stop, inputs.prefill_rows)
-            return ModelRunnerOutput(step_id=scheduler_output.step_id,
-                                     status=StepStatus.SLO_PREEMPTED,
-                                     slo_preempted_layer=stop.layer,
-                                     unwound_layers=[stop.layer], suspended_req_ids=suspended,
-                                     resumed_layers=resumed_layers,
-                                     execute_seconds=time.perf_counter() - started)
+            return LaunchedStep(ModelRunnerOutput(
+                step_id=scheduler_output.step_id, status=StepStatus.SLO_PREEMPTED,
+                slo_preempted_layer=stop.layer, unwound_layers=[stop.layer],
+                suspended_req_ids=suspended, resumed_layers=resumed_layers,
+                execute_seconds=time.perf_counter() - started))
         finally:
             self.model.before_attention = None
         self.suspended.consume([r for r in scheduler_output.requests if r.resume])
@@ -244,18 +266,17 @@ class ModelRunner:
         prompt_logprobs = self._score_prompts(hidden, inputs.prompt_logprob_rows)
         if inputs.sampled:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        pending: PendingSample | None = None
         if inputs.sampled and self.sample:
-            self._sample(logits, inputs.sampled, output)
+            pending = self._launch_sample(logits, inputs.sampled)
+            self._last_samples = _Samples(
+                {r.req_id: row for row, r in enumerate(inputs.sampled)}, pending.tokens)
         if self.sample:
             output.prompt_logprobs = prompt_logprobs
-        if self.device.type == "cuda":
-            # The step's time feeds the TTFT predictor: it must include the device's work, not
-            # only the launches. Waiting here rather than after the forward pass lets the LM head
-            # and the sampler queue behind it; where a token was sampled, its read-back has
-            # waited already, and a middle prefill chunk (nothing sampled) waits here.
-            torch.cuda.synchronize(self.device)
-        output.execute_seconds = time.perf_counter() - started
-        return output
+        # The step's time feeds the TTFT predictor: it must include the device's work, not only
+        # the launches; timed by events on a GPU, so that nothing here waits for the device.
+        timer.launched()
+        return LaunchedStep(output, inputs.sampled, pending, timer)
 
     def _score_prompts(self, hidden: torch.Tensor,
                        chunks: list[tuple[ScheduledRequest, int]]) -> dict[str, LogprobsLists]:
@@ -274,34 +295,23 @@ class ModelRunner:
             scored[req.req_id] = lists
         return scored
 
-    def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest],
-                output: ModelRunnerOutput) -> None:
-        """Tokens (and logprobs) for the requests that could be sampled, and an error for each
-        that could not (only the rank that samples gets here, so a failure cannot desynchronise
-        the group)."""
+    def _launch_sample(self, logits: torch.Tensor,
+                       requests: list[ScheduledRequest]) -> PendingSample:
+        """Queue the draws of the requests' tokens (and logprobs); only the rank that samples
+        gets here, so a failure cannot desynchronise the group."""
         params: list[SamplingParams] = [r.sampling_params for r in requests]
         indices = [r.num_output_tokens for r in requests]
         histories = [TokenHistory(r.prompt_token_ids, r.output_token_ids, r.blocked_token_ids,
                                   r.allowed_token_bitmask) for r in requests]
-        result = self.sampler(logits, params, indices, histories)
-        sampled: dict[str, int] = {}
-        failed: dict[str, str] = {}
-        output.sampled_token_ids, output.failed = sampled, failed
-        output.logprobs = {requests[row].req_id: lp for row, lp in result.logprobs.items()}
-        for row, (req, token) in enumerate(zip(requests, result.token_ids)):
-            if token is not None:
-                sampled[req.req_id] = token
-                continue
-            exc = result.errors[row]
-            logger.error("request %s: sampling failed; the request is finished with an error",
-                         req.req_id, exc_info=exc)
-            # The client sees this line, never the traceback (which is in the log above).
-            failed[req.req_id] = f"sampling failed: {error_line(exc)}"
+        return self.sampler.launch(logits, params, indices, histories)
 
     def prepare_inputs(self, requests: list[ScheduledRequest],
-                       table_width: int | None = None) -> ModelInputs:
+                       table_width: int | None = None,
+                       previous: _Samples | None = None) -> ModelInputs:
         """``table_width``: write every block table row this wide (a captured graph's launches
-        read the buffer's full width); default: as wide as the longest table of the step."""
+        read the buffer's full width); default: as wide as the longest table of the step.
+        ``previous``: the samples of the step launched before, which feed the decodes
+        scheduled ahead (``last_token_pending``)."""
         # The attention kernels expect decodes (one query token) first, then prefill chunks;
         # chunks resuming a suspended pass go last, in order of the layer they join at, so that
         # the tokens active at any layer are a prefix of the batch.
@@ -327,6 +337,15 @@ class ModelRunner:
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
         input_ids = np.fromiter(
             itertools.chain.from_iterable(r.token_ids for r in ordered if not r.resume), np.int64)
+        # Decodes scheduled ahead (the padding rows of a graph repeat one, and count too): their
+        # token is taken from the previous step's samples once the ids are on the device.
+        # PENDING_TOKEN never reaches the embedding (an index error on a CPU, a device assert
+        # on a GPU), whatever happens to the step after this.
+        pending = [i for i, r in enumerate(ordered) if r.last_token_pending]
+        if pending:
+            pending_rows = first_rows[pending]
+            pending_sources = _sample_rows(previous, [ordered[i] for i in pending])
+            input_ids[pending_rows] = 0
         sampled = [r for r in ordered if r.sample]
         logits_indices = ends[[i for i, r in enumerate(ordered) if r.sample]] - 1
         row_of = first_rows.tolist()
@@ -355,8 +374,16 @@ class ModelRunner:
             decode_min_context=int(context_lens.min()) if num_decodes else 0,
             decode_context_list=context_lens.tolist(),
         )
+        device_ids = upload(buffers.input_ids, torch.from_numpy(input_ids))
+        if pending:
+            assert previous is not None  # else _sample_rows raised
+            # One upload of both index lists, one gather, in place in the buffer (a captured
+            # graph reads the buffer): no read of the sampled ids on the host.
+            index = upload_tensor(torch.from_numpy(np.stack(
+                [pending_rows, np.asarray(pending_sources, dtype=np.int64)])), self.device)
+            device_ids.index_copy_(0, index[0], previous.tokens.index_select(0, index[1]))
         return ModelInputs(
-            input_ids=upload(buffers.input_ids, torch.from_numpy(input_ids)),
+            input_ids=device_ids,
             positions=upload(buffers.positions, torch.from_numpy(positions)),
             attn_meta=attn_meta,
             logits_indices=upload(buffers.logits_indices, torch.from_numpy(logits_indices)),
@@ -365,3 +392,106 @@ class ModelRunner:
             prefill_rows=prefill_rows,
             prompt_logprob_rows=prompt_logprob_rows,
         )
+
+
+@dataclass
+class _Samples:
+    """The ids a step sampled, on the device: row ``row_of[req_id]`` of ``tokens``."""
+
+    row_of: dict[str, int]
+    tokens: torch.Tensor
+
+
+def _sample_rows(previous: _Samples | None, requests: list[ScheduledRequest]) -> list[int]:
+    """The row of ``previous.tokens`` that feeds each decode scheduled ahead. A decode whose
+    token the previous step did not sample would read someone else's (or nothing): the
+    scheduler's bug, which fails the step."""
+    rows: list[int] = []
+    for r in requests:
+        row = previous.row_of.get(r.req_id) if previous is not None else None
+        if row is None:
+            raise ValueError(f"request {r.req_id} was scheduled ahead of its last token "
+                             f"(last_token_pending), but the step before sampled no token "
+                             f"for it")
+        rows.append(row)
+    return rows
+
+
+class _StepTimer:
+    """A step's time for the TTFT predictor, with no wait for the device while it launches: on
+    a GPU from an event recorded as the step is launched to one recorded after its last work
+    (the device's time for it, including any wait for the host to queue it), elsewhere the
+    launch's own wall time (a CPU computes the step as it launches it)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.started = time.perf_counter()
+        self._stream = (torch.cuda.current_stream(device) if device.type == "cuda" else None)
+        self._start: torch.cuda.Event | None = None
+        self._end: torch.cuda.Event | None = None
+        self._seconds = 0.0
+        if self._stream is not None:
+            self._start = _timing_event()
+            self._start.record(self._stream)
+
+    def launched(self) -> None:
+        """The step's last work is queued."""
+        if self._stream is not None:
+            self._end = _timing_event()
+            self._end.record(self._stream)
+        else:
+            self._seconds = time.perf_counter() - self.started
+
+    def seconds(self) -> float:
+        """Waits for the step's end on the device, then its time."""
+        if self._start is None or self._end is None:
+            return self._seconds
+        self._end.synchronize()
+        return self._start.elapsed_time(self._end) / 1000.0
+
+
+def _timing_event() -> torch.cuda.Event:
+    # Blocking: the waiting thread sleeps rather than spinning a core (workers.preemption.run_ahead).
+    return torch.cuda.Event(enable_timing=True, blocking=True)
+
+
+class LaunchedStep:
+    """A step queued on the device (``ModelRunner.launch``); ``result()`` waits for it."""
+
+    def __init__(self, output: ModelRunnerOutput, sampled: list[ScheduledRequest] | None = None,
+                 sample: PendingSample | None = None, timer: _StepTimer | None = None) -> None:
+        # Complete but for the samples and the time where ``timer`` is set; else already done
+        # (a step with nothing to compute, or one the vote unwound).
+        self._output = output
+        self._sampled = sampled or []
+        self._sample = sample
+        self._timer = timer
+
+    def result(self) -> ModelRunnerOutput:
+        """The step's output, once the device has finished it; called once."""
+        output = self._output
+        if self._sample is not None:
+            _record_samples(self._sample.finish(), self._sampled, output)
+            self._sample = None
+        if self._timer is not None:
+            output.execute_seconds = self._timer.seconds()
+            self._timer = None
+        return output
+
+
+def _record_samples(result: SamplerOutput, requests: list[ScheduledRequest],
+                    output: ModelRunnerOutput) -> None:
+    """Tokens (and logprobs) for the requests that could be sampled, and an error for each that
+    could not."""
+    sampled: dict[str, int] = {}
+    failed: dict[str, str] = {}
+    output.sampled_token_ids, output.failed = sampled, failed
+    output.logprobs = {requests[row].req_id: lp for row, lp in result.logprobs.items()}
+    for row, (req, token) in enumerate(zip(requests, result.token_ids)):
+        if token is not None:
+            sampled[req.req_id] = token
+            continue
+        exc = result.errors[row]
+        logger.error("request %s: sampling failed; the request is finished with an error",
+                     req.req_id, exc_info=exc)
+        # The client sees this line, never the traceback (which is in the log above).
+        failed[req.req_id] = f"sampling failed: {error_line(exc)}"

@@ -1,5 +1,9 @@
 """The in-process executor: TP=1, one worker (rank 0, in no process group) in EngineCore's own
-process, started by the same sequence as every other rank (workers.worker.Worker.start)."""
+process, started by the same sequence as every other rank (workers.worker.Worker.start).
+
+It can queue steps (engine.executor.base.Overlapping): ``submit_model`` launches the step on the
+device and returns its handle, which reads the step back when asked (workers.model_runner:
+``ModelRunner.launch``)."""
 
 from __future__ import annotations
 
@@ -7,11 +11,12 @@ import traceback
 from typing import TYPE_CHECKING
 
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
+from engine.executor.base import FinishedStep, StepHandle
 from engine.worker_messages import WorkerConfig
 from monitor.slo_preempt_signal import SLOPreemptSignal
 
 if TYPE_CHECKING:
-    from workers.model_runner import ModelRunner
+    from workers.model_runner import LaunchedStep, ModelRunner
     from workers.worker import Worker
 
 
@@ -36,8 +41,21 @@ class InProcessExecutor:
             assert self.worker is not None and self.worker.runner is not None, "shut down"
             return self.worker.runner.execute(scheduler_output)
         except Exception:  # reported as a structured status, as a remote worker would
-            return ModelRunnerOutput(step_id=scheduler_output.step_id, status=StepStatus.ERROR,
-                                     error=traceback.format_exc())
+            return _error_output(scheduler_output.step_id)
+
+    def submit_model(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        """Launch the step and return at once; its handle's ``result()`` waits for it. Never
+        raises: a step that fails to launch or to finish comes back with an ERROR status."""
+        try:
+            assert self.worker is not None and self.worker.runner is not None, "shut down"
+            runner = self.worker.runner
+            if "execute" in vars(runner):
+                # A test hook wraps the runner's execute (workers.preemption.slowdown): run the
+                # step through it, at once, so that the hook sees every step.
+                return FinishedStep(self.execute_model(scheduler_output))
+            return _InProcessStep(scheduler_output.step_id, runner.launch(scheduler_output))
+        except Exception:  # reported as a structured status, as a remote worker would
+            return FinishedStep(_error_output(scheduler_output.step_id))
 
     def shutdown(self) -> None:
         # The worker holds the last reference to the runner: nothing it reaches refers back to
@@ -46,3 +64,24 @@ class InProcessExecutor:
         if self.worker is not None:
             self.worker.release()
         self.worker = None
+
+
+class _InProcessStep:
+    """A launched step's handle (``InProcessExecutor.submit_model``)."""
+
+    def __init__(self, step_id: int, launched: LaunchedStep) -> None:
+        self._step_id = step_id
+        self._launched = launched
+
+    def result(self) -> ModelRunnerOutput:
+        try:
+            return self._launched.result()
+        except Exception:  # as execute_model reports it
+            return _error_output(self._step_id)
+
+
+def _error_output(step_id: int) -> ModelRunnerOutput:
+    """The ERROR output of a step that raised (called in the ``except`` block: it carries the
+    traceback being handled)."""
+    return ModelRunnerOutput(step_id=step_id, status=StepStatus.ERROR,
+                             error=traceback.format_exc())

@@ -53,8 +53,8 @@ def recorded(monkeypatch) -> list[Step]:
     steps: list[Step] = []
     prepare = ModelRunner.prepare_inputs
 
-    def recording(self, requests):
-        inputs = prepare(self, requests)
+    def recording(self, requests, **kwargs):
+        inputs = prepare(self, requests, **kwargs)
         steps.append(Step([Sequence(r.req_id, r.start_pos, len(r.token_ids)) for r in requests],
                           int(inputs.positions.max())))
         return inputs

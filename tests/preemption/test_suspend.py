@@ -52,8 +52,8 @@ def logits(runner: ModelRunner, monkeypatch) -> dict[str, torch.Tensor]:
 
     original = runner.prepare_inputs
 
-    def prepare(requests):
-        inputs = original(requests)
+    def prepare(requests, **kwargs):
+        inputs = original(requests, **kwargs)
         order.append([r.req_id for r in inputs.sampled])
         return inputs
 

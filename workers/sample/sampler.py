@@ -5,7 +5,9 @@ A batch costs ONE device-to-host read, whatever its size and mix of parameters: 
 each row needs to tell whether it could be sampled, and the logprobs are read back together
 (workers.host_transfer). On a GPU each read waits for the device, and the engine reads the
 tokens every step, so a read per row would add directly to the time per token (issue 26). The
-per-row parameters go up in one non-blocking copy.
+per-row parameters go up in one non-blocking copy. A call is two halves: ``launch`` queues the
+draws and starts that read, ``PendingSample.finish`` waits for it and builds the output, so that
+the host can queue the next step, fed by the sampled ids still on the device, in between.
 
 Random rows are sampled together with the exponential race: with ``q`` drawn from Exponential(1)
 independently per token, ``argmax(p / q)`` is distributed as ``p`` (the Gumbel-max trick), so a
@@ -36,7 +38,7 @@ import torch
 
 from engine.logprobs import LogprobsLists
 from engine.sampling_params import SamplingParams
-from workers.host_transfer import read_back, upload
+from workers.host_transfer import PendingRead, start_read_back, upload
 from workers.sample.logits_processors import (NO_HISTORY, TokenHistory, mask_disallowed,
                                               needs_processing, process_logits)
 from workers.sample.logprobs import LogprobTensors, lists_from, logprob_tensors
@@ -60,6 +62,27 @@ class SamplerOutput:
     errors: dict[int, Exception] = field(default_factory=dict)
     # Row -> the sampled token's logprobs, for the rows whose parameters ask for them.
     logprobs: dict[int, LogprobsLists] = field(default_factory=dict)
+
+
+@dataclass
+class PendingSample:
+    """A batch sampled on the device and not yet read (``Sampler.launch``)."""
+
+    # The sampled token ids, one per row, on the logits' device (a failed row's entry is
+    # whatever the draw left): the next step's input where it was scheduled before they were
+    # read back (async scheduling).
+    tokens: torch.Tensor
+    _read: PendingRead
+    _params: list[SamplingParams]
+    # Rows the host-side work failed already (processors, seeded draws).
+    _errors: dict[int, Exception]
+    _logprob_rows: list[int]
+    _top_width: int
+
+    def finish(self) -> SamplerOutput:
+        """Wait for the values and assemble the output; called once."""
+        return _assemble(self._read.values(), self._params, self._errors, self._logprob_rows,
+                         self._top_width)
 
 
 @dataclass
@@ -111,6 +134,13 @@ class Sampler:
                  histories: list[TokenHistory] | None = None) -> SamplerOutput:
         """logits: float32 [N, vocab], one row per request to sample; ``histories``: what each
         row's logits processors read (default: nothing)."""
+        return self.launch(logits, params, output_indices, histories).finish()
+
+    def launch(self, logits: torch.Tensor, params: list[SamplingParams],
+               output_indices: list[int],
+               histories: list[TokenHistory] | None = None) -> PendingSample:
+        """The device half of a call: the draws are queued and their read-back started, and
+        the host does not wait for them (on a GPU). ``finish()`` on the result reads them."""
         num_rows, vocab = logits.shape
         errors: dict[int, Exception] = {}
         work = self._processed(logits, params, histories, errors)
@@ -151,9 +181,10 @@ class Sampler:
             scaled_for_logprobs = (work.index_select(0, lp_index)
                                    / logprob_temperature.float()[:, None])
             lp = logprob_tensors(scaled_for_logprobs, tokens.index_select(0, lp_index), max_k)
-        values = read_back([tokens, raw_peak, peak, *(lp.as_list() if lp is not None else [])])
-        return _assemble(values, params, errors, logprob_rows,
-                         lp.top_ids.shape[-1] if lp is not None else 0)
+        read = start_read_back([tokens, raw_peak, peak,
+                                *(lp.as_list() if lp is not None else [])])
+        return PendingSample(tokens, read, params, errors, logprob_rows,
+                             lp.top_ids.shape[-1] if lp is not None else 0)
 
     @staticmethod
     def _processed(logits: torch.Tensor, params: list[SamplingParams],
