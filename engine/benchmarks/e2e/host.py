@@ -3,17 +3,25 @@
 EngineCore runs as in `sloserve serve`'s engine process: the scheduler, the slack policy, the
 monitor thread, the output update, and each step's outputs encoded as that process sends them
 to the API server. The executor is --simulate's (engine/executor/simulated.py): no model runs,
-and a decode step keeps the device busy for the profile's time at that batch and context (an
-H100 running Llama-3.1-8B by default). Whatever else an iteration of the loop takes is host
-time, and since the loop runs schedule -> execute -> update in series, the device sits idle for
-all of it.
+and the device is a stream that runs each decode step for the profile's time at that batch and
+context (an H100 running Llama-3.1-8B by default), without the profile's eager-launch floor:
+a measured profile's floor is the eager host launching kernels, which is what this benchmark
+measures as host time instead.
 
-At each batch size B, B requests with short prompts are prefilled, then decode together; after
-a few warm-up steps, --steps decode-only iterations are timed. Per batch it prints the
-iteration, the device's busy time, the host's time split into the loop's own (scheduling,
-update, output encoding: everything outside `execute_model`) and the executor's (its
-bookkeeping and the simulated sampler, plus how late the OS woke its sleep), the host's cost
-per sequence, and the share of the iteration the device was idle; then one JSON object.
+Both loops run in one invocation, one after the other on the same requests: `serial`
+(schedule -> execute -> update, the device idle for all of the host's work) and `async`
+(--async-scheduling: the next decode step is scheduled and queued while the device runs this
+one). At each batch size B, B requests with short prompts are prefilled, then decode together;
+after a few warm-up steps, --steps decode-only iterations are timed. Per loop and batch it
+prints the iteration, the device's step, the host's time (the iteration less the time the loop
+slept waiting for the device), the host's cost per sequence, and the share of the timed window
+the device was idle; then one JSON object.
+
+Then, per loop and batch, `--arrivals` short requests arrive from another thread at random
+moments of the decoding, as the HTTP reader hands them over, and the wait from each arrival to
+the moment its prefill starts on the device is printed (median and largest, in ms and in decode
+steps): the bound async scheduling puts on an urgent arrival (the step running and at most one
+queued behind it, against the step running alone in the serial loop).
 
 What this does not count: a real model runner's input preparation and sampling
 (`bench/diagnostics/step_profile.py` times those on this CPU's real model), and the transport
@@ -21,7 +29,7 @@ to tensor-parallel workers.
 
     sloserve bench host
     sloserve bench host --batches 1 16 64 256 --steps 50 --simulate h100-llama-3.1-8b
-    sloserve bench host --batches 64 --profile        # where the loop's time goes (cProfile)
+    sloserve bench host --loops async --batches 64 --profile   # where the loop's time goes
 """
 
 from __future__ import annotations
@@ -31,9 +39,11 @@ import cProfile
 import io
 import json
 import pstats
+import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -50,59 +60,38 @@ WARM_UP_STEPS = 5
 
 @dataclass
 class BatchFigures:
-    """One batch size's timed decode iterations (medians over the steps, in milliseconds)."""
+    """One loop's timed decode iterations at one batch size (medians over the steps, in
+    milliseconds), and the waits of the arrivals during them."""
 
+    loop: str
     batch: int
     steps: int
     iteration_ms: float
     device_ms: float
     host_ms: float
-    loop_host_ms: float
-    executor_host_ms: float
     host_us_per_sequence: float
     device_idle_pct: float
+    arrival_wait_ms: list[float]
+
+    @property
+    def arrival_wait_steps(self) -> list[float]:
+        return [wait / self.device_ms for wait in self.arrival_wait_ms]
 
 
-class DeviceClock:
-    """Wraps the simulated executor's `execute_model`: the wall time of each call, and the
-    device time the profile gave the step it ran (what its sleep waited for).
-
-    The device's time is the profile's work without its floor: a measured profile's floor is
-    the eager host launching kernels (the shipped H100 profile's decode steps take 30 ms, host
-    bound), which is what this benchmark measures as host time instead. Without it the H100
-    profile's decode step at 512 tokens of context takes 4.1 ms at batch 1 and 7.6 ms at 64,
-    against the 6.35 and 8.15 ms the profiler measured the GPU busy there with CUDA graphs
-    (bench/results/gpu_h100_2026-11-27/call4/throughput-hf.log): a shorter device time, so the
-    host's share reads larger, not smaller."""
+class PrefillStarts:
+    """A step observer: when each arrival's first step started on the device (the executor's
+    latest step, once the loop has run or queued it)."""
 
     def __init__(self, executor: Any) -> None:
-        import msgspec
+        self.executor = executor
+        self.started: dict[str, float] = {}
 
-        executor.profile = msgspec.structs.replace(executor.profile, floor_s=0.0)
-        self.profile = executor.profile
-        self._execute = executor.execute_model
-        executor.execute_model = self
-        self.last_wall_s = 0.0
-        self.last_device_s = 0.0
-
-    def __call__(self, scheduler_output: Any) -> Any:
-        started = time.perf_counter()
-        output = self._execute(scheduler_output)
-        self.last_wall_s = time.perf_counter() - started
-        self.last_device_s = self._device_seconds(scheduler_output)
-        return output
-
-    def _device_seconds(self, scheduler_output: Any) -> float:
-        tokens = attention = decode_context = 0
-        for r in scheduler_output.requests:
-            n = len(r.token_ids)
-            tokens += n
-            if n == 1:
-                decode_context += r.start_pos + 1
-            else:
-                attention += n * (2 * r.start_pos + n)
-        return self.profile.step_seconds(tokens, attention, decode_context)
-
+    def __call__(self, timing: Any) -> None:
+        if timing.scheduled is None:
+            return
+        for r in timing.scheduled.requests:
+            if r.req_id.startswith("arrival-") and r.req_id not in self.started:
+                self.started[r.req_id] = self.executor.last_step_start
 
 def _requests(batch: int, prompt_tokens: int, max_tokens: int, vocab: int, first: int) -> list:
     from engine import SamplingParams
@@ -124,13 +113,16 @@ def max_tokens_for(batch: int, prompt_tokens: int, steps: int, budget: int = 204
     return 2 * prefill_steps + WARM_UP_STEPS + steps + 8
 
 
-def measure_batch(core: Any, clock: DeviceClock, batch: int, steps: int, prompt_tokens: int,
-                  first_id: int, profiler: cProfile.Profile | None = None) -> BatchFigures:
-    """Prefill `batch` requests, then time `steps` decode-only iterations of the loop as the
-    engine process runs it (step, then encode what it would send)."""
+def measure_batch(core: Any, loop: str, batch: int, steps: int, prompt_tokens: int,
+                  arrivals: int, first_id: int, seed: int,
+                  profiler: cProfile.Profile | None = None) -> BatchFigures:
+    """Prefill `batch` requests, time `steps` decode-only iterations of the loop as the engine
+    process runs it (step, then encode what it would send), then time `arrivals` arrivals."""
     from engine.ipc.core_messages import CoreOutputs, frame
 
-    requests = _requests(batch, prompt_tokens, max_tokens_for(batch, prompt_tokens, steps),
+    stream = core.executor.stream
+    requests = _requests(batch, prompt_tokens,
+                         max_tokens_for(batch, prompt_tokens, steps + ARRIVAL_STEPS * arrivals),
                          core.vocab_size, first_id)
     for request in requests:
         core.add_request(request)
@@ -139,38 +131,79 @@ def measure_batch(core: Any, clock: DeviceClock, batch: int, steps: int, prompt_
     while decodes < WARM_UP_STEPS:
         outputs = core.step()
         frame(CoreOutputs(outputs=outputs, stats=core.stats()))
-        scheduled = core.scheduler.running
-        if len(scheduled) == batch and all(r.num_output_tokens >= 1 for r in scheduled):
+        running = core.scheduler.running
+        if len(running) == batch and all(r.num_output_tokens >= 1 for r in running):
             decodes += 1
     iterations: list[float] = []
-    executes: list[float] = []
-    devices: list[float] = []
+    lengths: list[int] = []
     if profiler is not None:
         profiler.enable()
+    waited = stream.waited_s
+    begin = time.perf_counter()
     for _ in range(steps):
         started = time.perf_counter()
         outputs = core.step()
         frame(CoreOutputs(outputs=outputs, stats=core.stats()))
         iterations.append(time.perf_counter() - started)
-        executes.append(clock.last_wall_s)
-        devices.append(clock.last_device_s)
+        lengths.append(len(outputs))
+    end = time.perf_counter()
     if profiler is not None:
         profiler.disable()
-    if len(outputs) != batch:
+    if any(n != batch for n in lengths):
         raise RuntimeError(f"batch {batch}: the timed steps were not all {batch}-way decodes "
-                           f"(the last returned {len(outputs)} outputs): raise the KV pool or "
-                           f"max_num_seqs")
+                           f"({lengths}): raise the KV pool or max_num_seqs")
+    window = end - begin
+    host = (window - (stream.waited_s - waited)) / steps
+    device = statistics.median(e - s for s, e in stream.busy[-steps:])
+    idle = 1 - stream.busy_seconds(begin, end) / window
+    waits = _arrival_waits(core, arrivals, device, first_id, seed)
     core.abort_requests([r.request_id for r in requests])
-    iteration = statistics.median(iterations)
-    device = statistics.median(devices)
-    execute = statistics.median(executes)
-    host = iteration - device
-    return BatchFigures(batch=batch, steps=steps, iteration_ms=iteration * 1e3,
+    while core.has_unfinished_requests():  # the step in flight, read back
+        core.step()
+    return BatchFigures(loop=loop, batch=batch, steps=steps,
+                        iteration_ms=statistics.median(iterations) * 1e3,
                         device_ms=device * 1e3, host_ms=host * 1e3,
-                        loop_host_ms=(iteration - execute) * 1e3,
-                        executor_host_ms=(execute - device) * 1e3,
                         host_us_per_sequence=host / batch * 1e6,
-                        device_idle_pct=100 * host / iteration)
+                        device_idle_pct=100 * max(0.0, idle), arrival_wait_ms=waits)
+
+
+# Decode steps between two timed arrivals (the engine goes back to decoding ahead in between).
+ARRIVAL_STEPS = 6
+
+
+def _arrival_waits(core: Any, arrivals: int, decode_s: float, first_id: int,
+                   seed: int) -> list[float]:
+    """Each arrival comes at a random moment of a decode step (from a timer thread, as the HTTP
+    reader hands requests over); the wait is from then to its first step's start on the
+    device, in ms."""
+    from engine import SamplingParams
+    from engine.core.request import Request
+
+    rng = random.Random(seed + first_id)
+    starts = PrefillStarts(core.executor)
+    core.step_observers.append(starts)
+    arrived: dict[str, float] = {}
+    try:
+        for i in range(arrivals):
+            request = Request(request_id=f"arrival-{first_id}-{i}",
+                              prompt_token_ids=[5 + (i + j) % 50 for j in range(16)],
+                              sampling_params=SamplingParams(temperature=0, max_tokens=1))
+
+            def arrive(request: Request = request) -> None:
+                request.arrival_time = time.monotonic()
+                arrived[request.request_id] = time.perf_counter()
+                core.submit_request(request)
+
+            timer = threading.Timer(rng.uniform(1.0, 2.0) * decode_s, arrive)
+            timer.start()
+            for _ in range(ARRIVAL_STEPS):
+                core.step()
+            timer.join()
+            while request.request_id not in starts.started:
+                core.step()
+    finally:
+        core.step_observers.remove(starts)
+    return [1e3 * (starts.started[rid] - at) for rid, at in arrived.items()]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -178,11 +211,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=sorted(PROFILE_SHAPES),
                         help="the device profile whose step times the device takes "
                              "(default: %(default)s)")
+    parser.add_argument("--loops", nargs="+", choices=LOOPS, default=list(LOOPS),
+                        help="the engine loops to measure, one after the other (default: both)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256],
                         help="decode batch sizes (default: 1 16 64 256)")
     parser.add_argument("--steps", type=int, default=50, help="timed decode steps per batch")
+    parser.add_argument("--arrivals", type=int, default=10,
+                        help="arrivals timed per loop and batch, after its decode steps")
     parser.add_argument("--prompt-tokens", type=int, default=512,
                         help="each request's prompt (the decode context grows from it)")
+    parser.add_argument("--seed", type=int, default=0, help="the arrivals' moments")
     parser.add_argument("--no-monitor", action="store_true",
                         help="FCFS without the slack monitor (the default runs the slo policy "
                              "and its monitor thread, as `sloserve serve` does)")
@@ -192,20 +230,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default=None, help="also write the JSON figures here")
 
 
-def build_core(args: argparse.Namespace, folder: Path) -> Any:
+LOOPS = ("serial", "async")
+
+
+def build_core(args: argparse.Namespace, folder: Path, loop: str) -> Any:
+    import msgspec
+
     from engine.config import build_engine_config
     from engine.runtime.engine_core import EngineCore
 
     batch = max(args.batches)
-    max_len = args.prompt_tokens + max_tokens_for(batch, args.prompt_tokens, args.steps)
+    max_len = args.prompt_tokens + max_tokens_for(batch, args.prompt_tokens,
+                                                  args.steps + ARRIVAL_STEPS * args.arrivals)
     blocks_per_request = -(-max_len // 16) + 1
     config = build_engine_config(
         str(folder), simulate=args.simulate, max_model_len=max(max_len, 256),
-        max_num_seqs=batch, max_num_batched_tokens=2048,
-        num_kv_blocks=batch * blocks_per_request + 64, enable_prefix_caching=False,
+        max_num_seqs=batch + 1, max_num_batched_tokens=2048,
+        num_kv_blocks=(batch + 1) * blocks_per_request + 64, enable_prefix_caching=False,
         scheduling_policy="fcfs" if args.no_monitor else "slo",
-        slo_preemption=not args.no_monitor, startup_calibration=False)
-    return EngineCore(config)
+        slo_preemption=not args.no_monitor, startup_calibration=False,
+        async_scheduling=loop == "async")
+    core = EngineCore(config)
+    # The device's time without the profile's floor (see the module docstring).
+    executor = core.executor
+    executor.profile = msgspec.structs.replace(executor.profile, floor_s=0.0)
+    return core
 
 
 def run(args: argparse.Namespace) -> int:
@@ -215,27 +264,30 @@ def run(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="sloserve-host-"))
     folder = write_shape(PROFILE_SHAPES[args.simulate], work / "shape",
                          save_small_tokenizer(work / "tokenizer"))
-    core = build_core(args, folder)
-    clock = DeviceClock(core.executor)
     profiler = cProfile.Profile() if args.profile else None
     figures: list[BatchFigures] = []
-    try:
-        first_id = 0
-        for batch in args.batches:
-            figures.append(measure_batch(core, clock, batch, args.steps, args.prompt_tokens,
-                                         first_id, profiler))
-            first_id += batch
-    finally:
-        core.shutdown()
-    print(f"profile {args.simulate}, policy {'fcfs' if args.no_monitor else 'slo + monitor'}, "
-          f"{args.steps} decode steps per batch, prompts of {args.prompt_tokens} tokens; "
-          f"medians in ms")
-    print(f"{'batch':>5s} {'iteration':>9s} {'device':>8s} {'host':>7s} {'loop':>7s} "
-          f"{'executor':>8s} {'host us/seq':>11s} {'device idle':>11s}")
+    for loop in args.loops:
+        core = build_core(args, folder, loop)
+        try:
+            first_id = 0
+            for batch in args.batches:
+                figures.append(measure_batch(core, loop, batch, args.steps, args.prompt_tokens,
+                                             args.arrivals, first_id, args.seed, profiler))
+                first_id += batch
+        finally:
+            core.shutdown()
+    print(f"profile {args.simulate} (no launch floor), policy "
+          f"{'fcfs' if args.no_monitor else 'slo + monitor'}, {args.steps} decode steps per "
+          f"batch, prompts of {args.prompt_tokens} tokens; medians in ms")
+    print(f"{'loop':>6s} {'batch':>5s} {'iteration':>9s} {'device':>8s} {'host':>7s} "
+          f"{'host us/seq':>11s} {'device idle':>11s} {'arrival wait ms (steps)':>28s}")
     for f in figures:
-        print(f"{f.batch:5d} {f.iteration_ms:9.3f} {f.device_ms:8.3f} {f.host_ms:7.3f} "
-              f"{f.loop_host_ms:7.3f} {f.executor_host_ms:8.3f} {f.host_us_per_sequence:11.1f} "
-              f"{f.device_idle_pct:10.1f}%")
+        waits = (f"{statistics.median(f.arrival_wait_ms):6.2f} ({statistics.median(f.arrival_wait_steps):4.2f})"
+                 f" max {max(f.arrival_wait_ms):6.2f} ({max(f.arrival_wait_steps):4.2f})"
+                 if f.arrival_wait_ms else "-")
+        print(f"{f.loop:>6s} {f.batch:5d} {f.iteration_ms:9.3f} {f.device_ms:8.3f} "
+              f"{f.host_ms:7.3f} {f.host_us_per_sequence:11.1f} {f.device_idle_pct:10.1f}% "
+              f"{waits:>28s}")
     result = {"profile": args.simulate, "policy": "fcfs" if args.no_monitor else "slo",
               "prompt_tokens": args.prompt_tokens, "batches": [asdict(f) for f in figures]}
     print(json.dumps(result))
