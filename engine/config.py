@@ -69,7 +69,8 @@ class SchedulerConfig:
     # Admit a request only if the whole sequence (prompt + max_tokens) fits in the free blocks.
     full_sequence_admission: bool = True
     # Schedule the next decode step while the device runs this one (engine.runtime.engine_core;
-    # vLLM's --async-scheduling). Needs an executor that can queue steps: TP=1 or --simulate.
+    # vLLM's --async-scheduling). Takes effect where steps run while the host goes on: a GPU
+    # at TP=1, or --simulate (engine.executor.base.Overlapping.overlaps_host).
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:

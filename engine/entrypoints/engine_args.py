@@ -111,7 +111,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="schedule the next decode step while the device runs this one; its "
                         "input tokens are read on the device, stop checks land a step late "
                         "(outputs unchanged). A prefill step waits for the pipeline to drain. "
-                        "TP=1 and --simulate only")
+                        "A GPU at TP=1 and --simulate only: elsewhere the serial loop runs")
     g.add_argument("--seed", type=int, default=ModelConfig.seed)
     g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=None,
                    help=f"TP worker processes (default {EngineConfig.tensor_parallel_size}; "

@@ -38,6 +38,12 @@ class StepHandle(Protocol):
 class Overlapping(Protocol):
     """An executor that can queue a step while the host goes on (see the module docstring)."""
 
+    @property
+    def overlaps_host(self) -> bool:
+        """Whether a queued step runs while the host works: False where launching a step
+        computes it (a CPU), where queueing would only hold each output back a step."""
+        ...
+
     def submit_model(self, scheduler_output: SchedulerOutput) -> StepHandle:
         """Queue the step behind those submitted before; never raises for a failed step."""
         ...

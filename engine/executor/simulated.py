@@ -97,6 +97,9 @@ class _Chunk:
 
 
 class SimulatedExecutor:
+    # The simulated device is a stream (DeviceStream): the host goes on while a step runs.
+    overlaps_host = True
+
     def __init__(self, profile: StepTimeProfile, num_kv_blocks: int, vocab_size: int,
                  avoid_token_ids: Iterable[int] = (), vote: SLOPreemptVote | None = None,
                  sleep: Callable[[float], None] = time.sleep,

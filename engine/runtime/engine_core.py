@@ -1,7 +1,7 @@
 """EngineCore: the busy loop schedule() -> execute -> update, over one scheduler and one executor.
 
-With async scheduling (`SchedulerConfig.async_scheduling`, on an executor that can queue steps:
-engine.executor.base.Overlapping) a step that cannot be preempted is submitted and left in
+With async scheduling (`SchedulerConfig.async_scheduling`, on an executor whose queued steps run
+while the host goes on: engine.executor.base.Overlapping, a GPU or the simulation) a step that cannot be preempted is submitted and left in
 flight: the next call schedules and submits the next step while the device runs it, and only
 then reads it back (vLLM's async scheduling, SGLang's overlap scheduler). The next step can be
 scheduled ahead only as a decode of the running requests (`Scheduler.can_schedule_ahead`), each
@@ -117,11 +117,12 @@ class EngineCore:
         self.executor: Executor = started
         self.dead: str | None = None
         # Async scheduling: the step submitted and not yet read back (None: the loop is serial).
-        self._overlap = config.scheduler.async_scheduling and isinstance(started, Overlapping)
+        self._overlap = (config.scheduler.async_scheduling and isinstance(started, Overlapping)
+                         and started.overlaps_host)
         if config.scheduler.async_scheduling and not self._overlap:
-            logger.warning("async scheduling is off: the %s runs one step at a time "
-                           "(tensor-parallel workers read their tokens back every step)",
-                           type(started).__name__)
+            logger.warning("async scheduling is off: the %s runs one step at a time (a CPU "
+                           "computes a step as it is launched; tensor-parallel workers read "
+                           "their tokens back every step)", type(started).__name__)
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         # Requests handed over by other threads (submit_request), with their arrival number.
         self._inbox: queue.SimpleQueue[tuple[int, Request]] = queue.SimpleQueue()

@@ -105,6 +105,9 @@ def test_async_scheduling_generates_the_serial_tokens(tiny_model, monkeypatch,
     if graphs:
         monkeypatch.setenv(FAKE_GRAPHS_ENV, "1")
         monkeypatch.setenv(PREPACK_ENV, "0")
+    # On a CPU the engine keeps its serial loop (a launch computes the step): overlap as on a
+    # GPU, so that the data path a GPU takes runs here.
+    monkeypatch.setattr(InProcessExecutor, "overlaps_host", True)
     model = tiny_model("llama")
     serial_tokens, serial_reasons, serial_pending, serial_replays = _run(model, False)
     async_tokens, async_reasons, async_pending, async_replays = _run(model, True)
@@ -118,6 +121,20 @@ def test_async_scheduling_generates_the_serial_tokens(tiny_model, monkeypatch,
     assert sum(serial_pending) == 0
     assert sum(async_pending) > 0
     assert (serial_replays > 0 and async_replays > 0) if graphs else async_replays == 0
+
+
+def test_on_a_cpu_async_scheduling_keeps_the_serial_loop(tiny_model, caplog) -> None:
+    """A CPU computes a step as it is launched: scheduling ahead would only hold each token
+    back a step, so the engine says so and runs the serial loop."""
+    llm = LLM(model=tiny_model("llama"), async_scheduling=True, **ENGINE_ARGS)
+    try:
+        pending = _count_pending(llm)
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                           SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    assert "async scheduling is off" in caplog.text
+    assert len(out[0].token_ids) == 6 and sum(pending) == 0
 
 
 def _prefill(req_id: str, first_block: int) -> ScheduledRequest:
@@ -138,7 +155,7 @@ def test_a_decode_ahead_takes_the_token_in_flight_or_fails_its_step(tiny_model) 
     executor = InProcessExecutor(runner_config(
         tiny_model("llama"), num_blocks=16, limits=StepLimits(64, 4, 64)))
     try:
-        assert isinstance(executor, Overlapping)
+        assert isinstance(executor, Overlapping) and not executor.overlaps_host  # a CPU
         first = executor.submit_model(SchedulerOutput(step_id=1, requests=[_prefill("a", 0)]))
         # Queued before step 1 is read: "a" is fed by the token step 1 sampled for it.
         ahead = executor.submit_model(SchedulerOutput(step_id=2, requests=[
