@@ -5,7 +5,7 @@ Across steps the runner keeps the KV cache contents and each request's block tab
 its token slice, so a step that is abandoned or rolled back leaves nothing behind here that needs
 undoing (the next step's table updates start where the scheduler's rollback left the tables).
 
-A step is launched (``ModelRunner.launch``) and read back later (``LaunchedStep.result``): on a
+A step is launched (``ModelRunner.launch``) and read back later (workers.launched_step): on a
 GPU nothing in between waits for the device, so the host can launch the next step while this one
 runs (async scheduling). The one thing a step leaves for the next is its sampled ids, on the
 device: a decode scheduled before its last token was read back (``last_token_pending``) takes
@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from engine.logprobs import LogprobsLists
-from engine.outputs import error_line
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
                                     StepStatus)
@@ -46,11 +45,12 @@ from workers.graphs.piecewise_graphs import PiecewiseGraphs, capture_piecewise_g
 from workers.startup.startup_report import ServingStartup
 from workers.block_tables import BlockTables
 from workers.host_transfer import upload_tensor
+from workers.launched_step import LaunchedStep, StepSamples, StepTimer, sample_rows
 from workers.step_buffers import StepBuffers, StepLimits
 from workers.preemption.suspension import HeldChunks
 from workers.sample.logits_processors import TokenHistory
 from workers.sample.logprobs import logprobs_of
-from workers.sample.sampler import PendingSample, Sampler, SamplerOutput
+from workers.sample.sampler import PendingSample, Sampler
 from workers.startup.weight_loader import init_dummy_weights, load_weights
 
 logger = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ class ModelRunner:
         # The last launched step's sampled ids, still on the device: the input tokens of the
         # decodes scheduled ahead of them (async scheduling). None after a step that sampled
         # nothing: no decode may then be scheduled ahead.
-        self._last_samples: _Samples | None = None
+        self._last_samples: StepSamples | None = None
 
     @property
     def num_kv_blocks(self) -> int:
@@ -199,7 +199,7 @@ class ModelRunner:
         computes it here): its handle's ``result()`` waits. Steps run in launch order, and a
         decode scheduled ahead (``last_token_pending``) reads its input token from the step
         launched before it, on the device."""
-        timer = _StepTimer(self.device)
+        timer = StepTimer(self.device)
         started = timer.started
         self.suspended.free(scheduler_output.free_suspended)
         self.block_tables.release(scheduler_output.released_req_ids)
@@ -269,7 +269,7 @@ class ModelRunner:
         pending: PendingSample | None = None
         if inputs.sampled and self.sample:
             pending = self._launch_sample(logits, inputs.sampled)
-            self._last_samples = _Samples(
+            self._last_samples = StepSamples(
                 {r.req_id: row for row, r in enumerate(inputs.sampled)}, pending.tokens)
         if self.sample:
             output.prompt_logprobs = prompt_logprobs
@@ -307,7 +307,7 @@ class ModelRunner:
 
     def prepare_inputs(self, requests: list[ScheduledRequest],
                        table_width: int | None = None,
-                       previous: _Samples | None = None) -> ModelInputs:
+                       previous: StepSamples | None = None) -> ModelInputs:
         """``table_width``: write every block table row this wide (a captured graph's launches
         read the buffer's full width); default: as wide as the longest table of the step.
         ``previous``: the samples of the step launched before, which feed the decodes
@@ -344,7 +344,7 @@ class ModelRunner:
         pending = [i for i, r in enumerate(ordered) if r.last_token_pending]
         if pending:
             pending_rows = first_rows[pending]
-            pending_sources = _sample_rows(previous, [ordered[i] for i in pending])
+            pending_sources = sample_rows(previous, [ordered[i] for i in pending])
             input_ids[pending_rows] = 0
         sampled = [r for r in ordered if r.sample]
         logits_indices = ends[[i for i, r in enumerate(ordered) if r.sample]] - 1
@@ -392,106 +392,3 @@ class ModelRunner:
             prefill_rows=prefill_rows,
             prompt_logprob_rows=prompt_logprob_rows,
         )
-
-
-@dataclass
-class _Samples:
-    """The ids a step sampled, on the device: row ``row_of[req_id]`` of ``tokens``."""
-
-    row_of: dict[str, int]
-    tokens: torch.Tensor
-
-
-def _sample_rows(previous: _Samples | None, requests: list[ScheduledRequest]) -> list[int]:
-    """The row of ``previous.tokens`` that feeds each decode scheduled ahead. A decode whose
-    token the previous step did not sample would read someone else's (or nothing): the
-    scheduler's bug, which fails the step."""
-    rows: list[int] = []
-    for r in requests:
-        row = previous.row_of.get(r.req_id) if previous is not None else None
-        if row is None:
-            raise ValueError(f"request {r.req_id} was scheduled ahead of its last token "
-                             f"(last_token_pending), but the step before sampled no token "
-                             f"for it")
-        rows.append(row)
-    return rows
-
-
-class _StepTimer:
-    """A step's time for the TTFT predictor, with no wait for the device while it launches: on
-    a GPU from an event recorded as the step is launched to one recorded after its last work
-    (the device's time for it, including any wait for the host to queue it), elsewhere the
-    launch's own wall time (a CPU computes the step as it launches it)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.started = time.perf_counter()
-        self._stream = (torch.cuda.current_stream(device) if device.type == "cuda" else None)
-        self._start: torch.cuda.Event | None = None
-        self._end: torch.cuda.Event | None = None
-        self._seconds = 0.0
-        if self._stream is not None:
-            self._start = _timing_event()
-            self._start.record(self._stream)
-
-    def launched(self) -> None:
-        """The step's last work is queued."""
-        if self._stream is not None:
-            self._end = _timing_event()
-            self._end.record(self._stream)
-        else:
-            self._seconds = time.perf_counter() - self.started
-
-    def seconds(self) -> float:
-        """Waits for the step's end on the device, then its time."""
-        if self._start is None or self._end is None:
-            return self._seconds
-        self._end.synchronize()
-        return self._start.elapsed_time(self._end) / 1000.0
-
-
-def _timing_event() -> torch.cuda.Event:
-    # Blocking: the waiting thread sleeps rather than spinning a core (workers.preemption.run_ahead).
-    return torch.cuda.Event(enable_timing=True, blocking=True)
-
-
-class LaunchedStep:
-    """A step queued on the device (``ModelRunner.launch``); ``result()`` waits for it."""
-
-    def __init__(self, output: ModelRunnerOutput, sampled: list[ScheduledRequest] | None = None,
-                 sample: PendingSample | None = None, timer: _StepTimer | None = None) -> None:
-        # Complete but for the samples and the time where ``timer`` is set; else already done
-        # (a step with nothing to compute, or one the vote unwound).
-        self._output = output
-        self._sampled = sampled or []
-        self._sample = sample
-        self._timer = timer
-
-    def result(self) -> ModelRunnerOutput:
-        """The step's output, once the device has finished it; called once."""
-        output = self._output
-        if self._sample is not None:
-            _record_samples(self._sample.finish(), self._sampled, output)
-            self._sample = None
-        if self._timer is not None:
-            output.execute_seconds = self._timer.seconds()
-            self._timer = None
-        return output
-
-
-def _record_samples(result: SamplerOutput, requests: list[ScheduledRequest],
-                    output: ModelRunnerOutput) -> None:
-    """Tokens (and logprobs) for the requests that could be sampled, and an error for each that
-    could not."""
-    sampled: dict[str, int] = {}
-    failed: dict[str, str] = {}
-    output.sampled_token_ids, output.failed = sampled, failed
-    output.logprobs = {requests[row].req_id: lp for row, lp in result.logprobs.items()}
-    for row, (req, token) in enumerate(zip(requests, result.token_ids)):
-        if token is not None:
-            sampled[req.req_id] = token
-            continue
-        exc = result.errors[row]
-        logger.error("request %s: sampling failed; the request is finished with an error",
-                     req.req_id, exc_info=exc)
-        # The client sees this line, never the traceback (which is in the log above).
-        failed[req.req_id] = f"sampling failed: {error_line(exc)}"

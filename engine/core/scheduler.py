@@ -27,10 +27,10 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import RequestQueue, create_request_queue
 from engine.core.sibling_gate import SiblingGate
-from engine.core.scheduler_output import (PENDING_TOKEN, ModelRunnerOutput, ScheduledRequest,
-                                          SchedulerOutput)
+from engine.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.core.slack_policy import SlackPolicy
 from engine.core.step_outcome import live_requests, stop_status
+from engine.core.step_output import scheduled_request
 from engine.core.step_record import StepInProgress, StepRecord
 from engine.outputs import SchedulerStats
 from monitor.predictor import StepTimePredictor
@@ -309,37 +309,12 @@ class Scheduler:
                                  released_req_ids=kv.take_released())
         num_prefill_tokens = 0
         for request, num_new in step.scheduled.values():
-            start = request.num_computed_tokens
-            end = start + num_new
-            # A decode scheduled ahead (can_schedule_ahead): its input is the token in flight.
-            pending = end > request.num_tokens
-            resume = self.slack.suspensions.is_suspended(request.request_id)
-            held = self.slack.suspensions.next_chunk(request.request_id)
-            assert not resume or (held is not None and held.start_pos == start
-                                  and num_new <= held.num_tokens)
-            table_start, new_block_ids = kv.table_update(request.request_id)
-            scheduled = ScheduledRequest(
-                req_id=request.request_id,
-                token_ids=[PENDING_TOKEN] if pending else request.all_token_ids[start:end],
-                start_pos=start,
-                block_ids=new_block_ids,
-                block_table_start=table_start,
-                sample=end == request.num_tokens + request.num_output_placeholders,
-                sampling_params=request.step_sampling_params,
-                num_output_tokens=request.num_output_tokens + request.num_output_placeholders,
-                resume=resume,
-                prompt_logprob_targets=request.prompt_logprob_targets(start, end),
-                last_token_pending=pending,
-            )
+            scheduled = scheduled_request(request, num_new, kv, self.slack.suspensions)
             if scheduled.sample:
-                _add_sampling_history(scheduled, request)
-                request.num_output_placeholders += 1
                 step.record.sampled.append(request.request_id)
             output.requests.append(scheduled)
             if num_new > 1:
                 num_prefill_tokens += num_new
-            # Advanced at schedule time (as in vLLM v1) so the next step never re-schedules them.
-            request.num_computed_tokens = end
         self.num_scheduled_tokens_total += output.num_scheduled_tokens
         # Decode-only and small steps end sooner than a preemption would pay off: no vote.
         output.preemptible = (self.slo_preempt_min_tokens is not None and num_prefill_tokens > 0
@@ -538,20 +513,3 @@ def resume_piece(held: int, budget: int) -> int:
         return held
     piece = min(budget, held - MIN_RESUME_PIECE)
     return piece if piece >= MIN_RESUME_PIECE else 0
-
-
-def _add_sampling_history(scheduled: ScheduledRequest, request: Request) -> None:
-    """What the worker's logits processors read for this request (see TokenHistory)."""
-    params = request.sampling_params
-    if params.has_penalties:
-        # Copies: an in-process executor reads them while the request grows.
-        scheduled.output_token_ids = list(request.output_token_ids)
-        if params.repetition_penalty != 1.0:
-            scheduled.prompt_token_ids = list(request.prompt_token_ids)
-    if scheduled.num_output_tokens < params.min_tokens:
-        blocked = list(params.stop_token_ids)
-        if request.eos_token_id is not None and not params.ignore_eos:
-            blocked.append(request.eos_token_id)
-        scheduled.blocked_token_ids = blocked
-    if request.grammar is not None:
-        scheduled.allowed_token_bitmask = request.grammar.next_token_bitmask()

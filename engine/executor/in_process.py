@@ -19,7 +19,8 @@ from engine.worker_messages import WorkerConfig
 from monitor.slo_preempt_signal import SLOPreemptSignal
 
 if TYPE_CHECKING:
-    from workers.model_runner import LaunchedStep, ModelRunner
+    from workers.launched_step import LaunchedStep
+    from workers.model_runner import ModelRunner
     from workers.worker import Worker
 
 
