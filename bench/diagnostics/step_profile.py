@@ -47,7 +47,8 @@ class StepTimer:
         self._wrap(runner, "prepare_inputs", "prepare_inputs")
         self._wrap(runner.model, "forward", "forward")
         self._wrap(runner.model, "compute_logits", "lm_head")
-        self._wrap(runner, "_sample", "sampling")
+        # The sampler's device work (all of it on a CPU); its read back lands in execute_other.
+        self._wrap(runner, "_launch_sample", "sampling")
         self._wrap(engine, "step", "step")
         # The output processor is made per generate() call: wrap its class, and close the
         # iteration's record after it (it is the last thing LLM._run does with a step's outputs).

@@ -150,6 +150,12 @@ class EngineCore:
         # how benchmarks time steps. Empty, a step reads no clock for them.
         self.step_observers: list[StepObserver] = []
 
+    @property
+    def schedules_ahead(self) -> bool:
+        """Whether async scheduling is in effect (asked for, on an executor whose queued steps
+        run while the host goes on)."""
+        return self._overlap
+
     def _start_scheduling(self, signal: SLOPreemptSignal | None) -> None:
         config, model = self.config, self.model
         assert model.num_blocks is not None

@@ -586,13 +586,13 @@ def test_startup_figures_take_the_runners_report_as_it_is():
 
     def llm(runner):
         return SimpleNamespace(engine=SimpleNamespace(
-            executor=SimpleNamespace(runner=runner),
+            executor=SimpleNamespace(runner=runner), schedules_ahead=False,
             config=SimpleNamespace(model=SimpleNamespace(enforce_eager=False))))
 
     with_report = SimpleNamespace(startup_report=Report(1.5, 2.25, 3 * 2**30, 51))
     figures = engine_steps.startup_figures(llm(with_report), 9.0, 0.5)
     assert figures == {"build_s": 9.0, "bench_warmup_s": 0.5, "enforce_eager": False,
-                       "report": {"warmup_s": 1.5, "capture_s": 2.25,
+                       "async_scheduling": False, "report": {"warmup_s": 1.5, "capture_s": 2.25,
                                   "graph_memory_bytes": 3 * 2**30, "graphs": 51}}
     # A runner without the report (an older one), one whose report is None, or none here.
     for runner in (SimpleNamespace(), SimpleNamespace(startup_report=None), None):
@@ -603,6 +603,8 @@ def test_startup_figures_take_the_runners_report_as_it_is():
            "graph_memory_bytes 3,221,225,472 (3.00 GiB), graphs 51 |" in text
     assert "| --enforce-eager | 9.00 | 0.50 | warmup_s 1.5, capture_s 2.25, " \
            "graph_memory_bytes -, graphs 51 |" in text
+    ahead = "\n".join(report.startup_markdown({"engine": {**figures, "async_scheduling": True}}))
+    assert "| graphs (as configured), async scheduling | 9.00 |" in ahead
 
 
 def test_without_hf_the_table_has_no_hf_columns(smoke):

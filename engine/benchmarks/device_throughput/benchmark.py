@@ -240,6 +240,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true",
                         help="the engine itself runs without CUDA graphs (the GPU suite's "
                              "steps after a failed capture); no second, eager engine then")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="the engine side (not the eager comparison) with async scheduling: "
+                             "each decode step scheduled while the device runs the one before")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers side")
     parser.add_argument("--hf-timeout-s", type=float, default=600.0)
@@ -353,7 +356,8 @@ def measure_sides(args: argparse.Namespace, device: torch.device, dtype: torch.d
     sides["engine"] = _guarded(lambda: bench_engine(
         model_dir, device, dtype, sizes, args.seed,
         profile_steps=args.profile_steps if args.profile else 0, profile_deadline=deadline,
-        record=recorder.for_side("engine"), enforce_eager=args.enforce_eager))
+        record=recorder.for_side("engine"), enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling))
     _log_side_error(recorder.log, "engine", sides["engine"])
     return sides
 

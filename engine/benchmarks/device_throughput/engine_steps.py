@@ -175,7 +175,8 @@ def engine_limits(sizes: dict[str, Any]) -> dict[str, int]:
 
 
 def start_engine(model_dir: str, device: torch.device, dtype: torch.dtype, sizes: dict[str, Any],
-                 seed: int, enforce_eager: bool) -> tuple[Any, list[dict], dict[str, Any]]:
+                 seed: int, enforce_eager: bool,
+                 async_scheduling: bool = False) -> tuple[Any, list[dict], dict[str, Any]]:
     """(the LLM, its step log, what it started with), warmed up: a whole-budget prefill and a
     few decodes ran, so first-use kernel compiles are not timed. What it started with carries
     its `startup` (`startup_figures`)."""
@@ -191,7 +192,7 @@ def start_engine(model_dir: str, device: torch.device, dtype: torch.dtype, sizes
               max_num_batched_tokens=budget, max_num_seqs=limits["max_num_seqs"],
               max_model_len=limits["max_model_len"], block_size=BLOCK_SIZE,
               num_kv_blocks=limits["num_kv_blocks"], startup_calibration=False, seed=seed,
-              enforce_eager=enforce_eager)
+              enforce_eager=enforce_eager, async_scheduling=async_scheduling)
     build_s = time.perf_counter() - started
     info = {"startup_s": build_s, "kv_blocks": limits["num_kv_blocks"],
             "enforce_eager": llm.engine.config.model.enforce_eager}
@@ -214,13 +215,14 @@ def startup_figures(llm: Any, build_s: float, bench_warmup_s: float) -> dict[str
     engine's kernel warm-up, CUDA graph capture); `bench_warmup_s`, this bench's own warm-up
     requests after it (any first-use compile the engine's warm-up missed); `report`, the
     runner's `startup_report` as a dict (None where the runner has none, or is in another
-    process)."""
+    process); `async_scheduling`, whether the loop scheduled ahead."""
     report = getattr(runner_of(llm), "startup_report", None)
     if report is not None:
         report = (dataclasses.asdict(report) if dataclasses.is_dataclass(report)
                   else dict(vars(report)))
     return {"build_s": build_s, "bench_warmup_s": bench_warmup_s,
-            "enforce_eager": llm.engine.config.model.enforce_eager, "report": report}
+            "enforce_eager": llm.engine.config.model.enforce_eager,
+            "async_scheduling": llm.engine.schedules_ahead, "report": report}
 
 
 def runner_of(llm: Any) -> Any:
@@ -369,11 +371,13 @@ def measure_mixed(llm: Any, steps_log: list[dict], vocab: int, sizes: dict[str, 
 def bench_engine(model_dir: str, device: torch.device, dtype: torch.dtype,
                  sizes: dict[str, Any], seed: int, profile_steps: int = 0,
                  profile_deadline: float | None = None,
-                 record: Record = _no_record, enforce_eager: bool = False) -> dict[str, Any]:
+                 record: Record = _no_record, enforce_eager: bool = False,
+                 async_scheduling: bool = False) -> dict[str, Any]:
     """Every kind on the engine as configured (CUDA graphs on a GPU), each handed to `record`
     as it is measured; with profile_steps, then a torch.profiler summary of that many steps of
     each kind under "profile" (engine_profile.py), started only before `profile_deadline` (a
-    perf_counter time). `enforce_eager`: as the GPU suite runs it after a failed capture."""
+    perf_counter time). `enforce_eager`: as the GPU suite runs it after a failed capture.
+    `async_scheduling`: the engine's (its startup says whether the loop really ran ahead)."""
 
     def measure(llm: Any, steps_log: list[dict], vocab: int, result: dict[str, Any]) -> None:
         result["prefill"] = measure_prefill(llm, steps_log, vocab, sizes, seed)
@@ -385,18 +389,20 @@ def bench_engine(model_dir: str, device: torch.device, dtype: torch.dtype,
             result["profile"] = profile_engine(llm, steps_log, device, vocab, sizes, seed,
                                                result, profile_steps, profile_deadline)
 
-    return _on_an_engine(model_dir, device, dtype, sizes, seed, record, enforce_eager, measure)
+    return _on_an_engine(model_dir, device, dtype, sizes, seed, record, enforce_eager, measure,
+                         async_scheduling)
 
 
 def _on_an_engine(model_dir: str, device: torch.device, dtype: torch.dtype,
                   sizes: dict[str, Any], seed: int, record: Record, enforce_eager: bool,
-                  measure: Callable[[Any, list[dict], int, dict[str, Any]], None]
-                  ) -> dict[str, Any]:
+                  measure: Callable[[Any, list[dict], int, dict[str, Any]], None],
+                  async_scheduling: bool = False) -> dict[str, Any]:
     """Start an engine, record its startup, run `measure(llm, steps_log, vocab, result)`, and
     release the engine whatever happened: the caller's next engine must not find this one's
     memory still taken."""
     llm, steps_log, result = start_engine(model_dir, device, dtype, sizes, seed,
-                                          enforce_eager=enforce_eager)
+                                          enforce_eager=enforce_eager,
+                                          async_scheduling=async_scheduling)
     record("startup", result["startup"])
     vocab = _vocab(model_dir)
     try:

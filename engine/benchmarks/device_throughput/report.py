@@ -168,7 +168,10 @@ def startup_markdown(startup: dict[str, dict[str, Any]]) -> list[str]:
             described = ", ".join(f"{key} {_report_cell(key, value)}"
                                   for key, value in report.items()
                                   if not isinstance(value, (dict, list))) or "empty"
-        lines.append(f"| {names.get(name, name)} | {_cell(figures.get('build_s'), 2)} "
+        label = names.get(name, name)
+        if figures.get("async_scheduling"):
+            label += ", async scheduling"
+        lines.append(f"| {label} | {_cell(figures.get('build_s'), 2)} "
                      f"| {_cell(figures.get('bench_warmup_s'), 2)} | {described} |")
     return lines
 

@@ -20,8 +20,8 @@
 # the default policy, at budget 2048; the first request's stream gaps at three context
 # lengths. The full call: greedy equality against HF, structured outputs' TPOT, the GPU tests,
 # preemption latency, the SLO burst over HTTP unchunked (from the core call's TTFT line when
-# OUT holds it), throughput against HF transformers with the engine's profile, the kernels,
-# the compiled-Triton tests and the SLO burst in process.
+# OUT holds it), throughput against HF transformers with the engine's profile (async
+# scheduling), the kernels, the compiled-Triton tests and the SLO burst in process.
 #
 # One deadline for the whole call (--deadline-s; core 330 s, full 330 s): each step gets the
 # smaller of its own limit and the time left, a step with too little time left is skipped, and
@@ -311,9 +311,12 @@ run_full() {
     fi
     burst_http unchunked
     # The engine (graphs) beside HF transformers, and the engine's torch.profiler summary; no
-    # kind's profile starts after 70 s of the run.
+    # kind's profile starts after 70 s of the run. With async scheduling: the core call's
+    # throughput step timed the serial loop, this one the loop that schedules ahead, and the
+    # profiler shows how long the GPU still waits between steps.
     step throughput-hf 100 $py -m bench.suite.gpu_throughput --device "$device" "${smoke_flag[@]}" \
-        --shape "$shape" --no-eager --profile --profile-until-s $((70 * limit_scale)) \
+        --shape "$shape" --no-eager --async-scheduling --profile \
+        --profile-until-s $((70 * limit_scale)) \
         --output "$out/throughput-hf.json"
     if [[ $device == cuda ]]; then
         step kernels 25 $py -m bench.kernels.gpu_kernels --repeats 10 --output "$out/kernels.json"
