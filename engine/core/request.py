@@ -152,7 +152,8 @@ class Request:
 
     @property
     def num_tokens_owed(self) -> int:
-        return self.num_tokens + self.num_output_placeholders - self.num_computed_tokens
+        # len() directly: read several times per request per step.
+        return len(self.all_token_ids) + self.num_output_placeholders - self.num_computed_tokens
 
     @property
     def needs_output_history(self) -> bool:

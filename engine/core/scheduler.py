@@ -265,6 +265,7 @@ class Scheduler:
                 i += 1
                 continue
             num_blocks_before = len(kv.req_blocks.get(request.request_id, ()))
+            num_victims = len(step.record.kv_preempted)
             while not kv.allocate_slots(request, num_new):
                 victim = self.slack.choose_kv_victim(self.running, step)
                 if victim.request_id in step:
@@ -280,8 +281,10 @@ class Scheduler:
             step.record.new_block_ids[request.request_id] = kv.block_ids_from(
                 request.request_id, num_blocks_before)
             step.add(request, num_new)
-            # Victims of the priority policy may have sat before it, shifting its index.
-            i = self.running.index(request) + 1
+            # Victims of the priority policy may have sat before it, shifting its index (a
+            # search only then: at every request it would make the step quadratic in the batch).
+            i = (i + 1 if len(step.record.kv_preempted) == num_victims
+                 else self.running.index(request) + 1)
 
     def _tokens_for_running(self, request: Request, budget: int) -> int:
         suspended = self.slack.suspensions.next_chunk(request.request_id)

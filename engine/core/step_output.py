@@ -16,24 +16,26 @@ def scheduled_request(request: Request, num_new: int, kv: KVCacheManager,
     sampled and what the sampler reads. Advances the request's counters as vLLM v1 does at
     schedule time, so that the next step never schedules the same tokens: computed tokens, and
     an output placeholder for the token sampled."""
+    req_id = request.request_id
     start = request.num_computed_tokens
     end = start + num_new
+    num_tokens = len(request.all_token_ids)
     # A decode scheduled ahead (Scheduler.can_schedule_ahead): its input is the token in flight.
-    pending = end > request.num_tokens
-    resume = suspensions.is_suspended(request.request_id)
-    held = suspensions.next_chunk(request.request_id)
-    assert not resume or (held is not None and held.start_pos == start
-                          and num_new <= held.num_tokens)
-    table_start, new_block_ids = kv.table_update(request.request_id)
+    pending = end > num_tokens
+    resume = suspensions.is_suspended(req_id)
+    if resume:
+        held = suspensions.next_chunk(req_id)
+        assert held is not None and held.start_pos == start and num_new <= held.num_tokens
+    table_start, new_block_ids = kv.table_update(req_id)
     scheduled = ScheduledRequest(
-        req_id=request.request_id,
+        req_id=req_id,
         token_ids=[PENDING_TOKEN] if pending else request.all_token_ids[start:end],
         start_pos=start,
         block_ids=new_block_ids,
         block_table_start=table_start,
-        sample=end == request.num_tokens + request.num_output_placeholders,
+        sample=end == num_tokens + request.num_output_placeholders,
         sampling_params=request.step_sampling_params,
-        num_output_tokens=request.num_output_tokens + request.num_output_placeholders,
+        num_output_tokens=len(request.output_token_ids) + request.num_output_placeholders,
         resume=resume,
         prompt_logprob_targets=request.prompt_logprob_targets(start, end),
         last_token_pending=pending,
