@@ -96,6 +96,39 @@ def test_async_outputs_equal_the_serial_loops_and_stops_land_a_step_late(sim_mod
     assert outputs[False] == outputs[True] == expected
 
 
+def test_an_abort_while_a_step_is_in_flight_frees_everything(sim_model):
+    engine = _fast_engine(sim_model, True)
+    try:
+        requests = _requests()
+        for request in requests:
+            engine.add_request(request)
+        counter = AheadCounter()
+        engine.step_observers.append(counter)
+        for _ in range(100):
+            engine.step()
+            if counter.total:
+                break
+        # Probe: the step just submitted holds decodes scheduled ahead, and is in flight.
+        assert counter.total > 0 and engine.schedules_ahead
+        assert any(r.num_output_placeholders for r in requests)
+        engine.abort_requests([r.request_id for r in requests])
+        assert not engine.scheduler.has_unfinished_requests()
+        assert engine.has_unfinished_requests()  # the step in flight is still to read back
+        outputs = engine.step()
+        assert outputs == [] and not engine.has_unfinished_requests()
+        assert all(r.status is RequestStatus.FINISHED_ABORTED for r in requests)
+        assert engine.scheduler.num_free_blocks == engine.model.num_blocks
+        # The engine serves on after it, with the serial loop's outputs.
+        after = _run(engine, _requests())
+    finally:
+        engine.shutdown()
+    serial = _fast_engine(sim_model, False)
+    try:
+        assert after == _run(serial, _requests())
+    finally:
+        serial.shutdown()
+
+
 class _OneStepAtATime:
     """An executor that cannot queue steps (as the TP workers' multiprocess executor)."""
 
