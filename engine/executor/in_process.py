@@ -58,12 +58,8 @@ class InProcessExecutor:
         raises: a step that fails to launch or to finish comes back with an ERROR status."""
         try:
             assert self.worker is not None and self.worker.runner is not None, "shut down"
-            runner = self.worker.runner
-            if "execute" in vars(runner):
-                # A test hook wraps the runner's execute (workers.preemption.slowdown): run the
-                # step through it, at once, so that the hook sees every step.
-                return FinishedStep(self.execute_model(scheduler_output))
-            return _InProcessStep(scheduler_output.step_id, runner.launch(scheduler_output))
+            return _InProcessStep(scheduler_output.step_id,
+                                  self.worker.runner.launch(scheduler_output))
         except Exception:  # reported as a structured status, as a remote worker would
             return FinishedStep(_error_output(scheduler_output.step_id))
 

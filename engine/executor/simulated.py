@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -41,6 +42,10 @@ from engine.simulation.profile import StepTimeProfile
 from workers.preemption.slo_preempt_vote import SLOPreemptVote, StepSLOPreempted, discarded_share
 
 
+# Step spans the stream keeps (DeviceStream.busy).
+BUSY_HISTORY = 16_384
+
+
 class DeviceStream:
     """The simulated device's queue: each step starts when the one before it ended (or when it
     is queued, if the device was idle), and runs for its profile time. It keeps when it was
@@ -49,8 +54,10 @@ class DeviceStream:
     def __init__(self, clock: Callable[[], float], sleep: Callable[[float], None]) -> None:
         self._clock, self._sleep = clock, sleep
         self.free_at = 0.0
-        # (start, end) of every step it ran, on `clock`; and the host's seconds asleep on it.
-        self.busy: list[tuple[float, float]] = []
+        # (start, end) of the latest steps it ran (a layer each, for a step that votes), on
+        # `clock`: enough for a benchmark's window, bounded for a server that runs for days.
+        # And the host's seconds asleep on it.
+        self.busy: deque[tuple[float, float]] = deque(maxlen=BUSY_HISTORY)
         self.waited_s = 0.0
 
     def queue(self, seconds: float, start: float | None = None) -> tuple[float, float]:
@@ -71,7 +78,7 @@ class DeviceStream:
             self.waited_s += self._clock() - started
 
     def busy_seconds(self, begin: float, end: float) -> float:
-        """Seconds within [begin, end] the device ran a step."""
+        """Seconds within [begin, end] the device ran a step (of the spans it still keeps)."""
         return sum(max(0.0, min(e, end) - max(s, begin)) for s, e in self.busy)
 
 

@@ -7,7 +7,9 @@ With SLOWDOWN_ENV set (in the environment, so that spawned TP workers inherit it
 its step took: at every attention op (the stretch since the previous one) and at the step's end
 (the rest, its execute_seconds made to include it). A file is read again at every step, so that
 a test can change the machine's speed while the engine serves (a neighbour starting, a clock
-throttling). Installed after the startup passes, like the slow-layer hook beside it."""
+throttling). Installed after the startup passes, like the slow-layer hook beside it. It wraps
+`ModelRunner.execute`, the serial loop's path: a CPU engine never queues steps (async scheduling
+keeps the serial loop there)."""
 
 from __future__ import annotations
 

@@ -154,7 +154,7 @@ def measure_batch(core: Any, loop: str, batch: int, steps: int, prompt_tokens: i
                            f"({lengths}): raise the KV pool or max_num_seqs")
     window = end - begin
     host = (window - (stream.waited_s - waited)) / steps
-    device = statistics.median(e - s for s, e in stream.busy[-steps:])
+    device = statistics.median(e - s for s, e in list(stream.busy)[-steps:])
     idle = 1 - stream.busy_seconds(begin, end) / window
     waits = _arrival_waits(core, arrivals, device, first_id, seed)
     core.abort_requests([r.request_id for r in requests])
