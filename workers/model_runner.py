@@ -34,6 +34,7 @@ from kernels.variants import KernelWarmup, recording
 from workers.startup import serving_startup
 from workers.startup.kernel_warmup import warm_up_graph_paths, warm_up_kernels
 from workers.kv_cache import allocate_kv_caches, num_kv_blocks, resized_kv_caches
+from workers.layers.cpu_bf16_weights import bf16_weights_available, hold_weights_in_bf16
 from workers.layers.cpu_prepack import prepack_available, prepack_linear_weights
 from workers.models import build_model
 from workers.quantization import describe_weights
@@ -111,6 +112,8 @@ class ModelRunner:
         if prepack_available(device, dtype):
             packed = prepack_linear_weights(self.model)
             logger.info("prepacked %d linear weights for oneDNN", packed)
+        if bf16_weights_available(device, dtype):
+            hold_weights_in_bf16(self.model)
         self.model.use_kernels(select_backend(device, settings.attention_backend,
                                               settings.fused_ops))
         self.kv_caches = allocate_kv_caches(self.model.num_layers, config.num_blocks or 0,

@@ -60,6 +60,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_bf16_linear
+from kernels.cpu_bf16_linear import Bf16Weight
+
 logger = logging.getLogger(__name__)
 
 PREPACK_ENV = "SLOSERVE_CPU_PREPACK"
@@ -116,9 +119,14 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor,
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | None = None, packed_min_rows: int = 0) -> torch.Tensor:
+           packed: torch.Tensor | None = None, packed_min_rows: int = 0,
+           bf16: Bf16Weight | None = None, bf16_max_rows: int = 0) -> torch.Tensor:
     """``F.linear`` for a plain or a prepacked ``weight``; with ``packed`` (the same weight
-    packed, kernel ``both``), inputs of ``packed_min_rows`` rows or more multiply by that."""
+    packed, kernel ``both``), inputs of ``packed_min_rows`` rows or more multiply by that; with
+    ``bf16`` (its bfloat16 copy, ``workers.layers.cpu_bf16_weights``), inputs of up to
+    ``bf16_max_rows`` rows multiply by that."""
+    if bf16 is not None and x.numel() <= bf16_max_rows * x.shape[-1]:
+        return cpu_bf16_linear.linear(x, bf16, bias)
     if packed is not None and x.numel() >= packed_min_rows * x.shape[-1]:
         return _onednn_linear(x, packed, bias)
     if weight.is_mkldnn:
@@ -185,7 +193,7 @@ def prepack_linear_weights(model: nn.Module, measure: bool | None = None) -> int
     if tuned:
         one_row, batch = _measure(tuned, packed)
         choices = {shape: choose_kernel(shape, one_row, ratio) for shape, ratio in batch.items()}
-    owners = _parameter_owners(model)
+    owners = parameter_owners(model)
     extra: dict[tuple[int, int], int] = {}
     counts: dict[tuple[int, int], int] = {}
     for module in modules:
@@ -204,7 +212,7 @@ def _shape(module: nn.Module) -> tuple[int, int]:
     return tuple(module.weight.shape)  # type: ignore[return-value]
 
 
-def _parameter_owners(model: nn.Module) -> dict[int, int]:
+def parameter_owners(model: nn.Module) -> dict[int, int]:
     owners: dict[int, int] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kernels.cpu_bf16_linear import Bf16Weight
 from workers.layers.cpu_prepack import linear
 
 WeightLoader = Callable[..., None]
@@ -114,6 +115,10 @@ class LinearBase(nn.Module):
     linear_kernel: str | None = None
     packed_weight: torch.Tensor | None = None
     packed_min_rows = 0
+    # The weight's bfloat16 copy for steps of up to bf16_max_rows rows, where every value is
+    # bfloat16 (workers.layers.cpu_bf16_weights; None: none).
+    bf16_weight: Bf16Weight | None = None
+    bf16_max_rows = 0
     # The checkpoint's shard ids of a merged layer, in their order in the local weight.
     shard_ids: tuple[Any, ...] = (None,)
 
@@ -149,7 +154,8 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, bias)
-        return linear(x, self.weight, bias, self.packed_weight, self.packed_min_rows)
+        return linear(x, self.weight, bias, self.packed_weight, self.packed_min_rows,
+                      self.bf16_weight, self.bf16_max_rows)
 
 
 class ColumnParallelLinear(LinearBase):

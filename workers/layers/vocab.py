@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_bf16_linear import Bf16Weight
 from workers.layers.cpu_prepack import linear
 from workers.layers.linear import weakly_bound
 
@@ -70,13 +71,15 @@ class ParallelLMHead(VocabParallelEmbedding):
     linear_kernel: str | None = None
     packed_weight: torch.Tensor | None = None
     packed_min_rows = 0
+    bf16_weight: Bf16Weight | None = None  # see workers.layers.cpu_bf16_weights
+    bf16_max_rows = 0
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden_states, self.weight, None, self.packed_weight,
-                        self.packed_min_rows)
+                        self.packed_min_rows, self.bf16_weight, self.bf16_max_rows)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             dist.all_gather(parts, logits.contiguous(), group=self.tp_group)

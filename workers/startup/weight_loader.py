@@ -205,7 +205,8 @@ DUMMY_WEIGHT_RANGE = 1e-3
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """Random weights in place of a checkpoint (``load_format="dummy"``): for benchmarks of a
-    model's shape without its files. Drawn on the parameters' device, seeded; each TP rank
+    model's shape without its files. Drawn on the parameters' device, seeded, float32 ones
+    rounded to bfloat16 values as a widened bf16 checkpoint's are; each TP rank
     draws its own shard (so outputs are not comparable across TP sizes). FP8 weights get codes
     spread over the format's range and scales that bring them back to the same range, so a
     quantized model computes on numbers like the plain one's."""
@@ -229,6 +230,10 @@ def _fill_dummy(name: str, tensor: torch.Tensor, generator: torch.Generator | No
         tensor.fill_(1.0 if name.endswith("input_scale") else DUMMY_WEIGHT_RANGE / FP8_MAX)
     else:
         tensor.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator)
+        if tensor.dtype == torch.float32:
+            # bfloat16 values, as a float32 model holds a bf16 checkpoint's weights (the form
+            # the weights' memory traffic depends on: workers.layers.cpu_bf16_weights).
+            tensor.copy_(tensor.bfloat16())
 
 
 def _summary(names: list[str], limit: int = 8) -> str:
