@@ -185,7 +185,39 @@ static inline float hsum(Vec v) {
     return at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, v);
 }
 
+// Lane sums of kTile vectors, stored to out[0..n): out[j] = the sum of a[j]'s lanes. With
+// AVX-512 (16 lanes) a transposing tree: 15 shuffle-and-add steps for 16 sums, where one sum
+// alone takes 4 (``hsum``); elsewhere one hsum each.
+static constexpr int kTile = 16;
+static inline void lane_sums(const Vec* a, float* out, const int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (kLanes == kTile) {
+        __m512 t[8], s[4];
+        for (int i = 0; i < 8; ++i) {
+            const __m512 x = a[2 * i], y = a[2 * i + 1];
+            t[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+        }
+        for (int i = 0; i < 4; ++i) {
+            const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+            s[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+        }
+        const __m512 q01 = _mm512_add_ps(_mm512_shuffle_f32x4(s[0], s[1], 0x44),
+                                         _mm512_shuffle_f32x4(s[0], s[1], 0xEE));
+        const __m512 q23 = _mm512_add_ps(_mm512_shuffle_f32x4(s[2], s[3], 0x44),
+                                         _mm512_shuffle_f32x4(s[2], s[3], 0xEE));
+        const Vec sums(_mm512_add_ps(_mm512_shuffle_f32x4(q01, q23, 0x88),
+                                     _mm512_shuffle_f32x4(q01, q23, 0xDD)));
+        sums.store(out, n);
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < n; ++j) out[j] = hsum(a[j]);
+}
+
 // One decode's KV head: CH vector chunks of head_dim (the last one masked to `tail` lanes).
+// Scores a tile of up to kTile slots of one block at a time, for each query head of the group
+// in turn (the tile's keys stay in L1 between heads).
 template <int CH>
 static void attend(const float* q, const float* key_cache, const float* value_cache,
                    const int64_t* table, const int64_t ctx, float* out, const int64_t group,
@@ -199,21 +231,29 @@ static void attend(const float* q, const float* key_cache, const float* value_ca
     auto load = [tail](const float* p, int c) {
         return c + 1 < CH ? Vec::loadu(p + c * kLanes) : Vec::loadu(p + c * kLanes, tail);
     };
-    for (int64_t g = 0; g < group; ++g) {
-        const float* qr = q + (h * group + g) * sqh;
-        float* s = scores + g * ctx;
-        Vec qv[CH];
-        for (int c = 0; c < CH; ++c) qv[c] = load(qr, c) * Vec(scale);
-        for (int64_t i = 0; i < blocks; ++i) {
-            const float* kb = key_cache + table[i] * block_stride + h * head_dim;
-            const int64_t slots = std::min(block_size, ctx - i * block_size);
-            for (int64_t j = 0; j < slots; ++j) {
-                const float* k = kb + j * slot_stride;
-                Vec dot = qv[0] * load(k, 0);
-                for (int c = 1; c < CH; ++c) dot = dot + qv[c] * load(k, c);
-                s[i * block_size + j] = hsum(dot);
+    for (int64_t i = 0; i < blocks; ++i) {
+        const float* kb = key_cache + table[i] * block_stride + h * head_dim;
+        const int64_t slots = std::min(block_size, ctx - i * block_size);
+        for (int64_t j0 = 0; j0 < slots; j0 += kTile) {
+            const int64_t n = std::min<int64_t>(kTile, slots - j0);
+            for (int64_t g = 0; g < group; ++g) {
+                const float* qr = q + (h * group + g) * sqh;
+                Vec qv[CH];
+                for (int c = 0; c < CH; ++c) qv[c] = load(qr, c) * Vec(scale);
+                Vec dots[kTile];
+                for (int64_t j = 0; j < kTile; ++j) {
+                    if (j >= n) { dots[j] = Vec(0.0f); continue; }
+                    const float* k = kb + (j0 + j) * slot_stride;
+                    Vec dot = qv[0] * load(k, 0);
+                    for (int c = 1; c < CH; ++c) dot = dot + qv[c] * load(k, c);
+                    dots[j] = dot;
+                }
+                lane_sums(dots, scores + g * ctx + i * block_size + j0, n);
             }
         }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+        float* s = scores + g * ctx;
         float top = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < ctx; ++t) top = std::max(top, s[t]);
         Vec total(0.0f);
