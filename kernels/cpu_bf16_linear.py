@@ -201,14 +201,14 @@ def linear(x: torch.Tensor, weight: Bf16Weight, bias: torch.Tensor | None = None
                              or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous float32 [{n}], got {tuple(bias.shape)} "
                          f"{bias.dtype}")
-    rows_in = x.reshape(-1, k)
-    if rows_in.stride(-1) != 1:
-        rows_in = rows_in.contiguous()
-    rows = rows_in.shape[0]
+    # A decode step's [T, K] rows (a view with unit stride, as q/k/v slices are) go as they
+    # are: at one row the Python around the loop is most of a small projection's cost.
+    flat = x if x.dim() == 2 and x.stride(1) == 1 else x.reshape(-1, k).contiguous()
+    rows = flat.shape[0]
     out = torch.empty(rows, n, dtype=torch.float32)
-    _KERNEL["linear"](rows_in, weight.packed, out if bias is None else bias, out, rows, n, k,
-                      rows_in.stride(0), n, int(bias is not None))
-    return out.view(*x.shape[:-1], n)
+    _KERNEL["linear"](flat, weight.packed, out if bias is None else bias, out, rows, n, k,
+                      flat.stride(0), n, int(bias is not None))
+    return out if flat is x else out.view(*x.shape[:-1], n)
 
 
 def _chunk() -> int:
