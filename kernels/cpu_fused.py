@@ -215,26 +215,29 @@ static inline void lane_sums(const Vec* a, float* out, const int64_t n) {
     for (int64_t j = 0; j < n; ++j) out[j] = hsum(a[j]);
 }
 
-// One decode's KV head: CH vector chunks of head_dim (the last one masked to `tail` lanes).
-// Scores a tile of up to kTile slots of one block at a time, for each query head of the group
-// in turn (the tile's keys stay in L1 between heads).
+// One decode's KV head over its visible slots [first, ctx): CH vector chunks of head_dim (the
+// last one masked to `tail` lanes). Scores a tile of up to kTile slots of one block at a time,
+// for each query head of the group in turn (the tile's keys stay in L1 between heads); the
+// score of slot t is at scores[g * seen + t - first].
 template <int CH>
 static void attend(const float* q, const float* key_cache, const float* value_cache,
-                   const int64_t* table, const int64_t ctx, float* out, const int64_t group,
-                   const int64_t h, const int64_t head_dim, const int64_t block_size,
-                   const int64_t slot_stride, const int64_t sqh, const int64_t soh,
-                   const float scale, float* scores)
+                   const int64_t* table, const int64_t first, const int64_t ctx, float* out,
+                   const int64_t group, const int64_t h, const int64_t head_dim,
+                   const int64_t block_size, const int64_t slot_stride, const int64_t sqh,
+                   const int64_t soh, const float scale, float* scores)
 {
     const int64_t tail = head_dim - (CH - 1) * kLanes;
     const int64_t block_stride = block_size * slot_stride;
     const int64_t blocks = (ctx + block_size - 1) / block_size;
+    const int64_t seen = ctx - first;
     auto load = [tail](const float* p, int c) {
         return c + 1 < CH ? Vec::loadu(p + c * kLanes) : Vec::loadu(p + c * kLanes, tail);
     };
-    for (int64_t i = 0; i < blocks; ++i) {
+    for (int64_t i = first / block_size; i < blocks; ++i) {
         const float* kb = key_cache + table[i] * block_stride + h * head_dim;
-        const int64_t slots = std::min(block_size, ctx - i * block_size);
-        for (int64_t j0 = 0; j0 < slots; j0 += kTile) {
+        const int64_t base = i * block_size;
+        const int64_t slots = std::min(block_size, ctx - base);
+        for (int64_t j0 = std::max<int64_t>(0, first - base); j0 < slots; j0 += kTile) {
             const int64_t n = std::min<int64_t>(kTile, slots - j0);
             for (int64_t g = 0; g < group; ++g) {
                 const float* qr = q + (h * group + g) * sqh;
@@ -248,33 +251,34 @@ static void attend(const float* q, const float* key_cache, const float* value_ca
                     for (int c = 1; c < CH; ++c) dot = dot + qv[c] * load(k, c);
                     dots[j] = dot;
                 }
-                lane_sums(dots, scores + g * ctx + i * block_size + j0, n);
+                lane_sums(dots, scores + g * seen + base + j0 - first, n);
             }
         }
     }
     for (int64_t g = 0; g < group; ++g) {
-        float* s = scores + g * ctx;
+        float* s = scores + g * seen;
         float top = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < ctx; ++t) top = std::max(top, s[t]);
+        for (int64_t t = 0; t < seen; ++t) top = std::max(top, s[t]);
         Vec total(0.0f);
-        for (int64_t t = 0; t < ctx; t += kLanes) {
-            const int64_t n = std::min(kLanes, ctx - t);
+        for (int64_t t = 0; t < seen; t += kLanes) {
+            const int64_t n = std::min(kLanes, seen - t);
             const Vec e = Vec::set(Vec(0.0f), (Vec::loadu(s + t, n) - Vec(top)).exp(), n);
             e.store(s + t, n);
             total = total + e;
         }
         const Vec inv(1.0f / hsum(total));
-        for (int64_t t = 0; t < ctx; t += kLanes) {
-            const int64_t n = std::min(kLanes, ctx - t);
+        for (int64_t t = 0; t < seen; t += kLanes) {
+            const int64_t n = std::min(kLanes, seen - t);
             (Vec::loadu(s + t, n) * inv).store(s + t, n);
         }
         Vec acc[CH];
         for (int c = 0; c < CH; ++c) acc[c] = Vec(0.0f);
-        for (int64_t i = 0; i < blocks; ++i) {
+        for (int64_t i = first / block_size; i < blocks; ++i) {
             const float* vb = value_cache + table[i] * block_stride + h * head_dim;
-            const int64_t slots = std::min(block_size, ctx - i * block_size);
-            const float* p = s + i * block_size;
-            for (int64_t j = 0; j < slots; ++j) {
+            const int64_t base = i * block_size;
+            const int64_t slots = std::min(block_size, ctx - base);
+            const float* p = s + base - first;
+            for (int64_t j = std::max<int64_t>(0, first - base); j < slots; ++j) {
                 const Vec pj(p[j]);
                 for (int c = 0; c < CH; ++c) acc[c] = acc[c] + pj * load(vb + j * slot_stride, c);
             }
@@ -293,7 +297,7 @@ extern "C" void kernel(const float* q, const float* key_cache, const float* valu
                        const int64_t head_dim, const int64_t block_size,
                        const int64_t table_stride, const int64_t sqb, const int64_t sqh,
                        const int64_t sob, const int64_t soh, const int64_t parallel,
-                       const float scale)
+                       const int64_t window, const float scale)
 {
     const int64_t group = heads / kv_heads;
     const int64_t slot_stride = kv_heads * head_dim;
@@ -302,12 +306,15 @@ extern "C" void kernel(const float* q, const float* key_cache, const float* valu
     for (int64_t b = 0; b < batch; ++b) {
         for (int64_t h = 0; h < kv_heads; ++h) {
             const int64_t ctx = context_lens[b];
-            std::vector<float> scores(group * ctx);
+            // A sliding window W: the decode at position ctx - 1 sees the slots after
+            // ctx - 1 - W (HF's mask).
+            const int64_t first = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+            std::vector<float> scores(group * (ctx - first));
             const float* qb = q + b * sqb;
             float* ob = out + b * sob;
             const int64_t* table = tables + b * table_stride;
-            #define ATTEND(CH) attend<CH>(qb, key_cache, value_cache, table, ctx, ob, group, h, \
-                head_dim, block_size, slot_stride, sqh, soh, scale, scores.data())
+            #define ATTEND(CH) attend<CH>(qb, key_cache, value_cache, table, first, ctx, ob, \
+                group, h, head_dim, block_size, slot_stride, sqh, soh, scale, scores.data())
             switch (chunks) {
                 case 1: ATTEND(1); break;
                 case 2: ATTEND(2); break;
@@ -335,7 +342,7 @@ _SOURCES: dict[str, tuple[list[str], str]] = {
     "silu_and_mul": (["const float*", "float*", "const int64_t", "const int64_t",
                       "const int64_t"], _SILU_AND_MUL),
     "decode_attention": (["const float*", "const float*", "const float*", "const int64_t*",
-                          "const int64_t*", "float*"] + ["const int64_t"] * 11 + ["const float"],
+                          "const int64_t*", "float*"] + ["const int64_t"] * 12 + ["const float"],
                          _DECODE_ATTENTION),
 }
 
@@ -449,7 +456,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor, meta: Any, scale: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None,
+                    sliding_window: int | None = None) -> torch.Tensor:
     """``kernels.torch_attention.paged_attention`` (same contract) with the decodes in one
     compiled loop over the paged cache: no gathered copy of K/V, no padding of contexts, a few
     microseconds of Python instead of ~20 eager ops a layer. Prefill chunks, and decodes the
@@ -458,20 +466,21 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     num_decodes = meta.num_decodes
     if not num_decodes or not _decodes_fit(query, key_cache, value_cache, meta, out):
         return torch_attention.paged_attention(query, key, value, key_cache, value_cache, meta,
-                                               scale, out)
+                                               scale, out, sliding_window)
     out = torch_attention.output_for(query, key_cache, out)
     _, heads, head_dim = query.shape
     kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     tables, lens = meta.decode_block_tables, meta.decode_context_lens
     # Split across the threads unless there is next to nothing to read (PARALLEL_SLOTS).
-    parallel = int(num_decodes * kv_heads * meta.decode_max_context >= PARALLEL_SLOTS)
+    seen = min(meta.decode_max_context, sliding_window or meta.decode_max_context)
+    parallel = int(num_decodes * kv_heads * seen >= PARALLEL_SLOTS)
     _KERNELS["decode_attention"](query, key_cache, value_cache, tables, lens, out, num_decodes,
                                  heads, kv_heads, head_dim, block_size, tables.stride(0),
                                  query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-                                 parallel, scale)
+                                 parallel, sliding_window or 0, scale)
     if num_decodes < query.shape[0]:
         torch_attention.attend_prefills(out, query, key, value, key_cache, value_cache, meta,
-                                        scale)
+                                        scale, sliding_window)
     return out
 
 
@@ -539,11 +548,18 @@ def _check() -> None:
     attention = paged_attention(query, query, query, key_cache, value_cache, meta, 0.3)
     reference = torch_attention.paged_attention(query, query, query, key_cache, value_cache,
                                                 meta, 0.3)
+    # A sliding window of 5 slots: the first decode sees slots 2..6 (from mid-block).
+    windowed = paged_attention(query, query, query, key_cache, value_cache, meta, 0.3,
+                               sliding_window=5)
+    windowed_reference = torch_attention.paged_attention(query, query, query, key_cache,
+                                                         value_cache, meta, 0.3,
+                                                         sliding_window=5)
     checks: list[tuple[str, torch.Tensor, torch.Tensor]] = [
         ("rms_norm", got, expected), ("residual add", summed, s),
         ("rotary", apply_rotary(heads, cos, sin), rotated),
         ("silu_and_mul", silu_and_mul(wide), F.silu(gate) * up),
-        ("decode attention", attention, reference)]
+        ("decode attention", attention, reference),
+        ("sliding-window decode attention", windowed, windowed_reference)]
     for name, value, reference in checks:
         if not torch.allclose(value, reference, rtol=1e-5, atol=1e-5):
             raise RuntimeError(f"the compiled {name} differs from the eager ops")

@@ -35,13 +35,14 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None,
+                    sliding_window: int | None = None) -> torch.Tensor:
     out = output_for(query, key_cache, out)
     num_decodes = meta.num_decodes
     if num_decodes > 0:
         out[:num_decodes] = _decode_attention(query[:num_decodes], key_cache, value_cache, meta,
-                                              scale)
-    attend_prefills(out, query, key, value, key_cache, value_cache, meta, scale)
+                                              scale, sliding_window)
+    attend_prefills(out, query, key, value, key_cache, value_cache, meta, scale, sliding_window)
     return out
 
 
@@ -62,13 +63,17 @@ def output_for(query: torch.Tensor, key_cache: torch.Tensor,
 
 def attend_prefills(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> None:
-    """The prefill chunks' attention (the rows after the decodes), into ``out``."""
+                    meta: AttentionMetadata, scale: float,
+                    sliding_window: int | None = None) -> None:
+    """The prefill chunks' attention (the rows after the decodes), into ``out``; with a
+    ``sliding_window`` W, a query at position p sees the keys after p - W only (HF's
+    sliding-window mask)."""
     start = meta.num_decodes
     for i, (q_len, ctx_len) in enumerate(zip(meta.prefill_query_lens, meta.prefill_context_lens)):
         end = start + q_len
         out[start:end] = _prefill_attention(query[start:end], key[start:end], value[start:end],
-                                            key_cache, value_cache, meta, i, scale)
+                                            key_cache, value_cache, meta, i, scale,
+                                            sliding_window)
         start = end
     if start != query.shape[0]:
         raise ValueError(f"metadata covers {start} tokens but the batch has {query.shape[0]}")
@@ -167,26 +172,47 @@ _BLOCK_DIAGONAL_MAX_KV_HEADS = 4
 
 
 def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                      meta: AttentionMetadata, scale: float,
+                      sliding_window: int | None) -> torch.Tensor:
     groups = _decode_plan(meta, key_cache.shape[1])
     if len(groups) == 1:
-        return _decode_group(query, key_cache, value_cache, meta, scale, groups[0], "")
+        return _decode_group(query, key_cache, value_cache, meta, scale, groups[0], "",
+                             sliding_window)
     out = torch.empty_like(query)
     for i, plan in enumerate(groups):
         assert plan.rows is not None
         out[plan.rows] = _decode_group(query[plan.rows], key_cache, value_cache, meta, scale,
-                                       plan, str(i))
+                                       plan, str(i), sliding_window)
     return out
+
+
+def _window_start(meta: AttentionMetadata, plan: _DecodeGroup, window: int,
+                  key: str) -> torch.Tensor | None:
+    """A sliding window's mask [rows, ctx] of the slots before each decode's window (a decode
+    at position p sees the keys after p - window), or None where every window covers its whole
+    context."""
+    if meta.decode_max_context <= window:
+        return None
+    masks = meta.derived.setdefault("decode_window", {})
+    mask = masks.get((key, window))
+    if mask is None:
+        lens = meta.decode_context_lens if plan.rows is None else \
+            meta.decode_context_lens[plan.rows]
+        slots = torch.arange(plan.ctx, device=lens.device)
+        mask = slots[None, :] < (lens[:, None] - window)
+        masks[(key, window)] = mask
+    return mask
 
 
 def _decode_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float, plan: _DecodeGroup,
-                  buffer: str) -> torch.Tensor:
+                  buffer: str, sliding_window: int | None = None) -> torch.Tensor:
     num_decodes, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
     _, block_ids, ctx, shortest, hidden = plan
     width = num_kv_heads * head_dim
+    before = None if not sliding_window else _window_start(meta, plan, sliding_window, buffer)
 
     # K/V stay as gathered, [B, ctx, Hkv, D]: making them head-major would be one more copy of
     # all of them (the largest cost of the step). Each request's K is then one [ctx, Hkv * D]
@@ -215,12 +241,17 @@ def _decode_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     # score, and those slots' values are zeroed since 0 * NaN is still NaN.
     if shortest < ctx:
         scores[..., shortest:].masked_fill_(hidden[:, None, :], float("-inf"))
+    if before is not None:
+        scores.masked_fill_(before[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(query.dtype)
 
     values = _gather(value_cache, block_ids, meta, "decode_values" + buffer).view(
         num_decodes, ctx, num_kv_heads, head_dim)
     if shortest < ctx:
         values[:, shortest:].masked_fill_(hidden[:, :, None, None], 0.0)
+    if before is not None:
+        # The slots before a window may hold anything (a block reused since): 0 * NaN is NaN.
+        values.masked_fill_(before[:, :, None, None], 0.0)
     if block_diagonal:
         # [B, Hq, Hkv * D]: head h's output is its own KV head's block of columns.
         wide = torch.bmm(probs, values.view(num_decodes, ctx, width))
@@ -233,11 +264,12 @@ def _decode_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     return out.view(num_decodes, num_heads, head_dim)
 
 
-def _prefill_plan(meta: AttentionMetadata, index: int,
-                  block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _prefill_plan(meta: AttentionMetadata, index: int, block_size: int,
+                  sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Block ids covering chunk `index`'s context and its boolean offset-causal mask
-    [q_len, ctx_len]: query i sits at position ctx_len - q_len + i and sees keys up to there."""
-    key = f"prefill{index}"
+    [q_len, ctx_len]: query i sits at position ctx_len - q_len + i and sees keys up to there
+    (with a window W, only those after position - W)."""
+    key = f"prefill{index}" + (f"w{sliding_window}" if sliding_window else "")
     plan = meta.derived.get(key)
     if plan is None:
         q_len, ctx_len = meta.prefill_query_lens[index], meta.prefill_context_lens[index]
@@ -245,17 +277,23 @@ def _prefill_plan(meta: AttentionMetadata, index: int,
         block_ids = table[:-(-ctx_len // block_size)]
         rows = torch.arange(ctx_len - q_len, ctx_len, device=table.device)
         cols = torch.arange(ctx_len, device=table.device)
-        plan = (block_ids, cols[None, :] <= rows[:, None])
+        visible = cols[None, :] <= rows[:, None]
+        if sliding_window:
+            visible &= cols[None, :] > rows[:, None] - sliding_window
+        plan = (block_ids, visible)
         meta.derived[key] = plan
     return plan
 
 
 def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        key_cache: torch.Tensor, value_cache: torch.Tensor,
-                       meta: AttentionMetadata, index: int, scale: float) -> torch.Tensor:
+                       meta: AttentionMetadata, index: int, scale: float,
+                       sliding_window: int | None = None) -> torch.Tensor:
     q_len, ctx_len = meta.prefill_query_lens[index], meta.prefill_context_lens[index]
     q = query.transpose(0, 1).unsqueeze(0)
-    if ctx_len == q_len:
+    if sliding_window is not None and sliding_window >= ctx_len:
+        sliding_window = None  # the window holds the whole context: plain causal attention
+    if ctx_len == q_len and sliding_window is None:
         # No cached prefix: the chunk's own K/V is the whole context, plain causal attention.
         out = F.scaled_dot_product_attention(
             q, key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0),
@@ -264,7 +302,7 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         # SDPA's is_causal aligns the diagonal top-left, which is wrong once keys outnumber
         # queries, so the offset-causal mask is explicit.
         _, block_size, num_kv_heads, head_dim = key_cache.shape
-        block_ids, mask = _prefill_plan(meta, index, block_size)
+        block_ids, mask = _prefill_plan(meta, index, block_size, sliding_window)
         keys = key_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:ctx_len]
         values = value_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:ctx_len]
         out = F.scaled_dot_product_attention(

@@ -9,7 +9,9 @@ is a (query token, query head of that KV head's group) pair, so GQA packs the gr
 the tile's rows and each K/V tile loaded feeds all of them. The program walks its sequence's
 context in tiles of keys, looking each key's block up in the block table, and keeps an online
 softmax in float32 (base 2). A query token at position p sees keys 0..p: within a prefill chunk
-that is causal, over the cached prefix it is full, and a decode sees its whole context.
+that is causal, over the cached prefix it is full, and a decode sees its whole context. A layer
+with a sliding window W (a runtime argument, 0 for none: no variant of its own) sees only the
+keys after p - W, and a tile starts at its first row's window.
 
 The batch is launched twice with different tile shapes: decodes with one query token per tile
 (the rows are just the group's heads), prefill chunks with many tokens per tile so that each K/V
@@ -146,13 +148,13 @@ DECODE_TILE_N = DEFAULT_ATTENTION_CONFIG.decode.tile_n
 
 # Arguments that change with the batch would otherwise be specialized (to a constant when 1, as
 # a multiple of 16 when one) and compile a new variant mid-serving.
-@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
+@triton.jit(do_not_specialize=["stride_bt", "num_splits", "window"])
 def _paged_attention_kernel(
         out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr,
         tile_seq_ptr, tile_query_offset_ptr, query_start_ptr, query_len_ptr, context_len_ptr,
         partial_out_ptr, partial_lse_ptr,
         qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-        cache_stride_block, cache_stride_slot, cache_stride_head, head_dim, num_splits,
+        cache_stride_block, cache_stride_slot, cache_stride_head, head_dim, num_splits, window,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         TILE_N: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
@@ -183,7 +185,13 @@ def _paged_attention_kernel(
     # Keys past the tile's last token are invisible to every row of it.
     last_token = tl.minimum(query_offset + BLOCK_Q, query_len)
     kv_end = context_len - query_len + last_token
-    kv_lo = 0
+    # A sliding window (window > 0): keys before the tile's first row's window are invisible to
+    # every row of it (a row at position p sees the keys after p - window, HF's mask).
+    # No branch on it: a runtime if would have to agree on kv_lo's type in both arms.
+    kv_lo = tl.where(window > 0,
+                     tl.maximum(context_len - query_len + query_offset - window + 1, 0), 0)
+    # Each row's last invisible key: -1 (none) without a window.
+    window_edge = tl.where(window > 0, position - window, -1)
     kv_hi = kv_end
     if SPLIT:
         # Each row shares its own keys evenly among the splits, in whole tiles. The split count
@@ -191,9 +199,9 @@ def _paged_attention_kernel(
         # max_model_len freezes it), so a length derived from the launch's longest context would
         # leave a short row's keys all in its first split. A split past the row's keys runs no
         # iteration and writes lse -inf, which the merge weighs at zero.
-        split_len = (kv_end + num_splits - 1) // num_splits
+        split_len = (kv_end - kv_lo + num_splits - 1) // num_splits
         split_len = (split_len + TILE_N - 1) // TILE_N * TILE_N
-        kv_lo = split * split_len
+        kv_lo = kv_lo + split * split_len
         kv_hi = tl.minimum(kv_end, kv_lo + split_len)
 
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -211,7 +219,8 @@ def _paged_attention_kernel(
         if DOT_UPCAST:
             k = k.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        visible = (keys[None, :] <= position[:, None]) & key_valid[None, :]
+        visible = (keys[None, :] <= position[:, None]) & (keys[None, :] > window_edge[:, None]) \
+            & key_valid[None, :]
         scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         # A row that has seen no visible key yet keeps -inf; shift it by 0 instead (no NaN).
@@ -270,7 +279,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     meta: AttentionMetadata, scale: float, *,
                     num_kv_splits: int | None = None,
                     out: torch.Tensor | None = None,
-                    config: AttentionLaunchConfig | None = None) -> torch.Tensor:
+                    config: AttentionLaunchConfig | None = None,
+                    sliding_window: int | None = None) -> torch.Tensor:
     """See `kernels.attention.paged_attention`. ``num_kv_splits`` fixes how many programs share
     each decode's context (default: chosen from the device's size and the batch; at most
     MAX_SPLITS). ``config``: the tiles and launch options (default: DEFAULT_ATTENTION_CONFIG,
@@ -285,11 +295,13 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if num_kv_splits is not None and not 1 <= num_kv_splits <= MAX_SPLITS:
         raise ValueError(f"num_kv_splits {num_kv_splits} is outside 1..{MAX_SPLITS}")
     launcher = _Launch(query, key_cache, value_cache, out, scale, num_heads // num_kv_heads,
-                       block_size, config or DEFAULT_ATTENTION_CONFIG)
+                       block_size, config or DEFAULT_ATTENTION_CONFIG, sliding_window or 0)
     if meta.num_decodes > 0:
-        splits = num_kv_splits or decode_splits(
-            meta.num_decodes, num_kv_heads, _decode_span(meta, block_size),
-            target_programs(query.device))
+        span = _decode_span(meta, block_size)
+        if sliding_window:
+            span = min(span, -(-sliding_window // block_size) * block_size)
+        splits = num_kv_splits or decode_splits(meta.num_decodes, num_kv_heads, span,
+                                                target_programs(query.device))
         launcher.decodes(meta, splits)
     if meta.prefill_query_lens:
         launcher.prefills(meta)
@@ -301,8 +313,9 @@ class _Launch:
 
     def __init__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  out: torch.Tensor, scale: float, group: int, block_size: int,
-                 config: AttentionLaunchConfig) -> None:
+                 config: AttentionLaunchConfig, window: int = 0) -> None:
         self.query, self.key_cache, self.value_cache, self.out = query, key_cache, value_cache, out
+        self.window = window
         self.group, self.block_size, self.config = group, block_size, config
         self.num_kv_heads, self.head_dim = key_cache.shape[2], key_cache.shape[3]
         self.head_pad = max(16, triton.next_power_of_2(self.head_dim))
@@ -368,7 +381,7 @@ class _Launch:
                query_len, context_len, partial_out, partial_lse,
                self.scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                tables.stride(0), cache.stride(0), cache.stride(1), cache.stride(2), self.head_dim,
-               splits, GROUP=self.group, BLOCK_Q=block_q, BLOCK_M=block_m,
+               splits, self.window, GROUP=self.group, BLOCK_Q=block_q, BLOCK_M=block_m,
                TILE_N=tile_n, HEAD_PAD=self.head_pad, BLOCK_SIZE=self.block_size,
                SPLIT=splits > 1, DOT_PRECISION=self.precision, DOT_UPCAST=self.upcast,
                num_warps=num_warps, num_stages=num_stages)

@@ -42,8 +42,8 @@ class Case:
     meta: AttentionMetadata
     scale: float
 
-    def dense_reference(self) -> torch.Tensor:
-        return dense_reference(self.query.cpu(), self.requests, self.scale)
+    def dense_reference(self, sliding_window: int | None = None) -> torch.Tensor:
+        return dense_reference(self.query.cpu(), self.requests, self.scale, sliding_window)
 
     def to(self, device: torch.device | str) -> Case:
         """The same step with its tensors on ``device`` (the requests stay on the CPU for the
@@ -117,8 +117,10 @@ def write_prefixes(requests: list[Request], key_cache: torch.Tensor,
         value_cache.view(-1, num_kv_heads, head_dim)[idx] = req.values[:req.num_cached]
 
 
-def dense_reference(query: torch.Tensor, requests: list[Request], scale: float) -> torch.Tensor:
-    """float64 attention from each request's full K/V, query i at position num_cached + i."""
+def dense_reference(query: torch.Tensor, requests: list[Request], scale: float,
+                    sliding_window: int | None = None) -> torch.Tensor:
+    """float64 attention from each request's full K/V, query i at position num_cached + i
+    (with a sliding window W: over the keys after its position - W, as HF masks)."""
     outs = []
     start = 0
     for req in requests:
@@ -128,7 +130,10 @@ def dense_reference(query: torch.Tensor, requests: list[Request], scale: float) 
         v = req.values.double().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         q_pos = torch.arange(req.num_cached, req.num_cached + req.num_new)
-        visible = torch.arange(k.shape[0])[None, :] <= q_pos[:, None]
+        keys = torch.arange(k.shape[0])[None, :]
+        visible = keys <= q_pos[:, None]
+        if sliding_window is not None:
+            visible &= keys > q_pos[:, None] - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v))
         start += req.num_new

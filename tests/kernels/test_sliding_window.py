@@ -1,0 +1,61 @@
+"""Sliding-window attention in every kernel: the PyTorch reference, the CPU's compiled decode
+loop and the Triton kernel (interpreted here) against a float64 dense reference that masks as
+HF does (a query at position p sees the keys after p - W), over a mixed batch of decodes and
+prefill chunks with cached prefixes; windows that cut blocks mid-way, of one token, and longer
+than every context."""
+
+from __future__ import annotations
+
+# Must come before the kernels are decorated (on import): it picks interpreted or compiled.
+import tests.utils.triton_device  # noqa: F401,I001
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kernels import cpu_fused, torch_attention  # noqa: E402
+from tests.utils.attention_cases import MIXED, MIXED_DECODES, make_case  # noqa: E402
+
+# 1: each query sees itself only; 7 and 24: mid-block cuts, shorter than most contexts (the
+# decodes' 17..131, chunks' 23..100); 1000: longer than every context (full attention).
+WINDOWS = [1, 7, 24, 1000]
+ATOL = 2e-5
+
+
+def _case(head_dim: int = 32, block_size: int = 16):
+    return make_case(MIXED, MIXED_DECODES, num_heads=8, num_kv_heads=2, head_dim=head_dim,
+                     block_size=block_size, dtype=torch.float32, num_blocks=1024 // block_size)
+
+
+def _run(fn, case, window, **kwargs):
+    return fn(case.query, case.new_keys, case.new_values, case.key_cache, case.value_cache,
+              case.meta, case.scale, sliding_window=window, **kwargs)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_the_reference_masks_as_hf(window: int) -> None:
+    case = _case()
+    out = _run(torch_attention.paged_attention, case, window)
+    torch.testing.assert_close(out.double(), case.dense_reference(window), atol=ATOL, rtol=0)
+    if window < 100:
+        # Probe: the window changed the answer (it is not full attention in disguise).
+        assert (out.double() - case.dense_reference()).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_the_cpu_decode_loop_masks_as_hf(window: int) -> None:
+    if not cpu_fused.warm_up():
+        pytest.skip("the fused CPU kernels cannot be compiled here (no C++ compiler?)")
+    # Blocks of 4 slots: windows start inside blocks, several blocks before each context.
+    case = _case(head_dim=20, block_size=4)
+    out = _run(cpu_fused.paged_attention, case, window)
+    torch.testing.assert_close(out.double(), case.dense_reference(window), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_the_triton_kernel_masks_as_hf(triton_device, window: int, splits: int) -> None:
+    from kernels import triton_attention
+
+    case = _case().to(triton_device)
+    out = _run(triton_attention.paged_attention, case, window, num_kv_splits=splits).cpu()
+    torch.testing.assert_close(out.double(), case.dense_reference(window), atol=ATOL, rtol=0)
