@@ -106,16 +106,11 @@ def _supports_bf16(device: torch.device) -> bool:
 
 def resolve_max_model_len(hf_config, requested: int | None) -> int:
     limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-    # Mistral-style sliding-window attention is not implemented: cap the context at the window,
-    # within which it equals full attention.
-    window = getattr(hf_config, "sliding_window", None)
-    if window and (getattr(hf_config, "use_sliding_window", True)):
-        limit = min(limit, int(window))
     if requested is None:
         return limit
     if requested < 1 or requested > limit:
         raise ValueError(f"max_model_len: {requested} must be in [1, {limit}] for this model "
-                         f"(its max_position_embeddings / sliding window)")
+                         f"(its max_position_embeddings)")
     return requested
 
 

@@ -48,14 +48,27 @@ def moe_model(request, tiny_model, monkeypatch, tmp_path_factory) -> str:
     return _slowed_model(request.param, tiny_model, monkeypatch, tmp_path_factory)
 
 
-def _slowed_model(arch: str, tiny_model, monkeypatch, tmp_path_factory) -> str:
+# The windowed model's sliding window: the long prompt is more than eight windows long.
+WINDOW = 48
+
+
+@pytest.fixture
+def windowed_model(tiny_model, monkeypatch, tmp_path_factory) -> str:
+    """The same slowed tiny model as ``model``, in Mistral's layout with every layer sliding
+    over ``WINDOW`` tokens."""
+    return _slowed_model("mistral", tiny_model, monkeypatch, tmp_path_factory,
+                         sliding_window=WINDOW)
+
+
+def _slowed_model(arch: str, tiny_model, monkeypatch, tmp_path_factory, **overrides) -> str:
     monkeypatch.setenv(LAYER_DELAY_ENV, str(DELAY_US_PER_TOKEN))
     if "path" not in _TTFT_FILE:
         path = tmp_path_factory.mktemp("ttft") / "ttft.json"
         StepTimeModel(seconds_per_token=NUM_LAYERS * DELAY_US_PER_TOKEN * 1e-6,
                       intercept_s=0.02).save(path)
         _TTFT_FILE["path"] = str(path)
-    return tiny_model(arch, num_hidden_layers=NUM_LAYERS, max_position_embeddings=1024)
+    return tiny_model(arch, num_hidden_layers=NUM_LAYERS, max_position_embeddings=1024,
+                      **overrides)
 
 
 def _prompt(n: int, seed: int, prefix: list[int] | None = None) -> list[int]:

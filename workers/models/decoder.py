@@ -224,6 +224,9 @@ class DecoderForCausalLM(nn.Module):
     qk_norm: ClassVar[bool] = False  # Qwen3: RMSNorm over head_dim on q and k before rotary
     # HF name fragment -> ours, for modules a family names its own way (Mixtral's MoE block).
     checkpoint_renames: ClassVar[dict[str, str]] = {}
+    # Whether HF's modeling of the family reads layer_types (which layers slide); Mistral's and
+    # Mixtral's ignore them and slide every layer when the config has a window.
+    reads_layer_types: ClassVar[bool] = True
 
     def __init__(self, config: Any, *, dtype: torch.dtype, device: torch.device | str,
                  tp_rank: int = 0, tp_size: int = 1,
@@ -255,8 +258,8 @@ class DecoderForCausalLM(nn.Module):
         self.head_dim: int = attn.head_dim
         self.vocab_size: int = config.vocab_size
         self.scale: float = self.head_dim ** -0.5
-        # Attention never slides here; an engine must cap max_model_len at this when it is set.
-        self.sliding_window: int | None = self._sliding_window(config)
+        # Each layer's sliding window (None: full attention), handed to its attention kernel.
+        self.layer_windows: list[int | None] = self.sliding_windows(config)
         self.dtype, self.device = dtype, device
         # Called with the layer index before every attention op (the preemption vote); None is
         # the common case and costs one attribute check per layer.
@@ -272,7 +275,32 @@ class DecoderForCausalLM(nn.Module):
     @classmethod
     def check_config(cls, config: Any) -> None:
         """A ValueError for a config this implementation would not compute exactly."""
-        check_no_sliding_layers(config)
+        cls.sliding_windows(config)
+
+    @classmethod
+    def sliding_windows(cls, config: Any) -> list[int | None]:
+        """Each layer's sliding window as HF's modeling reads the config: where the config lists
+        ``layer_types`` (Qwen2, Qwen3, Qwen2-MoE), its "sliding_attention" layers take
+        ``sliding_window`` and the others attend fully; without them a ``sliding_window`` covers
+        every layer (Qwen3-MoE). A window of None or 0 (Qwen2-MoE's "off") is no window."""
+        layers = config.num_hidden_layers
+        window = sliding_window_of(config)
+        layer_types = getattr(config, "layer_types", None) if cls.reads_layer_types else None
+        if not layer_types:
+            return [window] * layers
+        if len(layer_types) != layers:
+            raise ValueError(f"layer_types lists {len(layer_types)} layers; the model has "
+                             f"{layers}")
+        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(f"unsupported layer_types {unknown}: only 'full_attention' and "
+                             f"'sliding_attention' layers are served")
+        if window is None and "sliding_attention" in layer_types:
+            if getattr(config, "use_sliding_window", True) is False:
+                return [None] * layers  # HF: the window is off, whatever the types say
+            raise ValueError("layer_types marks sliding_attention layers but the config has no "
+                             "sliding_window")
+        return [window if kind == "sliding_attention" else None for kind in layer_types]
 
     def use_kernels(self, kernels: KernelBackend) -> None:
         """Run attention, and the norms, rotary, SwiGLU activation and experts where the
@@ -297,10 +325,6 @@ class DecoderForCausalLM(nn.Module):
                 module.silu_and_mul = (kernels.silu_and_mul if fused else None) or silu_and_mul
             elif hasattr(module, "use_kernels") and module is not self:
                 module.use_kernels(kernels)
-
-    @staticmethod
-    def _sliding_window(config: Any) -> int | None:
-        return None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -362,7 +386,7 @@ class DecoderForCausalLM(nn.Module):
         kernels = self.kernels
         kernels.write_kv_cache(k, v, key_cache, value_cache, attn_meta.slot_mapping)
         return kernels.paged_attention(q, k, v, key_cache, value_cache, attn_meta, self.scale,
-                                       out=out)
+                                       out=out, sliding_window=self.layer_windows[layer_idx])
 
     @torch.inference_mode()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -370,10 +394,12 @@ class DecoderForCausalLM(nn.Module):
         return self.lm_head(hidden_states).float()
 
 
-def check_no_sliding_layers(config: Any) -> None:
-    # Qwen2/Qwen3 can mark layers as sliding-window; the kernels only do full attention, so such
-    # a model would silently diverge from HF past the window. (Mistral's `sliding_window` covers
-    # every layer and is usually >= the context in use; it is exposed as `model.sliding_window`.)
-    layer_types = getattr(config, "layer_types", None) or []
-    if getattr(config, "use_sliding_window", False) and "sliding_attention" in layer_types:
-        raise ValueError("sliding-window attention layers are not supported")
+def sliding_window_of(config: Any) -> int | None:
+    """The config's sliding window, None where it has none (None, 0, or use_sliding_window
+    false); a ValueError naming a window that is not a positive integer."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
+    return window

@@ -6,8 +6,6 @@ shared decoder (``workers.models.decoder``).
 
 from __future__ import annotations
 
-from typing import Any
-
 from workers.models.decoder import DecoderForCausalLM
 
 
@@ -16,9 +14,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
 
 
 class MistralForCausalLM(DecoderForCausalLM):
-    @staticmethod
-    def _sliding_window(config: Any) -> int | None:
-        return getattr(config, "sliding_window", None)
+    reads_layer_types = False  # HF's Mistral slides every layer when the config has a window
 
 
 class Qwen2ForCausalLM(DecoderForCausalLM):

@@ -21,6 +21,4 @@ class MixtralForCausalLM(DecoderForCausalLM):
                               intermediate_size=config.intermediate_size, renormalize=True,
                               round_weights=False)
 
-    @staticmethod
-    def _sliding_window(config: Any) -> int | None:
-        return getattr(config, "sliding_window", None)
+    reads_layer_types = False  # HF's Mistral slides every layer when the config has a window
