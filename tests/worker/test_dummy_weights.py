@@ -17,9 +17,12 @@ from engine.sampling_params import SamplingParams
 # The config class transformers reads each shape's folder as.
 CONFIG_CLASSES = {"llama-3.2-1b": "LlamaConfig", "llama-3.1-8b": "LlamaConfig",
                   "qwen2.5-7b": "Qwen2Config", "qwen3-30b-a3b": "Qwen3MoeConfig",
-                  "mixtral-8x7b": "MixtralConfig", "llama-3.1-8b-fp8": "LlamaConfig"}
-# Fields newer transformers keep elsewhere (rope_parameters, dtype): checked on their own.
-_MOVED = {"rope_theta", "rope_scaling", "torch_dtype"}
+                  "mixtral-8x7b": "MixtralConfig", "llama-3.1-8b-fp8": "LlamaConfig",
+                  "gemma-3-12b": "Gemma3TextConfig"}
+# Fields newer transformers keep elsewhere (rope_parameters, dtype, Gemma's layer pattern):
+# checked on their own.
+_MOVED = {"rope_theta", "rope_scaling", "torch_dtype", "rope_parameters",
+          "sliding_window_pattern"}
 
 
 def test_real_shapes_are_written_with_a_tokenizer(tiny_model, tmp_path):
@@ -33,7 +36,14 @@ def test_real_shapes_are_written_with_a_tokenizer(tiny_model, tmp_path):
             if field not in _MOVED:
                 assert getattr(config, field) == value, (name, field)
         rope = getattr(config, "rope_parameters", None) or {"rope_theta": config.rope_theta}
-        assert rope["rope_theta"] == shape["rope_theta"], name
+        if "rope_parameters" in shape:  # per layer type (Gemma 3)
+            assert rope == shape["rope_parameters"], name
+        else:
+            assert rope["rope_theta"] == shape["rope_theta"], name
+        if "sliding_window_pattern" in shape:
+            pattern = shape["sliding_window_pattern"]
+            assert config.layer_types[:pattern] == ["sliding_attention"] * (pattern - 1) + [
+                "full_attention"], name
         assert str(getattr(config, "dtype", None) or config.torch_dtype).endswith("bfloat16")
         assert (folder / "tokenizer.json").exists()
         assert not list(folder.glob("*.safetensors"))  # the point: no weights

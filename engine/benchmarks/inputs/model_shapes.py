@@ -9,7 +9,8 @@ the device.
     sloserve serve /tmp/llama-8b-shape --load-format dummy --device cuda
 
 Shapes: llama-3.2-1b, llama-3.1-8b, qwen2.5-7b (dense); qwen3-30b-a3b and mixtral-8x7b
-(mixture of experts); llama-3.1-8b-fp8 (the 8B with block-wise FP8 weights).
+(mixture of experts); llama-3.1-8b-fp8 (the 8B with block-wise FP8 weights); gemma-3-12b
+(Gemma 3's text model: sliding and global layers).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ _FP8_BLOCKWISE = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": 
                   "weight_block_size": [128, 128]}
 
 # The published configs' shape fields (meta-llama/Llama-3.2-1B, Llama-3.1-8B, Qwen2.5-7B,
-# Qwen/Qwen3-30B-A3B, mistralai/Mixtral-8x7B-v0.1).
+# Qwen/Qwen3-30B-A3B, mistralai/Mixtral-8x7B-v0.1, google/gemma-3-12b-it's text_config).
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
@@ -74,6 +75,19 @@ SHAPES: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 2, "vocab_size": 32000, "max_position_embeddings": 32768,
         "rms_norm_eps": 1e-5, "rope_theta": 1e6, "sliding_window": None,
         "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16"},
+    # The text model of google/gemma-3-12b-it (its text_config): 48 layers, five sliding over
+    # 1024 tokens (local rotary base 10k) per global one (base 1M, scaled linearly by 8).
+    "gemma-3-12b": {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+        "query_pre_attn_scalar": 256, "vocab_size": 262208, "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6, "sliding_window": 1024, "sliding_window_pattern": 6,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": None,
+        "attn_logit_softcapping": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16"},
 }
 # The 8B as its block-wise FP8 checkpoints ship: a dummy load draws FP8 weights where the
 # engine reads this quantization_config (workers/quantization). The other way to FP8 is
