@@ -121,7 +121,7 @@ def test_decode_attention_reads_no_hidden_slot(compiled, monkeypatch,
     calls = []
     kernel = cpu_fused._KERNELS["decode_attention"]
     monkeypatch.setitem(cpu_fused._KERNELS, "decode_attention",
-                        lambda *args: calls.append(args[-2]) or kernel(*args))
+                        lambda *args: calls.append(args[-3]) or kernel(*args))
     specs = [(2, 1), (40, 1), (20, 1), (5, 30)]
     case = make_case(specs, 3, 9, 3, 64, 16, torch.float32, seed=5)
     for req in case.requests:
@@ -205,7 +205,7 @@ def test_the_switch_keeps_the_eager_layers(tmp_path, monkeypatch) -> None:
     assert all(norm.fused is None for norm in model.modules() if isinstance(norm, RMSNorm))
     layer = model.model.layers[0]
     assert layer.self_attn.apply_rotary is apply_rotary
-    assert layer.mlp.silu_and_mul is silu_and_mul
+    assert layer.mlp.act_and_mul is silu_and_mul
     assert model.kernels.paged_attention is torch_attention.paged_attention
 
 
@@ -224,7 +224,7 @@ def test_a_failed_compile_falls_back_to_the_eager_layers_with_a_warning(tmp_path
         model = _model(make_tiny_model(tmp_path, "llama", seed=0))
     assert "CPU fused kernels unavailable (RuntimeError: g++: not found)" in caplog.text
     assert all(norm.fused is None for norm in model.modules() if isinstance(norm, RMSNorm))
-    assert model.model.layers[0].mlp.silu_and_mul is silu_and_mul
+    assert model.model.layers[0].mlp.act_and_mul is silu_and_mul
     assert model.kernels.paged_attention is torch_attention.paged_attention
     # Tried once per process: the next model does not try again.
     monkeypatch.setattr(CppPythonBindingsCodeCache, "load_pybinding",

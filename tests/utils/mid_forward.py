@@ -52,11 +52,11 @@ def moe_model(request, tiny_model, monkeypatch, tmp_path_factory) -> str:
 WINDOW = 48
 
 
-@pytest.fixture
-def windowed_model(tiny_model, monkeypatch, tmp_path_factory) -> str:
-    """The same slowed tiny model as ``model``, in Mistral's layout with every layer sliding
-    over ``WINDOW`` tokens."""
-    return _slowed_model("mistral", tiny_model, monkeypatch, tmp_path_factory,
+@pytest.fixture(params=["mistral", "gemma3"])
+def windowed_model(request, tiny_model, monkeypatch, tmp_path_factory) -> str:
+    """The same slowed tiny model as ``model`` with layers sliding over ``WINDOW`` tokens:
+    every layer in Mistral's layout; every other one in Gemma 3's, with its own rotary base."""
+    return _slowed_model(request.param, tiny_model, monkeypatch, tmp_path_factory,
                          sliding_window=WINDOW)
 
 

@@ -37,3 +37,18 @@ def make_tiny_model(path: str | os.PathLike[str], arch: str = "llama", seed: int
     """Save a seeded tiny random ``arch`` model (config.json + model.safetensors) to ``path``
     and return the path. Keyword arguments override config fields."""
     return make_random_model(path, arch, seed, **{**TINY_DEFAULTS, **config_overrides})
+
+
+def load_tiny_model(model_dir: str, dtype: Any = None) -> Any:
+    """Our model for a saved checkpoint folder, its weights loaded, on the CPU (float32 unless
+    ``dtype``)."""
+    import torch
+    from transformers import AutoConfig
+
+    from workers.models import build_model
+    from workers.startup.weight_loader import load_weights
+
+    model = build_model(AutoConfig.from_pretrained(model_dir), dtype or torch.float32,
+                        torch.device("cpu"))
+    load_weights(model, model_dir)
+    return model

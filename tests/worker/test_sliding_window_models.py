@@ -13,14 +13,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 from kernels import cpu_fused, select_backend  # noqa: E402
 from tests.utils.paged_helpers import (PagedSequence, assert_chunks_match_hf,  # noqa: E402
                                        make_kv_caches, paged_step)
-from tests.utils.tiny_models import make_tiny_config, make_tiny_model  # noqa: E402
+from tests.utils.tiny_models import (load_tiny_model, make_tiny_config,  # noqa: E402
+                                     make_tiny_model)
 from workers.models import build_model  # noqa: E402
-from workers.startup.weight_loader import load_weights  # noqa: E402
 
 ATOL = 2e-4  # as tests/worker/test_models.py: float32 summation-order noise is ~1e-5
 WINDOW = 24
@@ -43,11 +43,6 @@ FAMILIES = {
 }
 
 
-def _model(model_dir: str) -> torch.nn.Module:
-    model = build_model(AutoConfig.from_pretrained(model_dir), torch.float32, torch.device("cpu"))
-    load_weights(model, model_dir)
-    return model
-
 
 def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -57,7 +52,7 @@ def _tokens(n: int, seed: int) -> list[int]:
 def test_each_family_slides_the_layers_hf_slides_and_matches_it(tmp_path, arch: str) -> None:
     overrides, sliding = FAMILIES[arch]
     model_dir = make_tiny_model(tmp_path, arch, seed=0, **overrides)
-    model = _model(model_dir)
+    model = load_tiny_model(model_dir)
     assert model.layer_windows == [WINDOW if i in sliding else None for i in range(3)]
     # 70 tokens, nearly three windows: a 40-token prefill and a 12-token chunk over it (both
     # straddle the window), then 18 decodes past it.
@@ -79,7 +74,7 @@ def test_a_mixed_batch_on_the_fused_cpu_kernels_matches_hf(tmp_path, monkeypatch
     model_dir = make_tiny_model(tmp_path, "mistral", seed=0, sliding_window=WINDOW,
                                 hidden_size=256, intermediate_size=512, num_attention_heads=4,
                                 num_key_value_heads=2, initializer_range=0.1)
-    model = _model(model_dir)
+    model = load_tiny_model(model_dir)
     model.use_kernels(select_backend(torch.device("cpu")))
     assert model.kernels.paged_attention is cpu_fused.paged_attention  # probe: the fused loop
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

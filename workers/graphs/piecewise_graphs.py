@@ -59,8 +59,9 @@ class PieceBuffers:
     attention_out: torch.Tensor
     residual: torch.Tensor
     hidden_out: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
+    # The step's rotary cos / sin, per table (DecoderModel.layer_rope_kind's keys).
+    cos: dict[str, torch.Tensor]
+    sin: dict[str, torch.Tensor]
 
     @classmethod
     def allocate(cls, model: Any, rows: int) -> PieceBuffers:
@@ -68,6 +69,7 @@ class PieceBuffers:
         hidden_size = model.config.hidden_size
         head_dim = attn.head_dim
         half_rotary = model.model.rotary_emb.rotary_dim // 2
+        kinds = model.model.rotary_embs.keys()
 
         def empty(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=model.dtype, device=model.device)
@@ -77,7 +79,8 @@ class PieceBuffers:
                    value=empty(rows, attn.num_kv_heads, head_dim),
                    attention_out=empty(rows, attn.num_heads, head_dim),
                    residual=empty(rows, hidden_size), hidden_out=empty(rows, hidden_size),
-                   cos=empty(rows, 1, half_rotary), sin=empty(rows, 1, half_rotary))
+                   cos={kind: empty(rows, 1, half_rotary) for kind in kinds},
+                   sin={kind: empty(rows, 1, half_rotary) for kind in kinds})
 
     def store(self, size: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               residual: torch.Tensor) -> None:
@@ -110,13 +113,15 @@ class PiecewiseGraphs(CapturedSteps):
         layers = model.layers
         buffers = self.buffers
         static = self.static
-        cos, sin = static.cos[:size], static.sin[:size]
+        # The layer's own rotary table (one for every layer in most families).
+        kind = model.layer_rope_kind[min(index, self.num_layers - 1)]
+        cos, sin = static.cos[kind][:size], static.sin[kind][:size]
 
         def first() -> torch.Tensor:
-            step_cos, step_sin = model.rotary_emb(buffers.positions[:size])
-            cos.copy_(step_cos)
-            sin.copy_(step_sin)
-            hidden = model.embed_tokens(buffers.input_ids[:size])
+            for table, (step_cos, step_sin) in model.rope_tables(buffers.positions[:size]).items():
+                static.cos[table][:size].copy_(step_cos)
+                static.sin[table][:size].copy_(step_sin)
+            hidden = model.embed(buffers.input_ids[:size])
             static.store(size, *layers[0].before_attention(hidden, None, cos, sin))
             return static.query[:size]
 

@@ -15,3 +15,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     in float32 models on a CPU (kernels.cpu_fused: bit for bit these two ops)."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] [..., 2 * I] -> ``gelu_tanh(gate) * up`` [..., I]: GeGLU with the tanh
+    approximation (HF's ``gelu_pytorch_tanh``, Gemma's), rounded as HF's two ops are."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

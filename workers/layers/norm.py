@@ -25,8 +25,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device),
                                    requires_grad=False)
         # A fused kernel with the same contract (kernels.KernelBackend.rms_norm), set by the
-        # model for its backend; None runs the PyTorch arithmetic below.
+        # model for its backend where ``fusable``; None runs the PyTorch arithmetic below.
         self.fused: Callable[..., Any] | None = None
+        self.fusable = True
 
     @overload
     def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...

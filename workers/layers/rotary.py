@@ -17,16 +17,20 @@ from torch import nn
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def rope_parameters(config: Any) -> dict[str, Any]:
+def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
     """The config's rope settings as one dict with at least rope_theta and rope_type.
 
     transformers 5.x configs carry ``rope_parameters``; older ones ``rope_theta`` plus an optional
-    ``rope_scaling`` dict whose type key was sometimes spelled ``type``.
+    ``rope_scaling`` dict whose type key was sometimes spelled ``type``. Families whose layer
+    types rotate differently (Gemma 3: a local base for sliding layers, a scaled global one for
+    the others) hold one dict per ``layer_type``.
     """
     params = getattr(config, "rope_parameters", None)
     if params is None:
         params = dict(getattr(config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    elif layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
     else:
         params = dict(params)
     params["rope_type"] = params.get("rope_type", params.get("type")) or "default"
@@ -34,7 +38,8 @@ def rope_parameters(config: Any) -> dict[str, Any]:
 
 
 def _inv_freq(config: Any, head_dim: int, params: dict[str, Any],
-              device: torch.device | str) -> tuple[torch.Tensor, float]:
+              device: torch.device | str, layer_type: str | None = None
+              ) -> tuple[torch.Tensor, float]:
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: "
@@ -47,7 +52,11 @@ def _inv_freq(config: Any, head_dim: int, params: dict[str, Any],
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         return inv_freq.to(device), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
+    if layer_type is not None:
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device,
+                                                                     layer_type=layer_type)
+    else:
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
     return inv_freq, float(attention_scaling)
 
 
@@ -76,11 +85,25 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
+def layer_rope_types(config: Any) -> list[str] | None:
+    """The layer types whose rotary settings differ, per layer (Gemma 3's rope_parameters keyed
+    by ``layer_types``); None where every layer rotates alike."""
+    params = getattr(config, "rope_parameters", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not isinstance(params, dict) or not layer_types:
+        return None
+    if not all(isinstance(params.get(kind), dict) for kind in set(layer_types)):
+        return None
+    return list(layer_types)
+
+
 def get_rotary_embedding(config: Any, head_dim: int, *, dtype: torch.dtype,
-                         device: torch.device | str) -> RotaryEmbedding:
-    """Build the rotary table from an HF config (ValueError for unsupported rope types)."""
-    params = rope_parameters(config)
-    inv_freq, attention_scaling = _inv_freq(config, head_dim, params, device)
+                         device: torch.device | str,
+                         layer_type: str | None = None) -> RotaryEmbedding:
+    """Build the rotary table from an HF config (ValueError for unsupported rope types), for
+    the layers of ``layer_type`` where the config rotates layer types differently."""
+    params = rope_parameters(config, layer_type)
+    inv_freq, attention_scaling = _inv_freq(config, head_dim, params, device, layer_type)
     if 2 * inv_freq.numel() != head_dim:
         raise ValueError(f"rotary dim {2 * inv_freq.numel()} != head_dim {head_dim}")
     return RotaryEmbedding(inv_freq, attention_scaling, config.max_position_embeddings,

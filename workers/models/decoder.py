@@ -24,6 +24,8 @@ from kernels import AttentionMetadata, KernelBackend, select_backend
 from workers.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                             RMSNorm, RowParallelLinear, VocabParallelEmbedding, apply_rotary,
                             get_rotary_embedding, silu_and_mul)
+from workers.layers.activation import gelu_tanh_and_mul
+from workers.layers.rotary import layer_rope_types
 from workers.preemption.slo_preempt_vote import StepSLOPreempted
 from workers.quantization import QuantizationConfig
 
@@ -43,6 +45,8 @@ class ParallelContext:
         self.dtype, self.device = dtype, device
         self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
         self.quant_config = quant_config
+        # The family's RMSNorm (Gemma's scales by 1 + weight).
+        self.norm: type[RMSNorm] = RMSNorm
 
     def args(self, with_group: bool = False) -> dict[str, Any]:
         kwargs: dict[str, Any] = dict(dtype=self.dtype, device=self.device, tp_rank=self.tp_rank,
@@ -86,10 +90,10 @@ class DecoderAttention(nn.Module):
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=par.dtype,
-                                  device=par.device)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=par.dtype,
-                                  device=par.device)
+            self.q_norm = par.norm(self.head_dim, config.rms_norm_eps, dtype=par.dtype,
+                                   device=par.device)
+            self.k_norm = par.norm(self.head_dim, config.rms_norm_eps, dtype=par.dtype,
+                                   device=par.device)
         # The backend's fused rotary kernel where it has one (DecoderForCausalLM.use_kernels).
         self.apply_rotary: Callable[..., torch.Tensor] = apply_rotary
 
@@ -117,12 +121,13 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up in one matmul."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up in one matmul (GeGLU with the tanh
+    GELU where the config's activation says so: Gemma)."""
 
     def __init__(self, config: Any, par: ParallelContext, prefix: str, *, bias: bool,
                  intermediate_size: int | None = None) -> None:
         super().__init__()
-        check_silu(config)
+        self.activation = mlp_activation(config)
         size = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size],
                                                        bias=bias,
@@ -131,16 +136,33 @@ class DecoderMLP(nn.Module):
                                            **par.linear_args(f"{prefix}.down_proj",
                                                              with_group=True))
         # The backend's fused kernel where it has one (DecoderForCausalLM.use_kernels).
-        self.silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul
+        self.act_and_mul: Callable[[torch.Tensor], torch.Tensor] = (
+            silu_and_mul if self.activation == "silu" else gelu_tanh_and_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+
+
+# The gated MLP activations served: HF's names -> the gate's function.
+MLP_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+def mlp_activation(config: Any) -> str:
+    """The gate's activation (Gemma names it ``hidden_activation``, the others ``hidden_act``);
+    a ValueError naming one that is not served."""
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    if act not in MLP_ACTIVATIONS:
+        raise ValueError(f"unsupported hidden activation {act!r}; served: "
+                         f"{', '.join(MLP_ACTIVATIONS)}")
+    return act
 
 
 def check_silu(config: Any) -> None:
-    act = getattr(config, "hidden_act", "silu")
+    """A ValueError unless the MLP's activation is SiLU (the experts' fused kernels' only)."""
+    act = mlp_activation(config)
     if act != "silu":
-        raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is supported")
+        raise ValueError(f"unsupported hidden_act {act!r} for a mixture of experts; only "
+                         f"'silu' is supported")
 
 
 class DecoderLayer(nn.Module):
@@ -153,10 +175,10 @@ class DecoderLayer(nn.Module):
                                           o_bias=o_bias, qk_norm=qk_norm)
         self.mlp = mlp
         eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=par.dtype,
-                                       device=par.device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=par.dtype,
-                                                device=par.device)
+        self.input_layernorm = par.norm(config.hidden_size, eps, dtype=par.dtype,
+                                        device=par.device)
+        self.post_attention_layernorm = par.norm(config.hidden_size, eps, dtype=par.dtype,
+                                                 device=par.device)
 
     def before_attention(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
                          cos: torch.Tensor, sin: torch.Tensor
@@ -194,10 +216,32 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                    **par.args(with_group=True))
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=par.dtype,
-                            device=par.device)
-        self.rotary_emb = get_rotary_embedding(config, head_dim_of(config), dtype=par.dtype,
-                                               device=par.device)
+        self.norm = par.norm(config.hidden_size, config.rms_norm_eps, dtype=par.dtype,
+                             device=par.device)
+        # One rotary table for every layer ("all"); where layer types rotate differently
+        # (Gemma 3: a local base for sliding layers), one per type. Each layer's table's key:
+        self.layer_rope_kind: list[str] = (layer_rope_types(config)
+                                           or ["all"] * config.num_hidden_layers)
+        self.rotary_embs = nn.ModuleDict({
+            kind: get_rotary_embedding(config, head_dim_of(config), dtype=par.dtype,
+                                       device=par.device,
+                                       layer_type=None if kind == "all" else kind)
+            for kind in sorted(set(self.layer_rope_kind))})
+        # The first layer's table (every layer's in most families).
+        self.rotary_emb = self.rotary_embs[self.layer_rope_kind[0]]
+        # What the token embeddings are multiplied by (Gemma: sqrt(hidden) in the model
+        # dtype); None: nothing.
+        self.embed_scale: torch.Tensor | None = None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings, scaled where the family scales them."""
+        hidden_states = self.embed_tokens(input_ids)
+        return hidden_states if self.embed_scale is None else hidden_states * self.embed_scale
+
+    def rope_tables(self, positions: torch.Tensor
+                    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """cos and sin of the positions for each rotary table (layer_rope_kind's keys)."""
+        return {kind: rotary(positions) for kind, rotary in self.rotary_embs.items()}
 
 
 @dataclass
@@ -227,6 +271,9 @@ class DecoderForCausalLM(nn.Module):
     # Whether HF's modeling of the family reads layer_types (which layers slide); Mistral's and
     # Mixtral's ignore them and slide every layer when the config has a window.
     reads_layer_types: ClassVar[bool] = True
+    # The family's layer (where its norms sit around attention and MLP) and RMSNorm.
+    layer_class: ClassVar[type[DecoderLayer]] = DecoderLayer
+    norm_class: ClassVar[type[RMSNorm]] = RMSNorm
 
     def __init__(self, config: Any, *, dtype: torch.dtype, device: torch.device | str,
                  tp_rank: int = 0, tp_size: int = 1,
@@ -237,15 +284,20 @@ class DecoderForCausalLM(nn.Module):
         self.config = config
         device = torch.device(device)
         par = ParallelContext(dtype, device, tp_rank, tp_size, tp_group, quant_config)
+        par.norm = self.norm_class
         self.quant_config = quant_config
         attention_bias = bool(getattr(config, "attention_bias", False))
-        layers = [DecoderLayer(config, par, f"model.layers.{i}",
-                               self.make_mlp(config, par, i, f"model.layers.{i}.mlp"),
-                               qkv_bias=self.qkv_bias_always or attention_bias,
-                               o_bias=attention_bias and not self.qkv_bias_always,
-                               qk_norm=self.qk_norm)
+        layers = [self.layer_class(config, par, f"model.layers.{i}",
+                                   self.make_mlp(config, par, i, f"model.layers.{i}.mlp"),
+                                   qkv_bias=self.qkv_bias_always or attention_bias,
+                                   o_bias=attention_bias and not self.qkv_bias_always,
+                                   qk_norm=self.qk_norm)
                   for i in range(config.num_hidden_layers)]
         self.model = DecoderModel(config, par, layers)
+        embed_scale = self.embedding_scale(config)
+        if embed_scale is not None:
+            # HF's cast: sqrt(3072) is 55.4256 in float32 and 55.5 in bf16.
+            self.model.embed_scale = torch.tensor(embed_scale, device=device).to(dtype)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
                                       **par.args(with_group=True))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -257,7 +309,10 @@ class DecoderForCausalLM(nn.Module):
         self.num_kv_heads: int = attn.num_kv_heads  # local to this rank
         self.head_dim: int = attn.head_dim
         self.vocab_size: int = config.vocab_size
-        self.scale: float = self.head_dim ** -0.5
+        self.scale: float = self.attention_scale(config, self.head_dim)
+        # Gemma 2's tanh soft-cap of the final logits (None: none), applied as HF does.
+        self.final_logit_softcap: float | None = getattr(config, "final_logit_softcapping",
+                                                         None)
         # Each layer's sliding window (None: full attention), handed to its attention kernel.
         self.layer_windows: list[int | None] = self.sliding_windows(config)
         self.dtype, self.device = dtype, device
@@ -276,6 +331,22 @@ class DecoderForCausalLM(nn.Module):
     def check_config(cls, config: Any) -> None:
         """A ValueError for a config this implementation would not compute exactly."""
         cls.sliding_windows(config)
+        if getattr(config, "attn_logit_softcapping", None) is not None:
+            raise ValueError("attention logit soft-capping (attn_logit_softcapping "
+                             f"{config.attn_logit_softcapping}) is not served yet")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ValueError("bidirectional attention (use_bidirectional_attention: an "
+                             "embedding model) is not served")
+
+    @staticmethod
+    def attention_scale(config: Any, head_dim: int) -> float:
+        """What q.k is multiplied by before the softmax."""
+        return head_dim ** -0.5
+
+    @staticmethod
+    def embedding_scale(config: Any) -> float | None:
+        """What the token embeddings are multiplied by (None: nothing)."""
+        return None
 
     @classmethod
     def sliding_windows(cls, config: Any) -> list[int | None]:
@@ -318,11 +389,13 @@ class DecoderForCausalLM(nn.Module):
         self.kernels = kernels
         for module in self.modules():
             if isinstance(module, RMSNorm):
-                module.fused = kernels.rms_norm if fused else None
+                module.fused = kernels.rms_norm if fused and module.fusable else None
             elif isinstance(module, DecoderAttention):
                 module.apply_rotary = (kernels.apply_rotary if fused else None) or apply_rotary
             elif isinstance(module, DecoderMLP):
-                module.silu_and_mul = (kernels.silu_and_mul if fused else None) or silu_and_mul
+                if module.activation == "silu":  # the fused kernels are SiLU's
+                    module.act_and_mul = ((kernels.silu_and_mul if fused else None)
+                                          or silu_and_mul)
             elif hasattr(module, "use_kernels") and module is not self:
                 module.use_kernels(kernels)
 
@@ -340,19 +413,17 @@ class DecoderForCausalLM(nn.Module):
         carries the inputs of the layer it stopped at (``hidden_states``/``residual``, the rows
         of the tokens active there), which is what a suspended chunk resumes from.
         """
-        cos, sin = self.model.rotary_emb(positions)
+        tables = self.model.rope_tables(positions)
+        rope_kind = self.model.layer_rope_kind
         pending = list(joins)
         hidden_states: torch.Tensor | None = None
         residual: torch.Tensor | None = None
         first_layer = pending[0].layer if pending else 0
         if input_ids.numel() > 0:
-            hidden_states = self.model.embed_tokens(input_ids)
+            hidden_states = self.model.embed(input_ids)
             first_layer = 0
         meta = attn_meta.without_last_prefills(len(pending))
         attention_op = self.attention_op
-        # The rows of the tokens active at a layer: all of them, or fewer below a join's layer.
-        # Sliced only when that count changes (at a join), not once per layer.
-        layer_cos, layer_sin = cos, sin
         try:
             for layer_idx in range(first_layer, self.num_layers):
                 if pending and pending[0].layer == layer_idx:
@@ -361,9 +432,12 @@ class DecoderForCausalLM(nn.Module):
                                                                            residual)
                     meta = attn_meta.without_last_prefills(len(pending))
                 assert hidden_states is not None
+                # The rows of the tokens active at the layer: all of them, or fewer below a
+                # join's layer.
                 n = hidden_states.shape[0]
+                layer_cos, layer_sin = tables[rope_kind[layer_idx]]
                 if layer_cos.shape[0] != n:
-                    layer_cos, layer_sin = cos[:n], sin[:n]
+                    layer_cos, layer_sin = layer_cos[:n], layer_sin[:n]
                 hidden_states, residual = self.model.layers[layer_idx](
                     layer_idx, hidden_states, residual, layer_cos, layer_sin, meta,
                     kv_caches[layer_idx], attention_op)
@@ -391,7 +465,12 @@ class DecoderForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the rows to sample (never every prompt position)."""
-        return self.lm_head(hidden_states).float()
+        logits = self.lm_head(hidden_states)
+        cap = self.final_logit_softcap
+        if cap is not None:
+            # In the model dtype, as HF: logits / cap, tanh, * cap.
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
 
 def sliding_window_of(config: Any) -> int | None:

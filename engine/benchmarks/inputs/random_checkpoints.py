@@ -37,6 +37,11 @@ ARCHS: dict[str, tuple[str, str, bool, dict[str, Any]]] = {
                    "shared_expert_intermediate_size": 96}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", False,
                 {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None}),
+    # Gemma 3's text model: q/k norms, four norms a layer, GeGLU, scaled embeddings, and its
+    # sliding / global layer pattern (every second layer global at the tiny models' depth).
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", True,
+               {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 24,
+                "sliding_window_pattern": 2}),
 }
 
 _CORPUS = [
