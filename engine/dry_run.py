@@ -36,9 +36,9 @@ def stop_if_dry_run(config: Any) -> None:
         # Reads the folder's config.json through transformers, as the engine's loader does; a
         # missing or broken folder fails here. (Not through engine.runtime.model_setup, which
         # imports engine.config, the caller.)
-        from transformers import AutoConfig
+        from engine.model_folder import load_hf_config
 
-        hf = AutoConfig.from_pretrained(model.model)
+        hf = load_hf_config(model.model)
         layers = getattr(hf, "num_hidden_layers", "?")
     else:
         layers = "simulated"

@@ -43,12 +43,11 @@ def load_tiny_model(model_dir: str, dtype: Any = None) -> Any:
     """Our model for a saved checkpoint folder, its weights loaded, on the CPU (float32 unless
     ``dtype``)."""
     import torch
-    from transformers import AutoConfig
 
+    from engine.model_folder import load_hf_config
     from workers.models import build_model
     from workers.startup.weight_loader import load_weights
 
-    model = build_model(AutoConfig.from_pretrained(model_dir), dtype or torch.float32,
-                        torch.device("cpu"))
+    model = build_model(load_hf_config(model_dir), dtype or torch.float32, torch.device("cpu"))
     load_weights(model, model_dir)
     return model

@@ -99,3 +99,50 @@ def test_configs_it_cannot_compute_are_named(overrides, message: str) -> None:
     config.__dict__.update(overrides)
     with pytest.raises(ValueError, match=message):
         build_model(config, torch.float32, torch.device("cpu"))
+
+
+def _multimodal_checkpoint(path) -> str:
+    """A tiny Gemma 3 checkpoint as the multimodal releases are (gemma-3-12b-it): a vision tower
+    and projector beside the text model, under ``language_model.``, saved by transformers."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from engine.benchmarks.inputs.random_checkpoints import ARCHS
+    from tests.utils.tiny_models import TINY_DEFAULTS
+
+    text = {**TINY_DEFAULTS, **ARCHS["gemma3"][3]}
+    config = Gemma3Config(text_config=text, mm_tokens_per_image=4,
+                          vision_config=dict(hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=32, patch_size=8))
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+def test_a_multimodal_checkpoint_serves_its_text_model_as_hf(tmp_path) -> None:
+    from transformers import Gemma3ForConditionalGeneration
+
+    from engine.model_folder import load_hf_config
+
+    model_dir = _multimodal_checkpoint(tmp_path)
+    config = load_hf_config(model_dir)
+    # Probe: the folder is the multimodal one, served through its text config.
+    assert config.architectures == ["Gemma3ForConditionalGeneration"]
+    assert type(config).__name__ == "Gemma3TextConfig"
+    model = load_tiny_model(model_dir)
+    hf = Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    seq = PagedSequence(_tokens(60, seed=3), blocks=[3, 1, 0, 2])
+    with torch.no_grad():
+        ref = hf(torch.tensor([seq.tokens])).logits[0]
+    from tests.utils.paged_helpers import make_kv_caches, paged_step
+
+    caches = make_kv_caches(model, 8, 16)
+    paged_step(model, caches, [(seq, 40)], num_decodes=0)
+    for _ in range(20):
+        paged_step(model, caches, [(seq, 1)], num_decodes=1)
+    torch.testing.assert_close(torch.stack(seq.logits), ref, atol=ATOL, rtol=0)

@@ -16,7 +16,7 @@ What differs from Llama, each as HF's ``modeling_gemma3`` computes it:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -91,3 +91,17 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
     @staticmethod
     def embedding_scale(config: Any) -> float | None:
         return config.hidden_size ** 0.5
+
+
+class Gemma3TextOfMultimodal(Gemma3ForCausalLM):
+    """The text model of a multimodal Gemma 3 checkpoint (``Gemma3ForConditionalGeneration``:
+    gemma-3-4b/12b/27b-it), served alone. Its config is the checkpoint's ``text_config``
+    (``engine.model_folder.text_model_config``); its weights sit under ``language_model.``
+    (``model.language_model.`` as transformers 5 writes them), and the vision tower and its
+    projector are not loaded: images are not served."""
+
+    checkpoint_renames: ClassVar[dict[str, str]] = {
+        "language_model.model.": "model.", "model.language_model.": "model.",
+        "language_model.lm_head.": "lm_head."}
+    checkpoint_ignores: ClassVar[tuple[str, ...]] = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                          "model.multi_modal_projector.")

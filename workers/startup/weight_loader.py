@@ -144,6 +144,8 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     params = dict(model.named_parameters())
     tied = bool(getattr(model, "tie_word_embeddings", False))
     renames = getattr(model, "checkpoint_renames", None)
+    # Tensors of parts the model does not serve (a multimodal checkpoint's vision tower).
+    ignored = tuple(getattr(model, "checkpoint_ignores", ()))
     loaded: dict[str, set[ShardId]] = {name: set() for name in params}
     unexpected: list[str] = []
     seen: set[str] = set()
@@ -152,9 +154,11 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
             seen.add(hf_name)
             if hf_name.endswith("rotary_emb.inv_freq"):
                 continue  # recomputed from the config
-            if tied and hf_name == "lm_head.weight":
-                continue  # the head shares the embedding's weight
+            if ignored and hf_name.startswith(ignored):
+                continue
             name, shard_id = _map_name(hf_name, renames)
+            if tied and name == "lm_head.weight":
+                continue  # the head shares the embedding's weight
             param = params.get(name)
             if param is None:
                 unexpected.append(hf_name)
