@@ -224,7 +224,7 @@ static void attend(const float* q, const float* key_cache, const float* value_ca
                    const int64_t* table, const int64_t first, const int64_t ctx, float* out,
                    const int64_t group, const int64_t h, const int64_t head_dim,
                    const int64_t block_size, const int64_t slot_stride, const int64_t sqh,
-                   const int64_t soh, const float scale, float* scores)
+                   const int64_t soh, const float scale, const float softcap, float* scores)
 {
     const int64_t tail = head_dim - (CH - 1) * kLanes;
     const int64_t block_stride = block_size * slot_stride;
@@ -257,6 +257,13 @@ static void attend(const float* q, const float* key_cache, const float* value_ca
     }
     for (int64_t g = 0; g < group; ++g) {
         float* s = scores + g * seen;
+        if (softcap > 0.0f) {  // Gemma 2: softcap * tanh(score / softcap)
+            const Vec cap(softcap), inv_cap(1.0f / softcap);
+            for (int64_t t = 0; t < seen; t += kLanes) {
+                const int64_t n = std::min(kLanes, seen - t);
+                ((Vec::loadu(s + t, n) * inv_cap).tanh() * cap).store(s + t, n);
+            }
+        }
         float top = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < seen; ++t) top = std::max(top, s[t]);
         Vec total(0.0f);
@@ -297,7 +304,7 @@ extern "C" void kernel(const float* q, const float* key_cache, const float* valu
                        const int64_t head_dim, const int64_t block_size,
                        const int64_t table_stride, const int64_t sqb, const int64_t sqh,
                        const int64_t sob, const int64_t soh, const int64_t parallel,
-                       const int64_t window, const float scale)
+                       const int64_t window, const float scale, const float softcap)
 {
     const int64_t group = heads / kv_heads;
     const int64_t slot_stride = kv_heads * head_dim;
@@ -314,7 +321,8 @@ extern "C" void kernel(const float* q, const float* key_cache, const float* valu
             float* ob = out + b * sob;
             const int64_t* table = tables + b * table_stride;
             #define ATTEND(CH) attend<CH>(qb, key_cache, value_cache, table, first, ctx, ob, \
-                group, h, head_dim, block_size, slot_stride, sqh, soh, scale, scores.data())
+                group, h, head_dim, block_size, slot_stride, sqh, soh, scale, softcap, \
+                scores.data())
             switch (chunks) {
                 case 1: ATTEND(1); break;
                 case 2: ATTEND(2); break;
@@ -342,7 +350,8 @@ _SOURCES: dict[str, tuple[list[str], str]] = {
     "silu_and_mul": (["const float*", "float*", "const int64_t", "const int64_t",
                       "const int64_t"], _SILU_AND_MUL),
     "decode_attention": (["const float*", "const float*", "const float*", "const int64_t*",
-                          "const int64_t*", "float*"] + ["const int64_t"] * 12 + ["const float"],
+                          "const int64_t*", "float*"] + ["const int64_t"] * 12
+                         + ["const float"] * 2,
                          _DECODE_ATTENTION),
 }
 
@@ -457,7 +466,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor, meta: Any, scale: float,
                     out: torch.Tensor | None = None,
-                    sliding_window: int | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """``kernels.torch_attention.paged_attention`` (same contract) with the decodes in one
     compiled loop over the paged cache: no gathered copy of K/V, no padding of contexts, a few
     microseconds of Python instead of ~20 eager ops a layer. Prefill chunks, and decodes the
@@ -466,7 +476,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     num_decodes = meta.num_decodes
     if not num_decodes or not _decodes_fit(query, key_cache, value_cache, meta, out):
         return torch_attention.paged_attention(query, key, value, key_cache, value_cache, meta,
-                                               scale, out, sliding_window)
+                                               scale, out, sliding_window, softcap)
     out = torch_attention.output_for(query, key_cache, out)
     _, heads, head_dim = query.shape
     kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
@@ -477,10 +487,10 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     _KERNELS["decode_attention"](query, key_cache, value_cache, tables, lens, out, num_decodes,
                                  heads, kv_heads, head_dim, block_size, tables.stride(0),
                                  query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-                                 parallel, sliding_window or 0, scale)
+                                 parallel, sliding_window or 0, scale, softcap or 0.0)
     if num_decodes < query.shape[0]:
         torch_attention.attend_prefills(out, query, key, value, key_cache, value_cache, meta,
-                                        scale, sliding_window)
+                                        scale, sliding_window, softcap)
     return out
 
 
@@ -548,18 +558,19 @@ def _check() -> None:
     attention = paged_attention(query, query, query, key_cache, value_cache, meta, 0.3)
     reference = torch_attention.paged_attention(query, query, query, key_cache, value_cache,
                                                 meta, 0.3)
-    # A sliding window of 5 slots: the first decode sees slots 2..6 (from mid-block).
+    # A sliding window of 5 slots (the first decode sees slots 2..6, from mid-block), scores
+    # soft-capped at 2.
     windowed = paged_attention(query, query, query, key_cache, value_cache, meta, 0.3,
-                               sliding_window=5)
+                               sliding_window=5, softcap=2.0)
     windowed_reference = torch_attention.paged_attention(query, query, query, key_cache,
                                                          value_cache, meta, 0.3,
-                                                         sliding_window=5)
+                                                         sliding_window=5, softcap=2.0)
     checks: list[tuple[str, torch.Tensor, torch.Tensor]] = [
         ("rms_norm", got, expected), ("residual add", summed, s),
         ("rotary", apply_rotary(heads, cos, sin), rotated),
         ("silu_and_mul", silu_and_mul(wide), F.silu(gate) * up),
         ("decode attention", attention, reference),
-        ("sliding-window decode attention", windowed, windowed_reference)]
+        ("sliding-window soft-capped decode attention", windowed, windowed_reference)]
     for name, value, reference in checks:
         if not torch.allclose(value, reference, rtol=1e-5, atol=1e-5):
             raise RuntimeError(f"the compiled {name} differs from the eager ops")

@@ -36,13 +36,15 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float,
                     out: torch.Tensor | None = None,
-                    sliding_window: int | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     out = output_for(query, key_cache, out)
     num_decodes = meta.num_decodes
     if num_decodes > 0:
         out[:num_decodes] = _decode_attention(query[:num_decodes], key_cache, value_cache, meta,
-                                              scale, sliding_window)
-    attend_prefills(out, query, key, value, key_cache, value_cache, meta, scale, sliding_window)
+                                              scale, sliding_window, softcap)
+    attend_prefills(out, query, key, value, key_cache, value_cache, meta, scale, sliding_window,
+                    softcap)
     return out
 
 
@@ -64,16 +66,17 @@ def output_for(query: torch.Tensor, key_cache: torch.Tensor,
 def attend_prefills(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float,
-                    sliding_window: int | None = None) -> None:
+                    sliding_window: int | None = None, softcap: float | None = None) -> None:
     """The prefill chunks' attention (the rows after the decodes), into ``out``; with a
     ``sliding_window`` W, a query at position p sees the keys after p - W only (HF's
-    sliding-window mask)."""
+    sliding-window mask); with a ``softcap`` c, scores are ``c * tanh(scores / c)`` before the
+    mask (Gemma 2)."""
     start = meta.num_decodes
     for i, (q_len, ctx_len) in enumerate(zip(meta.prefill_query_lens, meta.prefill_context_lens)):
         end = start + q_len
         out[start:end] = _prefill_attention(query[start:end], key[start:end], value[start:end],
                                             key_cache, value_cache, meta, i, scale,
-                                            sliding_window)
+                                            sliding_window, softcap)
         start = end
     if start != query.shape[0]:
         raise ValueError(f"metadata covers {start} tokens but the batch has {query.shape[0]}")
@@ -173,16 +176,16 @@ _BLOCK_DIAGONAL_MAX_KV_HEADS = 4
 
 def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float,
-                      sliding_window: int | None) -> torch.Tensor:
+                      sliding_window: int | None, softcap: float | None) -> torch.Tensor:
     groups = _decode_plan(meta, key_cache.shape[1])
     if len(groups) == 1:
         return _decode_group(query, key_cache, value_cache, meta, scale, groups[0], "",
-                             sliding_window)
+                             sliding_window, softcap)
     out = torch.empty_like(query)
     for i, plan in enumerate(groups):
         assert plan.rows is not None
         out[plan.rows] = _decode_group(query[plan.rows], key_cache, value_cache, meta, scale,
-                                       plan, str(i), sliding_window)
+                                       plan, str(i), sliding_window, softcap)
     return out
 
 
@@ -206,7 +209,8 @@ def _window_start(meta: AttentionMetadata, plan: _DecodeGroup, window: int,
 
 def _decode_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float, plan: _DecodeGroup,
-                  buffer: str, sliding_window: int | None = None) -> torch.Tensor:
+                  buffer: str, sliding_window: int | None = None,
+                  softcap: float | None = None) -> torch.Tensor:
     num_decodes, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
@@ -239,6 +243,8 @@ def _decode_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     # The hidden slots hold whatever an earlier owner of the block left there, NaN included
     # (a request that failed with NaN logits): masked_fill, unlike adding -inf, replaces a NaN
     # score, and those slots' values are zeroed since 0 * NaN is still NaN.
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if shortest < ctx:
         scores[..., shortest:].masked_fill_(hidden[:, None, :], float("-inf"))
     if before is not None:
@@ -288,11 +294,15 @@ def _prefill_plan(meta: AttentionMetadata, index: int, block_size: int,
 def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        key_cache: torch.Tensor, value_cache: torch.Tensor,
                        meta: AttentionMetadata, index: int, scale: float,
-                       sliding_window: int | None = None) -> torch.Tensor:
+                       sliding_window: int | None = None,
+                       softcap: float | None = None) -> torch.Tensor:
     q_len, ctx_len = meta.prefill_query_lens[index], meta.prefill_context_lens[index]
     q = query.transpose(0, 1).unsqueeze(0)
     if sliding_window is not None and sliding_window >= ctx_len:
         sliding_window = None  # the window holds the whole context: plain causal attention
+    if softcap:
+        return _softcapped_prefill(query, key, value, key_cache, value_cache, meta, index, scale,
+                                   sliding_window, softcap)
     if ctx_len == q_len and sliding_window is None:
         # No cached prefix: the chunk's own K/V is the whole context, plain causal attention.
         out = F.scaled_dot_product_attention(
@@ -309,3 +319,30 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
             q, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
             attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)
+
+
+def _softcapped_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        meta: AttentionMetadata, index: int, scale: float,
+                        sliding_window: int | None, softcap: float) -> torch.Tensor:
+    """A chunk's attention with soft-capped scores, as HF's eager Gemma 2 computes it: scores
+    ``q.k * scale`` in float32, ``softcap * tanh(scores / softcap)``, then the mask and the
+    softmax (SDPA has no soft-cap)."""
+    q_len, ctx_len = meta.prefill_query_lens[index], meta.prefill_context_lens[index]
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    block_ids, mask = _prefill_plan(meta, index, block_size, sliding_window)
+    if ctx_len == q_len:
+        keys, values = key, value
+    else:
+        keys = key_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:ctx_len]
+        values = value_cache.index_select(0, block_ids).view(-1, num_kv_heads,
+                                                              head_dim)[:ctx_len]
+    group = query.shape[1] // num_kv_heads
+    q = query.transpose(0, 1).float()  # [H, q_len, D]
+    k = keys.transpose(0, 1).float().repeat_interleave(group, dim=0)
+    v = values.transpose(0, 1).repeat_interleave(group, dim=0)
+    scores = torch.matmul(q, k.transpose(1, 2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(query.dtype)
+    return torch.matmul(probs, v).transpose(0, 1)

@@ -11,7 +11,8 @@ context in tiles of keys, looking each key's block up in the block table, and ke
 softmax in float32 (base 2). A query token at position p sees keys 0..p: within a prefill chunk
 that is causal, over the cached prefix it is full, and a decode sees its whole context. A layer
 with a sliding window W (a runtime argument, 0 for none: no variant of its own) sees only the
-keys after p - W, and a tile starts at its first row's window.
+keys after p - W, and a tile starts at its first row's window. Gemma 2's soft-capped scores
+(``softcap * tanh(s / softcap)``) are a constexpr of their own.
 
 The batch is launched twice with different tile shapes: decodes with one query token per tile
 (the rows are just the group's heads), prefill chunks with many tokens per tile so that each K/V
@@ -148,16 +149,17 @@ DECODE_TILE_N = DEFAULT_ATTENTION_CONFIG.decode.tile_n
 
 # Arguments that change with the batch would otherwise be specialized (to a constant when 1, as
 # a multiple of 16 when one) and compile a new variant mid-serving.
-@triton.jit(do_not_specialize=["stride_bt", "num_splits", "window"])
+@triton.jit(do_not_specialize=["stride_bt", "num_splits", "window", "softcap"])
 def _paged_attention_kernel(
         out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr,
         tile_seq_ptr, tile_query_offset_ptr, query_start_ptr, query_len_ptr, context_len_ptr,
         partial_out_ptr, partial_lse_ptr,
         qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
         cache_stride_block, cache_stride_slot, cache_stride_head, head_dim, num_splits, window,
-        GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+        softcap, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         TILE_N: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+        SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+        SOFTCAP: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -219,6 +221,12 @@ def _paged_attention_kernel(
         if DOT_UPCAST:
             k = k.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:
+            # Gemma 2: softcap * tanh(s / softcap) on the natural-log scores s (qk_scale holds
+            # log2(e)), tanh as 1 - 2 / (exp(2x) + 1) (saturating, never NaN).
+            x = scores / (softcap * 1.4426950408889634)
+            scores = (1.0 - 2.0 / (tl.exp2(2.0 * 1.4426950408889634 * x) + 1.0)) \
+                * (softcap * 1.4426950408889634)
         visible = (keys[None, :] <= position[:, None]) & (keys[None, :] > window_edge[:, None]) \
             & key_valid[None, :]
         scores = tl.where(visible, scores, float("-inf"))
@@ -280,7 +288,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     num_kv_splits: int | None = None,
                     out: torch.Tensor | None = None,
                     config: AttentionLaunchConfig | None = None,
-                    sliding_window: int | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """See `kernels.attention.paged_attention`. ``num_kv_splits`` fixes how many programs share
     each decode's context (default: chosen from the device's size and the batch; at most
     MAX_SPLITS). ``config``: the tiles and launch options (default: DEFAULT_ATTENTION_CONFIG,
@@ -295,7 +304,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if num_kv_splits is not None and not 1 <= num_kv_splits <= MAX_SPLITS:
         raise ValueError(f"num_kv_splits {num_kv_splits} is outside 1..{MAX_SPLITS}")
     launcher = _Launch(query, key_cache, value_cache, out, scale, num_heads // num_kv_heads,
-                       block_size, config or DEFAULT_ATTENTION_CONFIG, sliding_window or 0)
+                       block_size, config or DEFAULT_ATTENTION_CONFIG, sliding_window or 0,
+                       softcap or 0.0)
     if meta.num_decodes > 0:
         span = _decode_span(meta, block_size)
         if sliding_window:
@@ -313,9 +323,9 @@ class _Launch:
 
     def __init__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  out: torch.Tensor, scale: float, group: int, block_size: int,
-                 config: AttentionLaunchConfig, window: int = 0) -> None:
+                 config: AttentionLaunchConfig, window: int = 0, softcap: float = 0.0) -> None:
         self.query, self.key_cache, self.value_cache, self.out = query, key_cache, value_cache, out
-        self.window = window
+        self.window, self.softcap = window, softcap
         self.group, self.block_size, self.config = group, block_size, config
         self.num_kv_heads, self.head_dim = key_cache.shape[2], key_cache.shape[3]
         self.head_pad = max(16, triton.next_power_of_2(self.head_dim))
@@ -381,9 +391,10 @@ class _Launch:
                query_len, context_len, partial_out, partial_lse,
                self.scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                tables.stride(0), cache.stride(0), cache.stride(1), cache.stride(2), self.head_dim,
-               splits, self.window, GROUP=self.group, BLOCK_Q=block_q, BLOCK_M=block_m,
+               splits, self.window, self.softcap, GROUP=self.group, BLOCK_Q=block_q, BLOCK_M=block_m,
                TILE_N=tile_n, HEAD_PAD=self.head_pad, BLOCK_SIZE=self.block_size,
                SPLIT=splits > 1, DOT_PRECISION=self.precision, DOT_UPCAST=self.upcast,
+               SOFTCAP=self.softcap > 0,
                num_warps=num_warps, num_stages=num_stages)
 
 

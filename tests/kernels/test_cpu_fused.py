@@ -121,7 +121,7 @@ def test_decode_attention_reads_no_hidden_slot(compiled, monkeypatch,
     calls = []
     kernel = cpu_fused._KERNELS["decode_attention"]
     monkeypatch.setitem(cpu_fused._KERNELS, "decode_attention",
-                        lambda *args: calls.append(args[-3]) or kernel(*args))
+                        lambda *args: calls.append(args[-4]) or kernel(*args))
     specs = [(2, 1), (40, 1), (20, 1), (5, 30)]
     case = make_case(specs, 3, 9, 3, 64, 16, torch.float32, seed=5)
     for req in case.requests:

@@ -42,8 +42,10 @@ class Case:
     meta: AttentionMetadata
     scale: float
 
-    def dense_reference(self, sliding_window: int | None = None) -> torch.Tensor:
-        return dense_reference(self.query.cpu(), self.requests, self.scale, sliding_window)
+    def dense_reference(self, sliding_window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
+        return dense_reference(self.query.cpu(), self.requests, self.scale, sliding_window,
+                               softcap)
 
     def to(self, device: torch.device | str) -> Case:
         """The same step with its tensors on ``device`` (the requests stay on the CPU for the
@@ -118,9 +120,11 @@ def write_prefixes(requests: list[Request], key_cache: torch.Tensor,
 
 
 def dense_reference(query: torch.Tensor, requests: list[Request], scale: float,
-                    sliding_window: int | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """float64 attention from each request's full K/V, query i at position num_cached + i
-    (with a sliding window W: over the keys after its position - W, as HF masks)."""
+    (with a sliding window W: over the keys after its position - W, as HF masks; with a
+    softcap c: scores c * tanh(scores / c), as Gemma 2's)."""
     outs = []
     start = 0
     for req in requests:
@@ -129,6 +133,8 @@ def dense_reference(query: torch.Tensor, requests: list[Request], scale: float,
         k = req.keys.double().repeat_interleave(group, dim=1)
         v = req.values.double().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(req.num_cached, req.num_cached + req.num_new)
         keys = torch.arange(k.shape[0])[None, :]
         visible = keys <= q_pos[:, None]

@@ -1,7 +1,9 @@
-"""Gemma 3 (text) served as HF computes it: Gemma's norms (1 + weight, in float32), the norms
-around attention and MLP, GeGLU, scaled embeddings, query_pre_attn_scalar, sliding layers with
-their own rotary base beside global ones (linearly scaled in the larger models), on the PyTorch
-layers and the CPU's fused kernels, in the engine, and the configs it refuses."""
+"""Gemma 2 and Gemma 3 (text) served as HF computes them: Gemma's norms (1 + weight, in
+float32), the norms around attention and MLP, GeGLU, scaled embeddings, query_pre_attn_scalar,
+sliding layers (Gemma 3's with their own rotary base beside global ones, linearly scaled in the
+larger models; Gemma 2's soft-capped attention scores and logits), on the PyTorch layers and the
+CPU's fused kernels, in the engine, a multimodal Gemma 3 checkpoint's text model, and the
+configs they refuse."""
 
 from __future__ import annotations
 
@@ -53,10 +55,11 @@ def test_gemma3_matches_hf(tmp_path, overrides) -> None:
                            atol=ATOL)
 
 
-def test_gemma3_on_the_fused_cpu_kernels_matches_hf(tmp_path) -> None:
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_on_the_fused_cpu_kernels_matches_hf(tmp_path, arch: str) -> None:
     if not cpu_fused.warm_up():
         pytest.skip("the fused CPU kernels cannot be compiled here (no C++ compiler?)")
-    model_dir = make_tiny_model(tmp_path, "gemma3", seed=0, hidden_size=256,
+    model_dir = make_tiny_model(tmp_path, arch, seed=0, hidden_size=256,
                                 intermediate_size=512, initializer_range=0.1)
     model = load_tiny_model(model_dir)
     model.use_kernels(select_backend(torch.device("cpu")))
@@ -68,10 +71,11 @@ def test_gemma3_on_the_fused_cpu_kernels_matches_hf(tmp_path) -> None:
                            atol=ATOL)
 
 
-def test_the_engine_generates_as_hf(tmp_path) -> None:
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_the_engine_generates_as_hf(tmp_path, arch: str) -> None:
     from engine import LLM, SamplingParams
 
-    model_dir = make_tiny_model(tmp_path, "gemma3", seed=0)
+    model_dir = make_tiny_model(tmp_path, arch, seed=0)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     prompts = [_tokens(50, seed=s) for s in range(3)]
     prompts.append(list(prompts[0]))  # a prefix-cache hit
@@ -89,8 +93,26 @@ def test_the_engine_generates_as_hf(tmp_path) -> None:
     assert hits > 0  # probe: the repeated prompt was served from the cache
 
 
+def test_gemma2_matches_hf_with_its_soft_caps(tmp_path) -> None:
+    model_dir = make_tiny_model(tmp_path, "gemma2", seed=0)
+    model = load_tiny_model(model_dir)
+    assert model.layer_windows == [24, None, 24]
+    assert (model.attn_softcap, model.final_logit_softcap) == (2.0, 5.0)
+    seq = PagedSequence(_tokens(70, seed=1), blocks=[7, 2, 11, 4, 0])
+    assert_chunks_match_hf(model, model_dir, seq, [40, 12], decodes=18, num_blocks=16,
+                           atol=ATOL)
+    # Probes: without either cap the logits are not HF's.
+    for cap in ("attn_softcap", "final_logit_softcap"):
+        saved = getattr(model, cap)
+        setattr(model, cap, None)
+        with pytest.raises(AssertionError):
+            assert_chunks_match_hf(model, model_dir, PagedSequence(seq.tokens, seq.blocks),
+                                   [40, 12], decodes=2, num_blocks=16, atol=ATOL)
+        setattr(model, cap, saved)
+
+
 @pytest.mark.parametrize("overrides, message", [
-    ({"attn_logit_softcapping": 50.0}, "attention logit soft-capping"),
+    ({"attn_logit_softcapping": -1.0}, "attn_logit_softcapping must be a positive number"),
     ({"use_bidirectional_attention": True}, "bidirectional attention"),
     ({"hidden_activation": "relu"}, "unsupported hidden activation 'relu'"),
 ])

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from workers.models.decoder import DecoderForCausalLM, LayerJoin
-from workers.models.gemma import Gemma3ForCausalLM, Gemma3TextOfMultimodal
+from workers.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextOfMultimodal
 from workers.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                   Qwen3ForCausalLM)
 from workers.models.mixtral import MixtralForCausalLM
@@ -35,6 +35,7 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     # Its text model alone (engine.model_folder.text_model_config).
     "Gemma3ForConditionalGeneration": Gemma3TextOfMultimodal,

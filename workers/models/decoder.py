@@ -310,7 +310,9 @@ class DecoderForCausalLM(nn.Module):
         self.head_dim: int = attn.head_dim
         self.vocab_size: int = config.vocab_size
         self.scale: float = self.attention_scale(config, self.head_dim)
-        # Gemma 2's tanh soft-cap of the final logits (None: none), applied as HF does.
+        # Gemma 2's tanh soft-caps (None: none) of the attention scores, handed to the kernel,
+        # and of the final logits, applied as HF does.
+        self.attn_softcap: float | None = getattr(config, "attn_logit_softcapping", None)
         self.final_logit_softcap: float | None = getattr(config, "final_logit_softcapping",
                                                          None)
         # Each layer's sliding window (None: full attention), handed to its attention kernel.
@@ -331,9 +333,9 @@ class DecoderForCausalLM(nn.Module):
     def check_config(cls, config: Any) -> None:
         """A ValueError for a config this implementation would not compute exactly."""
         cls.sliding_windows(config)
-        if getattr(config, "attn_logit_softcapping", None) is not None:
-            raise ValueError("attention logit soft-capping (attn_logit_softcapping "
-                             f"{config.attn_logit_softcapping}) is not served yet")
+        cap = getattr(config, "attn_logit_softcapping", None)
+        if cap is not None and not (isinstance(cap, (int, float)) and cap > 0):
+            raise ValueError(f"attn_logit_softcapping must be a positive number, got {cap!r}")
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("bidirectional attention (use_bidirectional_attention: an "
                              "embedding model) is not served")
@@ -460,7 +462,8 @@ class DecoderForCausalLM(nn.Module):
         kernels = self.kernels
         kernels.write_kv_cache(k, v, key_cache, value_cache, attn_meta.slot_mapping)
         return kernels.paged_attention(q, k, v, key_cache, value_cache, attn_meta, self.scale,
-                                       out=out, sliding_window=self.layer_windows[layer_idx])
+                                       out=out, sliding_window=self.layer_windows[layer_idx],
+                                       softcap=self.attn_softcap)
 
     @torch.inference_mode()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

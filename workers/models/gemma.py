@@ -1,6 +1,6 @@
-"""Gemma 3 (text): the shared decoder with Gemma's norms, activation and scales.
+"""Gemma 2 and Gemma 3 (text): the shared decoder with Gemma's norms, activation and scales.
 
-What differs from Llama, each as HF's ``modeling_gemma3`` computes it:
+What differs from Llama, each as HF's ``modeling_gemma2`` / ``modeling_gemma3`` compute it:
 
 - RMSNorm scales by ``1 + weight`` (the checkpoint stores the offset from one), in float32, and
   casts after the product (``GemmaRMSNorm``); q and k are normed per head as Qwen3's are.
@@ -9,9 +9,11 @@ What differs from Llama, each as HF's ``modeling_gemma3`` computes it:
 - The MLP is GeGLU with the tanh GELU (``hidden_activation: gelu_pytorch_tanh``).
 - Token embeddings are scaled by sqrt(hidden_size), rounded to the model dtype.
 - Attention scores are scaled by ``query_pre_attn_scalar ** -0.5``, not head_dim's.
-- Five sliding layers per global one (``layer_types``), the sliding ones rotating with a local
-  base (``rope_parameters["sliding_attention"]``) and the global ones with theirs (scaled
-  linearly in the larger models).
+- Gemma 3: q and k normed per head; five sliding layers per global one (``layer_types``), the
+  sliding ones rotating with a local base (``rope_parameters["sliding_attention"]``) and the
+  global ones with theirs (scaled linearly in the larger models).
+- Gemma 2: every other layer sliding, one rotary base, and tanh soft-caps on the attention
+  scores (``attn_logit_softcapping``, in the attention kernels) and on the final logits.
 """
 
 from __future__ import annotations
@@ -79,8 +81,7 @@ class GemmaDecoderLayer(DecoderLayer):
         return hidden_states, residual
 
 
-class Gemma3ForCausalLM(DecoderForCausalLM):
-    qk_norm = True
+class Gemma2ForCausalLM(DecoderForCausalLM):
     layer_class = GemmaDecoderLayer
     norm_class = GemmaRMSNorm
 
@@ -91,6 +92,10 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
     @staticmethod
     def embedding_scale(config: Any) -> float | None:
         return config.hidden_size ** 0.5
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    qk_norm = True
 
 
 class Gemma3TextOfMultimodal(Gemma3ForCausalLM):

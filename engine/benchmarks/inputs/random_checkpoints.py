@@ -39,6 +39,11 @@ ARCHS: dict[str, tuple[str, str, bool, dict[str, Any]]] = {
                 {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None}),
     # Gemma 3's text model: q/k norms, four norms a layer, GeGLU, scaled embeddings, and its
     # sliding / global layer pattern (every second layer global at the tiny models' depth).
+    # Gemma 2: every other layer sliding; its soft-caps lowered to where a tiny model's scores
+    # and logits reach (the released 50 and 30 would barely bend them).
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", True,
+               {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 24,
+                "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", True,
                {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 24,
                 "sliding_window_pattern": 2}),

@@ -1,8 +1,8 @@
-"""Sliding-window attention in every kernel: the PyTorch reference, the CPU's compiled decode
-loop and the Triton kernel (interpreted here) against a float64 dense reference that masks as
-HF does (a query at position p sees the keys after p - W), over a mixed batch of decodes and
-prefill chunks with cached prefixes; windows that cut blocks mid-way, of one token, and longer
-than every context."""
+"""Sliding windows and soft-capped scores in every attention kernel: the PyTorch reference, the
+CPU's compiled decode loop and the Triton kernel (interpreted here) against a float64 dense
+reference that masks as HF does (a query at position p sees the keys after p - W) and caps as
+Gemma 2 does (c * tanh(s / c)), over a mixed batch of decodes and prefill chunks with cached
+prefixes; windows that cut blocks mid-way, of one token, and longer than every context."""
 
 from __future__ import annotations
 
@@ -26,9 +26,15 @@ def _case(head_dim: int = 32, block_size: int = 16):
                      block_size=block_size, dtype=torch.float32, num_blocks=1024 // block_size)
 
 
-def _run(fn, case, window, **kwargs):
+# Caps below the cases' largest scores (|s| up to ~4 at scale 1/sqrt(32)): the tanh bends them.
+SOFTCAP = 1.5
+# (sliding window, softcap): each alone, and both, as Gemma 2's sliding layers have them.
+CAPPED = [(None, SOFTCAP), (7, SOFTCAP)]
+
+
+def _run(fn, case, window, softcap=None, **kwargs):
     return fn(case.query, case.new_keys, case.new_values, case.key_cache, case.value_cache,
-              case.meta, case.scale, sliding_window=window, **kwargs)
+              case.meta, case.scale, sliding_window=window, softcap=softcap, **kwargs)
 
 
 @pytest.mark.parametrize("window", WINDOWS)
@@ -59,3 +65,25 @@ def test_the_triton_kernel_masks_as_hf(triton_device, window: int, splits: int) 
     case = _case().to(triton_device)
     out = _run(triton_attention.paged_attention, case, window, num_kv_splits=splits).cpu()
     torch.testing.assert_close(out.double(), case.dense_reference(window), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("window, softcap", CAPPED)
+def test_soft_capped_scores_in_every_kernel(triton_device, window, softcap) -> None:
+    from kernels import triton_attention
+
+    case = _case()
+    expected = case.dense_reference(window, softcap)
+    # Probe: the cap changes the answer.
+    assert (expected - case.dense_reference(window)).abs().max() > 1e-3
+    out = _run(torch_attention.paged_attention, case, window, softcap)
+    torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=0)
+    on = case.to(triton_device)
+    for splits in (1, 4):
+        out = _run(triton_attention.paged_attention, on, window, softcap,
+                   num_kv_splits=splits).cpu()
+        torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=0)
+    if cpu_fused.warm_up():
+        small = _case(head_dim=20, block_size=4)
+        out = _run(cpu_fused.paged_attention, small, window, softcap)
+        torch.testing.assert_close(out.double(), small.dense_reference(window, softcap),
+                                   atol=ATOL, rtol=0)
