@@ -142,8 +142,22 @@ class LinearBase(nn.Module):
     def shard_slice(self, shard_id: Any) -> ShardSlice:
         raise NotImplementedError
 
+    def checkpoint_shard_sizes(self) -> list[int] | None:
+        """The rows of each shard in a checkpoint that stores this merged layer fused (Phi-3's
+        ``qkv_proj``, ``gate_up_proj``), in ``shard_ids`` order; None: not merged."""
+        return None
+
     def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor,
                       shard_id: Any = None) -> None:
+        sizes = self.checkpoint_shard_sizes() if shard_id is None else None
+        if sizes is not None and param.dim() >= 1:
+            # One checkpoint tensor for the whole merged layer: each shard's rows in turn.
+            if loaded_weight.shape[0] != sum(sizes):
+                raise ValueError(f"{type(self).__name__}: a fused tensor of {loaded_weight.shape[0]} "
+                                 f"rows; its shards {list(self.shard_ids)} hold {sizes}")
+            for sid, part in zip(self.shard_ids, torch.split(loaded_weight, sizes, dim=0)):
+                self.weight_loader(param, part, sid)
+            return
         where = self.shard_slice(shard_id)
         if where.dim >= param.dim():  # a column-parallel layer's bias: sliced as its rows
             raise ValueError(f"{type(self).__name__}: a {param.dim()}-d parameter cannot be "
@@ -197,6 +211,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias=bias, dtype=dtype, device=device,
                          tp_rank=tp_rank, tp_size=tp_size, quant_method=quant_method)
 
+    def checkpoint_shard_sizes(self) -> list[int] | None:
+        return [size * self.tp_size for size in self.local_sizes]
+
     def shard_slice(self, shard_id: Any) -> ShardSlice:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.local_sizes):
             raise ValueError(f"shard_id must be an index below {len(self.local_sizes)}, "
@@ -221,6 +238,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                  device: torch.device | str, tp_rank: int = 0, tp_size: int = 1,
                  quant_method: LinearMethod | None = None) -> None:
         self.head_dim = head_dim
+        self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
         self.num_heads = divide(total_num_heads, tp_size, "number of attention heads")
         if total_num_kv_heads >= tp_size:
             self.num_kv_heads = divide(total_num_kv_heads, tp_size, "number of KV heads")
@@ -239,6 +257,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         total_out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
         super().__init__(hidden_size, total_out, bias=bias, dtype=dtype, device=device,
                          tp_rank=tp_rank, tp_size=tp_size, quant_method=quant_method)
+
+    def checkpoint_shard_sizes(self) -> list[int] | None:
+        kv = self.total_num_kv_heads * self.head_dim
+        return [self.total_num_heads * self.head_dim, kv, kv]
 
     def shard_slice(self, shard_id: Any) -> ShardSlice:
         if shard_id == "q":

@@ -33,6 +33,8 @@ def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any
         params = dict(params[layer_type])
     else:
         params = dict(params)
+    if "partial_rotary_factor" not in params and hasattr(config, "partial_rotary_factor"):
+        params["partial_rotary_factor"] = config.partial_rotary_factor
     params["rope_type"] = params.get("rope_type", params.get("type")) or "default"
     return params
 
@@ -44,12 +46,15 @@ def _inv_freq(config: Any, head_dim: int, params: dict[str, Any],
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: "
                          f"{', '.join(SUPPORTED_ROPE_TYPES)}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
+    factor = params.get("partial_rotary_factor", 1.0)
+    if not 0 < factor <= 1:
+        raise ValueError(f"partial_rotary_factor must be in (0, 1], got {factor!r}")
     if rope_type == "default":
-        # Same expression as HF's default init so the frequencies match to the last bit.
+        # Same expression as HF's default init so the frequencies match to the last bit; a
+        # partial rotary (Phi-4-mini's 0.75) turns the first int(head_dim * factor) dims only.
         base = float(params["rope_theta"])
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        dim = int(head_dim * factor)
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv_freq.to(device), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     if layer_type is not None:
@@ -104,20 +109,23 @@ def get_rotary_embedding(config: Any, head_dim: int, *, dtype: torch.dtype,
     the layers of ``layer_type`` where the config rotates layer types differently."""
     params = rope_parameters(config, layer_type)
     inv_freq, attention_scaling = _inv_freq(config, head_dim, params, device, layer_type)
-    if 2 * inv_freq.numel() != head_dim:
-        raise ValueError(f"rotary dim {2 * inv_freq.numel()} != head_dim {head_dim}")
+    if 2 * inv_freq.numel() > head_dim:
+        raise ValueError(f"rotary dim {2 * inv_freq.numel()} exceeds head_dim {head_dim}")
     return RotaryEmbedding(inv_freq, attention_scaling, config.max_position_embeddings,
                            dtype=dtype, device=device)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] by the per-token angles (cos/sin [T, 1, D/2]); returns a new tensor.
+    """Rotate x [T, H, D] by the per-token angles (cos/sin [T, 1, R/2]); returns a new tensor.
+    With R < D (a partial rotary) the dims past R pass through unrotated, as HF's.
 
     The products are rounded separately before the add, as in HF, so bf16 results match it."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
+    half = cos.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    out1, out2 = out[..., :half], out[..., half:]
+    if 2 * half < x.shape[-1]:
+        out[..., 2 * half:] = x[..., 2 * half:]
+    x1, x2 = x[..., :half], x[..., half:2 * half]
+    out1, out2 = out[..., :half], out[..., half:2 * half]
     torch.mul(x1, cos, out=out1)
     out1.sub_(x2 * sin)
     torch.mul(x2, cos, out=out2)

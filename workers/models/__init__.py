@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from workers.models.decoder import DecoderForCausalLM, LayerJoin
 from workers.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextOfMultimodal
-from workers.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-                                  Qwen3ForCausalLM)
+from workers.models.llama import (LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM,
+                                  Qwen2ForCausalLM, Qwen3ForCausalLM)
 from workers.models.mixtral import MixtralForCausalLM
 from workers.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from workers.quantization import get_quant_config
@@ -35,6 +35,7 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     # Its text model alone (engine.model_folder.text_model_config).

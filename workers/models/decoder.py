@@ -393,7 +393,10 @@ class DecoderForCausalLM(nn.Module):
             if isinstance(module, RMSNorm):
                 module.fused = kernels.rms_norm if fused and module.fusable else None
             elif isinstance(module, DecoderAttention):
-                module.apply_rotary = (kernels.apply_rotary if fused else None) or apply_rotary
+                # The fused rotary kernels turn whole heads: a partial rotary keeps the eager op.
+                whole = self.model.rotary_emb.rotary_dim == module.head_dim
+                module.apply_rotary = ((kernels.apply_rotary if fused and whole else None)
+                                       or apply_rotary)
             elif isinstance(module, DecoderMLP):
                 if module.activation == "silu":  # the fused kernels are SiLU's
                     module.act_and_mul = ((kernels.silu_and_mul if fused else None)

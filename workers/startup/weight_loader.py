@@ -175,7 +175,9 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
                     loader(param, tensor, shard_id)
                 except ValueError as e:
                     raise ValueError(f"{hf_name} in {path.name}: {e}") from None
-            loaded[name] |= _loaded_shards(param, shard_id)
+            # A tensor without a shard id fills the whole parameter (a fused qkv_proj too).
+            loaded[name] |= (_loaded_shards(param, shard_id) if shard_id is not None
+                             else _expected_shards(name, param))
     if indexed is not None:
         absent = sorted(set(indexed) - seen)
         if absent:

@@ -39,6 +39,10 @@ ARCHS: dict[str, tuple[str, str, bool, dict[str, Any]]] = {
                 {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None}),
     # Gemma 3's text model: q/k norms, four norms a layer, GeGLU, scaled embeddings, and its
     # sliding / global layer pattern (every second layer global at the tiny models' depth).
+    # Phi-3: q/k/v and gate/up stored fused; Phi3Config's default pad and eos ids (32000) are
+    # past a tiny vocabulary.
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", False,
+             {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     # Gemma 2: every other layer sliding; its soft-caps lowered to where a tiny model's scores
     # and logits reach (the released 50 and 30 would barely bend them).
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", True,
