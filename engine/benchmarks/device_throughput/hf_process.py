@@ -53,11 +53,13 @@ def build_model(model_dir: str, device: torch.device, dtype: torch.dtype, seed: 
     """The folder's architecture with random weights, made directly on ``device``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from engine.benchmarks.reference.hf_reference import fastest_attention
+
     config = AutoConfig.from_pretrained(model_dir)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                 attn_implementation="sdpa")
+                                                 attn_implementation=fastest_attention(config))
     return model.eval()
 
 
@@ -115,7 +117,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     build_s = time.perf_counter() - started
     vocab = model.config.vocab_size
     result: dict[str, Any] = {"transformers": transformers.__version__,
-                              "attn_implementation": "sdpa", "build_s": build_s}
+                              "attn_implementation": model.config._attn_implementation,
+                              "build_s": build_s}
     with torch.inference_mode():
         result["prefill"] = bench_prefill(model, device, vocab, spec["prefill_len"],
                                           spec["prefill_prompts"], spec["seed"])

@@ -35,9 +35,13 @@ from engine.benchmarks.measure.step_log import decode_seconds_per_step, record_s
 
 def bench_hf(model_dir: str, dtype: torch.dtype, prefill_prompts, decode_prompts,
              max_tokens: int) -> dict:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    from engine.benchmarks.reference.hf_reference import fastest_attention
+
+    attention = fastest_attention(AutoConfig.from_pretrained(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
+                                                 attn_implementation=attention)
     model.eval()
     with torch.inference_mode():
         model(torch.tensor([prefill_prompts[0]]))  # warm-up

@@ -7,6 +7,19 @@ from typing import Any
 import torch
 
 
+def fastest_attention(config: Any) -> str:
+    """The attention implementation a benchmark gives HF transformers: SDPA, its fastest on a
+    CPU, where the family supports it; eager where it does not (Gemma 2: SDPA has no
+    soft-cap)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        return "sdpa"
+    return "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
+
+
 def load_hf_model(model_dir: str, dtype: torch.dtype = torch.float32,
                   device: str = "cpu") -> Any:
     from transformers import AutoModelForCausalLM
