@@ -2,9 +2,10 @@
 and the causal-LM wrapper with its one attention op (where a step can stop).
 
 A family is a thin subclass of ``DecoderForCausalLM`` (``workers.models.llama`` for the dense
-ones, ``workers.models.qwen_moe`` and ``workers.models.mixtral`` for mixtures of experts): class
-switches for where biases sit and whether q/k are normed, and ``make_mlp`` for what follows
-attention in each layer. Module names mirror HF's (``model.layers.N.self_attn...``) except the
+ones, ``workers.models.gemma`` for Gemma's, ``workers.models.qwen_moe`` and
+``workers.models.mixtral`` for mixtures of experts): class switches for where biases sit,
+whether q/k are normed, which layers slide (``sliding_windows``), the layer and norm classes,
+the attention and embedding scales, and ``make_mlp`` for what follows attention in each layer. Module names mirror HF's (``model.layers.N.self_attn...``) except the
 fused ``qkv_proj`` and ``gate_up_proj`` and the experts' stacked ``w13_weight``/``w2_weight``, so
 the weight loader's mapping is a short table (``checkpoint_renames`` adds a family's own).
 """
