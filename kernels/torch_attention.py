@@ -311,10 +311,8 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     else:
         # SDPA's is_causal aligns the diagonal top-left, which is wrong once keys outnumber
         # queries, so the offset-causal mask is explicit.
-        _, block_size, num_kv_heads, head_dim = key_cache.shape
-        block_ids, mask = _prefill_plan(meta, index, block_size, sliding_window)
-        keys = key_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:ctx_len]
-        values = value_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:ctx_len]
+        block_ids, mask = _prefill_plan(meta, index, key_cache.shape[1], sliding_window)
+        keys, values = _context_kv(key_cache, value_cache, block_ids, ctx_len)
         out = F.scaled_dot_product_attention(
             q, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
             attn_mask=mask, scale=scale, enable_gqa=True)
@@ -329,14 +327,12 @@ def _softcapped_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     ``q.k * scale`` in float32, ``softcap * tanh(scores / softcap)``, then the mask and the
     softmax (SDPA has no soft-cap)."""
     q_len, ctx_len = meta.prefill_query_lens[index], meta.prefill_context_lens[index]
-    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
     block_ids, mask = _prefill_plan(meta, index, block_size, sliding_window)
     if ctx_len == q_len:
         keys, values = key, value
     else:
-        keys = key_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:ctx_len]
-        values = value_cache.index_select(0, block_ids).view(-1, num_kv_heads,
-                                                              head_dim)[:ctx_len]
+        keys, values = _context_kv(key_cache, value_cache, block_ids, ctx_len)
     group = query.shape[1] // num_kv_heads
     q = query.transpose(0, 1).float()  # [H, q_len, D]
     k = keys.transpose(0, 1).float().repeat_interleave(group, dim=0)
@@ -346,3 +342,12 @@ def _softcapped_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(query.dtype)
     return torch.matmul(probs, v).transpose(0, 1)
+
+
+def _context_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor,
+                ctx_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's whole context's K and V [ctx_len, Hkv, D], gathered through its blocks."""
+    _, _, num_kv_heads, head_dim = key_cache.shape
+    keys = key_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:ctx_len]
+    values = value_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:ctx_len]
+    return keys, values

@@ -78,11 +78,14 @@ def hold_weights_in_bf16(model: nn.Module) -> int:
                and getattr(m, "bf16_weight", None) is None and _float32(m)]
     if setting == "auto":
         modules = [m for m in modules if m.weight.numel() >= MIN_ELEMENTS]
-    modules = [m for m in modules if cpu_bf16_linear.is_exactly_bf16(_float32_weight(m))]
+    # Each weight read once (a oneDNN-packed one unpacked once): checked, then packed.
+    plain = {id(m): _float32_weight(m) for m in modules}
+    modules = [m for m in modules if cpu_bf16_linear.is_exactly_bf16(plain[id(m)])]
     # Compiled only for a model that has such weights (~2 s the first time on a machine).
     if not modules or not cpu_bf16_linear.warm_up():
         return 0
-    copies = {id(m): cpu_bf16_linear.pack(_float32_weight(m)) for m in modules}
+    copies = {id(m): cpu_bf16_linear.pack(plain.pop(id(m))) for m in modules}
+    plain.clear()
     shapes = {_shape(m) for m in modules}
     if setting == "1":
         max_rows = dict.fromkeys(shapes, FORCED_MAX_ROWS)
