@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from kernels.cpu_source import CppFunction, compile_unit
+
 logger = logging.getLogger(__name__)
 
 # Output rows packed together: each thread widens one chunk of each and multiplies it into
@@ -48,26 +50,20 @@ PREFETCH_AHEAD = 2048
 # Weight values (rows x columns) from which the blocks are split across the OpenMP threads.
 PARALLEL_VALUES = 32768
 
-_SOURCE = r"""
-#include <torch/csrc/inductor/cpp_prefix.h>
-using Vec = at::vec::Vectorized<float>;
+# The loop (after kernels.cpu_source.PRELUDE).
+DEFINITION = r"""
 using BVec = at::vec::Vectorized<at::BFloat16>;
-static constexpr int64_t kLanes = Vec::size();
 static constexpr int64_t kChunk = BVec::size();  // bf16 values per chunk: two float vectors
 static constexpr int kRows = %(rows)d;
 static constexpr int64_t kAhead = %(ahead)d;
 static constexpr int64_t kParallelValues = %(parallel)d;
 
-static inline float hsum(Vec v) {
-    return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
-}
-
 // One packed block (kRows output rows, [chunks][kRows][kChunk]) against M <= 4 input rows of
 // x (rows sx apart, K values, the packed chunks zero past K). Writes out[m * so + r].
 template <int M>
-static void block(const float* x, const at::BFloat16* p, float* out, const float* bias,
-                  const int64_t K, const int64_t chunks, const int64_t sx, const int64_t so,
-                  const int64_t rows, const bool prefetch)
+static void bf16_block(const float* x, const at::BFloat16* p, float* out, const float* bias,
+                       const int64_t K, const int64_t chunks, const int64_t sx, const int64_t so,
+                       const int64_t rows, const bool prefetch)
 {
     Vec acc[M][kRows];
     for (int m = 0; m < M; ++m)
@@ -97,9 +93,9 @@ static void block(const float* x, const at::BFloat16* p, float* out, const float
             out[m * so + r] = hsum(acc[m][r]) + (bias ? bias[r] : 0.0f);
 }
 
-extern "C" void kernel(const float* x, const at::BFloat16* w, const float* bias, float* out,
-                       const int64_t M, const int64_t N, const int64_t K, const int64_t sx,
-                       const int64_t so, const int64_t has_bias)
+static void bf16_linear_rows(const float* x, const at::BFloat16* w, const float* bias, float* out,
+                             const int64_t M, const int64_t N, const int64_t K, const int64_t sx,
+                             const int64_t so, const int64_t has_bias)
 {
     const int64_t chunks = (K + kChunk - 1) / kChunk;
     const int64_t blocks = (N + kRows - 1) / kRows;
@@ -113,10 +109,10 @@ extern "C" void kernel(const float* x, const at::BFloat16* w, const float* bias,
             float* om = out + m0 * so + b * kRows;
             const bool prefetch = m0 == 0;  // later groups read the block again from L1
             switch (std::min<int64_t>(4, M - m0)) {
-                case 1: block<1>(xm, p, om, bb, K, chunks, sx, so, rows, prefetch); break;
-                case 2: block<2>(xm, p, om, bb, K, chunks, sx, so, rows, prefetch); break;
-                case 3: block<3>(xm, p, om, bb, K, chunks, sx, so, rows, prefetch); break;
-                default: block<4>(xm, p, om, bb, K, chunks, sx, so, rows, prefetch); break;
+                case 1: bf16_block<1>(xm, p, om, bb, K, chunks, sx, so, rows, prefetch); break;
+                case 2: bf16_block<2>(xm, p, om, bb, K, chunks, sx, so, rows, prefetch); break;
+                case 3: bf16_block<3>(xm, p, om, bb, K, chunks, sx, so, rows, prefetch); break;
+                default: bf16_block<4>(xm, p, om, bb, K, chunks, sx, so, rows, prefetch); break;
             }
         }
     }
@@ -124,8 +120,7 @@ extern "C" void kernel(const float* x, const at::BFloat16* w, const float* bias,
 
 """ % dict(rows=ROWS_PER_BLOCK, ahead=PREFETCH_AHEAD, parallel=PARALLEL_VALUES)
 
-_ARGTYPES = ["const float*", "const at::BFloat16*", "const float*", "float*"] + [
-    "const int64_t"] * 6
+FUNCTION = CppFunction.parse("bf16_linear_rows", DEFINITION)
 
 # The compiled loop and its chunk width once built; {None: None} once building it failed.
 _KERNEL: dict[Any, Any] = {}
@@ -151,9 +146,7 @@ def warm_up() -> bool:
         return None not in _KERNEL
     started = time.perf_counter()
     try:
-        from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-        _KERNEL["linear"] = CppPythonBindingsCodeCache.load_pybinding(_ARGTYPES, _SOURCE)
+        _KERNEL["linear"] = compile_unit(FUNCTION)
         _KERNEL["chunk"] = _chunk_values()
         _check()
     except Exception as e:  # noqa: BLE001 - any compiler or binding failure: float32 weights

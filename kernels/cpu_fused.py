@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import torch_attention
+from kernels.cpu_source import CppFunction, compile_unit
 from kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -76,22 +77,20 @@ PARALLEL_SLOTS = 256
 # The widest attention head the decode loop takes (its vector chunks are unrolled up to it).
 MAX_HEAD_DIM = 128
 
-_PREFIX = r"""
-#include <torch/csrc/inductor/cpp_prefix.h>
-using Vec = at::vec::Vectorized<float>;
-static constexpr int64_t kLanes = Vec::size();
+# What every loop below reads (after kernels.cpu_source.PRELUDE).
+CONSTANTS = r"""
 static constexpr int64_t kParallelRows = %d;
 """ % PARALLEL_ROWS
 
 # out = w * (s * rsqrt(mean(s^2) + eps)) with s = x (+ residual, written to res_out). Row r of x
 # is at x + (r / inner) * sxo + (r % inner) * sxi: [T, hidden] (inner 1) or [T, H, head_dim]
 # views (a slice of a fused qkv output) without a copy. Outputs are contiguous.
-_RMS_NORM = _PREFIX + r"""
-extern "C" void kernel(const float* x, const float* res, const float* w, float* out,
-                       float* res_out, const int64_t rows, const int64_t inner,
-                       const int64_t sxo, const int64_t sxi, const int64_t sro,
-                       const int64_t sri, const int64_t hidden, const int64_t has_res,
-                       const float eps)
+_RMS_NORM = r"""
+static void rms_norm_rows(const float* x, const float* res, const float* w, float* out,
+                          float* res_out, const int64_t rows, const int64_t inner,
+                          const int64_t sxo, const int64_t sxi, const int64_t sro,
+                          const int64_t sri, const int64_t hidden, const int64_t has_res,
+                          const float eps)
 {
     #pragma omp parallel for if(rows >= kParallelRows)
     for (int64_t r = 0; r < rows; ++r) {
@@ -127,11 +126,11 @@ extern "C" void kernel(const float* x, const float* res, const float* w, float* 
 
 # out[t, h] = (x1 * cos - x2 * sin, x2 * cos + x1 * sin) over the halves of x[t, h]; x rows at
 # x + t * sxt + h * sxh, cos/sin rows at t * sct / t * sst; out contiguous [T, H, 2 * half].
-_ROTARY = _PREFIX + r"""
-extern "C" void kernel(const float* x, const float* cos, const float* sin, float* out,
-                       const int64_t tokens, const int64_t heads, const int64_t half,
-                       const int64_t sxt, const int64_t sxh, const int64_t sct,
-                       const int64_t sst)
+_ROTARY = r"""
+static void rotary_rows(const float* x, const float* cos, const float* sin, float* out,
+                        const int64_t tokens, const int64_t heads, const int64_t half,
+                        const int64_t sxt, const int64_t sxh, const int64_t sct,
+                        const int64_t sst)
 {
     #pragma omp parallel for if(tokens >= kParallelRows)
     for (int64_t t = 0; t < tokens; ++t) {
@@ -155,9 +154,9 @@ extern "C" void kernel(const float* x, const float* cos, const float* sin, float
 """
 
 # out[r] = silu(gate) * up for x[r] = [gate | up] (rows at r * sx), out contiguous [rows, width].
-_SILU_AND_MUL = _PREFIX + r"""
-extern "C" void kernel(const float* x, float* out, const int64_t rows, const int64_t sx,
-                       const int64_t width)
+_SILU_AND_MUL = r"""
+static void silu_and_mul_rows(const float* x, float* out, const int64_t rows, const int64_t sx,
+                              const int64_t width)
 {
     const Vec one(1.0f);
     #pragma omp parallel for if(rows >= kParallelRows)
@@ -178,12 +177,8 @@ extern "C" void kernel(const float* x, float* out, const int64_t rows, const int
 # group of query heads scores the first ctx slots through the block table, softmax in float32,
 # then sums the values. Slots past a context are never read (they may hold anything, NaN
 # included). q rows at b * sqb + head * sqh, out rows at b * sob + head * soh.
-_DECODE_ATTENTION = _PREFIX + r"""
+_DECODE_ATTENTION = r"""
 #include <vector>
-
-static inline float hsum(Vec v) {
-    return at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, v);
-}
 
 // Lane sums of kTile vectors, stored to out[0..n): out[j] = the sum of a[j]'s lanes. With
 // AVX-512 (16 lanes) a transposing tree: 15 shuffle-and-add steps for 16 sums, where one sum
@@ -220,11 +215,11 @@ static inline void lane_sums(const Vec* a, float* out, const int64_t n) {
 // for each query head of the group in turn (the tile's keys stay in L1 between heads); the
 // score of slot t is at scores[g * seen + t - first].
 template <int CH>
-static void attend(const float* q, const float* key_cache, const float* value_cache,
-                   const int64_t* table, const int64_t first, const int64_t ctx, float* out,
-                   const int64_t group, const int64_t h, const int64_t head_dim,
-                   const int64_t block_size, const int64_t slot_stride, const int64_t sqh,
-                   const int64_t soh, const float scale, const float softcap, float* scores)
+static void attend_kv_head(const float* q, const float* key_cache, const float* value_cache,
+                           const int64_t* table, const int64_t first, const int64_t ctx, float* out,
+                           const int64_t group, const int64_t h, const int64_t head_dim,
+                           const int64_t block_size, const int64_t slot_stride, const int64_t sqh,
+                           const int64_t soh, const float scale, const float softcap, float* scores)
 {
     const int64_t tail = head_dim - (CH - 1) * kLanes;
     const int64_t block_stride = block_size * slot_stride;
@@ -298,13 +293,13 @@ static void attend(const float* q, const float* key_cache, const float* value_ca
     }
 }
 
-extern "C" void kernel(const float* q, const float* key_cache, const float* value_cache,
-                       const int64_t* tables, const int64_t* context_lens, float* out,
-                       const int64_t batch, const int64_t heads, const int64_t kv_heads,
-                       const int64_t head_dim, const int64_t block_size,
-                       const int64_t table_stride, const int64_t sqb, const int64_t sqh,
-                       const int64_t sob, const int64_t soh, const int64_t parallel,
-                       const int64_t window, const float scale, const float softcap)
+static void decode_attention_rows(const float* q, const float* key_cache, const float* value_cache,
+                                  const int64_t* tables, const int64_t* context_lens, float* out,
+                                  const int64_t batch, const int64_t heads, const int64_t kv_heads,
+                                  const int64_t head_dim, const int64_t block_size,
+                                  const int64_t table_stride, const int64_t sqb, const int64_t sqh,
+                                  const int64_t sob, const int64_t soh, const int64_t parallel,
+                                  const int64_t window, const float scale, const float softcap)
 {
     const int64_t group = heads / kv_heads;
     const int64_t slot_stride = kv_heads * head_dim;
@@ -320,7 +315,7 @@ extern "C" void kernel(const float* q, const float* key_cache, const float* valu
             const float* qb = q + b * sqb;
             float* ob = out + b * sob;
             const int64_t* table = tables + b * table_stride;
-            #define ATTEND(CH) attend<CH>(qb, key_cache, value_cache, table, first, ctx, ob, \
+            #define ATTEND(CH) attend_kv_head<CH>(qb, key_cache, value_cache, table, first, ctx, ob, \
                 group, h, head_dim, block_size, slot_stride, sqh, soh, scale, softcap, \
                 scores.data())
             switch (chunks) {
@@ -339,20 +334,12 @@ extern "C" void kernel(const float* q, const float* key_cache, const float* valu
 }
 """
 
-_SOURCES: dict[str, tuple[list[str], str]] = {
-    "rms_norm": (["const float*", "const float*", "const float*", "float*", "float*",
-                  "const int64_t", "const int64_t", "const int64_t", "const int64_t",
-                  "const int64_t", "const int64_t", "const int64_t", "const int64_t",
-                  "const float"], _RMS_NORM),
-    "rotary": (["const float*", "const float*", "const float*", "float*", "const int64_t",
-                "const int64_t", "const int64_t", "const int64_t", "const int64_t",
-                "const int64_t", "const int64_t"], _ROTARY),
-    "silu_and_mul": (["const float*", "float*", "const int64_t", "const int64_t",
-                      "const int64_t"], _SILU_AND_MUL),
-    "decode_attention": (["const float*", "const float*", "const float*", "const int64_t*",
-                          "const int64_t*", "float*"] + ["const int64_t"] * 12
-                         + ["const float"] * 2,
-                         _DECODE_ATTENTION),
+# The loops by the name their Python wrappers below call them by.
+FUNCTIONS: dict[str, CppFunction] = {
+    "rms_norm": CppFunction.parse("rms_norm_rows", _RMS_NORM),
+    "rotary": CppFunction.parse("rotary_rows", _ROTARY),
+    "silu_and_mul": CppFunction.parse("silu_and_mul_rows", _SILU_AND_MUL),
+    "decode_attention": CppFunction.parse("decode_attention_rows", _DECODE_ATTENTION),
 }
 
 # The compiled kernels by name once built; {None: None} once building them failed.
@@ -380,10 +367,8 @@ def warm_up() -> bool:
         return None not in _KERNELS
     started = time.perf_counter()
     try:
-        from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-        for name, (argtypes, source) in _SOURCES.items():
-            _KERNELS[name] = CppPythonBindingsCodeCache.load_pybinding(argtypes, source)
+        for name, function in FUNCTIONS.items():
+            _KERNELS[name] = compile_unit(function, [CONSTANTS])
         _check()
     except Exception as e:  # noqa: BLE001 - any compiler or binding failure: eager layers
         logger.warning("CPU fused kernels unavailable (%s: %s); RMSNorm, rotary, SiLU·mul and "
@@ -392,7 +377,7 @@ def warm_up() -> bool:
         _KERNELS.clear()
         _KERNELS[None] = None
         return False
-    logger.info("CPU fused kernels (%s) compiled and checked in %.1f s", ", ".join(_SOURCES),
+    logger.info("CPU fused kernels (%s) compiled and checked in %.1f s", ", ".join(FUNCTIONS),
                 time.perf_counter() - started)
     return True
 

@@ -42,6 +42,7 @@ from workers.models import LayerJoin
 from workers.preemption.slo_preempt_vote import SLOPreemptVote, StepSLOPreempted, discarded_share
 from workers.preemption.run_ahead import RunAheadLimit
 from workers.graphs.cuda_graphs import DecodeGraphs, capture_decode_graphs, padded, select_graph_backend
+from workers.graphs.cpu_decode_pass import CpuDecodePass, plan_decode_pass
 from workers.graphs.piecewise_graphs import PiecewiseGraphs, capture_piecewise_graphs
 from workers.startup.startup_report import ServingStartup
 from workers.block_tables import BlockTables
@@ -116,6 +117,11 @@ class ModelRunner:
             hold_weights_in_bf16(self.model)
         self.model.use_kernels(select_backend(device, settings.attention_backend,
                                               settings.fused_ops))
+        # Decode-only steps through every layer in one compiled call, on a CPU serving a model
+        # whose projections have bfloat16 copies (workers.graphs.cpu_decode_pass); None: layered.
+        self.decode_pass: CpuDecodePass | None = (
+            plan_decode_pass(self.model) if device.type == "cpu" and not self.enforce_eager
+            else None)
         self.kv_caches = allocate_kv_caches(self.model.num_layers, config.num_blocks or 0,
                                             block_size, self.model.num_kv_heads,
                                             self.model.head_dim, dtype, device)
@@ -246,6 +252,9 @@ class ModelRunner:
             elif piecewise is not None and piece_size is not None:
                 hidden = piecewise.run(piece_size, inputs.input_ids.shape[0], inputs.attn_meta,
                                        self.kv_caches)
+            elif self._runs_decode_pass(inputs):
+                hidden = self.decode_pass.run(inputs.input_ids, inputs.positions,
+                                              inputs.attn_meta, self.kv_caches)
             else:
                 hidden = self.model.forward(inputs.input_ids, inputs.positions,
                                             inputs.attn_meta, self.kv_caches, inputs.joins)
@@ -280,6 +289,13 @@ class ModelRunner:
         # the launches; timed by events on a GPU, so that nothing here waits for the device.
         timer.launched()
         return LaunchedStep(output, inputs.sampled, pending, timer)
+
+    def _runs_decode_pass(self, inputs: ModelInputs) -> bool:
+        """Whether the CPU decode pass runs this step: a decode-only step it serves, with no
+        hook to call before the attention ops (a step that votes runs layer by layer)."""
+        return (self.decode_pass is not None and self.model.before_attention is None
+                and not inputs.joins
+                and self.decode_pass.serves(inputs.input_ids.shape[0], inputs.attn_meta))
 
     def _score_prompts(self, hidden: torch.Tensor,
                        chunks: list[tuple[ScheduledRequest, int]]) -> dict[str, LogprobsLists]:

@@ -12,7 +12,7 @@ bf16 arithmetic), then for each CONCURRENCYxCONTEXT configuration times, in alte
 Prints each variant's time over HF's for every configuration, and the engines' output checksums
 (variants of the kernels must not change a token).
 
-    python -m bench.diagnostics.cpu_decode                   # 1x512 and 8x512, bf16 copies off/on
+    python -m bench.diagnostics.cpu_decode                   # 1x512 and 8x512, each variant
     python -m bench.diagnostics.cpu_decode --configs 1x512 --repeats 5
 """
 
@@ -31,7 +31,8 @@ from bench.diagnostics.step_profile import _prompts, run_config
 # Engine variants: the environment each LLM is built under (the switches are read at load).
 VARIANTS: dict[str, dict[str, str]] = {
     "float32 weights": {"SLOSERVE_CPU_BF16_WEIGHTS": "0"},
-    "bf16 copies": {"SLOSERVE_CPU_BF16_WEIGHTS": "auto"},
+    "bf16 copies": {"SLOSERVE_CPU_BF16_WEIGHTS": "auto", "SLOSERVE_CPU_DECODE_PASS": "0"},
+    "decode pass": {"SLOSERVE_CPU_BF16_WEIGHTS": "auto", "SLOSERVE_CPU_DECODE_PASS": "1"},
 }
 
 

@@ -46,6 +46,9 @@ class StepTimer:
         self._wrap(runner, "execute", "execute")
         self._wrap(runner, "prepare_inputs", "prepare_inputs")
         self._wrap(runner.model, "forward", "forward")
+        if getattr(runner, "decode_pass", None) is not None:
+            # Decode-only steps through every layer in one call (workers.graphs.cpu_decode_pass).
+            self._wrap(runner.decode_pass, "run", "forward")
         self._wrap(runner.model, "compute_logits", "lm_head")
         # The sampler's device work (all of it on a CPU); its read back lands in execute_other.
         self._wrap(runner, "_launch_sample", "sampling")

@@ -39,6 +39,22 @@ def make_tiny_model(path: str | os.PathLike[str], arch: str = "llama", seed: int
     return make_random_model(path, arch, seed, **{**TINY_DEFAULTS, **config_overrides})
 
 
+def make_bf16_valued_model(path: str | os.PathLike[str], arch: str = "llama", seed: int = 0,
+                           **config_overrides: Any) -> str:
+    """``make_tiny_model`` whose every weight is a bfloat16 value stored in float32, as a bf16
+    checkpoint is once widened at load: the weights that get CPU bfloat16 copies
+    (workers.layers.cpu_bf16_weights)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    model_dir = make_tiny_model(path, arch, seed, **config_overrides)
+    weights = Path(model_dir) / "model.safetensors"
+    tensors = {k: v.bfloat16().float() for k, v in load_file(str(weights)).items()}
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    return model_dir
+
+
 def load_tiny_model(model_dir: str, dtype: Any = None) -> Any:
     """Our model for a saved checkpoint folder, its weights loaded, on the CPU (float32 unless
     ``dtype``)."""

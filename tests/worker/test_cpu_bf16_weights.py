@@ -12,12 +12,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
 from kernels import cpu_bf16_linear  # noqa: E402
 from tests.utils.paged_helpers import PagedSequence, assert_chunks_match_hf  # noqa: E402
-from tests.utils.tiny_models import make_tiny_model  # noqa: E402
+from tests.utils.tiny_models import make_bf16_valued_model, make_tiny_model  # noqa: E402
 from workers.layers import cpu_bf16_weights, cpu_prepack  # noqa: E402
 from workers.models import build_model  # noqa: E402
 from workers.startup.weight_loader import load_weights  # noqa: E402
@@ -33,13 +32,8 @@ def compiled() -> None:
 
 
 def _bf16_valued_model(path: Path, **overrides) -> str:
-    """A tiny llama whose every weight is a bfloat16 value, stored in float32 (as a bf16
-    checkpoint is once widened)."""
-    model_dir = make_tiny_model(path, "llama", seed=0, **overrides)
-    weights = Path(model_dir) / "model.safetensors"
-    tensors = {k: v.bfloat16().float() for k, v in load_file(str(weights)).items()}
-    save_file(tensors, str(weights), metadata={"format": "pt"})
-    return model_dir
+    """A tiny llama whose every weight is a bfloat16 value, stored in float32."""
+    return make_bf16_valued_model(path, "llama", seed=0, **overrides)
 
 
 def _model(model_dir: str, prepack: bool = False) -> torch.nn.Module:
