@@ -93,13 +93,18 @@ class SpeedDrift:
         self._recent.append(index)
         if len(self._recent) < RECENT_STEPS:
             return None
-        recent = set(self._recent)
+        # Each kind's steps are in observation order, and the recent ones are the last whole
+        # steps of either kind: a kind's recent steps are the tail from the first recent index.
+        first_recent = self._recent[0]
         departures = []
-        for kind, steps in self._steps.items():
-            ratios = [ratio for i, _, ratio in steps if i in recent]
-            if not ratios:
+        for steps in self._steps.values():
+            tail = 0
+            while tail < len(steps) and steps[-1 - tail][0] >= first_recent:
+                tail += 1
+            if not tail:
                 continue
-            before = [ratio for i, _, ratio in steps if i not in recent]
+            all_ratios = [ratio for _, _, ratio in steps]
+            ratios, before = all_ratios[-tail:], all_ratios[:-tail]
             if len(before) < RECENT_STEPS:
                 return None  # no usual ratio to depart from yet
             usual = statistics.median(before)

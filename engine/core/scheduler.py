@@ -255,17 +255,20 @@ class Scheduler:
     def _schedule_running(self, step: StepInProgress) -> None:
         """Serve running requests in admission order, preempting for KV space."""
         kv = self.kv_cache_manager
+        slack, holds, record = self.slack, self.slack.holds, step.record
         i = 0
         while i < len(self.running) and step.budget > 0:
             request = self.running[i]
-            num_new = self._tokens_for_running(request, self.slack.join_budget(step, request))
-            if (num_new == 0 or self.slack.holds.is_held(request.request_id)
-                    or request.request_id in step):
+            req_id = request.request_id
+            # No deadline in the step yet (most decode steps): nothing caps the budget.
+            budget = slack.join_budget(step, request) if step.with_deadline else step.budget
+            num_new = self._tokens_for_running(request, budget)
+            if num_new == 0 or (holds and holds.is_held(req_id)) or req_id in step.scheduled:
                 # Its sampled token has not arrived yet; nothing to compute until it does.
                 i += 1
                 continue
-            num_blocks_before = len(kv.req_blocks.get(request.request_id, ()))
-            num_victims = len(step.record.kv_preempted)
+            num_blocks_before = len(kv.req_blocks.get(req_id, ()))
+            num_victims = len(record.kv_preempted)
             while not kv.allocate_slots(request, num_new):
                 victim = self.slack.choose_kv_victim(self.running, step)
                 if victim.request_id in step:
@@ -277,17 +280,20 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 # It was its own victim: nothing left running can free blocks for anyone after it.
                 break
-            step.record.prev_num_computed_tokens[request.request_id] = request.num_computed_tokens
-            step.record.new_block_ids[request.request_id] = kv.block_ids_from(
-                request.request_id, num_blocks_before)
+            record.prev_num_computed_tokens[req_id] = request.num_computed_tokens
+            if len(kv.req_blocks.get(req_id, ())) > num_blocks_before:
+                # Most decodes' tables already cover their token: nothing to record.
+                record.new_block_ids[req_id] = kv.block_ids_from(req_id, num_blocks_before)
             step.add(request, num_new)
             # Victims of the priority policy may have sat before it, shifting its index (a
             # search only then: at every request it would make the step quadratic in the batch).
-            i = (i + 1 if len(step.record.kv_preempted) == num_victims
+            i = (i + 1 if len(record.kv_preempted) == num_victims
                  else self.running.index(request) + 1)
 
     def _tokens_for_running(self, request: Request, budget: int) -> int:
-        suspended = self.slack.suspensions.next_chunk(request.request_id)
+        suspensions = self.slack.suspensions
+        suspended = (suspensions.next_chunk(request.request_id) if suspensions.suspended
+                     else None)
         if suspended is not None:
             # The workers hold its stopped pass: it resumes as much of its first segment as the
             # budget (capped by the deadlines and TPOT of the step) allows.
@@ -379,21 +385,28 @@ class Scheduler:
         """
         live = live_requests(scheduler_output, runner_output, self.is_running)
         outputs: list[Request] = []
+        requests, commit = self.requests, self.kv_cache_manager.commit_computed_blocks
+        failed, prompt_logprobs_of = runner_output.failed, runner_output.prompt_logprobs
+        sampled, logprobs_of = runner_output.sampled_token_ids, runner_output.logprobs
+        # The moment this step's tokens are taken in: one clock read for all of them.
+        now = time.monotonic()
         for sr in live:
-            request = self.requests[sr.req_id]
+            req_id = sr.req_id
+            request = requests[req_id]
             if sr.resume:
-                self.slack.suspensions.resumed(sr.req_id, len(sr.token_ids))
-            if (error := runner_output.failed.get(sr.req_id)) is not None:
+                self.slack.suspensions.resumed(req_id, len(sr.token_ids))
+            if failed and (error := failed.get(req_id)) is not None:
                 self.fail_request(request, error)
                 outputs.append(request)
                 continue
-            self.kv_cache_manager.commit_computed_blocks(request, sr.start_pos + len(sr.token_ids))
-            if (prompt_logprobs := runner_output.prompt_logprobs.get(sr.req_id)) is not None:
+            commit(request, sr.start_pos + len(sr.token_ids))
+            if (prompt_logprobs_of
+                    and (prompt_logprobs := prompt_logprobs_of.get(req_id)) is not None):
                 request.add_prompt_logprobs(prompt_logprobs)
             if not sr.sample:
                 continue
             request.num_output_placeholders -= 1
-            token = runner_output.sampled_token_ids[sr.req_id]
+            token = sampled[req_id]
             if request.grammar is not None and not request.grammar.accept(token):
                 # The step's mask allowed it, so the grammar and the mask disagree: a bug, and
                 # this request's alone.
@@ -401,8 +414,8 @@ class Scheduler:
                                            f"token {token}")
                 outputs.append(request)
                 continue
-            request.append_output_token(token, runner_output.logprobs.get(sr.req_id))
-            request.last_token_time = time.monotonic()
+            request.append_output_token(token, logprobs_of.get(req_id) if logprobs_of else None)
+            request.last_token_time = now
             if request.first_token_time is None:
                 request.first_token_time = request.last_token_time
                 self._release_siblings(request)

@@ -148,25 +148,46 @@ class SlackPolicy:
     def begin_step(self, ops: SchedulerOps) -> None:
         """slo policy: urgency moves with the clock, so rank running and waiting requests once
         per step; the least urgent running request ends up last, which makes it the
-        KV-pressure victim. Then release the held victims whose turn came."""
+        KV-pressure victim. Then release the held victims whose turn came.
+
+        One pass over the running set gathers what the step needs of it; where no running
+        request has a live deadline or an inter-token objective (a batch of decodes past their
+        first output, most steps of a busy server), the ranking is the given order and the
+        running set is not sorted (the sort's keys would all be (2, position))."""
         context, holds = self._context, self.holds
-        context.decodes = [r for r in ops.running
-                           if r.num_tokens_owed == 1 and not holds.is_held(r.request_id)]
-        context.decode_context = sum(r.num_tokens for r in context.decodes)
+        decodes: list[Request] = []
+        decode_context = 0
+        deepest_prefix = 0
+        timed = False  # a live deadline or an inter-token objective somewhere in the running set
+        for request in ops.running:
+            owed = request.num_tokens_owed
+            if holds and holds.is_held(request.request_id):
+                timed = timed or request.live_deadline is not None or is_tpot_decode(request)
+                continue
+            if owed == 1:
+                decodes.append(request)
+                decode_context += request.num_tokens
+            elif owed > 1 and request.num_computed_tokens > deepest_prefix:
+                deepest_prefix = request.num_computed_tokens
+            timed = timed or request.live_deadline is not None or is_tpot_decode(request)
+        context.decodes, context.decode_context = decodes, decode_context
         if self.scheduling_policy == "slo":
-            now = time.monotonic()
-            position = {r.request_id: i for i, r in enumerate(self.rank(ops.running, now))}
-            contested = any(r.live_deadline is not None for r in ops.running
-                            if r.num_tokens_owed > 1)
-            ops.running.sort(key=lambda r: _running_rank(r, position[r.request_id], contested))
+            if timed:
+                now = time.monotonic()
+                position = {r.request_id: i for i, r in enumerate(self.rank(ops.running, now))}
+                contested = any(r.live_deadline is not None for r in ops.running
+                                if r.num_tokens_owed > 1)
+                ops.running.sort(key=lambda r: _running_rank(r, position[r.request_id],
+                                                             contested))
             waiting = ops.waiting
             assert isinstance(waiting, UrgencyQueue)
             waiting.refresh(self.rank)
         if holds:
             holds.release_due(ops, self.rank)
-        context.deepest_prefix = max((r.num_computed_tokens for r in ops.running
-                                      if r.num_tokens_owed > 1
-                                      and not holds.is_held(r.request_id)), default=0)
+            deepest_prefix = max((r.num_computed_tokens for r in ops.running
+                                  if r.num_tokens_owed > 1
+                                  and not holds.is_held(r.request_id)), default=0)
+        context.deepest_prefix = deepest_prefix
 
     def admit_first(self, ops: SchedulerOps, step: StepInProgress) -> None:
         """Admissions that go before the running set is served: the waiter a mid-forward

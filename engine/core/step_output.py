@@ -19,25 +19,29 @@ def scheduled_request(request: Request, num_new: int, kv: KVCacheManager,
     req_id = request.request_id
     start = request.num_computed_tokens
     end = start + num_new
-    num_tokens = len(request.all_token_ids)
+    all_token_ids = request.all_token_ids
+    num_tokens = len(all_token_ids)
     # A decode scheduled ahead (Scheduler.can_schedule_ahead): its input is the token in flight.
     pending = end > num_tokens
-    resume = suspensions.is_suspended(req_id)
+    resume = req_id in suspensions.suspended
     if resume:
         held = suspensions.next_chunk(req_id)
         assert held is not None and held.start_pos == start and num_new <= held.num_tokens
     table_start, new_block_ids = kv.table_update(req_id)
+    placeholders = request.num_output_placeholders
     scheduled = ScheduledRequest(
         req_id=req_id,
-        token_ids=[PENDING_TOKEN] if pending else request.all_token_ids[start:end],
+        token_ids=[PENDING_TOKEN] if pending else all_token_ids[start:end],
         start_pos=start,
         block_ids=new_block_ids,
         block_table_start=table_start,
-        sample=end == num_tokens + request.num_output_placeholders,
+        sample=end == num_tokens + placeholders,
         sampling_params=request.step_sampling_params,
-        num_output_tokens=len(request.output_token_ids) + request.num_output_placeholders,
+        num_output_tokens=len(request.output_token_ids) + placeholders,
         resume=resume,
-        prompt_logprob_targets=request.prompt_logprob_targets(start, end),
+        # Most requests ask for no prompt logprobs: the list's default, without a call.
+        prompt_logprob_targets=(request.prompt_logprob_targets(start, end)
+                                if request.prompt_logprobs is not None else []),
         last_token_pending=pending,
     )
     if scheduled.sample:

@@ -32,9 +32,12 @@ def layers_run(output: SchedulerOutput, runner_output: ModelRunnerOutput,
 def observe_step(predictor: StepTimePredictor, output: SchedulerOutput,
                  runner_output: ModelRunnerOutput, num_layers: int) -> None:
     """One step that completed or was unwound, timed by the workers (execute_seconds)."""
-    layers = layers_run(output, runner_output, num_layers)
-    if layers is None:
-        return
+    layers: dict[str, tuple[int, int]] | None = {}  # every chunk ran every layer
+    if (runner_output.status is not StepStatus.OK
+            or any(request.resume for request in output.requests)):
+        layers = layers_run(output, runner_output, num_layers)
+        if layers is None:
+            return
     point = output.step_point(runner_output.execute_seconds, num_layers, layers)
     if point is not None:
         predictor.observe_point(point)
