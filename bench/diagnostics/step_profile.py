@@ -36,6 +36,7 @@ class StepTimer:
         from engine.processing import output_processor
 
         self.records: list[dict[str, float]] = []
+        self._wrapped: list[tuple[object, str, object]] = []
         self._current: dict[str, float] = defaultdict(float)
         self._decode_only = False
         engine = llm.engine
@@ -78,6 +79,8 @@ class StepTimer:
 
     def _wrap(self, obj, name: str, part: str, after=None) -> None:
         original = getattr(obj, name)
+        # Put back by restore(): the instance's own attribute where it had one, else none.
+        self._wrapped.append((obj, name, obj.__dict__.get(name)))
         current = self._current
 
         def timed(*args, **kwargs):
@@ -103,6 +106,12 @@ class StepTimer:
     def restore(self) -> None:
         cls, original = self._unpatch
         cls.process = original
+        for obj, name, own in reversed(self._wrapped):
+            if own is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, own)
+        self._wrapped.clear()
 
     def reset(self) -> None:
         self.records.clear()

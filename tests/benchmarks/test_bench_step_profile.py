@@ -31,3 +31,22 @@ def test_script_prints_the_step_split_on_a_tiny_model(tiny_model):
         assert config["forward"] > 0 and config["iteration"] >= config["forward"]
         assert 0 < config["host_pct_of_iteration"] < 100
     assert "cProfile 3x40" in run.stderr
+
+
+def test_the_timer_puts_back_what_it_wrapped(tiny_model):
+    """Each configuration's StepTimer unwraps the engine's methods when it is done: the next
+    one times the engine's own methods, not the last timer's wrappers."""
+    from bench.diagnostics.step_profile import StepTimer
+    from engine import LLM
+
+    llm = LLM(model=tiny_model("llama"), dtype="float32", num_kv_blocks=16, max_model_len=64)
+    try:
+        scheduler, runner = llm.engine.scheduler, llm.engine.executor.runner
+        timer = StepTimer(llm)
+        # Probe: the timer did wrap them (instance attributes shadowing the methods).
+        assert "schedule" in vars(scheduler) and "forward" in vars(runner.model)
+        timer.restore()
+        assert "schedule" not in vars(scheduler) and "forward" not in vars(runner.model)
+        assert "execute" not in vars(runner) and "step" not in vars(llm.engine)
+    finally:
+        llm.shutdown()
