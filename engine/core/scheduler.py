@@ -260,9 +260,7 @@ class Scheduler:
         while i < len(self.running) and step.budget > 0:
             request = self.running[i]
             req_id = request.request_id
-            # No deadline in the step yet (most decode steps): nothing caps the budget.
-            budget = slack.join_budget(step, request) if step.with_deadline else step.budget
-            num_new = self._tokens_for_running(request, budget)
+            num_new = self._tokens_for_running(request, slack.join_budget(step, request))
             if num_new == 0 or (holds and holds.is_held(req_id)) or req_id in step.scheduled:
                 # Its sampled token has not arrived yet; nothing to compute until it does.
                 i += 1
@@ -291,9 +289,7 @@ class Scheduler:
                  else self.running.index(request) + 1)
 
     def _tokens_for_running(self, request: Request, budget: int) -> int:
-        suspensions = self.slack.suspensions
-        suspended = (suspensions.next_chunk(request.request_id) if suspensions.suspended
-                     else None)
+        suspended = self.slack.suspensions.next_chunk(request.request_id)
         if suspended is not None:
             # The workers hold its stopped pass: it resumes as much of its first segment as the
             # budget (capped by the deadlines and TPOT of the step) allows.

@@ -91,19 +91,11 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
         the layers [start, end) of `layers` (all of them when absent): an unwound or resumed
         step ran only some (see monitor.step_point.step_point)."""
         if not layers:
-            # Every chunk ran every layer (most steps): the features in one loop, the same
-            # sums step_point makes with every share 1.
-            tokens = attention = context = 0
-            for r in self.requests:
-                n = len(r.token_ids)
-                tokens += n
-                if n > 1:
-                    attention += n * (2 * r.start_pos + n)
-                else:
-                    context += r.start_pos + 1
+            # Every chunk ran every layer (most steps): the step's own features, whole.
             if not self.requests:
                 return None
-            return StepPoint(float(tokens), float(attention), float(context), seconds, 1.0)
+            return StepPoint(float(self.num_scheduled_tokens), float(self.attention_work),
+                             float(self.decode_context), seconds)
         return step_point(((r.start_pos, len(r.token_ids),
                             *layers.get(r.req_id, (0, num_layers))) for r in self.requests),
                           num_layers, seconds)

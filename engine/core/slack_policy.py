@@ -160,16 +160,15 @@ class SlackPolicy:
         deepest_prefix = 0
         timed = False  # a live deadline or an inter-token objective somewhere in the running set
         for request in ops.running:
-            owed = request.num_tokens_owed
+            timed = timed or request.live_deadline is not None or is_tpot_decode(request)
             if holds and holds.is_held(request.request_id):
-                timed = timed or request.live_deadline is not None or is_tpot_decode(request)
                 continue
+            owed = request.num_tokens_owed
             if owed == 1:
                 decodes.append(request)
                 decode_context += request.num_tokens
             elif owed > 1 and request.num_computed_tokens > deepest_prefix:
                 deepest_prefix = request.num_computed_tokens
-            timed = timed or request.live_deadline is not None or is_tpot_decode(request)
         context.decodes, context.decode_context = decodes, decode_context
         if self.scheduling_policy == "slo":
             if timed:
@@ -215,8 +214,9 @@ class SlackPolicy:
     def join_budget(self, step: StepInProgress, request: Request) -> int:
         """The tokens `request` (a running chunk or a waiting admission) may add to `step`: the
         step's budget left, under the slo policy capped by the deadlines the step serves
-        (DeadlineCaps.join_budget)."""
-        if self.scheduling_policy != "slo":
+        (DeadlineCaps.join_budget). A step that serves no deadline yet (most decode steps) caps
+        nothing."""
+        if self.scheduling_policy != "slo" or not step.with_deadline:
             return step.budget
         return self.caps.join_budget(step, request)
 

@@ -23,7 +23,7 @@ def scheduled_request(request: Request, num_new: int, kv: KVCacheManager,
     num_tokens = len(all_token_ids)
     # A decode scheduled ahead (Scheduler.can_schedule_ahead): its input is the token in flight.
     pending = end > num_tokens
-    resume = req_id in suspensions.suspended
+    resume = suspensions.is_suspended(req_id)
     if resume:
         held = suspensions.next_chunk(req_id)
         assert held is not None and held.start_pos == start and num_new <= held.num_tokens

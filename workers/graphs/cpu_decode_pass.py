@@ -51,7 +51,6 @@ class CpuDecodePass:
     def __init__(self, model: nn.Module, table: torch.Tensor, keep: list[Any],
                  max_rows: int) -> None:
         attention: DecoderAttention = model.model.layers[0].self_attn
-        self.model = model
         self.table = table
         self._keep = keep  # owns every address in the table but the KV caches'
         self.max_rows = max_rows
@@ -67,6 +66,7 @@ class CpuDecodePass:
         self.cos_sin = model.model.rotary_emb.cos_sin
         self.final_norm = model.model.norm.weight.detach()
         self._bound: list[KVCache] | None = None
+        self.block_size = 0  # the bound KV caches' (_bind)
         self._scratch: dict[int, torch.Tensor] = {}
         # Steps this plan ran (a probe for tests and diagnostics).
         self.steps_run = 0
@@ -88,17 +88,13 @@ class CpuDecodePass:
             scratch = self._scratch[rows] = torch.empty(cpu_decode_pass.scratch_floats(
                 rows, self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate))
         out = torch.empty(rows, self.hidden)
-        # Block table rows may be a slice of a wider buffer: only their columns must be dense.
-        tables = attn_meta.decode_block_tables
-        if tables.dtype != torch.int64 or tables.stride(1) != 1:
-            tables = tables.to(torch.int64).contiguous()
-        block_size = kv_caches[0][0].shape[1]
+        tables = _int64(attn_meta.decode_block_tables)
         cpu_decode_pass.run(
             self.table, self.embedding, self.cos_sin, self.final_norm, _int64(input_ids),
             _int64(positions), _int64(attn_meta.slot_mapping), tables,
             _int64(attn_meta.decode_context_lens),
             scratch, out, rows, self.num_layers, self.hidden, self.heads, self.kv_heads,
-            self.head_dim, self.intermediate, block_size, tables.stride(0),
+            self.head_dim, self.intermediate, self.block_size, tables.stride(0),
             cpu_fused.PARALLEL_SLOTS, self.eps, self.scale, self.softcap)
         self.steps_run += 1
         return out
@@ -112,11 +108,13 @@ class CpuDecodePass:
             self.table[layer, FIELD["key_cache"]] = key_cache.data_ptr()
             self.table[layer, FIELD["value_cache"]] = value_cache.data_ptr()
         self._bound = kv_caches
+        self.block_size = kv_caches[0][0].shape[1]
 
 
 def _int64(tensor: torch.Tensor) -> torch.Tensor:
-    """A step input as the pass reads it: contiguous int64 (the runner's buffers already are)."""
-    if tensor.dtype != torch.int64 or not tensor.is_contiguous():
+    """A step input as the pass reads it: int64 with a dense last dimension (the runner's
+    buffers already are; block table rows may be a slice of a wider buffer, read by stride)."""
+    if tensor.dtype != torch.int64 or tensor.stride(-1) != 1:
         tensor = tensor.to(torch.int64).contiguous()
     return tensor
 
