@@ -12,11 +12,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
+
+import numpy as np
 
 from monitor.speed_drift import Drift, SpeedDrift
 from monitor.step_point import StepPoint
-from monitor.step_time_fit import FLOOR_TOLERANCE, error_quantiles, fit_step
+from monitor.step_time_fit import FLOOR_TOLERANCE, error_quantiles, fit_step, point_table
 from monitor.step_time_model import DEFAULT_SEED, StepTimeModel
 
 # The error margins are estimated from this many observed prefill steps at least; before that
@@ -43,9 +45,9 @@ UNCERTAIN_ERROR = 0.5
 UNCERTAIN_SPEEDUP = 0.75
 
 
-def recency_weights(count: int, half_life: float = RECENCY_HALF_LIFE) -> list[float]:
+def recency_weights(count: int, half_life: float = RECENCY_HALF_LIFE) -> np.ndarray:
     """Weights of a window's points, oldest first, the newest at 1."""
-    return [0.5 ** ((count - 1 - i) / half_life) for i in range(count)]
+    return 0.5 ** (np.arange(count - 1, -1, -1) / half_life)
 
 
 class _Window:
@@ -249,52 +251,52 @@ class StepTimePredictor:
         carries a prefill chunk, the online fit once doubled the decode term that way
         (tests/core/test_predictor_refit_decode.py)."""
         prefills, decodes = self._points.points, self._decode_points.points
-        points = [*prefills, *decodes]
-        weights = [*recency_weights(len(prefills)), *recency_weights(len(decodes))]
         first = prefills[0].full_tokens if prefills else 0.0
         if not any(abs(p.full_tokens - first) > 1e-6 for p in prefills):
             return None  # one prefill size at most
-        decode = any(p.decode_context > 0 for p in points)
-        decode_s = self._decode_coefficient(points, weights, base) if decode else None
-        weights = [w * (1.0 if _single_kind(p) else MIXED_WEIGHT)
-                   for p, w in zip(points, weights)]
+        table = point_table([*prefills, *decodes])
+        weights = np.concatenate([recency_weights(len(prefills)),
+                                  recency_weights(len(decodes))])
+        tokens, attention, context, seconds, share = table.T
+        # A whole step of decodes only or of prefill chunks only weighs 1, any other
+        # MIXED_WEIGHT.
+        single = (share >= 1.0 - 1e-9) & ((attention <= 0) | (context <= 0))
+        weights = weights * np.where(single, 1.0, MIXED_WEIGHT)
+        decode = bool((context > 0).any())
+        decode_s = self._decode_coefficient(table, weights, single, base) if decode else None
         try:
-            return fit_step(points, quadratic=True, decode=decode, weights=weights,
-                                       floor_s=base.floor_s, decode_s=decode_s)
+            return fit_step(table, quadratic=True, decode=decode, weights=weights,
+                            floor_s=base.floor_s, decode_s=decode_s)
         except ValueError:  # too few distinct sizes (above the floor)
             return None
 
-    def _decode_coefficient(self, points: Sequence[StepPoint], weights: Sequence[float],
+    def _decode_coefficient(self, table: np.ndarray, weights: np.ndarray, single: np.ndarray,
                             base: StepTimeModel) -> float | None:
         """The decode term as the whole decode-only steps (the seed's among them, until served
         steps push them out) show it: what they cost beyond the intercept and the per-token
-        cost of a fit on every point (mixed and partial ones weighing MIXED_WEIGHT), per KV
-        token read. The intercept and the per-token cost are determined by every step; the
-        decode term, the one coefficient left, only by the steps where it is all the rest.
-        None (a joint fit: the other steps are all the evidence there is) where no whole
-        decode-only step is in the windows."""
-        fallback = None
-        decodes = [(p, w) for p, w in zip(points, weights)
-                   if _single_kind(p) and p.attention <= 0 and p.decode_context > 0]
-        if not decodes:
-            return fallback
+        cost of a fit on every point of `table` (point_table rows, weighed by `weights`,
+        mixed and partial ones already at MIXED_WEIGHT), per KV token read. The intercept and
+        the per-token cost are determined by every step; the decode term, the one coefficient
+        left, only by the steps where it is all the rest. None (a joint fit: the other steps
+        are all the evidence there is) where no whole decode-only step is in the windows."""
+        tokens, attention, context, seconds, _ = table.T
+        decodes = single & (attention <= 0) & (context > 0)
+        if not decodes.any():
+            return None
         try:
-            joint = fit_step(
-                points, quadratic=True, decode=True, floor_s=base.floor_s,
-                weights=[w * (1.0 if _single_kind(p) else MIXED_WEIGHT)
-                         for p, w in zip(points, weights)])
+            joint = fit_step(table, quadratic=True, decode=True, floor_s=base.floor_s,
+                             weights=weights, keep_range=False)
         except ValueError:
-            return fallback
-
-        def rest(point: StepPoint) -> float:
-            return point.seconds - joint.intercept_s - joint.seconds_per_token * point.tokens
-
+            return None
+        tokens, context, seconds = tokens[decodes], context[decodes], seconds[decodes]
+        weight = weights[decodes]
+        # What each decode step cost beyond the intercept and the per-token term.
+        beyond = seconds - joint.intercept_s - joint.seconds_per_token * tokens
         # A step at the floor bounds the term: its decodes cost no more than the floor leaves
         # them.
-        at_floor = [p.seconds <= joint.floor_s * (1 + FLOOR_TOLERANCE) for p, _ in decodes]
-        bound = min((max(0.0, rest(p)) / p.decode_context
-                     for (p, _), floor_bound in zip(decodes, at_floor) if floor_bound),
-                    default=math.inf)
+        at_floor = seconds <= joint.floor_s * (1 + FLOOR_TOLERANCE)
+        bound = (float((np.maximum(0.0, beyond[at_floor]) / context[at_floor]).min())
+                 if at_floor.any() else math.inf)
         # Weighted least squares of relative residuals, one coefficient: d = sum(w x r) /
         # sum(w x x), x the context and r what the step cost beyond the other terms, both
         # relative to its time (as fit_step weighs them). Over the steps above the floor that
@@ -305,14 +307,9 @@ class StepTimePredictor:
         # GPU-timed simulation, a 200-token prefill beside 100k tokens of decodes was predicted
         # at 944 ms, and urgent turns were ranked as doomed for the 128 decode steps it stayed
         # in the window.
-        num = den = 0.0
-        for (point, weight), floor_bound in zip(decodes, at_floor):
-            beyond = rest(point)
-            if floor_bound or beyond > STALL_FACTOR * bound * point.decode_context:
-                continue
-            x = point.decode_context / point.seconds
-            num += weight * x * beyond / point.seconds
-            den += weight * x * x
+        used = ~at_floor & ~(beyond > STALL_FACTOR * bound * context)
+        x = context[used] / seconds[used]
+        den = float((weight[used] * x * x).sum())
         if den <= 0:
             # Every decode-only step ran at the floor: they show the floor, not what a KV
             # token costs, and the mixed steps would put the floor's time into the decode
@@ -320,15 +317,11 @@ class StepTimePredictor:
             # what the floor-bound steps allow (a seed timed on a noisy CPU once said 1.3e-4 s
             # a KV token, where its decode steps at 2000 tokens of context ran at the floor).
             return min(base.seconds_per_decode_context, bound)
+        num = float((weight[used] * x * beyond[used] / seconds[used]).sum())
         return min(max(0.0, num / den), bound)
 
     def predict(self, tokens: int, decode_context: int = 0) -> float:
         return self.current.predict(tokens, decode_context)
-
-
-def _single_kind(point: StepPoint) -> bool:
-    """A whole step of decodes only or of prefill chunks only (see StepTimePredictor._refit)."""
-    return point.share >= 1.0 - 1e-9 and (point.attention <= 0 or point.decode_context <= 0)
 
 
 def _residual(model: StepTimeModel, point: StepPoint) -> float:

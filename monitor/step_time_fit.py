@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 from collections.abc import Iterable, Sequence
+
+import numpy as np
 
 from monitor.step_point import StepPoint
 from monitor.step_time_model import StepTimeModel
@@ -59,13 +60,23 @@ def fit_quadratic(points: Iterable[tuple[int, int, float]]) -> StepTimeModel:
     return fit_step(((n, q, 0, s) for n, q, s in pts), quadratic=True, decode=False)
 
 
-def fit_step(points: Iterable[Sequence[float]], *, quadratic: bool, decode: bool,
-             weights: Sequence[float] | None = None, floor_s: float = 0.0,
-             decode_s: float | None = None) -> StepTimeModel:
-    """Least squares on step points (StepPoint, or (tokens, attention, decode_context,
-    seconds) tuples): the line plus the attention term if `quadratic` and the decode term if
-    `decode` (the attention term only where three or more prefill shapes determine it). A
-    term whose coefficient comes out <= 0 is dropped and the rest refitted (no
+def point_table(points: Iterable[Sequence[float]] | np.ndarray) -> np.ndarray:
+    """Step points as one float array, a row per point in StepPoint's field order (tokens,
+    attention, decode_context, seconds, share); 4-tuples take a share of 1. An array passes
+    through: the online refit tabulates its windows once and fits on the table twice."""
+    if isinstance(points, np.ndarray):
+        return points
+    rows = [p if isinstance(p, StepPoint) else StepPoint(*p) for p in points]
+    return np.array(rows, dtype=float).reshape(-1, 5)
+
+
+def fit_step(points: Iterable[Sequence[float]] | np.ndarray, *, quadratic: bool, decode: bool,
+             weights: Sequence[float] | np.ndarray | None = None, floor_s: float = 0.0,
+             decode_s: float | None = None, keep_range: bool = True) -> StepTimeModel:
+    """Least squares on step points (StepPoint, (tokens, attention, decode_context, seconds)
+    tuples, or a point_table): the line plus the attention term if `quadratic` and the decode
+    term if `decode` (the attention term only where three or more prefill shapes determine
+    it). A term whose coefficient comes out <= 0 is dropped and the rest refitted (no
     step gets cheaper with more work); a negative intercept refits through the origin; a
     slope <= 0 falls back to `fit_line`. `weights` multiply each point's weight (recency).
 
@@ -79,13 +90,10 @@ def fit_step(points: Iterable[Sequence[float]], *, quadratic: bool, decode: bool
 
     With `decode_s`, the decode coefficient is that value, not fitted (StepTimePredictor fits
     it on the steps that determine it, and the rest with it fixed). The model keeps the range
-    of the points (with_range)."""
-    import numpy as np
-
+    of the points (with_range) unless `keep_range` is false (a fit whose coefficients are all
+    that is read)."""
     # Columns: share (the intercept's feature), tokens, attention, decode_context, seconds.
-    rows = [(p.share, p.tokens, p.attention, p.decode_context, p.seconds)
-            for p in map(_as_point, points)]
-    table = np.array(rows, dtype=float).reshape(-1, 5)
+    table = point_table(points)[:, [4, 0, 1, 2, 3]]
     measured = table
     extra = np.ones(len(table)) if weights is None else np.asarray(weights, dtype=float)
     if floor_s > 0:
@@ -93,11 +101,11 @@ def fit_step(points: Iterable[Sequence[float]], *, quadratic: bool, decode: bool
         table, extra = table[kept], extra[kept]
     # Whole-step sizes and prefill shapes (partial points of one shape share them).
     whole = np.round(table[:, 1:3] / table[:, :1], 3)
-    sizes = np.unique(whole[:, 0])
+    sizes = set(whole[:, 0].tolist())
     if len(sizes) < 2:
         raise ValueError(f"fitting a step model needs points at two or more token counts, "
-                         f"got {sizes.tolist()}")
-    shapes = np.unique(whole[table[:, 2] > 0], axis=0)
+                         f"got {sorted(sizes)}")
+    shapes = set(map(tuple, whole[table[:, 2] > 0].tolist()))
     quadratic = quadratic and len(shapes) >= 3  # else the term is not determined
     features, y = table[:, :4], table[:, 4]
     weight = extra / np.maximum(y, 1e-6)
@@ -119,23 +127,23 @@ def fit_step(points: Iterable[Sequence[float]], *, quadratic: bool, decode: bool
     if coef[1] <= 0:
         line = fit_line(zip(table[:, 1] / table[:, 0],
                             (y - fixed * features[:, 3]) / table[:, 0]))
-        return with_range(dataclasses.replace(line, floor_s=floor_s,
-                                              seconds_per_decode_context=fixed), measured)
+        line = dataclasses.replace(line, floor_s=floor_s, seconds_per_decode_context=fixed)
+        return _with_range(line, measured) if keep_range else line
     full = np.zeros(4)
     full[[0, 1, *terms]] = coef
     full[3] = full[3] if decode_s is None else fixed
     residual = y - features @ full
     ss_tot = float(((y - y.mean()) ** 2).sum())
     r2 = 1.0 - float((residual ** 2).sum()) / ss_tot if ss_tot > 0 else 1.0
-    return with_range(StepTimeModel(seconds_per_token=float(full[1]), intercept_s=float(full[0]),
-                                    r2=r2, seconds_per_token_sq=float(full[2]),
-                                    seconds_per_decode_context=float(full[3]), floor_s=floor_s),
-                      measured)
+    model = StepTimeModel(seconds_per_token=float(full[1]), intercept_s=float(full[0]), r2=r2,
+                          seconds_per_token_sq=float(full[2]),
+                          seconds_per_decode_context=float(full[3]), floor_s=floor_s)
+    return _with_range(model, measured) if keep_range else model
 
 
-def with_range(model: StepTimeModel, points: Iterable[Sequence[float]]) -> StepTimeModel:
-    """`model` calibrated on `points` (StepPoints, or rows of share, tokens, attention,
-    decode_context, seconds as fit_step tabulates them): the largest whole-step value of
+def with_range(model: StepTimeModel, points: Iterable[Sequence[float]] | np.ndarray
+               ) -> StepTimeModel:
+    """`model` calibrated on `points` (as fit_step takes them): the largest whole-step value of
     each feature among them, and each term's edge cost.
 
     The edge cost of a term is what a unit of its feature cost at the point where that
@@ -145,46 +153,37 @@ def with_range(model: StepTimeModel, points: Iterable[Sequence[float]]) -> StepT
     term grows by it rather than by a coefficient that points elsewhere determined: a decode
     slope fitted on 259-token contexts once charged 0.24 s for 3949 tokens of context that
     cost about half that."""
-    rows = [(p.share, p.tokens, p.attention, p.decode_context, p.seconds)
-            if isinstance(p, StepPoint) else tuple(p) for p in points]
-    rows = [r for r in rows if r[0] > 0]
-    if not rows:
+    return _with_range(model, point_table(points)[:, [4, 0, 1, 2, 3]])
+
+
+def _with_range(model: StepTimeModel, table: np.ndarray) -> StepTimeModel:
+    """with_range on rows of (share, tokens, attention, decode_context, seconds)."""
+    table = table[table[:, 0] > 0]
+    if not len(table):
         return model
-    coefs = (model.seconds_per_token, model.seconds_per_token_sq,
-             model.seconds_per_decode_context)
-    limits: list[float] = []
-    edges: list[float | None] = []
-    for j in range(3):
-        whole = [r[1 + j] / r[0] for r in rows]
-        limit = max(whole)
-        limits.append(limit)
-        edges.append(_edge_cost(model, j, [r for r, w in zip(rows, whole)
-                                           if w >= limit * (1 - 1e-9)], coefs))
-    edges = [None if e is None else float(e) for e in edges]
+    coefs = np.array([model.seconds_per_token, model.seconds_per_token_sq,
+                      model.seconds_per_decode_context])
+    whole = table[:, 1:4] / table[:, :1]
+    limits = whole.max(axis=0)
+    edges = [_edge_cost(model, j, table[whole[:, j] >= limits[j] * (1 - 1e-9)], coefs)
+             for j in range(3)]
     return dataclasses.replace(
         model, calibrated_tokens=float(limits[0]), calibrated_attention=float(limits[1]),
         calibrated_decode_context=float(limits[2]), edge_seconds_per_token=edges[0],
         edge_seconds_per_token_sq=edges[1], edge_seconds_per_decode_context=edges[2])
 
 
-def _edge_cost(model: StepTimeModel, j: int, tops: list[tuple[float, ...]],
-               coefs: tuple[float, float, float]) -> float | None:
-    """Feature j's edge cost from the points where it is largest (see with_range)."""
-    implied = []
-    for share, *features, seconds in tops:
-        if features[j] <= 0 or coefs[j] <= 0:
-            return None  # nothing measured, or no term: nothing to charge differently
-        if seconds <= model.floor_s * share * (1 + FLOOR_TOLERANCE):
-            return None  # the floor's point says nothing of the terms
-        others = model.intercept_s * share + sum(c * x for i, (c, x)
-                                                 in enumerate(zip(coefs, features))
-                                                 if i != j)
-        implied.append((seconds - others) / features[j])
-    return min(coefs[j], max(0.0, statistics.median(implied)))
-
-
-def _as_point(point: Sequence[float]) -> StepPoint:
-    return point if isinstance(point, StepPoint) else StepPoint(*point)
+def _edge_cost(model: StepTimeModel, j: int, tops: np.ndarray, coefs: np.ndarray
+               ) -> float | None:
+    """Feature j's edge cost from the rows where it is largest (see with_range)."""
+    share, features, seconds = tops[:, 0], tops[:, 1:4], tops[:, 4]
+    if coefs[j] <= 0 or (features[:, j] <= 0).any():
+        return None  # nothing measured, or no term: nothing to charge differently
+    if (seconds <= model.floor_s * share * (1 + FLOOR_TOLERANCE)).any():
+        return None  # the floor's point says nothing of the terms
+    others = model.intercept_s * share + features @ np.where(np.arange(3) == j, 0.0, coefs)
+    implied = (seconds - others) / features[:, j]
+    return float(min(coefs[j], max(0.0, float(np.median(implied)))))
 
 
 def error_quantiles(ratios: Iterable[float], quantile: float) -> tuple[float, float]:
