@@ -1,3 +1,4 @@
+import json
 import os
 
 # Tests never touch a model hub.
@@ -24,7 +25,8 @@ def tiny_model(tmp_path_factory):
     made: dict[tuple, str] = {}
 
     def make(arch: str = "llama", **overrides) -> str:
-        key = (arch, tuple(sorted(overrides.items())))
+        # Overrides may hold dicts and lists (rope_scaling): keyed by their JSON.
+        key = (arch, json.dumps(overrides, sort_keys=True))
         if key not in made:
             path = tmp_path_factory.mktemp(f"tiny-{arch}")
             save_tiny_tokenizer(path)

@@ -65,6 +65,8 @@ PROMPT_LOGPROB_ROWS = 256
 @dataclass
 class ModelInputs:
     input_ids: torch.Tensor
+    # Each token's row of the rotary table: its position, past the LongRoPE offset for a
+    # long-regime request (workers.layers.rotary).
     positions: torch.Tensor
     attn_meta: AttentionMetadata
     # Rows of the hidden states to sample from, and the requests they belong to.
@@ -109,6 +111,8 @@ class ModelRunner:
             load_weights(self.model, str(settings.model))
         if self.model.quant_config is not None:
             logger.info("%s", describe_weights(self.model))
+        # LongRoPE: where the rotary table's long-regime rows start (workers.layers.rotary).
+        self.long_rope_offset: int | None = self.model.model.rotary_emb.long_offset
         self.model.eval()
         if prepack_available(device, dtype):
             packed = prepack_linear_weights(self.model)
@@ -354,6 +358,12 @@ class ModelRunner:
         tables, widths = self.block_tables.gather(ordered, table_width)
         bs = self.block_size
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
+        # The rotary table's rows: a LongRoPE long-regime request's from the long rows.
+        rotary_rows = positions
+        if self.long_rope_offset is not None:
+            long_rope = np.fromiter((r.long_rope for r in ordered), bool, num_seqs)
+            if long_rope.any():
+                rotary_rows = positions + long_rope[seq_of_token] * self.long_rope_offset
         input_ids = np.fromiter(
             itertools.chain.from_iterable(r.token_ids for r in ordered if not r.resume), np.int64)
         # Decodes scheduled ahead (the padding rows of a graph repeat one, and count too): their
@@ -403,7 +413,7 @@ class ModelRunner:
             device_ids.index_copy_(0, index[0], previous.tokens.index_select(0, index[1]))
         return ModelInputs(
             input_ids=device_ids,
-            positions=upload(buffers.positions, torch.from_numpy(positions)),
+            positions=upload(buffers.positions, torch.from_numpy(rotary_rows)),
             attn_meta=attn_meta,
             logits_indices=upload(buffers.logits_indices, torch.from_numpy(logits_indices)),
             sampled=sampled,

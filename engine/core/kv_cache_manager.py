@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from engine.core.block_pool import BlockPool, KVBlock
 from engine.config import CacheConfig
+from engine.core.long_rope import LONG_ROPE_ROOT_HASH
 from engine.core.request import Request
 
 # Parent of a request's first block: it only seeds the chain.
@@ -99,12 +100,15 @@ class KVCacheManager:
         return released
 
     def update_block_hashes(self, request: Request) -> None:
-        """Extend ``request.block_hashes`` to cover every full block of its tokens."""
+        """Extend ``request.block_hashes`` to cover every full block of its tokens. The chain
+        starts from its rotary regime's root: LongRoPE's long and short KV of the same tokens
+        differ (engine.core.long_rope)."""
         bs = self.block_size
         hashes = request.block_hashes
         tokens = request.all_token_ids
+        root = LONG_ROPE_ROOT_HASH if request.long_rope else ROOT_HASH
         for i in range(len(hashes), len(tokens) // bs):
-            parent = hashes[-1] if hashes else ROOT_HASH
+            parent = hashes[-1] if hashes else root
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:

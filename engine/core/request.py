@@ -96,6 +96,9 @@ class Request:
     num_cached_prefix_tokens: int = 0
     # Chained hashes of this request's full blocks of tokens, extended as tokens are appended.
     block_hashes: list[bytes] = field(default_factory=list)
+    # LongRoPE: its KV is rotated by the long factors (engine.core.long_rope); its block hashes
+    # chain from the long regime's root.
+    long_rope: bool = False
     first_scheduled_time: float | None = None
     # Deadline - now - predicted TTFT when first admitted (None: no deadline): how much room
     # the scheduler had, reported per request by the benchmark.

@@ -48,11 +48,13 @@ class Scheduler:
         max_model_len: int,
         slo_preemption: SLOPreemptionConfig | None = None,
         predictor: StepTimePredictor | None = None,
+        long_rope_after: int | None = None,
     ) -> None:
         """`predictor`: the step-time predictor the slack policy prices prefills with, the
         engine's (EngineCore owns and feeds it); without one, a scheduler of its own (a test, a
         simulation, the startup calibration's scratch scheduler) gets one from the default
-        seed."""
+        seed. `long_rope_after`: a LongRoPE model's threshold (engine.core.long_rope), past
+        which a sequence is rotated by the long factors; None: one rotary regime."""
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         budget = scheduler_config.max_num_batched_tokens
@@ -64,6 +66,7 @@ class Scheduler:
             )
         self.config = scheduler_config
         self.cache_config = cache_config
+        self.long_rope_after = long_rope_after
         self.max_model_len = max_model_len
         self.kv_cache_manager = KVCacheManager(cache_config, num_blocks, max_model_len)
         self.admission = AdmissionControl(scheduler_config, self.kv_cache_manager)
@@ -117,6 +120,7 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} is {request.status.name}, expected WAITING")
         # Stop checks and the full-sequence admission test both read the request's own limit.
         request.max_model_len = limit
+        self._choose_rope_regime(request)
         self.note_cached_prefix(request)
         self.requests[request.request_id] = request
         leader = (self.requests.get(request.prefill_after)
@@ -214,7 +218,24 @@ class Scheduler:
         # A token in flight for it is dropped when it arrives: it samples that token again.
         request.num_output_placeholders = 0
         request.restart_prompt_logprobs()
+        self._choose_rope_regime(request)
         self.waiting.prepend(request)
+
+    def _choose_rope_regime(self, request: Request) -> None:
+        """A request with nothing computed takes the rotary regime its sequence calls for
+        (engine.core.long_rope); its block hashes chain from that regime's root."""
+        assert request.num_computed_tokens == 0
+        long_rope = (self.long_rope_after is not None
+                     and request.num_tokens > self.long_rope_after)
+        if long_rope != request.long_rope:
+            request.long_rope = long_rope
+            request.block_hashes.clear()
+
+    def _crosses_long_rope(self, request: Request) -> bool:
+        """Whether `request`'s KV is in LongRoPE's short regime while its sequence, pending
+        tokens included, is now longer than the threshold."""
+        return (self.long_rope_after is not None and not request.long_rope
+                and request.num_tokens + request.num_output_placeholders > self.long_rope_after)
 
     def _preempt_for_kv(self, request: Request, step: StepInProgress) -> None:
         # Its suspended chunk (if any) lost its blocks; a held victim stays held, now waiting.
@@ -260,6 +281,15 @@ class Scheduler:
         while i < len(self.running) and step.budget > 0:
             request = self.running[i]
             req_id = request.request_id
+            if self._crosses_long_rope(request) and req_id not in step.scheduled:
+                if request.num_output_placeholders:
+                    i += 1  # its crossing token is in flight: it switches once it arrives
+                    continue
+                # HF computes the whole sequence again with the long factors: so does it,
+                # from the waiting queue's head (engine.core.long_rope).
+                self.slack.suspensions.discard(req_id)
+                self.requeue_for_recompute(request)
+                continue
             num_new = self._tokens_for_running(request, slack.join_budget(step, request))
             if num_new == 0 or (holds and holds.is_held(req_id)) or req_id in step.scheduled:
                 # Its sampled token has not arrived yet; nothing to compute until it does.

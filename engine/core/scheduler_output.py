@@ -51,6 +51,8 @@ class ScheduledRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     # before sampled for it, which the host has not read back yet. ``token_ids`` holds
     # PENDING_TOKEN; the executor takes the token from the previous step's samples, on the device.
     last_token_pending: bool = False
+    # LongRoPE: rotate this request's tokens by the long factors (engine.core.long_rope).
+    long_rope: bool = False
 
 
 # The input token of a decode scheduled before its token was read back (last_token_pending).

@@ -43,6 +43,7 @@ def scheduled_request(request: Request, num_new: int, kv: KVCacheManager,
         prompt_logprob_targets=(request.prompt_logprob_targets(start, end)
                                 if request.prompt_logprobs is not None else []),
         last_token_pending=pending,
+        long_rope=request.long_rope,
     )
     if scheduled.sample:
         add_sampling_history(scheduled, request)

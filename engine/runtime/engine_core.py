@@ -35,6 +35,7 @@ from engine.executor.factory import make_executor
 from engine.processing.input_processor import validate_prompt
 from engine.runtime.model_setup import ResolvedModel, check_pool_fits, resolve
 from engine.outputs import EngineCoreOutput, SchedulerStats
+from engine.core.long_rope import long_rope_threshold
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
@@ -161,7 +162,8 @@ class EngineCore:
         assert model.num_blocks is not None
         predictor = self.step_time_predictor
         self.scheduler = Scheduler(config.scheduler, config.cache, model.num_blocks,
-                                   model.max_model_len, config.slo_preemption, predictor)
+                                   model.max_model_len, config.slo_preemption, predictor,
+                                   long_rope_after=long_rope_threshold(model.hf_config))
         if signal is not None:
             self.slo_preemption = SLOPreemptionControl(config.slo_preemption, self.scheduler,
                                                        predictor,

@@ -50,6 +50,7 @@ import time
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from engine.core.long_rope import long_rope_threshold
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput, StepStatus
@@ -135,7 +136,8 @@ class _Scratch:
         cache = dataclasses.replace(config.cache, enable_prefix_caching=False,
                                     num_blocks=model.num_blocks)
         self.scheduler = Scheduler(self.scheduler_config, cache, model.num_blocks,
-                                   model.max_model_len)
+                                   model.max_model_len,
+                                   long_rope_after=long_rope_threshold(model.hf_config))
         self.executor = executor
         self.vocab_size = model.hf_config.vocab_size
         self.rng = random.Random(0)

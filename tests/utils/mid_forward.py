@@ -60,6 +60,22 @@ def windowed_model(request, tiny_model, monkeypatch, tmp_path_factory) -> str:
                          sliding_window=WINDOW)
 
 
+# The LongRoPE model's threshold: the long prompt rotates by the long factors, the urgent one by
+# the short.
+LONG_ROPE_AFTER = 256
+
+
+@pytest.fixture
+def long_rope_model(tiny_model, monkeypatch, tmp_path_factory) -> str:
+    """The same slowed tiny model as ``model`` in Phi-4-mini's layout: a partial rotary
+    (0.75 of each 16-dim head: 6 frequencies) with LongRoPE's two regimes."""
+    return _slowed_model(
+        "phi3", tiny_model, monkeypatch, tmp_path_factory, partial_rotary_factor=0.75,
+        original_max_position_embeddings=LONG_ROPE_AFTER,
+        rope_scaling={"type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0, 2.5, 3.0],
+                      "long_factor": [1.0, 3.0, 6.0, 12.0, 24.0, 48.0]})
+
+
 def _slowed_model(arch: str, tiny_model, monkeypatch, tmp_path_factory, **overrides) -> str:
     monkeypatch.setenv(LAYER_DELAY_ENV, str(DELAY_US_PER_TOKEN))
     if "path" not in _TTFT_FILE:

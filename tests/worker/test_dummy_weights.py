@@ -11,6 +11,7 @@ import pytest
 from transformers import AutoConfig
 
 from engine.benchmarks.inputs.model_shapes import SHAPES, main, write_shape
+from engine.core.long_rope import long_rope_threshold
 from engine.entrypoints.llm import LLM
 from engine.sampling_params import SamplingParams
 
@@ -18,7 +19,7 @@ from engine.sampling_params import SamplingParams
 CONFIG_CLASSES = {"llama-3.2-1b": "LlamaConfig", "llama-3.1-8b": "LlamaConfig",
                   "qwen2.5-7b": "Qwen2Config", "qwen3-30b-a3b": "Qwen3MoeConfig",
                   "mixtral-8x7b": "MixtralConfig", "llama-3.1-8b-fp8": "LlamaConfig",
-                  "gemma-3-12b": "Gemma3TextConfig"}
+                  "gemma-3-12b": "Gemma3TextConfig", "phi-4-mini": "Phi3Config"}
 # Fields newer transformers keep elsewhere (rope_parameters, dtype, Gemma's layer pattern):
 # checked on their own.
 _MOVED = {"rope_theta", "rope_scaling", "torch_dtype", "rope_parameters",
@@ -60,6 +61,10 @@ def test_real_shapes_are_written_with_a_tokenizer(tiny_model, tmp_path):
     assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (128, 8, 768)
     mixtral = AutoConfig.from_pretrained(str(tmp_path / "mixtral-8x7b"))
     assert (mixtral.num_local_experts, mixtral.num_experts_per_tok) == (8, 2)
+    phi = AutoConfig.from_pretrained(str(tmp_path / "phi-4-mini"))
+    assert phi.rope_parameters["rope_type"] == "longrope"
+    assert long_rope_threshold(phi) == 4096
+    assert len(phi.rope_parameters["long_factor"]) == 48  # 128 dims x 0.75 / 2
     with pytest.raises(ValueError, match="unknown shape"):
         write_shape("gpt-5", tmp_path / "x", tiny_model("llama"))
 
@@ -108,6 +113,28 @@ def test_dummy_weights_run_a_config_only_model(tiny_model, tmp_path, capsys):
         finally:
             llm.shutdown()
     assert len(runs[0]) == 4 and runs[0] == runs[1]  # seeded: the same weights each time
+
+
+def test_the_phi_4_mini_shape_serves_from_dummy_weights(tiny_model, tmp_path):
+    """Its partial rotary and LongRoPE table at the shape's head size (128 dims, 96 rotating),
+    narrowed to two heads and two layers so that a CPU draws the weights in seconds."""
+    folder = tmp_path / "phi"
+    assert main(["phi-4-mini", str(folder), "--tokenizer-from", tiny_model("llama"),
+                 "--num-hidden-layers", "2"]) == 0
+    config = json.loads((folder / "config.json").read_text())
+    config.update(hidden_size=256, intermediate_size=256, num_attention_heads=2,
+                  num_key_value_heads=1, vocab_size=512)
+    (folder / "config.json").write_text(json.dumps(config))
+    llm = LLM(model=str(folder), dtype="float32", max_model_len=64, load_format="dummy")
+    try:
+        rotary = llm.engine.executor.runner.model.model.rotary_emb
+        assert (rotary.rotary_dim, rotary.long_offset) == (96, 4096)
+        assert llm.engine.scheduler.long_rope_after == 4096
+        (out,) = llm.generate({"prompt_token_ids": [5, 6, 7, 8]},
+                              SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    assert len(out.token_ids) == 4
 
 
 def test_load_format_is_checked(tiny_model):

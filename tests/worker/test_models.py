@@ -146,7 +146,7 @@ def test_unsupported_architecture_is_named() -> None:
     assert "LlamaForCausalLM" in str(err.value)  # lists what is supported
 
 
-@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+@pytest.mark.parametrize("rope_type", ["dynamic"])
 def test_unsupported_rope_type_is_named(rope_type: str) -> None:
     config = make_tiny_config("llama", architectures=["LlamaForCausalLM"])
     config.rope_parameters = {"rope_type": rope_type, "rope_theta": 10000.0, "factor": 2.0}

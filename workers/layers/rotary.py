@@ -3,6 +3,11 @@
 The table holds cos and sin of the half-dimension frequencies; applying them as
 ``(x1*cos - x2*sin, x2*cos + x1*sin)`` is bit-for-bit HF's ``x*cos + rotate_half(x)*sin`` on the
 duplicated frequencies, with half the table and no concatenated rotate.
+
+LongRoPE (Phi-3's long-context checkpoints, Phi-4-mini) has two regimes (engine.core.long_rope):
+its table holds the short factors' rows for the positions below the threshold, then the long
+factors' rows for every position, from ``long_offset`` on. The model runner indexes a
+long-regime request's tokens at ``position + long_offset``; nothing else reads the positions.
 """
 
 from __future__ import annotations
@@ -12,9 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-# Rope types whose frequencies are position-independent, so a static table is exact. "dynamic"
-# rescales with the sequence length and "longrope" switches tables at a length threshold.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+from engine.core.long_rope import long_rope_threshold
+
+# Rope types served: static tables, and "longrope"'s two (one per regime). "dynamic" rescales
+# with the sequence length at every step.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
@@ -67,14 +74,32 @@ def _inv_freq(config: Any, head_dim: int, params: dict[str, Any],
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_position: int, *,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str,
+                 long_inv_freq: torch.Tensor | None = None,
+                 long_after: int | None = None) -> None:
+        """``long_inv_freq`` and ``long_after``: LongRoPE's long factors' frequencies, and the
+        length past which they apply; ``inv_freq`` then covers the positions below it."""
         super().__init__()
         self.rotary_dim = 2 * inv_freq.numel()
-        # HF computes position * inv_freq in float32, scales cos/sin, then casts to the model
-        # dtype; doing it for every position up front gives the same values.
-        positions = torch.arange(max_position, dtype=torch.float32, device=device)
-        freqs = positions[:, None] * inv_freq.to(device=device, dtype=torch.float32)[None, :]
-        table = torch.cat((freqs.cos() * attention_scaling, freqs.sin() * attention_scaling), -1)
+
+        def rows(frequencies: torch.Tensor, count: int) -> torch.Tensor:
+            # HF computes position * inv_freq in float32, scales cos/sin, then casts to the
+            # model dtype; doing it for every position up front gives the same values.
+            positions = torch.arange(count, dtype=torch.float32, device=device)
+            freqs = positions[:, None] * frequencies.to(device=device,
+                                                         dtype=torch.float32)[None, :]
+            return torch.cat((freqs.cos() * attention_scaling,
+                              freqs.sin() * attention_scaling), -1)
+
+        # Where the long regime's rows start (None: one regime).
+        self.long_offset: int | None = None
+        if long_inv_freq is None:
+            table = rows(inv_freq, max_position)
+        else:
+            assert long_after is not None and long_inv_freq.shape == inv_freq.shape
+            self.long_offset = min(long_after, max_position)
+            table = torch.cat((rows(inv_freq, self.long_offset),
+                               rows(long_inv_freq, max_position)))
         self.cos_sin: torch.Tensor
         self.register_buffer("cos_sin", table.to(dtype), persistent=False)
 
@@ -108,11 +133,38 @@ def get_rotary_embedding(config: Any, head_dim: int, *, dtype: torch.dtype,
     """Build the rotary table from an HF config (ValueError for unsupported rope types), for
     the layers of ``layer_type`` where the config rotates layer types differently."""
     params = rope_parameters(config, layer_type)
+    if params["rope_type"] == "longrope":
+        return _long_rope_embedding(config, head_dim, params, dtype, device, layer_type)
     inv_freq, attention_scaling = _inv_freq(config, head_dim, params, device, layer_type)
     if 2 * inv_freq.numel() > head_dim:
         raise ValueError(f"rotary dim {2 * inv_freq.numel()} exceeds head_dim {head_dim}")
     return RotaryEmbedding(inv_freq, attention_scaling, config.max_position_embeddings,
                            dtype=dtype, device=device)
+
+
+def _long_rope_embedding(config: Any, head_dim: int, params: dict[str, Any],
+                         dtype: torch.dtype, device: torch.device | str,
+                         layer_type: str | None) -> RotaryEmbedding:
+    """LongRoPE's table: HF's frequencies for both regimes (its init function, with and
+    without a sequence past the threshold) and its attention factor."""
+    if layer_type is not None:
+        raise ValueError("longrope rotary set per layer type is not supported")
+    threshold = long_rope_threshold(config)
+    assert threshold is not None
+    rotary_half = int(head_dim * params.get("partial_rotary_factor", 1.0)) // 2
+    for key in ("short_factor", "long_factor"):
+        factors = params.get(key)
+        if not isinstance(factors, (list, tuple)) or len(factors) != rotary_half:
+            count = len(factors) if isinstance(factors, (list, tuple)) else factors
+            raise ValueError(f"longrope {key} must list {rotary_half} factors (one per rotary "
+                             f"frequency of the {2 * rotary_half} rotary dims), got {count!r}")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    init = ROPE_INIT_FUNCTIONS["longrope"]
+    short, attention_scaling = init(config, device)
+    long, _ = init(config, device, seq_len=threshold + 1)
+    return RotaryEmbedding(short, float(attention_scaling), config.max_position_embeddings,
+                           dtype=dtype, device=device, long_inv_freq=long,
+                           long_after=threshold)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ the device.
 
 Shapes: llama-3.2-1b, llama-3.1-8b, qwen2.5-7b (dense); qwen3-30b-a3b and mixtral-8x7b
 (mixture of experts); llama-3.1-8b-fp8 (the 8B with block-wise FP8 weights); gemma-3-12b
-(Gemma 3's text model: sliding and global layers).
+(Gemma 3's text model: sliding and global layers); phi-4-mini (partial rotary, LongRoPE).
 """
 
 from __future__ import annotations
@@ -32,8 +32,19 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0,
 _FP8_BLOCKWISE = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                   "weight_block_size": [128, 128]}
 
+# LongRoPE's per-frequency factors for a shape: the cost of a step does not depend on their
+# values, so these are not the checkpoint's (its short factors are all 1; its long ones rise
+# from 1 to about 48 across the frequencies, as these do).
+def _long_rope(frequencies: int, threshold: int) -> dict[str, Any]:
+    return {"type": "longrope", "short_factor": [1.0] * frequencies,
+            "long_factor": [round(48.0 ** (i / (frequencies - 1)), 4)
+                            for i in range(frequencies)],
+            "original_max_position_embeddings": threshold}
+
+
 # The published configs' shape fields (meta-llama/Llama-3.2-1B, Llama-3.1-8B, Qwen2.5-7B,
-# Qwen/Qwen3-30B-A3B, mistralai/Mixtral-8x7B-v0.1, google/gemma-3-12b-it's text_config).
+# Qwen/Qwen3-30B-A3B, mistralai/Mixtral-8x7B-v0.1, google/gemma-3-12b-it's text_config,
+# microsoft/Phi-4-mini-instruct).
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
@@ -88,6 +99,18 @@ SHAPES: dict[str, dict[str, Any]] = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
         "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": None,
         "attn_logit_softcapping": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16"},
+    # microsoft/Phi-4-mini-instruct: 32 layers, 24 query heads over 8 KV heads of 128 dims, of
+    # which the first 96 rotate (partial_rotary_factor 0.75: 48 frequencies), LongRoPE past
+    # 4096 tokens, a 200k vocabulary tied to the LM head. Its sliding_window (262144) is past
+    # its context: every layer attends fully.
+    "phi-4-mini": {
+        "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 3072,
+        "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 24,
+        "num_key_value_heads": 8, "vocab_size": 200064, "max_position_embeddings": 131072,
+        "original_max_position_embeddings": 4096, "partial_rotary_factor": 0.75,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": _long_rope(48, 4096),
+        "sliding_window": 262144, "tie_word_embeddings": True, "hidden_act": "silu",
+        "attention_bias": False, "torch_dtype": "bfloat16"},
 }
 # The 8B as its block-wise FP8 checkpoints ship: a dummy load draws FP8 weights where the
 # engine reads this quantization_config (workers/quantization). The other way to FP8 is
