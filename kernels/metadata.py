@@ -35,6 +35,12 @@ class AttentionMetadata:
     # groups decodes of similar contexts with them, instead of padding every row to the
     # longest (kernels.torch_attention).
     decode_context_list: list[int] | None = None
+    # A model whose layers keep KV in several groups (engine.core.kv_groups: sliding-window
+    # layers beside full ones): group g's metadata for g >= 1, its own slot mapping and block
+    # tables over the same lengths. Empty: every layer reads this one (one group, or metadata
+    # built for a kernel warm-up).
+    other_groups: list[AttentionMetadata] = field(default_factory=list, repr=False,
+                                                  compare=False)
     # Per-step values the kernels derive from the fields above (gather indices, masks). Every layer
     # of a step sees the same metadata, so they are built once on the first layer and reused by the
     # other layers. Owned by the implementation; never set it.
@@ -44,6 +50,17 @@ class AttentionMetadata:
         if self.num_decodes > 0 and (self.decode_max_context < 0 or self.decode_min_context < 0):
             lens = self.decode_context_lens.tolist()
             self.decode_max_context, self.decode_min_context = max(lens), min(lens)
+
+    def clear_derived(self) -> None:
+        """Forget what the kernels derived, in every group (a captured graph's metadata, whose
+        tables change at each replay)."""
+        self.derived.clear()
+        for meta in self.other_groups:
+            meta.derived.clear()
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata of the layers of KV cache group ``group``."""
+        return self.other_groups[group - 1] if group and self.other_groups else self
 
     def without_last_prefills(self, count: int) -> AttentionMetadata:
         """The metadata of this batch minus its last ``count`` prefill chunks: the layers below
@@ -63,7 +80,8 @@ class AttentionMetadata:
             prefill_block_tables=self.prefill_block_tables[:kept],
             decode_max_context=self.decode_max_context,
             decode_min_context=self.decode_min_context,
-            decode_context_list=self.decode_context_list)
+            decode_context_list=self.decode_context_list,
+            other_groups=[m.without_last_prefills(count) for m in self.other_groups])
 
 
 def padded_block_tables(tables: Sequence[torch.Tensor | Sequence[int]],

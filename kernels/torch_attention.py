@@ -271,22 +271,27 @@ def _decode_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
 
 
 def _prefill_plan(meta: AttentionMetadata, index: int, block_size: int,
-                  sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block ids covering chunk `index`'s context and its boolean offset-causal mask
-    [q_len, ctx_len]: query i sits at position ctx_len - q_len + i and sees keys up to there
-    (with a window W, only those after position - W)."""
+                  sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Block ids covering chunk `index`'s context from the first block its window reaches, the
+    first position they hold, and the boolean offset-causal mask [q_len, ctx_len - first]:
+    query i sits at position ctx_len - q_len + i and sees keys up to there (with a window W,
+    only those after position - W). A window's earlier blocks are never read: a sliding layer's
+    table may hold blocks given back since (engine.core.kv_groups)."""
     key = f"prefill{index}" + (f"w{sliding_window}" if sliding_window else "")
     plan = meta.derived.get(key)
     if plan is None:
         q_len, ctx_len = meta.prefill_query_lens[index], meta.prefill_context_lens[index]
         table = meta.prefill_block_tables[index]
-        block_ids = table[:-(-ctx_len // block_size)]
+        first_block = (max(0, ctx_len - q_len - sliding_window + 1) // block_size
+                       if sliding_window else 0)
+        first = first_block * block_size
+        block_ids = table[first_block:-(-ctx_len // block_size)]
         rows = torch.arange(ctx_len - q_len, ctx_len, device=table.device)
-        cols = torch.arange(ctx_len, device=table.device)
+        cols = torch.arange(first, ctx_len, device=table.device)
         visible = cols[None, :] <= rows[:, None]
         if sliding_window:
             visible &= cols[None, :] > rows[:, None] - sliding_window
-        plan = (block_ids, visible)
+        plan = (block_ids, visible, first)
         meta.derived[key] = plan
     return plan
 
@@ -311,8 +316,8 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     else:
         # SDPA's is_causal aligns the diagonal top-left, which is wrong once keys outnumber
         # queries, so the offset-causal mask is explicit.
-        block_ids, mask = _prefill_plan(meta, index, key_cache.shape[1], sliding_window)
-        keys, values = _context_kv(key_cache, value_cache, block_ids, ctx_len)
+        block_ids, mask, first = _prefill_plan(meta, index, key_cache.shape[1], sliding_window)
+        keys, values = _context_kv(key_cache, value_cache, block_ids, ctx_len - first)
         out = F.scaled_dot_product_attention(
             q, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
             attn_mask=mask, scale=scale, enable_gqa=True)
@@ -328,11 +333,11 @@ def _softcapped_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     softmax (SDPA has no soft-cap)."""
     q_len, ctx_len = meta.prefill_query_lens[index], meta.prefill_context_lens[index]
     _, block_size, num_kv_heads, _ = key_cache.shape
-    block_ids, mask = _prefill_plan(meta, index, block_size, sliding_window)
+    block_ids, mask, first = _prefill_plan(meta, index, block_size, sliding_window)
     if ctx_len == q_len:
-        keys, values = key, value
+        keys, values = key, value  # no prefix: the window starts at the first block
     else:
-        keys, values = _context_kv(key_cache, value_cache, block_ids, ctx_len)
+        keys, values = _context_kv(key_cache, value_cache, block_ids, ctx_len - first)
     group = query.shape[1] // num_kv_heads
     q = query.transpose(0, 1).float()  # [H, q_len, D]
     k = keys.transpose(0, 1).float().repeat_interleave(group, dim=0)

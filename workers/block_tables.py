@@ -23,7 +23,11 @@ from engine.core.scheduler_output import ScheduledRequest
 
 
 class BlockTables:
-    def __init__(self, max_blocks: int, rows: int = 64) -> None:
+    """The tables of one KV cache group (engine.core.kv_groups): ``group`` picks which of a
+    scheduled request's updates it applies."""
+
+    def __init__(self, max_blocks: int, rows: int = 64, group: int = 0) -> None:
+        self.group = group
         self.table = np.zeros((max(1, rows), max(1, max_blocks)), np.int64)
         # How many leading entries of each row are the request's blocks.
         self.widths = np.zeros(self.table.shape[0], np.int64)
@@ -50,7 +54,10 @@ class BlockTables:
         elif start > self.widths[row]:
             raise ValueError(f"request {request.req_id!r}: block table update from index {start}, "
                              f"but only {self.widths[row]} blocks are held")
-        ids = request.block_ids
+        # A request built without the other groups' ids (the startup warm-up's made-up ones)
+        # uses the first group's in every group.
+        ids = (request.group_block_ids[self.group - 1]
+               if self.group and request.group_block_ids else request.block_ids)
         end = start + len(ids)
         if ids:
             if end > self.table.shape[1]:

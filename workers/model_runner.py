@@ -14,6 +14,7 @@ that token from them.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from engine.core.kv_groups import layer_groups
 from engine.logprobs import LogprobsLists
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
@@ -126,15 +128,23 @@ class ModelRunner:
         self.decode_pass: CpuDecodePass | None = (
             plan_decode_pass(self.model) if device.type == "cpu" and not self.enforce_eager
             else None)
+        # A pair of cache tensors per position within a KV cache group, shared by the layers at
+        # that position of every group (engine.core.kv_groups, workers.kv_cache).
+        groups = self.model.kv_cache_groups
         self.kv_caches = allocate_kv_caches(self.model.num_layers, config.num_blocks or 0,
                                             block_size, self.model.num_kv_heads,
-                                            self.model.head_dim, dtype, device)
+                                            self.model.head_dim, dtype, device,
+                                            [p for _, p in layer_groups(groups)])
         self.sampler = Sampler(settings.seed, device)
         self.buffers = StepBuffers(device, StepLimits(config.engine.scheduler.max_num_batched_tokens,
                                                       self.max_num_seqs, self.max_model_len),
-                                   block_size)
-        # Each request's block table, updated by what each step sends (workers.block_tables).
+                                   block_size, len(groups))
+        # Each request's block table, updated by what each step sends (workers.block_tables),
+        # and the other KV cache groups' tables.
         self.block_tables = BlockTables(self.buffers.max_blocks, rows=self.max_num_seqs + 1)
+        self.group_block_tables = [BlockTables(self.buffers.max_blocks,
+                                               rows=self.max_num_seqs + 1, group=g)
+                                   for g in range(1, len(groups))]
         # Captured decode steps (workers.graphs.cuda_graphs) and the pieces of steps with prefill tokens
         # (workers.graphs.piecewise_graphs), set at startup on CUDA; None: those steps run eager.
         self.graphs: DecodeGraphs | None = None
@@ -179,7 +189,8 @@ class ModelRunner:
             self._warm_up_and_capture()
         finally:
             # The startup steps' made-up requests leave block tables behind: none is served.
-            self.block_tables.release(list(self.block_tables.row_of))
+            for tables in (self.block_tables, *self.group_block_tables):
+                tables.release(list(tables.row_of))
 
     def _warm_up_and_capture(self) -> None:
         self.startup_report = None
@@ -215,7 +226,8 @@ class ModelRunner:
         timer = StepTimer(self.device)
         started = timer.started
         self.suspended.free(scheduler_output.free_suspended)
-        self.block_tables.release(scheduler_output.released_req_ids)
+        for tables in (self.block_tables, *self.group_block_tables):
+            tables.release(scheduler_output.released_req_ids)
         if not scheduler_output.requests:
             # The engine had nothing to compute but suspended chunks or block tables to free
             # (every rank frees its own copy; no collective is entered).
@@ -403,6 +415,20 @@ class ModelRunner:
             decode_min_context=int(context_lens.min()) if num_decodes else 0,
             decode_context_list=context_lens.tolist(),
         )
+        # The other KV cache groups' tables and slots over the same lengths (a table's entries
+        # before its sliding window are never read).
+        for g, group_tables in enumerate(self.group_block_tables):
+            tables_g, widths_g = group_tables.gather(ordered, tables.shape[1])
+            slots_g = tables_g[seq_of_token, positions // bs] * bs + positions % bs
+            device_tables_g = upload(buffers.group_block_tables[g], torch.from_numpy(tables_g))
+            attn_meta.other_groups.append(dataclasses.replace(
+                attn_meta, slot_mapping=upload(buffers.group_slot_mappings[g],
+                                               torch.from_numpy(slots_g)),
+                decode_block_tables=device_tables_g[:num_decodes],
+                prefill_block_tables=[
+                    device_tables_g[num_decodes + i, :int(widths_g[num_decodes + i])]
+                    for i in range(len(prefills))],
+                other_groups=[]))
         device_ids = upload(buffers.input_ids, torch.from_numpy(input_ids))
         if pending:
             assert previous is not None  # else _sample_rows raised

@@ -36,9 +36,13 @@ class StepBuffers:
     TOKEN_BUFFERS = ("input_ids", "positions", "slot_mapping")
     SEQ_BUFFERS = ("context_lens", "logits_indices")
 
-    def __init__(self, device: torch.device, limits: StepLimits, block_size: int) -> None:
+    def __init__(self, device: torch.device, limits: StepLimits, block_size: int,
+                 num_kv_groups: int = 1) -> None:
         self.device = device
         self.block_size = block_size
+        # KV cache groups past the first (engine.core.kv_groups): a slot mapping and block
+        # tables of their own each.
+        self.num_other_groups = num_kv_groups - 1
         # Pinned host memory lets the copies run asynchronously; the CPU has nothing to pin.
         self.pin = device.type == "cuda"
         self.generation = 0
@@ -59,6 +63,9 @@ class StepBuffers:
         self.block_tables = zeros(self.max_seqs, self.max_blocks)
         self.context_lens = zeros(self.max_seqs)
         self.logits_indices = zeros(self.max_seqs)
+        self.group_slot_mappings = [zeros(self.max_tokens) for _ in range(self.num_other_groups)]
+        self.group_block_tables = [zeros(self.max_seqs, self.max_blocks)
+                                   for _ in range(self.num_other_groups)]
 
     def reserve(self, num_tokens: int, num_seqs: int, max_blocks: int) -> None:
         """Grow the buffers (doubling) until a step of this size fits."""

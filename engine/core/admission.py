@@ -12,8 +12,7 @@ import time
 from dataclasses import dataclass
 
 from engine.config import SchedulerConfig
-from engine.core.block_pool import KVBlock
-from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_cache_manager import GroupTables, KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.step_record import Admission, StepInProgress
 
@@ -28,7 +27,7 @@ def chunk_size(owed: int, budget: int, long_prefill_token_threshold: int) -> int
 @dataclass(frozen=True)
 class AdmissionPlan:
     num_new: int  # tokens of its first chunk
-    computed_blocks: list[KVBlock]  # prefix-cache hits
+    computed_blocks: GroupTables  # prefix-cache hits, each KV cache group's
     num_cached: int  # tokens in them
 
 
@@ -48,7 +47,7 @@ class AdmissionControl:
         if num_running >= self.config.max_num_seqs:
             return None
         kv = self.kv_cache_manager
-        computed_blocks: list[KVBlock] = []
+        computed_blocks: GroupTables = []
         num_cached = 0
         if request.num_computed_tokens == 0:
             computed_blocks, num_cached = kv.get_computed_blocks(request)
@@ -80,7 +79,7 @@ class AdmissionControl:
         kv = self.kv_cache_manager
         num_new, num_cached = plan.num_new, plan.num_cached
         prev_num_computed = request.num_computed_tokens
-        num_blocks_before = len(kv.req_blocks.get(request.request_id, ()))
+        num_blocks_before = kv.num_blocks_of(request.request_id)
         queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
         allocated = kv.allocate_slots(request, num_new, num_cached, plan.computed_blocks,
                                       admission=True, num_running=len(running))

@@ -134,7 +134,7 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free_queue.remove(block)
             block.ref_count += 1
-            if block.block_hash is not None:  # a prefix-cache hit: its chain is in use again
+            if block.block_hash in recent:  # a prefix-cache hit: its chain is in use again
                 del recent[block.block_hash]
                 recent[block.block_hash] = None
 
@@ -154,11 +154,13 @@ class BlockPool:
                 else:
                     self.free_queue.append(block)
 
-    def commit_hash(self, block: KVBlock, block_hash: bytes) -> bool:
+    def commit_hash(self, block: KVBlock, block_hash: bytes, recent: bool = True) -> bool:
         """Make ``block`` findable by ``block_hash``. Returns False when it is not (re)committed.
 
         Two requests that computed the same prefix in one step both try to commit it; the first wins
-        and the second block simply stays uncached (it is freed like any private block).
+        and the second block simply stays uncached (it is freed like any private block). ``recent``
+        false keeps it out of ``recent_hashes`` (a KV cache group's key past the first: the fleet's
+        router reads the token hashes).
         """
         assert block.ref_count > 0, f"committing a hash to free block {block.block_id}"
         if block.block_hash is not None:
@@ -168,13 +170,14 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block
-        self.recent_hashes[block_hash] = None
+        if recent:
+            self.recent_hashes[block_hash] = None
         return True
 
     def _evict_hash(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             del self.cached_blocks[block.block_hash]
-            del self.recent_hashes[block.block_hash]
+            self.recent_hashes.pop(block.block_hash, None)
             block.block_hash = None
 
     def newest_hashes(self, limit: int) -> list[bytes]:
@@ -207,5 +210,5 @@ class BlockPool:
         assert sum(b.ref_count == 0 for b in self.blocks) == self.num_free_blocks
         for block_hash, block in self.cached_blocks.items():
             assert block.block_hash == block_hash, f"hash map entry for block {block.block_id} is stale"
-        assert self.recent_hashes.keys() == self.cached_blocks.keys(), (
-            "the recently cached hashes differ from the committed ones")
+        assert self.recent_hashes.keys() <= self.cached_blocks.keys(), (
+            "a recently cached hash is not committed")

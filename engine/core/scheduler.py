@@ -19,11 +19,12 @@ the scheduler asks the policy's collaborators directly. A step's own bookkeeping
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from engine.config import CacheConfig, SLOPreemptionConfig, SchedulerConfig
 from engine.core.admission import AdmissionControl, chunk_size
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_groups import KVCacheGroup
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import RequestQueue, create_request_queue
 from engine.core.sibling_gate import SiblingGate
@@ -49,12 +50,14 @@ class Scheduler:
         slo_preemption: SLOPreemptionConfig | None = None,
         predictor: StepTimePredictor | None = None,
         long_rope_after: int | None = None,
+        kv_groups: Sequence[KVCacheGroup] | None = None,
     ) -> None:
         """`predictor`: the step-time predictor the slack policy prices prefills with, the
         engine's (EngineCore owns and feeds it); without one, a scheduler of its own (a test, a
         simulation, the startup calibration's scratch scheduler) gets one from the default
         seed. `long_rope_after`: a LongRoPE model's threshold (engine.core.long_rope), past
-        which a sequence is rotated by the long factors; None: one rotary regime."""
+        which a sequence is rotated by the long factors; None: one rotary regime. `kv_groups`:
+        the model's KV cache groups (engine.core.kv_groups; default: one of full attention)."""
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         budget = scheduler_config.max_num_batched_tokens
@@ -68,7 +71,8 @@ class Scheduler:
         self.cache_config = cache_config
         self.long_rope_after = long_rope_after
         self.max_model_len = max_model_len
-        self.kv_cache_manager = KVCacheManager(cache_config, num_blocks, max_model_len)
+        self.kv_cache_manager = KVCacheManager(cache_config, num_blocks, max_model_len, kv_groups,
+                                               max_chunk_tokens=budget)
         self.admission = AdmissionControl(scheduler_config, self.kv_cache_manager)
         if predictor is None:
             predictor = StepTimePredictor(error_quantile=slo_preemption.predictor_error_quantile
@@ -295,7 +299,7 @@ class Scheduler:
                 # Its sampled token has not arrived yet; nothing to compute until it does.
                 i += 1
                 continue
-            num_blocks_before = len(kv.req_blocks.get(req_id, ()))
+            num_blocks_before = kv.num_blocks_of(req_id)
             num_victims = len(record.kv_preempted)
             while not kv.allocate_slots(request, num_new):
                 victim = self.slack.choose_kv_victim(self.running, step)
@@ -309,7 +313,7 @@ class Scheduler:
                 # It was its own victim: nothing left running can free blocks for anyone after it.
                 break
             record.prev_num_computed_tokens[req_id] = request.num_computed_tokens
-            if len(kv.req_blocks.get(req_id, ())) > num_blocks_before:
+            if kv.num_blocks_of(req_id) > num_blocks_before:
                 # Most decodes' tables already cover their token: nothing to record.
                 record.new_block_ids[req_id] = kv.block_ids_from(req_id, num_blocks_before)
             step.add(request, num_new)
@@ -541,7 +545,7 @@ class Scheduler:
             assert (0 < r.num_computed_tokens <= r.num_tokens + r.num_output_placeholders
                     or self.slack.suspensions.is_suspended(r.request_id))
             assert 0 <= r.num_output_placeholders <= 2, r.num_output_placeholders
-            assert len(kv.req_blocks[r.request_id]) * kv.block_size >= r.num_computed_tokens
+            assert kv.num_blocks_of(r.request_id) * kv.block_size >= r.num_computed_tokens
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r.status.name
             assert r.num_computed_tokens == 0 and r.num_output_placeholders == 0

@@ -30,6 +30,9 @@ class ScheduledRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     sample: bool
     sampling_params: SamplingParams
     block_table_start: int = 0
+    # A model with several KV cache groups (engine.core.kv_groups): the other groups' ids from
+    # block_table_start on (block_ids is the first group's).
+    group_block_ids: list[list[int]] = []
     # Index of the token to be sampled within the output (seeds per-token random draws).
     num_output_tokens: int = 0
     # This chunk's pass was suspended (mid-forward preemption, mode suspend): the workers hold

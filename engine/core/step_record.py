@@ -67,8 +67,9 @@ class StepRecord:
     prev_scheduled_req_ids: frozenset[str]
     # Scheduled request id -> num_computed_tokens before this step (before cache hits, too).
     prev_num_computed_tokens: dict[str, int] = field(default_factory=dict)
-    # Request id -> blocks appended to its table this step, in table order.
-    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Request id -> blocks appended to its tables this step, in table order, one list per KV
+    # cache group.
+    new_block_ids: dict[str, list[list[int]]] = field(default_factory=dict)
     admitted: list[Admission] = field(default_factory=list)
     kv_preempted: list[Request] = field(default_factory=list)
     # Requests the step samples a token for (set when the step is output).

@@ -1,6 +1,6 @@
 """What EngineCore asks of the workers' model code while it resolves a configuration, before any
 rank starts (engine.runtime.model_setup): whether the architecture and its quantization are
-supported, and how many bytes a KV block takes."""
+supported, which layers share a KV block table, and how many bytes a KV block takes."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from engine.core.kv_groups import KVCacheGroup, kv_cache_groups
 from workers.kv_cache import kv_cache_bytes_per_block
 from workers.models import get_model_class
 from workers.quantization import check_quantization
@@ -23,4 +24,10 @@ def check_architecture(hf_config: Any, quantization: str | None = None,
     check_quantization(hf_config, quantization, device)
 
 
-__all__ = ["check_architecture", "kv_cache_bytes_per_block"]
+def kv_cache_groups_of(hf_config: Any) -> list[KVCacheGroup]:
+    """The model's KV cache groups (engine.core.kv_groups), from each layer's sliding window as
+    its family reads the config: what the workers' model computes from the same function."""
+    return kv_cache_groups(get_model_class(hf_config).sliding_windows(hf_config))
+
+
+__all__ = ["check_architecture", "kv_cache_bytes_per_block", "kv_cache_groups_of"]

@@ -95,8 +95,7 @@ class EngineCore:
                        else make_executor(config, self.model, signal))
             if self.model.num_blocks is None:
                 self.model.num_blocks = started.num_kv_blocks
-                check_pool_fits(self.model.max_model_len, config.cache, self.model.num_blocks,
-                                measured=True)
+                check_pool_fits(self.model, config, measured=True)
                 self._start_scheduling(signal)
             if seed is None and wants_startup_calibration(config):
                 # The predictor holds the default seed: swap in the machine's own, before any
@@ -163,7 +162,8 @@ class EngineCore:
         predictor = self.step_time_predictor
         self.scheduler = Scheduler(config.scheduler, config.cache, model.num_blocks,
                                    model.max_model_len, config.slo_preemption, predictor,
-                                   long_rope_after=long_rope_threshold(model.hf_config))
+                                   long_rope_after=long_rope_threshold(model.hf_config),
+                                   kv_groups=model.kv_groups)
         if signal is not None:
             self.slo_preemption = SLOPreemptionControl(config.slo_preemption, self.scheduler,
                                                        predictor,

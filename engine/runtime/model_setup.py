@@ -6,14 +6,14 @@ All of it is checked before any weights load, so bad configuration fails fast wi
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from engine.config import (DEFAULT_CPU_KV_CACHE_GB, DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig,
                            EngineConfig, ModelConfig)
+from engine.core.kv_groups import KVCacheGroup, pool_blocks_needed
 from engine.model_folder import load_hf_config
 from engine.simulation.profile import StepTimeProfile, load_profile
 from kernels.backend import resolve_backend_name
@@ -37,6 +37,8 @@ class ResolvedModel:
     num_blocks: int | None
     # --simulate: the step times that replace the model (engine/simulation).
     profile: StepTimeProfile | None = None
+    # Which layers share a KV block table (engine.core.kv_groups); default: one group of all.
+    kv_groups: list[KVCacheGroup] = field(default_factory=list)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -114,7 +116,10 @@ def resolve_max_model_len(hf_config, requested: int | None) -> int:
     return requested
 
 
-def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype, tp_size: int = 1,
+                       layers: int | None = None) -> int:
+    """Bytes of one block of the pool: ``layers`` layers' keys and values (a KV cache group's;
+    default: every layer) for ``block_size`` tokens, on one rank."""
     from engine.executor.model_support import kv_cache_bytes_per_block
 
     num_heads = hf_config.num_attention_heads
@@ -122,8 +127,8 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype, tp_size: 
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     # Fewer KV heads than ranks: each rank holds a replica of one head.
     kv_heads_per_rank = max(1, num_kv_heads // tp_size)
-    return kv_cache_bytes_per_block(hf_config.num_hidden_layers, block_size, kv_heads_per_rank,
-                                    head_dim, dtype)
+    return kv_cache_bytes_per_block(layers or hf_config.num_hidden_layers, block_size,
+                                    kv_heads_per_rank, head_dim, dtype)
 
 
 def check_device(device: torch.device, tp_size: int, executor: str) -> None:
@@ -154,12 +159,12 @@ def check_tensor_parallel(hf_config, tp_size: int) -> None:
                          f"one must divide the other")
     # Dense MLPs, every expert of a mixture and a shared expert are split over the ranks along
     # their intermediate dimension.
-    for field in ("intermediate_size", "moe_intermediate_size",
-                  "shared_expert_intermediate_size"):
-        intermediate = getattr(hf_config, field, None) or tp_size
+    for name in ("intermediate_size", "moe_intermediate_size",
+                 "shared_expert_intermediate_size"):
+        intermediate = getattr(hf_config, name, None) or tp_size
         if intermediate % tp_size:
             raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's "
-                             f"{field} {intermediate}")
+                             f"{name} {intermediate}")
 
 
 def check_tokenizer(model: ModelConfig) -> None:
@@ -203,14 +208,19 @@ def resolve(config: EngineConfig) -> ResolvedModel:
     else:
         dtype = resolve_dtype(config.model.dtype, device)
     max_model_len = resolve_max_model_len(hf_config, config.model.max_model_len)
+    from engine.executor.model_support import kv_cache_groups_of
+
+    kv_groups = kv_cache_groups_of(hf_config)
     num_blocks = configured_num_blocks(
         cache, device, kv_bytes_per_block(hf_config, cache.block_size, dtype,
-                                          config.tensor_parallel_size))
+                                          config.tensor_parallel_size,
+                                          layers=len(kv_groups[0].layers)))
+    resolved = ResolvedModel(model_dir=str(config.model.model), hf_config=hf_config, dtype=dtype,
+                             device=device, max_model_len=max_model_len, num_blocks=num_blocks,
+                             profile=profile, kv_groups=kv_groups)
     if num_blocks is not None:
-        check_pool_fits(max_model_len, cache, num_blocks, measured=False)
-    return ResolvedModel(model_dir=str(config.model.model), hf_config=hf_config, dtype=dtype,
-                         device=device, max_model_len=max_model_len, num_blocks=num_blocks,
-                         profile=profile)
+        check_pool_fits(resolved, config, measured=False)
+    return resolved
 
 
 def simulated_profile(config: EngineConfig, hf_config) -> StepTimeProfile:
@@ -251,9 +261,13 @@ def configured_num_blocks(cache: CacheConfig, device: torch.device,
     return int(gb * 2**30 // bytes_per_block)
 
 
-def check_pool_fits(max_model_len: int, cache: CacheConfig, num_blocks: int,
-                    measured: bool) -> None:
-    needed = math.ceil(max_model_len / cache.block_size)
+def check_pool_fits(model: ResolvedModel, config: EngineConfig, measured: bool) -> None:
+    """A ValueError unless one request of max_model_len tokens fits the pool (over every KV
+    cache group: a sliding group holds its window and a chunk)."""
+    cache, max_model_len, num_blocks = config.cache, model.max_model_len, model.num_blocks
+    assert num_blocks is not None
+    needed = pool_blocks_needed(model.kv_groups or [KVCacheGroup(())], max_model_len,
+                                cache.block_size, config.scheduler.max_num_batched_tokens)
     if needed <= num_blocks:
         return
     more = (f"raise gpu_memory_utilization (now {gpu_memory_utilization(cache):g}) or free "

@@ -137,7 +137,8 @@ class _Scratch:
                                     num_blocks=model.num_blocks)
         self.scheduler = Scheduler(self.scheduler_config, cache, model.num_blocks,
                                    model.max_model_len,
-                                   long_rope_after=long_rope_threshold(model.hf_config))
+                                   long_rope_after=long_rope_threshold(model.hf_config),
+                                   kv_groups=model.kv_groups)
         self.executor = executor
         self.vocab_size = model.hf_config.vocab_size
         self.rng = random.Random(0)

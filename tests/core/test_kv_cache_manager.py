@@ -33,7 +33,7 @@ def compute(kv: KVCacheManager, req: Request, n: int, **kwargs: object) -> list[
 def test_refuses_max_model_len_that_cannot_fit() -> None:
     cfg = CacheConfig(block_size=16, num_blocks=4)
     KVCacheManager(cfg, 4, max_model_len=64)
-    with pytest.raises(ValueError, match=r"max_model_len=65 needs 5 KV blocks of 16 tokens.*only 4 blocks"):
+    with pytest.raises(ValueError, match=r"max_model_len=65 needs 5 KV blocks of 16 tokens, but the pool has only 4 blocks"):
         KVCacheManager(cfg, 4, max_model_len=65)
 
 
@@ -110,10 +110,10 @@ def test_prefix_hit_only_after_commit_and_never_whole_sequence() -> None:
     # Written but not yet committed: no hit.
     assert kv.get_computed_blocks(make_request("x", prompt)) == ([], 0)
     kv.commit_computed_blocks(a)
-    blocks, n = kv.get_computed_blocks(make_request("y", prompt + [99]))
+    (blocks,), n = kv.get_computed_blocks(make_request("y", prompt + [99]))
     assert n == 8 and [b.block_id for b in blocks] == kv.get_block_ids("a")[:2]
     # A sequence made only of cached blocks keeps its last block to compute.
-    blocks, n = kv.get_computed_blocks(make_request("z", prompt[:8]))
+    (blocks,), n = kv.get_computed_blocks(make_request("z", prompt[:8]))
     assert n == 4 and len(blocks) == 1
 
 
@@ -123,9 +123,9 @@ def test_commit_only_full_computed_blocks() -> None:
     assert kv.allocate_slots(a, 12) is True
     a.num_computed_tokens = 12
     kv.commit_computed_blocks(a, num_computed_tokens=6)
-    assert [b.block_hash is not None for b in kv.req_blocks["a"]] == [True, False, False]
+    assert [b.block_hash is not None for b in kv.req_blocks["a"][0]] == [True, False, False]
     kv.commit_computed_blocks(a)
-    assert all(b.block_hash is not None for b in kv.req_blocks["a"])
+    assert all(b.block_hash is not None for b in kv.req_blocks["a"][0])
     kv.check_invariants()
 
 
@@ -145,7 +145,7 @@ def test_hits_counted_in_tokens_at_admission_and_shared_blocks() -> None:
     assert kv.allocate_slots(b, b.num_tokens - n, n, blocks, admission=True)
     assert kv.get_block_ids("b")[:2] == kv.get_block_ids("a")[:2]
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (20, 8)
-    assert [blk.ref_count for blk in blocks] == [2, 2]
+    assert [blk.ref_count for blk in blocks[0]] == [2, 2]
     kv.check_invariants()
     kv.free(a)
     kv.free(b)
@@ -167,7 +167,7 @@ def test_hit_on_free_cached_block_consumes_free_capacity() -> None:
     assert kv.num_blocks_to_allocate(b, 16, blocks) == 4
     assert not kv.can_allocate(b, 17, blocks)
     assert kv.allocate_slots(b, 9, n, blocks) is False
-    assert kv.num_free_blocks == 4 and all(blk.ref_count == 0 for blk in blocks)
+    assert kv.num_free_blocks == 4 and all(blk.ref_count == 0 for blk in blocks[0])
     assert kv.allocate_slots(b, 8, n, blocks) is True
     assert kv.num_free_blocks == 0
     kv.check_invariants()
@@ -177,7 +177,7 @@ def test_prefix_caching_disabled() -> None:
     kv = make_manager(prefix=False)
     a = make_request("a", list(range(9)))
     assert compute(kv, a, 9, admission=True) is not None
-    assert all(b.block_hash is None for b in kv.req_blocks["a"])
+    assert all(b.block_hash is None for b in kv.req_blocks["a"][0])
     assert kv.get_computed_blocks(make_request("b", list(range(9)))) == ([], 0)
     assert kv.prefix_cache_queries == 0
 
@@ -193,5 +193,5 @@ def test_recompute_after_free_recommits() -> None:
     assert compute(kv, filler, 12) is not None
     kv.free(filler)
     assert compute(kv, a, 8) is not None
-    assert all(b.block_hash is not None for b in kv.req_blocks["a"])
+    assert all(b.block_hash is not None for b in kv.req_blocks["a"][0])
     kv.check_invariants()

@@ -19,7 +19,7 @@ def _state(sched):
                      for rid, r in sched.requests.items()},
         "running": [r.request_id for r in sched.running],
         "waiting": [r.request_id for r in sched.waiting],
-        "blocks": {rid: [b.block_id for b in blocks] for rid, blocks in kv.req_blocks.items()},
+        "blocks": {rid: kv.block_ids_from(rid, 0) for rid in kv.req_blocks},
         "free": kv.num_free_blocks,
         "prefix": (kv.prefix_cache_queries, kv.prefix_cache_hits),
         "prev": sched.prev_scheduled_req_ids,

@@ -105,10 +105,13 @@ def test_the_engine_generates_as_hf_with_prefix_caching_and_kv_preemptions(tmp_p
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False,
                           pad_token_id=0)
         expected.append(out[0, len(prompt):].tolist())
-    # 5 requests of 80 tokens (5 blocks each) in 18 blocks: the pool runs out and requests are
-    # preempted and recomputed.
-    llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=18, max_model_len=256,
-              enable_prefix_caching=True, max_num_batched_tokens=64)
+    # 5 requests of 80 tokens in 18 blocks of one layer each (a KV cache group per layer: one
+    # full, two sliding; engine.core.kv_groups), admitted on their first chunk of 16 tokens
+    # alone: as their prompts grow, the pool runs out and requests are preempted and
+    # recomputed.
+    llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=18, max_model_len=96,
+              enable_prefix_caching=True, max_num_batched_tokens=16,
+              full_sequence_admission=False)
     try:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))

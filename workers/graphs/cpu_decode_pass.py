@@ -177,6 +177,8 @@ def _unserved_reason(model: nn.Module) -> str | None:
     if not cpu_fused.serves(model.dtype, model.config.hidden_size):
         return "the fused CPU loops do not serve this model"
     decoder = model.model
+    if len(model.kv_cache_groups) > 1:
+        return "layers in several KV cache groups (a block table each)"
     if decoder.embed_tokens.tp_size != 1:
         return "tensor parallel"
     if decoder.embed_scale is not None or len(decoder.rotary_embs) != 1:

@@ -221,14 +221,22 @@ class DecodeGraphs(CapturedSteps):
 
     def _static_metadata(self, size: int) -> AttentionMetadata:
         buffers = self.buffers
-        return AttentionMetadata(
-            slot_mapping=buffers.slot_mapping[:size], num_decodes=size,
-            decode_block_tables=buffers.block_tables[:size],
-            decode_context_lens=buffers.context_lens[:size],
-            prefill_query_lens=[], prefill_context_lens=[], prefill_block_tables=[],
-            decode_max_context=buffers.max_blocks * buffers.block_size,
-            # Every slot past 1 is masked by each row's length (read on the device).
-            decode_min_context=1)
+
+        def metadata(slot_mapping: torch.Tensor, block_tables: torch.Tensor) -> AttentionMetadata:
+            return AttentionMetadata(
+                slot_mapping=slot_mapping[:size], num_decodes=size,
+                decode_block_tables=block_tables[:size],
+                decode_context_lens=buffers.context_lens[:size],
+                prefill_query_lens=[], prefill_context_lens=[], prefill_block_tables=[],
+                decode_max_context=buffers.max_blocks * buffers.block_size,
+                # Every slot past 1 is masked by each row's length (read on the device).
+                decode_min_context=1)
+
+        meta = metadata(buffers.slot_mapping, buffers.block_tables)
+        # The other KV cache groups' (engine.core.kv_groups): their own slots and tables.
+        meta.other_groups = [metadata(slots, tables) for slots, tables
+                             in zip(buffers.group_slot_mappings, buffers.group_block_tables)]
+        return meta
 
     def _forward(self, size: int) -> Callable[[], torch.Tensor]:
         # Locals only: a graph (the CPU stand-in's keeps this function) must not hold this
@@ -239,7 +247,7 @@ class DecodeGraphs(CapturedSteps):
         def forward() -> torch.Tensor:
             # The plans the kernels derive from the metadata are built inside the pass (and so
             # captured), never carried over from an earlier run.
-            meta.derived.clear()
+            meta.clear_derived()
             return model.forward(buffers.input_ids[:size], buffers.positions[:size], meta,
                                  kv_caches)
 

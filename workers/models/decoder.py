@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engine.core.kv_groups import KVCacheGroup, kv_cache_groups, layer_groups
 from kernels import AttentionMetadata, KernelBackend, select_backend
 from workers.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                             RMSNorm, RowParallelLinear, VocabParallelEmbedding, apply_rotary,
@@ -318,6 +319,10 @@ class DecoderForCausalLM(nn.Module):
                                                          None)
         # Each layer's sliding window (None: full attention), handed to its attention kernel.
         self.layer_windows: list[int | None] = self.sliding_windows(config)
+        # The layers sharing a KV block table (engine.core.kv_groups), as the engine's
+        # scheduler groups them; each layer's group, whose metadata its attention reads.
+        self.kv_cache_groups: list[KVCacheGroup] = kv_cache_groups(self.layer_windows)
+        self.layer_kv_group: list[int] = [g for g, _ in layer_groups(self.kv_cache_groups)]
         self.dtype, self.device = dtype, device
         # Called with the layer index before every attention op (the preemption vote); None is
         # the common case and costs one attribute check per layer.
@@ -463,6 +468,7 @@ class DecoderForCausalLM(nn.Module):
         if hook is not None:
             hook(layer_idx)
         key_cache, value_cache = kv_cache
+        attn_meta = attn_meta.for_group(self.layer_kv_group[layer_idx])
         kernels = self.kernels
         kernels.write_kv_cache(k, v, key_cache, value_cache, attn_meta.slot_mapping)
         return kernels.paged_attention(q, k, v, key_cache, value_cache, attn_meta, self.scale,
