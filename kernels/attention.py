@@ -32,9 +32,15 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, *,
+                    sliding_window: int | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention for a flattened mixed batch. query [T, Hq, D]; key/value [T, Hkv, D] are this
     step's new K/V (already written to the cache). Returns [T, Hq, D], written into ``out``
-    when given (a CUDA graph's static buffer). GQA: Hq % Hkv == 0."""
+    when given (a CUDA graph's static buffer). GQA: Hq % Hkv == 0. ``sliding_window`` W: a
+    query at position p sees the keys after p - W; ``softcap`` c: scores become
+    ``c * tanh(s / c)`` (Gemma 2); ``sinks`` ([Hq] logits, gpt-oss): each head's softmax
+    denominator also counts exp(its sink)."""
     return select_backend(query.device).paged_attention(
-        query, key, value, key_cache, value_cache, meta, scale, out=out)
+        query, key, value, key_cache, value_cache, meta, scale, out=out,
+        sliding_window=sliding_window, softcap=softcap, sinks=sinks)

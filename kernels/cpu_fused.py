@@ -452,16 +452,18 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor, meta: Any, scale: float,
                     out: torch.Tensor | None = None,
                     sliding_window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``kernels.torch_attention.paged_attention`` (same contract) with the decodes in one
     compiled loop over the paged cache: no gathered copy of K/V, no padding of contexts, a few
     microseconds of Python instead of ~20 eager ops a layer. Prefill chunks, and decodes the
-    loop does not take (not float32, a head wider than 128, unusual strides), go to the
-    PyTorch path."""
+    loop does not take (not float32, a head wider than 128, unusual strides, attention sinks),
+    go to the PyTorch path."""
     num_decodes = meta.num_decodes
-    if not num_decodes or not _decodes_fit(query, key_cache, value_cache, meta, out):
+    if (not num_decodes or sinks is not None
+            or not _decodes_fit(query, key_cache, value_cache, meta, out)):
         return torch_attention.paged_attention(query, key, value, key_cache, value_cache, meta,
-                                               scale, out, sliding_window, softcap)
+                                               scale, out, sliding_window, softcap, sinks)
     out = torch_attention.output_for(query, key_cache, out)
     _, heads, head_dim = query.shape
     kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]

@@ -37,14 +37,15 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     meta: AttentionMetadata, scale: float,
                     out: torch.Tensor | None = None,
                     sliding_window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     out = output_for(query, key_cache, out)
     num_decodes = meta.num_decodes
     if num_decodes > 0:
         out[:num_decodes] = _decode_attention(query[:num_decodes], key_cache, value_cache, meta,
-                                              scale, sliding_window, softcap)
+                                              scale, sliding_window, softcap, sinks)
     attend_prefills(out, query, key, value, key_cache, value_cache, meta, scale, sliding_window,
-                    softcap)
+                    softcap, sinks)
     return out
 
 
@@ -66,17 +67,19 @@ def output_for(query: torch.Tensor, key_cache: torch.Tensor,
 def attend_prefills(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float,
-                    sliding_window: int | None = None, softcap: float | None = None) -> None:
+                    sliding_window: int | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> None:
     """The prefill chunks' attention (the rows after the decodes), into ``out``; with a
     ``sliding_window`` W, a query at position p sees the keys after p - W only (HF's
     sliding-window mask); with a ``softcap`` c, scores are ``c * tanh(scores / c)`` before the
-    mask (Gemma 2)."""
+    mask (Gemma 2); with ``sinks`` ([heads] logits: gpt-oss), each head's softmax denominator
+    also counts exp(its sink), a key that holds no value."""
     start = meta.num_decodes
     for i, (q_len, ctx_len) in enumerate(zip(meta.prefill_query_lens, meta.prefill_context_lens)):
         end = start + q_len
         out[start:end] = _prefill_attention(query[start:end], key[start:end], value[start:end],
                                             key_cache, value_cache, meta, i, scale,
-                                            sliding_window, softcap)
+                                            sliding_window, softcap, sinks)
         start = end
     if start != query.shape[0]:
         raise ValueError(f"metadata covers {start} tokens but the batch has {query.shape[0]}")
@@ -176,17 +179,31 @@ _BLOCK_DIAGONAL_MAX_KV_HEADS = 4
 
 def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float,
-                      sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+                      sliding_window: int | None, softcap: float | None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     groups = _decode_plan(meta, key_cache.shape[1])
     if len(groups) == 1:
         return _decode_group(query, key_cache, value_cache, meta, scale, groups[0], "",
-                             sliding_window, softcap)
+                             sliding_window, softcap, sinks)
     out = torch.empty_like(query)
     for i, plan in enumerate(groups):
         assert plan.rows is not None
         out[plan.rows] = _decode_group(query[plan.rows], key_cache, value_cache, meta, scale,
-                                       plan, str(i), sliding_window, softcap)
+                                       plan, str(i), sliding_window, softcap, sinks)
     return out
+
+
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None,
+                        head_dim: int = 1) -> torch.Tensor:
+    """softmax over the last dim of float32 ``scores``, each head's (dim ``head_dim``) with
+    its sink's logit beside its keys (gpt-oss: HF appends it as a last column, then drops
+    that column's probability)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    shape = [1] * scores.dim()
+    shape[head_dim] = -1
+    column = sinks.float().view(shape).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
 
 
 def _window_start(meta: AttentionMetadata, plan: _DecodeGroup, window: int,
@@ -210,7 +227,8 @@ def _window_start(meta: AttentionMetadata, plan: _DecodeGroup, window: int,
 def _decode_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float, plan: _DecodeGroup,
                   buffer: str, sliding_window: int | None = None,
-                  softcap: float | None = None) -> torch.Tensor:
+                  softcap: float | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     num_decodes, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
@@ -249,7 +267,7 @@ def _decode_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         scores[..., shortest:].masked_fill_(hidden[:, None, :], float("-inf"))
     if before is not None:
         scores.masked_fill_(before[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(query.dtype)
+    probs = _softmax_with_sinks(scores, sinks).to(query.dtype)
 
     values = _gather(value_cache, block_ids, meta, "decode_values" + buffer).view(
         num_decodes, ctx, num_kv_heads, head_dim)
@@ -300,14 +318,15 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                        key_cache: torch.Tensor, value_cache: torch.Tensor,
                        meta: AttentionMetadata, index: int, scale: float,
                        sliding_window: int | None = None,
-                       softcap: float | None = None) -> torch.Tensor:
+                       softcap: float | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
     q_len, ctx_len = meta.prefill_query_lens[index], meta.prefill_context_lens[index]
     q = query.transpose(0, 1).unsqueeze(0)
     if sliding_window is not None and sliding_window >= ctx_len:
         sliding_window = None  # the window holds the whole context: plain causal attention
-    if softcap:
-        return _softcapped_prefill(query, key, value, key_cache, value_cache, meta, index, scale,
-                                   sliding_window, softcap)
+    if softcap or sinks is not None:
+        return _scored_prefill(query, key, value, key_cache, value_cache, meta, index, scale,
+                               sliding_window, softcap, sinks)
     if ctx_len == q_len and sliding_window is None:
         # No cached prefix: the chunk's own K/V is the whole context, plain causal attention.
         out = F.scaled_dot_product_attention(
@@ -324,13 +343,14 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     return out.squeeze(0).transpose(0, 1)
 
 
-def _softcapped_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        key_cache: torch.Tensor, value_cache: torch.Tensor,
-                        meta: AttentionMetadata, index: int, scale: float,
-                        sliding_window: int | None, softcap: float) -> torch.Tensor:
-    """A chunk's attention with soft-capped scores, as HF's eager Gemma 2 computes it: scores
-    ``q.k * scale`` in float32, ``softcap * tanh(scores / softcap)``, then the mask and the
-    softmax (SDPA has no soft-cap)."""
+def _scored_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    meta: AttentionMetadata, index: int, scale: float,
+                    sliding_window: int | None, softcap: float | None,
+                    sinks: torch.Tensor | None) -> torch.Tensor:
+    """A chunk's attention from explicit scores, as HF's eager attention computes it (SDPA
+    has neither): scores ``q.k * scale`` in float32, soft-capped (Gemma 2: ``softcap *
+    tanh(scores / softcap)``), the mask, and the softmax with each head's sink (gpt-oss)."""
     q_len, ctx_len = meta.prefill_query_lens[index], meta.prefill_context_lens[index]
     _, block_size, num_kv_heads, _ = key_cache.shape
     block_ids, mask, first = _prefill_plan(meta, index, block_size, sliding_window)
@@ -343,9 +363,10 @@ def _softcapped_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     k = keys.transpose(0, 1).float().repeat_interleave(group, dim=0)
     v = values.transpose(0, 1).repeat_interleave(group, dim=0)
     scores = torch.matmul(q, k.transpose(1, 2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(query.dtype)
+    probs = _softmax_with_sinks(scores, sinks, head_dim=0).to(query.dtype)
     return torch.matmul(probs, v).transpose(0, 1)
 
 

@@ -12,7 +12,10 @@ softmax in float32 (base 2). A query token at position p sees keys 0..p: within 
 that is causal, over the cached prefix it is full, and a decode sees its whole context. A layer
 with a sliding window W (a runtime argument, 0 for none: no variant of its own) sees only the
 keys after p - W, and a tile starts at its first row's window. Gemma 2's soft-capped scores
-(``softcap * tanh(s / softcap)``) are a constexpr of their own.
+(``softcap * tanh(s / softcap)``) are a constexpr of their own, and so are gpt-oss's attention
+sinks (a logit per head that counts in the softmax denominator and holds no value): the online
+softmax starts from the sink (its running max the sink, its sum 1), or, where a decode's context
+is split, the merge weighs the sink beside the splits' log-sum-exps.
 
 The batch is launched twice with different tile shapes: decodes with one query token per tile
 (the rows are just the group's heads), prefill chunks with many tokens per tile so that each K/V
@@ -153,13 +156,13 @@ DECODE_TILE_N = DEFAULT_ATTENTION_CONFIG.decode.tile_n
 def _paged_attention_kernel(
         out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr,
         tile_seq_ptr, tile_query_offset_ptr, query_start_ptr, query_len_ptr, context_len_ptr,
-        partial_out_ptr, partial_lse_ptr,
+        partial_out_ptr, partial_lse_ptr, sinks_ptr,
         qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
         cache_stride_block, cache_stride_slot, cache_stride_head, head_dim, num_splits, window,
         softcap, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         TILE_N: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-        SOFTCAP: tl.constexpr):
+        SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -208,6 +211,12 @@ def _paged_attention_kernel(
 
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
+    if SINKS and not SPLIT:
+        # The head's sink, in base 2 as the scores: a key of weight exp(sink) and no value (a
+        # split decode's merge adds it instead, once).
+        row_max = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) \
+            * 1.4426950408889634
+        row_sum = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     table = block_tables_ptr + seq * stride_bt
     for start in range(kv_lo, kv_hi, TILE_N):
@@ -264,17 +273,24 @@ def _paged_attention_kernel(
 # The split count is a runtime argument under a fixed width (masked lanes cost no memory traffic),
 # so one variant merges any count.
 @triton.jit(do_not_specialize=["num_splits"])
-def _merge_splits_kernel(out_ptr, partial_out_ptr, partial_lse_ptr, stride_ot, stride_oh,
-                         num_heads, head_dim, num_splits, SPLITS_PAD: tl.constexpr,
-                         HEAD_PAD: tl.constexpr):
+def _merge_splits_kernel(out_ptr, partial_out_ptr, partial_lse_ptr, sinks_ptr, stride_ot,
+                         stride_oh, num_heads, head_dim, num_splits, SPLITS_PAD: tl.constexpr,
+                         HEAD_PAD: tl.constexpr, SINKS: tl.constexpr):
     token = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_PAD)
     entry = (token * num_heads + head) * num_splits + splits
     lse = tl.load(partial_lse_ptr + entry, mask=splits < num_splits, other=float("-inf"))
-    weights = tl.exp2(lse - tl.max(lse, 0))
-    weights = weights / tl.sum(weights, 0)
+    if SINKS:
+        # The sink weighs beside the splits (base 2), holding no value.
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        top = tl.maximum(tl.max(lse, 0), sink)
+        weights = tl.exp2(lse - top)
+        weights = weights / (tl.sum(weights, 0) + tl.exp2(sink - top))
+    else:
+        weights = tl.exp2(lse - tl.max(lse, 0))
+        weights = weights / tl.sum(weights, 0)
     partial = tl.load(partial_out_ptr + entry[:, None] * HEAD_PAD + dims[None, :],
                       mask=(splits < num_splits)[:, None], other=0.0)
     result = tl.sum(partial * weights[:, None], 0)
@@ -289,7 +305,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     out: torch.Tensor | None = None,
                     config: AttentionLaunchConfig | None = None,
                     sliding_window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """See `kernels.attention.paged_attention`. ``num_kv_splits`` fixes how many programs share
     each decode's context (default: chosen from the device's size and the batch; at most
     MAX_SPLITS). ``config``: the tiles and launch options (default: DEFAULT_ATTENTION_CONFIG,
@@ -305,7 +322,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         raise ValueError(f"num_kv_splits {num_kv_splits} is outside 1..{MAX_SPLITS}")
     launcher = _Launch(query, key_cache, value_cache, out, scale, num_heads // num_kv_heads,
                        block_size, config or DEFAULT_ATTENTION_CONFIG, sliding_window or 0,
-                       softcap or 0.0)
+                       softcap or 0.0, sinks)
     if meta.num_decodes > 0:
         span = _decode_span(meta, block_size)
         if sliding_window:
@@ -323,9 +340,13 @@ class _Launch:
 
     def __init__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  out: torch.Tensor, scale: float, group: int, block_size: int,
-                 config: AttentionLaunchConfig, window: int = 0, softcap: float = 0.0) -> None:
+                 config: AttentionLaunchConfig, window: int = 0, softcap: float = 0.0,
+                 sinks: torch.Tensor | None = None) -> None:
         self.query, self.key_cache, self.value_cache, self.out = query, key_cache, value_cache, out
         self.window, self.softcap = window, softcap
+        # gpt-oss's per-head sink logits, float32 (None: none; the query stands in as the
+        # pointer the kernels never read).
+        self.sinks = None if sinks is None else sinks.float().contiguous()
         self.group, self.block_size, self.config = group, block_size, config
         self.num_kv_heads, self.head_dim = key_cache.shape[2], key_cache.shape[3]
         self.head_pad = max(16, triton.next_power_of_2(self.head_dim))
@@ -361,9 +382,10 @@ class _Launch:
                   splits=splits, num_warps=decode.num_warps, num_stages=decode.num_stages)
         if splits > 1:
             launch(_merge_splits_kernel, (n, self.num_kv_heads * self.group),
-                   self.out, partial_out, partial_lse, self.out.stride(0), self.out.stride(1),
-                   self.num_kv_heads * self.group, self.head_dim, splits,
-                   SPLITS_PAD=MAX_SPLITS, HEAD_PAD=self.head_pad)
+                   self.out, partial_out, partial_lse, self._sinks_arg, self.out.stride(0),
+                   self.out.stride(1), self.num_kv_heads * self.group, self.head_dim, splits,
+                   SPLITS_PAD=MAX_SPLITS, HEAD_PAD=self.head_pad,
+                   SINKS=self.sinks is not None)
 
     def prefills(self, meta: AttentionMetadata) -> None:
         prefill = self.config.prefill
@@ -388,14 +410,18 @@ class _Launch:
         grid = (tile_seq.numel(), self.num_kv_heads, splits)
         launch(_paged_attention_kernel, grid,
                out, q, cache, self.value_cache, tables, tile_seq, tile_offset, query_start,
-               query_len, context_len, partial_out, partial_lse,
+               query_len, context_len, partial_out, partial_lse, self._sinks_arg,
                self.scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                tables.stride(0), cache.stride(0), cache.stride(1), cache.stride(2), self.head_dim,
                splits, self.window, self.softcap, GROUP=self.group, BLOCK_Q=block_q, BLOCK_M=block_m,
                TILE_N=tile_n, HEAD_PAD=self.head_pad, BLOCK_SIZE=self.block_size,
                SPLIT=splits > 1, DOT_PRECISION=self.precision, DOT_UPCAST=self.upcast,
-               SOFTCAP=self.softcap > 0,
+               SOFTCAP=self.softcap > 0, SINKS=self.sinks is not None,
                num_warps=num_warps, num_stages=num_stages)
+
+    @property
+    def _sinks_arg(self) -> torch.Tensor:
+        return self.query if self.sinks is None else self.sinks
 
 
 def _prefill_plan(meta: AttentionMetadata, block_q: int,

@@ -1,8 +1,9 @@
-"""Sliding windows and soft-capped scores in every attention kernel: the PyTorch reference, the
-CPU's compiled decode loop and the Triton kernel (interpreted here) against a float64 dense
-reference that masks as HF does (a query at position p sees the keys after p - W) and caps as
-Gemma 2 does (c * tanh(s / c)), over a mixed batch of decodes and prefill chunks with cached
-prefixes; windows that cut blocks mid-way, of one token, and longer than every context."""
+"""Sliding windows, soft-capped scores and attention sinks in every attention kernel: the
+PyTorch reference, the CPU's compiled decode loop and the Triton kernel (interpreted here)
+against a float64 dense reference that masks as HF does (a query at position p sees the keys
+after p - W), caps as Gemma 2 does (c * tanh(s / c)) and counts gpt-oss's per-head sinks in the
+softmax, over a mixed batch of decodes and prefill chunks with cached prefixes; windows that cut
+blocks mid-way, of one token, and longer than every context."""
 
 from __future__ import annotations
 
@@ -87,3 +88,32 @@ def test_soft_capped_scores_in_every_kernel(triton_device, window, softcap) -> N
         out = _run(cpu_fused.paged_attention, small, window, softcap)
         torch.testing.assert_close(out.double(), small.dense_reference(window, softcap),
                                    atol=ATOL, rtol=0)
+
+
+def test_attention_sinks_in_every_kernel(triton_device) -> None:
+    """gpt-oss's sinks, alone and beside its sliding window (128 there; 7 here), with the
+    decodes' contexts whole and split (the merge weighs the sink once)."""
+    from kernels import triton_attention
+
+    case = _case()
+    # Logits around the scores' own (|s| up to ~4): some heads give the sink most weight.
+    sinks = torch.linspace(-3.0, 3.0, 8)
+    for window in (None, 7):
+        expected = case.dense_reference(window, sinks=sinks)
+        # Probe: the sinks change the answer.
+        assert (expected - case.dense_reference(window)).abs().max() > 1e-2
+        out = _run(torch_attention.paged_attention, case, window, sinks=sinks)
+        torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=0)
+        on = case.to(triton_device)
+        for splits in (1, 4):
+            out = _run(triton_attention.paged_attention, on, window, sinks=sinks.to(on.query.device),
+                       num_kv_splits=splits).cpu()
+            torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=0)
+        # The CPU's fused decode loop has no sinks: its dispatcher sends them to the reference.
+        out = _run(cpu_fused.paged_attention, case, window, sinks=sinks)
+        torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=0)
+    # With soft-capped scores too (no family has both; the kernels do not mind).
+    expected = case.dense_reference(7, SOFTCAP, sinks)
+    torch.testing.assert_close(
+        _run(torch_attention.paged_attention, case, 7, SOFTCAP, sinks=sinks).double(), expected,
+        atol=ATOL, rtol=0)

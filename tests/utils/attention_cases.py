@@ -43,9 +43,10 @@ class Case:
     scale: float
 
     def dense_reference(self, sliding_window: int | None = None,
-                        softcap: float | None = None) -> torch.Tensor:
+                        softcap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
         return dense_reference(self.query.cpu(), self.requests, self.scale, sliding_window,
-                               softcap)
+                               softcap, sinks)
 
     def to(self, device: torch.device | str) -> Case:
         """The same step with its tensors on ``device`` (the requests stay on the CPU for the
@@ -121,10 +122,12 @@ def write_prefixes(requests: list[Request], key_cache: torch.Tensor,
 
 def dense_reference(query: torch.Tensor, requests: list[Request], scale: float,
                     sliding_window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """float64 attention from each request's full K/V, query i at position num_cached + i
     (with a sliding window W: over the keys after its position - W, as HF masks; with a
-    softcap c: scores c * tanh(scores / c), as Gemma 2's)."""
+    softcap c: scores c * tanh(scores / c), as Gemma 2's; with sinks: each head's logit as
+    one more column of the softmax, dropped after it, as gpt-oss's eager attention)."""
     outs = []
     start = 0
     for req in requests:
@@ -141,7 +144,12 @@ def dense_reference(query: torch.Tensor, requests: list[Request], scale: float,
         if sliding_window is not None:
             visible &= keys > q_pos[:, None] - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v))
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            column = sinks.double().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+            probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+        outs.append(torch.einsum("hqk,khd->qhd", probs, v))
         start += req.num_new
     return torch.cat(outs)
 
