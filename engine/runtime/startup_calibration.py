@@ -146,8 +146,10 @@ class _Scratch:
 
     @property
     def kv_tokens(self) -> int:
+        """Tokens of KV the free pool holds for one request, at worst: a block in every KV
+        cache group per block of tokens (engine.core.kv_groups)."""
         kv = self.scheduler.kv_cache_manager
-        return kv.num_free_blocks * kv.block_size
+        return kv.num_free_blocks // len(kv.groups) * kv.block_size
 
     def set_chunk(self, tokens: int) -> None:
         """Prefill in chunks of `tokens` from now on (0: whole prompts). The scheduler and its
