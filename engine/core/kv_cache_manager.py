@@ -123,9 +123,10 @@ class KVCacheManager:
         """Each group's ids of ``req_id``'s table from index ``start`` on."""
         return [_ids(table[start:]) for table in self.req_blocks.get(req_id, ())]
 
-    def table_update(self, req_id: str) -> tuple[int, list[list[int]]]:
+    def table_update(self, req_id: str) -> tuple[int, list[int], list[list[int]]]:
         """What the workers need of ``req_id``'s block tables for a step they will be sent:
-        (the index they hold up to, each group's ids from there on). Counts the tables as sent.
+        (the index they hold up to, the first group's ids from there on, the other groups'
+        ids from there on). Counts the tables as sent.
 
         The workers keep each request's tables across steps (workers/block_tables.py), so a
         decode sends a block id only when it starts a new block, not its whole table (at 30k
@@ -136,10 +137,17 @@ class KVCacheManager:
         tables = self.req_blocks.get(req_id)
         if not tables:
             self._num_sent[req_id] = 0
-            return 0, [[] for _ in self.groups]
-        start = min(self._num_sent.get(req_id, 0), len(tables[0]))
-        self._num_sent[req_id] = len(tables[0])
-        return start, [_ids(table[start:]) for table in tables]
+            return 0, [], [[] for _ in self.groups[1:]]
+        first = tables[0]
+        length = len(first)
+        start = min(self._num_sent.get(req_id, 0), length)
+        self._num_sent[req_id] = length
+        if start == length:  # most decodes: nothing new
+            return start, [], [[] for _ in tables[1:]] if len(tables) > 1 else []
+        # The first group holds every block it was given (full attention, or one group).
+        ids = ([b.block_id for b in first[start:]] if self.groups[0].window is None
+               else _ids(first[start:]))
+        return start, ids, [_ids(table[start:]) for table in tables[1:]]
 
     def take_released(self) -> list[str]:
         released, self.released = self.released, []

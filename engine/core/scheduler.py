@@ -281,11 +281,13 @@ class Scheduler:
         """Serve running requests in admission order, preempting for KV space."""
         kv = self.kv_cache_manager
         slack, holds, record = self.slack, self.slack.holds, step.record
+        long_rope_after = self.long_rope_after
         i = 0
         while i < len(self.running) and step.budget > 0:
             request = self.running[i]
             req_id = request.request_id
-            if self._crosses_long_rope(request) and req_id not in step.scheduled:
+            if long_rope_after is not None and self._crosses_long_rope(request) \
+                    and req_id not in step.scheduled:
                 if request.num_output_placeholders:
                     i += 1  # its crossing token is in flight: it switches once it arrives
                     continue

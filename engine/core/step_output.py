@@ -27,15 +27,15 @@ def scheduled_request(request: Request, num_new: int, kv: KVCacheManager,
     if resume:
         held = suspensions.next_chunk(req_id)
         assert held is not None and held.start_pos == start and num_new <= held.num_tokens
-    table_start, new_block_ids = kv.table_update(req_id)
+    table_start, new_block_ids, group_block_ids = kv.table_update(req_id)
     placeholders = request.num_output_placeholders
     scheduled = ScheduledRequest(
         req_id=req_id,
         token_ids=[PENDING_TOKEN] if pending else all_token_ids[start:end],
         start_pos=start,
-        block_ids=new_block_ids[0],
+        block_ids=new_block_ids,
         block_table_start=table_start,
-        group_block_ids=new_block_ids[1:],
+        group_block_ids=group_block_ids,
         sample=end == num_tokens + placeholders,
         sampling_params=request.step_sampling_params,
         num_output_tokens=len(request.output_token_ids) + placeholders,
