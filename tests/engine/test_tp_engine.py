@@ -19,8 +19,10 @@ from engine.runtime.engine_core import EngineStepError
 from tests.utils.tp import GREEDY, PROMPT_LENGTHS, CRAMPED, _run
 
 
-# gemma3: sliding layers beside a full one, a KV cache group (a block table) each.
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+# gemma3: sliding layers beside a full one, a KV cache group (a block table) each; gpt_oss:
+# its experts sharded along their intermediate dimension, its sinks by head, the down
+# projection's bias added once.
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "gpt_oss"])
 def test_tp2_equals_tp1_with_chunking_and_preemption(tiny_model, arch):
     model = tiny_model(arch)
     want = _run(model, tp=1)

@@ -52,10 +52,11 @@ def moe_model(request, tiny_model, monkeypatch, tmp_path_factory) -> str:
 WINDOW = 48
 
 
-@pytest.fixture(params=["mistral", "gemma3"])
+@pytest.fixture(params=["mistral", "gemma3", "gpt_oss"])
 def windowed_model(request, tiny_model, monkeypatch, tmp_path_factory) -> str:
     """The same slowed tiny model as ``model`` with layers sliding over ``WINDOW`` tokens:
-    every layer in Mistral's layout; every other one in Gemma 3's, with its own rotary base."""
+    every layer in Mistral's layout; every other one in Gemma 3's, with its own rotary base,
+    and in gpt-oss's, with attention sinks and its experts."""
     return _slowed_model(request.param, tiny_model, monkeypatch, tmp_path_factory,
                          sliding_window=WINDOW)
 

@@ -19,7 +19,8 @@ from engine.sampling_params import SamplingParams
 CONFIG_CLASSES = {"llama-3.2-1b": "LlamaConfig", "llama-3.1-8b": "LlamaConfig",
                   "qwen2.5-7b": "Qwen2Config", "qwen3-30b-a3b": "Qwen3MoeConfig",
                   "mixtral-8x7b": "MixtralConfig", "llama-3.1-8b-fp8": "LlamaConfig",
-                  "gemma-3-12b": "Gemma3TextConfig", "phi-4-mini": "Phi3Config"}
+                  "gemma-3-12b": "Gemma3TextConfig", "phi-4-mini": "Phi3Config",
+                  "gpt-oss-20b": "GptOssConfig"}
 # Fields newer transformers keep elsewhere (rope_parameters, dtype, Gemma's layer pattern):
 # checked on their own.
 _MOVED = {"rope_theta", "rope_scaling", "torch_dtype", "rope_parameters",
@@ -65,6 +66,9 @@ def test_real_shapes_are_written_with_a_tokenizer(tiny_model, tmp_path):
     assert phi.rope_parameters["rope_type"] == "longrope"
     assert long_rope_threshold(phi) == 4096
     assert len(phi.rope_parameters["long_factor"]) == 48  # 128 dims x 0.75 / 2
+    oss = AutoConfig.from_pretrained(str(tmp_path / "gpt-oss-20b"))
+    assert oss.layer_types[:2] == ["sliding_attention", "full_attention"]
+    assert oss.rope_parameters["rope_type"] == "yarn"
     with pytest.raises(ValueError, match="unknown shape"):
         write_shape("gpt-5", tmp_path / "x", tiny_model("llama"))
 

@@ -16,6 +16,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from kernels import cpu_fused, select_backend  # noqa: E402
+from tests.utils.hf_greedy import engine_greedy, hf_greedy  # noqa: E402
 from tests.utils.paged_helpers import PagedSequence, assert_chunks_match_hf  # noqa: E402
 from tests.utils.tiny_models import (load_tiny_model, make_tiny_config,  # noqa: E402
                                      make_tiny_model)
@@ -73,23 +74,14 @@ def test_gemma_on_the_fused_cpu_kernels_matches_hf(tmp_path, arch: str) -> None:
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_the_engine_generates_as_hf(tmp_path, arch: str) -> None:
-    from engine import LLM, SamplingParams
-
     model_dir = make_tiny_model(tmp_path, arch, seed=0)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     prompts = [_tokens(50, seed=s) for s in range(3)]
     prompts.append(list(prompts[0]))  # a prefix-cache hit
-    expected = [hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False,
-                            pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=64, max_model_len=256,
-              enable_prefix_caching=True, max_num_batched_tokens=32)
-    try:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                               SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-        hits = llm.engine.scheduler.stats().prefix_cache_hits
-    finally:
-        llm.shutdown()
-    assert [list(o.token_ids) for o in outputs] == expected
+    expected = hf_greedy(hf, prompts, 20)
+    outputs, hits = engine_greedy(model_dir, prompts, 20, num_kv_blocks=64, max_model_len=256,
+                                  max_num_batched_tokens=32)
+    assert outputs == expected
     assert hits > 0  # probe: the repeated prompt was served from the cache
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from workers.models.decoder import DecoderForCausalLM, LayerJoin
 from workers.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextOfMultimodal
+from workers.models.gpt_oss import GptOssForCausalLM
 from workers.models.llama import (LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM,
                                   Qwen2ForCausalLM, Qwen3ForCausalLM)
 from workers.models.mixtral import MixtralForCausalLM
@@ -37,6 +38,7 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     # Its text model alone (engine.model_folder.text_model_config).
     "Gemma3ForConditionalGeneration": Gemma3TextOfMultimodal,

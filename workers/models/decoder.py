@@ -26,6 +26,7 @@ from kernels import AttentionMetadata, KernelBackend, select_backend
 from workers.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                             RMSNorm, RowParallelLinear, VocabParallelEmbedding, apply_rotary,
                             get_rotary_embedding, silu_and_mul)
+from workers.layers.linear import weakly_bound
 from workers.layers.activation import gelu_tanh_and_mul
 from workers.layers.rotary import layer_rope_types
 from workers.preemption.slo_preempt_vote import StepSLOPreempted
@@ -98,6 +99,26 @@ class DecoderAttention(nn.Module):
                                    device=par.device)
         # The backend's fused rotary kernel where it has one (DecoderForCausalLM.use_kernels).
         self.apply_rotary: Callable[..., torch.Tensor] = apply_rotary
+        # gpt-oss's attention sinks: this rank's heads' logits (add_sinks); None: none.
+        self.sinks: nn.Parameter | None = None
+        self._tp_rank = par.tp_rank
+
+    def add_sinks(self) -> None:
+        """A learned logit per query head that counts in its softmax denominator and holds no
+        value (gpt-oss), float32 as HF keeps it; each rank loads its own heads'."""
+        device = self.qkv_proj.weight.device
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32,
+                                              device=device), requires_grad=False)
+        self.sinks.weight_loader = weakly_bound(self._load_sinks)  # type: ignore[attr-defined]
+
+    def _load_sinks(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"unexpected shard_id {shard_id!r} for attention sinks")
+        start = self._tp_rank * self.num_heads
+        if loaded.dim() != 1 or loaded.shape[0] < start + self.num_heads:
+            raise ValueError(f"attention sinks of shape {tuple(loaded.shape)}: expected one "
+                             f"logit per query head")
+        param.data.copy_(loaded[start:start + self.num_heads])
 
     def project_qkv(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -273,6 +294,8 @@ class DecoderForCausalLM(nn.Module):
     # Whether HF's modeling of the family reads layer_types (which layers slide); Mistral's and
     # Mixtral's ignore them and slide every layer when the config has a window.
     reads_layer_types: ClassVar[bool] = True
+    # gpt-oss: a learned logit per attention head beside its keys (DecoderAttention.add_sinks).
+    attention_sinks: ClassVar[bool] = False
     # The family's layer (where its norms sit around attention and MLP) and RMSNorm.
     layer_class: ClassVar[type[DecoderLayer]] = DecoderLayer
     norm_class: ClassVar[type[RMSNorm]] = RMSNorm
@@ -295,6 +318,11 @@ class DecoderForCausalLM(nn.Module):
                                    o_bias=attention_bias and not self.qkv_bias_always,
                                    qk_norm=self.qk_norm)
                   for i in range(config.num_hidden_layers)]
+        if self.attention_sinks:
+            for layer in layers:
+                layer.self_attn.add_sinks()
+        # Each layer's sinks, handed to its attention kernel (None: none).
+        self.layer_sinks: list[torch.Tensor | None] = [layer.self_attn.sinks for layer in layers]
         self.model = DecoderModel(config, par, layers)
         embed_scale = self.embedding_scale(config)
         if embed_scale is not None:
@@ -473,7 +501,8 @@ class DecoderForCausalLM(nn.Module):
         kernels.write_kv_cache(k, v, key_cache, value_cache, attn_meta.slot_mapping)
         return kernels.paged_attention(q, k, v, key_cache, value_cache, attn_meta, self.scale,
                                        out=out, sliding_window=self.layer_windows[layer_idx],
-                                       softcap=self.attn_softcap)
+                                       softcap=self.attn_softcap,
+                                       sinks=self.layer_sinks[layer_idx])
 
     @torch.inference_mode()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,8 @@ the device.
 
 Shapes: llama-3.2-1b, llama-3.1-8b, qwen2.5-7b (dense); qwen3-30b-a3b and mixtral-8x7b
 (mixture of experts); llama-3.1-8b-fp8 (the 8B with block-wise FP8 weights); gemma-3-12b
-(Gemma 3's text model: sliding and global layers); phi-4-mini (partial rotary, LongRoPE).
+(Gemma 3's text model: sliding and global layers); phi-4-mini (partial rotary, LongRoPE);
+gpt-oss-20b (attention sinks, sliding layers, 32 experts; in bf16, its experts not MXFP4).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _long_rope(frequencies: int, threshold: int) -> dict[str, Any]:
 
 # The published configs' shape fields (meta-llama/Llama-3.2-1B, Llama-3.1-8B, Qwen2.5-7B,
 # Qwen/Qwen3-30B-A3B, mistralai/Mixtral-8x7B-v0.1, google/gemma-3-12b-it's text_config,
-# microsoft/Phi-4-mini-instruct).
+# microsoft/Phi-4-mini-instruct, openai/gpt-oss-20b).
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
@@ -111,6 +112,21 @@ SHAPES: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": _long_rope(48, 4096),
         "sliding_window": 262144, "tie_word_embeddings": True, "hidden_act": "silu",
         "attention_bias": False, "torch_dtype": "bfloat16"},
+    # openai/gpt-oss-20b: 24 layers alternating sliding (128 tokens) and full attention, 64 query
+    # heads over 8 KV heads of 64 dims with a sink each, 32 experts of 2880, 4 per token, YaRN
+    # rotary. The release stores its experts in MXFP4, which is not served: the shape's weights
+    # are bf16 (about 42 GB).
+    "gpt-oss-20b": {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
+        "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 32,
+        "num_experts_per_tok": 4, "vocab_size": 201088, "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5, "sliding_window": 128, "attention_bias": True,
+        "swiglu_limit": 7.0, "rope_theta": 150000.0,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096},
+        "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16"},
 }
 # The 8B as its block-wise FP8 checkpoints ship: a dummy load draws FP8 weights where the
 # engine reads this quantization_config (workers/quantization). The other way to FP8 is

@@ -48,6 +48,11 @@ ARCHS: dict[str, tuple[str, str, bool, dict[str, Any]]] = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", True,
                {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 24,
                 "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0}),
+    # gpt-oss: 4 experts, 2 per token, every other layer sliding over 24 tokens (its YaRN
+    # rotary and its head_dim of 64 as released would be the defaults).
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", False,
+                {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,
+                 "sliding_window": 24, "pad_token_id": 0, "eos_token_id": 2}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", True,
                {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 24,
                 "sliding_window_pattern": 2}),
