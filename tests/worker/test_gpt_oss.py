@@ -1,11 +1,10 @@
 """gpt-oss served as HF transformers computes it: attention sinks, biases on q/k/v/o, every
 other layer sliding, YaRN rotary, and a mixture of experts with a biased router (softmax over
 the top k logits) and clamped-SwiGLU experts with biases, loaded from the stacked, interleaved
-layout transformers saves; an MXFP4 checkpoint is refused by name."""
+layout transformers saves, or from MXFP4 blocks and scales dequantized at load."""
 
 from __future__ import annotations
 
-import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -59,13 +58,42 @@ def test_the_engine_generates_as_hf(tmp_path) -> None:
     assert hits > 0
 
 
-def test_an_mxfp4_checkpoint_is_refused_by_name(tmp_path) -> None:
-    from engine import LLM
+def test_an_mxfp4_checkpoint_loads_as_hf_dequantizes_it(tmp_path) -> None:
+    """The experts' MXFP4 blocks and scales, packed by the test's own quantizer, dequantize
+    exactly as transformers' converter does, and the engine generates as HF does on those
+    dequantized weights; a scale missing from the checkpoint is a startup error naming it."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    model_dir = make_tiny_model(tmp_path, "gpt_oss", seed=0)
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4",
-                                     "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="mxfp4"):
-        LLM(model=model_dir, dtype="float32", num_kv_blocks=64, max_model_len=256)
+    from engine import LLM
+    from tests.utils.mxfp4_checkpoints import write_mxfp4_checkpoint
+    from workers.quantization.mxfp4 import dequantize_mxfp4
+
+    float_dir = make_tiny_model(tmp_path / "float", "gpt_oss", seed=0)
+    packed = write_mxfp4_checkpoint(float_dir, tmp_path / "mxfp4")
+    # The reference: the float checkpoint with HF's own dequantization of the packed experts.
+    original = load_file(f"{float_dir}/model.safetensors")
+    reference = dict(original)
+    for name in [n for n in packed if n.endswith("_blocks")]:
+        stem = name.removesuffix("_blocks")
+        blocks, scales = packed[name], packed[f"{stem}_scales"]
+        hf_weight = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        ours = dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2)
+        assert torch.equal(ours, hf_weight), stem
+        assert not torch.equal(hf_weight, original[stem])  # probe: quantizing changed it
+        reference[stem] = hf_weight.contiguous()
+    (tmp_path / "ref").mkdir()
+    save_file(reference, str(tmp_path / "ref" / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "ref" / "config.json").write_text((tmp_path / "float" / "config.json").read_text())
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ref"), dtype=torch.float32)
+    prompts = [_tokens(40, seed=s) for s in range(2)]
+    expected = hf_greedy(hf, prompts, 16)
+    outputs, _ = engine_greedy(str(tmp_path / "mxfp4"), prompts, 16, num_kv_blocks=64,
+                               max_model_len=256, max_num_batched_tokens=32)
+    assert outputs == expected
+    # A scale missing: named at startup.
+    broken = dict(load_file(str(tmp_path / "mxfp4" / "model.safetensors")))
+    del broken["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(broken, str(tmp_path / "mxfp4" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing weights: .*layers\.1\.mlp\.experts\.w2_scales"):
+        LLM(model=str(tmp_path / "mxfp4"), dtype="float32", num_kv_blocks=64, max_model_len=256)

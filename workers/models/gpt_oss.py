@@ -2,8 +2,8 @@
 windows on every other layer (``layer_types``), YaRN rotary, and a mixture of experts with a
 biased router and clamped-SwiGLU experts (workers/layers/moe/gpt_oss_experts.py) after every
 attention op. Served from the layout transformers saves (experts stacked, gate and up
-interleaved), in the checkpoint's float dtype; MXFP4 checkpoints are refused by name
-(workers/quantization)."""
+interleaved), in the checkpoint's float dtype, or from its MXFP4 releases, whose experts are
+dequantized at load (workers/quantization/mxfp4.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ from torch import nn
 
 from workers.layers.moe.gpt_oss_experts import GptOssExperts, GptOssRouter
 from workers.models.decoder import DecoderForCausalLM, ParallelContext
+from workers.quantization.mxfp4 import Mxfp4ExpertsMethod
 
 
 class GptOssMoeBlock(nn.Module):
-    def __init__(self, config: Any, par: ParallelContext) -> None:
+    def __init__(self, config: Any, par: ParallelContext,
+                 quant_method: Mxfp4ExpertsMethod | None = None) -> None:
         super().__init__()
         num_experts = config.num_local_experts
         self.router = GptOssRouter(num_experts, config.hidden_size, config.num_experts_per_tok,
@@ -25,7 +27,7 @@ class GptOssMoeBlock(nn.Module):
         self.experts = GptOssExperts(num_experts, config.hidden_size, config.intermediate_size,
                                      alpha=float(getattr(config, "swiglu_alpha", 1.702)),
                                      limit=float(getattr(config, "swiglu_limit", 7.0)),
-                                     **par.args(with_group=True))
+                                     quant_method=quant_method, **par.args(with_group=True))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.router(hidden_states)
@@ -37,6 +39,10 @@ class GptOssForCausalLM(DecoderForCausalLM):
     # The experts' stacked tensors and biases under our names (bias names first: the weight
     # names are their prefixes).
     checkpoint_renames: ClassVar[dict[str, str]] = {
+        ".experts.gate_up_proj_blocks": ".experts.w13_blocks",
+        ".experts.gate_up_proj_scales": ".experts.w13_scales",
+        ".experts.down_proj_blocks": ".experts.w2_blocks",
+        ".experts.down_proj_scales": ".experts.w2_scales",
         ".experts.gate_up_proj_bias": ".experts.w13_bias",
         ".experts.gate_up_proj": ".experts.w13_weight",
         ".experts.down_proj_bias": ".experts.w2_bias",
@@ -44,7 +50,8 @@ class GptOssForCausalLM(DecoderForCausalLM):
 
     def make_mlp(self, config: Any, par: ParallelContext, layer_idx: int,
                  prefix: str) -> nn.Module:
-        if par.experts_method(f"{prefix}.experts") is not None:
-            raise ValueError("quantized gpt-oss experts are not served yet: load a checkpoint "
-                             "in bf16, fp16 or fp32")
-        return GptOssMoeBlock(config, par)
+        method = par.experts_method(f"{prefix}.experts")
+        if method is not None and not isinstance(method, Mxfp4ExpertsMethod):
+            raise ValueError(f"gpt-oss experts in {type(method).__name__} are not served: its "
+                             f"checkpoints are MXFP4 or bf16")
+        return GptOssMoeBlock(config, par, method)

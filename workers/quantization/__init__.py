@@ -49,8 +49,15 @@ def check_quantization(hf_config: Any, quantization: str | None,
     device can run it (FP8 needs compute capability 8.9 on a GPU)."""
     from workers.quantization.fp8 import check_fp8_device
 
+    from workers.quantization.mxfp4 import Mxfp4Config
+
     config = get_quant_config(hf_config, quantization)
-    if config is not None:
+    if isinstance(config, Mxfp4Config):
+        architectures = list(getattr(hf_config, "architectures", None) or [])
+        if architectures != ["GptOssForCausalLM"]:
+            raise ValueError(f"quant_method 'mxfp4' is served for gpt-oss's experts only "
+                             f"(GptOssForCausalLM), not {architectures}")
+    elif config is not None:
         check_fp8_device(torch.device(device), f"{config.name} quantization (FP8 weights)")
     return config
 

@@ -10,6 +10,8 @@ Understood:
   ``input_scale`` per tensor where ``activation_scheme`` is static (vLLM's and AutoFP8's
   serialized FP8 checkpoints).
 - ``"quant_method": "compressed-tensors"`` (``workers.quantization.compressed_tensors``).
+- ``"quant_method": "mxfp4"``: gpt-oss's experts, dequantized at load
+  (``workers.quantization.mxfp4``).
 - ``--quantization fp8`` on a full-precision checkpoint: each linear weight quantized at load,
   one scale per output channel, activations quantized per token on a GPU (vLLM's scheme).
 
@@ -25,12 +27,13 @@ from workers.quantization.compressed_tensors import parse_compressed_tensors
 from workers.quantization.fp8_config import Fp8Config, SchemeGroup
 from workers.quantization.fp8_numerics import BLOCK
 from workers.quantization.fp8_scheme import Fp8Scheme
+from workers.quantization.mxfp4 import Mxfp4Config, parse_mxfp4
 
 # --quantization's values (vLLM's flag; None: the checkpoint decides).
 QUANTIZATION_CHOICES = ("fp8",)
 # Checkpoint quant_methods known to exist but not served here, for a precise refusal.
 _KNOWN_UNSUPPORTED = ("awq", "gptq", "bitsandbytes", "gguf", "marlin", "exl2", "hqq", "aqlm",
-                      "eetq", "fbgemm_fp8", "modelopt", "mxfp4", "quark", "torchao", "bitnet",
+                      "eetq", "fbgemm_fp8", "modelopt", "quark", "torchao", "bitnet",
                       "higgs", "vptq", "spqr", "auto-round", "fp_quant", "w8a8_int8")
 
 
@@ -46,7 +49,8 @@ def raw_quantization_config(hf_config: Any) -> dict[str, Any] | None:
     return raw
 
 
-def parse_quant_config(raw: dict[str, Any] | None, quantization: str | None) -> Fp8Config | None:
+def parse_quant_config(raw: dict[str, Any] | None,
+                       quantization: str | None) -> Fp8Config | Mxfp4Config | None:
     """The ``Fp8Config`` of a checkpoint's ``quantization_config`` and the ``--quantization``
     asked for; None for plain weights. A ValueError names what is not understood."""
     if quantization is not None and quantization not in QUANTIZATION_CHOICES:
@@ -64,10 +68,13 @@ def parse_quant_config(raw: dict[str, Any] | None, quantization: str | None) -> 
         return parse_fp8(raw)
     if method in ("compressed-tensors", "compressed_tensors"):
         return parse_compressed_tensors(raw)
+    if method == "mxfp4":
+        return parse_mxfp4(raw)
     known = " (a method this engine does not implement)" if method in _KNOWN_UNSUPPORTED else ""
     raise ValueError(f"unsupported quantization_config quant_method {method or '(none)'!r}"
-                     f"{known}; supported: 'fp8' (block-wise or per-tensor float8_e4m3fn) "
-                     f"and 'compressed-tensors' FP8 (float-quantized)")
+                     f"{known}; supported: 'fp8' (block-wise or per-tensor float8_e4m3fn), "
+                     f"'compressed-tensors' FP8 (float-quantized) and 'mxfp4' (gpt-oss's "
+                     f"experts)")
 
 
 def online_fp8_config() -> Fp8Config:

@@ -11,7 +11,7 @@ the device.
 Shapes: llama-3.2-1b, llama-3.1-8b, qwen2.5-7b (dense); qwen3-30b-a3b and mixtral-8x7b
 (mixture of experts); llama-3.1-8b-fp8 (the 8B with block-wise FP8 weights); gemma-3-12b
 (Gemma 3's text model: sliding and global layers); phi-4-mini (partial rotary, LongRoPE);
-gpt-oss-20b (attention sinks, sliding layers, 32 experts; in bf16, its experts not MXFP4).
+gpt-oss-20b (attention sinks, sliding layers, 32 experts; in bf16, as its MXFP4 experts load).
 """
 
 from __future__ import annotations
@@ -114,8 +114,8 @@ SHAPES: dict[str, dict[str, Any]] = {
         "attention_bias": False, "torch_dtype": "bfloat16"},
     # openai/gpt-oss-20b: 24 layers alternating sliding (128 tokens) and full attention, 64 query
     # heads over 8 KV heads of 64 dims with a sink each, 32 experts of 2880, 4 per token, YaRN
-    # rotary. The release stores its experts in MXFP4, which is not served: the shape's weights
-    # are bf16 (about 42 GB).
+    # rotary. The release stores its experts in MXFP4, which the engine dequantizes at load:
+    # the shape's weights are bf16 from the start (about 42 GB).
     "gpt-oss-20b": {
         "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
         "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64,

@@ -58,7 +58,9 @@ class GptOssExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
                  alpha: float, limit: float, dtype: torch.dtype, device: torch.device | str,
                  tp_rank: int = 0, tp_size: int = 1,
-                 tp_group: dist.ProcessGroup | None = None) -> None:
+                 tp_group: dist.ProcessGroup | None = None, quant_method: Any = None) -> None:
+        """``quant_method``: the checkpoint's experts method (MXFP4: packed tensors loaded
+        beside the weights and dequantized into them after loading); None: float weights."""
         super().__init__()
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.alpha, self.limit = alpha, limit
@@ -70,6 +72,19 @@ class GptOssExperts(nn.Module):
         self.w13_bias = _param((num_experts, 2 * size), dtype, device, self._load_gate_up_bias)
         self.w2_weight = _param((num_experts, hidden_size, size), dtype, device, self._load_down)
         self.w2_bias = _param((num_experts, hidden_size), dtype, device, self._load_down_bias)
+        self.quant_method = quant_method
+        if quant_method is not None:
+            full = size * tp_size
+            quant_method.create_weights(self, rows={"w13": 2 * full, "w2": hidden_size},
+                                        columns={"w13": hidden_size, "w2": full}, device=device)
+
+    def load_float(self, projection: str, weight: torch.Tensor) -> None:
+        """Load ``projection`` ("w13" or "w2") from its full float tensor in the checkpoint's
+        layout (what a quantized layout dequantizes to)."""
+        if projection == "w13":
+            self._load_gate_up(self.w13_weight, weight)
+        else:
+            self._load_down(self.w2_weight, weight)
 
     # -- loading: the checkpoint's stacked, interleaved layout into ours -------------------
 
