@@ -10,16 +10,12 @@ from collections.abc import Sequence
 
 from engine.core.block_pool import BlockPool, KVBlock
 from engine.config import CacheConfig
-from engine.core.kv_groups import KVCacheGroup, pool_blocks_needed
+from engine.core.kv_groups import KVCacheGroup, cdiv, pool_blocks_needed
 from engine.core.long_rope import LONG_ROPE_ROOT_HASH
 from engine.core.request import Request
 
 # Parent of a request's first block: it only seeds the chain.
 ROOT_HASH = bytes(32)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # One table per group: entry i holds positions [i * block_size, (i + 1) * block_size); a
@@ -296,15 +292,15 @@ class KVCacheManager:
                 self.pool.touch([b for b in blocks if b is not None])
                 tables[g].extend(blocks)
         computed = request.num_computed_tokens + num_new_computed_tokens
-        for g in self._sliding:
-            self._give_back_passed(req_id, g, self.groups[g].first_needed_block(computed, bs))
+        # Every sliding group gives back first, so that any group's allocation may take them.
+        firsts = {g: self.groups[g].first_needed_block(computed, bs) for g in self._sliding}
+        for g, first in firsts.items():
+            self._give_back_passed(req_id, g, first)
         end = cdiv(num_total, bs)
-        for g, group in enumerate(self.groups):
-            table = tables[g]
-            if group.window is not None:
-                first = group.first_needed_block(computed, bs)
-                if len(table) < first:  # positions its window has passed before it held them
-                    table.extend([None] * (first - len(table)))
+        for g, table in enumerate(tables):
+            first = firsts.get(g, 0)
+            if len(table) < first:  # positions its window passed before it held them
+                table.extend([None] * (first - len(table)))
             if end > len(table):
                 table.extend(self.pool.allocate(end - len(table)))
         return True

@@ -17,7 +17,7 @@ kernel (``kernels.triton_moe``), which never syncs and so fits in a CUDA graph.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -47,8 +47,18 @@ def experts_sorted(hidden_states: torch.Tensor, w13: Sequence[torch.Tensor] | to
     (a stacked tensor, or a list of per-expert matrices)."""
     if topk_ids.shape[0] == 1:
         return _one_token(hidden_states, w13, w2, topk_weights, topk_ids)
+    return by_expert(hidden_states, topk_weights, topk_ids, len(w13),
+                     lambda rows, expert: _expert_mlp(rows, w13[expert], w2[expert]))
+
+
+def by_expert(hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              num_experts: int, expert_mlp: Callable[[torch.Tensor, int], torch.Tensor]
+              ) -> torch.Tensor:
+    """Every (token, expert) pair's ``expert_mlp(rows, expert)`` weighted by its routing weight,
+    the pairs sorted by expert and each expert run once on its contiguous rows, added back in
+    ascending expert order with one ``index_add_`` (what ``experts_sorted`` and gpt-oss's
+    experts share; their MLPs differ)."""
     top_k = topk_ids.shape[1]
-    num_experts = len(w13)
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
     counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
@@ -61,7 +71,7 @@ def experts_sorted(hidden_states: torch.Tensor, w13: Sequence[torch.Tensor] | to
         if count == 0:
             continue
         end = start + count
-        expert_out = _expert_mlp(rows[start:end], w13[expert], w2[expert])
+        expert_out = expert_mlp(rows[start:end], expert)
         results[start:end] = (expert_out * pair_weights[start:end]).to(results.dtype)
         start = end
     out = torch.zeros_like(hidden_states)

@@ -12,7 +12,8 @@ parallelism the ranks' partial sums meet in one all-reduce, so the down projecti
 added on the first rank only.
 
 Computed on the PyTorch side, the (token, expert) pairs sorted by expert and each expert run on
-its contiguous rows, the results added back in ascending expert order as HF's loop adds them.
+its contiguous rows, the results added back in ascending expert order as HF's loop adds them
+(``expert_compute.by_expert``, as the other experts on a CPU).
 The counts per expert are read on the host, so a CUDA graph cannot capture this layer: steps of
 a gpt-oss model run eager on a GPU.
 """
@@ -26,7 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from workers.layers.linear import _copy_checked, divide, weakly_bound
+from workers.layers.linear import _copy_checked, default_weight_loader, divide, weakly_bound
+from workers.layers.moe.expert_compute import by_expert
 
 
 class GptOssRouter(nn.Module):
@@ -39,8 +41,8 @@ class GptOssRouter(nn.Module):
             raise ValueError(f"num_experts_per_tok ({top_k}) must be in 1..num_local_experts "
                              f"({num_experts})")
         self.top_k = top_k
-        self.weight = _param((num_experts, hidden_size), dtype, device, _copy_whole)
-        self.bias = _param((num_experts,), dtype, device, _copy_whole)
+        self.weight = _param((num_experts, hidden_size), dtype, device, default_weight_loader)
+        self.bias = _param((num_experts,), dtype, device, default_weight_loader)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in the model dtype, expert ids [T, k]): the softmax of the top k
@@ -68,10 +70,13 @@ class GptOssExperts(nn.Module):
         size = self.intermediate_per_partition = divide(intermediate_size, tp_size,
                                                         "moe intermediate size")
         self.w13_weight = _param((num_experts, 2 * size, hidden_size), dtype, device,
-                                 self._load_gate_up)
-        self.w13_bias = _param((num_experts, 2 * size), dtype, device, self._load_gate_up_bias)
-        self.w2_weight = _param((num_experts, hidden_size, size), dtype, device, self._load_down)
-        self.w2_bias = _param((num_experts, hidden_size), dtype, device, self._load_down_bias)
+                                 weakly_bound(self._load_gate_up))
+        self.w13_bias = _param((num_experts, 2 * size), dtype, device,
+                               weakly_bound(self._load_gate_up_bias))
+        self.w2_weight = _param((num_experts, hidden_size, size), dtype, device,
+                                weakly_bound(self._load_down))
+        self.w2_bias = _param((num_experts, hidden_size), dtype, device,
+                              weakly_bound(self._load_down_bias))
         self.quant_method = quant_method
         if quant_method is not None:
             full = size * tp_size
@@ -128,45 +133,27 @@ class GptOssExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
-        top_k = topk_ids.shape[1]
-        flat_ids = topk_ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        token_of_pair = order // top_k
-        pair_weights = topk_weights.reshape(-1)[order].unsqueeze(-1)
-        rows = hidden_states.index_select(0, token_of_pair)
-        results = torch.empty_like(rows)
-        size, start = self.intermediate_per_partition, 0
-        for expert, count in enumerate(counts):
-            if not count:
-                continue
-            end = start + count
-            gate_up = F.linear(rows[start:end], self.w13_weight[expert], self.w13_bias[expert])
-            gate = gate_up[:, :size].clamp(max=self.limit)
-            up = gate_up[:, size:].clamp(min=-self.limit, max=self.limit)
-            gated = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-            out = F.linear(gated, self.w2_weight[expert], self.w2_bias[expert])
-            results[start:end] = out * pair_weights[start:end]
-            start = end
-        out = torch.zeros_like(hidden_states)
-        out.index_add_(0, token_of_pair, results)
+        out = by_expert(hidden_states, topk_weights, topk_ids, self.num_experts, self._expert)
         if self.tp_size > 1:
             dist.all_reduce(out, group=self.tp_group)
         return out
+
+    def _expert(self, rows: torch.Tensor, expert: int) -> torch.Tensor:
+        """One expert over its rows: the clamped SwiGLU between the biased projections."""
+        size = self.intermediate_per_partition
+        gate_up = F.linear(rows, self.w13_weight[expert], self.w13_bias[expert])
+        gate = gate_up[:, :size].clamp(max=self.limit)
+        up = gate_up[:, size:].clamp(min=-self.limit, max=self.limit)
+        gated = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return F.linear(gated, self.w2_weight[expert], self.w2_bias[expert])
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, intermediate={self.intermediate_per_partition} "
                 f"per rank, alpha={self.alpha}, limit={self.limit}")
 
 
-def _copy_whole(param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
-    if shard_id is not None:
-        raise ValueError(f"unexpected shard_id {shard_id!r} for a replicated parameter")
-    _copy_checked(param.data, loaded)
-
-
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
            loader: Any) -> nn.Parameter:
     param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-    param.weight_loader = weakly_bound(loader) if hasattr(loader, "__self__") else loader  # type: ignore[attr-defined]
+    param.weight_loader = loader  # type: ignore[attr-defined]
     return param
