@@ -739,3 +739,32 @@ def test_the_suites_dry_run_and_enforce_eager_flags(tmp_path):
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith(dry_run.DONE_PREFIX) and "device cuda" in last
     assert "enforce_eager True" in last
+
+
+def test_the_pool_holds_the_biggest_batch_in_every_kv_group():
+    """A Gemma-3 layout (five sliding layers per global one, window 1024 above the runs'
+    contexts) holds a block table per group: the pool the bench asks for must hold the full
+    run's biggest batch at its longest in all of them, or that batch never runs together."""
+    from engine.core.kv_cache_manager import KVCacheManager
+    from engine.core.kv_groups import kv_cache_groups
+    from engine.core.request import Request
+    from engine.config import CacheConfig
+    from engine.sampling_params import SamplingParams
+
+    groups = kv_cache_groups(([1024] * 5 + [None]) * 8)
+    assert len(groups) == 6
+    sizes = benchmark.FULL
+    limits = engine_steps.engine_limits(sizes, groups)
+    # The one-group pool is about a sixth of what this layout needs.
+    assert limits["num_kv_blocks"] > 5 * engine_steps.engine_limits(sizes)["num_kv_blocks"]
+    biggest = max(sizes["batches"])
+    tokens = sizes["context"] + engine_steps._decode_max_tokens(
+        biggest, sizes["context"], sizes["prefill_len"], sizes["decode_steps"])
+    kv = KVCacheManager(CacheConfig(block_size=engine_steps.BLOCK_SIZE),
+                        limits["num_kv_blocks"], limits["max_model_len"], groups,
+                        max_chunk_tokens=sizes["prefill_len"])
+    for i in range(biggest):
+        request = Request(str(i), [1] * sizes["context"],
+                          SamplingParams(max_tokens=tokens, ignore_eos=True))
+        assert kv.allocate_slots(request, tokens, admission=True), f"request {i} of {biggest}"
+    kv.check_invariants()

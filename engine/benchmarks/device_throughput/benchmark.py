@@ -426,10 +426,10 @@ def _stop_at_the_engine_configuration(args: argparse.Namespace, sizes: dict[str,
     configuration's builder ends the process there (engine.dry_run.stop_if_dry_run)."""
     from engine.config import build_engine_config
 
-    limits = engine_steps.engine_limits(sizes)
     device = "cuda" if args.device == "auto" else args.device
     with tempfile.TemporaryDirectory(prefix="sloserve-gpu-throughput-") as tmp:
         model_dir, _ = prepare_model(args, Path(tmp))
+        limits = engine_steps.engine_limits(sizes, engine_steps.kv_groups_of(model_dir))
         build_engine_config(model_dir, load_format="dummy", device=device, dtype=args.dtype,
                             enable_prefix_caching=False, max_num_batched_tokens=sizes[
                                 "prefill_len"], max_num_seqs=limits["max_num_seqs"],

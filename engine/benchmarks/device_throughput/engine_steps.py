@@ -39,7 +39,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -47,10 +47,13 @@ from typing import Any
 import torch
 
 from engine.benchmarks.measure.step_log import step_gaps
+from engine.core.kv_groups import KVCacheGroup, pool_blocks_needed
 
 # Tokens each warm-up prompt generates (the whole-budget one too: the context must hold them).
 WARMUP_TOKENS = 4
 BLOCK_SIZE = 16
+# A model without sliding layers: one group of every layer (the layers do not matter here).
+FULL_ATTENTION = (KVCacheGroup(layers=(0,)),)
 
 # record(kind, figures): one figure as it is measured (benchmark.py writes it out).
 Record = Callable[[str, dict[str, Any]], None]
@@ -154,16 +157,22 @@ def scheduler_settings(llm: Any, **settings: Any) -> Iterator[None]:
 # One engine
 
 
-def engine_limits(sizes: dict[str, Any]) -> dict[str, int]:
+def engine_limits(sizes: dict[str, Any],
+                  kv_groups: Sequence[KVCacheGroup] = FULL_ATTENTION) -> dict[str, int]:
     """Sequence slots, context and a KV pool for every kind: the biggest decode batch plus two
     prefills, or the mixed kind's decodes plus one long prompt. --num-kv-blocks sizes the pool
-    without the GPU memory profile, and no figure here depends on a pool bigger than that."""
+    without the GPU memory profile, and no figure here depends on a pool bigger than that. The
+    pool is shared by the model's KV cache groups (`kv_groups_of`): a request holds blocks in
+    each, so a model with sliding layers needs a pool several times one group's blocks."""
     budget, context, steps = sizes["prefill_len"], sizes["context"], sizes["decode_steps"]
     biggest = max(sizes["batches"])
     decode_len = context + _decode_max_tokens(biggest, context, budget, steps)
     mixed = MixedWorkload.for_sizes(sizes, steps + 1)
     mixed_len = context + mixed.decode_max_tokens
-    blocks_for = lambda tokens: math.ceil((tokens + 1) / BLOCK_SIZE)  # noqa: E731
+
+    def blocks_for(tokens: int) -> int:
+        return pool_blocks_needed(kv_groups, tokens + 1, BLOCK_SIZE, max_chunk=budget)
+
     return {
         "max_num_seqs": max(biggest, mixed.decodes + 1),
         "max_model_len": max(budget + WARMUP_TOKENS, decode_len, mixed_len,
@@ -184,7 +193,7 @@ def start_engine(model_dir: str, device: torch.device, dtype: torch.dtype, sizes
     from engine.benchmarks.measure.step_log import record_steps
     from engine import LLM, SamplingParams
 
-    limits = engine_limits(sizes)
+    limits = engine_limits(sizes, kv_groups_of(model_dir))
     budget = sizes["prefill_len"]
     started = time.perf_counter()
     llm = LLM(model=model_dir, load_format="dummy", device=device.type,
@@ -275,6 +284,14 @@ def free_device_memory(device: torch.device, baseline_bytes: int) -> float | Non
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     return (torch.cuda.memory_allocated(device) - baseline_bytes) / 1e9
+
+
+def kv_groups_of(model_dir: str) -> list[KVCacheGroup]:
+    """The KV cache groups the engine will give the model in ``model_dir``."""
+    from engine.executor.model_support import kv_cache_groups_of
+    from engine.runtime.model_setup import load_hf_config
+
+    return kv_cache_groups_of(load_hf_config(model_dir))
 
 
 def _vocab(model_dir: str) -> int:
