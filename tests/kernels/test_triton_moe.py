@@ -250,8 +250,8 @@ def test_fused_experts_makes_no_host_sync(triton_device, monkeypatch):
     ops, devices = _host_ops(triton_moe.fused_experts, *inputs)
     assert seen == []
     assert not set(ops) & _SYNCING_OPS, sorted(set(ops) & _SYNCING_OPS)
-    # Nothing is copied off the device.
-    assert devices == {triton_device}
+    # Nothing is copied off the device (on a GPU the tensors say cuda:0, the fixture cuda).
+    assert {d.type for d in devices} == {triton_device.type}
     assert launched == ["_gate_up_silu_kernel", "_down_weighted_kernel"]
     # Probe: both spies catch the reference's reads of the hit experts.
     ops, _ = _host_ops(triton_moe.fused_experts_reference, *inputs)
