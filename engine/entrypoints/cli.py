@@ -19,6 +19,7 @@ from engine.entrypoints.calibrate import add_calibrate_parser
 from engine.entrypoints.engine_args import add_engine_args, engine_kwargs, under_torchrun
 from engine.fleet.cli_args import add_fleet_args
 from engine.log import configure_logging
+from engine.serving.harmony import HARMONY_REASONING, HARMONY_TOOLS
 from engine.serving.reasoning_parsers import REASONING_PARSERS
 from engine.serving.tool_calls.parsers import PARSERS
 
@@ -233,12 +234,17 @@ def build_parser() -> argparse.ArgumentParser:
                             "the --model argument as given; the folder's base name is always "
                             "accepted too)")
     serve.add_argument("--max-request-body-bytes", type=positive_int, default=1 << 20)
-    serve.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+    serve.add_argument("--tool-call-parser", choices=sorted([*PARSERS, HARMONY_TOOLS]),
+                       default=None,
                        help="the format the model writes tool calls in, for tool_choice auto "
-                            "(default: the one its chat template shows, when exactly one)")
-    serve.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                            "(default: the one its chat template shows, when exactly one; "
+                            "openai: gpt-oss's harmony, on by itself with its template)")
+    serve.add_argument("--reasoning-parser",
+                       choices=sorted([*REASONING_PARSERS, HARMONY_REASONING]), default=None,
                        help="split a reasoning model's thinking (<think>...</think>) from its "
-                            "answer: reasoning_content in messages and stream deltas")
+                            "answer: reasoning_content in messages and stream deltas "
+                            "(openai_gptoss: harmony's analysis channel, on by itself with "
+                            "gpt-oss's template)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="vLLM's switch for tool_choice auto, accepted as given: auto is "
                             "on wherever a tool-call parser is known")

@@ -38,6 +38,8 @@ from engine.serving.openai_protocol import (MAX_N, ChatCompletionRequest, Comple
 from engine.serving.openai_responses import (ResponseContext, full_response, stream_events,
                                              usage_body)
 from engine.serving.request_fields import shown, unsupported_field
+from engine.serving.harmony import (HARMONY_REASONING, HARMONY_TOOLS, renders_harmony)
+from engine.serving.harmony import answer_started as harmony_answer_started
 from engine.serving.reasoning_parsers import REASONING_PARSERS, ReasoningParser
 from engine.serving.tool_calls.calling import ToolCalling, tool_calling
 from engine.serving.tool_calls.parsers import parser_for_template
@@ -71,11 +73,12 @@ class ServerSettings:
     metrics_require_api_key: bool = False
     # On SIGTERM: abort what is in flight, or drain first (engine.serving.drain).
     shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
-    # The tool-call format the model writes (engine.serving.tool_calls.parsers); None: the one
-    # its chat template shows, if exactly one.
+    # The tool-call format the model writes (engine.serving.tool_calls.parsers; `openai`:
+    # harmony's); None: the one its chat template shows, if exactly one.
     tool_call_parser: str | None = None
     # How a reasoning model's thinking is split from its answer (engine.serving.
-    # reasoning_parsers); None: not split, all of it is content.
+    # reasoning_parsers; `openai_gptoss`: harmony's channels); None: not split, all of it is
+    # content, unless the chat template writes harmony.
     reasoning_parser: str | None = None
 
 
@@ -274,11 +277,16 @@ def build_app(config: EngineConfig, settings: ServerSettings,
     # What tool_choice auto reads the model's text with: the server's choice, else its
     # template's format (None: auto is a 400 naming the option).
     template = getattr(client.inputs.tokenizer, "chat_template", None)
-    tool_parser = settings.tool_call_parser or parser_for_template(
-        template if isinstance(template, str) else None)
-
+    template = template if isinstance(template, str) else None
+    # gpt-oss's harmony: its channels are the reasoning, the tool calls and the content, read
+    # from the special tokens the output keeps (engine.serving.harmony).
+    harmony = (renders_harmony(template) or settings.reasoning_parser == HARMONY_REASONING
+               or settings.tool_call_parser == HARMONY_TOOLS)
+    tool_parser = None if harmony else (
+        settings.tool_call_parser or parser_for_template(template))
     reasoning = (REASONING_PARSERS[settings.reasoning_parser]()
-                 if settings.reasoning_parser is not None else None)
+                 if settings.reasoning_parser in REASONING_PARSERS and not harmony else None)
+    reads_effort = template is not None and "reasoning_effort" in template
 
     async def _serve(body: GenerationRequest, request: Request,
                      prompts: list[tuple[str | None, list[int]]], chat: bool,
@@ -303,6 +311,10 @@ def build_app(config: EngineConfig, settings: ServerSettings,
             _check_token_ids(params_per_prompt[0], client.vocab_size)
             if tools is not None:
                 params_per_prompt = [_with_tool_calling(p, tools) for p in params_per_prompt]
+            if chat and harmony:
+                # The channels' markers are special tokens: the text must keep them.
+                params_per_prompt = [msgspec.structs.replace(p, skip_special_tokens=False)
+                                     for p in params_per_prompt]
             if (structured := params_per_prompt[0].structured_outputs) is not None:
                 # A malformed schema, regex or grammar is refused before any work; EngineCore
                 # compiles it for the vocabulary (engine.structured_output).
@@ -346,14 +358,16 @@ def build_app(config: EngineConfig, settings: ServerSettings,
                               tokens_as_ids=body.return_tokens_as_token_ids,
                               tool_calling=tools,
                               reasoning=reasoning if chat else None,
-                              include_reasoning=getattr(body, "include_reasoning", True))
+                              include_reasoning=getattr(body, "include_reasoning", True),
+                              harmony=chat and harmony)
         num_top = params.logprobs or 0
         # TTFT and TPOT as the client sees them: stamped where the tokens are sent to it.
         # The engine keeps a TTFT deadline live until the client has output (a first token
         # with no text, e.g. a special one, sends nothing): told as each choice's is written.
         clock = EdgeClock(len(choices), metrics, on_first_output=None if slo is None else (
             lambda position, when: client.note_first_output(child_ids[position], when)),
-            answer_started=(_answer_after_thinking(reasoning)
+            answer_started=(_harmony_answer if chat and harmony else
+                            _answer_after_thinking(reasoning)
                             if chat and reasoning is not None else None))
         if body.stream:
             events = stream_events(ctx, choices,
@@ -394,20 +408,46 @@ def build_app(config: EngineConfig, settings: ServerSettings,
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         tools = body.tool_dicts
-        try:
-            calling = tool_calling(tools, body.tool_choice, body.parallel_tool_calls,
-                                   tool_parser)
-        except ValueError as exc:
-            raise APIError(400, str(exc), "tool_choice") from exc
+        if harmony:
+            # Harmony's calls are messages to `functions.NAME`, read whatever the output holds;
+            # a call cannot be forced in it by a JSON schema.
+            if tools and body.tool_choice not in (None, "auto", "none"):
+                raise APIError(400, f"tool_choice {_choice_name(body.tool_choice)} is not "
+                                    "supported for a model that writes harmony (gpt-oss): "
+                                    "use auto or none", "tool_choice")
+            calling = None
+        else:
+            try:
+                calling = tool_calling(tools, body.tool_choice, body.parallel_tool_calls,
+                                       tool_parser)
+            except ValueError as exc:
+                raise APIError(400, str(exc), "tool_choice") from exc
+        template_kwargs = body.chat_template_kwargs
+        if body.reasoning_effort is not None:
+            if not reads_effort:
+                raise APIError(400, "reasoning_effort: this model's chat template does not "
+                                    "read it", "reasoning_effort")
+            template_kwargs = {**(template_kwargs or {}),
+                               "reasoning_effort": body.reasoning_effort}
         try:
             messages = [m.as_template_input() for m in body.messages]
-            ids = await lanes.apply_chat_template(messages, True, tools,
-                                                  body.chat_template_kwargs)
+            ids = await lanes.apply_chat_template(messages, True, tools, template_kwargs)
         except ValueError as exc:
             raise APIError(400, str(exc), "messages") from exc
         return await _serve(body, request, [(None, ids)], chat=True, tools=calling)
 
     return app
+
+
+def _harmony_answer(out: RequestOutput) -> bool:
+    """Whether a harmony output holds answer: content or a call, not only analysis."""
+    return harmony_answer_started(out.text, out.finished)
+
+
+def _choice_name(choice: object) -> str:
+    """A tool_choice as an error names it: the mode, or the function asked for."""
+    function = getattr(choice, "function", None)
+    return repr(choice) if function is None else f"function {function.name!r}"
 
 
 def _answer_after_thinking(reasoning: ReasoningParser) -> Callable[[RequestOutput], bool]:

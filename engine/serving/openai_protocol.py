@@ -325,6 +325,9 @@ class ChatCompletionRequest(GenerationRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM: with a reasoning parser, false leaves the thinking out of the response.
     include_reasoning: bool = True
+    # OpenAI's: how long a reasoning model thinks, as its chat template reads it (gpt-oss's
+    # `Reasoning: low|medium|high`); refused for a template that does not read it.
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod

@@ -10,15 +10,17 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.logprobs import Logprob, PositionLogprobs
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.serving.edge_clock import EdgeClock
+from engine.serving.harmony import read_output
 from engine.serving.reasoning_parsers import ReasoningParser
 from engine.serving.tool_calls.calling import ToolCalling, call_body
 from engine.serving.tool_calls.parsers import FunctionCall, ParsedOutput
+from engine.serving.tool_calls.partial_json import ArgumentReaders
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,9 @@ class ResponseContext:
     # response carries it (vLLM's include_reasoning).
     reasoning: ReasoningParser | None = None
     include_reasoning: bool = True
+    # Chat with a model that writes harmony (gpt-oss: engine.serving.harmony): its channels
+    # are the reasoning, the content and the tool calls, whatever the two fields above say.
+    harmony: bool = False
 
     @property
     def created(self) -> int:
@@ -223,7 +228,7 @@ def _choice_body(ctx: ResponseContext, choice: Choice, out: RequestOutput, k: in
             for call in message["tool_calls"]:
                 del call["index"]  # a stream's delta field; a message lists them in order
             message["content"] = message["content"] or None  # OpenAI: null beside calls
-        if ctx.reasoning is not None:
+        if ctx.reasoning is not None or ctx.harmony:
             # vLLM's shape: null where a part is absent (no answer: thinking cut short).
             message["content"] = message["content"] or None
             if ctx.include_reasoning:
@@ -267,8 +272,11 @@ class _ChoiceStream:
     headers_sent: int = 0
     # The arguments sent of the call whose header went out last, while it is being written.
     arguments_sent: str = ""
-    # Where the reasoning sent so far ends in the output text.
+    # Where the reasoning sent so far ends in the output text (harmony: in the reasoning).
     reasoning_sent: int = 0
+    # Harmony: how much of the content has gone out, and the reads of a call's arguments.
+    content_sent: int = 0
+    harmony_arguments: ArgumentReaders = field(default_factory=ArgumentReaders)
 
 
 async def stream_events(ctx: ResponseContext, choices: list[Choice],
@@ -384,6 +392,8 @@ def _stream_delta(ctx: ResponseContext, stream: _ChoiceStream, out: RequestOutpu
     (text that may still turn out to start a stop string is held back)."""
     if ctx.echo_only and not out.finished:
         return None
+    if ctx.harmony:
+        return _harmony_delta(ctx, stream, out, slicer)
     safe = len(out.text) if out.finished else max(stream.text_sent,
                                                   len(out.text) - ctx.stop_holdback)
     reasoning_delta, answer_from, answering = "", 0, True
@@ -451,15 +461,60 @@ def _stream_delta(ctx: ResponseContext, stream: _ChoiceStream, out: RequestOutpu
             parts.append(slicer.output_part(out, stream.tokens_sent, tokens_end, base))
         body = {"index": index, "text": text, "logprobs": _join(parts) if parts else None,
                 "finish_reason": finish_reason}
-    if first and ctx.prompt_logprobs:
+    stream.text_sent = max(stream.text_sent, safe)
+    return _sent(ctx, stream, out, body, output=bool(delta or reasoning_delta or new_calls),
+                 completed=completed, headers=headers, tokens_end=tokens_end)
+
+
+def _sent(ctx: ResponseContext, stream: _ChoiceStream, out: RequestOutput,
+          body: dict[str, Any], *, output: bool, completed: int, headers: int,
+          tokens_end: int) -> dict[str, Any]:
+    """``body`` with what a choice's first and last chunks add, and the choice's stream told
+    what it sends: ``output`` (text, reasoning or calls), ``completed`` more calls whole, the
+    headers of ``headers`` calls, the tokens up to ``tokens_end``."""
+    if not stream.started and ctx.prompt_logprobs:
         body["prompt_logprobs"] = _vllm_prompt_logprobs(out.prompt_logprobs)
     if out.finished:
         body["stop_reason"] = out.stop_reason
     stream.started = True
-    stream.output_sent = (stream.output_sent or bool(delta) or bool(reasoning_delta)
-                          or bool(new_calls) or tokens_end > stream.tokens_sent)
+    stream.output_sent = stream.output_sent or output or tokens_end > stream.tokens_sent
     stream.calls_sent += completed
     stream.headers_sent = max(headers, stream.calls_sent)
-    stream.text_sent = max(stream.text_sent, safe)
     stream.tokens_sent = tokens_end
     return body
+
+
+def _harmony_delta(ctx: ResponseContext, stream: _ChoiceStream, out: RequestOutput,
+                   slicer: _LogprobSlicer) -> dict[str, Any] | None:
+    """A chat chunk body for what ``out`` adds to a harmony turn: the reasoning, content and
+    tool calls its channels hold (engine.serving.harmony); None when nothing new is settled.
+    Logprobs go out with every new token (a token's text may be a channel's markup)."""
+    safe = len(out.text) if out.finished else max(0, len(out.text) - ctx.stop_holdback)
+    read = read_output(out.text[:safe], out.finished, stream.harmony_arguments)
+    reasoning_delta = read.reasoning[stream.reasoning_sent:]
+    content_delta = read.content[stream.content_sent:]
+    parsed = ParsedOutput(0, read.calls, read.opening, read.opening_arguments)
+    new_calls, completed = _call_deltas(ctx, stream, parsed)
+    tokens_end = len(out.logprobs) if ctx.logprobs and out.logprobs is not None else 0
+    if not (reasoning_delta or content_delta or new_calls or tokens_end > stream.tokens_sent
+            or out.finished):
+        return None
+    finish_reason = out.finish_reason if out.finished else None
+    if finish_reason == "stop" and stream.calls_sent + completed > 0:
+        finish_reason = "tool_calls"
+    delta: dict[str, Any] = {"content": content_delta}
+    if new_calls:
+        delta["tool_calls"] = new_calls
+    if reasoning_delta and ctx.include_reasoning:
+        delta["reasoning_content"] = delta["reasoning"] = reasoning_delta
+    body: dict[str, Any] = {"index": stream.choice.index, "delta": delta, "logprobs": None,
+                            "finish_reason": finish_reason}
+    if ctx.logprobs and out.logprobs is not None:
+        body["logprobs"] = _chat_logprobs(out.logprobs[stream.tokens_sent:tokens_end],
+                                          slicer.k, ctx.tokens_as_ids)
+    stream.reasoning_sent = len(read.reasoning)
+    stream.content_sent = len(read.content)
+    return _sent(ctx, stream, out, body,
+                 output=bool(content_delta or reasoning_delta or new_calls), completed=completed,
+                 headers=max(stream.headers_sent, len(read.calls) + (read.opening is not None)),
+                 tokens_end=max(stream.tokens_sent, tokens_end))

@@ -35,8 +35,8 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     # vLLM's structural tags (structured outputs that switch on at a trigger string).
     "structural_tag": (),
-    # OpenAI's reasoning effort (a reasoning model's knob no open template reads alike), and
-    # the chat route's reasoning and template fields on completions, which render no template.
+    # The chat route's reasoning and template fields on completions, which render no
+    # template (chat declares them).
     "reasoning_effort": (), "include_reasoning": (True,),
     # The chat template's inputs: the server's template (--chat-template) is the only one,
     # rendered with the generation prompt, the tools and chat_template_kwargs (chat).
