@@ -48,6 +48,11 @@ torch's, so a 16-bit result is torch's up to the rare value whose float32 sum st
 boundary. A float32 model's GEMMs run as true float32 products (``input_precision="ieee"``),
 never TF32.
 
+gpt-oss's experts take the same path with two options: biases on both projections (added to
+the float32 accumulators before the rounding, as addmm adds them) and its clamped SwiGLU,
+``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``, each
+op rounded as torch's eager ops round it (``activation="swigluoai"``, vLLM's name).
+
 Inputs: hidden_states [T, H] with any row stride; the weights with any strides (a unit last
 stride lets the loads vectorize). H and I need not be multiples of the block sizes: masks cover
 the tails. topk_ids may be int32 or int64, and must lie in [0, E).
@@ -76,6 +81,8 @@ except ImportError:  # pragma: no cover - every Triton 3.x has it
 # up, BLOCK_M x BLOCK_N each) within registers at BLOCK_M = 64.
 _BLOCK_N = 64
 _BLOCK_K = 64
+# The activations between the projections: SwiGLU, and gpt-oss's clamped SwiGLU (vLLM's name).
+ACTIVATIONS = ("silu", "swigluoai")
 
 
 def block_m_for(num_pairs: int, num_experts: int) -> int:
@@ -170,12 +177,19 @@ def _load_operand(ptrs, mask, KIND: tl.constexpr, WIDEN: tl.constexpr):
 
 # num_pairs changes with the batch: specialized, 1 or a multiple of 16 would each compile their own
 # variant mid-serving. Everything else is fixed by the model (TOP_K included).
+@triton.jit
+def _bias_row(b_ptr, row_start, offs, mask, KIND: tl.constexpr):
+    """An expert's bias (its row starting at ``row_start``) over ``offs``, in float32."""
+    return to_float32(tl.load(b_ptr + row_start + offs, mask=mask, other=0.0), KIND)
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
-def _gate_up_silu_kernel(x_ptr, w13_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
+def _gate_up_silu_kernel(x_ptr, w13_ptr, b13_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
                          num_padded_ptr, num_pairs, hidden, inter, stride_x_t,
-                         stride_w_e, stride_w_n, stride_w_k,
+                         stride_w_e, stride_w_n, stride_w_k, stride_b_e, alpha, limit,
                          TOP_K: tl.constexpr, KIND: tl.constexpr, WIDEN: tl.constexpr,
-                         PRECISE_EXP: tl.constexpr, BLOCK_M: tl.constexpr,
+                         PRECISE_EXP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # Axis 0 runs over the sorted blocks, fastest on the GPU: neighbouring programs are mostly
     # blocks of the same expert and the same n tile, so they share the weight tiles in L2.
@@ -208,25 +222,46 @@ def _gate_up_silu_kernel(x_ptr, w13_ptr, out_ptr, sorted_ids_ptr, block_expert_p
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K * stride_w_k
         u_ptrs += BLOCK_K * stride_w_k
-    # HF rounds the gate and up projections (nn.Linear outputs) to the model dtype, then F.silu
-    # computes g / (1 + exp(-g)) in float32 and rounds, then the product is rounded again.
+    # HF rounds the gate and up projections (nn.Linear outputs, the bias added before the
+    # rounding as addmm adds it) to the model dtype, then each op of the activation on its own.
+    if HAS_BIAS:
+        b_row = expert * stride_b_e
+        acc_g += _bias_row(b13_ptr, b_row, offs_n, n_mask, KIND)[None, :]
+        acc_u += _bias_row(b13_ptr, b_row, inter + offs_n, n_mask, KIND)[None, :]
     gate = round_float32_to(acc_g, KIND)
     up = round_float32_to(acc_u, KIND)
-    if PRECISE_EXP:
-        e = libdevice.exp(-gate)  # torch's CUDA silu calls expf; Triton's exp is ex2.approx
+    if ACTIVATION == 0:
+        # SwiGLU: F.silu computes g / (1 + exp(-g)) in float32 and rounds, then the product
+        # with up is rounded again.
+        if PRECISE_EXP:
+            e = libdevice.exp(-gate)  # torch's CUDA silu calls expf; Triton's exp is ex2.approx
+        else:
+            e = tl.exp(-gate)
+        act = round_float32_to(tl.math.div_rn(gate, 1.0 + e), KIND)
+        out = act * up
     else:
-        e = tl.exp(-gate)
-    act = round_float32_to(tl.math.div_rn(gate, 1.0 + e), KIND)
-    tl.store(out_ptr + (pair * inter)[:, None] + offs_n[None, :], from_float32(act * up, KIND),
+        # gpt-oss's clamped SwiGLU: (clamp(up, -l, l) + 1) * g * sigmoid(alpha g), g =
+        # min(gate, l), each op rounded as torch's eager ops round it.
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        scaled = round_float32_to(gate * alpha, KIND)
+        if PRECISE_EXP:
+            e = libdevice.exp(-scaled)
+        else:
+            e = tl.exp(-scaled)
+        sig = round_float32_to(tl.math.div_rn(1.0, 1.0 + e), KIND)
+        glu = round_float32_to(gate * sig, KIND)
+        out = round_float32_to(up + 1.0, KIND) * glu
+    tl.store(out_ptr + (pair * inter)[:, None] + offs_n[None, :], from_float32(out, KIND),
              mask=valid[:, None] & n_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _down_weighted_kernel(a_ptr, w2_ptr, weights_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
-                          num_padded_ptr, num_pairs, hidden, inter,
-                          stride_w_e, stride_w_n, stride_w_k,
-                          KIND: tl.constexpr, WIDEN: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _down_weighted_kernel(a_ptr, w2_ptr, b2_ptr, weights_ptr, out_ptr, sorted_ids_ptr,
+                          block_expert_ptr, num_padded_ptr, num_pairs, hidden, inter,
+                          stride_w_e, stride_w_n, stride_w_k, stride_b_e,
+                          KIND: tl.constexpr, WIDEN: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -250,8 +285,11 @@ def _down_weighted_kernel(a_ptr, w2_ptr, weights_ptr, out_ptr, sorted_ids_ptr, b
         acc = _dot(a, w, acc, KIND)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_w_k
-    # HF: down_proj's output in the model dtype, times the float32 routing weight (torch promotes
-    # the product to float32), rounded to the model dtype before the sum over the K slots.
+    # HF: down_proj's output (its bias added first) in the model dtype, times the routing
+    # weight (torch promotes a float32 one's product to float32), rounded to the model dtype
+    # before the sum over the K slots.
+    if HAS_BIAS:
+        acc += _bias_row(b2_ptr, expert * stride_b_e, offs_n, n_mask, KIND)[None, :]
     y = round_float32_to(acc, KIND)
     weight = tl.load(weights_ptr + pair, mask=valid, other=0.0)
     tl.store(out_ptr + (pair * hidden)[:, None] + offs_n[None, :],
@@ -292,11 +330,29 @@ def _check(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         raise ValueError(f"inputs are on several devices: {sorted(map(str, devices))}")
 
 
+def _check_biases(w13: torch.Tensor, w2: torch.Tensor, w13_bias: torch.Tensor | None,
+                  w2_bias: torch.Tensor | None, activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; known: {', '.join(ACTIVATIONS)}")
+    for name, bias, shape in (("w13_bias", w13_bias, w13.shape[:2]),
+                              ("w2_bias", w2_bias, w2.shape[:2])):
+        if bias is None:
+            continue
+        if tuple(bias.shape) != tuple(shape):
+            raise ValueError(f"{name} must be [E, {shape[1]}], got shape {tuple(bias.shape)}")
+        if bias.dtype != w13.dtype or bias.device != w13.device:
+            raise ValueError(f"{name} is {bias.dtype} on {bias.device}, the weights "
+                             f"{w13.dtype} on {w13.device}")
+
+
 def _fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                   block_m: int | None = None) -> torch.Tensor:
+                   block_m: int | None = None, *, w13_bias: torch.Tensor | None = None,
+                   w2_bias: torch.Tensor | None = None, activation: str = "silu",
+                   alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """fused_experts with BLOCK_M chosen by the caller (tests), else by :func:`block_m_for`."""
     _check(hidden_states, w13, w2, topk_weights, topk_ids)
+    _check_biases(w13, w2, w13_bias, w2_bias, activation)
     num_tokens, hidden = hidden_states.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     top_k = topk_ids.shape[1]
@@ -317,15 +373,22 @@ def _fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
               # No fused multiply-adds in the epilogues: torch rounds each op on its own.
               "enable_fp_fusion": False}
     activated = torch.empty((num_pairs, inter), dtype=dtype, device=device)
+    # Without a bias the kernels read none: any tensor stands in for the pointer.
+    b13 = (w13_bias if w13_bias is None or w13_bias.stride(1) == 1
+           else w13_bias.contiguous())
+    b2 = w2_bias if w2_bias is None or w2_bias.stride(1) == 1 else w2_bias.contiguous()
     if inter:
         launch(_gate_up_silu_kernel, (num_blocks, triton.cdiv(inter, _BLOCK_N)),
-               x, w13, activated, sorted_ids, block_expert, num_padded, num_pairs, hidden, inter,
-               x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), TOP_K=top_k,
-               PRECISE_EXP=libdevice is not None and not _INTERPRETED, **common)
+               x, w13, w13 if b13 is None else b13, activated, sorted_ids, block_expert,
+               num_padded, num_pairs, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1),
+               w13.stride(2), 0 if b13 is None else b13.stride(0), float(alpha), float(limit),
+               TOP_K=top_k, PRECISE_EXP=libdevice is not None and not _INTERPRETED,
+               HAS_BIAS=b13 is not None, ACTIVATION=ACTIVATIONS.index(activation), **common)
     per_pair = torch.empty((num_pairs, hidden), dtype=dtype, device=device)
     launch(_down_weighted_kernel, (num_blocks, triton.cdiv(hidden, _BLOCK_N)),
-           activated, w2, weights, per_pair, sorted_ids, block_expert, num_padded, num_pairs,
-           hidden, inter, w2.stride(0), w2.stride(1), w2.stride(2), **common)
+           activated, w2, w2 if b2 is None else b2, weights, per_pair, sorted_ids, block_expert,
+           num_padded, num_pairs, hidden, inter, w2.stride(0), w2.stride(1), w2.stride(2),
+           0 if b2 is None else b2.stride(0), HAS_BIAS=b2 is not None, **common)
     if top_k == 1:
         return per_pair
     # torch sums 16-bit floats in float32 and rounds once: the reference's float32 accumulation.
@@ -333,15 +396,23 @@ def _fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
 
 
 def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                  w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                  activation: str = "silu", alpha: float = 1.702,
+                  limit: float = 7.0) -> torch.Tensor:
     """The SwiGLU experts of an MoE layer for routed tokens, without a host sync.
 
     hidden_states [T, H] (bf16/fp16/fp32), w13 [E, 2 * I, H] (gate rows, then up rows), w2
     [E, H, I], topk_weights [T, K] (float32), topk_ids [T, K] (int32/int64, in [0, E)). Returns a
     new [T, H] tensor in hidden_states' dtype: per token, the sum over its K slots of the
     routing weight times its expert's ``down(silu(gate(x)) * up(x))``.
+
+    gpt-oss's experts: biases ``w13_bias`` [E, 2 * I] (gate then up) and ``w2_bias`` [E, H]
+    added to the projections, and ``activation="swigluoai"``: ``(clamp(up, -limit, limit) + 1)
+    * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``.
     """
-    return _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids)
+    return _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, w13_bias=w13_bias,
+                          w2_bias=w2_bias, activation=activation, alpha=alpha, limit=limit)
 
 
 def fused_experts_reference(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -369,14 +440,17 @@ def fused_experts_reference(hidden_states: torch.Tensor, w13: torch.Tensor, w2: 
     return out.to(hidden_states.dtype)
 
 
-def warm_up_experts(w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> None:
+def warm_up_experts(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+                    **options: object) -> None:
     """Launch every variant :func:`block_m_for` can choose for weights of this kind (BLOCK_M 16,
     32 and 64) at the layer's ``top_k`` (a compile-time constant), so no step compiles one while
     serving: the largest needs a prefill of thousands of tokens to be chosen, which a startup
-    warm-up step does not make. ``w13``/``w2`` need only the layer's first ``top_k`` experts."""
+    warm-up step does not make. ``w13``/``w2`` need only the layer's first ``top_k`` experts
+    (``options``: the layer's biases for those experts and its activation, as
+    :func:`fused_experts` takes them)."""
     device, dtype = w13.device, w13.dtype
     hidden = torch.zeros((1, w13.shape[2]), dtype=dtype, device=device)
     weights = torch.full((1, top_k), 1.0 / top_k, dtype=torch.float32, device=device)
     ids = torch.arange(top_k, dtype=torch.int64, device=device).unsqueeze(0)
     for block_m in (16, 32, 64):
-        _fused_experts(hidden, w13, w2, weights, ids, block_m=block_m)
+        _fused_experts(hidden, w13, w2, weights, ids, block_m=block_m, **options)  # type: ignore[arg-type]

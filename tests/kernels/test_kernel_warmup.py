@@ -237,13 +237,15 @@ def test_the_specialization_by_hand_agrees_with_tritons_own():
         variants._specialization(x[1:], True)[1]
 
 
-def test_the_warm_up_compiles_every_experts_variant(tiny_model, triton_device):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_the_warm_up_compiles_every_experts_variant(tiny_model, triton_device, arch):
     """A mixture of experts: the fused experts kernels in each BLOCK_M the launch can choose
     (the largest is chosen only for prefills of thousands of tokens, which no warm-up step
-    makes), so a long prompt never compiles one while serving."""
+    makes), so a long prompt never compiles one while serving; gpt-oss's in its own variant
+    (biases, the clamped SwiGLU)."""
     from kernels.triton_moe import block_m_for
 
-    runner = _runner(tiny_model("qwen3_moe"), triton_device)
+    runner = _runner(tiny_model(arch), triton_device)
     warmup = warm_up_kernels(runner, MAX_MODEL_LEN, MAX_NUM_SEQS)
     assert warmup is not None
     chosen = {v.constant("BLOCK_M") for v in warmup.variants
@@ -252,6 +254,10 @@ def test_the_warm_up_compiles_every_experts_variant(tiny_model, triton_device):
     assert chosen == {block_m_for(pairs, experts) for pairs in (1, 20 * experts, 100 * experts)}
     # ... at the layer's top-k, a compile-time constant of the gate/up kernel (a warm-up at
     # another would leave the served variants to compile while serving).
-    top_k = runner.model.model.layers[0].mlp.gate.top_k
+    block = runner.model.model.layers[0].mlp
+    top_k = (block.router if arch == "gpt_oss" else block.gate).top_k
     assert {(v.constant("TOP_K"), v.constant("BLOCK_M")) for v in warmup.variants
             if v.kernel == "_gate_up_silu_kernel"} == {(top_k, m) for m in chosen}
+    gpt_oss = arch == "gpt_oss"
+    assert {(v.constant("HAS_BIAS"), v.constant("ACTIVATION")) for v in warmup.variants
+            if v.kernel == "_gate_up_silu_kernel"} == {(gpt_oss, int(gpt_oss))}

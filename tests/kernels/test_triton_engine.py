@@ -51,7 +51,7 @@ def _generate(model_dir: str, backend: str, device: str, ran: KernelsRan,
         llm.shutdown()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "gpt_oss"])
 def test_triton_kernels_give_the_torch_kernels_tokens(tiny_model, arch, triton_device,
                                                        monkeypatch):
     model_dir = tiny_model(arch)
@@ -71,8 +71,9 @@ def test_triton_kernels_give_the_torch_kernels_tokens(tiny_model, arch, triton_d
     assert triton_calls["paged_attention"] > 0 and triton_calls["paged_attention"] == \
         torch_calls["paged_attention"]
     # A mixture of experts has no dense MLP: its experts fuse their activation themselves, in
-    # the fused experts kernel on Triton (in PyTorch otherwise).
-    moe = arch.endswith("_moe")
+    # the fused experts kernel on Triton (in PyTorch otherwise); gpt-oss's with its biases and
+    # clamped SwiGLU.
+    moe = arch.endswith("_moe") or arch == "gpt_oss"
     fused = ("rms_norm", "apply_rotary") + (("fused_moe",) if moe else ("silu_and_mul",))
     assert all(triton_calls[name] > 0 for name in fused)
     assert all(torch_calls[name] == 0 for name in fused)

@@ -357,3 +357,53 @@ def test_bad_inputs_raise_value_errors_naming_the_problem():
         triton_moe.fused_experts(x, w13, w2.bfloat16(), weights, ids)
     with pytest.raises(ValueError, match="unsupported dtype"):
         triton_moe.fused_experts(x.double(), w13.double(), w2.double(), weights, ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("tokens, top_k, block_m", [(1, 2, None), (24, 4, 16), (24, 4, 32)])
+def test_gpt_oss_experts_match_its_pytorch_path(tokens, top_k, block_m, dtype, triton_device):
+    """gpt-oss's variant (biases on both projections, the clamped SwiGLU) against the layer's
+    PyTorch path, which equals HF's loop: in float32 to 1e-5, in bf16 to bf16's closeness (the
+    PyTorch path adds a token's K results in bf16 one by one, the kernel in float32 once)."""
+    from workers.layers.moe.gpt_oss_experts import GptOssExperts
+
+    experts_count, hidden, inter = 8, 64, 40
+    g = torch.Generator().manual_seed(tokens * 7 + top_k)
+    layer = GptOssExperts(experts_count, hidden, inter, alpha=1.702, limit=7.0, dtype=dtype,
+                          device="cpu")
+    # Projections of a few units, biases of one: some gates and ups pass the clamp at 7.
+    for param, scale in ((layer.w13_weight, 4.0), (layer.w2_weight, 1.0), (layer.w13_bias, 1.0),
+                         (layer.w2_bias, 1.0)):
+        param.data = (torch.randn(param.shape, generator=g) * scale
+                      / (param.shape[-1] ** 0.5 if param.dim() == 3 else 1.0)).to(dtype)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    case = Case(tokens, hidden, inter, experts_count, top_k)
+    weights, ids = _routing(case, g)
+    weights = weights.to(dtype)  # gpt-oss's router softmaxes in the model dtype
+    expected = layer(x, weights, ids)
+    gate_up = torch.einsum("th,enh->ten", x.float(), layer.w13_weight.float())
+    assert (gate_up.abs() > 7.0).any()  # probe: the clamp is reached
+    on = {name: t.to(triton_device) for name, t in layer.fused_options().items()
+          if isinstance(t, torch.Tensor)}
+    options = {**layer.fused_options(), **on}
+    got = triton_moe._fused_experts(x.to(triton_device), layer.w13_weight.to(triton_device),
+                                    layer.w2_weight.to(triton_device),
+                                    weights.to(triton_device), ids.to(triton_device),
+                                    block_m=block_m, **options).cpu()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(got.float(), expected.float(), rtol=1.6e-2, atol=2e-2)
+    # Probe: the biases and the activation change the answer.
+    plain = triton_moe._fused_experts(x.to(triton_device), layer.w13_weight.to(triton_device),
+                                      layer.w2_weight.to(triton_device),
+                                      weights.to(triton_device), ids.to(triton_device)).cpu()
+    assert (plain.float() - expected.float()).abs().max() > 0.1
+
+
+def test_bad_biases_and_activations_are_named():
+    x, w13, w2, weights, ids = _inputs(Case(2, 16, 8, 4, 2), torch.float32, seed=1)
+    with pytest.raises(ValueError, match=r"unknown activation 'gelu'"):
+        triton_moe.fused_experts(x, w13, w2, weights, ids, activation="gelu")
+    with pytest.raises(ValueError, match=r"w13_bias must be \[E, 16\], got shape \(4, 8\)"):
+        triton_moe.fused_experts(x, w13, w2, weights, ids, w13_bias=torch.zeros(4, 8))

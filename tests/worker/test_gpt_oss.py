@@ -6,6 +6,7 @@ layout transformers saves, or from MXFP4 blocks and scales dequantized at load."
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -17,6 +18,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from tests.utils.hf_greedy import engine_greedy, hf_greedy  # noqa: E402
 from tests.utils.paged_helpers import PagedSequence, assert_chunks_match_hf  # noqa: E402
 from tests.utils.tiny_models import load_tiny_model, make_tiny_model  # noqa: E402
+from workers.layers.moe.gpt_oss_experts import GptOssExperts  # noqa: E402
 
 ATOL = 2e-4  # float32 summation-order noise
 
@@ -34,8 +36,15 @@ def test_gpt_oss_matches_hf(tmp_path) -> None:
     model = load_tiny_model(model_dir)
     assert model.layer_windows == [24, None, 24]
     assert all(s is not None for s in model.layer_sinks)
-    # Its experts read their counts on the host: a GPU runs the model without CUDA graphs.
+    # On the PyTorch path its experts read their counts on the host, which no CUDA graph can
+    # capture; on the fused kernel (Triton's, kernels.triton_moe) they can be captured.
     assert not all(getattr(m, "capturable", True) for m in model.modules())
+    experts = [m for m in model.modules() if isinstance(m, GptOssExperts)]
+    for layer in experts:
+        layer.use_kernels(SimpleNamespace(fused_moe=lambda *args, **options: None))
+    assert all(getattr(m, "capturable", True) for m in model.modules())
+    for layer in experts:
+        layer.use_kernels(SimpleNamespace())
     # A prompt of three windows, chunks that straddle them, and decodes past them.
     seq = PagedSequence(_tokens(70, seed=1), blocks=[7, 2, 11, 4, 0])
     assert_chunks_match_hf(model, model_dir, seq, [40, 12], decodes=18, num_blocks=16,

@@ -110,7 +110,9 @@ def warm_up_experts(model: Any) -> None:
     from kernels import triton_moe
 
     for module in model.modules():
-        experts, router = getattr(module, "experts", None), getattr(module, "gate", None)
+        experts = getattr(module, "experts", None)
+        # Qwen-MoE and Mixtral name their router `gate`, gpt-oss `router`.
+        router = getattr(module, "gate", None) or getattr(module, "router", None)
         if getattr(experts, "fused_experts", None) is None or router is None:
             continue
         top_k = router.top_k
@@ -118,7 +120,9 @@ def warm_up_experts(model: Any) -> None:
         if w13.dtype != model.dtype:
             w13, w2 = (torch.zeros(w.shape, dtype=model.dtype, device=w.device)
                        for w in (w13, w2))
-        triton_moe.warm_up_experts(w13, w2, top_k)
+        # gpt-oss's experts launch their own variant (biases, the clamped SwiGLU).
+        options = experts.fused_options(slice(top_k)) if hasattr(experts, "fused_options") else {}
+        triton_moe.warm_up_experts(w13, w2, top_k, **options)
         return
 
 

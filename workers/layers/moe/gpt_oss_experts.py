@@ -11,11 +11,12 @@ dimension) and ``w2_weight`` [E, H, I/tp], as the other experts are laid out. Un
 parallelism the ranks' partial sums meet in one all-reduce, so the down projection's bias is
 added on the first rank only.
 
-Computed on the PyTorch side, the (token, expert) pairs sorted by expert and each expert run on
-its contiguous rows, the results added back in ascending expert order as HF's loop adds them
-(``expert_compute.by_expert``, as the other experts on a CPU).
-The counts per expert are read on the host, so a CUDA graph cannot capture this layer: steps of
-a gpt-oss model run eager on a GPU.
+Where the backend has the fused experts kernel (Triton on CUDA: ``kernels.triton_moe`` with the
+biases and ``activation="swigluoai"``), it runs there without a host sync, so CUDA graphs
+capture the layer as they capture the other experts. Elsewhere (the CPU) it runs on the PyTorch
+side, the (token, expert) pairs sorted by expert and each expert run on its contiguous rows, the
+results added back in ascending expert order as HF's loop adds them (``expert_compute.
+by_expert``, as the other experts on a CPU); that path reads the counts per expert on the host.
 """
 
 from __future__ import annotations
@@ -53,10 +54,6 @@ class GptOssRouter(nn.Module):
 
 
 class GptOssExperts(nn.Module):
-    # The per-expert counts are read on the host: CUDA graphs stay off for the model
-    # (workers.graphs.cuda_graphs.select_graph_backend).
-    capturable = False
-
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
                  alpha: float, limit: float, dtype: torch.dtype, device: torch.device | str,
                  tp_rank: int = 0, tp_size: int = 1,
@@ -78,6 +75,8 @@ class GptOssExperts(nn.Module):
         self.w2_bias = _param((num_experts, hidden_size), dtype, device,
                               weakly_bound(self._load_down_bias))
         self.quant_method = quant_method
+        # The backend's fused experts kernel (use_kernels); None: the PyTorch path.
+        self.fused_experts: Any = None
         if quant_method is not None:
             full = size * tp_size
             quant_method.create_weights(self, rows={"w13": 2 * full, "w2": hidden_size},
@@ -131,9 +130,29 @@ class GptOssExperts(nn.Module):
 
     # -- compute ---------------------------------------------------------------------------
 
+    def use_kernels(self, kernels: Any) -> None:
+        self.fused_experts = getattr(kernels, "fused_moe", None)
+
+    @property
+    def capturable(self) -> bool:
+        """Whether a CUDA graph can capture this layer: on the fused kernel, which never reads
+        a device value on the host (the PyTorch path reads the per-expert counts)."""
+        return self.fused_experts is not None
+
+    def fused_options(self, experts: slice = slice(None)) -> dict[str, Any]:
+        """What the fused kernel takes beside the weights for this layer (``experts``: the
+        biases of those experts only, as a warm-up launches them)."""
+        return {"w13_bias": self.w13_bias[experts], "w2_bias": self.w2_bias[experts],
+                "activation": "swigluoai", "alpha": self.alpha, "limit": self.limit}
+
     def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
-        out = by_expert(hidden_states, topk_weights, topk_ids, self.num_experts, self._expert)
+        if self.fused_experts is not None:
+            out = self.fused_experts(hidden_states, self.w13_weight, self.w2_weight,
+                                     topk_weights, topk_ids, **self.fused_options())
+        else:
+            out = by_expert(hidden_states, topk_weights, topk_ids, self.num_experts,
+                            self._expert)
         if self.tp_size > 1:
             dist.all_reduce(out, group=self.tp_group)
         return out
