@@ -27,6 +27,7 @@ path, and "auto" and "on" (which still means Triton's) leave them on.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import os
 from collections.abc import Callable
@@ -50,6 +51,9 @@ class KernelBackend:
     rms_norm: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]] | None = None
     apply_rotary: Callable[..., torch.Tensor] | None = None
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Gemma's: GeGLU's activation, and its RMSNorm that scales in float32 before the cast.
+    gelu_tanh_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
+    rms_norm_float32_scale: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]] | None = None
     # A mixture-of-experts layer's experts (kernels.triton_moe.fused_experts), or None where
     # workers.layers.moe computes them in PyTorch. Part of the Triton backend whether or not the
     # other fused ops are on: the PyTorch path reads per-expert counts on the host, which a CUDA
@@ -146,4 +150,7 @@ def _load(name: str, fused_ops: bool, cpu_fused: bool) -> KernelBackend:
     activation = importlib.import_module("kernels.triton_activation")
     return dataclasses.replace(backend, rms_norm=norm.rms_norm,
                                apply_rotary=rotary.apply_rotary,
-                               silu_and_mul=activation.silu_and_mul)
+                               silu_and_mul=activation.silu_and_mul,
+                               gelu_tanh_and_mul=activation.gelu_tanh_and_mul,
+                               rms_norm_float32_scale=functools.partial(
+                                   norm.rms_norm, scale_in_float32=True))

@@ -76,7 +76,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
                      num_rows, inner, stride_x_outer, stride_x_inner, stride_r_outer,
                      stride_r_inner, hidden, hidden_f, eps,
                      HAS_RESIDUAL: tl.constexpr, KIND: tl.constexpr, W_KIND: tl.constexpr,
-                     OUT_KIND: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                     OUT_KIND: tl.constexpr, SCALE_IN_FLOAT32: tl.constexpr,
+                     BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
     # int64 so row offsets of long prefills cannot overflow.
     row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     outer = row // inner
@@ -99,11 +100,16 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     # H100, rsqrt put float32 outputs an ulp or two off on exact row sums).
     variance = tl.math.div_rn(tl.sum(x * x, axis=1), hidden_f)
     inv_rms = tl.math.div_rn(1.0, tl.math.sqrt_rn(variance + eps))
-    normalized = round_float32_to(x * inv_rms[:, None], KIND)
     w = to_float32(tl.load(w_ptr + offs, mask=offs < hidden, other=0.0), W_KIND)
-    # The product of two 16-bit floats is exact in float32, so one rounding matches torch's mul.
-    tl.store(out_ptr + (row * hidden)[:, None] + offs[None, :],
-             from_float32(w[None, :] * normalized, OUT_KIND), mask=mask)
+    if SCALE_IN_FLOAT32:
+        # Gemma's: the float32 product with the (float32) weight, rounded once to x's dtype.
+        scaled = (x * inv_rms[:, None]) * w[None, :]
+    else:
+        # Llama's: rounded to the model dtype, then scaled; the product of two 16-bit floats is
+        # exact in float32, so one rounding matches torch's mul.
+        scaled = w[None, :] * round_float32_to(x * inv_rms[:, None], KIND)
+    tl.store(out_ptr + (row * hidden)[:, None] + offs[None, :], from_float32(scaled, OUT_KIND),
+             mask=mask)
 
 
 def _rows_view(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
@@ -116,10 +122,13 @@ def _rows_view(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None
+             residual: torch.Tensor | None = None, *, scale_in_float32: bool = False
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x [T, hidden] or [T, H, hidden] over the last dim; with a residual, returns
-    ``(rms_norm(x + residual), x + residual)``. All results are new contiguous tensors."""
+    ``(rms_norm(x + residual), x + residual)``. All results are new contiguous tensors.
+
+    ``scale_in_float32``: Gemma's order, ``(x32 * rsqrt(mean(x32^2) + eps) * weight).to(x.dtype)``
+    (its weight, ``1 + w``, held in float32), in place of Llama's rounding before the scale."""
     if x.dim() not in (2, 3):
         raise ValueError(f"x must be [T, hidden] or [T, H, hidden], got shape {tuple(x.shape)}")
     hidden = x.shape[-1]
@@ -138,8 +147,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             raise ValueError(f"residual dtype {residual.dtype} differs from x's {x.dtype}")
         if residual.device != x.device:
             raise ValueError(f"residual is on {residual.device}, x on {x.device}")
-    # As in torch, `weight * normalized` promotes when the weight's dtype differs from x's.
-    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    # As in torch, `weight * normalized` promotes when the weight's dtype differs from x's;
+    # Gemma's casts the product to x's dtype.
+    out_dtype = x.dtype if scale_in_float32 else torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     rows = x.numel() // hidden if hidden else 0
@@ -161,7 +171,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                rows, inner, sxo, sxi, sro, sri, hidden, float(hidden), float(eps),
                HAS_RESIDUAL=res_out is not None, KIND=DTYPE_KIND[x.dtype],
                W_KIND=DTYPE_KIND[weight.dtype], OUT_KIND=DTYPE_KIND[out_dtype],
-               BLOCK_ROWS=block_rows, BLOCK=block,
+               SCALE_IN_FLOAT32=scale_in_float32, BLOCK_ROWS=block_rows, BLOCK=block,
                num_warps=min(max(block_rows * block // 256, 1), 8),
                # No fused multiply-adds: torch rounds every product and sum on its own.
                enable_fp_fusion=False)

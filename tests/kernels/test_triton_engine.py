@@ -51,7 +51,8 @@ def _generate(model_dir: str, backend: str, device: str, ran: KernelsRan,
         llm.shutdown()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "gpt_oss"])
+# Qwen3's per-head q/k norms are Gemma 3's too, which adds its own norms, GeGLU and windows.
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_moe", "gpt_oss"])
 def test_triton_kernels_give_the_torch_kernels_tokens(tiny_model, arch, triton_device,
                                                        monkeypatch):
     model_dir = tiny_model(arch)
@@ -75,6 +76,8 @@ def test_triton_kernels_give_the_torch_kernels_tokens(tiny_model, arch, triton_d
     # clamped SwiGLU.
     moe = arch.endswith("_moe") or arch == "gpt_oss"
     fused = ("rms_norm", "apply_rotary") + (("fused_moe",) if moe else ("silu_and_mul",))
+    if arch == "gemma3":  # its norms scale before the cast, its MLP is GeGLU
+        fused = ("rms_norm_float32_scale", "apply_rotary", "gelu_tanh_and_mul")
     assert all(triton_calls[name] > 0 for name in fused)
     assert all(torch_calls[name] == 0 for name in fused)
 

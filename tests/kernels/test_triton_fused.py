@@ -406,8 +406,10 @@ def _layer_ops(runner, step) -> list[list[str]]:
     return layers
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 def test_fused_layers_make_no_casts_or_copies(tiny_model, arch, triton_device, monkeypatch):
+    """Between two attention ops a layer launches kernels only: no eager cast, add or copy
+    (Gemma's too: its norms scale in float32 before the cast, its GeGLU, all fused)."""
     from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
     from engine.sampling_params import SamplingParams
     from kernels import variants
@@ -416,7 +418,8 @@ def test_fused_layers_make_no_casts_or_copies(tiny_model, arch, triton_device, m
 
     # Launches are recorded but not run: what is left is the host-side work of each layer.
     monkeypatch.setattr(variants, "_run", lambda *args: None)
-    model_dir = tiny_model(arch)
+    # Gemma 3 in four layers: two sliding and two full, so each KV group has a second layer.
+    model_dir = tiny_model(arch, num_hidden_layers=4) if arch == "gemma3" else tiny_model(arch)
     greedy = SamplingParams(max_tokens=1, temperature=0.0)
     # A mixed step: a prefill chunk over a cached prefix and a decode.
     step = SchedulerOutput(step_id=1, requests=[
@@ -435,11 +438,74 @@ def test_fused_layers_make_no_casts_or_copies(tiny_model, arch, triton_device, m
     with variants.recording() as launched:
         layers = _layer_ops(fused, step)
     assert len(layers) == fused.model.num_layers
-    # The first layer also builds the step's attention plan, once (AttentionMetadata.derived).
-    assert layers[1:] == [[]] * (len(layers) - 1)
+    # The first layer of each KV cache group also builds that group's attention plan, once a
+    # step (AttentionMetadata.derived; Gemma 3 has a group of sliding layers and one of full).
+    groups = fused.model.layer_kv_group
+    firsts = {groups.index(g) for g in set(groups)}
+    assert len(firsts) < len(layers)  # probe: some layer is checked
+    assert [ops for i, ops in enumerate(layers) if i not in firsts] == \
+        [[]] * (len(layers) - len(firsts))
     # Probe: every fused kernel was launched, so the layers really ran on them.
     assert {"_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel", "_write_kv_kernel",
             "_paged_attention_kernel"} <= {v.kernel for v in launched}
     # Probe: the spy sees the casts of the PyTorch layers (fused ops off).
     eager = _layer_ops(runner("off"), step)
     assert "aten::to" in eager[1] and "aten::mul" in eager[1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+@pytest.mark.parametrize("rows, width", [(1, 80), (7, 1000), (3, 4096)])
+def test_gelu_tanh_and_mul_matches_the_reference(dtype, rows, width, triton_device):
+    """Gemma's GeGLU: float32 within the tanh's last bits (the interpreter's tanh is built from
+    exp); 16-bit outputs torch's, or an ulp or two off on the rare element whose tanh lands on a
+    rounding boundary. In the far negative tail (|GELU| under 1e-3) torch's ``1 + tanh`` itself
+    cancels to a few float32 bits, and any two tanh implementations part there by many ulps of
+    a value that small: those elements are held to 1e-5 absolute."""
+    from workers.layers.activation import gelu_tanh_and_mul as reference
+
+    g = torch.Generator().manual_seed(rows + width)
+    x = (3 * torch.randn(rows, 2 * width, generator=g)).to(dtype)
+    x[0, :4] = torch.tensor([0.0, -60.0, 60.0, -5.0]).to(dtype)  # saturating gates too
+    got = triton_activation.gelu_tanh_and_mul(x.to(triton_device)).cpu()
+    expected = reference(x)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        return
+    tail = expected.float().abs() < 1e-3
+    assert (got.float() - expected.float())[tail].abs().max().item() <= 1e-5
+    ulps = _ulps(got, expected)[~tail]
+    # One ulp in the rounded GELU can be two in its product with up.
+    assert ulps.max().item() <= 2 and (ulps > 0).sum().item() <= max(1, ulps.numel() // 50)
+    # Probe: SiLU's kernel gives another answer (the activation really is GELU's).
+    assert not torch.allclose(triton_activation.silu_and_mul(x.to(triton_device)).cpu().float(),
+                              expected.float(), atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_in_gemmas_order(dtype, with_residual, triton_device):
+    """``scale_in_float32``: Gemma's norm (the float32 product with its float32 ``1 + w``, cast
+    once), against GemmaRMSNorm's own arithmetic."""
+    from workers.models.gemma import GemmaRMSNorm
+
+    hidden = 960
+    g = torch.Generator().manual_seed(5)
+    norm = GemmaRMSNorm(hidden, EPS, dtype=dtype, device="cpu")
+    norm.weight.data = 1 + 0.25 * torch.randn(hidden, generator=g)
+    x = (3 * torch.randn(9, hidden, generator=g)).to(dtype)
+    residual = torch.randn(9, hidden, generator=g).to(dtype) if with_residual else None
+    expected = norm(x, residual) if with_residual else norm(x)
+    on = _on(triton_device, x, norm.weight) + ([residual.to(triton_device)] if with_residual
+                                                 else [])
+    got = triton_norm.rms_norm(on[0], on[1], EPS, *on[2:], scale_in_float32=True)
+    if with_residual:
+        assert torch.equal(got[1].cpu(), expected[1])
+        got, expected = got[0], expected[0]
+    _assert_norm_close(got.cpu(), expected)
+    if dtype != torch.float32:
+        # Probe: Llama's order (rounding before the scale) gives other values.
+        llama = triton_norm.rms_norm(on[0], on[1], EPS, *on[2:])
+        llama = llama[0] if with_residual else llama
+        assert (_ulps(llama.cpu().to(dtype), expected) > 0).float().mean().item() > 1e-2

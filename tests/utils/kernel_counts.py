@@ -26,7 +26,7 @@ import pytest
 from workers.graphs.cuda_graphs import CudaGraphBackend, EagerReplayBackend
 
 OPS = ("write_kv_cache", "paged_attention", "rms_norm", "apply_rotary", "silu_and_mul",
-       "fused_moe")
+       "fused_moe", "gelu_tanh_and_mul", "rms_norm_float32_scale")
 
 
 class KernelsRan:

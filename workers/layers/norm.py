@@ -24,10 +24,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device),
                                    requires_grad=False)
-        # A fused kernel with the same contract (kernels.KernelBackend.rms_norm), set by the
-        # model for its backend where ``fusable``; None runs the PyTorch arithmetic below.
+        # A fused kernel with the same contract (``fused_kernel``), set by the model for its
+        # backend; None runs the PyTorch arithmetic below.
         self.fused: Callable[..., Any] | None = None
-        self.fusable = True
 
     @overload
     def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
@@ -44,6 +43,10 @@ class RMSNorm(nn.Module):
             return self._normalize(x)
         x = x + residual
         return self._normalize(x), x
+
+    def fused_kernel(self, kernels: Any) -> Callable[..., Any] | None:
+        """The backend's kernel with this norm's arithmetic (kernels.KernelBackend), or None."""
+        return kernels.rms_norm
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.to(torch.float32)

@@ -425,16 +425,19 @@ class DecoderForCausalLM(nn.Module):
         self.kernels = kernels
         for module in self.modules():
             if isinstance(module, RMSNorm):
-                module.fused = kernels.rms_norm if fused and module.fusable else None
+                module.fused = module.fused_kernel(kernels) if fused else None
             elif isinstance(module, DecoderAttention):
                 # The fused rotary kernels turn whole heads: a partial rotary keeps the eager op.
                 whole = self.model.rotary_emb.rotary_dim == module.head_dim
                 module.apply_rotary = ((kernels.apply_rotary if fused and whole else None)
                                        or apply_rotary)
             elif isinstance(module, DecoderMLP):
-                if module.activation == "silu":  # the fused kernels are SiLU's
+                if module.activation == "silu":
                     module.act_and_mul = ((kernels.silu_and_mul if fused else None)
                                           or silu_and_mul)
+                else:
+                    module.act_and_mul = ((kernels.gelu_tanh_and_mul if fused else None)
+                                          or gelu_tanh_and_mul)
             elif hasattr(module, "use_kernels") and module is not self:
                 module.use_kernels(kernels)
 

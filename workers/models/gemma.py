@@ -36,9 +36,14 @@ class GemmaRMSNorm(RMSNorm):
                  device: torch.device | str) -> None:
         super().__init__(hidden_size, eps, dtype=torch.float32, device=device)
         self.weight.weight_loader = _load_offset_from_one  # type: ignore[attr-defined]
-        # The fused kernels scale in the model dtype after casting (Llama's order): the same
-        # as Gemma's only when that dtype is float32.
-        self.fusable = dtype == torch.float32
+        self.model_dtype = dtype
+
+    def fused_kernel(self, kernels: Any) -> Any:
+        # Gemma's order where the backend has it (Triton's); the plain kernels scale after the
+        # cast (Llama's order), which is the same only in a float32 model.
+        if kernels.rms_norm_float32_scale is not None:
+            return kernels.rms_norm_float32_scale
+        return kernels.rms_norm if self.model_dtype == torch.float32 else None
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.to(torch.float32)
