@@ -16,6 +16,7 @@ from engine.config import ShutdownConfig
 from engine.entrypoints.arg_types import (float_in, int_in, non_negative_float, positive_float,
                                           positive_int)
 from engine.entrypoints.calibrate import add_calibrate_parser
+from engine.entrypoints.config_file import CONFIG_FLAG, ConfigFileError, expand_config
 from engine.entrypoints.engine_args import add_engine_args, engine_kwargs, under_torchrun
 from engine.fleet.cli_args import add_fleet_args
 from engine.log import configure_logging
@@ -267,17 +268,29 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --shutdown-mode wait: the longest a drain waits before it "
                             "aborts what is left (default %(default)s)")
     serve.add_argument("--log-level", default="info")
+    # Read (and replaced by the flags it holds) before parsing: engine.entrypoints.config_file.
+    serve.add_argument(CONFIG_FLAG, metavar="FILE.yaml", default=None,
+                       help="read flags from a YAML file, flag names as keys (vLLM's --config); "
+                            "flags on the command line win")
     add_engine_args(serve)
     add_fleet_args(serve)
     serve.set_defaults(func=_serve)
+    parser.config_commands = {"serve": serve}  # type: ignore[attr-defined]
     add_calibrate_parser(sub)
     add_bench_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     try:
-        args = build_parser().parse_args(argv)
+        argv = expand_config(sys.argv[1:] if argv is None else list(argv), parser,
+                             parser.config_commands)  # type: ignore[attr-defined]
+    except ConfigFileError as exc:
+        print(f"sloserve: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        args = parser.parse_args(argv)
     except SystemExit as exc:  # --help (0), or a usage error already printed (2)
         return exc.code if isinstance(exc.code, int) else 2
     configure_logging()
