@@ -20,6 +20,7 @@ from engine.entrypoints.config_file import CONFIG_FLAG, ConfigFileError, expand_
 from engine.entrypoints.engine_args import add_engine_args, engine_kwargs, under_torchrun
 from engine.fleet.cli_args import add_fleet_args
 from engine.log import configure_logging
+from engine.serving.admission import QueueBounds
 from engine.serving.harmony import HARMONY_REASONING, HARMONY_TOOLS
 from engine.serving.reasoning_parsers import REASONING_PARSERS
 from engine.serving.tool_calls.parsers import PARSERS
@@ -164,7 +165,8 @@ def _serve(args: argparse.Namespace) -> int:
             default_tpot_slo_ms=args.default_tpot_slo_ms,
             metrics_require_api_key=args.metrics_require_api_key,
             shutdown=ShutdownConfig(mode=args.shutdown_mode, timeout_s=args.shutdown_timeout),
-            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+            queue_bounds=QueueBounds(args.max_num_queued_reqs, args.max_num_queued_tokens))
         if args.replicas is not None:
             return _serve_fleet(config, settings, args)
         run_server(config, settings, args.host, args.port, args.log_level, launch)
@@ -257,6 +259,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--min-ttft-slo-ms", type=non_negative_float, default=None,
                        help="the tightest TTFT objective a request may carry; a tighter one is "
                             "a 400 that names this floor (default: none)")
+    serve.add_argument("--max-num-queued-reqs", type=positive_int, default=None, metavar="N",
+                       help="the most requests the server holds, waiting or running (n samples "
+                            "count as n); one more is refused with 429 and Retry-After "
+                            "(default: no bound)")
+    serve.add_argument("--max-num-queued-tokens", type=positive_int, default=None, metavar="N",
+                       help="the most prompt tokens the server holds still to prefill; a "
+                            "request past it is refused with 429 (one alone is always taken; "
+                            "default: no bound)")
     serve.add_argument("--shutdown-mode", choices=("abort", "wait"),
                        default=ShutdownConfig.mode,
                        help="on SIGTERM: abort (default) ends the requests in flight at once "

@@ -41,9 +41,12 @@ class JSONBody(JSONResponse):
 class APIError(Exception):
     """An error the client caused (or may retry): status, message and the field to blame."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+        # Response headers beside the body (a 429's Retry-After).
+        self.headers = headers
 
 
 def log_internal_error(exc: BaseException, where: str) -> str:

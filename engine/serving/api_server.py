@@ -38,7 +38,8 @@ from engine.serving.openai_protocol import (MAX_N, ChatCompletionRequest, Comple
 from engine.serving.openai_responses import (ResponseContext, full_response, stream_events,
                                              usage_body)
 from engine.serving.request_fields import shown, unsupported_field
-from engine.serving.harmony import (HARMONY_REASONING, HARMONY_TOOLS, renders_harmony)
+from engine.serving.admission import RETRY_AFTER_S, AdmissionLedger, QueueBounds, QueueFull
+from engine.serving.harmony import HARMONY_REASONING, HARMONY_TOOLS, renders_harmony
 from engine.serving.harmony import answer_started as harmony_answer_started
 from engine.serving.reasoning_parsers import REASONING_PARSERS, ReasoningParser
 from engine.serving.tool_calls.calling import ToolCalling, tool_calling
@@ -80,6 +81,8 @@ class ServerSettings:
     # reasoning_parsers; `openai_gptoss`: harmony's channels); None: not split, all of it is
     # content, unless the chat template writes harmony.
     reasoning_parser: str | None = None
+    # --max-num-queued-reqs / --max-num-queued-tokens (engine.serving.admission).
+    queue_bounds: QueueBounds = field(default_factory=QueueBounds)
 
 
 def build_app(config: EngineConfig, settings: ServerSettings,
@@ -89,6 +92,7 @@ def build_app(config: EngineConfig, settings: ServerSettings,
     client = AsyncEngineClient(config, launch=launch)
     metrics = ServerMetrics(settings.served_model_name)
     client.observer = metrics
+    ledger = AdmissionLedger(settings.queue_bounds, on_reject=metrics.on_rejected)
     request_ids = itertools.count()
     # Tokenization, chat templating and grammar checks run off the event loop, so that a 1 MiB
     # prompt does not stall every open stream, in two lanes, so that a turn does not queue
@@ -128,7 +132,8 @@ def build_app(config: EngineConfig, settings: ServerSettings,
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONBody:
-        return JSONBody(error_body(exc.message, exc.status, exc.param), exc.status)
+        return JSONBody(error_body(exc.message, exc.status, exc.param), exc.status,
+                        headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONBody:
@@ -348,6 +353,20 @@ def build_app(config: EngineConfig, settings: ServerSettings,
         choices, sources, child_ids = fan_out(
             client, request_id, engine_prompts, per_prompt, arrival_time=arrival,
             priority=body.priority, ttft_slo_ms=slo, tpot_slo_ms=tpot_slo)
+        if settings.queue_bounds.bounded:
+            # A prompt's samples share its prefill: its tokens count once.
+            tokens = [len(ep.token_ids) if sample == 0 else 0
+                      for ep in engine_prompts for sample in range(per_prompt)]
+            try:
+                ledger.admit(child_ids, tokens)
+            except QueueFull as exc:
+                raise APIError(429, str(exc), None,
+                               {"Retry-After": str(RETRY_AFTER_S)}) from None
+            sources = [ledger.track(i, s) for i, s in zip(child_ids, sources)]
+
+        def release() -> None:
+            for child_id in child_ids:
+                ledger.release(child_id)
         ctx = ResponseContext(request_id=request_id, model=settings.served_model_name, chat=chat,
                               include_usage=body.include_usage,
                               continuous_usage=body.continuous_usage,
@@ -374,12 +393,15 @@ def build_app(config: EngineConfig, settings: ServerSettings,
                                    _forget_on_exit(merged(sources), metrics, child_ids),
                                    num_top, lambda exc: error_for(exc, f"stream {request_id}"),
                                    clock)
-            return EdgeStampedStream(events, clock, media_type="text/event-stream")
+            return EdgeStampedStream(events, clock, on_close=release,
+                                     media_type="text/event-stream")
         try:
             finals = await finals_unless_disconnected(sources, request, clock.reached_handler)
         except Exception as exc:  # what the engine said about a request (or a bug)
             status, message, param = describe_error(exc, f"request {request_id}")
             raise APIError(status, message, param) from exc
+        finally:
+            release()
         if finals is None:  # the client went away; every request was aborted
             for child_id in child_ids:
                 metrics.forget(child_id)

@@ -170,9 +170,13 @@ class EdgeStampedStream(StreamingResponse):
     """A streaming response that tells its clock when each chunk's `send` has returned (the
     stream's generator only yields: Starlette sends each chunk before it asks for the next)."""
 
-    def __init__(self, content: AsyncIterator[str], clock: EdgeClock, **kwargs: Any) -> None:
+    def __init__(self, content: AsyncIterator[str], clock: EdgeClock,
+                 on_close: Callable[[], None] | None = None, **kwargs: Any) -> None:
+        """``on_close``: run once the response is over, sent or not (a client gone before the
+        stream began never starts its generator, whose own cleanup then never runs)."""
         super().__init__(content, **kwargs)
         self.clock = clock
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def stamping_send(message: Message) -> None:
@@ -180,4 +184,8 @@ class EdgeStampedStream(StreamingResponse):
             if message["type"] == "http.response.body":
                 self.clock.written()
 
-        await super().__call__(scope, receive, stamping_send)
+        try:
+            await super().__call__(scope, receive, stamping_send)
+        finally:
+            if self.on_close is not None:
+                self.on_close()

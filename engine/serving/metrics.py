@@ -138,9 +138,20 @@ class ServerMetrics:
                                     "output token met their TPOT SLO.").labels(**labels)
         self.tpot_slo_missed = counter("tpot_slo_missed", "Finished requests whose mean time "
                                        "per output token missed their TPOT SLO.").labels(**labels)
+        # Requests refused at the door (engine.serving.admission), by reason, under both
+        # prefixes: the bound a gateway should know it hit.
+        rejected_doc = ("Requests refused with 429 because the server's queue bound was "
+                        "reached, by reason (queued_requests, queued_tokens).")
+        self.rejected = tuple(Counter(f"{prefix}:num_requests_rejected", rejected_doc,
+                                      labelnames=[*labels, "reason"], registry=r)
+                              for prefix in ("sloserve", "vllm"))
         self._last: SchedulerStats = SchedulerStats()
         # request id -> (tokens seen, time the last of them arrived)
         self._progress: dict[str, tuple[int, float]] = {}
+
+    def on_rejected(self, reason: str) -> None:
+        for counter in self.rejected:
+            counter.labels(**self._labels, reason=reason).inc()
 
     def on_stats(self, stats: SchedulerStats) -> None:
         self.num_requests_running.set(stats.num_running)

@@ -367,6 +367,6 @@ def _or(value: float | None, default: float) -> float:
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
     kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-            413: "RequestTooLargeError", 500: "InternalServerError",
+            413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError",
             503: "ServiceUnavailableError"}.get(status, "ServerError")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}

@@ -1,0 +1,133 @@
+"""`--max-num-queued-reqs` and `--max-num-queued-tokens` (engine.serving.admission): a flood
+past the bound gets 429s with Retry-After and an OpenAI error body (the SDK's RateLimitError),
+never a 5xx; every request let in completes; the rejection counters count each 429 by reason;
+the ledger holds nothing once the flood is over (streams, refused requests, a source closed
+before it started); and the bound counts n samples as n and a prompt's tokens until its first
+output."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+
+from engine.serving.admission import (QUEUED_REQUESTS, QUEUED_TOKENS, AdmissionLedger,
+                                      QueueBounds, QueueFull)
+from engine.serving.api_server import ServerSettings
+from tests.utils.inprocess_server import app_client
+
+
+def test_the_ledger_counts_requests_samples_and_prompt_tokens() -> None:
+    rejected: list[str] = []
+    ledger = AdmissionLedger(QueueBounds(max_requests=3, max_tokens=100),
+                             on_reject=rejected.append)
+    ledger.admit(["a"], [60])
+    # n = 2 counts twice; its prompt once (the second sample shares the prefill).
+    with pytest.raises(QueueFull, match=r"100 \(--max-num-queued-tokens\)"):
+        ledger.admit(["b-0", "b-1"], [50, 0])
+    assert (ledger.num_requests, ledger.queued_tokens) == (1, 60)  # nothing held by a refusal
+    ledger.prefilled("a")  # its first output: its prompt no longer waits
+    ledger.admit(["b-0", "b-1"], [50, 0])
+    with pytest.raises(QueueFull, match=r"holds 3 requests .* bound of 3"):
+        ledger.admit(["c"], [1])
+    assert rejected == [QUEUED_TOKENS, QUEUED_REQUESTS]
+    for request_id in ("a", "b-0", "b-1", "b-1"):  # released twice: once counts
+        ledger.release(request_id)
+    assert (ledger.num_requests, ledger.queued_tokens) == (0, 0)
+    # Alone, a prompt over the token bound is taken: an idle server would serve it.
+    ledger.admit(["long"], [500])
+    with pytest.raises(ValueError, match="--max-num-queued-reqs must be >= 1, got 0"):
+        QueueBounds(max_requests=0)
+
+
+def test_a_source_closed_before_it_started_is_released() -> None:
+    """A client gone before its response began: the engine request never started, and closing
+    its source (what the response's cleanup does) gives its place back."""
+    async def never_iterated():
+        yield None
+
+    async def run() -> tuple[int, int]:
+        ledger = AdmissionLedger(QueueBounds(max_requests=2))
+        ledger.admit(["a"], [10])
+        held = ledger.num_requests
+        await ledger.track("a", never_iterated()).aclose()
+        return held, ledger.num_requests
+
+    assert asyncio.run(run()) == (1, 0)
+
+
+def _completion(stream: bool = False, max_tokens: int = 40) -> dict:
+    return {"model": "tiny", "prompt": "Count to ten:", "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": stream}
+
+
+async def _flood(http, count: int, **body) -> list:
+    return await asyncio.gather(*(http.post("/v1/completions", json=_completion(**body))
+                                  for _ in range(count)))
+
+
+def _counter(text: str, name: str, reason: str) -> float:
+    match = re.search(rf'^{re.escape(name)}{{[^}}]*reason="{reason}"[^}}]*}} (\S+)$', text,
+                      re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_a_flood_past_the_bound_gets_429s_and_every_admitted_request_completes(tiny_model):
+    model = tiny_model("llama")
+
+    async def run(bounds: QueueBounds):
+        settings = ServerSettings(served_model_name="tiny", queue_bounds=bounds)
+        async with app_client(model, settings, num_kv_blocks=64) as (http, _):
+            plain = await _flood(http, 12)
+            if not bounds.bounded:
+                return plain, [], "", []
+            streamed = await _flood(http, 12, stream=True)
+            metrics = (await http.get("/metrics")).text
+            after = await _flood(http, 3)  # the flood is over: nothing is held
+            return plain, streamed, metrics, after
+
+    plain, streamed, metrics, after = asyncio.run(run(QueueBounds(max_requests=3)))
+    responses = plain + streamed
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 429} and codes.count(429) > 0 and codes.count(200) >= 3
+    for response in plain:
+        if response.status_code == 200:
+            assert response.json()["usage"]["completion_tokens"] == 40
+    for response in streamed:
+        if response.status_code == 200:
+            assert response.text.rstrip().endswith("data: [DONE]")
+    refused = [r for r in responses if r.status_code == 429]
+    assert all(r.headers["retry-after"] == "1" for r in refused)
+    error = refused[0].json()["error"]
+    assert error["type"] == "RateLimitError" and error["code"] == 429
+    assert "--max-num-queued-reqs" in error["message"]
+    for prefix in ("vllm", "sloserve"):
+        assert _counter(metrics, f"{prefix}:num_requests_rejected_total",
+                        QUEUED_REQUESTS) == len(refused)
+    assert [r.status_code for r in after] == [200] * 3
+    # Probe: without a bound, the same flood is all served.
+    unbounded, *_ = asyncio.run(run(QueueBounds()))
+    assert {r.status_code for r in unbounded} == {200}
+
+
+def test_the_sdk_sees_a_rate_limit_error(tiny_model):
+    import openai
+
+    model = tiny_model("llama")
+
+    async def run():
+        settings = ServerSettings(served_model_name="tiny", queue_bounds=QueueBounds(1))
+        async with app_client(model, settings, num_kv_blocks=64) as (http, _):
+            sdk = openai.AsyncOpenAI(base_url="http://sloserve/v1", api_key="none",
+                                     http_client=http, max_retries=0)
+            return await asyncio.gather(*(sdk.completions.create(
+                model="tiny", prompt="hi", max_tokens=40, extra_body={"ignore_eos": True})
+                for _ in range(6)), return_exceptions=True)
+
+    results = asyncio.run(run())
+    refused = [r for r in results if isinstance(r, Exception)]
+    assert refused and all(isinstance(r, openai.RateLimitError) for r in refused)
+    assert "--max-num-queued-reqs" in str(refused[0])
+    served = [r for r in results if not isinstance(r, Exception)]
+    assert served and all(r.choices[0].finish_reason == "length" for r in served)
