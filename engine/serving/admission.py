@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from engine.outputs import RequestOutput
 
-# The reasons a request is refused, as the rejection counters label them.
-QUEUED_REQUESTS, QUEUED_TOKENS = "queued_requests", "queued_tokens"
+# The reasons a request is refused, as the rejection counters label them (vLLM's reasons).
+QUEUED_REQUESTS, QUEUED_TOKENS = "max_num_queued_reqs", "max_num_queued_tokens"
 # What a refusal's Retry-After says, in seconds: a queue bound is a moment's state, not a quota.
 RETRY_AFTER_S = 1
 

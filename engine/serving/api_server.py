@@ -105,6 +105,8 @@ def build_app(config: EngineConfig, settings: ServerSettings,
     async def lifespan(app: FastAPI):
         try:
             await client.start()
+            # vLLM's per-request token histograms reach the context the engine settled on.
+            metrics.vllm.add_request_token_histograms(client.max_model_len)
             yield
         finally:
             # On every way out: a normal shutdown, a failed start, and the lifespan task

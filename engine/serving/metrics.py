@@ -1,9 +1,10 @@
 """Prometheus metrics of the API server, named after vLLM's under the `sloserve:` prefix.
 
-A few are also exported under vLLM's own names (`vllm:`), which gateways and dashboards read
-as they are: llm-d's endpoint picker scrapes the queue gauges and the KV usage, Grafana's vLLM
-boards the latency histograms. Each such pair is one observation fed to both names (`_Both`):
-the two can never disagree.
+vLLM's own set is exported beside them under vLLM's names (`vllm:`, engine.serving.
+vllm_metrics), which gateways and dashboards read as they are: llm-d's endpoint picker scrapes
+the queue gauges and the KV usage, Grafana's vLLM boards the token counters and the latency
+histograms. Each such pair is one observation fed to both names (`_Both`): the two can never
+disagree.
 """
 
 from __future__ import annotations
@@ -13,20 +14,18 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from engine.outputs import RequestMetrics, RequestOutput, SchedulerStats
+from engine.serving.vllm_metrics import VllmMetrics
 
 _PREEMPT_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
-# vLLM v1's boundaries (vllm/v1/metrics/loggers.py), so that its dashboards' quantiles read
-# the same.
-_VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                      2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+# vLLM's time-per-output-token boundaries, which the project's TPOT histogram shares.
 _VLLM_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
                       5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
 class _Both:
-    """One gauge or histogram under two names (the project's and vLLM's)."""
+    """One gauge, counter or histogram under two names (the project's and vLLM's)."""
 
     def __init__(self, *children) -> None:
         self._children = children
@@ -34,6 +33,10 @@ class _Both:
     def set(self, value: float) -> None:
         for child in self._children:
             child.set(value)
+
+    def inc(self, value: float = 1) -> None:
+        for child in self._children:
+            child.inc(value)
 
     def observe(self, value: float) -> None:
         for child in self._children:
@@ -46,6 +49,7 @@ class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         r, labels = self.registry, {"model_name": model_name}
+        self.vllm = vllm = VllmMetrics(r, model_name)
 
         def gauge(name: str, doc: str, prefix: str = "sloserve") -> Gauge:
             return Gauge(f"{prefix}:{name}", doc, labelnames=list(labels), registry=r).labels(
@@ -59,27 +63,31 @@ class ServerMetrics:
             return Histogram(f"{prefix}:{name}", doc, labelnames=list(labels), registry=r,
                              buckets=buckets).labels(**labels)
 
-        def both_gauges(name: str, doc: str) -> _Both:
-            return _Both(gauge(name, doc), gauge(name, doc, prefix="vllm"))
-
         self._labels = labels
-        self.num_requests_running = both_gauges("num_requests_running",
-                                                "Requests in the running set.")
-        self.num_requests_waiting = both_gauges("num_requests_waiting",
-                                                "Requests waiting to run.")
-        self.kv_cache_usage_perc = both_gauges("kv_cache_usage_perc",
-                                               "Fraction of KV blocks in use (0 to 1).")
+        self.num_requests_running = _Both(gauge("num_requests_running",
+                                                "Requests in the running set."),
+                                          vllm.num_requests_running)
+        self.num_requests_waiting = _Both(gauge("num_requests_waiting",
+                                                "Requests waiting to run."),
+                                          vllm.num_requests_waiting)
+        self.kv_cache_usage_perc = _Both(gauge("kv_cache_usage_perc",
+                                               "Fraction of KV blocks in use (0 to 1)."),
+                                         vllm.kv_cache_usage_perc)
         self.ttft_predictor_relative_error = gauge(
             "ttft_predictor_relative_error", "How far from what the TTFT predictor said recent "
             "prefill steps ran, longer or shorter (its error quantile, at least 0.05; the "
             "monitor's safety margin).")
-        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up "
-                                            "in the prefix cache.").labels(**labels)
-        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the "
-                                         "prefix cache.").labels(**labels)
-        self.num_kv_preemptions = counter("num_kv_preemptions", "KV preemptions: running "
-                                          "requests evicted for KV space, to be recomputed."
-                                          ).labels(**labels)
+        self.prefix_cache_queries = _Both(counter("prefix_cache_queries", "Prompt tokens "
+                                                  "looked up in the prefix cache.").labels(
+                                                      **labels), vllm.prefix_cache_queries)
+        self.prefix_cache_hits = _Both(counter("prefix_cache_hits", "Prompt tokens found in "
+                                               "the prefix cache.").labels(**labels),
+                                       vllm.prefix_cache_hits)
+        # vLLM's preemptions are recompute preemptions: this engine's KV preemptions.
+        self.num_kv_preemptions = _Both(counter("num_kv_preemptions", "KV preemptions: running "
+                                                "requests evicted for KV space, to be "
+                                                "recomputed.").labels(**labels),
+                                        vllm.num_preemptions)
         self.num_slo_preemptions = counter("num_slo_preemptions", "SLO preemptions: forward "
                                            "passes the monitor stopped for an urgent request."
                                            ).labels(**labels)
@@ -106,15 +114,15 @@ class ServerMetrics:
                                              _PREEMPT_LATENCY_BUCKETS)
         self.preempt_latency = histogram("preempt_latency_seconds", "Deprecated: "
                                          "slo_preempt_latency_seconds.", _PREEMPT_LATENCY_BUCKETS)
-        self.prompt_tokens = counter("prompt_tokens", "Prefill tokens of finished "
-                                     "requests.").labels(**labels)
-        self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(**labels)
+        self.prompt_tokens = _Both(counter("prompt_tokens", "Prefill tokens of finished "
+                                           "requests.").labels(**labels), vllm.prompt_tokens)
+        self.generation_tokens = _Both(counter("generation_tokens", "Generated tokens.").labels(
+            **labels), vllm.generation_tokens)
         self.request_success = counter("request_success", "Finished requests, by reason.",
                                        "finished_reason")
         ttft_doc = "Arrival to the first token sent to the client."
         self.ttft = _Both(histogram("time_to_first_token_seconds", ttft_doc),
-                          histogram("time_to_first_token_seconds", ttft_doc, _VLLM_TTFT_BUCKETS,
-                                    prefix="vllm"))
+                          vllm.time_to_first_token)
         self.time_to_first_answer = histogram(
             "time_to_first_answer_token_seconds",
             "Arrival to the first answer token sent to the client: after a reasoning model's "
@@ -125,11 +133,13 @@ class ServerMetrics:
                     "last, as sent to the client, over the tokens after the first.")
         self.tpot = _Both(histogram("time_per_output_token_seconds", tpot_doc,
                                     _VLLM_TPOT_BUCKETS),
-                          histogram("time_per_output_token_seconds", tpot_doc,
-                                    _VLLM_TPOT_BUCKETS, prefix="vllm"))
-        self.itl = histogram("inter_token_latency_seconds", "Time between two output tokens.")
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.")
-        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.")
+                          vllm.time_per_output_token, vllm.request_time_per_output_token)
+        self.itl = _Both(histogram("inter_token_latency_seconds",
+                                   "Time between two output tokens."), vllm.inter_token_latency)
+        self.e2e = _Both(histogram("e2e_request_latency_seconds", "Arrival to last token."),
+                         vllm.e2e_request_latency)
+        self.queue_time = _Both(histogram("request_queue_time_seconds",
+                                          "Arrival to first scheduled."), vllm.request_queue_time)
         self.slo_met = counter("ttft_slo_met", "Requests whose first token met their TTFT "
                                "SLO.").labels(**labels)
         self.slo_missed = counter("ttft_slo_missed", "Requests whose first token missed their "
@@ -140,18 +150,16 @@ class ServerMetrics:
                                        "per output token missed their TPOT SLO.").labels(**labels)
         # Requests refused at the door (engine.serving.admission), by reason, under both
         # prefixes: the bound a gateway should know it hit.
-        rejected_doc = ("Requests refused with 429 because the server's queue bound was "
-                        "reached, by reason (queued_requests, queued_tokens).")
-        self.rejected = tuple(Counter(f"{prefix}:num_requests_rejected", rejected_doc,
-                                      labelnames=[*labels, "reason"], registry=r)
-                              for prefix in ("sloserve", "vllm"))
+        self.rejected = counter("num_requests_rejected", "Requests refused with 429 because "
+                                "the server's queue bound was reached, by reason "
+                                "(max_num_queued_reqs, max_num_queued_tokens).", "reason")
         self._last: SchedulerStats = SchedulerStats()
         # request id -> (tokens seen, time the last of them arrived)
         self._progress: dict[str, tuple[int, float]] = {}
 
     def on_rejected(self, reason: str) -> None:
-        for counter in self.rejected:
-            counter.labels(**self._labels, reason=reason).inc()
+        self.rejected.labels(**self._labels, reason=reason).inc()
+        self.vllm.admission_rejection(reason)
 
     def on_stats(self, stats: SchedulerStats) -> None:
         self.num_requests_running.set(stats.num_running)
@@ -174,7 +182,10 @@ class ServerMetrics:
         self.num_preemptions.labels(**self._labels, reason="slo").inc(slo)
         self.preempt_wasted_tokens.inc(wasted_tokens)
         self.preempt_wasted_layers.inc(wasted_layers)
-        self.scheduled_tokens.inc(max(0, stats.num_scheduled_tokens - last.num_scheduled_tokens))
+        scheduled = max(0, stats.num_scheduled_tokens - last.num_scheduled_tokens)
+        self.scheduled_tokens.inc(scheduled)
+        if scheduled:
+            self.vllm.iteration_tokens.observe(scheduled)
         self.monitor_errors.inc(max(0, stats.monitor_errors - last.monitor_errors))
         for latency in stats.slo_preempt_latencies_s:
             self.slo_preempt_latency.observe(latency)
@@ -196,8 +207,10 @@ class ServerMetrics:
         if out.finished:
             self._progress.pop(out.request_id, None)
             self.prompt_tokens.inc(len(out.prompt_token_ids))
-            self.request_success.labels(**self._labels,
-                                        finished_reason=out.finish_reason or "unknown").inc()
+            reason = out.finish_reason or "unknown"
+            self.request_success.labels(**self._labels, finished_reason=reason).inc()
+            self.vllm.request_success(reason)
+            self.vllm.request_tokens(len(out.prompt_token_ids), len(out.token_ids))
             if m is not None and m.e2e_latency is not None:
                 self.e2e.observe(m.e2e_latency)
 

@@ -102,9 +102,8 @@ def test_a_flood_past_the_bound_gets_429s_and_every_admitted_request_completes(t
     error = refused[0].json()["error"]
     assert error["type"] == "RateLimitError" and error["code"] == 429
     assert "--max-num-queued-reqs" in error["message"]
-    for prefix in ("vllm", "sloserve"):
-        assert _counter(metrics, f"{prefix}:num_requests_rejected_total",
-                        QUEUED_REQUESTS) == len(refused)
+    for name in ("vllm:admission_rejections_total", "sloserve:num_requests_rejected_total"):
+        assert _counter(metrics, name, QUEUED_REQUESTS) == len(refused)
     assert [r.status_code for r in after] == [200] * 3
     # Probe: without a bound, the same flood is all served.
     unbounded, *_ = asyncio.run(run(QueueBounds()))
