@@ -726,7 +726,7 @@ def test_a_killed_run_keeps_the_figures_it_measured(tmp_path):
 def test_the_suites_dry_run_and_enforce_eager_flags(tmp_path):
     """`gpu_suite.sh --dry-run` runs the core call's command with --enforce-eager (as after a
     failed capture) on a CPU: it builds the engine configuration for CUDA and stops there."""
-    dry_run = pytest.importorskip("engine.dry_run")
+    from engine import dry_run
     args = benchmark.parse_args(["--smoke", "--enforce-eager"])
     assert args.enforce_eager
     env = dict(os.environ, HF_HUB_OFFLINE="1", **{dry_run.DRY_RUN_ENV: "1"})

@@ -193,6 +193,19 @@ def test_peer_needs_the_http_runner(tmp_path, capsys):
     assert "--peer compares servers over HTTP: add --runner http" in capsys.readouterr().err
 
 
+def test_a_counter_served_under_two_prefixes_counts_once():
+    """sloserve serves vLLM's names beside its own (one observation feeds both): a run's probe
+    of what reached the server counts one of them."""
+    from engine.benchmarks.attainment.runners import server_counter
+
+    page = ('sloserve:request_success_total{model_name="m",finished_reason="length"} 3.0\n'
+            'sloserve:request_success_total{model_name="m",finished_reason="stop"} 1.0\n'
+            'vllm:request_success_total{model_name="m",engine="0",finished_reason="length"} 3.0\n'
+            'vllm:request_success_total{model_name="m",engine="0",finished_reason="stop"} 1.0\n')
+    assert server_counter(page, "request_success") == 4
+    assert server_counter(page.replace("sloserve:", "x:"), "prefix_cache_hits") is None
+
+
 def _finished(url: str) -> int:
     from engine.benchmarks.attainment.runners import server_counter
 

@@ -24,8 +24,8 @@ from kernels import variants  # noqa: E402
 from tests.utils.attention_cases import make_case  # noqa: E402
 from tests.utils.triton_attention_check import _check, _triton  # noqa: E402
 
-triton_attention = pytest.importorskip("kernels.triton_attention")
-attention_sweep = pytest.importorskip("engine.benchmarks.kernels.attention_sweep")
+from engine.benchmarks.kernels import attention_sweep  # noqa: E402
+from kernels import triton_attention  # noqa: E402
 
 AttentionLaunchConfig = triton_attention.AttentionLaunchConfig
 DecodeLaunch = triton_attention.DecodeLaunch

@@ -29,9 +29,10 @@ from tests.utils.runner_configs import runner_config  # noqa: E402
 
 # On a GPU, bench/suite/gpu_suite.sh's tests-triton-compiled step runs the tests marked gpu.
 pytestmark = pytest.mark.gpu
-triton = pytest.importorskip("triton")
-tl = pytest.importorskip("triton.language")
-triton_attention = pytest.importorskip("kernels.triton_attention")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from kernels import triton_attention  # noqa: E402
 
 H100_PROGRAMS = 2 * 132
 BLOCK_SIZE = 16

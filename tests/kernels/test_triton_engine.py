@@ -20,7 +20,6 @@ from tests.utils.mid_forward import check_urgent_arrival_unwinds_long_prefill  #
 
 # On a GPU, bench/suite/gpu_suite.sh's tests-triton-compiled step runs the tests marked gpu.
 pytestmark = pytest.mark.gpu
-pytest.importorskip("triton")
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LENGTHS = [5, 150, 17, 60, 1, 33]  # the 150-token prompt spans three 64-token chunks

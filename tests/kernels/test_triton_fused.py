@@ -26,9 +26,7 @@ from workers.layers.rotary import apply_rotary as reference_rotary  # noqa: E402
 
 # On a GPU, bench/suite/gpu_suite.sh's tests-triton-compiled step runs the tests marked gpu.
 pytestmark = pytest.mark.gpu
-triton_norm = pytest.importorskip("kernels.triton_norm")
-triton_rotary = pytest.importorskip("kernels.triton_rotary")
-triton_activation = pytest.importorskip("kernels.triton_activation")
+from kernels import triton_activation, triton_norm, triton_rotary  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 EPS = 1e-6
@@ -193,8 +191,8 @@ def test_rotary_copies_a_head_dim_with_non_unit_stride(triton_device):
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_conversions_round_like_torch_casts(dtype, triton_device):
-    triton = pytest.importorskip("triton")
-    tl = pytest.importorskip("triton.language")
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def convert(narrow_ptr, wide_ptr, narrowed_ptr, widened_ptr, KIND: tl.constexpr,

@@ -18,8 +18,7 @@ from tests.utils.triton_attention_check import _triton, _check  # noqa: E402
 
 # On a GPU, bench/suite/gpu_suite.sh's tests-triton-compiled step runs the tests marked gpu.
 pytestmark = pytest.mark.gpu
-triton_cache = pytest.importorskip("kernels.triton_cache")
-triton_attention = pytest.importorskip("kernels.triton_attention")
+from kernels import triton_attention, triton_cache  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -32,7 +32,7 @@ from tests.utils.host_sync import SYNCING_METHODS  # noqa: E402
 
 # On a GPU, bench/suite/gpu_suite.sh's tests-triton-compiled step runs the tests marked gpu.
 pytestmark = pytest.mark.gpu
-triton_moe = pytest.importorskip("kernels.triton_moe")
+from kernels import triton_moe  # noqa: E402
 
 
 @dataclass(frozen=True)

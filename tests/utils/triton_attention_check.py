@@ -6,13 +6,12 @@ from __future__ import annotations
 # Must come before the kernels are decorated (on import): it picks interpreted or compiled.
 import tests.utils.triton_device  # noqa: F401,I001
 
-import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kernels import torch_attention  # noqa: E402
 from tests.utils.attention_cases import Case  # noqa: E402
 
-triton_attention = pytest.importorskip("kernels.triton_attention")
+from kernels import triton_attention  # noqa: E402
 
 
 # Max |error| against the float64 dense reference. The PyTorch reference rounds the same inputs

@@ -287,14 +287,17 @@ def parse_engine_counters(metrics_text: str) -> dict[str, int]:
 def server_counter(metrics_text: str, name: str) -> int | None:
     """A counter any server may export under its own prefix (`<prefix>:<name>_total`, as
     sloserve's and vLLM's `request_success` and `prefix_cache_hits`), summed over its labels;
-    None when the server exports no such counter."""
-    total, seen = 0.0, False
-    pattern = re.compile(rf"[a-zA-Z_]\w*:{re.escape(name)}_total[{{ ]")
+    None when the server exports no such counter. A server that exports it under several
+    prefixes (sloserve serves vLLM's names beside its own, one observation feeding both) is
+    counted under the first one only."""
+    total, prefix = 0.0, None
+    pattern = re.compile(rf"([a-zA-Z_]\w*):{re.escape(name)}_total[{{ ]")
     for line in metrics_text.splitlines():
-        if pattern.match(line):
+        match = pattern.match(line)
+        if match and prefix in (None, match.group(1)):
+            prefix = match.group(1)
             total += float(line.rsplit(" ", 1)[1])
-            seen = True
-    return int(total) if seen else None
+    return int(total) if prefix is not None else None
 
 
 # What every run records of a server's own counters, whichever server it is (RunResult.engine):
