@@ -110,8 +110,9 @@ class VllmMetrics:
 
     def add_request_token_histograms(self, max_model_len: int) -> None:
         """vLLM's per-request prompt and generation token histograms, its 1-2-5 buckets up to
-        ``max_model_len`` (once; the engine's context does not change)."""
-        if self.request_prompt_tokens is not None:
+        ``max_model_len`` (once; the engine's context does not change). None when there is no
+        engine to say it (a server told to stop while its engine started)."""
+        if self.request_prompt_tokens is not None or max_model_len < 1:
             return
         buckets = request_tokens_buckets(max_model_len)
         self.request_prompt_tokens = self._histogram(

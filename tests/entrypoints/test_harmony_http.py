@@ -50,33 +50,66 @@ def _prompt_tokens(model_dir: str, messages, tools=None, **kwargs: Any) -> int:
                                              tokenize=True, return_dict=False, **kwargs))
 
 
-def test_channels_become_reasoning_calls_and_content_whole_and_streamed(harmony_model):
-    async def whole(sdk, _):
-        return await sdk.chat.completions.create(model="tiny", messages=MESSAGES,
-                                                 tools=[WEATHER], max_tokens=300,
-                                                 extra_body=_forced(TURN))
+async def _whole(sdk, _):
+    return await sdk.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER],
+                                             max_tokens=300, extra_body=_forced(TURN))
 
-    async def streamed(sdk, _):
-        chunks = []
-        async with sdk.chat.completions.stream(
-                model="tiny", messages=MESSAGES, tools=[WEATHER], max_tokens=300,
-                extra_body=_forced(TURN)) as stream:
-            async for event in stream:
-                if event.type == "chunk":
-                    chunks.append(event.chunk)
-            return chunks, await stream.get_final_completion()
 
-    async def answer(sdk, _):
-        return await sdk.chat.completions.create(model="tiny", messages=MESSAGES,
-                                                 max_tokens=300, extra_body=_forced(ANSWER))
+async def _streamed(sdk, _):
+    chunks = []
+    async with sdk.chat.completions.stream(
+            model="tiny", messages=MESSAGES, tools=[WEATHER], max_tokens=300,
+            extra_body=_forced(TURN)) as stream:
+        async for event in stream:
+            if event.type == "chunk":
+                chunks.append(event.chunk)
+        return chunks, await stream.get_final_completion()
 
-    async def hidden(sdk, _):
-        return await sdk.chat.completions.create(
-            model="tiny", messages=MESSAGES, max_tokens=300,
-            extra_body={**_forced(ANSWER), "include_reasoning": False})
 
-    full, (chunks, accumulated), answered, without = _run(
-        harmony_model, [whole, streamed, answer, hidden])
+async def _answer(sdk, _):
+    return await sdk.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=300,
+                                             extra_body=_forced(ANSWER))
+
+
+async def _hidden(sdk, _):
+    return await sdk.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=300,
+        extra_body={**_forced(ANSWER), "include_reasoning": False})
+
+
+HISTORY = [*MESSAGES,
+           {"role": "assistant", "content": None, "tool_calls": [{
+               "id": "call-1", "type": "function", "function": {
+                   "name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+           {"role": "tool", "tool_call_id": "call-1", "content": "24 C, sunny"}]
+
+
+def _prompt_tokens_served(messages, **extra: Any):
+    async def call(sdk, _):
+        done = await sdk.chat.completions.create(model="tiny", messages=messages,
+                                                 tools=[WEATHER], max_tokens=1, **extra)
+        return done.usage.prompt_tokens
+    return call
+
+
+async def _required(_, http):
+    return await http.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": MESSAGES, "tools": [WEATHER], "tool_choice": "required"})
+
+
+@pytest.fixture(scope="module")
+def served(harmony_model) -> dict[str, Any]:
+    """Every call of this module's harmony tests, on one server."""
+    calls = {"whole": _whole, "streamed": _streamed, "answer": _answer, "hidden": _hidden,
+             "high": _prompt_tokens_served(MESSAGES, reasoning_effort="high"),
+             "low": _prompt_tokens_served(MESSAGES, reasoning_effort="low"),
+             "earlier": _prompt_tokens_served(HISTORY), "required": _required}
+    return dict(zip(calls, _run(harmony_model, list(calls.values()))))
+
+
+def test_channels_become_reasoning_calls_and_content_whole_and_streamed(served):
+    full, (chunks, accumulated) = served["whole"], served["streamed"]
+    answered, without = served["answer"], served["hidden"]
     (choice,) = full.choices
     message = choice.message.model_dump()
     assert choice.finish_reason == "tool_calls"
@@ -113,34 +146,14 @@ def test_channels_become_reasoning_calls_and_content_whole_and_streamed(harmony_
 
 
 def test_the_template_renders_effort_and_history_and_what_harmony_cannot_do_is_refused(
-        harmony_model):
-    history = [*MESSAGES,
-               {"role": "assistant", "content": None, "tool_calls": [{
-                   "id": "call-1", "type": "function", "function": {
-                       "name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
-               {"role": "tool", "tool_call_id": "call-1", "content": "24 C, sunny"}]
-
-    def prompt_tokens(messages, **extra: Any):
-        async def call(sdk, _):
-            done = await sdk.chat.completions.create(model="tiny", messages=messages,
-                                                     tools=[WEATHER], max_tokens=1, **extra)
-            return done.usage.prompt_tokens
-        return call
-
-    async def required(_, http):
-        return await http.post("/v1/chat/completions", json={
-            "model": "tiny", "messages": MESSAGES, "tools": [WEATHER],
-            "tool_choice": "required"})
-
-    high, low, earlier, refused = _run(harmony_model, [
-        prompt_tokens(MESSAGES, reasoning_effort="high"),
-        prompt_tokens(MESSAGES, reasoning_effort="low"), prompt_tokens(history), required])
+        served, harmony_model):
+    high, low, earlier, refused = (served[k] for k in ("high", "low", "earlier", "required"))
     assert high == _prompt_tokens(harmony_model, MESSAGES, [WEATHER], reasoning_effort="high")
     assert low == _prompt_tokens(harmony_model, MESSAGES, [WEATHER], reasoning_effort="low")
     # The server hands the template an earlier call's arguments as an object (as vLLM does).
     as_objects = [{**m, "tool_calls": [{**c, "function": {
         **c["function"], "arguments": json.loads(c["function"]["arguments"])}}
-        for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in history]
+        for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in HISTORY]
     assert earlier == _prompt_tokens(harmony_model, as_objects, [WEATHER])
     # Probe: the effort and the history did change the prompts.
     assert high != _prompt_tokens(harmony_model, MESSAGES, [WEATHER], reasoning_effort="a")
