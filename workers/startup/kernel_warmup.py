@@ -121,8 +121,7 @@ def warm_up_experts(model: Any) -> None:
             w13, w2 = (torch.zeros(w.shape, dtype=model.dtype, device=w.device)
                        for w in (w13, w2))
         # gpt-oss's experts launch their own variant (biases, the clamped SwiGLU).
-        options = experts.fused_options(slice(top_k)) if hasattr(experts, "fused_options") else {}
-        triton_moe.warm_up_experts(w13, w2, top_k, **options)
+        triton_moe.warm_up_experts(w13, w2, top_k, **experts.fused_options(slice(top_k)))
         return
 
 

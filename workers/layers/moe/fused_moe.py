@@ -109,6 +109,11 @@ class FusedMoE(nn.Module):
     def use_kernels(self, kernels: Any) -> None:
         self.fused_experts = getattr(kernels, "fused_moe", None)
 
+    def fused_options(self, experts: slice = slice(None)) -> dict[str, Any]:
+        """What the fused kernel takes beside the weights (gpt-oss's experts add biases and
+        their activation): nothing, for SwiGLU experts."""
+        return {}
+
     @property
     def capturable(self) -> bool:
         """Whether a CUDA graph can capture this layer: its experts never read a device value on
