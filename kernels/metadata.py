@@ -10,6 +10,27 @@ from typing import Any
 import torch
 
 
+@dataclass(frozen=True)
+class DeviceLayout:
+    """A step's sequences described on the device alone, for a launch whose grid and arguments
+    do not change with the batch (a CUDA graph captured once per padded token count replays it
+    for any mix of decodes and chunks). Every sequence, decodes included, is a chunk: its
+    ``query_len`` tokens start at row ``query_start`` and end its ``context_len`` tokens of
+    context. A program owns a tile of ``block_q`` query tokens of one sequence (``tile_seq``,
+    ``tile_offset``); the tiles past the step's own point at a sequence of no tokens, and so do
+    nothing. The host rewrites the tensors in place before each replay
+    (workers.graphs.attention_layout)."""
+
+    block_q: int
+    tile_seq: torch.Tensor
+    tile_offset: torch.Tensor
+    query_start: torch.Tensor
+    query_len: torch.Tensor
+    context_len: torch.Tensor
+    # [sequences, blocks] block tables, the layer's KV cache group's.
+    block_tables: torch.Tensor
+
+
 @dataclass
 class AttentionMetadata:
     # [num_tokens] int64: where each new token's K/V is written.
@@ -41,6 +62,11 @@ class AttentionMetadata:
     # built for a kernel warm-up).
     other_groups: list[AttentionMetadata] = field(default_factory=list, repr=False,
                                                   compare=False)
+    # A captured step's layout on the device (see DeviceLayout): when set, the kernels read it
+    # instead of the host-side fields above (``num_decodes`` 0, no prefill lists), and the
+    # rows past its tokens are padding that nothing reads or writes (their slots are -1).
+    # Only the Triton kernels read it.
+    device_layout: DeviceLayout | None = field(default=None, repr=False, compare=False)
     # Per-step values the kernels derive from the fields above (gather indices, masks). Every layer
     # of a step sees the same metadata, so they are built once on the first layer and reused by the
     # other layers. Owned by the implementation; never set it.

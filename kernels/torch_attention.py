@@ -39,6 +39,10 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     sliding_window: int | None = None,
                     softcap: float | None = None,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    if meta.device_layout is not None:
+        # Its lengths live on the device; reading them here would stall every layer on it.
+        raise ValueError("a device layout (a captured step's) is read by the Triton kernels "
+                         "only; the PyTorch kernels take the host-side lengths")
     out = output_for(query, key_cache, out)
     num_decodes = meta.num_decodes
     if num_decodes > 0:

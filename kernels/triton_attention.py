@@ -26,6 +26,11 @@ only the split count; each row divides its own context among the splits inside t
 plan made for a longer context (a CUDA graph captured for max_model_len) still spreads a short
 row's keys over every split.
 
+A captured step (a CUDA graph replayed for any mix of decodes and chunks of one padded token
+count) is launched once, from a ``DeviceLayout``: every sequence, decodes included, is a chunk in
+the prefill launch, over a grid fixed for the token count (``ceil(tokens / BLOCK_Q)`` tiles plus
+one per sequence, the spare ones pointing at a sequence of no tokens).
+
 No compile-time constant depends on the batch: the split count is a runtime argument (only
 whether a decode launch splits at all is a constexpr), and every integer argument that changes
 with the batch is listed in ``do_not_specialize``. So a model compiles at most four variants:
@@ -55,7 +60,7 @@ from kernels.metadata import padded_block_tables
 from kernels.variants import launch
 
 if TYPE_CHECKING:
-    from kernels.metadata import AttentionMetadata
+    from kernels.metadata import AttentionMetadata, DeviceLayout
 
 _LOG2E = 1.4426950408889634
 # A decode split covers at least this many keys: shorter ones cost more to merge than they save.
@@ -313,8 +318,9 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     looked up at each call; the benchmark's sweep and the tests pass others)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    layout = meta.device_layout
     _check_inputs(query, key_cache, value_cache, meta, num_tokens, num_heads, num_kv_heads,
-                  head_dim, cache_head_dim)
+                  head_dim, cache_head_dim, padded=layout is not None)
     if query.stride(-1) != 1:
         query = query.contiguous()
     out = _output(query, out)
@@ -323,6 +329,9 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     launcher = _Launch(query, key_cache, value_cache, out, scale, num_heads // num_kv_heads,
                        block_size, config or DEFAULT_ATTENTION_CONFIG, sliding_window or 0,
                        softcap or 0.0, sinks)
+    if layout is not None:
+        launcher.every_sequence(layout)
+        return out
     if meta.num_decodes > 0:
         span = _decode_span(meta, block_size)
         if sliding_window:
@@ -401,6 +410,19 @@ class _Launch:
                   tile_n=prefill.tile_n, splits=1, num_warps=prefill.num_warps,
                   num_stages=prefill.num_stages)
 
+    def every_sequence(self, layout: DeviceLayout) -> None:
+        """One launch over a captured step's layout: decodes are one-token chunks (no split:
+        a mixed step's chunk fills the device anyway), and the grid is the layout's, fixed."""
+        prefill = self.config.prefill
+        block_m = max(prefill.block_m, triton.next_power_of_2(self.group))
+        if layout.block_q != block_m // self.group:
+            raise ValueError(f"the layout's tiles hold {layout.block_q} query tokens; this "
+                             f"launch's hold {block_m // self.group}")
+        self._run(layout.block_tables, layout.tile_seq, layout.tile_offset, layout.query_start,
+                  layout.query_len, layout.context_len, self.out, self.out,
+                  block_q=layout.block_q, block_m=block_m, tile_n=prefill.tile_n, splits=1,
+                  num_warps=prefill.num_warps, num_stages=prefill.num_stages)
+
     def _run(self, tables: torch.Tensor, tile_seq: torch.Tensor, tile_offset: torch.Tensor,
              query_start: torch.Tensor, query_len: torch.Tensor, context_len: torch.Tensor,
              partial_out: torch.Tensor, partial_lse: torch.Tensor, *,
@@ -422,6 +444,16 @@ class _Launch:
     @property
     def _sinks_arg(self) -> torch.Tensor:
         return self.query if self.sinks is None else self.sinks
+
+
+def layout_block_q(num_heads: int, num_kv_heads: int,
+                   config: AttentionLaunchConfig | None = None) -> int:
+    """Query tokens per tile of a chunk launch (the rows of a program are tokens x the KV head's
+    group of query heads): what a DeviceLayout for these heads must be planned with."""
+    group = num_heads // num_kv_heads
+    block_m = max((config or DEFAULT_ATTENTION_CONFIG).prefill.block_m,
+                  triton.next_power_of_2(group))
+    return block_m // group
 
 
 def _prefill_plan(meta: AttentionMetadata, block_q: int,
@@ -527,7 +559,7 @@ def _multiprocessor_count(device: torch.device) -> int:
 
 def _check_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   meta: AttentionMetadata, num_tokens: int, num_heads: int, num_kv_heads: int,
-                  head_dim: int, cache_head_dim: int) -> None:
+                  head_dim: int, cache_head_dim: int, padded: bool = False) -> None:
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads "
                          f"({num_kv_heads})")
@@ -538,6 +570,8 @@ def _check_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         raise ValueError("the KV caches must be contiguous")
     if key_cache.dtype != query.dtype:
         raise ValueError(f"cache dtype {key_cache.dtype} differs from the query's {query.dtype}")
+    if padded:
+        return  # a device layout: its tokens and the padding rows are counted on the device
     covered = meta.num_decodes + sum(meta.prefill_query_lens)
     if covered != num_tokens:
         raise ValueError(f"metadata covers {covered} tokens but the batch has {num_tokens}")

@@ -80,6 +80,10 @@ class ModelInputs:
     prefill_rows: list[tuple[ScheduledRequest, int]]
     # Chunks whose prompt tokens are scored, with their first row.
     prompt_logprob_rows: list[tuple[ScheduledRequest, int]] = field(default_factory=list)
+    # Each sequence's query tokens and context (including them), in batch order, on the host:
+    # what a captured step's attention layout is written from (workers.graphs.attention_layout).
+    query_lens: np.ndarray | None = None
+    context_lens: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -242,7 +246,12 @@ class ModelRunner:
         # (a step that fails before it samples leaves none for a decode scheduled after it).
         previous, self._last_samples = self._last_samples, None
         if graph_size is None:
-            inputs = self.prepare_inputs(requests, previous=previous)
+            # Pieces holding the attention write every row's KV slot: the padding's are -1.
+            slot_rows = piece_size if piece_size is not None and piecewise.holds_attention \
+                else None
+            inputs = self.prepare_inputs(requests, previous=previous, slot_rows=slot_rows)
+            if piece_size is not None and piecewise.buffers_moved():
+                piece_size = None  # the step grew the buffers the pieces read: it runs eager
         else:
             # The padding rows repeat the last decode (workers.graphs.cuda_graphs); only the real
             # rows are sampled.
@@ -267,7 +276,7 @@ class ModelRunner:
                 hidden = graphs.replay(graph_size)
             elif piecewise is not None and piece_size is not None:
                 hidden = piecewise.run(piece_size, inputs.input_ids.shape[0], inputs.attn_meta,
-                                       self.kv_caches)
+                                       self.kv_caches, inputs.query_lens, inputs.context_lens)
             elif self._runs_decode_pass(inputs):
                 hidden = self.decode_pass.run(inputs.input_ids, inputs.positions,
                                               inputs.attn_meta, self.kv_caches)
@@ -342,11 +351,13 @@ class ModelRunner:
 
     def prepare_inputs(self, requests: list[ScheduledRequest],
                        table_width: int | None = None,
-                       previous: StepSamples | None = None) -> ModelInputs:
+                       previous: StepSamples | None = None,
+                       slot_rows: int | None = None) -> ModelInputs:
         """``table_width``: write every block table row this wide (a captured graph's launches
         read the buffer's full width); default: as wide as the longest table of the step.
         ``previous``: the samples of the step launched before, which feed the decodes
-        scheduled ahead (``last_token_pending``)."""
+        scheduled ahead (``last_token_pending``). ``slot_rows``: write this many KV slots, the
+        rows past the step's tokens -1 (padding a captured step writes nowhere)."""
         # The attention kernels expect decodes (one query token) first, then prefill chunks;
         # chunks resuming a suspended pass go last, in order of the layer they join at, so that
         # the tokens active at any layer are a prefix of the batch.
@@ -403,7 +414,8 @@ class ModelRunner:
         upload = buffers.upload
         device_tables = upload(buffers.block_tables, torch.from_numpy(tables))
         attn_meta = AttentionMetadata(
-            slot_mapping=upload(buffers.slot_mapping, torch.from_numpy(slots)),
+            slot_mapping=upload(buffers.slot_mapping, _padded_slots(slots, slot_rows)
+                                )[:num_tokens],
             num_decodes=num_decodes,
             decode_block_tables=device_tables[:num_decodes],
             decode_context_lens=upload(buffers.context_lens, torch.from_numpy(context_lens)),
@@ -423,7 +435,7 @@ class ModelRunner:
             device_tables_g = upload(buffers.group_block_tables[g], torch.from_numpy(tables_g))
             attn_meta.other_groups.append(dataclasses.replace(
                 attn_meta, slot_mapping=upload(buffers.group_slot_mappings[g],
-                                               torch.from_numpy(slots_g)),
+                                               _padded_slots(slots_g, slot_rows))[:num_tokens],
                 decode_block_tables=device_tables_g[:num_decodes],
                 prefill_block_tables=[
                     device_tables_g[num_decodes + i, :int(widths_g[num_decodes + i])]
@@ -446,4 +458,15 @@ class ModelRunner:
             joins=[self.suspended.join_for(r) for r in resumed],
             prefill_rows=prefill_rows,
             prompt_logprob_rows=prompt_logprob_rows,
+            query_lens=lengths,
+            context_lens=starts + lengths,
         )
+
+
+def _padded_slots(slots: np.ndarray, rows: int | None) -> torch.Tensor:
+    """The step's KV slots, extended with -1 (written nowhere) to ``rows`` rows."""
+    if rows is None or rows <= slots.size:
+        return torch.from_numpy(slots)
+    padded = np.full(rows, -1, dtype=np.int64)
+    padded[:slots.size] = slots
+    return torch.from_numpy(padded)

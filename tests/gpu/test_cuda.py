@@ -219,9 +219,11 @@ def test_seeded_sampling_on_the_gpu_is_reproducible(tiny_model, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_cuda_graphs_equal_enforce_eager(tiny_model, device, monkeypatch):
     """On a GPU, decode-only steps replay whole CUDA graphs and steps with prefill tokens
-    replay pieces between the attention ops, all captured at startup (workers.graphs.cuda_graphs,
-    workers.graphs.piecewise_graphs; off with enforce_eager): the greedy tokens equal the eager run's.
-    The CPU captures none, so there the same paths run on the CPU stand-in for graphs.
+    replay pieces holding the attention, one whole graph per step where no vote is cast, all
+    captured at startup (workers.graphs.cuda_graphs, workers.graphs.piecewise_graphs; off with
+    enforce_eager): the greedy tokens equal the eager run's. The CPU captures none, so there the
+    same paths run on the CPU stand-in for graphs (with the PyTorch kernels, whose attention
+    runs eager between the pieces).
 
     Graphs are captured for a context of max_model_len, so at small batches their split plan
     and cuBLAS kernels differ from eager's: on a GPU a divergence where the eager run's top
@@ -242,6 +244,11 @@ def test_cuda_graphs_equal_enforce_eager(tiny_model, device, monkeypatch):
             runner = llm.engine.executor.runner
             replays[enforce_eager] = (None if runner.graphs is None else
                                       (runner.graphs.replays, runner.piecewise.replays))
+            if not enforce_eager and device != "cpu":
+                # Probe: the Triton kernels' pieces hold the attention, and the steps too
+                # small to be stopped (under --slo-preempt-min-tokens) replayed whole.
+                assert runner.piecewise.holds_attention
+                assert runner.piecewise.whole_replays > 0
             if enforce_eager:
                 _assert_greedy_equal(prompts, tokens[False], tokens[True], engine_top_two(llm),
                                      device)

@@ -210,3 +210,46 @@ def test_attention_rejects_bad_inputs(triton_device):
     with pytest.raises(ValueError, match="cache dtype"):
         triton_attention.paged_attention(case.query.half(), None, None, case.key_cache,
                                          case.value_cache, case.meta, case.scale)
+
+
+@pytest.mark.parametrize("group, window, sinks", [(1, None, False), (4, 24, True)],
+                         ids=["plain", "window-sinks"])
+def test_a_device_layout_launch_equals_the_host_plans(group, window, sinks, triton_device):
+    """A captured mixed step's single launch (kernels.DeviceLayout, written by the pieces'
+    AttentionLayouts: every sequence a chunk, decodes too, over a grid fixed for a padded
+    size) gives the host-planned decode and prefill launches' answer, and writes no padding
+    row."""
+    from workers.graphs.attention_layout import AttentionLayouts
+    from workers.step_buffers import StepBuffers, StepLimits
+
+    num_heads, num_kv_heads, block_size = 2 * group, 2, 16
+    case = make_case(MIXED, MIXED_DECODES, num_heads, num_kv_heads, 64, block_size,
+                     torch.float32, seed=group)
+    on = case.to(triton_device)
+    meta = on.meta
+    head_sinks = (torch.randn(num_heads, generator=torch.Generator().manual_seed(1))
+                  .to(triton_device) if sinks else None)
+    options = dict(sliding_window=window, sinks=head_sinks)
+    expected = triton_attention.paged_attention(on.query, on.new_keys, on.new_values,
+                                                on.key_cache, on.value_cache, meta, on.scale,
+                                                **options)
+    num_tokens = on.query.shape[0]
+    size = num_tokens + 9  # the captured size: nine padding rows
+    buffers = StepBuffers(triton_device, StepLimits(size, len(MIXED), 512), block_size)
+    tables = [*meta.decode_block_tables, *meta.prefill_block_tables]
+    for row, table in enumerate(tables):
+        buffers.block_tables[row, :table.numel()] = table
+    layouts = AttentionLayouts(buffers, triton_attention.layout_block_q(num_heads, num_kv_heads),
+                               size)
+    layouts.write([1] * meta.num_decodes + meta.prefill_query_lens,
+                  meta.decode_context_lens.tolist() + meta.prefill_context_lens)
+    query = torch.zeros((size, *on.query.shape[1:]), dtype=on.query.dtype, device=triton_device)
+    query[:num_tokens] = on.query
+    out = torch.full_like(query, 7.0)
+    triton_attention.paged_attention(query, query, query, on.key_cache, on.value_cache,
+                                     layouts.metadata(size, 1), on.scale, out=out, **options)
+    torch.testing.assert_close(out[:num_tokens], expected, atol=2e-5, rtol=0)
+    assert bool((out[num_tokens:] == 7.0).all())  # probe: no tile covers a padding row
+    # The grid is the size's, larger than the step's own tiles: the spare ones did nothing.
+    assert layouts.tiles(size) > sum(-(-n // layouts.block_q)
+                                     for n in [1] * meta.num_decodes + meta.prefill_query_lens)

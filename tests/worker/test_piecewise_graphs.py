@@ -36,8 +36,25 @@ class CountingBackend(EagerReplayBackend):
         return super().capture(fn)
 
 
-def _runner(tiny_model, kernels: str = "torch", **config) -> ModelRunner:
-    model = tiny_model("llama", num_hidden_layers=3, **config)
+class TrappedBackend(CountingBackend):
+    """Knows when a captured piece runs (``inside``), at capture and at every replay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside = False
+
+    def capture(self, fn):
+        def piece():
+            self.inside = True
+            try:
+                return fn()
+            finally:
+                self.inside = False
+        return super().capture(piece)
+
+
+def _runner(tiny_model, kernels: str = "torch") -> ModelRunner:
+    model = tiny_model("llama", num_hidden_layers=3)
     return ModelRunner(runner_config(model, num_blocks=64, block_size=BLOCK,
                                      attention_backend=kernels,
                                      limits=StepLimits(MAX_TOKENS, 8, MAX_MODEL_LEN)),
@@ -57,9 +74,11 @@ PROMPTS = [_prompt(20, 1), _prompt(35, 2), _prompt(9, 3)]
 _greedy = SamplingParams(temperature=0)
 
 
-def _generate(runner: ModelRunner, first_block: int) -> dict[str, list[int]]:
+def _generate(runner: ModelRunner, first_block: int,
+              preemptible: bool = False) -> dict[str, list[int]]:
     """Greedy, chunked: each step gives every request its next chunk of at most CHUNK prompt
-    tokens, or its next decode; the steps mix chunks and decodes of 1 to 41 tokens."""
+    tokens, or its next decode; the steps mix chunks and decodes of 1 to 41 tokens. A
+    ``preemptible`` step with prefill tokens casts the runner's vote (``runner.vote``)."""
     computed = [0] * len(PROMPTS)
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
     step_id = 0
@@ -81,7 +100,9 @@ def _generate(runner: ModelRunner, first_block: int) -> dict[str, list[int]]:
                 sample=end >= len(prompt), sampling_params=_greedy))
             computed[i] = end
         step_id += 1
-        result = runner.execute(SchedulerOutput(step_id=step_id, requests=requests))
+        votes = preemptible and any(len(r.token_ids) > 1 for r in requests)
+        result = runner.execute(SchedulerOutput(step_id=step_id, requests=requests,
+                                                preemptible=votes))
         assert not result.failed
         for request in requests:
             if request.sample:
@@ -95,24 +116,76 @@ def _capture(runner: ModelRunner, backend: EagerReplayBackend | None = None) -> 
     return runner.piecewise
 
 
-@pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_replayed_pieces_equal_an_eager_pass(tiny_model, kernels) -> None:
-    if kernels == "triton":
-        import os
-
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("the Triton kernels are compiled in this process (no CPU run)")
-    runner = _runner(tiny_model, kernels)
+def test_replayed_pieces_equal_an_eager_pass(tiny_model) -> None:
+    runner = _runner(tiny_model)
     eager = _generate(runner, first_block=0)
     backend = CountingBackend()
     pieces = _capture(runner, backend)
     assert pieces.sizes == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
-    # One piece per layer boundary (3 layers: 4 pieces) for every size.
+    # One piece per layer boundary (3 layers: 4 pieces) for every size; with the PyTorch
+    # kernels the attention runs eager between them, and no step is captured whole.
+    assert not pieces.holds_attention
     assert backend.captured == 4 * len(pieces.sizes)
     replayed = _generate(runner, first_block=24)
     # Probe: every step was replayed (no decode graphs here, so decode-only steps too).
-    assert pieces.replays > len(PROMPTS)
+    assert pieces.replays > len(PROMPTS) and pieces.whole_replays == 0
     assert replayed == eager
+
+
+def test_pieces_holding_the_attention_equal_an_eager_pass(tiny_model, monkeypatch) -> None:
+    """Triton (interpreted): the attention (KV write and kernel) runs inside the pieces,
+    reading the step's layout on the device, and only the vote between them. Steps with no
+    vote replay each size's pieces as one whole graph, steps that vote piece by piece; both
+    give the eager tokens, and a stop still unwinds between two pieces."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels are compiled in this process (no CPU run)")
+    runner = _runner(tiny_model, "triton")
+    eager = _generate(runner, first_block=0)
+    backend = TrappedBackend()
+    attended: list[bool] = []
+    attend = runner.model.attend
+
+    def watched_attend(*args, **kwargs):
+        attended.append(backend.inside)
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(runner.model, "attend", watched_attend)
+    pieces = _capture(runner, backend)
+    assert pieces.holds_attention
+    assert backend.captured == 5 * len(pieces.sizes)  # 4 pieces and the whole step, per size
+
+    # No vote: every step whole.
+    assert _generate(runner, first_block=24) == eager
+    assert pieces.replays > len(PROMPTS) and pieces.whole_replays == pieces.replays
+
+    votes: list[tuple[int, bool]] = []
+
+    class Vote(StopAt):
+        def __call__(self, layer: int) -> None:
+            votes.append((layer, backend.inside))
+            super().__call__(layer)
+
+    runner.vote = Vote(None)
+    attended.clear()
+    whole = pieces.whole_replays
+    assert _generate(runner, first_block=24, preemptible=True) == eager
+    # Probes: the steps with prefill tokens ran piece by piece (the decode-only ones whole),
+    # the vote outside every piece at every layer, the attention inside a piece.
+    assert pieces.replays - pieces.whole_replays > 0 and pieces.whole_replays > whole
+    assert {layer for layer, _ in votes} == {0, 1, 2}
+    assert not any(inside for _, inside in votes)
+    assert attended and all(attended)
+
+    # A stop before layer 1's attention unwinds the replayed step there.
+    runner.vote = Vote(1)
+    chunk = ScheduledRequest(req_id="p", token_ids=PROMPTS[1][:CHUNK], start_pos=0,
+                             block_ids=[40], sample=False, sampling_params=_greedy)
+    unwinds = pieces.unwinds
+    out = runner.execute(SchedulerOutput(step_id=99, requests=[chunk], preemptible=True))
+    assert out.status.name == "SLO_PREEMPTED" and out.slo_preempted_layer == 1
+    assert pieces.unwinds == unwinds + 1
 
 
 def test_qwen3_qk_norm_pieces_equal_an_eager_pass(tiny_model) -> None:
@@ -178,36 +251,21 @@ def test_no_piece_spans_an_attention_op_or_the_vote(runner, monkeypatch) -> None
     """docs/design.md section 9: no graph spans an attention op of a preemptible step (the vote
     lives there). Every piece, captured and replayed, runs with the attention op and the vote
     hook booby-trapped; the step between the replays calls both, once per layer."""
-    inside_piece = [False]
     calls: list[str] = []
-
-    class Trapped(EagerReplayBackend):
-        def capture(self, fn):
-            return super().capture(self._trap(fn))
-
-        @staticmethod
-        def _trap(fn):
-            def piece():
-                inside_piece[0] = True
-                try:
-                    return fn()
-                finally:
-                    inside_piece[0] = False
-            return piece
-
+    trapped = TrappedBackend()
     attention_op = runner.model.attention_op
 
     def watched_attention(layer, *args, **kwargs):
-        assert not inside_piece[0], f"layer {layer}'s attention op ran inside a piece"
+        assert not trapped.inside, f"layer {layer}'s attention op ran inside a piece"
         calls.append(f"attention {layer}")
         return attention_op(layer, *args, **kwargs)
 
     monkeypatch.setattr(runner.model, "attention_op", watched_attention)
-    _capture(runner, Trapped())
+    _capture(runner, trapped)
 
     class Vote(StopAt):
         def __call__(self, layer: int) -> None:
-            assert not inside_piece[0], f"the vote of layer {layer} ran inside a piece"
+            assert not trapped.inside, f"the vote of layer {layer} ran inside a piece"
             calls.append(f"vote {layer}")
 
     runner.vote = Vote(None)

@@ -185,7 +185,7 @@ class CapturedSteps:
         if self.buffers.generation != self.generation:
             raise RuntimeError("the step buffers grew while capturing CUDA graphs")
 
-    def _buffers_moved(self) -> bool:
+    def buffers_moved(self) -> bool:
         """Whether the step buffers grew after the capture, so the graphs read old addresses:
         a step outgrew the limits the buffers were sized for (a bug upstream). The graphs are
         dropped, and from then on those steps run eager (slower, still correct)."""
@@ -282,7 +282,7 @@ class DecodeGraphs(CapturedSteps):
         resumed chunk in it, a vote to cast, more decodes than the largest size, or buffers
         that moved since the capture)."""
         requests = scheduler_output.requests
-        if self._buffers_moved():
+        if self.buffers_moved():
             return None
         if (scheduler_output.preemptible or not requests
                 or any(len(r.token_ids) != 1 or r.resume for r in requests)):

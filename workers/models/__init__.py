@@ -6,8 +6,10 @@ Model API used by the model runner:
 - ``model.forward(input_ids, positions, attn_meta, kv_caches, joins=()) -> hidden_states
   [T, hidden]`` (``joins``: ``LayerJoin`` chunks resuming a suspended pass at their layer);
 - ``model.compute_logits(hidden_states[N, hidden]) -> float32 [N, vocab]``;
-- ``model.attention_op(...)`` is the one place attention runs; ``model.before_attention`` is an
-  optional ``Callable[[int], None]`` called with the layer index before each attention op;
+- ``model.attention_op(...)`` is the one place attention runs in a pass: the boundary
+  (``model.attention_boundary(layer, num_tokens)``, which calls ``model.before_attention``, an
+  optional ``Callable[[int], None]``, with the layer index: the vote), then ``model.attend``
+  (cache write and attention), which a captured piece runs on its own after the boundary;
 - ``model.num_layers``, ``model.num_kv_heads`` (this rank's), ``model.head_dim``,
   ``model.vocab_size``.
 """

@@ -493,11 +493,25 @@ class DecoderForCausalLM(nn.Module):
     def attention_op(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      attn_meta: AttentionMetadata, kv_cache: KVCache,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-        """The single entry point of every attention computation: hook, cache write, attention
-        (into ``out`` when given)."""
+        """The single entry point of every attention computation: the boundary (the vote),
+        then the cache write and the attention (into ``out`` when given)."""
+        self.attention_boundary(layer_idx, q.shape[0])
+        return self.attend(layer_idx, q, k, v, attn_meta, kv_cache, out)
+
+    def attention_boundary(self, layer_idx: int, num_tokens: int) -> None:
+        """The point before layer ``layer_idx``'s attention where Python runs in every kind of
+        step that may be stopped, eager or replayed as captured pieces: the vote
+        (``before_attention``). ``num_tokens``: the tokens active at the layer, padding
+        excluded (observers read it: workers.preemption.layer_delay)."""
         hook = self.before_attention
         if hook is not None:
             hook(layer_idx)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attn_meta: AttentionMetadata, kv_cache: KVCache,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer ``layer_idx``'s cache write and attention, with no vote: what a captured piece
+        runs after the boundary (workers.graphs.piecewise_graphs)."""
         key_cache, value_cache = kv_cache
         attn_meta = attn_meta.for_group(self.layer_kv_group[layer_idx])
         kernels = self.kernels

@@ -32,25 +32,26 @@ def observe_attention_ops(model: torch.nn.Module,
     the vote), for the tokens active at that layer (padding excluded); returns a function that
     stops it. For tests and benchmarks that slow a layer or act when a step reaches it.
 
-    The attention op is what runs eagerly both in an eager pass and between the replayed pieces
-    of a piecewise-graph step (workers.graphs.piecewise_graphs). A hook inside a piece (a module
-    forward hook on a layer or its norm) runs on the CPU stand-in for graphs, whose "replay"
-    calls the captured Python again, but never in a real CUDA graph replay. A decode step
-    replayed as one whole graph runs no attention op in Python on a GPU."""
+    It watches the attention boundary (``model.attention_boundary``), where Python runs both in
+    an eager pass and between the replayed pieces of a piecewise-graph step
+    (workers.graphs.piecewise_graphs), whether the pieces hold the attention or not. A hook
+    inside a piece (a module forward hook on a layer or its norm) runs on the CPU stand-in for
+    graphs, whose "replay" calls the captured Python again, but never in a real CUDA graph
+    replay. A step replayed as one whole graph (a decode step; a mixed step that cannot be
+    stopped, where the pieces hold the attention) runs no boundary in Python on a GPU."""
     # Weakly bound: the model keeps the wrapper, which must not keep the model (a cycle would
     # hold its weights until the next garbage collection).
-    inner = weakly_bound(model.attention_op)
+    inner = weakly_bound(model.attention_boundary)
     observing = [True]
 
-    # Wraps the instance's attention op: the eager forward pass and the piecewise runner both
-    # call it through the instance, never the class.
-    def observed_attention_op(layer_idx: int, q: torch.Tensor, *args: Any, **kwargs: Any
-                              ) -> torch.Tensor:
+    # Wraps the instance's boundary: the eager forward pass and the piecewise runner both call
+    # it through the instance, never the class.
+    def observed_boundary(layer_idx: int, num_tokens: int) -> None:
         if observing[0]:
-            observer(layer_idx, q.shape[0])  # q: [tokens active at this layer, heads, dim]
-        return inner(layer_idx, q, *args, **kwargs)
+            observer(layer_idx, num_tokens)
+        inner(layer_idx, num_tokens)
 
-    model.attention_op = observed_attention_op
+    model.attention_boundary = observed_boundary
 
     def stop() -> None:
         observing[0] = False
