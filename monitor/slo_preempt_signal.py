@@ -4,12 +4,16 @@ The monitor thread writes it; the TP rank(s) on EngineCore's node read the targe
 attention-op boundary of a preemptible step. The signal is a step id, never a boolean: step ids
 only grow, so a value written for step N can never stop step N+1 (docs/design.md section 5).
 
-Its owner (`create()`) removes the segment; everyone else `attach()`es and only unmaps it. Under
-`sloserve serve` the owner is the API server process, not EngineCore's: the owner must outlive
-every process that maps the segment, and EngineCore's process is the one that may die without a
-word (engine/ipc/async_client.py). An engine run in-process (LLM, `sloserve generate`) owns its
-own. An owner killed by SIGKILL leaves the segment to multiprocessing's resource tracker, which
-removes it with a "leaked shared_memory" warning: every other way out must close() first.
+Its owner (`create()`) removes the segment's name; everyone else `attach()`es and only unmaps it.
+Under `sloserve serve` the owner is the API server process, not EngineCore's: the owner must
+outlive every process that maps the segment, and EngineCore's process is the one that may die
+without a word (engine/ipc/async_client.py). An engine run in-process (LLM, `sloserve generate`)
+owns its own. Once every process that reads the signal has attached (EngineCore and its worker
+ranks, before EngineCore reports ready), the owner calls `unlink()`: the name leaves /dev/shm at
+once and the memory lives on in the mappings until the last process holding one exits, however
+it exits. Before that, an owner killed by SIGKILL leaves the name to multiprocessing's resource
+tracker, which removes it at its own exit, unless it was killed too (a whole process group, as
+a cluster manager kills a worker): the window is startup only.
 
 Layout (little-endian): int64 target step id | uint8 len + 63 bytes victim id |
 uint8 len + 63 bytes waiter id | float64 decision time (time.monotonic()) | int64 progress |
@@ -48,14 +52,22 @@ def _unpack_id(field: bytes) -> str:
 
 
 def _release(shm: shared_memory.SharedMemory, views: tuple[memoryview, ...],
-             owner: bool) -> None:
-    """Unmap the segment (and remove its name, for the owner). The views over it go first: the
-    mapping cannot close while a view exports it (`BufferError: cannot close exported pointers
-    exist`, printed as 'Exception ignored' when SharedMemory.__del__ meets them at exit)."""
+             name_held: list[bool]) -> None:
+    """Unmap the segment (and remove its name, where this process still holds it). The views
+    over it go first: the mapping cannot close while a view exports it (`BufferError: cannot
+    close exported pointers exist`, printed as 'Exception ignored' when SharedMemory.__del__
+    meets them at exit)."""
     for view in views:
         view.release()
     shm.close()
-    if owner:
+    _unlink_name(shm, name_held)
+
+
+def _unlink_name(shm: shared_memory.SharedMemory, name_held: list[bool]) -> None:
+    """Remove the segment's name once (SharedMemory.unlink also drops it from the resource
+    tracker, which would otherwise try again at exit)."""
+    if name_held[0]:
+        name_held[0] = False
         shm.unlink()
 
 
@@ -63,6 +75,9 @@ class SLOPreemptSignal:
     def __init__(self, shm: shared_memory.SharedMemory, owner: bool) -> None:
         self._shm = shm
         self._owner = owner
+        # Whether this process still has the segment's name to remove: the owner's until
+        # unlink() or close(). A list, shared with the finalizer, so that unlink() tells it.
+        self._name_held = [owner]
         # A one-element int64 view: reading the target is one memory load on the hot path.
         self._target = shm.buf[:8].cast("q")
         self._progress = shm.buf[_PROGRESS_AT:_PROGRESS_AT + 8].cast("q")
@@ -71,7 +86,8 @@ class SLOPreemptSignal:
         # that never calls close(). It holds the SharedMemory, so SharedMemory.__del__ (which
         # closes the mapping whatever views remain) cannot run before the views are released.
         self._finalizer = weakref.finalize(
-            self, _release, shm, (self._target, self._progress, self._progress_time), owner)
+            self, _release, shm, (self._target, self._progress, self._progress_time),
+            self._name_held)
 
     @classmethod
     def create(cls) -> SLOPreemptSignal:
@@ -99,6 +115,13 @@ class SLOPreemptSignal:
     @property
     def name(self) -> str:
         return self._shm.name
+
+    def unlink(self) -> None:
+        """The owner's: remove the segment's name now that every process that reads the signal
+        has attached. The mapping stays valid in every process that has it, and nothing can
+        attach any more; from here no way the processes end, SIGKILL included, leaves anything
+        in /dev/shm. Idempotent; nothing for a process that only attached."""
+        _unlink_name(self._shm, self._name_held)
 
     @property
     def target_step_id(self) -> int:

@@ -21,6 +21,7 @@ from engine.entrypoints.engine_args import add_engine_args, engine_kwargs, under
 from engine.fleet.cli_args import add_fleet_args
 from engine.log import configure_logging
 from engine.serving.admission import QueueBounds
+from engine.serving.doomed import ON_DOOMED_CHOICES
 from engine.serving.harmony import HARMONY_REASONING, HARMONY_TOOLS
 from engine.serving.reasoning_parsers import REASONING_PARSERS
 from engine.serving.tool_calls.parsers import PARSERS
@@ -166,7 +167,8 @@ def _serve(args: argparse.Namespace) -> int:
             metrics_require_api_key=args.metrics_require_api_key,
             shutdown=ShutdownConfig(mode=args.shutdown_mode, timeout_s=args.shutdown_timeout),
             tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-            queue_bounds=QueueBounds(args.max_num_queued_reqs, args.max_num_queued_tokens))
+            queue_bounds=QueueBounds(args.max_num_queued_reqs, args.max_num_queued_tokens),
+            on_doomed=args.on_doomed)
         if args.replicas is not None:
             return _serve_fleet(config, settings, args)
         run_server(config, settings, args.host, args.port, args.log_level, launch)
@@ -267,6 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the most prompt tokens the server holds still to prefill; a "
                             "request past it is refused with 429 (one alone is always taken; "
                             "default: no bound)")
+    serve.add_argument("--on-doomed", choices=ON_DOOMED_CHOICES, default="serve",
+                       help="a request whose TTFT objective cannot be met even if it were "
+                            "served ahead of everything queued (with --replicas: on no "
+                            "replica): serve it anyway (default), or reject it at once with "
+                            "429, its predicted_ttft_ms and a Retry-After")
     serve.add_argument("--shutdown-mode", choices=("abort", "wait"),
                        default=ShutdownConfig.mode,
                        help="on SIGTERM: abort (default) ends the requests in flight at once "

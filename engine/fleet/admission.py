@@ -13,9 +13,10 @@ replicas each missed when served (bench/results/HISTORY.md). A request without a
 never doomed, nor is any request while no replica is fresh (the router knows nothing then, and
 refusing on ignorance would turn a reporting hiccup into an outage).
 
-What the ingress does with a doomed request is `OnDoomed`: "serve" it anyway (it is late, its
-client may still want the answer), or "reject" it with 429, the body carrying the best
-predicted TTFT and the `Retry-After` header `retry_after_s`.
+What the ingress does with a doomed request is `--on-doomed` (engine.serving.doomed.OnDoomed,
+which one server applies alike to itself): "serve" it anyway (it is late, its client may still
+want the answer), or "reject" it with 429, the body carrying the best predicted TTFT and the
+`Retry-After` header `retry_after_s`.
 """
 
 from __future__ import annotations
@@ -23,13 +24,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from engine.fleet.load_report import RouteHint
 from engine.fleet.prediction import Prediction
 from engine.fleet.routing import FleetBook
-
-OnDoomed = Literal["serve", "reject"]
 
 # Retry-After is whole seconds (RFC 9110), at least this many: a 0 invites an immediate retry
 # into the same overload.

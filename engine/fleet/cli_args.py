@@ -27,10 +27,6 @@ def add_fleet_args(parser: argparse.ArgumentParser) -> None:
                         "on each replica's slack-ordered queue; the default), pow2 (Ray "
                         "Serve's power of two choices), least-queue (vLLM DP's waiting*4 + "
                         "running), round-robin, prefix (prefix-cache affinity)")
-    g.add_argument("--on-doomed", default=FleetOptions.on_doomed, choices=("serve", "reject"),
-                   help="a request no replica can serve within its TTFT objective: serve it "
-                        "on the least-late replica (default) or answer 429 with its predicted "
-                        "TTFT and a Retry-After, before any work")
     g.add_argument("--report-period-ms", type=positive_float,
                    default=FleetOptions.report_period_s * 1e3,
                    help="how often each replica reports its queue to the router")
@@ -55,7 +51,8 @@ def add_fleet_args(parser: argparse.ArgumentParser) -> None:
 
 def fleet_options(args: argparse.Namespace) -> FleetOptions:
     """The fleet the parsed flags ask for (--shutdown-mode and --shutdown-timeout reach it
-    through the server's settings: engine.fleet.launch)."""
+    through the server's settings: engine.fleet.launch; --on-doomed, a flag of every server,
+    is the ingress's to apply)."""
     autoscaling = None
     if args.autoscale:
         most = args.max_replicas or max(2 * args.replicas, args.min_replicas)

@@ -1,5 +1,7 @@
 """The fleet's /health: ok, degraded (serving, but short of replicas or of their reports), or
-unavailable (no replica reports: 503, so a load balancer in front stops sending)."""
+unavailable (503, so a load balancer in front stops sending): no replica reports, or the
+ingress's router has not started (its error in the report: the router cannot predict, and
+`--on-doomed reject` cannot refuse anything, until it has)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import Response
@@ -18,10 +21,27 @@ from engine.fleet.routing import FleetBook
 STATUS_CACHE_S = 1.0
 
 
+@dataclass
+class RouterStart:
+    """How the ingress's first routed request (the probe that creates its router) is getting
+    on: the ingress updates it, /health reads it."""
+
+    started: bool = False
+    attempts: int = 0
+    # The last failure, as `Type: message` (its traceback is in the ingress's log).
+    error: str | None = None
+
+    def report(self) -> dict[str, Any]:
+        return {"started": self.started, "attempts": self.attempts, "error": self.error}
+
+
 class FleetHealth:
-    def __init__(self, engine_deployment: str, book: Callable[[], FleetBook | None]) -> None:
+    def __init__(self, engine_deployment: str, book: Callable[[], FleetBook | None],
+                 router: RouterStart | None = None) -> None:
+        """`router`: the ingress's router start (None: taken as started)."""
         self.engine_deployment = engine_deployment
         self._book = book
+        self._router = router
         self._status: dict[str, Any] | None = None
         self._status_at = 0.0
 
@@ -48,7 +68,8 @@ class FleetHealth:
         states = deployment["replica_states"]
         running = states.get("RUNNING", 0)
         not_running = sum(n for state, n in states.items() if state != "RUNNING")
-        if book is not None and not fresh:
+        router = self._router
+        if (router is not None and not router.started) or (book is not None and not fresh):
             status = "unavailable"
         elif (deployment["status"] != "HEALTHY" or not_running or stale
               or (book is not None and len(fresh) < running)):
@@ -57,9 +78,12 @@ class FleetHealth:
             status = "degraded"
         else:
             status = "ok"
-        return {"status": status, "deployment": deployment,
-                "replicas": {"running": running, "reporting": len(fresh),
-                             "not_reporting": sorted(stale)}}
+        report = {"status": status, "deployment": deployment,
+                  "replicas": {"running": running, "reporting": len(fresh),
+                               "not_reporting": sorted(stale)}}
+        if router is not None:
+            report["router"] = router.report()
+        return report
 
     async def response(self) -> Response:
         report = await self.report()

@@ -4,6 +4,11 @@ TTFT is stamped here, at the fleet's edge, when the first chunk carrying output 
 role-only opening chunk) leaves for the client: the figure the client measures, a few Ray hops
 after the replica's own stamp. Each replica's gauges come from its latest report to the router,
 under the names llm-d's endpoint picker and vLLM dashboards read, labelled by replica.
+
+What the fleet could not weigh is counted too: requests forwarded without a route hint or
+without admission (`sloserve:fleet_unassessed_total`, by reason) and the router's ranking
+failures, after which it routed in Ray Serve's order (`sloserve:fleet_ranking_failures_total`,
+by exception type, kept in the router's book).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.responses import Response
 
 from engine.fleet.load_report import ReplicaLoad, RouteHint
@@ -30,7 +35,7 @@ class _ReplicaLoads:
     def __init__(self, book: Callable[[], FleetBook | None]) -> None:
         self._book = book
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         book = self._book()
         loads = sorted((book.loads() if book is not None else {}).items())
         now = time.time()
@@ -39,6 +44,15 @@ class _ReplicaLoads:
             for replica, load in loads:
                 family.add_metric([replica], value(load, now))
             yield family
+        failures = CounterMetricFamily(
+            "sloserve:fleet_ranking_failures", "Routing decisions the router failed to make "
+            "(an exception in its ranking, logged with its traceback), each routed in Ray "
+            "Serve's order instead, by exception type.", labels=["error"])
+        # A copy: the router's event loop may count one while this scrape reads them.
+        for error, count in sorted(dict(book.ranking_failures if book is not None
+                                        else {}).items()):
+            failures.add_metric([error], count)
+        yield failures
 
 
 # Each replica's gauges: (name, help, value of its latest report at scrape time).
@@ -78,6 +92,12 @@ class FleetMetrics:
                                 "replica after theirs failed before answering.", registry=r)
         self._failed = Counter("sloserve:fleet_failed", "Requests that failed because their "
                                "replica did (mid-stream, or on every try).", registry=r)
+        self._unassessed = Counter(
+            "sloserve:fleet_unassessed", "Generation requests forwarded without the router's "
+            "prediction or admission weighing them, by reason: invalid_body and chat_prompt "
+            "(the replica answers with its own 400), hint_error (a failure computing the route "
+            "hint, logged with its traceback), router_not_started (--on-doomed reject before "
+            "the ingress's router exists).", ["reason"], registry=r)
 
     def first_output(self, hint: RouteHint, now: float) -> None:
         ttft = max(0.0, now - hint.arrived_at)
@@ -94,6 +114,9 @@ class FleetMetrics:
 
     def failed(self) -> None:
         self._failed.inc()
+
+    def unassessed(self, reason: str) -> None:
+        self._unassessed.labels(reason).inc()
 
     def response(self) -> Response:
         return Response(generate_latest(self.registry),

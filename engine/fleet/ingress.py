@@ -5,10 +5,19 @@ its RouteHint (prompt length, TTFT objective, prefix-block hashes) and weighed b
 the request is forwarded to the replica the router picks (engine.fleet.ray_router), whose engine
 serves it with the single-engine server's own routes. The response streams back unchanged.
 
+A chat request is rendered for its hint by the replica's own function
+(engine.serving.chat_prompt: its tools and template variables included), so the router weighs
+the prompt the replica will prefill. A request whose hint cannot be computed is forwarded
+without one, the reason logged and counted (`sloserve:fleet_unassessed_total`): a body or chat
+prompt the replica refuses gets the replica's own 400; a failure of the hint's own code is
+logged with its traceback.
+
 Faults: a replica that dies before any byte of its response reached the client is retried on
 another (generation is a pure function of the request: nothing was shown twice); one that dies
 mid-stream ends the stream with an OpenAI-shaped error event. `/health` says `degraded` while
-the fleet runs short of its replicas or a replica stops reporting.
+the fleet runs short of its replicas or a replica stops reporting, and `unavailable` (503, the
+last error in full) until the ingress's router has started: until then there is no router book
+to predict or admit by.
 """
 
 from __future__ import annotations
@@ -30,9 +39,9 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from engine.config import EngineConfig
-from engine.fleet.admission import OnDoomed, assess
+from engine.fleet.admission import assess
 from engine.fleet.asgi_bridge import ForwardedRequest, ResponseStart
-from engine.fleet.fleet_health import FleetHealth
+from engine.fleet.fleet_health import FleetHealth, RouterStart
 from engine.fleet.fleet_metrics import FleetMetrics, carries_output
 from engine.fleet.load_report import RouteHint
 from engine.fleet.prefix_hashes import prompt_prefix_hashes
@@ -40,6 +49,8 @@ from engine.fleet.replica import PREDICTED_TTFT_HEADER, REPLICA_HEADER
 from engine.fleet.book_registry import fleet_book
 from engine.processing.input_processor import InputProcessor
 from engine.serving.api_server import SLO_HEADER
+from engine.serving.chat_prompt import chat_prompt, chat_template_of
+from engine.serving.doomed import OnDoomed
 from engine.serving.openai_protocol import ChatCompletionRequest, error_body
 
 logger = logging.getLogger(__name__)
@@ -53,6 +64,27 @@ _HOP_BY_HOP = {b"connection", b"transfer-encoding", b"keep-alive", b"date", b"se
 # Prefix blocks hashed for routing at most: the first 64k tokens at block size 16. A prompt
 # longer than that is told apart by its first part.
 MAX_ROUTED_BLOCKS = 4096
+# Between two tries of the router's warm-up probe; and how often a probe that keeps failing
+# with the same error is logged again (every new error is logged at once, in full).
+ROUTER_RETRY_S = 0.5
+ROUTER_RELOG_S = 30.0
+
+# Why a generation request is forwarded without the router's prediction or admission (the
+# reasons of sloserve:fleet_unassessed_total).
+INVALID_BODY = "invalid_body"
+CHAT_PROMPT = "chat_prompt"
+HINT_ERROR = "hint_error"
+ROUTER_NOT_STARTED = "router_not_started"
+
+
+@dataclass(frozen=True)
+class Unhinted:
+    """A generation request whose route hint could not be computed: `reason` (one of the
+    above) and what went wrong; `error` where it was a failure of the hint's own code."""
+
+    reason: str
+    detail: str
+    error: BaseException | None = None
 
 
 @dataclass(frozen=True)
@@ -79,10 +111,13 @@ class FleetIngress:
         self.engine = engine.options(stream=True, _by_reference=False)
         self.settings = settings
         self.inputs = InputProcessor.for_model(config.model)
+        self._chat_template = chat_template_of(self.inputs)
         self.block_size = config.cache.block_size
         self.metrics = FleetMetrics(lambda: fleet_book(settings.engine_deployment))
+        self.router_start = RouterStart()
         self.health = FleetHealth(settings.engine_deployment,
-                                  lambda: fleet_book(settings.engine_deployment))
+                                  lambda: fleet_book(settings.engine_deployment),
+                                  self.router_start)
         # Tokenizing a 30k-token prompt takes tens of milliseconds: off the event loop, which
         # relays every open stream.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1,
@@ -94,16 +129,36 @@ class FleetIngress:
     async def _start_router(self) -> None:
         """Route one request (a replica's /health) so that this process's router exists and
         follows the replicas' reports before the first client request: admission and /health
-        read its book."""
+        read its book. Tried until it succeeds; meanwhile /health answers 503 with the last
+        error, and each new error is logged with its traceback."""
         probe = ForwardedRequest(method="GET", path="/health")
+        start = self.router_start
+        began = time.monotonic()
+        logged: tuple[str, float] | None = None  # (error, when it was last logged)
         while True:
+            start.attempts += 1
             try:
                 async for _ in self.engine.handle.remote(probe):
                     pass
-                return
-            except Exception as exc:  # replicas still starting
-                logger.info("fleet ingress: waiting for a replica (%s)", type(exc).__name__)
-                await asyncio.sleep(0.5)
+            except Exception as exc:
+                start.error = f"{type(exc).__name__}: {exc}"
+                now = time.monotonic()
+                if logged is None or logged[0] != start.error:
+                    # A fleet still starting may fail a try or two: a warning, in full.
+                    logger.warning("fleet ingress: the router cannot start (attempt %d; "
+                                   "/health is unavailable until it does)", start.attempts,
+                                   exc_info=exc)
+                    logged = (start.error, now)
+                elif now - logged[1] >= ROUTER_RELOG_S:
+                    logger.error("fleet ingress: the router still cannot start after %.0f s "
+                                 "(attempt %d): %s", now - began, start.attempts, start.error)
+                    logged = (start.error, now)
+                await asyncio.sleep(ROUTER_RETRY_S)
+                continue
+            if start.error is not None:
+                logger.info("fleet ingress: the router started (attempt %d)", start.attempts)
+            start.started, start.error = True, None
+            return
 
     async def __call__(self, request: Request) -> Response:
         arrived_at = time.time()
@@ -125,11 +180,15 @@ class FleetIngress:
             else None, arrived_at=arrived_at)
         hint = None
         if request.method == "POST" and path in GENERATION_PATHS:
-            hint = await asyncio.get_running_loop().run_in_executor(
+            computed = await asyncio.get_running_loop().run_in_executor(
                 self._tokenize_pool, self._hint, path, body, request.headers.get(SLO_HEADER),
                 arrived_at)
-            if (refused := self._admit(hint)) is not None:
-                return refused
+            if isinstance(computed, Unhinted):
+                self._unhinted(path, computed)
+            else:
+                hint = computed
+                if (refused := self._admit(hint)) is not None:
+                    return refused
         return await self._forward(forwarded, hint)
 
     def _authorized(self, request: Request) -> bool:
@@ -141,17 +200,21 @@ class FleetIngress:
     # ---- the route hint and admission -------------------------------------------------------
 
     def _hint(self, path: str, body: bytes, slo_header: str | None,
-              arrived_at: float) -> RouteHint | None:
-        """What the router needs of a generation request; None when the body does not parse
-        (the replica answers it with the server's own 400, which names what is wrong)."""
+              arrived_at: float) -> RouteHint | Unhinted:
+        """What the router needs of a generation request, or why it cannot have it: a body or
+        a chat prompt the replica will refuse (it answers with the server's own 400, which
+        names what is wrong), or a failure of this code."""
         try:
             data = json.loads(body)
             if not isinstance(data, dict):
-                return None
+                return Unhinted(INVALID_BODY, "the body is not a JSON object")
             if path == "/v1/chat/completions":
                 chat = ChatCompletionRequest.model_validate(data)
-                prompts = [self.inputs.apply_chat_template(
-                    [m.as_template_input() for m in chat.messages])]
+                try:
+                    # The replica's own rendering: tools and template variables included.
+                    prompts = [chat_prompt(chat, self._chat_template).render(self.inputs)]
+                except ValueError as exc:
+                    return Unhinted(CHAT_PROMPT, str(exc))
             else:
                 prompts = _completion_prompts(data.get("prompt"), self.inputs.encode)
             slo_ms = data.get("ttft_slo_ms")
@@ -159,15 +222,30 @@ class FleetIngress:
                 slo_ms = float(slo_header)
             if slo_ms is None:
                 slo_ms = self.settings.default_ttft_slo_ms
-        except (ValueError, TypeError):
-            return None
+            slo_s = (None if slo_ms is None or not math.isfinite(float(slo_ms))
+                     else float(slo_ms) / 1e3)
+        except (ValueError, TypeError) as exc:
+            return Unhinted(INVALID_BODY, _first_line(exc))
+        except Exception as exc:
+            return Unhinted(HINT_ERROR, f"{type(exc).__name__}: {exc}", exc)
         if not prompts:
-            return None
-        slo_s = None if slo_ms is None or not math.isfinite(float(slo_ms)) else float(slo_ms) / 1e3
+            return Unhinted(INVALID_BODY, "no prompt of a known form")
         return RouteHint(request_id=uuid.uuid4().hex, prompt_tokens=sum(map(len, prompts)),
                          ttft_slo_s=slo_s, arrived_at=arrived_at,
                          prefix_hashes=prompt_prefix_hashes(prompts[0], self.block_size,
                                                             MAX_ROUTED_BLOCKS))
+
+    def _unhinted(self, path: str, unhinted: Unhinted) -> None:
+        """A request forwarded without a hint: routed as one without a deadline, and neither
+        predicted nor admitted. Counted by reason, and logged: a failure of the hint's code
+        with its traceback, a request the replica will refuse in one line."""
+        self.metrics.unassessed(unhinted.reason)
+        if unhinted.error is not None:
+            logger.error("fleet ingress: could not compute the route hint of a %s request; "
+                         "forwarding it unrouted and unadmitted", path, exc_info=unhinted.error)
+        else:
+            logger.info("fleet ingress: %s request forwarded without a route hint (%s: %s); "
+                        "its replica answers it", path, unhinted.reason, unhinted.detail)
 
     def _admit(self, hint: RouteHint | None) -> Response | None:
         """A 429 for a request no replica can serve in time, when the operator chose `reject`;
@@ -175,7 +253,13 @@ class FleetIngress:
         if hint is None or hint.ttft_slo_s is None or self.settings.on_doomed != "reject":
             return None
         book = fleet_book(self.settings.engine_deployment)
-        if book is None:  # no request routed yet: nothing is known against it
+        if book is None:
+            # No router yet (its warm-up has not routed; /health says why): nothing is known
+            # to refuse it on. Served, and said so.
+            self.metrics.unassessed(ROUTER_NOT_STARTED)
+            logger.warning("fleet ingress: a request with a TTFT objective was admitted "
+                           "unassessed: the router has not started (%s)",
+                           self.router_start.error or "its warm-up has not finished")
             return None
         admission = assess(book, hint, time.time())
         if not admission.doomed:
@@ -186,7 +270,9 @@ class FleetIngress:
                    f"{hint.ttft_slo_s * 1e3:.0f} ms: the best predicted TTFT is "
                    f"{predicted_ms:.0f} ms (--on-doomed reject)")
         content = error_body(message, 429)
-        content["error"]["predicted_ttft_ms"] = round(predicted_ms, 1)
+        # The fields a single server's 429 carries too (engine.serving.doomed).
+        content["error"].update(predicted_ttft_ms=round(predicted_ms, 1),
+                                ttft_slo_ms=round(hint.ttft_slo_s * 1e3, 3))
         return Response(json.dumps(content), 429, media_type="application/json",
                         headers={"Retry-After": str(admission.retry_after_s)})
 
@@ -275,6 +361,12 @@ def _completion_prompts(prompt: Any, encode: Any) -> list[list[int]]:
         if all(isinstance(p, list) for p in prompt):
             return [list(p) for p in prompt]
     return []
+
+
+def _first_line(exc: BaseException) -> str:
+    """An exception's message cut to its first line (pydantic's run to several)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def _error(status: int, message: str) -> Response:

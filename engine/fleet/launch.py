@@ -112,11 +112,13 @@ def build_fleet_app(config: EngineConfig, settings: ServerSettings, options: Fle
 
 
 def _replica_settings(settings: ServerSettings) -> ServerSettings:
-    """The replicas sit behind the ingress, which checks the API key; each still enforces the
-    server's own limits and SLO rules."""
+    """The replicas sit behind the ingress, which checks the API key and judges doomed
+    requests over the whole fleet (--on-doomed: a replica refusing by its own queue would
+    refuse what the router sent it on purpose); each still enforces the server's own limits
+    and SLO rules."""
     from dataclasses import replace
 
-    return replace(settings, api_key=None, metrics_require_api_key=False)
+    return replace(settings, api_key=None, metrics_require_api_key=False, on_doomed="serve")
 
 
 def start_fleet(config: EngineConfig, settings: ServerSettings, options: FleetOptions,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.fleet.admission import OnDoomed
 from engine.fleet.autoscaling import DEFAULT_WINDOW_S, ScalingOptions
 from engine.fleet.routing import RouterPolicy
+from engine.serving.doomed import OnDoomed
 
 APP_NAME = "sloserve"
 ENGINE_DEPLOYMENT = "SloserveEngine"

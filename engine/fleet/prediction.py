@@ -21,6 +21,10 @@ What arrives after the request and is due before it (urgent turns overtaking a d
 the router's forecast from the replica's recent traffic (engine.fleet.arrivals), given as
 `overtakers`: it lengthens the point estimate, not the optimistic bound.
 
+`served_first` is the request's TTFT with nothing of the queue ahead of it: the running step's
+end (or its stop, where it can be stopped), then its own prefill. One server's `--on-doomed
+reject` refuses a request that misses its objective even so (engine.serving.doomed).
+
 Not modelled, on purpose: the KV capacity (a replica short of blocks reports a long queue
 anyway), and aging (the report does not carry the replica's aging bound, and an aged request is
 a miss whichever order it then gets).
@@ -83,6 +87,50 @@ def prefill_seconds(load: ReplicaLoad, tokens: int) -> float:
     router would send documents to the replica whose model puts the least in it."""
     return predict_prefill(load.step_model, tokens, load.decode_context,
                            load.max_num_batched_tokens)
+
+
+def running_step(load: ReplicaLoad, now: float) -> tuple[float, bool]:
+    """(seconds left in the replica's running step at wall-clock `now`, whether its monitor
+    can stop it for a waiter: a preemptible step with SLO preemption on that has time left)."""
+    step_remaining = max(0.0, load.step_remaining_s - max(0.0, now - load.made_at))
+    return step_remaining, (load.step_preemptible and load.slo_preemption
+                            and step_remaining > 0)
+
+
+def soonest_start_s(step_remaining: float, preemptible: bool) -> float:
+    """When, at the soonest, the replica can start a waiter's prefill: once the running step is
+    stopped for it (PREEMPT_LATENCY_S, never past the step's end) where it can be, else at the
+    step's end."""
+    return min(step_remaining, PREEMPT_LATENCY_S) if preemptible else step_remaining
+
+
+@dataclass(frozen=True)
+class ServedFirst:
+    """A request's TTFT on a replica that serves it before every request it holds: the running
+    step ended or stopped for it (soonest_start_s), then its own prefill (its prefix-cache hit
+    taken off), chunked at the replica's step budget beside its decodes. From its arrival."""
+
+    # With the step model's prediction: the point estimate.
+    ttft_s: float
+    # At the model's optimistic speed (StepTimeModel.optimistic): no order of the queue does
+    # better, so a request that misses its objective here is doomed on this replica.
+    optimistic_ttft_s: float
+    # Seconds left in the running step (0: idle).
+    step_remaining_s: float
+
+
+def served_first(load: ReplicaLoad, prompt_tokens: int, cached_tokens: int, now: float,
+                 waited_s: float = 0.0) -> ServedFirst:
+    """`prompt_tokens` (of which `cached_tokens` in the prefix cache) served first on the
+    replica that reported `load`, at wall-clock `now`, `waited_s` after the request arrived."""
+    step_remaining, preemptible = running_step(load, now)
+    start = soonest_start_s(step_remaining, preemptible)
+    # A fully cached prompt still computes its last token (the engine recomputes it).
+    prefill = prefill_seconds(load, max(prompt_tokens - cached_tokens, 1))
+    waited = max(0.0, waited_s)
+    return ServedFirst(ttft_s=waited + start + prefill,
+                       optimistic_ttft_s=waited + start + load.step_model.optimistic(prefill),
+                       step_remaining_s=step_remaining)
 
 
 class _Urgency:
@@ -382,7 +430,7 @@ def predict(load: ReplicaLoad | PreparedLoad, unreported: Sequence[RouteHint], h
     load = prepared.load
     model = load.step_model
     age = max(0.0, now - load.made_at)
-    step_remaining = max(0.0, load.step_remaining_s - age)
+    step_remaining, preemptible = running_step(load, now)
 
     running: _Job | None = None
     if step_remaining > 0 or load.running:
@@ -394,7 +442,6 @@ def predict(load: ReplicaLoad | PreparedLoad, unreported: Sequence[RouteHint], h
         best_case = model.optimistic(step_remaining)
         running = _Job(step_remaining, best_case, deadlines,
                        _urgency(ttd, step_remaining, best_case), step=True)
-    preemptible = load.step_preemptible and load.slo_preemption and step_remaining > 0
     # When the waiters' urgencies are taken: now where the gate weighs them (a stoppable step),
     # else when the queue starts, where the monitor ranks them (the step's end).
     base = 0.0 if preemptible or running is None else step_remaining
@@ -453,7 +500,7 @@ def predict(load: ReplicaLoad | PreparedLoad, unreported: Sequence[RouteHint], h
         finish = expected
 
     waited = max(0.0, now - hint.arrived_at)
-    first = min(step_remaining, PREEMPT_LATENCY_S) if preemptible else step_remaining
+    first = soonest_start_s(step_remaining, preemptible)
     ahead = 0.0
     for job in jobs:
         if job is new:

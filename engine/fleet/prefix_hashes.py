@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from engine.core.kv_cache_manager import ROOT_HASH, hash_block_tokens
 
@@ -25,6 +25,19 @@ def prompt_prefix_hashes(token_ids: Sequence[int], block_size: int,
         parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size])
         hashes.append(short_hash(parent))
     return hashes
+
+
+def cached_prompt_blocks(token_ids: Sequence[int], block_size: int,
+                         cached: Collection[int]) -> int:
+    """How many leading full blocks of a prompt are among `cached` (short hashes, as a report
+    carries them), hashing only as far as they match: a prompt that misses at its first block
+    costs one hash, however long it is."""
+    parent = ROOT_HASH
+    for i in range(len(token_ids) // block_size):
+        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size])
+        if short_hash(parent) not in cached:
+            return i
+    return len(token_ids) // block_size
 
 
 def cached_prefix_blocks(prompt_hashes: Sequence[int], cached: Iterable[int]) -> int:

@@ -23,7 +23,6 @@ from engine.fleet.routing import FleetBook, RouterPolicy
 logger = logging.getLogger(__name__)
 
 
-
 class DeadlineRouter(RequestRouter):
     """`request_router_kwargs`: policy (engine.fleet.routing.RouterPolicy), report_period_s,
     seed (for the randomised policies; None: random)."""
@@ -65,8 +64,10 @@ class DeadlineRouter(RequestRouter):
         try:
             self._refresh(candidate_replicas)
             ranks = self.book.rank(self.policy, list(by_id), hint, now)
-        except Exception:
-            # A request must never hang on the router's bug: Ray Serve's own fallback order.
+        except Exception as exc:
+            # A request must never hang on the router's bug: Ray Serve's own fallback order,
+            # counted (sloserve:fleet_ranking_failures_total) as well as logged.
+            self.book.ranking_failures[type(exc).__name__] += 1
             logger.exception("fleet router: ranking failed; routing in Ray Serve's order")
             return [list(candidate_replicas)]
         # One replica per rank: within a rank Ray Serve picks the shortest queue by probing,

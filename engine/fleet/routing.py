@@ -26,7 +26,7 @@ Policies (`RouterPolicy`):
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
@@ -119,6 +119,9 @@ class FleetBook:
         # then, until the ingress takes it for the response (routed_prediction); the oldest
         # are dropped past ROUTED_PREDICTIONS_KEPT (a request whose response never started).
         self.routed_ttft_s: OrderedDict[str, float] = OrderedDict()
+        # Decisions the router (engine.fleet.ray_router) failed to make, by exception type:
+        # kept here, where the ingress's /metrics reads them (engine.fleet.fleet_metrics).
+        self.ranking_failures: Counter[str] = Counter()
 
     # -- events ------------------------------------------------------------------------------
 

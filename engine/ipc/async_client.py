@@ -155,6 +155,11 @@ class AsyncEngineClient:
             await self._reap()
             raise EngineDeadError(f"EngineCore failed to start:\n{ready.error}")
         assert isinstance(ready, CoreReady)
+        if self._slo_preempt_signal is not None:
+            # EngineCore and every worker rank that reads the signal attached before EngineCore
+            # said ready: the name can go, so that this process killed (a fleet replica's actor
+            # by SIGKILL) leaves nothing in /dev/shm.
+            self._slo_preempt_signal.unlink()
         self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
         self.num_blocks = ready.num_blocks
         # Until the first engine message brings a snapshot: an idle engine, every block free.

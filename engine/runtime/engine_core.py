@@ -93,6 +93,10 @@ class EngineCore:
                 self._start_scheduling(signal)
             started = (executor if executor is not None
                        else make_executor(config, self.model, signal))
+            if signal is not None and slo_preempt_signal is None:
+                # Its own signal, and every worker rank that reads it has attached (they do
+                # before the executor returns): its name can go (monitor/slo_preempt_signal.py).
+                signal.unlink()
             if self.model.num_blocks is None:
                 self.model.num_blocks = started.num_kv_blocks
                 check_pool_fits(self.model, config, measured=True)

@@ -42,11 +42,23 @@ class APIError(Exception):
     """An error the client caused (or may retry): status, message and the field to blame."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None,
+                 details: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         # Response headers beside the body (a 429's Retry-After).
         self.headers = headers
+        # Fields the error object carries beside OpenAI's (a doomed request's
+        # predicted_ttft_ms and objective).
+        self.details = details
+
+
+def api_error_body(exc: APIError) -> dict[str, Any]:
+    """The response body of an APIError: OpenAI's error shape, with its details."""
+    body = error_body(exc.message, exc.status, exc.param)
+    if exc.details:
+        body["error"].update(exc.details)
+    return body
 
 
 def log_internal_error(exc: BaseException, where: str) -> str:

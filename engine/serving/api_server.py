@@ -20,8 +20,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.serving.api_errors import (APIError, BodyLimit, InternalErrors, JSONBody, describe_error,
-                               error_for)
+from engine.serving.api_errors import (APIError, BodyLimit, InternalErrors, JSONBody,
+                                       api_error_body, describe_error, error_for)
 from engine.ipc.async_client import AsyncEngineClient, EngineDeadError
 from engine.ipc.core_launch import CoreLaunch
 from engine.config import EngineConfig, ShutdownConfig
@@ -31,6 +31,7 @@ from engine.serving.metrics import ServerMetrics
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.processing.input_processor import InputProcessor, check_fits_context
+from engine.serving.chat_prompt import ChatPromptError, chat_prompt
 from engine.serving.choices import (EnginePrompt, best_of_choices, fan_out,
                                     finals_unless_disconnected, merged)
 from engine.serving.openai_protocol import (MAX_N, ChatCompletionRequest, CompletionRequest,
@@ -38,7 +39,11 @@ from engine.serving.openai_protocol import (MAX_N, ChatCompletionRequest, Comple
 from engine.serving.openai_responses import (ResponseContext, full_response, stream_events,
                                              usage_body)
 from engine.serving.request_fields import shown, unsupported_field
+from engine.serving.responses_api import ResponsesShape
+from engine.serving.responses_protocol import (RequestError, ResponsesRequest,
+                                               as_responses_error, chat_request, refused_field)
 from engine.serving.admission import RETRY_AFTER_S, AdmissionLedger, QueueBounds, QueueFull
+from engine.serving.doomed import DoomedCheck, OnDoomed, RequestDoomed
 from engine.serving.harmony import HARMONY_REASONING, HARMONY_TOOLS, renders_harmony
 from engine.serving.harmony import answer_started as harmony_answer_started
 from engine.serving.reasoning_parsers import REASONING_PARSERS, ReasoningParser
@@ -83,6 +88,9 @@ class ServerSettings:
     reasoning_parser: str | None = None
     # --max-num-queued-reqs / --max-num-queued-tokens (engine.serving.admission).
     queue_bounds: QueueBounds = field(default_factory=QueueBounds)
+    # --on-doomed: a request this server cannot serve within its TTFT objective even ahead of
+    # everything it holds is served anyway, or refused with 429 (engine.serving.doomed).
+    on_doomed: OnDoomed = "serve"
 
 
 def build_app(config: EngineConfig, settings: ServerSettings,
@@ -99,6 +107,7 @@ def build_app(config: EngineConfig, settings: ServerSettings,
     # behind a document (engine.serving.tokenize_lanes).
     lanes = TokenizeLanes(client.inputs, lambda: InputProcessor.for_model(config.model))
     off_loop = lanes.run
+    doomed = DoomedCheck(client.load_report, on_reject=metrics.on_rejected, off_loop=off_loop)
     checked_grammars = CheckedGrammars()
 
     @asynccontextmanager
@@ -134,7 +143,7 @@ def build_app(config: EngineConfig, settings: ServerSettings,
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONBody:
-        return JSONBody(error_body(exc.message, exc.status, exc.param), exc.status,
+        return JSONBody(api_error_body(exc), exc.status,
                         headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -293,13 +302,14 @@ def build_app(config: EngineConfig, settings: ServerSettings,
         settings.tool_call_parser or parser_for_template(template))
     reasoning = (REASONING_PARSERS[settings.reasoning_parser]()
                  if settings.reasoning_parser in REASONING_PARSERS and not harmony else None)
-    reads_effort = template is not None and "reasoning_effort" in template
 
     async def _serve(body: GenerationRequest, request: Request,
                      prompts: list[tuple[str | None, list[int]]], chat: bool,
-                     tools: ToolCalling | None = None) -> Response:
+                     tools: ToolCalling | None = None,
+                     responses: ResponsesShape | None = None) -> Response:
         """Serve one HTTP request: each prompt (a completions list, else one), n samples each,
-        as engine requests that run together; the response gathers them as choices."""
+        as engine requests that run together; the response gathers them as choices.
+        ``responses``: a chat request serving /v1/responses, answered in that API's shape."""
         arrival = request.state.arrival
         _check_model(body)
         if (unsupported := unsupported_field(body, chat)) is not None:
@@ -341,8 +351,16 @@ def build_app(config: EngineConfig, settings: ServerSettings,
         if body.stream and params.ranks_samples:
             raise APIError(400, "best_of > n cannot be streamed: the best samples are known "
                                 "only once all have finished", "best_of")
+        if slo is not None and settings.on_doomed == "reject":
+            # Judged once, on arrival, before it holds anything: what was admitted stays.
+            try:
+                await doomed.check([ids for _, ids in prompts], slo, time.monotonic() - arrival)
+            except RequestDoomed as exc:
+                raise APIError(429, str(exc), None, {"Retry-After": str(exc.retry_after_s)},
+                               exc.details) from None
         prefix = "chatcmpl" if chat else "cmpl"
-        request_id = f"{prefix}-{uuid.uuid4().hex[:16]}-{next(request_ids)}"
+        request_id = (responses.response_id if responses is not None
+                      else f"{prefix}-{uuid.uuid4().hex[:16]}-{next(request_ids)}")
         echo = getattr(body, "echo", False)
         engine_prompts = [EnginePrompt(prompt, prompt_ids, params) for (prompt, prompt_ids), params
                           in zip(prompts, params_per_prompt)]
@@ -394,7 +412,9 @@ def build_app(config: EngineConfig, settings: ServerSettings,
             events = stream_events(ctx, choices,
                                    _forget_on_exit(merged(sources), metrics, child_ids),
                                    num_top, lambda exc: error_for(exc, f"stream {request_id}"),
-                                   clock)
+                                   clock, raw=responses is not None)
+            if responses is not None:
+                events = responses.stream(events)
             return EdgeStampedStream(events, clock, on_close=release,
                                      media_type="text/event-stream")
         try:
@@ -413,7 +433,8 @@ def build_app(config: EngineConfig, settings: ServerSettings,
         if params.ranks_samples:
             choices, finals = best_of_choices(choices, finals, body.n,
                                               params.logprobs is not None)
-        return JSONBody(full_response(ctx, choices, finals, num_top, usage))
+        whole = full_response(ctx, choices, finals, num_top, usage)
+        return JSONBody(whole if responses is None else responses.whole(whole))
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -431,6 +452,10 @@ def build_app(config: EngineConfig, settings: ServerSettings,
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _chat(body, request)
+
+    async def _chat(body: ChatCompletionRequest, request: Request,
+                    responses: ResponsesShape | None = None) -> Response:
         tools = body.tool_dicts
         if harmony:
             # Harmony's calls are messages to `functions.NAME`, read whatever the output holds;
@@ -446,19 +471,34 @@ def build_app(config: EngineConfig, settings: ServerSettings,
                                        tool_parser)
             except ValueError as exc:
                 raise APIError(400, str(exc), "tool_choice") from exc
-        template_kwargs = body.chat_template_kwargs
-        if body.reasoning_effort is not None:
-            if not reads_effort:
-                raise APIError(400, "reasoning_effort: this model's chat template does not "
-                                    "read it", "reasoning_effort")
-            template_kwargs = {**(template_kwargs or {}),
-                               "reasoning_effort": body.reasoning_effort}
+        # What a fleet's router renders too (engine.serving.chat_prompt): the same prompt.
         try:
-            messages = [m.as_template_input() for m in body.messages]
-            ids = await lanes.apply_chat_template(messages, True, tools, template_kwargs)
+            prompt = chat_prompt(body, template)
+        except ChatPromptError as exc:
+            raise APIError(400, str(exc), exc.param) from exc
+        try:
+            ids = await lanes.apply_chat_template(prompt.messages, True, prompt.tools,
+                                                  prompt.template_kwargs)
         except ValueError as exc:
             raise APIError(400, str(exc), "messages") from exc
-        return await _serve(body, request, [(None, ids)], chat=True, tools=calling)
+        return await _serve(body, request, [(None, ids)], chat=True, tools=calling,
+                            responses=responses)
+
+    @app.post("/v1/responses", dependencies=auth)
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        # Served as the chat request it amounts to (engine.serving.responses_protocol), its
+        # answer in the Responses shape (engine.serving.responses_api).
+        if (refused := refused_field(body)) is not None:
+            raise APIError(400, refused[1], refused[0])
+        try:
+            chat = chat_request(body)
+        except RequestError as exc:
+            raise APIError(400, str(exc), exc.param) from exc
+        try:
+            return await _chat(chat, request, ResponsesShape(body, settings.served_model_name))
+        except APIError as exc:  # named as this route's request names the field
+            exc.message, exc.param = as_responses_error(exc.message, exc.param)
+            raise
 
     return app
 

@@ -148,11 +148,13 @@ class ServerMetrics:
                                     "output token met their TPOT SLO.").labels(**labels)
         self.tpot_slo_missed = counter("tpot_slo_missed", "Finished requests whose mean time "
                                        "per output token missed their TPOT SLO.").labels(**labels)
-        # Requests refused at the door (engine.serving.admission), by reason, under both
-        # prefixes: the bound a gateway should know it hit.
-        self.rejected = counter("num_requests_rejected", "Requests refused with 429 because "
-                                "the server's queue bound was reached, by reason "
-                                "(max_num_queued_reqs, max_num_queued_tokens).", "reason")
+        # Requests refused at the door (engine.serving.admission, engine.serving.doomed), by
+        # reason, under both prefixes: the bound a gateway should know it hit.
+        self.rejected = counter("num_requests_rejected", "Requests refused with 429, by "
+                                "reason: the server's queue bound was reached "
+                                "(max_num_queued_reqs, max_num_queued_tokens), or the TTFT "
+                                "objective could not be met even served first (doomed, "
+                                "--on-doomed reject).", "reason")
         self._last: SchedulerStats = SchedulerStats()
         # request id -> (tokens seen, time the last of them arrived)
         self._progress: dict[str, tuple[int, float]] = {}

@@ -95,6 +95,8 @@ def metrics_body(metrics: RequestMetrics | None) -> dict[str, Any] | None:
             "tpot_slo_ms": metrics.tpot_slo_ms, "tpot_slo_met": metrics.tpot_slo_met,
             "num_kv_preemptions": metrics.num_kv_preemptions,
             "num_slo_preemptions": metrics.num_slo_preemptions,
+            # Prompt tokens whose KV came from the prefix cache.
+            "num_cached_tokens": metrics.num_cached_tokens,
             # Deprecated (README.md, "Deprecated names"): the sum of the two above.
             "num_preemptions": metrics.num_preemptions,
             "queue_time_ms": ms(metrics.queue_time),
@@ -281,13 +283,16 @@ class _ChoiceStream:
 
 async def stream_events(ctx: ResponseContext, choices: list[Choice],
                         outputs: AsyncIterator[tuple[int, RequestOutput]], num_top: int,
-                        on_error: Callable[[Exception], dict[str, Any]], clock: EdgeClock
-                        ) -> AsyncIterator[str]:
+                        on_error: Callable[[Exception], dict[str, Any]], clock: EdgeClock,
+                        raw: bool = False) -> AsyncIterator[Any]:
     """SSE chunks for one response: ``outputs`` yields (position in ``choices``, cumulative
     output) as any choice advances. A failure ends the stream with the error event
     ``on_error`` makes of it (a short message: the headers are sent, so this is all the client
     gets). ``clock`` is told which chunks carry a choice's output (the response stamps them
-    once written) and stamps each choice's finish; the final chunks' metrics are its."""
+    once written) and stamps each choice's finish; the final chunks' metrics are its.
+    ``raw``: the chunks' bodies (and "[DONE]") instead of their SSE text, for a route that
+    writes them in its own shape (engine.serving.responses_api), one write per chunk."""
+    frame = (lambda body: body) if raw else _sse
     kind = "chat.completion.chunk" if ctx.chat else "text_completion"
     created = ctx.created
     streams = [_ChoiceStream(c) for c in choices]
@@ -303,9 +308,9 @@ async def stream_events(ctx: ResponseContext, choices: list[Choice],
 
     if ctx.chat:
         for stream in streams:
-            yield _sse(chunk({"index": stream.choice.index,
-                              "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}))
+            yield frame(chunk({"index": stream.choice.index,
+                               "delta": {"role": "assistant", "content": ""},
+                               "logprobs": None, "finish_reason": None}))
     try:
         async for position, out in outputs:
             latest[position] = out
@@ -327,16 +332,16 @@ async def stream_events(ctx: ResponseContext, choices: list[Choice],
                         clock.output_in_next_write(position, out)
                     if answer:
                         clock.answer_in_next_write(position)
-                yield _sse(event)
+                yield frame(event)
     except Exception as exc:  # the engine died, the server is shutting down, or a bug
-        yield _sse(on_error(exc))
-        yield _sse("[DONE]")
+        yield frame(on_error(exc))
+        yield frame("[DONE]")
         return
     if ctx.include_usage and all(o is not None for o in latest):
-        yield _sse({"id": ctx.request_id, "object": kind, "created": created,
-                    "model": ctx.model, "choices": [],
-                    "usage": usage_body(ctx, choices, latest)})
-    yield _sse("[DONE]")
+        yield frame({"id": ctx.request_id, "object": kind, "created": created,
+                     "model": ctx.model, "choices": [],
+                     "usage": usage_body(ctx, choices, latest)})
+    yield frame("[DONE]")
 
 
 def _call_deltas(ctx: ResponseContext, stream: _ChoiceStream, parsed: ParsedOutput

@@ -11,7 +11,8 @@ What vLLM counts that this engine counts differently, and how it is mapped:
 - `vllm:iteration_tokens_total`: the tokens of each engine step as the engine's statistics
   report them (steps between two reports are observed as one);
 - `vllm:admission_rejections`: `--max-num-queued-reqs` / `--max-num-queued-tokens` refusals, by
-  vLLM's reasons.
+  vLLM's reasons, and `--on-doomed reject`'s under the reason `doomed` (vLLM has no such
+  refusal).
 """
 
 from __future__ import annotations

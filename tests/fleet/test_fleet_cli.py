@@ -46,3 +46,17 @@ def test_the_single_engine_server_imports_no_ray():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_on_doomed_is_the_ingress_s_in_a_fleet_and_the_server_s_alone():
+    """One flag for both: a fleet's ingress judges over every replica, and its replicas serve
+    what it sends them (judged again by their own queue alone, they would refuse what the
+    router sent them on purpose)."""
+    from engine.fleet.launch import _replica_settings
+    from engine.serving.api_server import ServerSettings
+
+    args = build_parser().parse_args(["serve", "--replicas", "2", "--on-doomed", "reject"])
+    assert fleet_options(args).on_doomed == "reject" and args.on_doomed == "reject"
+    server = ServerSettings(served_model_name="m", on_doomed="reject")
+    assert _replica_settings(server).on_doomed == "serve"
+    assert build_parser().parse_args(["serve"]).on_doomed == "serve"

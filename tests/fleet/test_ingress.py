@@ -1,93 +1,28 @@
-"""The fleet's ingress without Ray's actors: a fake engine handle stands for the replicas, so the
-retry, mid-stream failure, API key, route hint and admission paths run deterministically."""
+"""The fleet's ingress without Ray's actors: a fake engine handle stands for the replicas
+(tests/utils/fleet_ingress.py), so the retry, mid-stream failure, API key, route hint and
+admission paths run deterministically."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 
-import httpx
 import pytest
 
 # Ray Serve comes with the cluster extra, which the README's test command installs.
 pytest.importorskip("ray.serve", reason="the fleet's tests need Ray Serve: pip install -e "
                                         "'.[test,cluster]'")
-from ray.exceptions import RayActorError
-from starlette.requests import Request
-
-from engine.config import build_engine_config
 from engine.fleet import book_registry
 from engine.fleet.asgi_bridge import ResponseStart
 from engine.fleet.fleet_metrics import carries_output
-from engine.fleet.ingress import FleetIngress, IngressSettings
+from engine.fleet.ingress import INVALID_BODY, Unhinted
 from engine.fleet.routing import FleetBook
 from tests.fleet.builders import load
+from tests.utils.fleet_ingress import DEPLOYMENT, FakeStream
+from tests.utils.fleet_ingress import call as _call
+from tests.utils.fleet_ingress import start_ingress as _ingress
 
-DEPLOYMENT = "TestEngine"
 SSE = [(b"content-type", b"text/event-stream; charset=utf-8")]
-
-
-class FakeStream:
-    """What `handle.remote(...)` returns for a streaming call: parts, or an error at a point."""
-
-    def __init__(self, parts: list, fail_at: int | None = None) -> None:
-        self.parts, self.fail_at, self.cancelled = parts, fail_at, False
-
-    def __aiter__(self) -> AsyncIterator:
-        return self
-
-    async def __anext__(self):
-        if self.fail_at == 0:
-            raise RayActorError()
-        if not self.parts:
-            raise StopAsyncIteration
-        if self.fail_at is not None:
-            self.fail_at -= 1
-        return self.parts.pop(0)
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-class FakeHandle:
-    """The engine deployment's handle: each call takes the next scripted stream."""
-
-    def __init__(self, streams: list[FakeStream]) -> None:
-        self.streams, self.calls, self.handle_options = streams, [], {}
-
-    def options(self, **options) -> FakeHandle:
-        self.handle_options.update(options)
-        return self
-
-    @property
-    def handle(self) -> FakeHandle:
-        return self
-
-    def remote(self, forwarded, hint=None) -> FakeStream:
-        if forwarded.path == "/health":  # the ingress's warm-up probe
-            return FakeStream([ResponseStart(status=200), b"{}"])
-        self.calls.append((forwarded, hint))
-        return self.streams.pop(0)
-
-
-async def _ingress(model: str, streams: list[FakeStream], **settings) -> FleetIngress:
-    ingress = FleetIngress.__new__(FleetIngress)
-    config = build_engine_config(model, device="cpu", dtype="float32")
-    await ingress.__init__(FakeHandle(streams), config,
-                           IngressSettings(engine_deployment=DEPLOYMENT, **settings))
-    return ingress
-
-
-async def _call(ingress: FleetIngress, method: str, path: str, body: dict | None = None,
-                headers: dict | None = None) -> httpx.Response:
-    async def app(scope, receive, send):
-        response = await ingress(Request(scope, receive))
-        await response(scope, receive, send)
-
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://fleet") as client:
-        return await client.request(method, path, json=body, headers=headers or {})
 
 
 def _sse(*events: dict | str) -> list[bytes]:
@@ -190,9 +125,11 @@ def test_route_hints_carry_prompt_length_objective_and_prefix_hashes(tiny_model)
         several = ingress._hint("/v1/completions",
                                 json.dumps({"prompt": [ids, ids[:8]]}).encode(), None, 0.0)
         assert several.prompt_tokens == 48
-        # A body the replica will refuse routes without a hint (its 400 names the problem).
-        assert ingress._hint("/v1/completions", b"{not json", None, 0.0) is None
-        assert ingress._hint("/v1/completions", b'{"prompt": 5}', None, 0.0) is None
+        # A body the replica will refuse routes without a hint (its 400 names the problem),
+        # and says why (tests/fleet/test_ingress_failures.py counts and logs it).
+        for bad in (b"{not json", b'{"prompt": 5}', b'{"prompt": [3], "ttft_slo_ms": "x"}'):
+            unhinted = ingress._hint("/v1/completions", bad, None, 0.0)
+            assert isinstance(unhinted, Unhinted) and unhinted.reason == INVALID_BODY, bad
 
     asyncio.run(run())
 
@@ -210,6 +147,7 @@ def test_reject_mode_refuses_what_no_replica_can_serve_in_time(tiny_model):
                               {"prompt": list(range(3, 600)), "ttft_slo_ms": 20})
         assert refused.status_code == 429
         assert refused.json()["error"]["predicted_ttft_ms"] > 20
+        assert refused.json()["error"]["ttft_slo_ms"] == 20
         assert int(refused.headers["retry-after"]) >= 3
         assert ingress.engine.calls == []  # no replica saw it
         served = await _call(ingress, "POST", "/v1/completions",
