@@ -5,7 +5,8 @@ its RouteHint (prompt length, TTFT objective, prefix-block hashes) and weighed b
 the request is forwarded to the replica the router picks (engine.fleet.ray_router), whose engine
 serves it with the single-engine server's own routes. The response streams back unchanged.
 
-A chat request is rendered for its hint by the replica's own function
+A chat request (and a Responses request, as the chat request it amounts to:
+engine.serving.responses_protocol) is rendered for its hint by the replica's own function
 (engine.serving.chat_prompt: its tools and template variables included), so the router weighs
 the prompt the replica will prefill. A request whose hint cannot be computed is forwarded
 without one, the reason logged and counted (`sloserve:fleet_unassessed_total`): a body or chat
@@ -50,12 +51,13 @@ from engine.fleet.book_registry import fleet_book
 from engine.processing.input_processor import InputProcessor
 from engine.serving.api_server import SLO_HEADER
 from engine.serving.chat_prompt import chat_prompt, chat_template_of
+from engine.serving.responses_protocol import ResponsesRequest, chat_request
 from engine.serving.doomed import OnDoomed
 from engine.serving.openai_protocol import ChatCompletionRequest, error_body
 
 logger = logging.getLogger(__name__)
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 # Routes behind the API key, as on the single-engine server.
 _KEYED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 # A replica that died or cannot be reached; the request is tried on another.
@@ -208,8 +210,11 @@ class FleetIngress:
             data = json.loads(body)
             if not isinstance(data, dict):
                 return Unhinted(INVALID_BODY, "the body is not a JSON object")
-            if path == "/v1/chat/completions":
-                chat = ChatCompletionRequest.model_validate(data)
+            if path != "/v1/completions":
+                # A Responses request is served as the chat request it amounts to.
+                chat = (ChatCompletionRequest.model_validate(data)
+                        if path == "/v1/chat/completions"
+                        else chat_request(ResponsesRequest.model_validate(data)))
                 try:
                     # The replica's own rendering: tools and template variables included.
                     prompts = [chat_prompt(chat, self._chat_template).render(self.inputs)]

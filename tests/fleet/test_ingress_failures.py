@@ -174,7 +174,8 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
 
 def test_the_router_renders_a_chat_prompt_as_the_replica_does(tiny_model, tmp_path):
     """Tools and template variables reach the router's rendering: its prompt length and prefix
-    hashes are those of the prompt the replica's server sends its engine."""
+    hashes are those of the prompt the replica's server sends its engine, for a chat request and
+    for the same turn sent to /v1/responses."""
     from transformers import AutoTokenizer
 
     model = copy_with_chat_template(tiny_model(), tmp_path / "tools-model", TOOLS_TEMPLATE)
@@ -182,21 +183,33 @@ def test_the_router_renders_a_chat_prompt_as_the_replica_does(tiny_model, tmp_pa
             "tools": [TOOL], "tool_choice": "none", "max_tokens": 1,
             "chat_template_kwargs": {"persona": "a weather clerk"}}
 
-    async def replica_prompt() -> list[int]:
+    # The same turn through the Responses API: its flat tools, its own field names.
+    responses_body = {"model": "tiny", "input": "Weather in Paris?",
+                      "tools": [{"type": "function", **TOOL["function"]}], "tool_choice": "none",
+                      "max_output_tokens": 1,
+                      "chat_template_kwargs": {"persona": "a weather clerk"}}
+
+    async def replica_prompt(path: str, sent: dict) -> list[int]:
         fake = FakeCore(len(AutoTokenizer.from_pretrained(model)), max_model_len=4096)
         async with app_client(model, ServerSettings(served_model_name="tiny"), fake=fake) as (
                 http, _):
-            response = await http.post("/v1/chat/completions", json=body)
+            response = await http.post(path, json=sent)
             assert response.status_code == 200, response.text
         return fake.requests[0].prompt_token_ids
 
     async def hints():
         ingress = await start_ingress(model, [])
-        return [ingress._hint("/v1/chat/completions", json.dumps(b).encode(), None, 0.0)
+        chat = [ingress._hint("/v1/chat/completions", json.dumps(b).encode(), None, 0.0)
                 for b in (body, {**body, "tools": None}, {**body, "chat_template_kwargs": None})]
+        return [*chat, ingress._hint("/v1/responses", json.dumps(responses_body).encode(),
+                                     None, 0.0)]
 
-    ids = asyncio.run(replica_prompt())
-    routed, without_tools, without_kwargs = asyncio.run(hints())
+    ids = asyncio.run(replica_prompt("/v1/chat/completions", body))
+    responses_ids = asyncio.run(replica_prompt("/v1/responses", responses_body))
+    routed, without_tools, without_kwargs, responses = asyncio.run(hints())
+    assert responses_ids == ids  # the same turn, rendered alike by both routes
+    assert (responses.prompt_tokens, responses.prefix_hashes) == (routed.prompt_tokens,
+                                                                  routed.prefix_hashes)
     assert routed.prompt_tokens == len(ids)
     assert routed.prefix_hashes == prompt_prefix_hashes(ids, 16, MAX_ROUTED_BLOCKS)
     assert len(routed.prefix_hashes) >= 2
