@@ -168,7 +168,6 @@ def test_the_warm_up_launches_every_variant_serving_launches(tiny_model, arch, g
             warmup = warm_up_kernels(runner, MAX_MODEL_LEN, MAX_NUM_SEQS)
     assert warmup is not None and warmup.variants == frozenset(warm)
 
-    served: set[variants.Variant] = set()
     decode_counts = [0, 1, 2, 7, 16, 33, MAX_NUM_SEQS]
     contexts = [1, 2, 15, 16, 17, 255, 300, 512, 513, 777, MAX_MODEL_LEN]
     chunk_sets = [[], [(0, 2)], [(0, 17), (5, 64), (100, 31)], [(33, 1), (0, 128)]]

@@ -83,7 +83,7 @@ def test_when_only_held_requests_can_run_they_are_released() -> None:
     assert scheduled(sched.schedule()) == {"V": 1, "W": 8}
     assert _unwind(sched, "V", "W") == "pause"  # W fits beside V
     assert _step(sched, runner) == {"W": 8}
-    sched.add_request(_slo(x := make_request("X", 40, max_tokens=1)))  # 10 blocks, 7 free
+    sched.add_request(_slo(make_request("X", 40, max_tokens=1)))  # 10 blocks, 7 free
     # Probe: paused, held.
     assert sched.slack.holds.is_held("V") and v.status is RequestStatus.RUNNING
     assert sched.num_free_blocks < 10  # probe: X cannot come in beside V

@@ -139,8 +139,8 @@ class SchedulerSimulation(RuleBasedStateMachine):
     def arrive(self, arrivals: list[tuple[int, int, float | None, int, int, bool, int]]) -> None:
         """Requests arrive: (prompt length, max_tokens, TTFT objective, priority, shared
         prefix (-1: none), whether it has an EOS token, seed of its tokens)."""
-        for prompt_len, max_tokens, slo_ms, priority, prefix, eos, seed in arrivals:
-            rng = random.Random(seed)
+        for prompt_len, max_tokens, slo_ms, priority, prefix, eos, token_seed in arrivals:
+            rng = random.Random(token_seed)
             head = PREFIXES[prefix] if prefix >= 0 else []
             prompt = head + [rng.randrange(VOCAB) for _ in range(prompt_len)]
             prompt = prompt[: self.max_model_len - 1]

@@ -76,8 +76,6 @@ def warm_up_kernels(runner: WarmupRunner, max_model_len: int,
     the runner does not use the Triton kernels."""
     if runner.model.kernels.name != "triton":
         return None
-    from kernels import triton_attention
-
     if not runner.kv_caches or runner.kv_caches[0][0].shape[0] < 1:
         # The engine refuses such a pool next, naming what to change; nothing to warm up on.
         logger.warning("the KV pool is empty: Triton kernels not warmed up")

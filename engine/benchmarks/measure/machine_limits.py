@@ -70,7 +70,6 @@ def copy_gbps(device: torch.device, timer: Timer, nbytes: int | None = None) -> 
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     ms = timer(lambda: dst.copy_(src))
-    del src, dst
     return 2 * nbytes / (ms / 1000) / 1e9
 
 
@@ -79,7 +78,6 @@ def read_gbps(device: torch.device, timer: Timer, nbytes: int = 512 << 20) -> fl
     second."""
     data = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     ms = timer(lambda: data.sum())
-    del data
     return nbytes // 4 * 4 / (ms / 1000) / 1e9
 
 
@@ -88,7 +86,6 @@ def matmul_tflops(device: torch.device, dtype: torch.dtype, size: int, timer: Ti
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
     ms = timer(lambda: torch.matmul(a, b))
-    del a, b
     return 2 * size**3 / (ms / 1000) / 1e12
 
 
