@@ -31,7 +31,6 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +53,7 @@ from engine.serving.chat_prompt import chat_prompt, chat_template_of
 from engine.serving.responses_protocol import ResponsesRequest, chat_request
 from engine.serving.doomed import OnDoomed
 from engine.serving.openai_protocol import ChatCompletionRequest, error_body
+from engine.serving.tokenize_lanes import TokenizeLanes
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,12 @@ class FleetIngress:
         # which on a busy host delays first tokens by tens of ms (bench/RESULTS.md, Fleet).
         self.engine = engine.options(stream=True, _by_reference=False)
         self.settings = settings
-        self.inputs = InputProcessor.for_model(config.model)
+        # Hints are computed off the event loop (which relays every open stream), in the API
+        # server's two lanes (engine.serving.tokenize_lanes): a flood of documents to template
+        # and tokenize must not hold up a short urgent turn's hint until its objective is gone.
+        self.lanes = TokenizeLanes(InputProcessor.for_model(config.model),
+                                   lambda: InputProcessor.for_model(config.model))
+        self.inputs = self.lanes.inputs
         self._chat_template = chat_template_of(self.inputs)
         self.block_size = config.cache.block_size
         self.metrics = FleetMetrics(lambda: fleet_book(settings.engine_deployment))
@@ -120,10 +125,6 @@ class FleetIngress:
         self.health = FleetHealth(settings.engine_deployment,
                                   lambda: fleet_book(settings.engine_deployment),
                                   self.router_start)
-        # Tokenizing a 30k-token prompt takes tens of milliseconds: off the event loop, which
-        # relays every open stream.
-        self._tokenize_pool = ThreadPoolExecutor(max_workers=1,
-                                                 thread_name_prefix="sloserve-ingress-tokenize")
         self._expected_auth = (None if settings.api_key is None
                                else f"Bearer {settings.api_key}".encode())
         self._warm_up = asyncio.create_task(self._start_router())
@@ -182,9 +183,10 @@ class FleetIngress:
             else None, arrived_at=arrived_at)
         hint = None
         if request.method == "POST" and path in GENERATION_PATHS:
-            computed = await asyncio.get_running_loop().run_in_executor(
-                self._tokenize_pool, self._hint, path, body, request.headers.get(SLO_HEADER),
-                arrived_at)
+            slo_header = request.headers.get(SLO_HEADER)
+            # The body's size stands for its text's (the lane's measure).
+            computed = await self.lanes.on_lane(
+                len(body), lambda inputs: self._hint(path, body, slo_header, arrived_at, inputs))
             if isinstance(computed, Unhinted):
                 self._unhinted(path, computed)
             else:
@@ -201,11 +203,13 @@ class FleetIngress:
 
     # ---- the route hint and admission -------------------------------------------------------
 
-    def _hint(self, path: str, body: bytes, slo_header: str | None,
-              arrived_at: float) -> RouteHint | Unhinted:
+    def _hint(self, path: str, body: bytes, slo_header: str | None, arrived_at: float,
+              inputs: InputProcessor | None = None) -> RouteHint | Unhinted:
         """What the router needs of a generation request, or why it cannot have it: a body or
         a chat prompt the replica will refuse (it answers with the server's own 400, which
-        names what is wrong), or a failure of this code."""
+        names what is wrong), or a failure of this code. ``inputs``: the tokenizing lane's
+        (default: the short lane's)."""
+        inputs = inputs or self.inputs
         try:
             data = json.loads(body)
             if not isinstance(data, dict):
@@ -217,11 +221,11 @@ class FleetIngress:
                         else chat_request(ResponsesRequest.model_validate(data)))
                 try:
                     # The replica's own rendering: tools and template variables included.
-                    prompts = [chat_prompt(chat, self._chat_template).render(self.inputs)]
+                    prompts = [chat_prompt(chat, self._chat_template).render(inputs)]
                 except ValueError as exc:
                     return Unhinted(CHAT_PROMPT, str(exc))
             else:
-                prompts = _completion_prompts(data.get("prompt"), self.inputs.encode)
+                prompts = _completion_prompts(data.get("prompt"), inputs.encode)
             slo_ms = data.get("ttft_slo_ms")
             if slo_ms is None and slo_header is not None:
                 slo_ms = float(slo_header)

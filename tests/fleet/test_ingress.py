@@ -160,6 +160,45 @@ def test_reject_mode_refuses_what_no_replica_can_serve_in_time(tiny_model):
         book_registry._BOOKS.pop(DEPLOYMENT, None)
 
 
+def test_a_documents_hint_does_not_hold_up_a_short_turns(tiny_model, monkeypatch):
+    """The hints are computed in the API server's two tokenizing lanes: while a long document's
+    hint is held on the long lane, a short turn's hint is computed and the turn forwarded."""
+    import threading
+
+    from engine.serving.tokenize_lanes import LONG_INPUT_CHARS
+
+    async def run():
+        streams = [FakeStream([ResponseStart(status=200), b"{}"]) for _ in range(2)]
+        ingress = await _ingress(tiny_model(), streams)
+        release, entered = threading.Event(), threading.Event()
+        hint = ingress._hint
+        lanes: dict[str, str] = {}
+
+        def held_hint(path, body, slo_header, arrived_at, inputs=None):
+            lanes[json.loads(body)["prompt"][:8]] = threading.current_thread().name
+            if len(body) >= LONG_INPUT_CHARS:
+                entered.set()
+                release.wait(10)
+            return hint(path, body, slo_header, arrived_at, inputs)
+
+        monkeypatch.setattr(ingress, "_hint", held_hint)
+        document = asyncio.create_task(_call(ingress, "POST", "/v1/completions",
+                                             {"prompt": "document " * 3000}))
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        turn = await asyncio.wait_for(_call(ingress, "POST", "/v1/completions",
+                                            {"prompt": "a short turn"}), 5)
+        assert turn.status_code == 200 and not document.done()  # the document still held
+        release.set()
+        assert (await document).status_code == 200
+        # Probe: each took its own lane's thread.
+        assert lanes["document"].startswith("sloserve-tokenize-long")
+        assert lanes["a short "].startswith("sloserve-tokenize") and \
+            not lanes["a short "].startswith("sloserve-tokenize-long")
+
+    asyncio.run(run())
+
+
 @pytest.mark.parametrize("chunk, shows", [
     (b'data: {"choices": [{"index": 0, "delta": {"role": "assistant"}}]}\n\n', False),
     (b'data: {"choices": [{"index": 0, "delta": {"content": "Hi"}}]}\n\n', True),
