@@ -7,10 +7,8 @@ operator can find it and a client learns nothing about the server's code or its 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import time
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -117,8 +115,8 @@ class InternalErrors:
 
 
 class BodyLimit:
-    """Stamps the arrival time and refuses bodies over `limit` bytes with 413, by
-    Content-Length up front or by counting a streamed body."""
+    """Refuses bodies over `limit` bytes with 413, by Content-Length up front or by counting a
+    streamed body."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app, self.limit = app, limit
@@ -126,15 +124,6 @@ class BodyLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        # setdefault: a fleet replica's bridge (engine.fleet.asgi_bridge) stamps the arrival
-        # at the fleet's ingress, where the client's request was read.
-        scope.setdefault("state", {}).setdefault("arrival", time.monotonic())
-        # Requests that arrive together are read in one pass of the event loop, and each then
-        # runs its handler up to its first wait (validation, routing: about a millisecond) in
-        # turn: without this yield the sixteenth of a burst would be stamped some 20 ms after it
-        # was read, time its client waits and its TTFT would not count. Every request of the
-        # pass is stamped first; the yield costs one loop iteration.
-        await asyncio.sleep(0)
         headers = dict(scope.get("headers") or [])
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:

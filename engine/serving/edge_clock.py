@@ -21,7 +21,7 @@ the engine's stamp counted 9 met). So the API server stamps each choice itself:
   carries the metrics, so, as above, it is stamped as that chunk is built).
 
 TPOT is (finish - first token) / (tokens - 1) over these two stamps, both on this side. The
-arrival they count from is stamped as the request is read (engine.serving.api_errors.BodyLimit).
+arrival they count from is stamped as the request is read (engine.serving.arrival).
 """
 
 from __future__ import annotations

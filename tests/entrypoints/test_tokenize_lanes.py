@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-import engine.serving.api_server
+import engine.serving.serving_engine
 from engine.processing.input_processor import InputProcessor
 from engine.serving.tokenize_lanes import LONG_INPUT_CHARS, text_size
 from tests.utils.inprocess_server import FakeCore, app_client
@@ -101,13 +101,13 @@ def test_a_checked_grammar_is_not_checked_again(model_dir, vocab_size, monkeypat
     """An agent's next turn with the same schema skips the check (a hop off the event loop);
     another schema is checked, and a malformed one is a 400 every time."""
     calls: list[object] = []
-    check = engine.serving.api_server.grammar_of
+    check = engine.serving.serving_engine.grammar_of
 
     def counted(params):
         calls.append(params)
         return check(params)
 
-    monkeypatch.setattr(engine.serving.api_server, "grammar_of", counted)
+    monkeypatch.setattr(engine.serving.serving_engine, "grammar_of", counted)
     schema = {"type": "object", "properties": {"city": {"type": "string"}}}
     malformed = {"type": "object", "properties": {"city": {"type": "strnig"}}}
 

@@ -1,0 +1,37 @@
+"""`POST /v1/completions`: a prompt, or a list of them, each text or token ids, served as
+engine requests that run together (engine.serving.serving_engine)."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from engine.serving.api_errors import APIError
+from engine.serving.openai_protocol import CompletionRequest
+from engine.serving.serving_engine import OpenAIServing, Prompt
+from engine.serving.tokenize_lanes import TokenizeLanes
+
+
+class OpenAIServingCompletion:
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+
+    async def create_completion(self, body: CompletionRequest, request: Request) -> Response:
+        try:
+            given = body.prompts
+        except ValueError as exc:
+            raise APIError(400, str(exc), "prompt") from exc
+        prompts: list[Prompt] = []
+        for prompt in given:
+            if isinstance(prompt, str):
+                prompts.append((prompt, await _encode(self.serving.lanes, prompt)))
+            else:
+                prompts.append((None, list(prompt)))
+        return await self.serving.serve(body, request, prompts)
+
+
+async def _encode(lanes: TokenizeLanes, prompt: str) -> list[int]:
+    try:
+        return await lanes.encode(prompt)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "prompt") from exc
