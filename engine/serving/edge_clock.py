@@ -4,7 +4,7 @@ every user-facing TTFT and TPOT figure (the `metrics` object, /metrics) is compu
 EngineCore stamps a request's first token when the step that sampled it ends, and the
 scheduler's slack decisions keep using that stamp. A client sees the token later: after
 detokenization, the frame to this process and the event loop getting round to the request's
-stream, which under load is seconds (issue 24: a GPU burst met 0/10 by the client's clock while
+stream, which under load is seconds (a GPU burst once met 0/10 by the client's clock while
 the engine's stamp counted 9 met). So the API server stamps each choice itself:
 
 - first token, streamed: when the ASGI `send` of the first chunk carrying the choice's output
