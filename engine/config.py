@@ -299,10 +299,9 @@ def build_engine_config(model: str, *, dtype: str = ModelConfig.dtype,
     default is the config dataclass field's own (defined there, once; the command line reads it
     from there too: engine.entrypoints.engine_args).
     ``chat_template``: a file path or the template itself (read and checked here)."""
-    from engine.dry_run import stop_if_dry_run
     from engine.processing.chat_template import load_chat_template  # jinja2: only when needed
 
-    config = EngineConfig(
+    return EngineConfig(
         model=ModelConfig(model=model, dtype=dtype, device=device,
                           attention_backend=attention_backend, fused_ops=fused_ops,
                           enforce_eager=enforce_eager,
@@ -336,6 +335,3 @@ def build_engine_config(model: str, *, dtype: str = ModelConfig.dtype,
         collective_timeout_s=collective_timeout_s,
         cpu_threads=cpu_threads,
     )
-    # Under `gpu_suite.sh --dry-run` every command stops here (engine/dry_run.py).
-    stop_if_dry_run(config)
-    return config

@@ -1,6 +1,6 @@
 """CPU paged attention against this machine's limits, every implementation side by side in one run.
 
-Inputs are laid out as the model runner lays them out (engine/benchmarks/kernels/harness.py
+Inputs are laid out as the model runner lays them out (bench/kernels/harness.py
 build_batch: paged cache [num_blocks, block_size, Hkv, D], shuffled block tables,
 AttentionMetadata) with the default model's attention shape (9 query heads, 3 KV heads, head_dim 64, block 16, float32). Times are
 per layer, the median of repeats, interleaved across implementations so machine noise (other
@@ -37,8 +37,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from bench.kernels.harness import PagedBatch, build_batch
 from engine.benchmarks.measure import machine_limits
-from engine.benchmarks.kernels.harness import PagedBatch, build_batch
 from kernels import torch_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16

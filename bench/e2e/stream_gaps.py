@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.suite import dry_run
 from engine.benchmarks.server import free_port, launched_server, serve_command
 from engine.benchmarks.measure.figures import FigureLog, jsonl_twin
 
@@ -61,15 +62,6 @@ def _stream(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     gaps = [(b - a) * 1000 for a, b in zip(times, times[1:])]
     return {"ttft_ms": round((times[0] - sent) * 1000, 2),
             "gaps_ms": [round(g, 2) for g in gaps]}
-
-
-def _dry_run() -> bool:
-    """Under `bench/suite/gpu_suite.sh --dry-run` (engine/dry_run.py)."""
-    try:
-        from engine.dry_run import enabled
-    except ImportError:
-        return False
-    return enabled()
 
 
 def server_log_path(out: str | Path) -> Path:
@@ -136,9 +128,11 @@ def main(argv: list[str] | None = None) -> int:
                   "--log-level", "info",
                   *(["--device", args.device] if args.device != "auto" else []),
                   *(["--enforce-eager"] if args.enforce_eager else []), *args.serve_arg]
-    if _dry_run():
-        # `gpu_suite.sh --dry-run`: the server builds its configuration and exits there.
-        return subprocess.run(serve_command(*serve_args, port=free_port()),
+    if dry_run.enabled():
+        # `gpu_suite.sh --dry-run`: the server, through the dry run's launcher, builds its
+        # configuration and exits there.
+        return subprocess.run(dry_run.launcher_command(serve_command(*serve_args,
+                                                                     port=free_port())),
                               stdin=subprocess.DEVNULL,
                               env={**os.environ, "HF_HUB_OFFLINE": "1"}).returncode
     figures = FigureLog(jsonl_twin(args.output) if args.output else None)

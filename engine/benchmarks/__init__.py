@@ -8,8 +8,6 @@
   each also a script in bench/e2e/;
 - `device_throughput/`: `sloserve bench throughput --device`, a real shape on one device against
   its measured limits, CUDA graphs against eager, HF beside it;
-- `kernels/`: `sloserve bench kernels`, the Triton kernels against PyTorch's;
-- `suite/`: `sloserve bench suite`, the GPU suite (its script, smoke, equality, summary);
 - `inputs/`: what a benchmark feeds the engine: seeded prompts, arrivals on a schedule, random
   checkpoints and a small tokenizer, real model shapes without weights (`sloserve bench shape`);
 - `measure/`: how it measures and reports: the machine's limits, the roofline, the engine's steps

@@ -7,10 +7,6 @@ that a standing benchmark runs the same way from the CLI, from a script in bench
   run     replay traces against policies x budgets x rates x seeds          (attainment)
   sweep   find fcfs' 50% attainment rate, run the grid at 0.5x/1x/1.5x      (attainment)
   report  rebuild the Markdown table and plots from a results JSON         (attainment)
-  kernels Triton attention and fused kernels against PyTorch's, decode bandwidth against the
-          device's peak (a GPU; --smoke: tiny shapes on the CPU in Triton's interpreter)
-  suite   the GPU suite: OUT_DIR [--core] [--only STEP]; steps under per-step time limits,
-          OUT_DIR/summary.md and suite.json (engine/benchmarks/suite/gpu_suite.sh)
   shape   write a model folder of a real shape without its weights, for --load-format dummy
           runs (config.json and a tokenizer that covers the shape's vocabulary)
 
@@ -23,6 +19,8 @@ The standing end-to-end benchmarks (each `--output PATH` writes its figures to a
   latency     an urgent request's arrival -> the stop of a long prefill (--simulate supported)
   serve       the offline engine vs the same requests through `sloserve serve` (HTTP, SSE)
   soak        N concurrent clients for T seconds against a real server; nothing may be lost
+  flood       10x a server's queue bound in requests at once (one server or a fleet): only
+              429s and completed 200s, urgent ones within their objectives, counters agreeing
   host        the engine loop's host time per step and per sequence against a simulated
               device (--simulate's profile), and the share of its time the device sits idle
 """
@@ -35,14 +33,12 @@ from typing import Any
 
 from engine.benchmarks.inputs import model_shapes
 from engine.benchmarks.attainment import cli as attainment_cli
-from engine.benchmarks.kernels import cli as kernels_cli
-from engine.benchmarks.suite import cli as suite_cli
 
 
 def add_bench_parser(subparsers: Any) -> None:
     bench = subparsers.add_parser("bench", help="the benchmark suite: SLO attainment, "
                                                 "throughput, latency, serving, soak, "
-                                                "kernels, the GPU suite, shapes",
+                                                "shapes",
                                   description=__doc__ + "\n" + (attainment_cli.__doc__ or ""),
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = bench.add_subparsers(dest="bench_command", metavar="COMMAND")
@@ -55,8 +51,6 @@ def add_bench_parser(subparsers: Any) -> None:
     bench.set_defaults(func=show_commands)
 
     attainment_cli.add_subcommands(sub)
-    kernels_cli.add_subcommands(sub)
-    suite_cli.add_subcommands(sub)
 
     shape = sub.add_parser("shape", help="write a model folder of a real shape without weights "
                                          "(config.json and a tokenizer), for --load-format dummy",
@@ -100,6 +94,8 @@ STANDING_BENCHMARKS = [
     ("latency", "e2e.latency", "an urgent arrival -> the stop of a long prefill"),
     ("serve", "e2e.serve_overhead", "the offline engine vs through the HTTP server"),
     ("soak", "e2e.soak", "concurrent clients against a real server for a while"),
+    ("flood", "flood.flood", "10x the queue bound at once against one server or a fleet: "
+                             "only 429s and completed 200s"),
     ("host", "e2e.host", "the engine loop's host time per step and per sequence against a "
                          "simulated device, and the share of its time the device sits idle"),
     ("structured", "e2e.structured_overhead", "TPOT with structured outputs (a JSON schema) "

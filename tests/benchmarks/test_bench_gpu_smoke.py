@@ -1,4 +1,4 @@
-"""engine/benchmarks/suite/smoke.py (`python -m bench.suite.gpu_smoke`), the GPU suite's first
+"""bench/suite/gpu_smoke.py (`python -m bench.suite.gpu_smoke`), the GPU suite's first
 step: it tells the suite whether the rest of the call can use CUDA graphs. On the CPU the graphs are the test stand-in (EagerReplayBackend)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.benchmarks.suite import smoke as gpu_smoke
+from bench.suite import gpu_smoke
 from engine.benchmarks.inputs.random_checkpoints import make_random_model, save_small_tokenizer
 from workers.graphs.cuda_graphs import FAKE_GRAPHS_ENV, EagerReplayBackend
 

@@ -1,4 +1,4 @@
-"""The GPU suite's summary (engine/benchmarks/suite/summary.py) on folders a GPU suite call
+"""The GPU suite's summary (bench/suite/gpu_summary.py) on folders a GPU suite call
 could leave: steps killed at their limit (no final JSON, only the .jsonl of what they
 measured), a suite killed mid-step (its row still `running`), steps the summary has no section
 for, the suite's notes, a dry run."""
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.suite import gpu_summary
 from engine.benchmarks.device_throughput import benchmark as gpu_throughput
 from engine.benchmarks.measure.figures import FigureLog, read_figures
-from engine.benchmarks.suite import summary as gpu_summary
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_notes_unknown_steps_and_partial_bursts(tmp_path):
         "(smoke.log has the error)\n")
     (out / "ttft_model.json").write_text(json.dumps({"seconds_per_token": 2e-5,
                                                      "intercept_s": 0.01, "r2": 0.99}))
-    # The smoke step's phases as it wrote them (engine/benchmarks/suite/smoke.py), no final JSON.
+    # The smoke step's phases as it wrote them (bench/suite/gpu_smoke.py), no final JSON.
     with FigureLog(out / "smoke.jsonl") as log:
         log.write("engine", enforce_eager=False, error="RuntimeError: capture failed",
                   start_s=3.5)

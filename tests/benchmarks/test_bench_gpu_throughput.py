@@ -381,7 +381,7 @@ def test_smoke_profile_counts_each_step_kind(smoke):
                                                  sizes["mixed_decodes"] + sizes["mixed_chunk"])
 
     # The markdown carries the section, after the throughput table, one row per kind; the JSON
-    # carries the same markdown (engine/benchmarks/suite/summary.py quotes it).
+    # carries the same markdown (bench/suite/gpu_summary.py quotes it).
     assert result["markdown"] == stdout.rstrip("\n")
     section = stdout[stdout.index("#### Engine profile (torch.profiler)"):]
     assert stdout.index("| phase | batch |") < stdout.index("#### Engine profile")
@@ -484,7 +484,7 @@ def test_profile_flags_are_checked():
 
 
 def test_the_gpu_suite_summary_quotes_the_table_and_the_profile(smoke, tmp_path):
-    from engine.benchmarks.suite import summary as gpu_summary
+    from bench.suite import gpu_summary
 
     result, stdout = smoke
     (tmp_path / "throughput.json").write_text(json.dumps(result))
@@ -725,14 +725,16 @@ def test_a_killed_run_keeps_the_figures_it_measured(tmp_path):
 
 def test_the_suites_dry_run_and_enforce_eager_flags(tmp_path):
     """`gpu_suite.sh --dry-run` runs the core call's command with --enforce-eager (as after a
-    failed capture) on a CPU: it builds the engine configuration for CUDA and stops there."""
-    from engine import dry_run
+    failed capture) on a CPU, through the dry run's launcher: it builds the engine
+    configuration for CUDA and stops there, before measuring the device."""
+    from bench.suite import dry_run
     args = benchmark.parse_args(["--smoke", "--enforce-eager"])
     assert args.enforce_eager
-    env = dict(os.environ, HF_HUB_OFFLINE="1", **{dry_run.DRY_RUN_ENV: "1"})
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.pop(dry_run.DRY_RUN_ENV, None)  # the launcher is the switch
     run = subprocess.run(
-        [sys.executable, "-m", "bench.suite.gpu_throughput", "--device", "cuda", "--shape",
-         "llama-3.1-8b", "--no-hf", "--batches", "1", "64", "--enforce-eager",
+        [sys.executable, "-m", "bench.suite.dry_run", "bench.suite.gpu_throughput", "--device",
+         "cuda", "--shape", "llama-3.1-8b", "--no-hf", "--batches", "1", "64", "--enforce-eager",
          "--output", str(tmp_path / "throughput.json")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]

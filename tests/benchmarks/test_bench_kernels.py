@@ -1,6 +1,7 @@
-"""The GPU kernel benchmark (engine/benchmarks/kernels/, `python -m bench.kernels.gpu_kernels`), without a GPU: the plain run must exit cleanly
-with its needs-a-GPU line, and `--smoke` (tiny shapes in Triton's interpreter) must run every
-section and print its table rows, so the script cannot rot untested."""
+"""The GPU kernel benchmark (bench/kernels/, `python -m bench.kernels.gpu_kernels`), without a
+GPU: the plain run must exit cleanly with its needs-a-GPU line, `--smoke` (tiny shapes in
+Triton's interpreter) must run every section and print its table rows, so the script cannot rot
+untested, and under the GPU suite's dry run it stops once its arguments are parsed."""
 
 from __future__ import annotations
 
@@ -134,7 +135,7 @@ def test_sweep_until_s_starts_no_config_past_its_time(tmp_path):
 
 
 def test_peak_bandwidth_sources(monkeypatch):
-    from engine.benchmarks.kernels import harness as bench
+    from bench.kernels import harness as bench
 
     timer = bench.Timer(torch.device("cpu"), 0, 1)
     cuda = torch.device("cuda", 0)
@@ -167,7 +168,7 @@ def test_prefill_baseline_falls_back_to_repeated_kv(monkeypatch):
     to the query heads (query head h reads KV head h // group) and still computes the same."""
     from torch.nn.attention.bias import causal_lower_right
 
-    from engine.benchmarks.kernels import gpu_kernels as bench
+    from bench.kernels import gpu_kernels as bench
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 5, 16, generator=g)
@@ -191,15 +192,10 @@ def test_prefill_baseline_falls_back_to_repeated_kv(monkeypatch):
     assert mask == "lower-right, K/V repeated" and torch.allclose(call(), expected, atol=1e-5)
 
 
-def test_sloserve_bench_kernels_runs_the_same_benchmark(tmp_path):
-    """`sloserve bench kernels` is the same benchmark as `python -m bench.kernels.gpu_kernels`:
-    a --smoke run of one section prints its table and writes it to --output."""
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
+def test_one_section_writes_its_table_to_output(tmp_path):
+    """A --smoke run of one section prints its table and writes it to --output."""
     path = tmp_path / "kernels.json"
-    result = subprocess.run([sys.executable, "-m", "engine.entrypoints.cli", "bench", "kernels",
-                             "--smoke", "--sections", "silu", "--output", str(path)], cwd=REPO,
-                            env=env, capture_output=True, text=True, timeout=120)
+    result = _run("--smoke", "--sections", "silu", "--output", str(path))
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("SMOKE RUN")
     assert [(r[0], r[1]) for r in _section(result.stdout, "silu_and_mul:")] == [("1", "96"),
@@ -207,3 +203,30 @@ def test_sloserve_bench_kernels_runs_the_same_benchmark(tmp_path):
     written = json.loads(path.read_text())
     assert written["smoke"] and [t["title"].split(":")[0] for t in written["tables"]] \
         == ["silu_and_mul"]
+
+
+def _dry_run(*args: str) -> subprocess.CompletedProcess:
+    """The benchmark through the GPU suite's dry-run launcher (bench/suite/dry_run.py)."""
+    from bench.suite import dry_run
+
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    env.pop(dry_run.DRY_RUN_ENV, None)  # the launcher is the switch
+    return subprocess.run([sys.executable, "-m", "bench.suite.dry_run", "bench.kernels.gpu_kernels",
+                           *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args, what", [
+    ((), "the kernels at full sizes, 20 repeats"),
+    (("--sweep-configs", "--sweep-until-s", "480"),
+     "the attention launch-config sweep at full sizes, 20 repeats")])
+def test_a_dry_run_stops_once_the_arguments_are_parsed(tmp_path, args, what):
+    """It builds no engine: under the suite's dry run it says what would have run and exits 0
+    before any kernel, table or file; a misspelt flag still fails."""
+    path = tmp_path / "out.json"
+    result = _dry_run(*args, "--output", str(path))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == f"dry run: arguments parsed: {what}"
+    assert result.stdout == "" and not path.exists()
+    misspelt = _dry_run(*args, "--rounds", "3")
+    assert misspelt.returncode == 2 and "unrecognized arguments: --rounds" in misspelt.stderr

@@ -1,9 +1,9 @@
-"""The GPU suite (engine/benchmarks/suite/gpu_suite.sh, run as `bash bench/suite/gpu_suite.sh` and
-`sloserve bench suite`) on the CPU, so that the two calls a GPU machine runs cannot rot where CI has
-no GPU:
+"""The GPU suite (`bash bench/suite/gpu_suite.sh`) on the CPU, so that the two calls a GPU machine
+runs cannot rot where CI has no GPU:
 
 - `--dry-run`: every step of both calls with its exact full-size flags (the 8B shape, `--device
-  cuda`) up to its engine configuration; a probe shows a renamed flag fails it;
+  cuda`), each through the dry run's launcher (bench/suite/dry_run.py), up to its engine
+  configuration; a probe shows a renamed flag fails it;
 - `--core --device cpu --smoke`: the core call end to end at tiny shapes, with one step killed at
   its limit (the summary still comes out, with what the killed step had measured), and the
   suite itself interrupted mid-step;
@@ -36,9 +36,8 @@ import pytest
 from tests.utils.figures_wait import wait_for_figures
 
 ROOT = Path(__file__).resolve().parents[2]
-# The suite's script, and the command CONTRIBUTING documents (a wrapper that runs it).
-SCRIPT = ROOT / "engine" / "benchmarks" / "suite" / "gpu_suite.sh"
-WRAPPER = ROOT / "bench" / "suite" / "gpu_suite.sh"
+# The suite's script, the command CONTRIBUTING documents.
+SCRIPT = ROOT / "bench" / "suite" / "gpu_suite.sh"
 CORE_STEPS = ["smoke", "throughput", "calibrate", "burst-http-2048", "stream-gaps"]
 FULL_STEPS = ["equality", "structured", "tests-cuda", "preempt-latency", "burst-http-unchunked",
               "throughput-hf", "kernels", "tests-triton-compiled", "burst-inprocess"]
@@ -66,7 +65,7 @@ def _last_line(out: Path, step: str) -> str:
     return lines[-1] if lines else ""
 
 
-def _run(args: list[str], timeout: float, script: Path = WRAPPER,
+def _run(args: list[str], timeout: float, script: Path = SCRIPT,
          env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["bash", str(script), *args], cwd=ROOT, env=env or _env(),
                           capture_output=True, text=True, timeout=timeout)
@@ -76,7 +75,7 @@ class _Background:
     """A suite run started in the background (`suite_runs`), its output in files (no pipe
     fills up while no test reads it)."""
 
-    def __init__(self, folder: Path, args: list[str], script: Path = WRAPPER,
+    def __init__(self, folder: Path, args: list[str], script: Path = SCRIPT,
                  env: dict[str, str] | None = None) -> None:
         self.stdout, self.stderr = folder / "suite.stdout", folder / "suite.stderr"
         with self.stdout.open("w") as stdout, self.stderr.open("w") as stderr:
@@ -116,7 +115,7 @@ EAGER_PROBE_STEPS = ["throughput", "calibrate", "burst-http-2048", "stream-gaps"
 
 
 def _start_eager_dry_run(folder: Path) -> _Background:
-    bench = folder / "copy" / "engine" / "benchmarks" / "suite"
+    bench = folder / "copy" / "bench" / "suite"
     bench.mkdir(parents=True)
     text = SCRIPT.read_text()
     assert text.count("--eager-batches 1 64") == 1  # the full-size flags
@@ -331,6 +330,13 @@ def test_dry_run_builds_every_steps_engine_configuration_at_full_size(
     failed = {name: _last_line(out, name) for name, (rc, *_) in steps.items() if rc != "0"}
     assert not failed, failed
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # Each step's command as the suite printed it: every one but the pytest steps runs through
+    # the dry run's launcher (the product's entry points know nothing of a dry run).
+    commands = dict(re.findall(r"^== ([a-z0-9-]+) \(limit \d+s\): (.*)$", proc.stdout,
+                               flags=re.MULTILINE))
+    assert set(commands) == set(steps)
+    for name, command in commands.items():
+        assert ("-m bench.suite.dry_run " in command) == (name not in TEST_STEPS), command
     for name in steps:
         last = _last_line(out, name)
         if name in TEST_STEPS:
@@ -386,36 +392,9 @@ def test_gpu_suite_refuses_the_full_shapes_without_a_gpu(tmp_path: Path) -> None
 
 
 def test_gpu_suite_needs_an_output_folder() -> None:
-    proc = subprocess.run(["bash", str(WRAPPER)], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and "usage" in proc.stderr
-
-
-def test_sloserve_bench_suite_runs_the_same_script(tmp_path: Path) -> None:
-    """`sloserve bench suite` runs gpu_suite.sh with its own arguments: the full shapes on a CPU
-    are refused as the script refuses them, before any step."""
-    proc = subprocess.run([sys.executable, "-m", "engine.entrypoints.cli", "bench", "suite",
-                           str(tmp_path), "--device", "cpu"], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "pass --smoke" in proc.stderr
-    assert not (tmp_path / "steps.tsv").exists()  # nothing ran
-
-
-def test_sloserve_bench_suite_passes_every_flag_to_the_script() -> None:
-    from engine.benchmarks.suite.cli import SCRIPT as PACKAGED, script_argv
-    from engine.entrypoints.cli import build_parser
-
-    assert PACKAGED == SCRIPT and PACKAGED.is_file()
-    args = build_parser().parse_args(
-        ["bench", "suite", "OUT", "--core", "--device", "cpu", "--smoke", "--only", "smoke",
-         "--only", "stream-gaps", "--limit", "calibrate=5", "--deadline-s", "90", "--dry-run",
-         "--shape", "llama-3.1-8b", "--assume-capture-failed"])
-    assert script_argv(args) == [
-        "bash", str(SCRIPT), "OUT", "--core", "--dry-run", "--smoke", "--assume-capture-failed",
-        "--device", "cpu", "--shape", "llama-3.1-8b", "--deadline-s", "90",
-        "--limit", "calibrate=5", "--only", "smoke", "--only", "stream-gaps"]
-    bare = build_parser().parse_args(["bench", "suite", "OUT"])
-    assert script_argv(bare) == ["bash", str(SCRIPT), "OUT"]  # the full call, the script's defaults
 
 
 def test_each_call_runs_its_steps_in_order_of_value_under_its_deadline() -> None:

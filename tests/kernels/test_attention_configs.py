@@ -1,6 +1,6 @@
 """The attention kernel's launch configs (kernels.triton_attention.AttentionLaunchConfig): the
 default is the launch the kernel made before configs existed, a config reaches the launch, bad
-ones are refused, and every candidate of the benchmark's sweep (engine/benchmarks/kernels/attention_sweep.py)
+ones are refused, and every candidate of the benchmark's sweep (bench/kernels/attention_sweep.py)
 computes the same attention as the references: in Triton's interpreter on the CPU, compiled on
 a GPU under TRITON_INTERPRET=0 (tests/utils/triton_device.py), where this also shows each candidate
 compiles. The interpreter ignores warps and stages, so there the tile shapes are what is tested:
@@ -24,7 +24,7 @@ from kernels import variants  # noqa: E402
 from tests.utils.attention_cases import make_case  # noqa: E402
 from tests.utils.triton_attention_check import _check, _triton  # noqa: E402
 
-from engine.benchmarks.kernels import attention_sweep  # noqa: E402
+from bench.kernels import attention_sweep  # noqa: E402
 from kernels import triton_attention  # noqa: E402
 
 AttentionLaunchConfig = triton_attention.AttentionLaunchConfig

@@ -15,12 +15,14 @@ The layers, bottom to top (docs/architecture.md, "Layers"):
    ``sloserve bench`` (``engine.benchmarks``), and the ``engine`` package itself (its
    ``__init__`` exports ``LLM``).
 
-``bench`` sits above them all and is not checked here.
+``bench`` sits above them all and is not checked here, but no product module imports it: the GPU
+suite, its dry run and the kernel benchmark live there, and the product knows nothing of them.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 
 from tests.utils.import_graph import REPO, _imported_names, _module_files, import_graph
 
@@ -28,7 +30,7 @@ from tests.utils.import_graph import REPO, _imported_names, _module_files, impor
 # to the layer of its longest matching name.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("kernels", "monitor"),
-    ("engine.config", "engine.device", "engine.dry_run", "engine.log", "engine.logprobs",
+    ("engine.config", "engine.device", "engine.log", "engine.logprobs",
      "engine.outputs", "engine.sampling_params", "engine.core", "engine.worker_messages",
      "engine.model_folder",
      # Each rank's torch threads: the workers set them, the API server and the executors put
@@ -142,3 +144,28 @@ def test_no_product_module_imports_bench_or_tests() -> None:
     assert bench_or_tests_imports({"engine.x": "def f():\n    from bench.e2e import soak\n"}) == [
         "engine.x imports bench.e2e.soak"]
     assert (REPO / "bench").is_dir()
+
+
+def dry_run_mentions(sources: dict[str, str]) -> list[str]:
+    """``module: line`` for each line of ``sources`` (module name -> its source) that names the
+    GPU suite's dry run: its module, its switch or its stops."""
+    pattern = re.compile(r"dry[_ ]run|DRY_RUN", flags=re.IGNORECASE)
+    return [f"{module}: {line.strip()}" for module, source in sorted(sources.items())
+            for line in source.splitlines() if pattern.search(line)]
+
+
+def test_no_product_module_knows_the_suites_dry_run() -> None:
+    """The GPU suite's dry run (bench/suite/dry_run.py) stops each step from outside, through its
+    launcher: no product module imports it (the test above), reads its switch, calls its stops
+    or steps aside for it."""
+    sources = {module: path.read_text() for module, path in _module_files().items()
+               if module.split(".")[0] in PRODUCT}
+    found = dry_run_mentions(sources)
+    assert not found, "product modules that know of the dry run:\n" + "\n".join(found)
+    # Probes: the check sees each way of naming it, and the dry run lives in bench.
+    assert dry_run_mentions({"engine.x": "from bench.suite import dry_run\n",
+                             "engine.y": "os.environ.get('SLOSERVE_DRY_RUN')\n",
+                             "engine.z": "# under the suite's dry run\n"}) == [
+        "engine.x: from bench.suite import dry_run",
+        "engine.y: os.environ.get('SLOSERVE_DRY_RUN')", "engine.z: # under the suite's dry run"]
+    assert "bench.suite.dry_run" in _module_files()

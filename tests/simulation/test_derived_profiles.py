@@ -124,7 +124,7 @@ def test_mixtral_is_an_h200s_its_weights_do_not_fit_an_h100():
         assert getattr(on_h100, field) / getattr(h200, field) == pytest.approx(ratio, rel=2e-3)
     for field in ("seconds_per_token", "seconds_per_attention", "floor_s"):
         assert getattr(h200, field) == getattr(on_h100, field)
-    from engine.benchmarks.kernels.harness import DATASHEET_GBPS as harness_gbps
+    from bench.kernels.harness import DATASHEET_GBPS as harness_gbps
 
     assert {name: gbps for words, gbps, name in harness_gbps
             if name in ("H100 SXM", "H200")} == {"H100 SXM": DATASHEET_GBPS["h100"],

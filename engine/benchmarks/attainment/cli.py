@@ -438,40 +438,6 @@ def _record_as_it_runs(setup: BenchSetup, out_dir: Path) -> None:
     setup.server_log.unlink(missing_ok=True)
 
 
-def _stop_if_dry_run(args: argparse.Namespace) -> None:
-    """Under `bench/suite/gpu_suite.sh --dry-run` (engine/dry_run.py): build the engine
-    configuration the first run would use, as the GPU run would, and stop there (the builder
-    exits). The TTFT line is not read: the dry run's calibrate step writes none."""
-    try:
-        from engine.dry_run import enabled
-    except ImportError:
-        return
-    if not enabled():
-        return
-    from engine.config import build_engine_config
-    from engine.entrypoints.default_model import model_path_or_default
-
-    model = model_path_or_default(args.model)
-    budgets = [int(b) for b in args.budgets or DEFAULT_BUDGETS if b != "large"]
-    if "large" in (args.budgets or DEFAULT_BUDGETS):
-        # The real run sizes it from its traces (larger than any prompt, which the TTFT line
-        # sizes); the model's longest context bounds it.
-        from transformers import AutoConfig
-
-        budgets.append(args.max_model_len or getattr(AutoConfig.from_pretrained(model),
-                                                     "max_position_embeddings", 2048))
-    overrides: dict[str, Any] = {"dtype": args.dtype, "enable_prefix_caching": False,
-                                 "enforce_eager": args.enforce_eager}
-    for key in ("device", "load_format"):
-        if getattr(args, key) != "auto":
-            overrides[key] = getattr(args, key)
-    for key in ("num_kv_blocks", "max_model_len", "simulate"):
-        if getattr(args, key):
-            overrides[key] = getattr(args, key)
-    build_engine_config(model, max_num_batched_tokens=max(budgets),
-                        **overrides)
-
-
 def _check_busy(args: argparse.Namespace) -> None:
     """--busy and --server-defaults apply to the servers and engines this run starts."""
     if args.busy < 0:
@@ -496,7 +462,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
             raise ValueError("--urgent-constraint runs on one server or engine: leave it out "
                              "with --replicas")
         return _cmd_run_fleet(args)
-    _stop_if_dry_run(args)
     _check_peers(args)
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -82,7 +82,6 @@ from typing import Any, NoReturn
 
 import torch
 
-from engine.benchmarks.device_throughput import engine_steps
 from engine.benchmarks.device_throughput.bounds import FigureRecorder, add_bounds, measure_limits
 from engine.benchmarks.device_throughput.engine_steps import bench_eager, bench_engine
 from engine.benchmarks.device_throughput.report import (graphs_vs_eager_rows, markdown,
@@ -94,7 +93,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 # Full runs: the 8B shape on one H100 in about 2 minutes. The eager engine covers
 # two decode batches, not four: batch 16 and 128 again would cost about 7 s more, past what
-# engine/benchmarks/suite/gpu_suite.sh's time limits leave. --smoke: a tiny Llama on a CPU.
+# the GPU suite's time limits (bench/suite/gpu_suite.sh) leave. --smoke: a tiny Llama on a CPU.
 FULL = {"prefill_len": 2048, "prefill_prompts": 4, "batches": [1, 16, 64, 128], "context": 512,
         "decode_steps": 16, "matmul_size": 8192, "mixed_decodes": 16, "mixed_chunk": 256,
         "eager_batches": [1, 64]}
@@ -411,42 +410,11 @@ def measure_and_report(args: argparse.Namespace) -> int:
     return 1 if _failed(args, result) else 0
 
 
-def _dry_run() -> bool:
-    """Under `engine/benchmarks/suite/gpu_suite.sh --dry-run` (engine/dry_run.py)."""
-    try:
-        from engine.dry_run import enabled
-    except ImportError:
-        return False
-    return enabled()
-
-
-def _stop_at_the_engine_configuration(args: argparse.Namespace, sizes: dict[str, Any]) -> None:
-    """The dry run: write the model folder and build the first engine's configuration as the
-    GPU run would, with the device named and no device touched (no limits measured); the
-    configuration's builder ends the process there (engine.dry_run.stop_if_dry_run)."""
-    from engine.config import build_engine_config
-
-    device = "cuda" if args.device == "auto" else args.device
-    with tempfile.TemporaryDirectory(prefix="sloserve-gpu-throughput-") as tmp:
-        model_dir, _ = prepare_model(args, Path(tmp))
-        limits = engine_steps.engine_limits(sizes, engine_steps.kv_groups_of(model_dir))
-        build_engine_config(model_dir, load_format="dummy", device=device, dtype=args.dtype,
-                            enable_prefix_caching=False, max_num_batched_tokens=sizes[
-                                "prefill_len"], max_num_seqs=limits["max_num_seqs"],
-                            max_model_len=limits["max_model_len"],
-                            block_size=engine_steps.BLOCK_SIZE,
-                            num_kv_blocks=limits["num_kv_blocks"], startup_calibration=False,
-                            seed=args.seed, enforce_eager=args.enforce_eager)
-    raise SystemExit("dry run: the engine configuration was built but the dry run did not stop")
-
-
 def measure(args: argparse.Namespace, log: FigureLog,
             wall_started: float) -> dict[str, Any]:
     """The whole run: the result JSON (with its markdown), every figure also written to `log`
     as it is measured."""
     sizes = {k: getattr(args, k) for k in FULL}
-    if _dry_run():
-        _stop_at_the_engine_configuration(args, sizes)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
@@ -489,7 +457,7 @@ def measure(args: argparse.Namespace, log: FigureLog,
         "wall_s": time.perf_counter() - wall_started}
     if profile is not None:
         result["profile"] = profile
-    # The JSON carries the markdown printed below (engine/benchmarks/suite/summary.py quotes it).
+    # The JSON carries the markdown printed below (the GPU suite's summary, bench/suite/gpu_summary.py, quotes it).
     result["markdown"] = markdown(result)
     log.write("done", wall_s=result["wall_s"])
     return result

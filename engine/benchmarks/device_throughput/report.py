@@ -177,7 +177,7 @@ def startup_markdown(startup: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def _graphs_used(side: dict[str, Any]) -> str:
-    if "graphs" not in side:  # a run cut short (suite/summary.py's partial figures)
+    if "graphs" not in side:  # a run cut short (the GPU suite summary's partial figures)
         return "not probed (the run ended before)"
     probe = side["graphs"] or {}
     sizes, replays = probe.get("decode_graph_sizes"), probe.get("decode_graph_replays")

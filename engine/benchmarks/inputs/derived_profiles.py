@@ -72,7 +72,7 @@ FP8_GEMM_SPEEDUP = 2.0
 _FP8_BYTES_PER_WEIGHT = 1 + 4 / (128 * 128)
 # torch.cuda total_memory of an H100 80GB SXM and an H200 141GB, GiB.
 _MEMORY_GIB = {"h100": 79.2, "h200": 139.8}
-# Datasheet HBM bandwidth, GB/s (engine/benchmarks/kernels/harness.py DATASHEET_GBPS).
+# Datasheet HBM bandwidth, GB/s (bench/kernels/harness.py DATASHEET_GBPS).
 DATASHEET_GBPS = {"h100": 3350.0, "h200": 4800.0}
 MEASURED = "h100-llama-3.1-8b"
 

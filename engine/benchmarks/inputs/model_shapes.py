@@ -134,7 +134,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 SHAPES["llama-3.1-8b-fp8"] = {**SHAPES["llama-3.1-8b"], "quantization_config": _FP8_BLOCKWISE}
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                    "vocab.json", "merges.txt", "tokenizer.model")
+                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
 
 
 def write_shape(name: str, folder: str | Path, tokenizer_from: str | Path,

@@ -1,6 +1,6 @@
 """Seeded random-weight checkpoints in Hugging Face format, and a small BPE tokenizer for them.
 
-The tests build tiny ones; `engine/benchmarks/suite/equality.py` builds mid-size ones for greedy
+The tests build tiny ones; `bench/suite/gpu_equality.py` builds mid-size ones for greedy
 equality against HF transformers on a GPU. Nothing is fetched: the weights are drawn by transformers' own
 classes, the tokenizer is trained on a few sentences.
 

@@ -3,7 +3,7 @@
 A benchmark on a GPU machine held briefly runs under a hard time limit (`bench/suite/gpu_suite.sh` kills a step that
 overruns it). Its final JSON is written at exit, so a killed step would lose every figure it had
 measured; each figure, cell or trial also goes to a JSON-lines file as soon as it exists, so the
-summary (engine/benchmarks/suite/summary.py) can still report what a killed step measured.
+summary (bench/suite/gpu_summary.py) can still report what a killed step measured.
 
     log = FigureLog(jsonl_twin("OUT/throughput.json"))   # OUT/throughput.jsonl
     log.write("decode", side="engine", batch=1, tpot_ms=7.2)

@@ -10,8 +10,8 @@ Two bandwidths, because two different quantities are wanted:
 
 `matmul_tflops` is a square GEMM in the caller's dtype. Every figure is the median of a `Timer`:
 on CUDA one event pair around each call with the L2 flushed before it, on the CPU perf_counter.
-Users: engine/benchmarks/measure/roofline.py, engine/benchmarks/kernels/ (`sloserve bench kernels`),
-engine/benchmarks/device_throughput/ and bench/diagnostics/cpu_attention.py.
+Users: engine/benchmarks/measure/roofline.py, engine/benchmarks/device_throughput/, the kernel
+benchmark (bench/kernels/) and bench/diagnostics/cpu_attention.py.
 """
 
 from __future__ import annotations

@@ -43,9 +43,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.benchmarks.kernels.harness import (TOLERANCE, Timer, build_batch, decode_subset,
-                                               fits, gathered, kv_bytes_per_token, max_diff,
-                                               print_table, release)
+from bench.kernels.harness import (TOLERANCE, Timer, build_batch, decode_subset, fits,
+                                   gathered, kv_bytes_per_token, max_diff, print_table, release)
 from kernels import triton_attention
 from kernels.triton_attention import (DEFAULT_ATTENTION_CONFIG, AttentionLaunchConfig,
                                       DecodeLaunch, PrefillLaunch)

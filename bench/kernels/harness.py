@@ -1,4 +1,4 @@
-"""The GPU kernel benchmark's harness (engine/benchmarks/kernels/gpu_kernels.py and its
+"""The GPU kernel benchmark's harness (bench/kernels/gpu_kernels.py and its
 launch-config sweep, attention_sweep.py): the device's peak memory bandwidth, paged attention
 inputs laid out as the model runner lays them out, and the printed tables. Timing (CUDA events,
 L2 flushed) and the measured copy bandwidth are engine/benchmarks/measure/machine_limits.py's."""

@@ -1,5 +1,5 @@
-"""The kernel benchmark's flags and shape defaults, without importing torch, so that `sloserve
-bench` builds its parser fast (engine/benchmarks/kernels/gpu_kernels.py runs them)."""
+"""The kernel benchmark's flags and shape defaults (gpu_kernels.py parses them); torch is
+imported only once they are parsed."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ EPILOG = ("Shape defaults: full run " + ", ".join(f"{k}={v}" for k, v in FULL.it
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The benchmark's flags (`python -m bench.kernels.gpu_kernels`, `sloserve bench kernels`)."""
+    """The benchmark's flags (`python -m bench.kernels.gpu_kernels`)."""
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU under Triton's interpreter (not a "
                              "measurement; keeps the script from rotting untested)")

@@ -1,0 +1,147 @@
+"""`sloserve bench flood` (engine/benchmarks/flood/): ten times the queue bound at once against
+one simulated server (bound 2, 20 requests). The figures it prints must agree with its raw file
+and with the server's own rejection counters, every accepted request must have completed, and
+the probe that the flood overflowed the bound: some requests got a 429 naming it. No timing is
+asserted: whether urgent requests met their objectives is the benchmark's figure to print."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import httpx
+import pytest
+
+from engine.benchmarks.flood import flood
+from engine.benchmarks.flood.client import (DOOMED, OTHER_429, QUEUED_REQS, QUEUED_TOKENS,
+                                            reject_reason)
+from engine.benchmarks.flood.report import counter_deltas, rejection_counters
+from engine.benchmarks.server import launched_server
+from tests.utils.server_helpers import CHAT_TEMPLATE
+
+BOUND, REQUESTS = 2, 20
+
+
+@pytest.fixture(scope="module")
+def sim_chat_model(tmp_path_factory) -> str:
+    """The Llama-3.1-8B shape for the simulation, with the tiny tokenizer (its own vocabulary,
+    so the server describes 400 tokens for structured outputs, not 128k) and a chat template."""
+    from transformers import AutoTokenizer
+
+    from engine.benchmarks.inputs.model_shapes import write_shape
+    from tests.utils.tiny_tokenizer import save_tiny_tokenizer
+
+    tokenizer = save_tiny_tokenizer(tmp_path_factory.mktemp("flood-tokenizer"))
+    folder = write_shape("llama-3.1-8b", tmp_path_factory.mktemp("flood-model"), tokenizer,
+                         vocab_size=len(AutoTokenizer.from_pretrained(str(tokenizer))))
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return str(folder)
+
+
+def _rows(printed: str) -> dict[str, str]:
+    """The table's `name  value` rows (a name has no two spaces in a row; the title has none)."""
+    rows = {}
+    for line in printed.strip().splitlines()[1:]:
+        name, _, value = line.partition("  ")
+        rows[name] = value.strip()
+    return rows
+
+
+def _counts(samples: str, name: str) -> dict[str, int]:
+    return counter_deltas({}, rejection_counters(samples)).get(name, {})
+
+
+def test_a_flood_of_ten_times_the_bound(sim_chat_model, tmp_path, capsys) -> None:
+    serve = ["--model", sim_chat_model, "--simulate", "h100-llama-3.1-8b",
+             "--max-model-len", "4096", "--startup-calibration", "off",
+             "--max-num-queued-reqs", str(BOUND)]
+    out_dir = tmp_path / "flood"
+    with launched_server(serve, log_path=tmp_path / "server.log",
+                         startup_timeout_s=300.0) as server:
+        before = httpx.get(f"{server.url}/metrics").text
+        code = flood.main(["--url", server.url, "--model", sim_chat_model,
+                           "--queue-bound", str(BOUND), "--num-requests", str(REQUESTS),
+                           "--urgent-prompt-tokens", "16", "64",
+                           "--relaxed-prompt-tokens", "512", "1024",
+                           "--output-dir", str(out_dir)])
+        after = httpx.get(f"{server.url}/metrics").text
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    raw = json.loads((out_dir / "flood.json").read_text())
+    records, summary = raw["requests"], raw["summary"]
+    assert raw["table"] == printed.strip()
+    rows = _rows(printed)
+
+    # The printed figures are the raw records' own.
+    status = Counter(r["status"] for r in records)
+    reasons = Counter(r["reject_reason"] for r in records if r["status"] == 429)
+    accepted = [r for r in records if r["status"] == 200]
+    assert len(records) == REQUESTS == int(rows["sent"]) == summary["sent"]
+    assert int(rows["200 completed"]) == sum(r["completed"] for r in accepted) == len(accepted)
+    assert int(rows["200 incomplete"]) == 0
+    assert int(rows["429 queue bound"]) == status[429] == reasons[QUEUED_REQS]
+    assert int(rows["429 doomed"]) == int(rows["429 other"]) == 0
+    assert int(rows["5xx"]) == int(rows["other"]) == 0
+    for kind in ("urgent", "relaxed"):
+        mine = [r for r in records if r["kind"] == kind]
+        taken = [r for r in mine if r["status"] == 200]
+        met = sum(r["ttft_ms"] <= r["ttft_slo_ms"] for r in taken)
+        assert rows[f"{kind} accepted"].startswith(
+            f"{len(taken)} of {len(mine)}; met objective {met}/{len(taken)}")
+    assert rows["result"] == "OK"
+
+    # Every accepted request completed: each choice finished, [DONE] came, no error event.
+    for r in accepted:
+        assert r["done"] and r["finish_reasons"] == ["length"] and r["error"] is None, r
+        assert r["ttft_ms"] is not None and r["output_tokens"] > 0
+
+    # The probe: the flood overflowed the bound, and each refusal says so.
+    assert status[429] > 0 and len(accepted) >= BOUND, status
+    for r in records:
+        if r["status"] == 429:
+            assert "--max-num-queued-reqs" in r["error_body"]["error"]["message"]
+            assert r["retry_after"] == "1"
+
+    # The server's own counters, read here, count the same 429s the client saw and printed.
+    for name in ("vllm:admission_rejections_total", "sloserve:num_requests_rejected_total"):
+        moved = {reason: n - _counts(before, name).get(reason, 0)
+                 for reason, n in _counts(after, name).items()}
+        assert {k: v for k, v in moved.items() if v} == {QUEUED_REQS: status[429]}, name
+        assert f"{QUEUED_REQS} {status[429]}," in rows[name] and rows[name].endswith("agree")
+
+
+def test_a_429_is_told_apart_by_its_body_and_counters_by_their_reason() -> None:
+    def body(message: str, **extra) -> dict:
+        return {"error": {"message": message, "type": "RateLimitError", "code": 429, **extra}}
+
+    assert reject_reason(body("over its bound of 8 (--max-num-queued-reqs)")) == QUEUED_REQS
+    assert reject_reason(body("over its bound (--max-num-queued-tokens)")) == QUEUED_TOKENS
+    assert reject_reason(body("no replica can serve it", predicted_ttft_ms=900.0)) == DOOMED
+    assert reject_reason(body("slow down")) == reject_reason("not json") == OTHER_429
+    text = "\n".join([
+        "# TYPE vllm:admission_rejections counter",
+        'vllm:admission_rejections_total{model_name="m",reason="max_num_queued_reqs"} 3.0',
+        'vllm:admission_rejections_total{model_name="m",reason="doomed"} 2.0',
+        'vllm:admission_rejections_created{model_name="m",reason="doomed"} 1.7e9',
+        "# TYPE sloserve:num_requests_rejected counter",  # exported, nothing counted yet
+        "# TYPE sloserve:fleet_rejected counter",
+        "sloserve:fleet_rejected_total 4.0"])
+    assert rejection_counters(text) == {
+        "vllm:admission_rejections_total": {QUEUED_REQS: 3.0, DOOMED: 2.0},
+        "sloserve:num_requests_rejected_total": {},
+        "sloserve:fleet_rejected_total": {DOOMED: 4.0}}
+
+
+def test_the_flood_is_registered_as_a_bench_subcommand() -> None:
+    from engine.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "flood", "--queue-bound", "3", "--replicas", "3",
+                                      "--on-doomed", "reject"])
+    assert args.func is flood.run and args.queue_bound == 3 and args.replicas == 3
+    assert flood.serve_args(args, "/m")[:8] == [
+        "--model", "/m", "--log-level", "info", "--max-num-queued-reqs", "3", "--on-doomed",
+        "reject"]
+    assert "--replicas" in flood.serve_args(args, "/m")
