@@ -326,7 +326,16 @@ static void decode_attention_rows(const float* q, const float* key_cache, const 
                 case 5: ATTEND(5); break;
                 case 6: ATTEND(6); break;
                 case 7: ATTEND(7); break;
-                default: ATTEND(8); break;  // head_dim <= 128 (checked by the caller)
+                case 8: ATTEND(8); break;
+                // 8-lane vectors (AVX2, and ATen's default): a head of 128 is 16 chunks.
+                case 9: ATTEND(9); break;
+                case 10: ATTEND(10); break;
+                case 11: ATTEND(11); break;
+                case 12: ATTEND(12); break;
+                case 13: ATTEND(13); break;
+                case 14: ATTEND(14); break;
+                case 15: ATTEND(15); break;
+                default: ATTEND(16); break;  // head_dim <= 128 (checked by the caller)
             }
             #undef ATTEND
         }
