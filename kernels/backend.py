@@ -9,7 +9,7 @@ process that forces Triton must have ``TRITON_INTERPRET=1`` set before that firs
 The fused RMSNorm (+ residual), rotary and SiLU-and-mul kernels (``fused_ops``) are on by
 default wherever the Triton backend runs: ``fused_ops="auto"`` resolves to on with Triton and off
 with the PyTorch backend, whose reference ops the CPU keeps. On an H100 ``bench/kernels/gpu_kernels.py``
-measured the norm and rotary kernels 1.7-10.7x faster than the eager PyTorch layers (issue 26),
+measured the norm and rotary kernels 1.7-10.7x faster than the eager PyTorch layers,
 which is what docs/design.md section 7 asks before a fused op is used. "on" insists (an error
 without Triton), "off" keeps the PyTorch layers beside Triton attention.
 

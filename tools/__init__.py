@@ -1,1 +1,1 @@
-"""Development tools that are not benchmarks: the wheels a lent GPU machine needs."""
+"""Development tools that are not benchmarks: the wheels an air-gapped GPU machine needs."""

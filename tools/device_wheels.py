@@ -1,4 +1,4 @@
-"""The wheels a lent GPU machine lacks to run this project, resolved rather than hand-kept.
+"""The wheels an air-gapped GPU machine lacks to run this project, resolved rather than hand-kept.
 
     python -m tools.device_wheels              # resolve and download them into .whl/
     python -m tools.device_wheels --verify     # on the GPU machine, after installing them

@@ -3,7 +3,7 @@
 A read of a device tensor's value on the host waits for everything queued on the device before
 it; so does an ordinary (blocking) host-to-device copy, which PyTorch follows with a stream
 synchronize. The sampler runs right after the forward pass, so every such wait stalls the host
-for the rest of that pass and adds to the time per token (issue 26). Hence two helpers:
+for the rest of that pass and adds to the time per token. Hence two helpers:
 
 - ``upload``: per-row parameters go up in ONE copy, from pinned memory and non-blocking on CUDA
   (the copy queues behind the forward pass instead of waiting for it; the caching host

@@ -17,9 +17,9 @@ processes) hits them alike.
   x_of_roofline_time is the time over that FLOP count's time at the roofline.
 
 Implementations: `current` is kernels.torch_attention as it is now; for decode, `baseline` is a
-frozen copy of the implementation before issue 14 (so the ratio survives later changes; the
-prefill path did not change, so prefill compares against `current`); the rest are candidates
-measured before choosing. Prints one JSON object.
+frozen copy of the implementation before the decode-attention rewrite (so the ratio survives
+later changes; the prefill path did not change, so prefill compares against `current`); the
+rest are candidates measured before choosing. Prints one JSON object.
 
     python -m bench.diagnostics.cpu_attention [--quick] [--candidates]
     python -m bench.diagnostics.cpu_attention --only engine  # LLM.generate, 16 x 2000-token decodes
@@ -46,7 +46,8 @@ DTYPE = torch.float32
 
 
 # ---------------------------------------------------------------------------------------------
-# Baseline: the decode path as it was before issue 14 (frozen copy; prefill did not change).
+# Baseline: the decode path as it was before the decode-attention rewrite (frozen copy;
+# prefill did not change).
 
 
 def baseline_decode(query, key_cache, value_cache, meta, scale):
@@ -320,7 +321,7 @@ def mixed_decode_case(contexts: list[int], repeats: int) -> dict:
     """Decodes of unequal contexts (one long beside short ones, as when a document finishes
     its prefill beside chat turns): the current kernel with the host context lengths the
     model runner passes (grouped by context) against the same kernel without them (every row
-    padded to the longest context, as before issue 32), and the rows' ideal cost, each
+    padded to the longest context, as before grouping), and the rows' ideal cost, each
     context's decodes timed alone."""
     scale = HEAD_DIM ** -0.5
     batch = build_batch(contexts, [], HEADS, KV_HEADS, HEAD_DIM, BLOCK, DTYPE,
@@ -380,7 +381,7 @@ def prefill_case(prompt: int, chunk: int, impls: dict[str, Callable], repeats: i
                             for n, v in ms.items()},
         "x_of_roofline_time": {n: round(v / 1000 / (flops / (gflops * 1e9)), 2)
                                for n, v in ms.items()},
-        # Issue 14 left the prefill path as it was: the engine's own function is the reference.
+        # The rewrite left the prefill path as it was: the engine's own function is the reference.
         "speedup_vs_current": {n: round(ms["current"] / v, 2) for n, v in ms.items()},
         "max_abs_diff_vs_current": _check(outs, outs["current"]),
     }

@@ -3,7 +3,7 @@ replaced, side by side in one run, for batches of random rows with and without t
 number of device-to-host reads each makes per call.
 
 On a GPU every read waits for the device, and the engine reads the sampled tokens back every
-step, so the reads per call are what issue 26 is about; on a CPU the times compare the host work.
+step, so the reads per call are what counts there; on a CPU the times compare the host work.
 Prints a table, then one JSON object (``--output`` also writes it). The figures are the script's to
 print, never a test's to assert.
 

@@ -3,7 +3,7 @@ update_from_output and the LLM's output processing, as medians over decode-only 
 
 Each part is timed by wrapping the method that does it (the engine's step observers,
 engine/runtime/step_timing.py, time whole steps only), so the figures are the engine's own code paths, not a re-implementation. "host" is
-everything in a step but the model forward and the LM head: the work issue 14 asks to cut where it
+everything in a step but the model forward and the LM head: the work to cut where it
 shows. Prints one JSON object; `--profile` also runs one configuration under cProfile and prints
 its top entries (to stderr).
 

@@ -3,8 +3,8 @@
 A fresh `sloserve serve` gets one streamed request at each context length in turn, the first
 the server ever sees at that length, then a second one at the same length. Chunk arrival times
 are the client's. The second request's median gap between chunks is the decode step at that
-context; the first request passes when none of its gaps exceeds twice that step (issue 25: a
-new decode-attention variant compiled for about a second mid-stream).
+context; the first request passes when none of its gaps exceeds twice that step (a new
+decode-attention variant once compiled for about a second mid-stream).
 
     sloserve bench shape llama-3.1-8b /tmp/llama-8b
     python -m bench.e2e.stream_gaps --model /tmp/llama-8b --load-format dummy --output gaps.json

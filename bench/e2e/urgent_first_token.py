@@ -1,4 +1,4 @@
-"""An urgent request whose first token shows nothing, during a long prefill, over HTTP (issue 32).
+"""An urgent request whose first token shows nothing, during a long prefill, over HTTP.
 
 A long document (default ~1900 tokens of engine/benchmarks/corpus.txt: one step of the default
 server's

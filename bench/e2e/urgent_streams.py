@@ -1,4 +1,4 @@
-"""Urgent turns' whole streams at GPU time scales (issue 32), in the GPU-timed simulation.
+"""Urgent turns' whole streams at GPU time scales, in the GPU-timed simulation.
 
 Long documents (16k-28k tokens, relaxed objectives) prefill one after another; short urgent
 turns (64-512 tokens, a 150 ms TTFT objective, 32 output tokens) arrive at random moments
@@ -12,7 +12,7 @@ sequence, stop-string holdback): the consumer, as the API server does, reports a
 - the documents' mean completion time (what the turns cost them).
 
 `--first-token-delivers` runs the same trace with the engine told nothing (the sampled token
-counts as delivered, the behaviour before issue 32), side by side. `--bias 2` makes the
+counts as delivered, the old behaviour), side by side. `--bias 2` makes the
 engine's TTFT predictor twice as pessimistic as the machine (every term doubled, online refits
 included): mispredicted turns should still be served within about one step of their deadline.
 
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="scale the engine's TTFT predictions (2: twice too pessimistic)")
     p.add_argument("--first-token-delivers", action="store_true",
                    help="also run with the engine told nothing: the sampled token counts as "
-                        "delivered (before issue 32)")
+                        "delivered (the old behaviour)")
     p.add_argument("--output", type=Path, default=None, help="write the figures as .jsonl here")
     args = p.parse_args(argv)
     log = FigureLog(args.output)

@@ -274,12 +274,12 @@ run_core() {
         --device "$device" "${eager[@]}" --contexts "${contexts[@]}" --output "$out/stream_gaps.json"
 }
 
-# The H100's second lease (2026-11-27) measured the full call: equality 66 s, preempt-latency
+# The second H100 run (2026-11-27) measured the full call: equality 66 s, preempt-latency
 # 35, the unchunked burst 112, throughput-hf 70, kernels 18; the compiled-Triton tests needed
 # more than the 60 s its deadline left them. The third (2026-11-28): structured 39 s,
 # preempt-latency 41, the unchunked burst 123; tests-cuda more than 60. All of it needs about
-# 650 s: more than the default deadline, which fits a lease whose machine took 3 minutes to
-# start; a lease picks its steps with --only (CONTRIBUTING, GPU tests).
+# 650 s: more than the default deadline, which fits 15 minutes of device time on a machine
+# that took 3 minutes to start; a shorter run picks its steps with --only (CONTRIBUTING, GPU tests).
 run_full() {
     step equality 80 "${pym[@]}" bench.suite.gpu_equality --device "$device" "${smoke_flag[@]}" \
         --output "$out/equality.json"

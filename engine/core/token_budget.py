@@ -2,7 +2,7 @@
 warm-ups): a token budget spread over sequences that each fit in max_model_len.
 
 A sequence longer than max_model_len reads positions past the model's rotary table: on a GPU
-that is a device-side assert that loses the CUDA context at startup (issue 25), on a CPU an
+that is a device-side assert that loses the CUDA context at startup, on a CPU an
 IndexError. As vLLM's profile run does, a budget larger than one sequence may hold is spread
 over more sequences instead of being cut.
 """

@@ -35,7 +35,7 @@ def add_deprecated_alias(group: Any, old_flag: str, new: argparse.Action) -> Non
                        action=_DeprecatedStore, new_flag=new.option_strings[0])
 
 
-# `LLM(...)` keyword arguments renamed by issue 33 (old -> new), kept working for one release.
+# `LLM(...)` keyword arguments renamed (old -> new), kept working for one release.
 RENAMED_ENGINE_KWARGS = {
     "mid_forward_preemption": "slo_preemption",
     "preempt_policy": "slo_preempt_policy",

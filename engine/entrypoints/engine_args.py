@@ -141,7 +141,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     min_tokens = p.add_argument("--slo-preempt-min-tokens", type=non_negative_int,
                                 default=SLOPreemptionConfig.min_tokens,
                                 help="steps with fewer prefill tokens do not vote")
-    # The names before issue 33 ("one word per mechanism"), for one release.
+    # The names before the rename to one word per mechanism, for one release.
     for old, new in (("--mid-forward-preemption", on_off), ("--preempt-policy", policy),
                      ("--preempt-margin", margin), ("--preempt-min-tokens", min_tokens)):
         add_deprecated_alias(p, old, new)

@@ -56,7 +56,7 @@ PREEMPT_LATENCY_S = 0.020
 # turn the other turns, not the documents behind it. Counting every document made a replica
 # holding a deep queue of documents with seconds to spare repel every urgent turn, and one
 # replica took 248 turns of a burst trace while the other took 112 (bench/results/HISTORY.md,
-# "Issue 34, fifth session").
+# "the router forecasts what will overtake a request").
 DELAY_HORIZON = 10.0
 
 

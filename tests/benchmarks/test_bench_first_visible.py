@@ -1,5 +1,5 @@
 """The in-process bench times TTFT to a request's first visible text and tells the engine, as
-the API server does (issue 32): a first token that shows nothing (a special token) does not
+the API server does: a first token that shows nothing (a special token) does not
 count."""
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ def test_the_table_checks_each_429_against_the_same_router_serving_it() -> None:
 
 
 def test_accepted_requests_late_by_more_than_a_decode_step_are_counted() -> None:
-    """Issue 34's bound for reject mode: an accepted request may miss by up to one decode step
+    """The bound for reject mode: an accepted request may miss by up to one decode step
     (the run's median TPOT, 30 ms here), not more; a 429 is not accepted."""
     def result(rid: str, ttft: float | None, **kw) -> RequestResult:
         return RequestResult(request_id=rid, tier="urgent", arrival_s=0.0, prompt_tokens=100,

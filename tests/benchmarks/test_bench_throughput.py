@@ -1,4 +1,4 @@
-"""`sloserve bench throughput`'s roofline figures (issue 14) without timing anything: it runs
+"""`sloserve bench throughput`'s roofline figures without timing anything: it runs
 end to end on a tiny random model and prints every field with positive shares, and the FLOP and
 byte accounting of engine/benchmarks/measure/roofline.py matches a hand count for a small config."""
 

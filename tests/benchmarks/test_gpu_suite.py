@@ -41,7 +41,7 @@ SCRIPT = ROOT / "bench" / "suite" / "gpu_suite.sh"
 CORE_STEPS = ["smoke", "throughput", "calibrate", "burst-http-2048", "stream-gaps"]
 FULL_STEPS = ["equality", "structured", "tests-cuda", "preempt-latency", "burst-http-unchunked",
               "throughput-hf", "kernels", "tests-triton-compiled", "burst-inprocess"]
-# The first lent H100's TTFT line (bench/RESULTS.md, 2026-11-27): what the full call finds in
+# The first H100 run's TTFT line (bench/RESULTS.md, 2026-11-27): what the full call finds in
 # OUT when the core call ran before it on the same machine.
 H100_TTFT_MODEL = {"seconds_per_token": 2.035e-05, "intercept_s": 0.005338,
                    "seconds_per_token_sq": 1.077e-09, "seconds_per_decode_context": 2.836e-07,
@@ -417,7 +417,7 @@ def test_each_call_runs_its_steps_in_order_of_value_under_its_deadline() -> None
     assert stated is not None
     assert (deadlines["core"], deadlines["full"]) == stated.groups()
     # The core call fits the tool's 10-minute command with its wheels and its summary, and
-    # start + core + full fits a 15-minute lease (CONTRIBUTING.md, GPU tests).
+    # start + core + full fits 15 minutes of device time (CONTRIBUTING.md, GPU tests).
     assert int(deadlines["core"]) <= 360 and 180 + int(deadlines["core"]) + 30 \
         + int(deadlines["full"]) + 30 <= 900
     assert shutil.which("timeout")

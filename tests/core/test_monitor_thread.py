@@ -1,5 +1,5 @@
-"""The monitor thread's own state stays bounded and survives its own errors (finding 9 of the
-hardening issue): a server runs for weeks with mostly short, non-preemptible steps."""
+"""The monitor thread's own state stays bounded and survives its own errors: a server
+runs for weeks with mostly short, non-preemptible steps."""
 
 from __future__ import annotations
 

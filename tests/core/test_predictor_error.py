@@ -1,5 +1,5 @@
 """The TTFT predictor's own error (monitor.predictor: relative_error) and the safety margin the
-monitor's necessity gate adds with it (issue 15)."""
+monitor's necessity gate adds with it."""
 
 from __future__ import annotations
 

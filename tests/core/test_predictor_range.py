@@ -1,4 +1,4 @@
-"""The predictor trusts each term only inside the range it was fitted on (issue 32): past the
+"""The predictor trusts each term only inside the range it was fitted on: past the
 longest measured point a term grows by the cost per unit that point implies, not by a slope
 that other points determined, and the prediction says it left the range."""
 

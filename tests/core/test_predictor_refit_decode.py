@@ -1,4 +1,4 @@
-"""Online refits keep the decode term where the decode-only steps put it (issue 32): on a
+"""Online refits keep the decode term where the decode-only steps put it: on a
 server where nearly every step carries a prefill chunk, and some are unwound or resumed, the
 refit once let those steps drag the decode term (monitor.predictor: StepTimePredictor._refit).
 

@@ -1,5 +1,5 @@
-"""The startup calibration times a decode over a long context even when its budget runs short
-(issue 32): the prompt ladder once spent the 5 s budget on short prompts, so decodes were timed
+"""The startup calibration times a decode over a long context even when its budget runs short:
+the prompt ladder once spent the 5 s budget on short prompts, so decodes were timed
 only up to 259 tokens of context and the decode term was extrapolated 15x to serve 3949.
 
 A fake executor stands in for the model: each step takes the time a known step model gives it,

@@ -162,7 +162,7 @@ def test_watermark_applies_to_admissions_only() -> None:
 
 
 def test_full_sequence_admission_reserves_the_input_not_max_tokens() -> None:
-    """Finding 10: the check covers the input (prompt + tokens generated so far), as vLLM's
+    """The check covers the input (prompt + tokens generated so far), as vLLM's
     scheduler_reserve_full_isl does; decode growth is left to KV preemption."""
     sched = make_scheduler(num_blocks=10, full_seq=True)
     runner = FakeRunner(sched)

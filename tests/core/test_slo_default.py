@@ -1,4 +1,4 @@
-"""`slo` is the default policy (issue 15), and without deadlines it is fcfs: the same randomized
+"""`slo` is the default policy, and without deadlines it is fcfs: the same randomized
 no-SLO trace, under KV pressure (recompute preemptions) and chunked prefill, gives the same
 schedule step by step under both policies."""
 

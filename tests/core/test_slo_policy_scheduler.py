@@ -16,7 +16,7 @@ def test_admission_order_is_slack_edf():
     sched.add_request(_request("urgent", 100, 400))
     # The doomed one goes ahead of every request whose slack covers its prefill (relaxed: 10 s
     # of slack for its 0.5 s), behind the ones whose slack does not (urgent: 0.3 s), and
-    # ahead of those without a deadline (issue 32: late as little as possible).
+    # ahead of those without a deadline (late as little as possible).
     assert [r.request_id for r in sched.waiting] == ["urgent", "doomed", "relaxed",
                                                      "best-effort"]
     out = sched.schedule()
@@ -113,7 +113,7 @@ def test_urgent_waiter_jumps_the_running_prefill_and_caps_the_step():
     assert chunks[1][0] == "long" and 100 < chunks[1][1] + 100 <= 300
     # Probe: without the deadline, the running prefill takes its full 400-token chunk. (Once
     # the urgent request has its first token it streams as an interactive turn, whose gaps of
-    # two 1 ms decode steps leave the long prefill nothing until it finishes: issue 32.)
+    # two 1 ms decode steps leave the long prefill nothing until it finishes.)
     # The gaps are 2 ms of wall time: a garbage collection between two steps (a full one, late
     # in a long session, takes longer) would make the next gap missed already, and a missed gap
     # protects nothing (cap_for_tpot), so the collector waits.

@@ -1,4 +1,4 @@
-"""The slo policy keeps decodes within their TPOT objective (issue 15): a long prefill arrives
+"""The slo policy keeps decodes within their TPOT objective: a long prefill arrives
 while four requests decode with a 300 ms objective; its prefill is cut into chunks whose predicted
 time fits the next-token deadlines, so no step the decoders wait on is predicted to exceed 300 ms.
 Probe: under fcfs the same prefill runs as one step and the gap it causes misses the objective.

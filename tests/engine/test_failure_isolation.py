@@ -1,6 +1,5 @@
 """A failure that belongs to one request finishes that request with an error; the engine, and the
-other requests in the same batch, go on exactly as if it had not been there (issue 12, findings 1
-and 2)."""
+other requests in the same batch, go on exactly as if it had not been there."""
 
 from __future__ import annotations
 
@@ -40,7 +39,7 @@ def _prompts(n: int, seed: int, avoid: int | None = None, length: int = 20) -> l
     return [{"prompt_token_ids": rng.sample(choices, length + 7 * i)} for i in range(n)]
 
 
-# ---- finding 1 ----------------------------------------------------------------------------------
+# ---- bad sampling parameters --------------------------------------------------------------------
 
 def test_tiny_temperature_runs_greedy_and_engine_survives(llm):
     prompts = _prompts(3, seed=1)
@@ -62,7 +61,7 @@ def test_non_finite_params_are_refused_before_anything_runs(llm, kwargs, field):
     assert out.finish_reason == "length" and _all_blocks_free(llm)
 
 
-# ---- finding 2: a fault in one request's sampling -----------------------------------------------
+# ---- a fault in one request's sampling ----------------------------------------------------------
 
 def test_sampling_fault_fails_only_its_request(llm, monkeypatch, caplog):
     prompts = _prompts(4, seed=3)
@@ -96,7 +95,7 @@ def test_sampling_fault_fails_only_its_request(llm, monkeypatch, caplog):
     assert llm.generate(clean[:1], GREEDY)[0].token_ids == want[0].token_ids
 
 
-# ---- finding 2: a fault while detokenizing / matching stop strings (the API side) ---------------
+# ---- a fault while detokenizing / matching stop strings (the API side) --------------------------
 
 _MARKER = "\x00poison-stop"  # a stop string that marks the request whose stop check breaks
 
@@ -152,7 +151,7 @@ def test_detokenizer_fault_in_generate_fails_one_request_and_frees_its_kv(llm, m
     assert _all_blocks_free(llm)
 
 
-# ---- finding 2: a bad logits row from the model itself, also across TP ranks --------------------
+# ---- a bad logits row from the model itself, also across TP ranks -------------------------------
 
 POISON = 77  # this token's input embedding is NaN in the poisoned model
 

@@ -1,4 +1,4 @@
-"""EngineCore's steps with nothing to compute (issue 12, findings 7 and 8): suspended chunks
+"""EngineCore's steps with nothing to compute: suspended chunks
 dropped meanwhile still reach the workers, and a request that can never be admitted fails on
 its own instead of taking the engine down (or spinning on empty steps)."""
 
@@ -15,7 +15,7 @@ def _suspended(engine) -> dict[str, tuple[int, int]]:
 
 
 def test_aborting_the_last_request_frees_its_suspended_chunk_on_the_worker(engine) -> None:
-    """Finding 8: with nothing left to run no step follows, so the free must go out at once."""
+    """With nothing left to run no step follows, so the free must go out at once."""
     engine.add_request(_request("long", 64, seed=1))
     _suspend_first_step(engine)
     runner = engine.executor.runner
@@ -28,7 +28,7 @@ def test_aborting_the_last_request_frees_its_suspended_chunk_on_the_worker(engin
 
 def test_an_unadmittable_request_fails_alone_and_empty_steps_deliver_frees(
         engine, monkeypatch) -> None:
-    """Findings 7 and 8: an empty step with nothing running used to raise EngineStepError (the
+    """An empty step with nothing running used to raise EngineStepError (the
     engine was dead), and the frees it carried were dropped. The admission test is made to
     refuse one request, as a bug would: only that request fails, with a message naming it."""
     scheduler = engine.scheduler

@@ -1,5 +1,5 @@
-"""Every step the engine runs on its own at startup keeps every sequence within max_model_len
-(issue 25, item 8): the KV-pool profile (workers/startup/kv_memory.py) and the startup calibration
+"""Every step the engine runs on its own at startup keeps every sequence within max_model_len:
+the KV-pool profile (workers/startup/kv_memory.py) and the startup calibration
 (engine/runtime/startup_calibration.py). A position at or past max_model_len reads past the
 rotary table of a model served at its full length: on a GPU a device-side assert at startup.
 

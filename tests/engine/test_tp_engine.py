@@ -144,8 +144,8 @@ def _free_port() -> int:
 
 
 def _assert_quiet_exit(stderr: str) -> None:
-    """No rank printed a traceback on its way out (issue 25: each rank's attached preempt
-    signal printed `BufferError: cannot close exported pointers exist` at exit)."""
+    """No rank printed a traceback on its way out (each rank's attached preempt
+    signal once printed `BufferError: cannot close exported pointers exist` at exit)."""
     for noise in ("Traceback", "BufferError", "Exception ignored", "leaked shared_memory"):
         assert noise not in stderr, stderr
 

@@ -80,7 +80,7 @@ def test_values_on_the_bounds_are_accepted(flags) -> None:
     build_engine_config("unused", **{k: v for k, v in kwargs.items() if k != "model"})
 
 
-# Renamed by issue 33 ("one word per mechanism"): the old flags still parse, with a warning.
+# Renamed to one word per mechanism: the old flags still parse, with a warning.
 DEPRECATED_FLAGS = [
     (["--mid-forward-preemption", "off"], ["--slo-preemption", "off"], "slo_preemption"),
     (["--preempt-policy", "aggressive"], ["--slo-preempt-policy", "aggressive"],

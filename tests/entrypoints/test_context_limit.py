@@ -1,5 +1,5 @@
 """A max_tokens that cannot fit in the context beside its prompt is refused up front, in vLLM's
-words (issue 25, item 7): HTTP 400 on /v1/completions and /v1/chat/completions (max_tokens or
+words: HTTP 400 on /v1/completions and /v1/chat/completions (max_tokens or
 max_completion_tokens), ValueError from the offline LLM. The exact fit is served in full, and
 a max_tokens left out still means "up to the context"."""
 

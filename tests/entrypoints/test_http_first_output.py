@@ -1,4 +1,4 @@
-"""Over HTTP, timed by the client (issue 32): an urgent request carrying X-SLO-TTFT-MS stops a
+"""Over HTTP, timed by the client: an urgent request carrying X-SLO-TTFT-MS stops a
 long prefill mid-forward (/metrics count the preemption, and nothing thrown away), and its
 first sampled token shows nothing (tests/utils/silent_first_token.py blanks it, as a special token
 would). Its TTFT objective is met only when its first *visible* output reaches the client, and

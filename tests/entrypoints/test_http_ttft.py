@@ -1,4 +1,4 @@
-"""TTFT as the client sees it (issue 24): the server's `metrics.ttft_ms`, its TTFT histogram and
+"""TTFT as the client sees it: the server's `metrics.ttft_ms`, its TTFT histogram and
 its SLO counters agree with each client's own clock, because the API server stamps a choice's
 first token when the chunk carrying it is written (engine.serving.edge_clock), not when
 EngineCore sampled it. A probe holds every first output back between the engine and the

@@ -597,7 +597,7 @@ BAD_INPUTS = [
      "key", 400, "x-slo-ttft-ms"),
     ("slo-header-chat", CH, lambda: {"json": _chat(), "headers": {"X-SLO-TTFT-MS": "abc"}},
      "key", 400, "x-slo-ttft-ms"),
-    # Finding 1: JSON parsers accept NaN / Infinity (and 1e999 overflows to inf); every float
+    # JSON parsers accept NaN / Infinity (and 1e999 overflows to inf); every float
     # field refuses them, naming the field.
     ("temperature-nan", C, lambda: _json(_prompt(temperature=math.nan)), "key", 400,
      "temperature"),
@@ -610,7 +610,7 @@ BAD_INPUTS = [
      "top_p"),
     ("slo-1e999", C, lambda: _raw(b'{"prompt": "Hello", "max_tokens": 2, "ttft_slo_ms": 1e999}'),
      "key", 400, "ttft_slo_ms"),
-    # Finding 4: integers a signed 64-bit int cannot hold, wherever they are.
+    # Integers a signed 64-bit int cannot hold, wherever they are.
     ("seed-2**64", C, lambda: {"json": _prompt(seed=2**64)}, "key", 400, "seed"),
     ("seed-minus-2**70-chat", CH, lambda: {"json": _chat(seed=-2**70)}, "key", 400, "seed"),
     ("priority-2**63", C, lambda: {"json": _prompt(priority=2**63)}, "key", 400, "priority"),
@@ -620,7 +620,7 @@ BAD_INPUTS = [
     ("max-completion-tokens-2**64", CH,
      lambda: {"json": {"messages": MESSAGES, "max_completion_tokens": 2**64}}, "key", 400,
      "max_completion_tokens"),
-    # Issue 25: a completion that cannot fit beside the prompt (vLLM's message).
+    # A completion that cannot fit beside the prompt (vLLM's message).
     ("max-tokens-beyond-context", C, lambda: {"json": _prompt(max_tokens=2**62)}, "key", 400,
      "max_tokens"),
     ("max-tokens-beyond-context-stream", C,

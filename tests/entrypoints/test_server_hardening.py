@@ -1,6 +1,6 @@
-"""Issue 12 on the HTTP side: no traceback reaches a client (finding 3), the API key compare and
-the /metrics option (12 a, b), the EngineCore channel accepts only its own peer (12 c), and
-tokenization runs off the event loop (12 d).
+"""The server hardened on the HTTP side: no traceback reaches a client, the API key compare and
+the /metrics option, the EngineCore channel accepts only its own peer, and tokenization runs
+off the event loop.
 
 The app runs in this process (tests/utils/inprocess_server.py), behind `FakeCore` where a test needs
 an engine that fails on cue, and behind the real EngineCore process for the channel test.
@@ -79,7 +79,7 @@ def stream_events(response: httpx.Response) -> list:
     return list(sse_data(response.text.splitlines()))
 
 
-# ---- finding 3: tracebacks never reach a client ------------------------------------------
+# ---- tracebacks never reach a client -----------------------------------------------------
 
 def test_engine_failure_reaches_clients_as_an_error_id_not_a_traceback(model_dir, vocab_size,
                                                                        caplog) -> None:
@@ -154,7 +154,7 @@ def test_unexpected_exception_is_a_500_with_an_error_id(model_dir, vocab_size, c
     asyncio.run(run())
 
 
-# ---- 12 (a), (b): the API key -------------------------------------------------------------
+# ---- the API key --------------------------------------------------------------------------
 
 def test_api_key_is_compared_in_constant_time(model_dir, vocab_size, monkeypatch) -> None:
     calls: list[tuple[bytes, bytes]] = []
@@ -207,7 +207,7 @@ def test_metrics_require_api_key_needs_a_key(model_dir, monkeypatch, capsys) -> 
     assert "--metrics-require-api-key needs an API key" in capsys.readouterr().err
 
 
-# ---- 12 (d): tokenization off the event loop ------------------------------------------------
+# ---- tokenization off the event loop --------------------------------------------------------
 
 def test_tokenization_does_not_stall_the_event_loop(model_dir, vocab_size, monkeypatch) -> None:
     """While one request's tokenization is stuck (a stand-in for a 1 MiB prompt), /health and
@@ -243,7 +243,7 @@ def test_tokenization_does_not_stall_the_event_loop(model_dir, vocab_size, monke
     asyncio.run(run())
 
 
-# ---- 12 (c): the EngineCore channel -----------------------------------------------------------
+# ---- the EngineCore channel -------------------------------------------------------------------
 
 def test_impostor_connecting_first_does_not_get_the_engine_channel(model_dir, caplog) -> None:
     """Two local processes connect to the EngineCore port before the real EngineCore is even

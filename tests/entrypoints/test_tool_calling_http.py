@@ -233,7 +233,7 @@ def test_auto_without_a_parser_is_a_400_naming_the_option(tiny_model, tmp_path):
 
 def test_a_tool_calls_name_held_back_until_written_is_the_first_output_the_scheduler_hears_of(
         tool_model):
-    """Issue 35, item 5: the hermes parser holds a call back until its name is written (the
+    """The hermes parser holds a call back until its name is written (the
     stream then sends its id and name, then its arguments as they settle), so the client's
     first visible output is the call's name, not the engine's first token. The note that
     tells the scheduler a request's first output was delivered (FirstOutputDelivered: its TTFT

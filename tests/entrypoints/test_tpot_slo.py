@@ -1,4 +1,4 @@
-"""TPOT objectives (issue 15): where a request's time-per-output-token objective comes from
+"""TPOT objectives: where a request's time-per-output-token objective comes from
 (offline argument; HTTP body, header, server default), how it is measured (vLLM's TPOT: the mean
 gap after the first token) and where it is reported (response metrics, Prometheus counters)."""
 

@@ -269,7 +269,7 @@ def device(request, monkeypatch) -> Device:
 
 def test_the_pool_is_measured_on_the_gpu(tiny_model, device: Device) -> None:
     """max_model_len 256 under the default 2048-token budget: the profile spreads the budget
-    over sequences of 256 (before issue 25 it ran one 2048-token prompt and crashed)."""
+    over sequences of 256 (it once ran one 2048-token prompt and crashed)."""
     from engine import LLM
 
     llm = LLM(model=tiny_model("llama"), device=device.name, dtype="float32",

@@ -1,4 +1,4 @@
-"""The CPU decode kernel groups a step's decodes by context (issue 32): one 4000-token decode
+"""The CPU decode kernel groups a step's decodes by context: one 4000-token decode
 beside five 100-token ones used to pad every row to 4000 slots (20-30x the grouped time in bf16
 on this CPU; bench/diagnostics/cpu_attention.py's decode_mixed). Grouped, each row's result still matches
 the dense float64 reference, and the model runner hands the kernel the host lengths it needs."""

@@ -1,4 +1,4 @@
-"""Late as little as possible (issue 32): a request the predictor deems doomed is ranked by its
+"""Late as little as possible: a request the predictor deems doomed is ranked by its
 lateness, ahead of every request whose slack covers its predicted prefill; the monitor may stop
 a step for it where serving it now makes it less late than waiting and costs nobody their
 deadline; it ages after one of its own objectives past its deadline (the bound a ceiling).

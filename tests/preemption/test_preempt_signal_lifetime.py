@@ -1,7 +1,7 @@
 """The shared-memory preempt signal's mapping ends cleanly however its holder lets go of it:
 close() (once or twice), dropping the object, or the interpreter's exit. A SharedMemory closed
 while views over it remain prints `BufferError: cannot close exported pointers exist` as an
-'Exception ignored' traceback at exit (issue 25: every torchrun run printed one)."""
+'Exception ignored' traceback at exit (every torchrun run once printed one)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Mid-forward preemption at the scheduler level (rollback + the slack policy's preempt_for_slo, as
 engine/runtime/slo_preemption.py's on_preempted drives them): held victims, the one admission test, the
-step record, and what is reported. Findings 5, 6, 7 and part of 12 of issue 12."""
+step record, and what is reported."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def _unwind(sched: Scheduler, victim: str, waiter: str) -> SLOPreemptMode | None
 
 
 def test_a_held_victim_at_the_head_of_the_queue_blocks_nobody() -> None:
-    """Finding 5: V (no SLO) admitted by the unwound step goes back to the queue head, held;
+    """V (no SLO) admitted by the unwound step goes back to the queue head, held;
     X queues behind it; once the waiter W is done and only V and X are left, X must run (it
     used to wait behind V forever, and the empty step with nothing running killed the
     engine)."""
@@ -71,7 +71,7 @@ def test_a_held_victim_at_the_head_of_the_queue_blocks_nobody() -> None:
 
 
 def test_when_only_held_requests_can_run_they_are_released() -> None:
-    """Finding 5/7: V is paused and held (it keeps its KV) for W; after W is done, X (more
+    """V is paused and held (it keeps its KV) for W; after W is done, X (more
     urgent than V, 10 blocks) cannot be admitted beside V's 16. The step must run V rather than
     come back empty again and again while V 'runs'."""
     sched = _scheduler("pause", num_blocks=24, budget=96)
@@ -95,7 +95,7 @@ def test_when_only_held_requests_can_run_they_are_released() -> None:
 
 
 def test_a_request_admitted_this_step_is_never_its_kv_victim() -> None:
-    """Finding 6: the urgent waiter W is admitted first and takes the last blocks; A's decode
+    """The urgent waiter W is admitted first and takes the last blocks; A's decode
     then needs a block. W used to be the victim (it is running[-1]) and stayed in the step
     record, so rolling the step back crashed on running.remove(W)."""
     sched = _scheduler("pause", num_blocks=16)
@@ -119,7 +119,7 @@ def test_a_request_admitted_this_step_is_never_its_kv_victim() -> None:
 
 
 def test_a_victim_dropped_from_the_step_leaves_no_trace_in_its_record() -> None:
-    """Finding 6: under the priority policy a KV victim may have been served earlier in the same
+    """Under the priority policy a KV victim may have been served earlier in the same
     step; every record entry about it goes with it, so a rollback leaves it preempted."""
     sched = _scheduler("pause", num_blocks=8, policy="priority")
     runner = FakeRunner(sched)
@@ -140,7 +140,7 @@ def test_a_victim_dropped_from_the_step_leaves_no_trace_in_its_record() -> None:
 @pytest.mark.parametrize("crowded_by", ["max_num_seqs", "watermark"])
 def test_pause_falls_back_to_recompute_when_admission_would_refuse_the_waiter(
         crowded_by: str) -> None:
-    """Finding 7: whether the victim may keep its KV is the admission test itself. The old check
+    """Whether the victim may keep its KV is the admission test itself. The old check
     counted only the waiter's prompt blocks: the victim stayed paused and held, the waiter was
     never admitted, and every step came back empty while something 'ran'."""
     roomy = dict(num_blocks=32, max_num_seqs=8, watermark=0.0)
@@ -161,7 +161,7 @@ def test_pause_falls_back_to_recompute_when_admission_would_refuse_the_waiter(
 
 
 def test_a_victim_sent_back_to_the_queue_is_reported_as_recompute() -> None:
-    """Finding 12: a victim the rolled-back step had admitted is back in the queue with no KV;
+    """A victim the rolled-back step had admitted is back in the queue with no KV;
     it was reported as the configured mode ("suspend")."""
     sched = _scheduler("suspend")
     sched.add_request(v := make_request("V", 64, max_tokens=4))
@@ -173,7 +173,7 @@ def test_a_victim_sent_back_to_the_queue_is_reported_as_recompute() -> None:
 
 
 def test_rollback_restores_first_scheduled_time() -> None:
-    """Finding 12: an admission the rollback undid never ran; a re-admission of a request that
+    """An admission the rollback undid never ran; a re-admission of a request that
     ran before keeps the time of its first real scheduling."""
     sched = _scheduler("recompute")
     runner = FakeRunner(sched)

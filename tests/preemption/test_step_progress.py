@@ -1,5 +1,5 @@
-"""How the monitor weighs an urgent arrival against the running step at GPU time scales (issue
-24): the step's time left from the layers the device finished, the join layers of resumed
+"""How the monitor weighs an urgent arrival against the running step at GPU time scales:
+the step's time left from the layers the device finished, the join layers of resumed
 chunks, the run-ahead window, and a waiter written off only when it is late even under the
 optimistic estimate."""
 

@@ -1,4 +1,4 @@
-"""The step that serves an urgent waiter is its own (issue 24), at GPU time scales: the
+"""The step that serves an urgent waiter is its own, at GPU time scales: the
 predictor below is the H100 / Llama-3.1-8B step model (monitor/predictor.py terms).
 
 - Every chunk the rollback kept waits until the waiter's first token is out, even one short
@@ -64,7 +64,7 @@ def test_chunks_kept_from_the_unwound_step_wait_for_the_waiters_first_token(wait
     assert sched.get_request("W").first_token_time is not None
     resumed, _ = step(sched, runner)
     # Its first token is out: the kept chunks resume at their layer, but only in pieces that
-    # keep the turn streaming (issue 32): its next token within two decode-only steps. Before:
+    # keep the turn streaming: its next token within two decode-only steps. Before:
     # the whole 24,600 tokens resumed beside its decode, a 1.2 s gap.
     served = scheduled(resumed)
     assert served["W"] == 1 and 0 < served["A"] < 24_000 and "C" not in served
@@ -146,7 +146,7 @@ def test_a_turn_admitted_beside_a_document_is_not_held_to_its_whole_prefill():
 
 
 def test_a_waiter_keeps_its_protection_until_its_client_has_output():
-    """Issue 32: the deadline is met when the client sees the first output, not when a token
+    """The deadline is met when the client sees the first output, not when a token
     is sampled. A waiter whose first token shows nothing (a special token) keeps the victim
     and the kept chunks held, and its next tokens come from steps of its own, until its
     consumer reports the first visible output; then they resume. Before: the hold ended with

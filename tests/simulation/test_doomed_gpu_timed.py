@@ -1,4 +1,4 @@
-"""A misprediction costs a little lateness, never the aging bound (issue 32, docs/design.md
+"""A misprediction costs a little lateness, never the aging bound (docs/design.md
 section 9), in the GPU-timed simulation (engine/simulation, the h100-llama-3.1-8b profile): the
 real EngineCore, scheduler, monitor thread, signal and vote.
 
@@ -38,7 +38,7 @@ def _seed(profile, factor: float) -> StepTimeModel:
     # Served in 30 ms, predicted at 60 ms (the predictor kept 2x pessimistic): doomed by a
     # misprediction; its TTFT is within its objective plus one step.
     (600, 50.0, 2.0),
-    # The issue's figure: a 6000-token turn with a 150 ms objective needs 214 ms, doomed for
+    # The case that showed it: a 6000-token turn with a 150 ms objective needs 214 ms, doomed for
     # real (the predictor exact, learning as usual); it got 6.7 s (the aging bound), and is
     # served at the next step boundary at the latest now.
     (6000, 150.0, 1.0),

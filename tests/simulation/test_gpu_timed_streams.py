@@ -1,4 +1,4 @@
-"""An urgent turn's whole stream at GPU time scales (issue 32), in the GPU-timed simulation:
+"""An urgent turn's whole stream at GPU time scales, in the GPU-timed simulation:
 a 24k-token document prefills (~1.2 s of simulated H100 time), and a 64-token turn with a
 150 ms TTFT objective arrives during it. The turn's first token shows nothing (a special
 token, say): the consumer (as the API server does) reports its first *visible* output, the

@@ -1,4 +1,4 @@
-"""Randomized scheduler simulation (issue 12): Hypothesis drives the scheduler the way EngineCore
+"""Randomized scheduler simulation: Hypothesis drives the scheduler the way EngineCore
 does, over a model-free worker (tests/utils/sim_runner.py), through random arrivals with and without
 TTFT objectives, aborts, KV pools from tight to roomy, chunked and unchunked budgets, the three
 policies, and monitor decisions that stop steps at random layers in every preempt mode. The

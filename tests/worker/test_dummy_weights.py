@@ -76,7 +76,7 @@ def test_real_shapes_are_written_with_a_tokenizer(tiny_model, tmp_path):
 def test_every_id_of_the_shape_decodes_to_visible_text(tiny_model, tmp_path):
     """Dummy weights sample any id of the shape's vocabulary; the tokenizer (here the tiny
     model's, far smaller) is filled up so that each decodes to text a client sees (the first
-    lent H100's bursts timed no TTFT: their ids decoded to nothing), and prompts encode as
+    H100 run's bursts timed no TTFT: their ids decoded to nothing), and prompts encode as
     before."""
     from transformers import AutoTokenizer
 

@@ -1,4 +1,4 @@
-"""No host syncs inside the decoder layers (issue 26: the groundwork of CUDA graphs).
+"""No host syncs inside the decoder layers (the groundwork of CUDA graphs).
 
 Steps of every kind run on the CPU with a tiny model under ``tests.utils.host_sync.HostSyncDetector``:
 prefill-only, decode-only, mixed, a chunk over a cached prefix, a preemptible step unwound by the

@@ -76,7 +76,7 @@ def test_bad_sampling_params_name_the_field(field, kwargs):
         SamplingParams(**kwargs)
 
 
-# ---- finding 1: a temperature too small to divide by is greedy, not a crash ---------------------
+# ---- a temperature too small to divide by is greedy, not a crash --------------------------------
 
 def test_tiny_temperature_is_greedy():
     logits = _logits()
@@ -124,7 +124,7 @@ def test_extreme_but_valid_params_sample():
     assert not Sampler()(logits, [SamplingParams(temperature=1e30, seed=1)], [0]).errors
 
 
-# ---- finding 2: one row's failure stays in that row ---------------------------------------------
+# ---- one row's failure stays in that row --------------------------------------------------------
 
 def test_bad_logit_rows_fail_alone():
     logits = _logits(rows=5)

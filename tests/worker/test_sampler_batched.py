@@ -1,4 +1,4 @@
-"""The batched sampler (issue 26): one device-to-host read per call whatever the batch, the exact
+"""The batched sampler: one device-to-host read per call whatever the batch, the exact
 distributions of temperature / top-k / top-p / min-p, seeded rows independent of their batch, and
 failures that stay in their row."""
 

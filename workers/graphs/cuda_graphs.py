@@ -1,4 +1,4 @@
-"""Full CUDA graphs for decode-only steps (issue 26, item 1): one capture per padded batch size.
+"""Full CUDA graphs for decode-only steps: one capture per padded batch size.
 
 A decode step of an 8B model launches about a thousand kernels whose host-side launch cost is
 larger than their device time at small batches. Captured as a graph, the step is one launch.

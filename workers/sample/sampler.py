@@ -4,7 +4,7 @@ top-k, top-p, per-request seeds, and the sampled tokens' logprobs.
 A batch costs ONE device-to-host read, whatever its size and mix of parameters: the tokens, what
 each row needs to tell whether it could be sampled, and the logprobs are read back together
 (workers.host_transfer). On a GPU each read waits for the device, and the engine reads the
-tokens every step, so a read per row would add directly to the time per token (issue 26). The
+tokens every step, so a read per row would add directly to the time per token. The
 per-row parameters go up in one non-blocking copy. A call is two halves: ``launch`` queues the
 draws and starts that read, ``PendingSample.finish`` waits for it and builds the output, so that
 the host can queue the next step, fed by the sampled ids still on the device, in between.

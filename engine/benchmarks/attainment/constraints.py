@@ -1,6 +1,6 @@
 """What a benchmark's urgent requests may carry beside their prompt: a JSON schema
 (structured outputs) or a required tool call, so that a burst's attainment can be read for
-agents' requests beside plain ones (issue 35: the grammar must never make a waiter miss).
+agents' requests beside plain ones (the grammar must never make a waiter miss).
 
 Each kind constrains every request of the trace's ``urgent`` tier and none of the others.
 Its language cannot be finished within any benchmark's output length (a string of at least
@@ -20,7 +20,7 @@ compiled each of its tools' schemas once. The first compile of a schema is not s
 for a string with a ``minLength`` (this bench's, whatever the length) against Llama 3's 128k
 vocabulary on this CPU, 1-10 ms for typical tool arguments; a server's first request with a new
 schema waits for it (measured with the warm-up plain: the first two urgent turns of each seed's
-json run missed by 0.5-0.9 s; bench/results/HISTORY.md, issue 35).
+json run missed by 0.5-0.9 s; bench/results/HISTORY.md).
 """
 
 from __future__ import annotations

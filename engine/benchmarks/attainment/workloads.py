@@ -20,7 +20,7 @@
   share the engine with short interactive turns (64-256 tokens) whose deadline is a few of their
   own isolated TTFTs (150 ms on that H100): an urgent turn that waits out a document's step
   misses by a second. Use gamma arrivals with --burstiness > 1 for bursts.
-- `deadline-burst`: the same shape with the objectives a CPU user would set (issue 32): documents
+- `deadline-burst`: the same shape with the objectives a CPU user would set: documents
   of about DEADLINE_BURST_DOCUMENT_S of isolated prefill each with relaxed objectives, and short
   turns (32-128 tokens) whose objective is three of their isolated TTFTs, at least 250 ms (on
   this CPU 250-450 ms). With gamma arrivals, turns land in bursts during documents' prefills.

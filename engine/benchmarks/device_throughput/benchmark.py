@@ -21,7 +21,7 @@ device, one dtype (auto: bf16 on a GPU, the CPU's native choice otherwise). In t
    counts) at each batch over random prompts of --context tokens, no prefix caching (every
    request reads its own K/V); and the mixed kind: --mixed-decodes running decodes at
    --context tokens plus one --mixed-chunk-token chunk of a long prompt per step (the kind
-   issue 26's piecewise graphs replay), median step time (the decodes' TPOT) and tokens/s of
+   the piecewise CUDA graphs replay), median step time (the decodes' TPOT) and tokens/s of
    decodes and chunk together.
 
 Bounds (the FLOP and byte counts of engine/benchmarks/measure/roofline.py for the shape):

@@ -6,7 +6,7 @@ start to the next one's, so the output processing between steps counts):
 - prefill: prompts of the whole token budget, one per step;
 - decode at each batch: full-batch decode steps over random --context-token prompts;
 - mixed: `mixed_decodes` running decodes plus one `mixed_chunk`-token chunk of a long prompt per
-  step (`MixedWorkload`), the kind that issue 26's piecewise CUDA graphs replay; tokens/s counts
+  step (`MixedWorkload`), the kind that the piecewise CUDA graphs replay; tokens/s counts
   the decodes and the chunk.
 
 `bench_engine` runs every kind on the engine as configured (CUDA graphs on a GPU), and with

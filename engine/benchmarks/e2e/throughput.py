@@ -6,7 +6,7 @@ request with max_tokens=1, prefix caching off so nothing is reused).
 Decode: output tokens/s with N concurrent requests in sloserve vs HF `generate` one request at a
 time (the way a plain HF script serves). Prints one JSON object with both and their ratios.
 
-Roofline (issue 14, engine/benchmarks/measure/roofline.py): the same run measures this machine's matmul
+Roofline (engine/benchmarks/measure/roofline.py): the same run measures this machine's matmul
 GFLOP/s on the model's own GEMM shapes and its memory bandwidth, then prints the engine's
 prefill tokens/s (one-step prefills of --prefill-lens tokens) as a share of the linear-layer and
 the full (with attention) compute bound, and its decode tokens/s (--decode-batches x
@@ -209,7 +209,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--random-heads", type=int, nargs=2, metavar=("HEADS", "KV_HEADS"),
                         help="bench a random-weight model of the model's shape with these head "
                              "counts (e.g. 8 2, so that TP=2 is possible)")
-    roof = parser.add_argument_group("roofline (issue 14)")
+    roof = parser.add_argument_group("roofline")
     roof.add_argument("--prefill-lens", type=int, nargs="+", default=[128, 512, 2048, 4096],
                       help="prompt lengths of the roofline prefill figures")
     roof.add_argument("--decode-batches", type=int, nargs="+", default=[1, 16, 64],

@@ -1,4 +1,4 @@
-"""`fleet-bursts`: the trace family the fleet routers are compared on (issue 34).
+"""`fleet-bursts`: the trace family the fleet routers are compared on.
 
 Urgent chat turns of 64-512 prompt tokens arrive in bursts among long documents:
 
@@ -29,7 +29,7 @@ import numpy as np
 from engine.benchmarks.attainment.traces import (TierSpec, Tokenizer, Trace, TraceRequest,
                                                  Uniform, generate_trace)
 
-# The load (issue 34: where power-of-two meets at most 60% of the urgent objectives on 4
+# The load (where power-of-two meets at most 60% of the urgent objectives on 4
 # replicas of h100-llama-3.1-8b), found by running `sloserve bench run --simulate
 # h100-llama-3.1-8b --replicas 4 --workload fleet-bursts --seeds 0 --rates R --num-requests 30R
 # --router pow2` (30 s of trace, seed 0) on the project's shared 2-core CPU machine (load

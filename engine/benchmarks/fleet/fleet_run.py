@@ -233,7 +233,7 @@ def _late_past(r: RequestResult, step_ms: float) -> bool:
 
 def late_past_a_decode_step(run: RunResult) -> tuple[int, int, float | None]:
     """(accepted requests with a TTFT objective whose client TTFT missed it by more than one
-    decode step, those accepted with an objective, the decode step in ms): issue 34's bound on
+    decode step, those accepted with an objective, the decode step in ms): the bound on
     what routing may cost an accepted request. The decode step is the run's median TPOT, as
     its clients saw it."""
     step_ms = _median_tpot_ms(run)
@@ -373,7 +373,7 @@ def fleet_table(runs: Sequence[RunResult]) -> str:
 
 def target_lines(runs: Sequence[RunResult], urgent: str | None,
                  relaxed: str | None) -> list[str]:
-    """Issue 34's targets for the slack router against pow2 and least-queue, where those runs
+    """The fleet targets for the slack router against pow2 and least-queue, where those runs
     are present: slack >= 95% urgent attainment, goodput >= 1.3x each, relaxed mean E2E within
     10% of pow2's."""
     by_label = {r.policy: r for r in runs}
@@ -400,7 +400,7 @@ def target_lines(runs: Sequence[RunResult], urgent: str | None,
             change = mine / theirs - 1
             out.append(f"- slack {relaxed} mean E2E {change:+.0%} vs pow2's (target within "
                        f"10%): {'met' if change <= 0.10 else 'not met'}")
-    return ["targets (issue 34):", *out] if out else []
+    return ["targets:", *out] if out else []
 
 
 FLEET_NOTES = (
@@ -414,7 +414,7 @@ FLEET_NOTES = (
     "objective; 429s that missed when served: the same requests in the run where the same "
     "router served every request. accepted, late by more than a decode step: requests with a "
     "TTFT objective that were not refused and whose client TTFT missed it by more than the "
-    "run's median TPOT (in reject mode, issue 34 allows none for a routing decision); of "
+    "run's median TPOT (in reject mode, the target allows none for a routing decision); of "
     "those predicted in time where routed: the same among the requests whose predicted TTFT on "
     "the replica the router chose (x-sloserve-predicted-ttft-ms: its queue there and the "
     "forecast of what would overtake it) met the objective, the misses a routing decision "

@@ -1,4 +1,4 @@
-"""This machine's limits for one model, measured in the caller's run (issue 14).
+"""This machine's limits for one model, measured in the caller's run.
 
 Two bounds, both counted from the HF config (never hard-coded for one model):
 
