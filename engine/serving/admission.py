@@ -9,6 +9,11 @@ those whose first output has not come yet (a prompt's samples share its prefill,
 counts once). The ledger is kept where requests are admitted, on the API server's event loop:
 two requests arriving together cannot both pass a bound only one of them fits under, which a
 count read from the engine's last step could not promise.
+
+The request bound is checked twice: on arrival, before the chat template and the tokenizer run
+(a place is reserved for each engine request the HTTP request will start), and at admission
+with the prompt's tokens. Under a flood the requests refused cost the server no tokenizing,
+which would otherwise be taken from the ones it serves.
 """
 
 from __future__ import annotations
@@ -22,6 +27,13 @@ from engine.outputs import RequestOutput
 QUEUED_REQUESTS, QUEUED_TOKENS = "max_num_queued_reqs", "max_num_queued_tokens"
 # What a refusal's Retry-After says, in seconds: a queue bound is a moment's state, not a quota.
 RETRY_AFTER_S = 1
+# Names a 429's reason for a gateway (one of the reasons above, or engine.serving.doomed's):
+# a fleet's ingress tries a queue bound's refusal on another replica.
+REJECTED_HEADER = "x-sloserve-rejected"
+
+
+def queue_full_headers(reason: str) -> dict[str, str]:
+    return {"Retry-After": str(RETRY_AFTER_S), REJECTED_HEADER: reason}
 
 
 @dataclass(frozen=True)
@@ -55,22 +67,30 @@ class AdmissionLedger:
     # for a prompt's later samples).
     held: dict[str, int] = field(default_factory=dict)
     queued_tokens: int = 0
+    # Engine requests of HTTP requests still being prepared (templated, tokenized): counted
+    # against the request bound from arrival on.
+    reserved: int = 0
 
     @property
     def num_requests(self) -> int:
         return len(self.held)
 
-    def admit(self, request_ids: Sequence[str], prompt_tokens: Sequence[int]) -> None:
+    def reserve(self, count: int) -> Place:
+        """A place for ``count`` engine requests while their prompts are prepared, or QueueFull
+        when the held and reserved ones leave no room for them."""
+        self._check_requests(count)
+        self.reserved += count
+        return Place(self, count)
+
+    def admit(self, request_ids: Sequence[str], prompt_tokens: Sequence[int],
+              place: Place | None = None) -> None:
         """Hold ``request_ids`` (``prompt_tokens``: each one's count, 0 for a sample that shares
-        an earlier one's prompt), or raise QueueFull naming the bound, holding nothing."""
+        an earlier one's prompt), or raise QueueFull naming the bound, holding nothing.
+        ``place``: what was reserved for them on arrival, given up here either way."""
+        if place is not None:
+            place.release()
         added = sum(prompt_tokens)
-        limit = self.bounds.max_requests
-        if limit is not None and self.num_requests + len(request_ids) > limit:
-            self.on_reject(QUEUED_REQUESTS)
-            raise QueueFull(QUEUED_REQUESTS,
-                            f"the server holds {self.num_requests} requests and this one adds "
-                            f"{len(request_ids)}: over its bound of {limit} "
-                            f"(--max-num-queued-reqs); retry later or elsewhere")
+        self._check_requests(len(request_ids))
         limit = self.bounds.max_tokens
         # One request alone is always let in, however long: a bound on tokens must not refuse
         # a prompt that an idle server would serve.
@@ -84,6 +104,16 @@ class AdmissionLedger:
             self.held[request_id] = tokens
         self.queued_tokens += added
 
+    def _check_requests(self, count: int) -> None:
+        limit = self.bounds.max_requests
+        taken = self.num_requests + self.reserved
+        if limit is not None and taken + count > limit:
+            self.on_reject(QUEUED_REQUESTS)
+            raise QueueFull(QUEUED_REQUESTS,
+                            f"the server holds {taken} requests (waiting, running or being "
+                            f"tokenized) and this one adds {count}: over its bound of {limit} "
+                            f"(--max-num-queued-reqs); retry later or elsewhere")
+
     def prefilled(self, request_id: str) -> None:
         self.queued_tokens -= self.held.get(request_id, 0)
         if request_id in self.held:
@@ -95,6 +125,18 @@ class AdmissionLedger:
 
     def track(self, request_id: str, source: AsyncIterator[RequestOutput]) -> TrackedSource:
         return TrackedSource(self, request_id, source)
+
+
+class Place:
+    """Room reserved in a ledger for a request being prepared; given back once (admitted, or
+    failed before it)."""
+
+    def __init__(self, ledger: AdmissionLedger, count: int) -> None:
+        self.ledger, self.count = ledger, count
+
+    def release(self) -> None:
+        self.ledger.reserved -= self.count
+        self.count = 0
 
 
 class TrackedSource:

@@ -66,14 +66,16 @@ class OpenAIServingChat:
             prompt = chat_prompt(body, self.template)
         except ChatPromptError as exc:
             raise APIError(400, str(exc), exc.param) from exc
-        try:
-            ids = await self.serving.lanes.apply_chat_template(
-                prompt.messages, True, prompt.tools, prompt.template_kwargs)
-        except ValueError as exc:
-            raise APIError(400, str(exc), "messages") from exc
-        reading = ChatReading(tools=calling, reasoning=self.reasoning, harmony=self.harmony)
-        return await self.serving.serve(body, request, [(None, ids)], chat=reading,
-                                        responses=responses)
+        with self.serving.arriving(body, request, 1, chat=True) as checked:
+            try:
+                ids = await self.serving.lanes.apply_chat_template(
+                    prompt.messages, True, prompt.tools, prompt.template_kwargs)
+            except ValueError as exc:
+                raise APIError(400, str(exc), "messages") from exc
+            reading = ChatReading(tools=calling, reasoning=self.reasoning,
+                                  harmony=self.harmony)
+            return await self.serving.serve(body, request, [(None, ids)], checked,
+                                            chat=reading, responses=responses)
 
     async def create_response(self, body: ResponsesRequest, request: Request) -> Response:
         """Served as the chat request it amounts to (engine.serving.responses_protocol), its

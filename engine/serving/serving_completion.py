@@ -21,13 +21,14 @@ class OpenAIServingCompletion:
             given = body.prompts
         except ValueError as exc:
             raise APIError(400, str(exc), "prompt") from exc
-        prompts: list[Prompt] = []
-        for prompt in given:
-            if isinstance(prompt, str):
-                prompts.append((prompt, await _encode(self.serving.lanes, prompt)))
-            else:
-                prompts.append((None, list(prompt)))
-        return await self.serving.serve(body, request, prompts)
+        with self.serving.arriving(body, request, len(given), chat=False) as checked:
+            prompts: list[Prompt] = []
+            for prompt in given:
+                if isinstance(prompt, str):
+                    prompts.append((prompt, await _encode(self.serving.lanes, prompt)))
+                else:
+                    prompts.append((None, list(prompt)))
+            return await self.serving.serve(body, request, prompts, checked)
 
 
 async def _encode(lanes: TokenizeLanes, prompt: str) -> list[int]:

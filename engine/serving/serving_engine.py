@@ -5,10 +5,12 @@ engine requests and answers with the whole response or its stream."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import Request
@@ -17,12 +19,13 @@ from fastapi.responses import Response
 from engine.ipc.async_client import AsyncEngineClient
 from engine.processing.input_processor import check_fits_context
 from engine.sampling_params import SamplingParams
-from engine.serving.admission import RETRY_AFTER_S, AdmissionLedger, QueueFull
+from engine.serving.admission import (REJECTED_HEADER, AdmissionLedger, Place, QueueFull,
+                                      queue_full_headers)
 from engine.serving.api_errors import APIError, JSONBody, describe_error, error_for
 from engine.serving.chat_reading import ChatReading
 from engine.serving.choices import (EnginePrompt, best_of_choices, fan_out,
                                     finals_unless_disconnected, merged)
-from engine.serving.doomed import DoomedCheck, RequestDoomed
+from engine.serving.doomed import DOOMED, DoomedCheck, RequestDoomed
 from engine.serving.edge_clock import EdgeClock, EdgeStampedStream
 from engine.serving.metrics import ServerMetrics
 from engine.serving.openai_protocol import MAX_N, GenerationRequest
@@ -32,7 +35,7 @@ from engine.serving.request_fields import shown, unsupported_field
 from engine.serving.responses_api import ResponsesShape
 from engine.serving.server_settings import ServerSettings
 from engine.serving.serving_models import OpenAIServingModels
-from engine.serving.tokenize_lanes import TokenizeLanes
+from engine.serving.tokenize_lanes import LONG_INPUT_CHARS, TokenizeLanes
 from engine.structured_output.grammar import CheckedGrammars, grammar_of
 
 SLO_HEADER = "x-slo-ttft-ms"
@@ -40,6 +43,16 @@ TPOT_HEADER = "x-slo-tpot-ms"
 T = TypeVar("T")
 # A prompt: its text when the client sent text (echo writes it back), and its token ids.
 Prompt = tuple[str | None, list[int]]
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A request as `OpenAIServing.arriving` checked it: its objectives (ms; None: none) and
+    its place under the queue bound (None: no bound)."""
+
+    ttft_slo_ms: float | None
+    tpot_slo_ms: float | None
+    place: Place | None
 
 
 class OpenAIServing:
@@ -57,12 +70,21 @@ class OpenAIServing:
         # 1 MiB prompt does not stall every open stream (engine.serving.tokenize_lanes).
         self.lanes = lanes
         self.ledger = AdmissionLedger(settings.queue_bounds, on_reject=metrics.on_rejected)
+        # A long prompt's prefix matching (milliseconds) on the long lane: never ahead of a
+        # short turn's template.
         self.doomed = DoomedCheck(client.load_report, on_reject=metrics.on_rejected,
-                                  off_loop=lanes.run)
+                                  off_loop=lambda fn, *args: lanes.on_lane(
+                                      LONG_INPUT_CHARS, lambda _inputs: fn(*args)))
         self.checked_grammars = CheckedGrammars()
         self._request_ids = itertools.count()
 
     # ---- the objectives ---------------------------------------------------------------------
+
+    @staticmethod
+    def samples_per_prompt(body: GenerationRequest) -> int:
+        """The engine requests each prompt starts (best_of when set, else n), read before the
+        sampling parameters are built."""
+        return getattr(body, "best_of", None) or body.n
 
     def ttft_slo(self, body: GenerationRequest, request: Request) -> float | None:
         if body.ttft_slo_ms is not None:  # the body wins over the header
@@ -86,29 +108,53 @@ class OpenAIServing:
 
     # ---- serving ----------------------------------------------------------------------------
 
-    async def serve(self, body: GenerationRequest, request: Request, prompts: list[Prompt],
-                    chat: ChatReading | None = None,
-                    responses: ResponsesShape | None = None) -> Response:
-        """Serve one HTTP request: each prompt (a completions list, else one), n samples each,
-        as engine requests that run together; the response gathers them as choices.
-        ``chat``: how a chat request's output is read (None: a completion). ``responses``: a
-        chat request serving /v1/responses, answered in that API's shape."""
-        client, metrics = self.client, self.metrics
-        arrival = request.state.arrival
+    @contextlib.contextmanager
+    def arriving(self, body: GenerationRequest, request: Request, num_prompts: int,
+                 chat: bool) -> Iterator[Arrival]:
+        """What is checked as soon as a request is read, before its prompt is templated or
+        tokenized: the model's name, fields this server does not support, the objectives, how
+        many completions it asks for (each a 400 or 404 naming what is wrong), then its place
+        under the queue bound, so that a request over it is refused with 429 before any work
+        (engine.serving.admission). `serve` admits it into the place; the place is given back
+        if it fails before then."""
         self.models.check_model_name(body.model)
-        if (unsupported := unsupported_field(body, chat is not None)) is not None:
+        if (unsupported := unsupported_field(body, chat)) is not None:
             name, value = unsupported
             raise APIError(400, f"`{name}` is not supported by this server "
                                 f"(got {shown(value, 80)})", name)
         slo = self.ttft_slo(body, request)
         tpot_slo = self.tpot_slo(body, request)
+        per_prompt = self.samples_per_prompt(body)
+        if num_prompts * per_prompt > MAX_N:
+            raise APIError(400, f"{num_prompts} prompts x n={per_prompt} asks for "
+                                f"{num_prompts * per_prompt} completions; at most {MAX_N} "
+                                f"per request", "n")
+        place = None
+        if self.settings.queue_bounds.bounded:
+            try:
+                place = self.ledger.reserve(num_prompts * per_prompt)
+            except QueueFull as exc:
+                raise APIError(429, str(exc), None, queue_full_headers(exc.reason)) from None
+        try:
+            yield Arrival(slo, tpot_slo, place)
+        finally:
+            if place is not None:
+                place.release()
+
+    async def serve(self, body: GenerationRequest, request: Request, prompts: list[Prompt],
+                    checked: Arrival, chat: ChatReading | None = None,
+                    responses: ResponsesShape | None = None) -> Response:
+        """Serve one HTTP request: each prompt (a completions list, else one), n samples each,
+        as engine requests that run together; the response gathers them as choices.
+        ``checked``: what `arriving` found of it. ``chat``: how a chat request's output is read
+        (None: a completion). ``responses``: a chat request serving /v1/responses, answered in
+        that API's shape."""
+        client, metrics = self.client, self.metrics
+        arrival = request.state.arrival
+        slo, tpot_slo = checked.ttft_slo_ms, checked.tpot_slo_ms
         params_per_prompt = await self._sampling_params(body, prompts, chat)
         params = params_per_prompt[0]
         per_prompt = params.num_samples
-        if len(prompts) * per_prompt > MAX_N:
-            raise APIError(400, f"{len(prompts)} prompts x n={per_prompt} asks for "
-                                f"{len(prompts) * per_prompt} completions; at most {MAX_N} "
-                                f"per request", "n")
         if body.stream and params.ranks_samples:
             raise APIError(400, "best_of > n cannot be streamed: the best samples are known "
                                 "only once all have finished", "best_of")
@@ -118,7 +164,8 @@ class OpenAIServing:
                 await self.doomed.check([ids for _, ids in prompts], slo,
                                         time.monotonic() - arrival)
             except RequestDoomed as exc:
-                raise APIError(429, str(exc), None, {"Retry-After": str(exc.retry_after_s)},
+                raise APIError(429, str(exc), None, {"Retry-After": str(exc.retry_after_s),
+                                                     REJECTED_HEADER: DOOMED},
                                exc.details) from None
         prefix = "chatcmpl" if chat is not None else "cmpl"
         request_id = (responses.response_id if responses is not None
@@ -140,10 +187,9 @@ class OpenAIServing:
             tokens = [len(ep.token_ids) if sample == 0 else 0
                       for ep in engine_prompts for sample in range(per_prompt)]
             try:
-                self.ledger.admit(child_ids, tokens)
+                self.ledger.admit(child_ids, tokens, checked.place)
             except QueueFull as exc:
-                raise APIError(429, str(exc), None,
-                               {"Retry-After": str(RETRY_AFTER_S)}) from None
+                raise APIError(429, str(exc), None, queue_full_headers(exc.reason)) from None
             sources = [self.ledger.track(i, s) for i, s in zip(child_ids, sources)]
 
         def release() -> None:

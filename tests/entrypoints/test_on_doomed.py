@@ -64,6 +64,7 @@ def test_a_doomed_request_is_refused_a_feasible_one_served_and_the_admitted_one_
     assert error["ttft_slo_ms"] == 1 and error["predicted_ttft_ms"] > 1
     assert "--on-doomed reject" in error["message"]
     assert int(doomed.headers["retry-after"]) >= 1
+    assert doomed.headers["x-sloserve-rejected"] == "doomed"
     assert feasible.status_code == 200 and feasible.json()["usage"]["completion_tokens"] == 8
     # Admitted before the refusal, it streamed to its end.
     assert admitted.status_code == 200

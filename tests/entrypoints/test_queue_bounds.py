@@ -41,6 +41,26 @@ def test_the_ledger_counts_requests_samples_and_prompt_tokens() -> None:
         QueueBounds(max_requests=0)
 
 
+def test_a_place_reserved_on_arrival_counts_until_admitted_or_given_back() -> None:
+    """The request bound is checked on arrival, before any tokenizing: reserved places count
+    as held ones, admission moves a place into the ledger, and a place given back (the request
+    failed before admission) frees it."""
+    rejected: list[str] = []
+    ledger = AdmissionLedger(QueueBounds(max_requests=3), on_reject=rejected.append)
+    ledger.admit(["a"], [10])
+    place = ledger.reserve(2)  # a completion of two samples, still being tokenized
+    with pytest.raises(QueueFull, match=r"holds 3 requests .* adds 1: over its bound of 3"):
+        ledger.reserve(1)
+    ledger.admit(["b-0", "b-1"], [5, 0], place)
+    assert (ledger.num_requests, ledger.reserved) == (3, 0)
+    place.release()  # given back again on the way out: once counts
+    assert ledger.reserved == 0
+    ledger.release("a")
+    failed = ledger.reserve(1)
+    failed.release()  # its template failed: a 400, nothing held
+    assert (ledger.num_requests, ledger.reserved, rejected) == (2, 0, [QUEUED_REQUESTS])
+
+
 def test_a_source_closed_before_it_started_is_released() -> None:
     """A client gone before its response began: the engine request never started, and closing
     its source (what the response's cleanup does) gives its place back."""
@@ -104,6 +124,8 @@ def test_a_flood_past_the_bound_gets_429s_and_every_admitted_request_completes(t
             assert response.text.rstrip().endswith("data: [DONE]")
     refused = [r for r in responses if r.status_code == 429]
     assert all(r.headers["retry-after"] == "1" for r in refused)
+    # The reason, for a gateway (a fleet's ingress tries such a 429 on another replica).
+    assert all(r.headers["x-sloserve-rejected"] == QUEUED_REQUESTS for r in refused)
     error = refused[0].json()["error"]
     assert error["type"] == "RateLimitError" and error["code"] == 429
     assert "--max-num-queued-reqs" in error["message"]
@@ -115,3 +137,40 @@ def test_a_flood_past_the_bound_gets_429s_and_every_admitted_request_completes(t
     for name in ("vllm:admission_rejections_total", "sloserve:num_requests_rejected_total"):
         assert _counter(metrics, name, QUEUED_REQUESTS) == len(refused) + len(sdk_refused)
     assert [r.status_code for r in after] == [200] * 3
+
+
+def test_a_refused_request_is_never_templated_or_tokenized(tiny_model, monkeypatch, tmp_path):
+    """Under a flood, the requests over the bound are refused on arrival: the chat template
+    and the tokenizer run for exactly the requests admitted, none for the 429s (which would
+    otherwise take the host from the requests being served)."""
+    from engine.serving.tokenize_lanes import TokenizeLanes
+
+    templated: list[int] = []
+    render = TokenizeLanes.apply_chat_template
+
+    async def counted(self, *args, **kwargs):
+        templated.append(1)
+        return await render(self, *args, **kwargs)
+
+    monkeypatch.setattr(TokenizeLanes, "apply_chat_template", counted)
+    model = tiny_model("llama")
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                        "{% endfor %}assistant:")
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Count to ten:"}],
+            "max_tokens": 24, "ignore_eos": True}
+
+    async def run():
+        settings = ServerSettings(served_model_name="tiny", queue_bounds=QueueBounds(2))
+        async with app_client(model, settings, num_kv_blocks=64,
+                              chat_template=str(template)) as (http, _):
+            flood = await asyncio.gather(*(http.post("/v1/chat/completions", json=chat)
+                                           for _ in range(12)))
+            metrics = (await http.get("/metrics")).text
+            return [r.status_code for r in flood], metrics
+
+    codes, metrics = asyncio.run(run())
+    assert set(codes) == {200, 429} and codes.count(429) >= 8
+    assert len(templated) == codes.count(200)
+    assert _counter(metrics, "vllm:admission_rejections_total",
+                    QUEUED_REQUESTS) == codes.count(429)
