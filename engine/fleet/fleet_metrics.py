@@ -5,7 +5,10 @@ role-only opening chunk) leaves for the client: the figure the client measures, 
 after the replica's own stamp. Each replica's gauges come from its latest report to the router,
 under the names llm-d's endpoint picker and vLLM dashboards read, labelled by replica.
 
-What the fleet could not weigh is counted too: requests forwarded without a route hint or
+Its 429s are counted by reason (`sloserve:fleet_rejected_total`): the doomed ones it refused
+itself and the queue bounds' refusals its replicas sent back after no other could take the
+request (those tried again elsewhere: `sloserve:fleet_rerouted_total`). What the fleet could
+not weigh is counted too: requests forwarded without a route hint or
 without admission (`sloserve:fleet_unassessed_total`, by reason) and the router's ranking
 failures, after which it routed in Ray Serve's order (`sloserve:fleet_ranking_failures_total`,
 by exception type, kept in the router's book).
@@ -85,9 +88,15 @@ class FleetMetrics:
         self._slo = Counter("sloserve:fleet_ttft_slo", "Requests with a TTFT objective, by "
                             "whether their first output reached the client's side in time.",
                             ["outcome"], registry=r)
-        self._rejected = Counter("sloserve:fleet_rejected", "Requests refused with a 429 "
-                                 "because no replica could meet their TTFT objective "
-                                 "(--on-doomed reject).", registry=r)
+        self._rejected = Counter(
+            "sloserve:fleet_rejected", "Requests answered with a 429, by reason: doomed (no "
+            "replica could meet the TTFT objective: --on-doomed reject), max_num_queued_reqs "
+            "and max_num_queued_tokens (every replica tried was at its queue bound).",
+            ["reason"], registry=r)
+        self._rerouted = Counter(
+            "sloserve:fleet_rerouted", "Refusals at a replica's queue bound after which the "
+            "request was tried again on another replica (one request refused twice counts "
+            "twice), by the bound's reason.", ["reason"], registry=r)
         self._retries = Counter("sloserve:fleet_retries", "Requests tried again on another "
                                 "replica after theirs failed before answering.", registry=r)
         self._failed = Counter("sloserve:fleet_failed", "Requests that failed because their "
@@ -106,8 +115,11 @@ class FleetMetrics:
         if hint.ttft_slo_s is not None:
             self._slo.labels("met" if ttft <= hint.ttft_slo_s else "missed").inc()
 
-    def rejected(self) -> None:
-        self._rejected.inc()
+    def rejected(self, reason: str) -> None:
+        self._rejected.labels(reason).inc()
+
+    def rerouted(self, reason: str) -> None:
+        self._rerouted.labels(reason).inc()
 
     def retried(self) -> None:
         self._retries.inc()

@@ -13,6 +13,11 @@ without one, the reason logged and counted (`sloserve:fleet_unassessed_total`): 
 prompt the replica refuses gets the replica's own 400; a failure of the hint's own code is
 logged with its traceback.
 
+A replica that refuses a request at its queue bound (429, `x-sloserve-rejected` naming the
+bound) has it tried on another that has not, while one is left; the router ranks it after the
+replicas with room until it reports again. While every replica is at its bound as the router
+counts them, a generation request gets that 429 at the ingress, before its hint is computed.
+
 Faults: a replica that dies before any byte of its response reached the client is retried on
 another (generation is a pure function of the request: nothing was shown twice); one that dies
 mid-stream ends the stream with an OpenAI-shaped error event. `/health` says `degraded` while
@@ -48,10 +53,12 @@ from engine.fleet.prefix_hashes import prompt_prefix_hashes
 from engine.fleet.replica import PREDICTED_TTFT_HEADER, REPLICA_HEADER
 from engine.fleet.book_registry import fleet_book
 from engine.processing.input_processor import InputProcessor
-from engine.serving.api_server import SLO_HEADER
+from engine.serving.admission import (QUEUED_REQUESTS, QUEUED_TOKENS, REJECTED_HEADER,
+                                      queue_full_headers)
+from engine.serving.serving_engine import SLO_HEADER
 from engine.serving.chat_prompt import chat_prompt, chat_template_of
 from engine.serving.responses_protocol import ResponsesRequest, chat_request
-from engine.serving.doomed import OnDoomed
+from engine.serving.doomed import DOOMED, OnDoomed
 from engine.serving.openai_protocol import ChatCompletionRequest, error_body
 from engine.serving.tokenize_lanes import TokenizeLanes
 
@@ -127,6 +134,11 @@ class FleetIngress:
                                   self.router_start)
         self._expected_auth = (None if settings.api_key is None
                                else f"Bearer {settings.api_key}".encode())
+        # Generation requests whose hints are being computed: counted against the fleet's
+        # room (`_fleet_full`). From then until the router has routed one (and counts it), it
+        # is counted nowhere: a moment in which more may pass than there is room for, which
+        # the replicas' own bounds then refuse.
+        self._preparing = 0
         self._warm_up = asyncio.create_task(self._start_router())
 
     async def _start_router(self) -> None:
@@ -183,10 +195,16 @@ class FleetIngress:
             else None, arrived_at=arrived_at)
         hint = None
         if request.method == "POST" and path in GENERATION_PATHS:
-            slo_header = request.headers.get(SLO_HEADER)
-            # The body's size stands for its text's (the lane's measure).
-            computed = await self.lanes.on_lane(
-                len(body), lambda inputs: self._hint(path, body, slo_header, arrived_at, inputs))
+            if (full := self._fleet_full()) is not None:
+                return full
+            self._preparing += 1
+            try:
+                slo_header = request.headers.get(SLO_HEADER)
+                # The body's size stands for its text's (the lane's measure).
+                computed = await self.lanes.on_lane(len(body), lambda inputs: self._hint(
+                    path, body, slo_header, arrived_at, inputs))
+            finally:
+                self._preparing -= 1
             if isinstance(computed, Unhinted):
                 self._unhinted(path, computed)
             else:
@@ -194,6 +212,22 @@ class FleetIngress:
                 if (refused := self._admit(hint)) is not None:
                     return refused
         return await self._forward(forwarded, hint)
+
+    def _fleet_full(self) -> Response | None:
+        """A 429 for a generation request that arrives while every replica is at its queue
+        bound, as the router counts them (beside the requests whose hints are being computed
+        here): refused before its hint is computed, as one server refuses before tokenizing,
+        so that a flood's refused requests take no host time from those being served. None
+        while there is room, or the router cannot tell (the replicas' own bounds decide)."""
+        book = fleet_book(self.settings.engine_deployment)
+        room = None if book is None else book.room(time.time())
+        if room is None or room > self._preparing:
+            return None
+        self.metrics.rejected(QUEUED_REQUESTS)
+        content = error_body("every replica of the fleet is at its queue bound "
+                             "(--max-num-queued-reqs); retry later", 429)
+        return Response(json.dumps(content), 429, media_type="application/json",
+                        headers=queue_full_headers(QUEUED_REQUESTS))
 
     def _authorized(self, request: Request) -> bool:
         if self._expected_auth is None:
@@ -273,7 +307,7 @@ class FleetIngress:
         admission = assess(book, hint, time.time())
         if not admission.doomed:
             return None
-        self.metrics.rejected()
+        self.metrics.rejected(DOOMED)
         predicted_ms = admission.predicted_ttft_s * 1e3
         message = (f"no replica can serve this request within its TTFT objective of "
                    f"{hint.ttft_slo_s * 1e3:.0f} ms: the best predicted TTFT is "
@@ -283,7 +317,8 @@ class FleetIngress:
         content["error"].update(predicted_ttft_ms=round(predicted_ms, 1),
                                 ttft_slo_ms=round(hint.ttft_slo_s * 1e3, 3))
         return Response(json.dumps(content), 429, media_type="application/json",
-                        headers={"Retry-After": str(admission.retry_after_s)})
+                        headers={"Retry-After": str(admission.retry_after_s),
+                                 REJECTED_HEADER: DOOMED})
 
     # ---- forwarding -------------------------------------------------------------------------
 
@@ -297,26 +332,37 @@ class FleetIngress:
 
     async def _forward(self, forwarded: ForwardedRequest, hint: RouteHint | None) -> Response:
         failure: BaseException | None = None
-        for attempt in range(self.settings.forward_attempts):
+        attempt = 0
+        # Replicas that refused the request at their queue bound: it goes to another while one
+        # is left that has not (the router ranks them last from then on: FleetBook.on_full).
+        refused_by: list[str] = []
+        while attempt < self.settings.forward_attempts:
             stream = self.engine.handle.remote(forwarded, hint=hint)
             try:
                 start = await stream.__anext__()
             except _REPLICA_GONE as exc:
                 failure = exc
+                attempt += 1
                 self.metrics.retried()
                 logger.warning("a replica failed before answering (%s); trying another "
-                               "(attempt %d)", type(exc).__name__, attempt + 1)
+                               "(attempt %d)", type(exc).__name__, attempt)
                 continue
             if not isinstance(start, ResponseStart):
                 raise TypeError(f"a replica answered {type(start).__name__} first")
+            replica = next((v.decode() for k, v in start.headers if k.lower() == REPLICA_HEADER),
+                           None)
+            queue_full = _queue_bound_refusal(start)
+            if queue_full is not None:
+                if self._try_elsewhere(replica, refused_by, queue_full):
+                    stream.cancel()
+                    continue
+                self.metrics.rejected(queue_full)  # no replica left to try: the client's 429
             headers = [(k, v) for k, v in start.headers if k.lower() not in _HOP_BY_HOP]
             predicted_s = self._routed_prediction(hint)
             if predicted_s is not None:
                 headers.append((PREDICTED_TTFT_HEADER, f"{predicted_s * 1e3:.1f}".encode()))
             sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
                       for k, v in headers)
-            replica = next((v.decode() for k, v in start.headers if k.lower() == REPLICA_HEADER),
-                           None)
             response = StreamingResponse(self._relay(stream, hint, sse, replica),
                                          status_code=start.status)
             response.raw_headers = headers
@@ -324,6 +370,22 @@ class FleetIngress:
         self.metrics.failed()
         return _error(503, f"no replica could take the request ({type(failure).__name__}); "
                            f"the fleet is recovering, retry shortly")
+
+    def _try_elsewhere(self, replica: str | None, refused_by: list[str], reason: str) -> bool:
+        """Whether a request `replica` refused at its queue bound is tried again: a replica is
+        left that has not refused it, and it has not been tried as many times as there are
+        replicas (the router may pick a refusing one again when all look full). The router is
+        told the replica is full."""
+        book = fleet_book(self.settings.engine_deployment)
+        if replica is None or book is None:
+            return False
+        refused_by.append(replica)
+        book.on_full(replica, time.time())
+        replicas = set(book.replicas)
+        if replicas <= set(refused_by) or len(refused_by) >= len(replicas):
+            return False
+        self.metrics.rerouted(reason)
+        return True
 
     async def _relay(self, stream: Any, hint: RouteHint | None, sse: bool,
                      replica: str | None) -> AsyncIterator[bytes]:
@@ -370,6 +432,16 @@ def _completion_prompts(prompt: Any, encode: Any) -> list[list[int]]:
         if all(isinstance(p, list) for p in prompt):
             return [list(p) for p in prompt]
     return []
+
+
+def _queue_bound_refusal(start: ResponseStart) -> str | None:
+    """The reason of a replica's 429 at its queue bound (engine.serving.admission); None for
+    any other answer (a doomed request's 429 included: no replica would do better)."""
+    if start.status != 429:
+        return None
+    reason = next((v.decode() for k, v in start.headers
+                   if k.lower() == REJECTED_HEADER.encode()), None)
+    return reason if reason in (QUEUED_REQUESTS, QUEUED_TOKENS) else None
 
 
 def _first_line(exc: BaseException) -> str:

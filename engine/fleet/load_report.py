@@ -67,6 +67,9 @@ class ReplicaLoad(msgspec.Struct, kw_only=True, frozen=True):
     cached_prefix_hashes: list[int] = []
     # Requests in the replica (waiting + running + decoding).
     num_requests: int = 0
+    # Its server's bound on them (--max-num-queued-reqs; None: unbounded): a replica at it
+    # refuses new requests with 429, so the router sends them elsewhere.
+    max_queued_requests: int | None = None
 
 
 class RouteHint(msgspec.Struct, kw_only=True, frozen=True):

@@ -20,6 +20,8 @@ import os
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
+
 from engine.config import EngineConfig
 from engine.fleet.asgi_bridge import ForwardedRequest, ResponseStart, call_app
 from engine.fleet.autoscaling import MAX_REPORTED_SLACK_S, AttainmentWindow
@@ -60,6 +62,7 @@ class EngineReplica:
             self.client = self.app.state.client
             self._lifespan = self.app.router.lifespan_context(self.app)
             await self._lifespan.__aenter__()
+        self._queue_bound = settings.queue_bounds.max_requests
         self._attainment = AttainmentWindow(window_s=attainment_window_s)
         self.replica_id = _replica_id()
         self._last_load: ReplicaLoad | None = None
@@ -90,6 +93,8 @@ class EngineReplica:
 
     async def record_routing_stats(self) -> dict[str, bytes]:
         load = await self.client.load_report()
+        if self._queue_bound is not None:  # the server's bound, not the engine's: told here
+            load = msgspec.structs.replace(load, max_queued_requests=self._queue_bound)
         self._last_load = load
         self._attainment.on_slack(min_slack_s(load), load.made_at)
         return {"load": encode_load(load)}

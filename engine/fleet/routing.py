@@ -12,15 +12,20 @@ Policies (`RouterPolicy`):
 - "slack": the request's predicted TTFT on every replica (engine.fleet.prediction, with the
   forecast of what will overtake it there: engine.fleet.arrivals); the
   replica that adds the fewest deadline misses (the request's own and those queued there),
-  then the longest prefix-cache hit (affinity keeps a document's blocks in one place), then the
-  least predicted TTFT. A request without a deadline cannot miss anything: power of two
-  choices on load (`_load`). Stale replicas (no report for `stale_after_s`) come after every
-  fresh one, by load: the router cannot predict on them.
+  then the longest prefix-cache hit where it is a good share of the prompt (affinity keeps a
+  document's blocks in one place), then the least predicted TTFT. A request without a
+  deadline cannot miss anything: power of two choices on load (`_load`). Stale replicas (no
+  report for `stale_after_s`) come after every fresh one, by load: the router cannot predict
+  on them.
 - "pow2": power of two choices on the requests in flight (Ray Serve's default: the baseline).
 - "least-queue": vLLM's data-parallel balancing, `waiting * 4 + running`, from the reports plus
   the requests sent since.
 - "round-robin".
 - "prefix": the most cached leading blocks, then "least-queue"'s score.
+
+Under every policy, a replica at its queue bound (`--max-num-queued-reqs`: its report's count
+and the requests sent since, or a 429 it answered after its last report) ranks after every
+replica with room: it would refuse the request, which another could serve.
 """
 
 from __future__ import annotations
@@ -63,6 +68,13 @@ MIN_RISK_MARGIN = 0.1
 # replica's KV pool holds (its report's `num_blocks`), so it does not outlive an eviction by
 # much on a replica with a steady flow.
 DEFAULT_SERVED_PREFIX_BLOCKS = 1 << 16
+# The share of a prompt a replica must hold cached before the slack policy prefers it for its
+# cache over a less loaded one. Below it, what the cache saves is in the predicted TTFT already,
+# and affinity would only pile load onto one replica: a chat template's system prompt gives
+# every conversation the same first block, and a flood of documents behind that one shared
+# block went to a single replica while two others idled. SGLang's cache-aware router likewise
+# follows the cache only above a match rate (its `cache_threshold`).
+PREFIX_AFFINITY_SHARE = 0.3
 # Routed requests whose predicted TTFT the book keeps for their responses' header.
 ROUTED_PREDICTIONS_KEPT = 4096
 
@@ -84,6 +96,9 @@ class ReplicaState:
     # When a request through this process saw the replica fail (wall clock): its reports made
     # until then describe a replica that is gone.
     failed_at: float | None = None
+    # When the replica last refused a request at its queue bound (wall clock): full until a
+    # report made after that says otherwise.
+    full_at: float | None = None
 
     @property
     def load(self) -> ReplicaLoad | None:
@@ -94,8 +109,11 @@ class ReplicaState:
 
 
 class FleetBook:
-    """The router's view of the fleet. Not thread-safe: Ray Serve's router runs on one event
-    loop, which calls every method."""
+    """The router's view of the fleet. Not thread-safe: Ray Serve's router calls the events and
+    the ranking from its own loop (a thread of its own in the ingress's process); the
+    ingress's loop reads views of it (admission, /health, /metrics, `room`, `has_room`) over
+    snapshots of `replicas`, and marks a replica full or failed (single assignments), which at
+    worst ranks one request on the state just before."""
 
     def __init__(self, *, report_period_s: float = DEFAULT_REPORT_PERIOD_S,
                  stale_after_s: float | None = None, send_skew_s: float = SEND_SKEW_S,
@@ -142,6 +160,8 @@ class FleetBook:
         if state.failed_at is not None and load.made_at <= state.failed_at:
             return
         state.prepared = PreparedLoad(load)
+        if state.full_at is not None and load.made_at > state.full_at:
+            state.full_at = None
         cutoff = load.made_at - self.send_skew_s
         state.unreported = [(at, hint) for at, hint in state.unreported if at >= cutoff]
 
@@ -203,6 +223,13 @@ class FleetBook:
         state.prepared = None
         state.failed_at = now
 
+    def on_full(self, replica_id: str, now: float) -> None:
+        """The replica refused a request at its queue bound: it ranks after the replicas with
+        room until it reports again after `now`."""
+        state = self.replicas.get(replica_id)
+        if state is not None:  # not one the router has dropped (a replica scaled down)
+            state.full_at = now
+
     def on_removed(self, replica_id: str) -> None:
         self.replicas.pop(replica_id, None)
 
@@ -228,6 +255,32 @@ class FleetBook:
             return 0
         reported = 0 if state.load is None else state.load.num_requests + len(state.unreported)
         return max(reported, len(state.in_flight))
+
+    def has_room(self, replica_id: str) -> bool:
+        """Whether the replica would take one more request under its queue bound, as far as
+        the router can tell (no report, or no bound: it would)."""
+        state = self.replicas.get(replica_id)
+        if state is None:
+            return True
+        if state.full_at is not None:
+            return False
+        bound = None if state.load is None else state.load.max_queued_requests
+        return bound is None or self.load_of(replica_id) < bound
+
+    def room(self, now: float) -> int | None:
+        """How many more requests the fleet would take under its replicas' queue bounds, as far
+        as the router can tell; None when it cannot tell (no replica known, or one without a
+        fresh report or without a bound)."""
+        if not self.replicas:
+            return None
+        total = 0
+        for rid, state in list(self.replicas.items()):  # a snapshot: see the class's docstring
+            load = state.load
+            if load is None or load.max_queued_requests is None or not self.is_fresh(rid, now):
+                return None
+            if state.full_at is None:
+                total += max(0, load.max_queued_requests - self.load_of(rid))
+        return total
 
     def queue_score(self, replica_id: str) -> int:
         """vLLM's data-parallel balancing score, `waiting * 4 + running`: the report's waiting
@@ -312,6 +365,9 @@ class FleetBook:
                                                    self.queue_score(rid)))
         else:
             raise ValueError(f"router policy must be one of {ROUTER_POLICIES}, got {policy!r}")
+        full = [rid for rid in ordered if not self.has_room(rid)]
+        if full:
+            ordered = [rid for rid in ordered if rid not in full] + full
         return [[rid] for rid in ordered]
 
     def _pow2(self, ids: list[str], load) -> list[str]:
@@ -321,6 +377,16 @@ class FleetBook:
         self.rng.shuffle(shuffled)
         head = sorted(shuffled[:2], key=load)
         return head + shuffled[2:]
+
+    def _affinity(self, replica_id: str, prediction: Prediction, hint: RouteHint) -> int:
+        """The blocks of the prompt the replica holds, where they are a share of it worth
+        following (PREFIX_AFFINITY_SHARE); else 0."""
+        load = self.replicas[replica_id].load
+        block_size = load.block_size if load is not None else 16
+        cached_tokens = prediction.cached_blocks * block_size
+        if cached_tokens < PREFIX_AFFINITY_SHARE * max(1, hint.prompt_tokens):
+            return 0
+        return prediction.cached_blocks
 
     def _at_risk(self, replica_id: str, prediction: Prediction, hint: RouteHint) -> bool:
         """Whether the predicted first token misses the objective once the replica's model
@@ -348,13 +414,14 @@ class FleetBook:
         def key(rid: str) -> tuple[int, bool, int, float]:
             p = known[rid]
             # Among replicas that cause as few misses: one that meets the objective with its
-            # model's error to spare; then the prefix cache (work saved); then the least wait
+            # model's error to spare; then the prefix cache where it holds a good share of the
+            # prompt (work saved, a conversation kept in one place); then the least wait
             # in all: its own first token plus what the prefills it goes ahead of (a stopped
             # one included) wait for it (those near their deadlines one by one, the rest as
             # one: Prediction.delay_to_others_s). With its own TTFT alone, an idle replica and
             # a busy one it would interrupt tie to within the two replicas' model noise, and a
             # burst piles onto the replica that already stopped its prefill for the first turn.
-            return (p.added_misses, self._at_risk(rid, p, hint), -p.cached_blocks,
+            return (p.added_misses, self._at_risk(rid, p, hint), -self._affinity(rid, p, hint),
                     p.ttft_s + p.delay_to_others_s)
 
         return sorted(fresh, key=key) + stale

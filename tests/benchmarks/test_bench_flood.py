@@ -128,11 +128,12 @@ def test_a_429_is_told_apart_by_its_body_and_counters_by_their_reason() -> None:
         'vllm:admission_rejections_created{model_name="m",reason="doomed"} 1.7e9',
         "# TYPE sloserve:num_requests_rejected counter",  # exported, nothing counted yet
         "# TYPE sloserve:fleet_rejected counter",
-        "sloserve:fleet_rejected_total 4.0"])
+        'sloserve:fleet_rejected_total{reason="doomed"} 4.0',
+        'sloserve:fleet_rejected_total{reason="max_num_queued_reqs"} 1.0'])
     assert rejection_counters(text) == {
         "vllm:admission_rejections_total": {QUEUED_REQS: 3.0, DOOMED: 2.0},
         "sloserve:num_requests_rejected_total": {},
-        "sloserve:fleet_rejected_total": {DOOMED: 4.0}}
+        "sloserve:fleet_rejected_total": {DOOMED: 4.0, QUEUED_REQS: 1.0}}
 
 
 def test_the_flood_is_registered_as_a_bench_subcommand() -> None:

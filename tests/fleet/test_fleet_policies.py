@@ -53,7 +53,7 @@ def test_reject_answers_429_before_any_work_and_only_for_a_request_that_would_mi
         # Before any work: the replica ran no step for it.
         assert _steps(url) == steps_before
         page = httpx.get(f"{url}/metrics", timeout=10).text
-        assert "sloserve:fleet_rejected_total 1.0" in page
+        assert 'sloserve:fleet_rejected_total{reason="doomed"} 1.0' in page
         # Replayed under `serve` (no objective to refuse it by), it does miss: the 429 was
         # honest.
         replay = stream(url, {k: v for k, v in doomed.items() if k != "ttft_slo_ms"})

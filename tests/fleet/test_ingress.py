@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -54,6 +55,89 @@ def test_no_replica_left_is_a_clear_503(tiny_model):
         assert "no replica could take the request" in response.json()["error"]["message"]
 
     asyncio.run(run())
+
+
+def _full(replica: str, reason: str = "max_num_queued_reqs") -> FakeStream:
+    """A replica's 429 at its queue bound, as the single server answers it."""
+    body = json.dumps({"error": {"message": f"over its bound of 8 (--{reason.replace('_', '-')})",
+                                 "type": "RateLimitError", "code": 429}}).encode()
+    return FakeStream([ResponseStart(status=429, headers=[
+        (b"content-type", b"application/json"), (b"retry-after", b"1"),
+        (b"x-sloserve-rejected", reason.encode()), (b"x-sloserve-replica", replica.encode())]),
+        body])
+
+
+def test_a_replica_at_its_queue_bound_has_the_request_tried_on_another(tiny_model):
+    """A replica's 429 at its queue bound goes to another replica that has not refused it,
+    and the router ranks the refusing one last; when every replica refused, the client gets
+    the 429, counted at the fleet's edge by its reason."""
+    async def run():
+        book = FleetBook(seed=0)
+        for rid in ("r1", "r2"):
+            book.on_report(rid, load(made_at=time.time()))
+        book_registry.register(DEPLOYMENT, book)
+        first, served = _full("r1"), FakeStream([
+            ResponseStart(status=200, headers=[(b"content-type", b"application/json"),
+                                               (b"x-sloserve-replica", b"r2")]), b'{"ok": 1}'])
+        ingress = await _ingress(tiny_model(), [first, served, _full("r2"), _full("r1")])
+        body = {"model": "m", "prompt": "hello there", "max_tokens": 2}
+        moved = await _call(ingress, "POST", "/v1/completions", body)
+        assert moved.status_code == 200 and moved.json() == {"ok": 1}
+        assert first.cancelled and not book.has_room("r1") and book.has_room("r2")
+        assert len(ingress.engine.calls) == 2
+        # Both replicas refuse the next one: its 429 reaches the client, named and counted.
+        refused = await _call(ingress, "POST", "/v1/completions", body)
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert refused.headers["x-sloserve-rejected"] == "max_num_queued_reqs"
+        assert "--max-num-queued-reqs" in refused.json()["error"]["message"]
+        assert len(ingress.engine.calls) == 4
+        page = ingress.metrics.response().body.decode()
+        assert 'sloserve:fleet_rerouted_total{reason="max_num_queued_reqs"} 2.0' in page
+        assert 'sloserve:fleet_rejected_total{reason="max_num_queued_reqs"} 1.0' in page
+
+    try:
+        asyncio.run(run())
+    finally:
+        book_registry._BOOKS.pop(DEPLOYMENT, None)
+
+
+def test_a_full_fleet_refuses_before_computing_the_hint(tiny_model):
+    """Every replica at its queue bound as the router counts them: a generation request gets
+    the queue bound's 429 at the ingress, its hint never computed and no replica called. The
+    probe: with one place left, the same request is hinted and forwarded."""
+    import msgspec
+
+    async def run():
+        book = FleetBook(seed=0)
+        book_registry.register(DEPLOYMENT, book)
+
+        def report(rid: str, held: int) -> None:
+            book.on_report(rid, msgspec.structs.replace(
+                load(waiting=[(100, None)] * held, made_at=time.time()), max_queued_requests=2))
+
+        report("r1", 2)
+        report("r2", 2)
+        assert book.room(time.time()) == 0
+        ingress = await _ingress(tiny_model(), [FakeStream([ResponseStart(status=200), b"{}"])])
+        hinted = []
+        compute = ingress._hint
+        ingress._hint = lambda *args: hinted.append(1) or compute(*args)
+        body = {"model": "m", "prompt": "hello there", "max_tokens": 2}
+        refused = await _call(ingress, "POST", "/v1/completions", body)
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert refused.headers["x-sloserve-rejected"] == "max_num_queued_reqs"
+        assert "--max-num-queued-reqs" in refused.json()["error"]["message"]
+        assert hinted == [] and ingress.engine.calls == []
+        assert ('sloserve:fleet_rejected_total{reason="max_num_queued_reqs"} 1.0'
+                in ingress.metrics.response().body.decode())
+        report("r2", 1)
+        served = await _call(ingress, "POST", "/v1/completions", body)
+        assert served.status_code == 200 and hinted == [1] and len(ingress.engine.calls) == 1
+
+    try:
+        asyncio.run(run())
+    finally:
+        book_registry._BOOKS.pop(DEPLOYMENT, None)
 
 
 def test_replies_stream_back_over_grpc_not_as_ray_objects(tiny_model):

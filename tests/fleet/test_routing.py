@@ -211,6 +211,58 @@ def test_prefix_affinity_breaks_ties_between_replicas_that_meet_the_deadline():
     assert flat(book.rank("slack", ["R1", "R2"], tight, NOW)) == ["R2", "R1"]
 
 
+def test_a_shared_first_block_does_not_pull_a_flood_of_documents_to_one_replica():
+    """A chat template's system prompt gives every prompt the same first block: a document
+    of 8k tokens behind it is sent where the wait is least, not where that one block is. The
+    probe: the same documents, sharing half their blocks, do follow the cache."""
+    def spread(shared_blocks: int) -> list[str]:
+        book = FleetBook(seed=0)
+        for rid in ("R1", "R2", "R3"):
+            book.on_report(rid, load())
+        chosen = []
+        for i in range(6):
+            doc = hint(f"doc{i}", tokens=8192, slo=15.0,
+                       prefix=[*range(shared_blocks), *range(1000 * (i + 1),
+                                                         1000 * (i + 1) + 512 - shared_blocks)])
+            best = flat(book.rank("slack", ["R1", "R2", "R3"], doc, NOW))[0]
+            book.on_sent(best, doc, NOW)
+            chosen.append(best)
+        return chosen
+
+    assert sorted(set(spread(shared_blocks=1))) == ["R1", "R2", "R3"]
+    assert len(set(spread(shared_blocks=256))) == 1
+
+
+def test_a_replica_at_its_queue_bound_ranks_after_those_with_room():
+    """Its report's requests plus those sent since reach its --max-num-queued-reqs, or it
+    refused one at the bound since its last report: every policy sends elsewhere first."""
+    import msgspec
+
+    def bounded(report, bound):
+        return msgspec.structs.replace(report, max_queued_requests=bound)
+
+    book = FleetBook(seed=0)
+    book.on_report("idle", bounded(load(), 2))
+    book.on_report("open", load(waiting=[(100, None)] * 6))  # no bound: never full
+    book.on_report("full", bounded(load(running=[(100, None)], num_decoding=1), 2))
+    assert not book.has_room("full") and book.has_room("idle") and book.has_room("open")
+    for policy in ROUTER_POLICIES:
+        for _ in range(3):
+            assert flat(book.rank(policy, ["full", "idle", "open"], hint(), NOW))[-1] == "full"
+    # Requests sent since the report count toward the bound.
+    book.on_sent("idle", hint("a", slo=None), NOW)
+    book.on_sent("idle", hint("b", slo=None), NOW)
+    assert not book.has_room("idle")
+    # A 429 at the bound marks a replica full until a report made after it.
+    book.on_report("spare", load())
+    book.on_full("spare", NOW)
+    assert not book.has_room("spare")
+    book.on_report("spare", load(made_at=NOW - 0.01))  # made before the 429: still full
+    assert not book.has_room("spare")
+    book.on_report("spare", load(made_at=NOW + 0.1))
+    assert book.has_room("spare")
+
+
 def test_prefix_policy_ties_go_to_the_shorter_queue():
     book = FleetBook()
     book.on_report("R1", load(waiting=[(10, None)] * 3))

@@ -54,7 +54,8 @@ import httpx
 from engine.benchmarks.attainment.traces import Uniform
 from engine.benchmarks.flood.client import (CPU_MIX, GPU_MIX, RELAXED_ROUTES, FloodRequest,
                                             Linear, Mix, Record, build_flood, flood)
-from engine.benchmarks.flood.report import counter_deltas, rejection_counters, summarize, table
+from engine.benchmarks.flood.report import (REROUTED_COUNTER, counter_deltas,
+                                            rejection_counters, summarize, table)
 from engine.benchmarks.fleet.fleet_run import HealthSampler
 from engine.benchmarks.standalone import standalone_main
 
@@ -285,9 +286,13 @@ def run_flood(args: argparse.Namespace, url: str, model_folder: str | None,
         records, elapsed = asyncio.run(flood(url, requests, headers, args.request_timeout_s))
     records = [restored(r, scale) for r in records]
     elapsed /= scale
-    counters = counter_deltas(before, rejection_counters(_metrics(url, headers)))
+    metrics_after = _metrics(url, headers)
+    counters = counter_deltas(before, rejection_counters(metrics_after))
+    rerouted = counter_deltas(*(rejection_counters(text, (REROUTED_COUNTER,))
+                                for text in (metrics_before, metrics_after)))
     summary = summarize(records, counters, fleet, elapsed, scale,
-                        health.summary() if fleet else None)
+                        health.summary() if fleet else None,
+                        rerouted.get(REROUTED_COUNTER) if fleet else None)
     config = {"url": args.url, "num_requests": num_requests, "queue_bound": args.queue_bound,
               "urgent_share": args.urgent_share, "relaxed_route": args.relaxed_route,
               "on_doomed": args.on_doomed,

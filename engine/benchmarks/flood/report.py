@@ -3,10 +3,9 @@
 The server's refusals are read from its /metrics before and after the flood (the difference is
 the flood's): one server counts each 429 by reason in `vllm:admission_rejections_total` and
 `sloserve:num_requests_rejected_total` (max_num_queued_reqs, max_num_queued_tokens, doomed); a
-fleet's ingress counts the doomed requests it refused in `sloserve:fleet_rejected_total`, while
-a queue bound is each replica's own (its 429 passes through the ingress unchanged, and the
-ingress's /metrics has no count of it). Each counter the server exports must equal the client's
-429s of the reasons it counts.
+fleet's ingress counts its 429s in `sloserve:fleet_rejected_total` by the same reasons (the
+doomed ones it refused, and a queue bound's refusal that no other replica could take instead).
+Each counter the server exports must equal the client's 429s of the reasons it counts.
 """
 
 from __future__ import annotations
@@ -21,31 +20,32 @@ from engine.benchmarks.flood.client import (DOOMED, OTHER_429, QUEUED_REQS, QUEU
 from engine.benchmarks.measure.stats import percentile
 
 REASONS = (QUEUED_REQS, QUEUED_TOKENS, DOOMED)
-# The server's rejection counters: name -> the reasons it counts (None: by its `reason` label).
-REJECTION_COUNTERS = {"vllm:admission_rejections_total": None,
-                      "sloserve:num_requests_rejected_total": None,
-                      "sloserve:fleet_rejected_total": (DOOMED,)}
+# The server's rejection counters, each counted by its `reason` label.
+REJECTION_COUNTERS = ("vllm:admission_rejections_total", "sloserve:num_requests_rejected_total",
+                      "sloserve:fleet_rejected_total")
 
 
-def rejection_counters(metrics_text: str) -> dict[str, dict[str, float]]:
-    """Each rejection counter the server exports, by reason (a fleet's, which has no label, under
-    `doomed`); a counter it does not export is absent."""
+# A fleet's requests that a replica refused at its queue bound and another then took.
+REROUTED_COUNTER = "sloserve:fleet_rerouted_total"
+
+
+def rejection_counters(metrics_text: str,
+                       names: Sequence[str] = REJECTION_COUNTERS) -> dict[str, dict[str, float]]:
+    """Each of the counters `names` the server exports, by reason; a counter it does not export
+    is absent."""
     out: dict[str, dict[str, float]] = {}
     for line in metrics_text.splitlines():
         if line.startswith("# TYPE "):  # exported, though maybe no reason counted yet
             name = line.split()[2] + "_total"
-            if name in REJECTION_COUNTERS:
+            if name in names:
                 out.setdefault(name, {})
             continue
-        for name, fixed in REJECTION_COUNTERS.items():
+        for name in names:
             if not re.match(rf"{re.escape(name)}[{{ ]", line):
                 continue
             value = float(line.rsplit(" ", 1)[1])
-            if fixed is not None:
-                reason = fixed[0]
-            else:
-                match = re.search(r'reason="([^"]*)"', line)
-                reason = match.group(1) if match else "?"
+            match = re.search(r'reason="([^"]*)"', line)
+            reason = match.group(1) if match else "?"
             counts = out.setdefault(name, {})
             counts[reason] = counts.get(reason, 0.0) + value
     return out
@@ -85,9 +85,11 @@ def _kind_summary(records: Sequence[Record], kind: str) -> dict[str, Any]:
 
 def summarize(records: Sequence[Record], counters: dict[str, dict[str, int]],
               fleet: bool, elapsed_s: float, time_scale: float = 1.0,
-              health: dict[str, Any] | None = None) -> dict[str, Any]:
+              health: dict[str, Any] | None = None,
+              rerouted: dict[str, int] | None = None) -> dict[str, Any]:
     """The flood's figures, the counters' agreement with the client and the verdict. `health`:
-    a fleet's /health sampled during the flood (fleet_run.HealthSampler's summary)."""
+    a fleet's /health sampled during the flood (fleet_run.HealthSampler's summary); `rerouted`:
+    its requests refused at a replica's queue bound and tried on another, by reason."""
     status = Counter(r.status for r in records)
     rejected = Counter(r.reject_reason for r in records if r.status == 429)
     accepted = [r for r in records if r.status == 200]
@@ -96,14 +98,14 @@ def summarize(records: Sequence[Record], counters: dict[str, dict[str, int]],
     other = [r for r in records if r.status not in (200, 429) and r not in server_errors]
     agreement = {}
     for name, counts in counters.items():
-        reasons = REJECTION_COUNTERS[name] or REASONS
+        reasons = REASONS
         client = {reason: rejected.get(reason, 0) for reason in reasons}
         server = {reason: counts.get(reason, 0) for reason in reasons}
         extra = {reason: n for reason, n in counts.items() if reason not in reasons and n}
         agreement[name] = {"client": client, "server": {**server, **extra},
                            "agree": client == server and not extra}
-    # The 429s no exported counter counts (a fleet's queue bounds are its replicas').
-    counted = {reason for name in counters for reason in (REJECTION_COUNTERS[name] or REASONS)}
+    # The 429s no exported counter counts (none, while the server counts every reason).
+    counted = set(REASONS) if counters else set()
     uncounted = {reason: n for reason, n in rejected.items() if reason not in counted and n}
     failures = [text for bad, text in (
         (server_errors, f"{len(server_errors)} responses with a 5xx status"),
@@ -135,6 +137,7 @@ def summarize(records: Sequence[Record], counters: dict[str, dict[str, int]],
         "server_counters": counters,
         "counters_agree": agreement,
         "uncounted_429s": uncounted,
+        "rerouted": rerouted,
         "replicas": dict(Counter(r.replica for r in accepted if r.replica).most_common())
         if fleet else None,
         "fleet_health": health,
@@ -185,6 +188,9 @@ def table(summary: dict[str, Any], title: str) -> str:
     if s["uncounted_429s"]:
         rows.append(("429s not counted here",
                      ", ".join(f"{reason} {n}" for reason, n in s["uncounted_429s"].items())))
+    if s.get("rerouted") is not None:
+        rows.append(("tried on another replica", ", ".join(
+            f"{reason} {n}" for reason, n in s["rerouted"].items() if n) or "0"))
     if s["retry_after"]:
         # Whole seconds as the server sent them: a slowed run's are in its own (slowed) clock.
         label = "Retry-After (429s)" if s["time_scale"] == 1.0 else "Retry-After (as sent)"
