@@ -75,6 +75,11 @@ class AdmissionLedger:
     def num_requests(self) -> int:
         return len(self.held)
 
+    def check_room(self, count: int) -> None:
+        """QueueFull (counted as a refusal) when the held and reserved requests leave no room
+        for ``count`` more; nothing is reserved."""
+        self._check_requests(count)
+
     def reserve(self, count: int) -> Place:
         """A place for ``count`` engine requests while their prompts are prepared, or QueueFull
         when the held and reserved ones leave no room for them."""

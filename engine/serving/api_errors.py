@@ -167,9 +167,12 @@ class _TooLarge(Exception):
     pass
 
 
-async def send_json(send: Send, status: int, body: dict[str, Any]) -> None:
+async def send_json(send: Send, status: int, body: dict[str, Any],
+                    headers: dict[str, str] | None = None) -> None:
     data = encode_json(body)
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(data)).encode())]})
+                            (b"content-length", str(len(data)).encode()),
+                            *((k.lower().encode(), v.encode())
+                              for k, v in (headers or {}).items())]})
     await send({"type": "http.response.body", "body": data})

@@ -26,6 +26,7 @@ from engine.processing.input_processor import InputProcessor
 from engine.serving.api_errors import APIError, BodyLimit, InternalErrors, JSONBody, api_error_body
 from engine.serving.arrival import ArrivalStamp
 from engine.serving.drain import Drain, DrainGate
+from engine.serving.load_shedding import QueueShed
 from engine.serving.metrics import ServerMetrics
 from engine.serving.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body
 from engine.serving.responses_protocol import ResponsesRequest
@@ -249,6 +250,10 @@ def build_app(config: EngineConfig, settings: ServerSettings,
 
     # Each middleware added goes around those added before it.
     app.add_middleware(BodyLimit, limit=settings.max_request_body_bytes)
+    if settings.queue_bounds.max_requests is not None:
+        # A full server refuses before the body is read (engine.serving.load_shedding).
+        app.add_middleware(QueueShed, ledger=serving.ledger,
+                           expected_authorization=lambda: app.state.expected_authorization)
     app.add_middleware(InternalErrors)
     # A request refused while draining costs nothing past its arrival stamp, and one in
     # flight counts until its response's last byte is sent.

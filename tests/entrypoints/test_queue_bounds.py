@@ -174,3 +174,57 @@ def test_a_refused_request_is_never_templated_or_tokenized(tiny_model, monkeypat
     assert len(templated) == codes.count(200)
     assert _counter(metrics, "vllm:admission_rejections_total",
                     QUEUED_REQUESTS) == codes.count(429)
+
+
+def test_a_full_server_sheds_a_request_before_reading_its_body() -> None:
+    """While the held and reserved requests fill the bound, a generation request gets the
+    bound's 429 from its headers alone: its body is never read (probe: the app and `receive`
+    are never called), the refusal is counted; with room, or without the right API key, or
+    on another route, the app has the request."""
+    from engine.serving.load_shedding import QueueShed
+
+    rejected: list[str] = []
+    ledger = AdmissionLedger(QueueBounds(max_requests=2), on_reject=rejected.append)
+    reached: list[str] = []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+
+    shed = QueueShed(app, ledger, expected_authorization=lambda: b"Bearer k")
+
+    async def call(path: str, key: bytes = b"Bearer k") -> list[dict]:
+        sent: list[dict] = []
+        read: list[int] = []
+
+        async def receive():
+            read.append(1)
+            return {"type": "http.request", "body": b"{not json", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": path,
+                 "headers": [(b"authorization", key)]}
+        await shed(scope, receive, send)
+        assert not read  # the middleware itself never reads a body
+        return sent
+
+    async def run() -> None:
+        ledger.admit(["a"], [10])
+        assert await call("/v1/chat/completions") == [] and reached == ["/v1/chat/completions"]
+        place = ledger.reserve(1)  # full: one held, one being tokenized
+        sent = await call("/v1/completions")
+        assert sent[0]["status"] == 429 and reached == ["/v1/chat/completions"]
+        headers = dict(sent[0]["headers"])
+        assert headers[b"retry-after"] == b"1"
+        assert headers[b"x-sloserve-rejected"] == QUEUED_REQUESTS.encode()
+        assert b"--max-num-queued-reqs" in sent[1]["body"]
+        await call("/v1/completions", key=b"Bearer wrong")  # left to the app's 401
+        await call("/tokenize")  # not a generation route
+        assert reached[1:] == ["/v1/completions", "/tokenize"]
+        place.release()
+        await call("/v1/responses")
+        assert reached[-1] == "/v1/responses"
+
+    asyncio.run(run())
+    assert rejected == [QUEUED_REQUESTS]
