@@ -29,6 +29,13 @@ class _StderrHandler(logging.StreamHandler):
 def configure_logging(level: str | int | None = None) -> None:
     """Idempotent. ``level`` defaults to $SLOSERVE_LOG_LEVEL, else INFO."""
     level = level or os.environ.get("SLOSERVE_LOG_LEVEL", "INFO")
+    if isinstance(level, str):
+        # As --log-level takes it: any case (uvicorn's levels are lowercase).
+        name = level.upper()
+        if not isinstance(logging.getLevelName(name), int):
+            raise ValueError(f"unknown log level {level!r} (SLOSERVE_LOG_LEVEL or --log-level): "
+                             f"use one of debug, info, warning, error, critical")
+        level = name
     handler = _StderrHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(_FORMAT))
     for name in PACKAGES:

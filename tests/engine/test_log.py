@@ -17,3 +17,18 @@ def test_records_go_to_the_stderr_of_the_moment(monkeypatch):
     logging.getLogger("engine.test_log").info("to the second")
     assert "to the second" in second.getvalue()
     assert "Logging error" not in second.getvalue()
+
+
+def test_the_level_is_taken_in_any_case_and_an_unknown_one_is_named(monkeypatch):
+    """`SLOSERVE_LOG_LEVEL=debug` works as `--log-level debug` does; a level that is none is a
+    clear error naming it (it was a bare ValueError from logging: Unknown level)."""
+    import pytest
+
+    monkeypatch.setenv("SLOSERVE_LOG_LEVEL", "debug")
+    configure_logging()
+    assert logging.getLogger("engine").level == logging.DEBUG
+    monkeypatch.setenv("SLOSERVE_LOG_LEVEL", "loud")
+    with pytest.raises(ValueError, match="unknown log level 'loud'"):
+        configure_logging()
+    configure_logging("INFO")
+    assert logging.getLogger("engine").level == logging.INFO
