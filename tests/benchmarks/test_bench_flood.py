@@ -126,7 +126,8 @@ def test_a_429_is_told_apart_by_its_body_and_counters_by_their_reason() -> None:
         'vllm:admission_rejections_total{model_name="m",reason="max_num_queued_reqs"} 3.0',
         'vllm:admission_rejections_total{model_name="m",reason="doomed"} 2.0',
         'vllm:admission_rejections_created{model_name="m",reason="doomed"} 1.7e9',
-        "# TYPE sloserve:num_requests_rejected counter",  # exported, nothing counted yet
+        # Exported, nothing counted yet (a labelled counter without samples keeps `_total`).
+        "# TYPE sloserve:num_requests_rejected_total counter",
         "# TYPE sloserve:fleet_rejected counter",
         'sloserve:fleet_rejected_total{reason="doomed"} 4.0',
         'sloserve:fleet_rejected_total{reason="max_num_queued_reqs"} 1.0'])
@@ -146,3 +147,22 @@ def test_the_flood_is_registered_as_a_bench_subcommand() -> None:
         "--model", "/m", "--log-level", "info", "--max-num-queued-reqs", "3", "--on-doomed",
         "reject"]
     assert "--replicas" in flood.serve_args(args, "/m")
+
+
+def test_the_fleets_reroute_counter_is_read_with_and_without_samples() -> None:
+    """The fleet's own /metrics as prometheus_client writes it: a labelled counter with no
+    sample yet is exported (read as zero), then counted by reason."""
+    pytest.importorskip("ray.serve", reason="the fleet's metrics need Ray Serve: pip install "
+                                            "-e '.[test,cluster]'")
+    from engine.benchmarks.flood.report import REROUTED_COUNTER
+    from engine.fleet.fleet_metrics import FleetMetrics
+
+    metrics = FleetMetrics(lambda: None)
+    page = metrics.response().body.decode()
+    assert rejection_counters(page, (REROUTED_COUNTER,)) == {REROUTED_COUNTER: {}}
+    assert rejection_counters(page)["sloserve:fleet_rejected_total"] == {}
+    metrics.rerouted(QUEUED_REQS)
+    metrics.rejected(DOOMED)
+    page = metrics.response().body.decode()
+    assert rejection_counters(page, (REROUTED_COUNTER,)) == {REROUTED_COUNTER: {QUEUED_REQS: 1.0}}
+    assert rejection_counters(page)["sloserve:fleet_rejected_total"] == {DOOMED: 1.0}

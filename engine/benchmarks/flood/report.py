@@ -36,7 +36,10 @@ def rejection_counters(metrics_text: str,
     out: dict[str, dict[str, float]] = {}
     for line in metrics_text.splitlines():
         if line.startswith("# TYPE "):  # exported, though maybe no reason counted yet
-            name = line.split()[2] + "_total"
+            # prometheus_client names a counter without `_total` here once it has samples,
+            # with it while a labelled one has none.
+            name = line.split()[2]
+            name = name if name.endswith("_total") else name + "_total"
             if name in names:
                 out.setdefault(name, {})
             continue
