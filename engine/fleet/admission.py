@@ -25,8 +25,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.fleet.load_report import RouteHint
-from engine.fleet.prediction import Prediction
+from engine.load.load_report import RouteHint
+from engine.load.prediction import Prediction
 from engine.fleet.routing import FleetBook
 
 # Retry-After is whole seconds (RFC 9110), at least this many: a 0 invites an immediate retry

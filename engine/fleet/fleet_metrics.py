@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.responses import Response
 
-from engine.fleet.load_report import ReplicaLoad, RouteHint
+from engine.load.load_report import ReplicaLoad, RouteHint
 from engine.fleet.routing import FleetBook
 
 # vLLM's TTFT buckets, so that dashboards built for vLLM read the fleet's histogram as is.

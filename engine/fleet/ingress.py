@@ -48,8 +48,8 @@ from engine.fleet.admission import assess
 from engine.fleet.asgi_bridge import ForwardedRequest, ResponseStart
 from engine.fleet.fleet_health import FleetHealth, RouterStart
 from engine.fleet.fleet_metrics import FleetMetrics, carries_output
-from engine.fleet.load_report import RouteHint
-from engine.fleet.prefix_hashes import prompt_prefix_hashes
+from engine.load.load_report import RouteHint
+from engine.load.prefix_hashes import prompt_prefix_hashes
 from engine.fleet.replica import PREDICTED_TTFT_HEADER, REPLICA_HEADER
 from engine.fleet.book_registry import fleet_book
 from engine.processing.input_processor import InputProcessor

@@ -17,7 +17,7 @@ from typing import Any
 from ray.serve.request_router import (PendingRequest, ReplicaID, RequestRouter,
                                       RunningReplica)
 
-from engine.fleet.load_report import RouteHint, decode_load
+from engine.load.load_report import RouteHint, decode_load
 from engine.fleet.routing import FleetBook, RouterPolicy
 
 logger = logging.getLogger(__name__)

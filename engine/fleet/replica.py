@@ -6,7 +6,7 @@ the app's response back (engine.fleet.asgi_bridge). So a fleet answers exactly a
 does: the same routes, validation, errors, streaming formats, SLO headers and edge stamps.
 
 Ray Serve calls `record_routing_stats` every report period (the router's view of this replica's
-queue: engine.fleet.load_report) and `record_autoscaling_stats` for the deadline autoscaling
+queue: engine.load.load_report) and `record_autoscaling_stats` for the deadline autoscaling
 policy; `check_health` fails when the engine died, so Ray Serve replaces the replica. When Ray
 Serve removes the replica (scale-down, a rolling update) it stops routing to it and waits for its
 ongoing requests (the deployment's graceful_shutdown_timeout_s: `--shutdown-mode wait`) before
@@ -26,8 +26,8 @@ from engine.config import EngineConfig
 from engine.fleet.asgi_bridge import ForwardedRequest, ResponseStart, call_app
 from engine.fleet.autoscaling import MAX_REPORTED_SLACK_S, AttainmentWindow
 from engine.fleet.fleet_metrics import carries_output
-from engine.fleet.load_report import ReplicaLoad, RouteHint, encode_load
-from engine.fleet.prediction import predict, prefill_seconds
+from engine.load.load_report import ReplicaLoad, RouteHint, encode_load
+from engine.load.prediction import predict, prefill_seconds
 from engine.ipc.core_launch import CoreLaunch
 from engine.serving.api_server import ServerSettings, build_app
 

@@ -9,8 +9,8 @@ falls back down the list when a replica refuses). Each rank holds one replica: t
 below give a full order, and leaving the pick among equals to Ray would undo it.
 
 Policies (`RouterPolicy`):
-- "slack": the request's predicted TTFT on every replica (engine.fleet.prediction, with the
-  forecast of what will overtake it there: engine.fleet.arrivals); the
+- "slack": the request's predicted TTFT on every replica (engine.load.prediction, with the
+  forecast of what will overtake it there: engine.load.arrivals); the
   replica that adds the fewest deadline misses (the request's own and those queued there),
   then the longest prefix-cache hit where it is a good share of the prompt (affinity keeps a
   document's blocks in one place), then the least predicted TTFT. A request without a
@@ -36,9 +36,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from engine.fleet.arrivals import ARRIVAL_WINDOW_PERIODS, MIN_SPAN_PERIODS, RecentArrivals
-from engine.fleet.load_report import ReplicaLoad, RouteHint
-from engine.fleet.prediction import PreparedLoad, Prediction, predict, prefill_seconds
+from engine.load.arrivals import ARRIVAL_WINDOW_PERIODS, MIN_SPAN_PERIODS, RecentArrivals
+from engine.load.load_report import ReplicaLoad, RouteHint
+from engine.load.prediction import PreparedLoad, Prediction, predict, prefill_seconds
 
 RouterPolicy = Literal["slack", "pow2", "least-queue", "round-robin", "prefix"]
 ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)

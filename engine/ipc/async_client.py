@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from engine.config import EngineConfig
-from engine.fleet.load_report import ReplicaLoad
+from engine.load.load_report import ReplicaLoad
 from engine.ipc.core_launch import CoreLaunch
 from engine.ipc.core_messages import (HELLO_MAX_BYTES, AbortRequests, AddRequest, CoreFailed,
                                       CoreOutputs, CoreReady, FirstOutputDelivered, LoadQuery,
@@ -291,7 +291,7 @@ class AsyncEngineClient:
                    quiet=True)
 
     async def load_report(self, timeout: float = 1.0) -> ReplicaLoad:
-        """This replica's load (engine.fleet.load_report.ReplicaLoad), as EngineCore reports
+        """This replica's load (engine.load.load_report.ReplicaLoad), as EngineCore reports
         it now: answered by its reader thread, also while a long step runs. Concurrent callers
         share one query. Raises TimeoutError past `timeout` seconds (the next call asks
         afresh), EngineDeadError once the engine is gone."""

@@ -16,7 +16,7 @@ from typing import Union
 import msgspec
 
 from engine.config import EngineConfig
-from engine.fleet.load_report import ReplicaLoad
+from engine.load.load_report import ReplicaLoad
 from engine.outputs import EngineCoreOutput, SchedulerStats
 from engine.sampling_params import SamplingParams
 
@@ -90,7 +90,7 @@ class CoreFailed(msgspec.Struct, tag="failed", kw_only=True):
 
 
 class LoadReport(msgspec.Struct, tag="load", kw_only=True):
-    """The answer to a LoadQuery (engine.fleet.load_report)."""
+    """The answer to a LoadQuery (engine.load.load_report)."""
 
     load: ReplicaLoad
 

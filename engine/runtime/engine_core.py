@@ -39,7 +39,7 @@ from engine.core.long_rope import long_rope_threshold
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
-from engine.fleet.load_report import ReplicaLoad
+from engine.load.load_report import ReplicaLoad
 from engine.runtime.load_report import LoadTracker
 from engine.runtime.slo_preemption import SLOPreemptionControl, snapshot_of_step
 from engine.runtime.startup_calibration import (StartupCalibration, calibrate_at_startup,

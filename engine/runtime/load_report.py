@@ -1,4 +1,4 @@
-"""The EngineCore side of a replica's load report (engine.fleet.load_report.ReplicaLoad).
+"""The EngineCore side of a replica's load report (engine.load.load_report.ReplicaLoad).
 
 A fleet's router asks for a report while this engine may be inside a long forward pass, so a
 report is built on the asking thread (the EngineCore process's reader thread) from state that
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from engine.config import EngineConfig
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
-from engine.fleet.load_report import MAX_REPORTED_PREFIX_HASHES, QueuedRequest, ReplicaLoad
-from engine.fleet.prefix_hashes import short_hash
+from engine.load.load_report import MAX_REPORTED_PREFIX_HASHES, QueuedRequest, ReplicaLoad
+from engine.load.prefix_hashes import short_hash
 from monitor.arrivals import PendingArrivals
 from monitor.monitor import MonitorSnapshot
 from monitor.policy import RequestView, view_of

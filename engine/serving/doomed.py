@@ -6,7 +6,7 @@ it still has time.
 
 Served first means: the running step ends, or is stopped for the request after the preemption
 latency where the monitor can stop it; then the request's own prefill, its prefix-cache hit
-taken off, chunked at the step budget beside the running decodes (engine.fleet.prediction.
+taken off, chunked at the step budget beside the running decodes (engine.load.prediction.
 served_first, on the engine's own load report and step-time model). Doomed is judged at the
 model's optimistic speed, the monitor's own bound for writing a request off: no order of the
 queue could serve it in time, so refusing it costs nothing that serving it would have met. The
@@ -25,9 +25,9 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 
-from engine.fleet.load_report import ReplicaLoad
-from engine.fleet.prediction import ServedFirst, served_first
-from engine.fleet.prefix_hashes import cached_prompt_blocks
+from engine.load.load_report import ReplicaLoad
+from engine.load.prediction import ServedFirst, served_first
+from engine.load.prefix_hashes import cached_prompt_blocks
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from engine.fleet.load_report import QueuedRequest, ReplicaLoad
-from engine.fleet.prefix_hashes import prompt_prefix_hashes
+from engine.load.load_report import QueuedRequest, ReplicaLoad
+from engine.load.prefix_hashes import prompt_prefix_hashes
 from engine.serving.api_server import ServerSettings
 from engine.serving.doomed import DOOMED, DoomedCheck, RequestDoomed
 from monitor.step_time_model import StepTimeModel

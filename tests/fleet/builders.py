@@ -4,7 +4,7 @@ at 90% of that, 10% relative error."""
 
 from __future__ import annotations
 
-from engine.fleet.load_report import QueuedRequest, ReplicaLoad, RouteHint
+from engine.load.load_report import QueuedRequest, ReplicaLoad, RouteHint
 from monitor.step_time_model import StepTimeModel
 
 NOW = 1_000_000.0

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.fleet.admission import MIN_RETRY_AFTER_S, assess
-from engine.fleet.prediction import PREEMPT_LATENCY_S
+from engine.load.prediction import PREEMPT_LATENCY_S
 from engine.fleet.routing import FleetBook
 from tests.fleet.builders import NOW, hint, load, prefill
 

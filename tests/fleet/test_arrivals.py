@@ -1,4 +1,4 @@
-"""The router's forecast of what will overtake a request (engine/fleet/arrivals.py) and its part
+"""The router's forecast of what will overtake a request (engine/load/arrivals.py) and its part
 in the predictions and the routing of long-objective requests."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from engine.fleet.arrivals import Overtakers, RecentArrivals
-from engine.fleet.prediction import prefill_seconds
+from engine.load.arrivals import Overtakers, RecentArrivals
+from engine.load.prediction import prefill_seconds
 from engine.fleet.routing import FleetBook
 from tests.fleet.builders import NOW, hint, load, prefill
 

@@ -25,7 +25,7 @@ from engine.fleet.asgi_bridge import ResponseStart
 from engine.fleet.book_registry import fleet_book
 from engine.fleet.fleet_metrics import FleetMetrics
 from engine.fleet.ingress import CHAT_PROMPT, HINT_ERROR, MAX_ROUTED_BLOCKS
-from engine.fleet.prefix_hashes import prompt_prefix_hashes
+from engine.load.prefix_hashes import prompt_prefix_hashes
 from engine.serving.api_server import ServerSettings
 from tests.utils.fleet_ingress import DEPLOYMENT, FakeStream, call, start_ingress
 from tests.utils.inprocess_server import FakeCore, app_client

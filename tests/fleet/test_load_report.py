@@ -1,4 +1,4 @@
-"""A replica's load report (engine.fleet.load_report.ReplicaLoad) as EngineCore builds it: from
+"""A replica's load report (engine.load.load_report.ReplicaLoad) as EngineCore builds it: from
 the state the engine thread publishes, so that it can be taken on another thread while a long
 step runs; and over the IPC channel, from the API server's AsyncEngineClient."""
 
@@ -11,8 +11,8 @@ import pytest
 
 from engine.config import build_engine_config
 from engine.core.block_pool import BlockPool
-from engine.fleet.load_report import ReplicaLoad, decode_load, encode_load
-from engine.fleet.prefix_hashes import cached_prefix_blocks, prompt_prefix_hashes
+from engine.load.load_report import ReplicaLoad, decode_load, encode_load
+from engine.load.prefix_hashes import cached_prefix_blocks, prompt_prefix_hashes
 from engine.ipc.async_client import AsyncEngineClient
 from engine.sampling_params import SamplingParams
 from tests.utils.mid_forward import LONG_PROMPT, _engine, _on_long_step, _prompt, _request, _run

@@ -1,4 +1,4 @@
-"""engine.fleet.prediction: a request's TTFT on one replica, by hand-computed scenarios."""
+"""engine.load.prediction: a request's TTFT on one replica, by hand-computed scenarios."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.fleet.load_report import ReplicaLoad
-from engine.fleet.prediction import PREEMPT_LATENCY_S, PreparedLoad, _urgency, predict
+from engine.load.load_report import ReplicaLoad
+from engine.load.prediction import PREEMPT_LATENCY_S, PreparedLoad, _urgency, predict
 from monitor.policy import RequestView, urgency
 from monitor.step_time_model import StepTimeModel
 from tests.fleet.builders import MODEL, NOW, hint, load, prefill
@@ -211,7 +211,7 @@ def test_an_arrival_that_stops_the_step_can_save_others():
 @settings(max_examples=300, deadline=None, database=None)
 @given(jobs=st.lists(st.tuples(st.floats(-1.0, 3.0), st.floats(0.001, 1.0)), max_size=10))
 def test_head_is_the_monitors_first(jobs):
-    from engine.fleet.prediction import _head, _Job
+    from engine.load.prediction import _head, _Job
     from monitor.policy import order
 
     built = [_Job(cost, 0.9 * cost, (ttd,), _urgency(ttd, cost, 0.9 * cost))
@@ -230,7 +230,7 @@ def test_a_long_prompt_is_predicted_as_the_chunks_its_replica_prefills():
     look twice as fast and draw every document."""
     import msgspec
 
-    from engine.fleet.prediction import prefill_seconds
+    from engine.load.prediction import prefill_seconds
 
     steep = StepTimeModel(seconds_per_token=3.0e-5, intercept_s=0.004)
     flat = StepTimeModel(seconds_per_token=1.6e-5, intercept_s=0.0327)

@@ -42,14 +42,17 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "engine.processing.chat_template", "engine.entrypoints.arg_types",
      # What a fleet replica reports and the router reads (msgspec structs, the prefix hashes):
      # EngineCore builds the report, so it sits with the other structs both sides read.
-     "engine.fleet.load_report", "engine.fleet.prefix_hashes",
+     "engine.load.load_report", "engine.load.prefix_hashes",
      # A request's structured-output spec, its grammar state and the step's bitmask: the
      # sampling parameters, the request and the step carry them.
      "engine.structured_output.params", "engine.structured_output.matcher",
      "engine.structured_output.bitmask"),
     ("workers",),
     ("engine.executor", "engine.runtime", "engine.simulation", "engine.ipc",
-     "engine.processing", "engine.structured_output"),
+     "engine.processing", "engine.structured_output",
+     # A request's predicted TTFT on a server's load report and the arrivals it forecasts:
+     # what one server's admission and a fleet's router both read.
+     "engine.load"),
     ("engine", "engine.entrypoints", "engine.serving", "engine.benchmarks", "engine.__main__"),
 )
 LAYER_NAMES = ("kernels and monitor", "engine base", "workers", "engine", "entrypoints")
@@ -94,6 +97,7 @@ def test_every_product_module_has_a_layer() -> None:
     assert layer_of("engine.runtime.engine_core") == 3
     assert layer_of("engine.entrypoints.cli") == 4
     assert layer_of("engine.entrypoints.arg_types") == 1
+    assert layer_of("engine.load.load_report") == 1 and layer_of("engine.load.prediction") == 3
     assert layer_of("bench.e2e.throughput") is None
 
 
@@ -120,6 +124,20 @@ def test_only_the_executor_package_imports_workers() -> None:
         "\n".join(found)
     # Probe: the executors do.
     assert "workers.worker" in graph["engine.executor.multiproc"]
+
+
+def test_the_serving_layer_does_not_import_the_fleet() -> None:
+    """A fleet wraps the single server's app (its replicas run it, its ingress reuses its
+    request reading): the server knows nothing of the fleet. What both read of a server's load
+    lives below them (engine.load)."""
+    graph = import_graph()
+    found = [f"{module} imports {target}" for module, imported in sorted(graph.items())
+             if _within(module, "engine.serving")
+             for target in sorted(imported) if _within(target, "engine.fleet")]
+    assert not found, "engine.serving modules that import engine.fleet:\n" + "\n".join(found)
+    # Probes: the fleet does import the server, and the server reads engine.load.
+    assert any(_within(t, "engine.serving") for t in graph["engine.fleet.ingress"])
+    assert any(_within(t, "engine.load") for t in graph["engine.serving.doomed"])
 
 
 def bench_or_tests_imports(sources: dict[str, str]) -> list[str]:

@@ -5,7 +5,7 @@ The fleet: `--replicas` replicas (8), each reporting `--queued` requests (32; a 
 deadline, the rest with deadlines from 100 ms to 5 s), one or two running prefills (half of
 the replicas preemptible), 16 decodes and `--prefix-hashes` cached prefix hashes (4096), with a
 few requests sent since each report and `--recent` (50) sent in the arrival window before it
-(completed: the router's forecast of what will overtake a request, engine/fleet/arrivals.py).
+(completed: the router's forecast of what will overtake a request, engine/load/arrivals.py).
 Requests: 4096-token prompts (256 block hashes), half of them sharing a cached document's
 prefix, three in four with an objective. Times are of the pure policy code on this machine's
 CPU (the Ray glue around it is not counted).
@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from engine.fleet.admission import assess
-from engine.fleet.load_report import QueuedRequest, ReplicaLoad, RouteHint
+from engine.load.load_report import QueuedRequest, ReplicaLoad, RouteHint
 from engine.fleet.routing import ROUTER_POLICIES, FleetBook
 from monitor.step_time_model import StepTimeModel
 

@@ -4,7 +4,7 @@ A replica's `ReplicaLoad` is what its own scheduler knows: the step-time model w
 the queue as (remaining prefill tokens, time to deadline), the running step's predicted
 remaining time and whether the monitor may stop it, free KV blocks and the hashes of its cached
 prefix blocks. The router predicts a request's TTFT on the replica by inserting the request into
-that queue with that model (engine.fleet.prediction).
+that queue with that model (engine.load.prediction).
 
 Times are relative to `made_at` (wall clock, time.time(): the one clock every process of a fleet
 shares, across nodes too, to NTP accuracy): the router ages a report by `now - made_at`.
@@ -62,7 +62,7 @@ class ReplicaLoad(msgspec.Struct, kw_only=True, frozen=True):
     # step of its own (0: unknown, predicted as one step).
     max_num_batched_tokens: int = 0
     # First 8 bytes (big-endian int) of the chain hash of each cached full block, most recent
-    # last, at most MAX_REPORTED_PREFIX_HASHES (engine.fleet.prefix_hashes computes the same
+    # last, at most MAX_REPORTED_PREFIX_HASHES (engine.load.prefix_hashes computes the same
     # for a request's prompt).
     cached_prefix_hashes: list[int] = []
     # Requests in the replica (waiting + running + decoding).

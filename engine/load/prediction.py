@@ -18,7 +18,7 @@ test) lets the best waiter stop it, is stopped after PREEMPT_LATENCY_S and its r
 joins the queue in slack order (a suspended pass resumes at its layer: nothing is recomputed).
 
 What arrives after the request and is due before it (urgent turns overtaking a document) is
-the router's forecast from the replica's recent traffic (engine.fleet.arrivals), given as
+the router's forecast from the replica's recent traffic (engine.load.arrivals), given as
 `overtakers`: it lengthens the point estimate, not the optimistic bound.
 
 `served_first` is the request's TTFT with nothing of the queue ahead of it: the running step's
@@ -36,9 +36,9 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from engine.fleet.arrivals import Overtakers
-from engine.fleet.load_report import ReplicaLoad, RouteHint
-from engine.fleet.prefix_hashes import cached_prefix_blocks
+from engine.load.arrivals import Overtakers
+from engine.load.load_report import ReplicaLoad, RouteHint
+from engine.load.prefix_hashes import cached_prefix_blocks
 from monitor.policy import AGED_PRIORITY, lendable_slack, order, should_slo_preempt
 from monitor.step_time_model import predict_prefill
 
@@ -240,7 +240,7 @@ class Prediction:
     # Its own predicted prefill there (its prefix-cache hit taken off).
     prefill_s: float = 0.0
     # Of ttft_s, the expected prefills of requests that will arrive after it and be due before
-    # it (engine.fleet.arrivals; 0 without a forecast).
+    # it (engine.load.arrivals; 0 without a forecast).
     overtaken_s: float = 0.0
 
     @property
@@ -425,7 +425,7 @@ def predict(load: ReplicaLoad | PreparedLoad, unreported: Sequence[RouteHint], h
     sent `unreported` since the report was made (oldest first), at wall-clock `now`. `served`:
     prefix hashes the router remembers the replica caching, beside its report's.
     `overtakers`: the replica's recent sends, the forecast of what will overtake the request
-    (engine.fleet.arrivals; None: nothing)."""
+    (engine.load.arrivals; None: nothing)."""
     prepared = load if isinstance(load, PreparedLoad) else PreparedLoad(load)
     load = prepared.load
     model = load.step_model
