@@ -29,7 +29,6 @@ to predict or admit by.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import math
@@ -56,6 +55,7 @@ from engine.processing.input_processor import InputProcessor
 from engine.serving.admission import (QUEUED_REQUESTS, QUEUED_TOKENS, REJECTED_HEADER,
                                       queue_full_headers)
 from engine.serving.serving_engine import SLO_HEADER
+from engine.serving.api_key import key_matches
 from engine.serving.chat_prompt import chat_prompt, chat_template_of
 from engine.serving.responses_protocol import ResponsesRequest, chat_request
 from engine.serving.doomed import DOOMED, OnDoomed
@@ -224,16 +224,13 @@ class FleetIngress:
         if room is None or room > self._preparing:
             return None
         self.metrics.rejected(QUEUED_REQUESTS)
-        content = error_body("every replica of the fleet is at its queue bound "
-                             "(--max-num-queued-reqs); retry later", 429)
-        return Response(json.dumps(content), 429, media_type="application/json",
-                        headers=queue_full_headers(QUEUED_REQUESTS))
+        return _error(429, "every replica of the fleet is at its queue bound "
+                           "(--max-num-queued-reqs); retry later",
+                      queue_full_headers(QUEUED_REQUESTS))
 
     def _authorized(self, request: Request) -> bool:
-        if self._expected_auth is None:
-            return True
         given = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
-        return hmac.compare_digest(given, self._expected_auth)
+        return key_matches(given, self._expected_auth)
 
     # ---- the route hint and admission -------------------------------------------------------
 
@@ -450,6 +447,6 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
-def _error(status: int, message: str) -> Response:
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
     return Response(json.dumps(error_body(message, status)), status,
-                    media_type="application/json")
+                    media_type="application/json", headers=headers)

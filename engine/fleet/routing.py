@@ -259,13 +259,19 @@ class FleetBook:
     def has_room(self, replica_id: str) -> bool:
         """Whether the replica would take one more request under its queue bound, as far as
         the router can tell (no report, or no bound: it would)."""
+        left = self._places_left(replica_id)
+        return left is None or left > 0
+
+    def _places_left(self, replica_id: str) -> int | None:
+        """Requests the replica would still take under its queue bound (0 after a 429 at it
+        since its last report); None: unbounded, or nothing known of it."""
         state = self.replicas.get(replica_id)
         if state is None:
-            return True
+            return None
         if state.full_at is not None:
-            return False
+            return 0
         bound = None if state.load is None else state.load.max_queued_requests
-        return bound is None or self.load_of(replica_id) < bound
+        return None if bound is None else max(0, bound - self.load_of(replica_id))
 
     def room(self, now: float) -> int | None:
         """How many more requests the fleet would take under its replicas' queue bounds, as far
@@ -274,12 +280,11 @@ class FleetBook:
         if not self.replicas:
             return None
         total = 0
-        for rid, state in list(self.replicas.items()):  # a snapshot: see the class's docstring
-            load = state.load
-            if load is None or load.max_queued_requests is None or not self.is_fresh(rid, now):
+        for rid in list(self.replicas):  # a snapshot: see the class's docstring
+            left = self._places_left(rid)
+            if left is None or not self.is_fresh(rid, now):
                 return None
-            if state.full_at is None:
-                total += max(0, load.max_queued_requests - self.load_of(rid))
+            total += left
         return total
 
     def queue_score(self, replica_id: str) -> int:

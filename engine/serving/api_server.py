@@ -9,7 +9,6 @@ runs it under uvicorn.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,6 +22,7 @@ from engine.config import EngineConfig
 from engine.ipc.async_client import AsyncEngineClient, EngineDeadError
 from engine.ipc.core_launch import CoreLaunch
 from engine.processing.input_processor import InputProcessor
+from engine.serving.api_key import key_matches
 from engine.serving.api_errors import APIError, BodyLimit, InternalErrors, JSONBody, api_error_body
 from engine.serving.arrival import ArrivalStamp
 from engine.serving.drain import Drain, DrainGate
@@ -70,13 +70,8 @@ def _tokenization(request: Request) -> OpenAIServingTokenization:
 # ---- the API key --------------------------------------------------------------------------
 
 async def check_api_key(request: Request) -> None:
-    expected = request.app.state.expected_authorization
-    if expected is None:
-        return
-    # Constant time: how long a wrong key takes to refuse says nothing about the right one.
-    # Bytes: compare_digest refuses non-ASCII str, and a header may hold anything.
     given = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
-    if not hmac.compare_digest(given, expected):
+    if not key_matches(given, request.app.state.expected_authorization):
         raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
 
 

@@ -14,13 +14,13 @@ left to the app's 401.
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.serving.admission import AdmissionLedger, QueueFull, queue_full_headers
 from engine.serving.api_errors import error_body, send_json
+from engine.serving.api_key import key_matches
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 
@@ -42,8 +42,5 @@ class QueueShed:
         await self.app(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
-        expected = self._expected_authorization()
-        if expected is None:
-            return True
         given = next((v for k, v in scope.get("headers") or () if k == b"authorization"), b"")
-        return hmac.compare_digest(given, expected)
+        return key_matches(given, self._expected_authorization())

@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 import engine.serving.api_server
+import engine.serving.api_key
 from engine.serving.api_server import ServerSettings
 from engine.ipc.async_client import _shows_token
 from engine.ipc.core_launch import CoreLaunch
@@ -164,7 +165,7 @@ def test_api_key_is_compared_in_constant_time(model_dir, vocab_size, monkeypatch
         calls.append((a, b))
         return compare_digest(a, b)
 
-    monkeypatch.setattr(engine.serving.api_server.hmac, "compare_digest", spy)
+    monkeypatch.setattr(engine.serving.api_key.hmac, "compare_digest", spy)
     settings = ServerSettings(served_model_name="tiny", api_key="k3y")
 
     async def run() -> None:
