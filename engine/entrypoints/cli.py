@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 import time
@@ -171,7 +172,8 @@ def _serve(args: argparse.Namespace) -> int:
             on_doomed=args.on_doomed)
         if args.replicas is not None:
             return _serve_fleet(config, settings, args)
-        run_server(config, settings, args.host, args.port, args.log_level, launch)
+        run_server(config, settings, args.host, args.port,
+                   os.environ.get("SLOSERVE_LOG_LEVEL", "info").lower(), launch)
         return 0
 
 
@@ -284,7 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
                        default=ShutdownConfig.timeout_s, metavar="SECONDS",
                        help="with --shutdown-mode wait: the longest a drain waits before it "
                             "aborts what is left (default %(default)s)")
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--log-level", default=None, metavar="LEVEL",
+                       help="debug, info, warning, error or critical: sloserve's own log in "
+                            "every process (the engine core's step lines at debug) and "
+                            "uvicorn's (default: $SLOSERVE_LOG_LEVEL, else info)")
     # Read (and replaced by the flags it holds) before parsing: engine.entrypoints.config_file.
     serve.add_argument(CONFIG_FLAG, metavar="FILE.yaml", default=None,
                        help="read flags from a YAML file, flag names as keys (vLLM's --config); "
@@ -310,7 +315,15 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help (0), or a usage error already printed (2)
         return exc.code if isinstance(exc.code, int) else 2
-    configure_logging()
+    if getattr(args, "log_level", None):
+        # Exported, so the processes `serve` spawns (the engine core, its workers, a fleet's
+        # replicas) log at the same level.
+        os.environ["SLOSERVE_LOG_LEVEL"] = args.log_level
+    try:
+        configure_logging()
+    except ValueError as exc:
+        print(f"sloserve: error: {exc}", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -143,9 +143,8 @@ def test_the_flood_is_registered_as_a_bench_subcommand() -> None:
     args = build_parser().parse_args(["bench", "flood", "--queue-bound", "3", "--replicas", "3",
                                       "--on-doomed", "reject"])
     assert args.func is flood.run and args.queue_bound == 3 and args.replicas == 3
-    assert flood.serve_args(args, "/m")[:8] == [
-        "--model", "/m", "--log-level", "info", "--max-num-queued-reqs", "3", "--on-doomed",
-        "reject"]
+    assert flood.serve_args(args, "/m")[:6] == [
+        "--model", "/m", "--max-num-queued-reqs", "3", "--on-doomed", "reject"]
     assert "--replicas" in flood.serve_args(args, "/m")
 
 

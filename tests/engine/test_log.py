@@ -32,3 +32,26 @@ def test_the_level_is_taken_in_any_case_and_an_unknown_one_is_named(monkeypatch)
         configure_logging()
     configure_logging("INFO")
     assert logging.getLogger("engine").level == logging.INFO
+
+
+def test_serve_log_level_reaches_sloserve_and_the_processes_it_starts(monkeypatch, capsys):
+    """`serve --log-level debug` sets sloserve's own loggers (the engine core's step lines), not
+    only uvicorn's, and exports the level to the processes `serve` spawns; an unknown level is
+    a usage error naming it, before anything starts."""
+    import os
+
+    import engine.entrypoints.cli as cli
+
+    started = []
+    monkeypatch.setattr(cli, "_serve", lambda args: started.append(args) or 0)
+    monkeypatch.setenv("SLOSERVE_LOG_LEVEL", "info")
+    try:
+        assert cli.main(["serve", "--log-level", "debug"]) == 0
+        assert started  # probe: the command ran
+        assert os.environ["SLOSERVE_LOG_LEVEL"] == "debug"
+        assert logging.getLogger("engine").level == logging.DEBUG
+        assert cli.main(["serve", "--log-level", "loud"]) == 2
+        assert "unknown log level 'loud'" in capsys.readouterr().err
+        assert len(started) == 1
+    finally:
+        configure_logging("INFO")

@@ -147,8 +147,8 @@ def _has_flag(server_args: list[str], flag: str) -> bool:
 def serve_args(args: argparse.Namespace, model: str) -> list[str]:
     """The `sloserve serve` command line's arguments for the server (or fleet) this starts."""
     extra = list(args.server_args)
-    out = ["--model", model, "--log-level", "info",
-           "--max-num-queued-reqs", str(args.queue_bound), "--on-doomed", args.on_doomed]
+    # No --log-level: the server's follows $SLOSERVE_LOG_LEVEL (debug for its step lines).
+    out = ["--model", model, "--max-num-queued-reqs", str(args.queue_bound), "--on-doomed", args.on_doomed]
     if not _real_model(args):
         out += ["--simulate", getattr(args, "slowed_profile", None) or args.simulate]
         if not _has_flag(extra, "--max-model-len"):
