@@ -9,7 +9,6 @@ import logging
 import multiprocessing
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,6 +55,50 @@ class _Finished:
     """Queue sentinel for a request that can no longer make progress."""
 
     error: Exception
+
+
+class _Closed:
+    """Queue sentinel: the stream was closed while a reader waited on it."""
+
+
+class RequestStream:
+    """One engine request's outputs (AsyncEngineClient.generate): an async iterator that ends
+    after the finished output, raises what ended the request otherwise, and aborts the
+    request in the core when closed before its end, whether or not it was ever read."""
+
+    def __init__(self, client: AsyncEngineClient, request_id: str,
+                 queue: asyncio.Queue) -> None:
+        self._client, self.request_id, self._queue = client, request_id, queue
+        self._over = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._over:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, _Closed):
+            raise StopAsyncIteration
+        if isinstance(item, _Finished):
+            self._end(abort=False)
+            raise item.error
+        if item.finished:
+            self._end(abort=False)
+        return item
+
+    def close(self) -> None:
+        """Ends the stream; a request not finished yet is aborted in the core. Idempotent."""
+        if not self._over:
+            self._end(abort=True)
+            self._queue.put_nowait(_Closed())  # a reader waiting on it stops
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def _end(self, abort: bool) -> None:
+        self._over = True
+        self._client._forget(self.request_id, abort)
 
 
 class AsyncEngineClient:
@@ -245,23 +288,25 @@ class AsyncEngineClient:
     def validate(self, prompt_token_ids: list[int]) -> None:
         validate_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
 
-    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                       params: SamplingParams, *, arrival_time: float, priority: int = 0,
-                       ttft_slo_ms: float | None = None,
-                       tpot_slo_ms: float | None = None,
-                       prefill_after: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields the request's cumulative output after every new token, the last one finished.
-        Closing the iterator early (a client that went away) aborts the request in the core.
-        ``prefill_after``: a parallel sample's leader (engine.core.sibling_gate)."""
+    def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, *, arrival_time: float, priority: int = 0,
+                 ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None,
+                 prefill_after: str | None = None) -> RequestStream:
+        """Hands the request to EngineCore now, and returns the stream of its cumulative
+        output (after every new token, the last one finished). Closing the stream before
+        its end (a client that went away, a response never sent) aborts the request in the
+        core. ``prefill_after``: a parallel sample's leader (engine.core.sibling_gate).
+
+        Sent here, not when the stream is first read: under a flood the response that reads
+        it starts some tens of ms later (its headers, the merge's tasks, every hop one turn
+        of a busy event loop), time an urgent turn's deadline runs on for nothing."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         self.validate(prompt_token_ids)
         params, eos = self.inputs.with_eos(params)
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
         self._processor.add_request(request_id, prompt, prompt_token_ids, params, arrival_time,
                                     ttft_slo_ms, tpot_slo_ms)
-        finished = False
         try:
             self._send(AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                   sampling_params=params, arrival_time=arrival_time,
@@ -269,20 +314,18 @@ class AsyncEngineClient:
                                   tpot_slo_ms=tpot_slo_ms, eos_token_id=eos,
                                   prefill_after=prefill_after,
                                   reports_first_output=ttft_slo_ms is not None))
-            while True:
-                item = await queue.get()
-                if isinstance(item, _Finished):
-                    finished = True
-                    raise item.error
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._queues.pop(request_id, None)
-            if not finished:
-                self._processor.remove(request_id)
-                self._send(AbortRequests(request_ids=[request_id]), quiet=True)
+        except BaseException:
+            self._processor.remove(request_id)
+            raise
+        self._queues[request_id] = queue
+        return RequestStream(self, request_id, queue)
+
+    def _forget(self, request_id: str, abort: bool) -> None:
+        """A request's stream is over: drop its state here, and (`abort`) end it in the core."""
+        self._queues.pop(request_id, None)
+        if abort:
+            self._processor.remove(request_id)
+            self._send(AbortRequests(request_ids=[request_id]), quiet=True)
 
     def note_first_output(self, request_id: str, delivered_at: float) -> None:
         """The request's first visible output was written to its client: tell EngineCore,

@@ -18,10 +18,14 @@ which would otherwise be taken from the ones it serves.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from engine.ipc.async_client import RequestStream
 
 # The reasons a request is refused, as the rejection counters label them (vLLM's reasons).
 QUEUED_REQUESTS, QUEUED_TOKENS = "max_num_queued_reqs", "max_num_queued_tokens"
@@ -128,7 +132,7 @@ class AdmissionLedger:
         """Idempotent: a request ends once, but may be told so from several places."""
         self.queued_tokens -= self.held.pop(request_id, 0)
 
-    def track(self, request_id: str, source: AsyncIterator[RequestOutput]) -> TrackedSource:
+    def track(self, request_id: str, source: RequestStream) -> TrackedSource:
         return TrackedSource(self, request_id, source)
 
 
@@ -149,7 +153,7 @@ class TrackedSource:
     iteration ends or is closed (closing a source that never started releases it too)."""
 
     def __init__(self, ledger: AdmissionLedger, request_id: str,
-                 source: AsyncIterator[RequestOutput]) -> None:
+                 source: RequestStream) -> None:
         self.ledger, self.request_id, self.source = ledger, request_id, source
         self._first = True
 
@@ -169,6 +173,9 @@ class TrackedSource:
             self.ledger.release(self.request_id)
         return out
 
-    async def aclose(self) -> None:
+    def close(self) -> None:
         self.ledger.release(self.request_id)
-        await self.source.aclose()  # type: ignore[attr-defined]
+        self.source.close()
+
+    async def aclose(self) -> None:
+        self.close()

@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import Request
 
-from engine.ipc.async_client import AsyncEngineClient
+from engine.ipc.async_client import AsyncEngineClient, RequestStream
 from engine.outputs import RequestOutput, best_samples
 from engine.sampling_params import SamplingParams
 from engine.serving.openai_responses import Choice
@@ -35,26 +35,33 @@ class EnginePrompt:
 
 def fan_out(client: AsyncEngineClient, request_id: str, prompts: list[EnginePrompt],
             per_prompt: int, **generate_args: Any
-            ) -> tuple[list[Choice], list[AsyncIterator[RequestOutput]], list[str]]:
-    """One engine request per prompt and sample (choice ``p * per_prompt + i``): the choices,
-    their output iterators (nothing is sent before they are iterated) and their request ids.
-    A prompt's later samples wait for its first one's prefill (SiblingGate)."""
+            ) -> tuple[list[Choice], list[RequestStream], list[str]]:
+    """One engine request per prompt and sample (choice ``p * per_prompt + i``), each handed to
+    the engine at once: the choices, their output streams (whoever holds them closes them,
+    which aborts what has not finished) and their request ids. A prompt's later samples wait
+    for its first one's prefill (SiblingGate)."""
     choices: list[Choice] = []
-    sources: list[AsyncIterator[RequestOutput]] = []
+    sources: list[RequestStream] = []
     request_ids: list[str] = []
     single = len(prompts) * per_prompt == 1
-    for p, prompt in enumerate(prompts):
-        leader: str | None = None
-        for sample in range(per_prompt):
-            index = p * per_prompt + sample
-            child_id = request_id if single else f"{request_id}-{index}"
-            request_ids.append(child_id)
-            choices.append(Choice(index=index, prompt_index=p, prompt_text=prompt.echo_text,
-                                  first_prompt_token=prompt.first_token_text))
-            params = prompt.params.child(sample) if per_prompt > 1 else prompt.params
-            sources.append(client.generate(child_id, prompt.text, prompt.token_ids, params,
-                                           prefill_after=leader, **generate_args))
-            leader = leader or child_id
+    try:
+        for p, prompt in enumerate(prompts):
+            leader: str | None = None
+            for sample in range(per_prompt):
+                index = p * per_prompt + sample
+                child_id = request_id if single else f"{request_id}-{index}"
+                choices.append(Choice(index=index, prompt_index=p,
+                                      prompt_text=prompt.echo_text,
+                                      first_prompt_token=prompt.first_token_text))
+                params = prompt.params.child(sample) if per_prompt > 1 else prompt.params
+                sources.append(client.generate(child_id, prompt.text, prompt.token_ids, params,
+                                               prefill_after=leader, **generate_args))
+                request_ids.append(child_id)
+                leader = leader or child_id
+    except BaseException:  # the engine is gone: what was handed over is aborted
+        for source in sources:
+            source.close()
+        raise
     return choices, sources, request_ids
 
 

@@ -189,41 +189,52 @@ class OpenAIServing:
             try:
                 self.ledger.admit(child_ids, tokens, checked.place)
             except QueueFull as exc:
+                for source in sources:
+                    source.close()
                 raise APIError(429, str(exc), None, queue_full_headers(exc.reason)) from None
             sources = [self.ledger.track(i, s) for i, s in zip(child_ids, sources)]
 
         def release() -> None:
+            # The requests were handed to the engine already: a response that ended before
+            # its stream was read to the end (or began) aborts them.
+            for source in sources:
+                source.close()
             for child_id in child_ids:
                 self.ledger.release(child_id)
-        ctx = ResponseContext(request_id=request_id, model=self.settings.served_model_name,
-                              chat=chat is not None,
-                              include_usage=body.include_usage,
-                              continuous_usage=body.continuous_usage,
-                              stop_holdback=max((len(s) - 1 for s in params.stop), default=0),
-                              echo=echo, echo_only=body.echo_only,
-                              logprobs=params.logprobs is not None,
-                              prompt_logprobs=body.prompt_logprobs is not None,
-                              tokens_as_ids=body.return_tokens_as_token_ids,
-                              tool_calling=None if chat is None else chat.tools,
-                              reasoning=None if chat is None else chat.reasoning,
-                              include_reasoning=getattr(body, "include_reasoning", True),
-                              harmony=chat is not None and chat.harmony)
-        num_top = params.logprobs or 0
-        # TTFT and TPOT as the client sees them: stamped where the tokens are sent to it.
-        # The engine keeps a TTFT deadline live until the client has output (a first token
-        # with no text, e.g. a special one, sends nothing): told as each choice's is written.
-        clock = EdgeClock(len(choices), metrics, on_first_output=None if slo is None else (
-            lambda position, when: client.note_first_output(child_ids[position], when)),
-            answer_started=None if chat is None else chat.answer_started())
-        if body.stream:
-            events = stream_events(ctx, choices,
-                                   _forget_on_exit(merged(sources), metrics, child_ids),
-                                   num_top, lambda exc: error_for(exc, f"stream {request_id}"),
-                                   clock, raw=responses is not None)
-            if responses is not None:
-                events = responses.stream(events)
-            return EdgeStampedStream(events, clock, on_close=release,
-                                     media_type="text/event-stream")
+                metrics.forget(child_id)  # (a no-op for a request that finished)
+        try:  # until a response owns them (its on_close, or the gathering below)
+            ctx = ResponseContext(request_id=request_id, model=self.settings.served_model_name,
+                                  chat=chat is not None,
+                                  include_usage=body.include_usage,
+                                  continuous_usage=body.continuous_usage,
+                                  stop_holdback=max((len(s) - 1 for s in params.stop), default=0),
+                                  echo=echo, echo_only=body.echo_only,
+                                  logprobs=params.logprobs is not None,
+                                  prompt_logprobs=body.prompt_logprobs is not None,
+                                  tokens_as_ids=body.return_tokens_as_token_ids,
+                                  tool_calling=None if chat is None else chat.tools,
+                                  reasoning=None if chat is None else chat.reasoning,
+                                  include_reasoning=getattr(body, "include_reasoning", True),
+                                  harmony=chat is not None and chat.harmony)
+            num_top = params.logprobs or 0
+            # TTFT and TPOT as the client sees them: stamped where the tokens are sent to it.
+            # The engine keeps a TTFT deadline live until the client has output (a first token
+            # with no text, e.g. a special one, sends nothing): told as each choice's is written.
+            clock = EdgeClock(len(choices), metrics, on_first_output=None if slo is None else (
+                lambda position, when: client.note_first_output(child_ids[position], when)),
+                answer_started=None if chat is None else chat.answer_started())
+            if body.stream:
+                events = stream_events(ctx, choices,
+                                       _forget_on_exit(merged(sources), metrics, child_ids),
+                                       num_top, lambda exc: error_for(exc, f"stream {request_id}"),
+                                       clock, raw=responses is not None)
+                if responses is not None:
+                    events = responses.stream(events)
+                return EdgeStampedStream(events, clock, on_close=release,
+                                         media_type="text/event-stream")
+        except BaseException:
+            release()
+            raise
         try:
             finals = await finals_unless_disconnected(sources, request, clock.reached_handler)
         except Exception as exc:  # what the engine said about a request (or a bug)

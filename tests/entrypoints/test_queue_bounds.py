@@ -62,19 +62,24 @@ def test_a_place_reserved_on_arrival_counts_until_admitted_or_given_back() -> No
 
 
 def test_a_source_closed_before_it_started_is_released() -> None:
-    """A client gone before its response began: the engine request never started, and closing
-    its source (what the response's cleanup does) gives its place back."""
-    async def never_iterated():
-        yield None
+    """A client gone before its response began: the engine request was never read, and closing
+    its source (what the response's cleanup does) gives its place back and closes the engine
+    request's stream (which aborts it in the core)."""
+    class NeverRead:
+        closed = False
 
-    async def run() -> tuple[int, int]:
+        def close(self) -> None:
+            self.closed = True
+
+    async def run() -> tuple[int, int, bool]:
         ledger = AdmissionLedger(QueueBounds(max_requests=2))
         ledger.admit(["a"], [10])
         held = ledger.num_requests
-        await ledger.track("a", never_iterated()).aclose()
-        return held, ledger.num_requests
+        stream = NeverRead()
+        await ledger.track("a", stream).aclose()  # type: ignore[arg-type]
+        return held, ledger.num_requests, stream.closed
 
-    assert asyncio.run(run()) == (1, 0)
+    assert asyncio.run(run()) == (1, 0, True)
 
 
 def _completion(stream: bool = False, max_tokens: int = 24) -> dict:

@@ -23,11 +23,13 @@ import pytest
 
 import engine.serving.api_server
 import engine.serving.api_key
+import engine.serving.openai_responses as engine_responses
 from engine.serving.api_server import ServerSettings
 from engine.ipc.async_client import _shows_token
 from engine.ipc.core_launch import CoreLaunch
 from engine.entrypoints.cli import main
 from engine.ipc.core_messages import CoreFailed, CoreHello, CoreReady, frame
+from engine.serving.tokenize_lanes import INLINE_INPUT_CHARS
 from tests.utils.inprocess_server import FakeCore, app_client
 from tests.utils.server_helpers import sse_data
 
@@ -114,9 +116,10 @@ def test_engine_failure_reaches_clients_as_an_error_id_not_a_traceback(model_dir
 
 def test_unexpected_exception_is_a_500_with_an_error_id(model_dir, vocab_size, caplog,
                                                         monkeypatch) -> None:
-    """A bug on the request's path (here the EOS lookup, inside the engine client, or the
-    tokenizer, before it): a 500 in the OpenAI shape, or a stream error event, saying only
-    "internal error (id ...)"; the log has the traceback under that id."""
+    """A bug on the request's path (the EOS lookup, inside the engine client, or the tokenizer,
+    before it: a 500 in the OpenAI shape, also for a stream, which has not begun), or in a
+    stream's chunks once it has begun (a stream error event), saying only "internal error (id
+    ...)"; the log has the traceback under that id."""
     caplog.set_level(logging.INFO)
     fake = FakeCore(vocab_size)
 
@@ -129,11 +132,15 @@ def test_unexpected_exception_is_a_500_with_an_error_id(model_dir, vocab_size, c
             with monkeypatch.context() as m:
                 m.setattr(engine.inputs, "with_eos", broken)
                 full = await http.post(C, json={"prompt": "Hello", "max_tokens": 2})
-                stream = await http.post(C, json={"prompt": "Hello", "max_tokens": 2,
-                                                  "stream": True})
+                unstarted = await http.post(C, json={"prompt": "Hello", "max_tokens": 2,
+                                                     "stream": True})
                 m.setattr(engine.inputs, "encode", broken)
                 tokenizer = await http.post(C, json={"prompt": "Hello", "max_tokens": 2})
-            for response in (full, tokenizer):
+            with monkeypatch.context() as m:
+                m.setattr(engine_responses, "_stream_delta", broken)
+                stream = await http.post(C, json={"prompt": "Hello", "max_tokens": 2,
+                                                  "stream": True})
+            for response in (full, unstarted, tokenizer):
                 assert response.status_code == 500, response.text
                 assert response.headers["content-type"].startswith("application/json")
                 error = response.json()["error"]
@@ -218,7 +225,8 @@ def test_tokenization_does_not_stall_the_event_loop(model_dir, vocab_size, monke
     state = {"returned": False}
 
     async def run() -> None:
-        async with app_client(model_dir, fake=FakeCore(vocab_size)) as (http, engine):
+        fake = FakeCore(vocab_size, max_model_len=100_000)
+        async with app_client(model_dir, fake=fake) as (http, engine):
             encode = engine.inputs.encode
 
             def slow_encode(prompt: str) -> list[int]:
@@ -230,7 +238,9 @@ def test_tokenization_does_not_stall_the_event_loop(model_dir, vocab_size, monke
                 return encode(prompt)
 
             monkeypatch.setattr(engine.inputs, "encode", slow_encode)
-            stuck = asyncio.create_task(http.post(C, json={"prompt": "a stuck prompt",
+            # Long enough to be tokenized off the loop (a turn's few words are inline).
+            prompt = "a stuck prompt " * (INLINE_INPUT_CHARS // 15 + 1)
+            stuck = asyncio.create_task(http.post(C, json={"prompt": prompt,
                                                            "max_tokens": 2}))
             assert await asyncio.to_thread(entered.wait, 30)  # probe: it is in the tokenizer
             health = await http.get("/health")

@@ -20,9 +20,9 @@ from engine.serving.api_server import ServerSettings, build_app
 from engine.ipc.async_client import AsyncEngineClient
 from engine.config import build_engine_config
 from engine.ipc.core_launch import CoreLaunch
-from engine.ipc.core_messages import (AddRequest, CoreHello, CoreOutputs, CoreReady,
-                                      FirstOutputDelivered, FrameSocket, ShutdownCore,
-                                      start_decoder, to_core_decoder)
+from engine.ipc.core_messages import (AbortRequests, AddRequest, CoreHello, CoreOutputs,
+                                      CoreReady, FirstOutputDelivered, FrameSocket,
+                                      ShutdownCore, start_decoder, to_core_decoder)
 from engine.outputs import EngineCoreOutput, SchedulerStats
 
 MAX_MODEL_LEN = 64
@@ -50,6 +50,8 @@ class FakeCore:
         self.requests: list[AddRequest] = []
         # The API server's notes that a request's first visible output was written.
         self.delivered: list[FirstOutputDelivered] = []
+        # The ids of every request the API server aborted, in order.
+        self.aborted: list[str] = []
         # When each frame went out (time.monotonic()), in order: stamped just before the send,
         # since the server can read and answer a frame before this thread runs again.
         self.sent_at: list[float] = []
@@ -79,6 +81,8 @@ class FakeCore:
                         return
                     if isinstance(message, FirstOutputDelivered):
                         self.delivered.append(message)
+                    if isinstance(message, AbortRequests):
+                        self.aborted.extend(message.request_ids)
                     if isinstance(message, AddRequest):
                         self.requests.append(message)
                         replies, hang_up = self.script(message)
