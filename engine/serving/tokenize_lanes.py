@@ -13,6 +13,15 @@ input arrives (that input pays some 0.3-0.6 s; its objective is seconds); a serv
 sees one never loads it.
 
 Hugging Face's tokenizers release the GIL while they encode, so the two lanes run side by side.
+
+An input under INLINE_INPUT_CHARS (a chat turn of a few hundred tokens: a millisecond or two)
+is templated and tokenized on the event loop itself, not in a lane. A trip through a thread
+costs a busy loop far more than the work: the result waits for the loop to come round to it,
+behind everything else that arrived meanwhile. Under a flood of 80 requests on a 2-core host
+a 130-token turn took some 55 ms from its route to its token ids through the short lane, and
+1-2 ms inline (bench/RESULTS.md, Overload). The tokenizer is shared with the short lane's
+thread (as the detokenizer, on the loop, already shares it): safe, as nothing reconfigures it
+(truncation and padding are never set: chat_template_kwargs refuses them).
 """
 
 from __future__ import annotations
@@ -29,6 +38,8 @@ T = TypeVar("T")
 # About 4k tokens of English: some 10-15 ms of encoding on this CPU. Below it an input is a
 # turn, not a document, and waits behind at most another turn.
 LONG_INPUT_CHARS = 16_384
+# About 1k tokens: up to some 3 ms of templating and encoding, done on the event loop.
+INLINE_INPUT_CHARS = 4_096
 
 
 def text_size(value: Any) -> int:
@@ -81,7 +92,9 @@ class TokenizeLanes:
 
     async def on_lane(self, size: int, work: Callable[[InputProcessor], T]) -> T:
         """``work(inputs)`` on the lane an input of `size` characters (text_size) takes, with
-        that lane's InputProcessor."""
+        that lane's InputProcessor; below INLINE_INPUT_CHARS, here on the event loop."""
+        if size < INLINE_INPUT_CHARS:
+            return work(self.inputs)
         loop = asyncio.get_running_loop()
         if size < LONG_INPUT_CHARS:
             return await loop.run_in_executor(self._short, work, self.inputs)

@@ -10,7 +10,7 @@ import pytest
 
 import engine.serving.serving_engine
 from engine.processing.input_processor import InputProcessor
-from engine.serving.tokenize_lanes import LONG_INPUT_CHARS, text_size
+from engine.serving.tokenize_lanes import INLINE_INPUT_CHARS, LONG_INPUT_CHARS, text_size
 from tests.utils.inprocess_server import FakeCore, app_client
 from tests.utils.server_helpers import copy_with_chat_template
 
@@ -43,16 +43,18 @@ def test_text_size_counts_every_string_in_messages() -> None:
 def test_a_turn_is_not_queued_behind_a_documents_tokenization(model_dir, vocab_size,
                                                                monkeypatch, route) -> None:
     """While a document's tokenization is stuck (a stand-in for a 30k-token text: 109 ms on
-    this CPU), a short turn is tokenized and served; then the document is too. The probes: the
-    document really was inside the tokenizer while the turn was served, on the long lane's
-    thread, with a tokenizer other than the short lane's."""
+    this CPU), a short turn and a longer one are tokenized and served; then the document is
+    too. The probes: the document really was inside the tokenizer while the turns were served,
+    on the long lane's thread, with a tokenizer other than the short lane's; the longer turn
+    on the short lane's thread, and the short turn on the event loop's own."""
     entered, release = threading.Event(), threading.Event()
     seen: dict[str, tuple[str, int]] = {}  # "long" / "short" -> (thread name, processor id)
     encode = InputProcessor.encode
     template = InputProcessor.apply_chat_template
 
     def record(processor: InputProcessor, size: int) -> None:
-        kind = "long" if size >= LONG_INPUT_CHARS else "short"
+        kind = ("long" if size >= LONG_INPUT_CHARS else "short" if size >= INLINE_INPUT_CHARS
+                else "inline")
         seen[kind] = (threading.current_thread().name, id(processor))
         if kind == "long":
             entered.set()
@@ -83,13 +85,18 @@ def test_a_turn_is_not_queued_behind_a_documents_tokenization(model_dir, vocab_s
             assert await asyncio.to_thread(entered.wait, 30)  # probe: inside the tokenizer
             turn = await http.post(route, json=body("a short urgent turn"))
             assert turn.status_code == 200, turn.text
-            assert not stuck.done(), "the turn was served only after the document"
+            longer = await http.post(route, json=body("a longer turn " * (
+                INLINE_INPUT_CHARS // 14 + 1)))
+            assert longer.status_code == 200, longer.text
+            assert not stuck.done(), "the turns were served only after the document"
             release.set()
             response = await stuck
             assert response.status_code == 200, response.text
-            assert len(fake.requests) == 2
+            assert len(fake.requests) == 3
             assert len(fake.requests[0].prompt_token_ids) < 64  # the turn reached the core first
             short_inputs = id(engine.inputs)
+            loop_thread = threading.current_thread().name
+        assert seen["inline"] == (loop_thread, short_inputs)
         assert seen["short"] == ("sloserve-tokenize_0", short_inputs)
         assert seen["long"][0] == "sloserve-tokenize-long_0"
         assert seen["long"][1] != short_inputs  # its own tokenizer: never shared across threads
