@@ -26,13 +26,19 @@ from engine.serving.api_server import ServerSettings
 
 logger = logging.getLogger(__name__)
 
-# Ray Serve settings for a Ray this process starts (the processes Ray spawns inherit them). The
-# HTTP proxy hands each request to the ingress, and relays every response chunk back, over
-# gRPC rather than as Ray objects (part of Ray's documented RAY_SERVE_THROUGHPUT_OPTIMIZED
-# mode): on a busy host the object path added tens of ms to first tokens (bench/RESULTS.md,
-# Fleet). A value already in the environment wins. A cluster joined with --address keeps the
-# settings it was started with (the README's `ray start` line sets this one).
-RAY_SERVE_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
+# Ray Serve settings for a Ray this process starts (the processes Ray spawns inherit them):
+# Ray's documented RAY_SERVE_THROUGHPUT_OPTIMIZED mode, but for its direct ingress (which would
+# replace the HTTP proxy and its port). The HTTP proxy hands each request to the ingress, and
+# relays every response chunk back, over gRPC rather than as Ray objects (on a busy host the
+# object path added tens of ms to first tokens); user code and the router run on each
+# replica's own event loop, not a thread beside it (a hop per request and per chunk); Serve's
+# per-request logs are buffered and go to its log files only
+# (/tmp/ray/session_latest/logs/serve/), not through the driver's stderr. Under a flood on a
+# 2-core host this took the urgent turns' TTFT p50 from 420 to 175 ms at four times slower
+# (bench/RESULTS.md, Overload). A value already in the environment wins. A cluster joined with
+# --address keeps the settings it was started with (the README's `ray start` lines set these).
+RAY_SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+                 "RAY_SERVE_PROXY_USE_GRPC": "1"}
 
 
 def init_ray(address: str | None = None, **ray_init_kwargs) -> None:

@@ -76,9 +76,13 @@ def test_fleet_serves_the_openai_api_with_streaming(tiny_fleet):
     assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
     health = httpx.get(f"{url}/health", timeout=30).json()
     assert health["status"] == "ok" and health["replicas"]["reporting"] == 2, health
-    # The HTTP proxy that served all of it hands requests to the ingress over gRPC
+    # The HTTP proxy that served all of it hands requests to the ingress over gRPC, in Ray
+    # Serve's throughput-optimized mode without its direct ingress
     # (engine.fleet.launch.RAY_SERVE_ENV), as the Ray this session started told it to.
-    assert _proxy_environment().get("RAY_SERVE_PROXY_USE_GRPC") == "1"
+    environment = _proxy_environment()
+    assert environment.get("RAY_SERVE_PROXY_USE_GRPC") == "1"
+    assert environment.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1"
+    assert environment.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "0"
 
 
 def _proxy_environment() -> dict[str, str]:
