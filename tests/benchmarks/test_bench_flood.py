@@ -93,6 +93,17 @@ def test_a_flood_of_ten_times_the_bound(sim_chat_model, tmp_path, capsys) -> Non
             f"{len(taken)} of {len(mine)}; met objective {met}/{len(taken)}")
     assert rows["result"] == "OK"
 
+    # The client's TTFT beyond the server's own, split at the server's stamps (one host here).
+    from engine.benchmarks.flood.client import Record
+    from engine.benchmarks.flood.report import outside_server_ms
+
+    splits = [outside_server_ms(Record(**r)) for r in accepted if r["kind"] == "urgent"]
+    assert splits and all(s is not None for s in splits)
+    for (to_stamp, from_token), r in zip(splits, [r for r in accepted if r["kind"] == "urgent"]):
+        assert to_stamp > -5.0 and from_token > -5.0, (to_stamp, from_token)  # (two clocks)
+        assert to_stamp + from_token + r["server_ttft_ms"] == pytest.approx(r["ttft_ms"])
+    assert rows["urgent outside the server"].startswith("p50 ")
+
     # Every accepted request completed: each choice finished, [DONE] came, no error event.
     for r in accepted:
         assert r["done"] and r["finish_reasons"] == ["length"] and r["error"] is None, r

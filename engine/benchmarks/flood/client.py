@@ -164,6 +164,7 @@ class Record:
     prompt_tokens: int
     ttft_slo_ms: float
     sent_ms: float = 0.0  # from the flood's start
+    sent_at: float | None = None  # time.time() at the send: against the server's own stamps
     status: int | None = None
     ttfb_ms: float | None = None
     ttft_ms: float | None = None
@@ -224,6 +225,7 @@ async def send(http: Any, url: str, request: FloodRequest, body: bytes,
                     request.ttft_slo_ms)
     sent = time.monotonic()
     record.sent_ms = round(1e3 * (sent - start), 2)
+    record.sent_at = time.time()
 
     def ms() -> float:
         return round(1e3 * (time.monotonic() - sent), 2)

@@ -290,9 +290,11 @@ def run_flood(args: argparse.Namespace, url: str, model_folder: str | None,
     counters = counter_deltas(before, rejection_counters(metrics_after))
     rerouted = counter_deltas(*(rejection_counters(text, (REROUTED_COUNTER,))
                                 for text in (metrics_before, metrics_after)))
+    # A server this started, or one on this host: one wall clock for both sides.
+    same_host = args.url is None or httpx.URL(url).host in ("127.0.0.1", "localhost", "::1")
     summary = summarize(records, counters, fleet, elapsed, scale,
                         health.summary() if fleet else None,
-                        rerouted.get(REROUTED_COUNTER) if fleet else None)
+                        rerouted.get(REROUTED_COUNTER) if fleet else None, same_host)
     config = {"url": args.url, "num_requests": num_requests, "queue_bound": args.queue_bound,
               "urgent_share": args.urgent_share, "relaxed_route": args.relaxed_route,
               "on_doomed": args.on_doomed,

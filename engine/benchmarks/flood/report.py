@@ -65,9 +65,27 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(value, 1)
 
 
-def _kind_summary(records: Sequence[Record], kind: str) -> dict[str, Any]:
+def outside_server_ms(record: Record, time_scale: float = 1.0) -> tuple[float, float] | None:
+    """Of an accepted request's TTFT by the client's clock, what the server's own clocks do not
+    hold (ms, in the profile's time): from the client's send to the server's arrival stamp
+    (the client's sending, the network, a fleet's HTTP proxy), and from the server's first
+    token to the client (the way back). Needs the client and the server on one host's wall
+    clock; None without the stamps."""
+    metrics = record.server_metrics or {}
+    arrival = metrics.get("arrival_time")
+    if (record.sent_at is None or not isinstance(arrival, (int, float))
+            or record.ttft_ms is None or record.server_ttft_ms is None):
+        return None
+    before = 1e3 * (arrival - record.sent_at) / time_scale
+    return before, record.ttft_ms - record.server_ttft_ms - before
+
+
+def _kind_summary(records: Sequence[Record], kind: str, time_scale: float,
+                  same_host: bool) -> dict[str, Any]:
     mine = [r for r in records if r.kind == kind]
     accepted = [r for r in mine if r.status == 200]
+    outside = [split for r in accepted
+               if (split := outside_server_ms(r, time_scale)) is not None] if same_host else []
     ttft = [r.ttft_ms for r in accepted if r.ttft_ms is not None]
     ttfb = [r.ttfb_ms for r in accepted if r.ttfb_ms is not None]
     server = [r.server_ttft_ms for r in accepted if r.server_ttft_ms is not None]
@@ -81,6 +99,8 @@ def _kind_summary(records: Sequence[Record], kind: str) -> dict[str, Any]:
             "ttft_max_ms": _ms(max(ttft)) if ttft else None,
             "ttfb_p50_ms": _ms(percentile(ttfb, 50)),
             "server_ttft_p50_ms": _ms(percentile(server, 50)),
+            "before_server_stamp_p50_ms": _ms(percentile([b for b, _ in outside], 50)),
+            "after_server_first_token_p50_ms": _ms(percentile([a for _, a in outside], 50)),
             "missed": [{"index": r.index, "ttft_ms": r.ttft_ms, "ttft_slo_ms": r.ttft_slo_ms,
                         "server_ttft_ms": r.server_ttft_ms}
                        for r in accepted if not r.met]}
@@ -89,10 +109,13 @@ def _kind_summary(records: Sequence[Record], kind: str) -> dict[str, Any]:
 def summarize(records: Sequence[Record], counters: dict[str, dict[str, int]],
               fleet: bool, elapsed_s: float, time_scale: float = 1.0,
               health: dict[str, Any] | None = None,
-              rerouted: dict[str, int] | None = None) -> dict[str, Any]:
+              rerouted: dict[str, int] | None = None, same_host: bool = False
+              ) -> dict[str, Any]:
     """The flood's figures, the counters' agreement with the client and the verdict. `health`:
     a fleet's /health sampled during the flood (fleet_run.HealthSampler's summary); `rerouted`:
-    its requests refused at a replica's queue bound and tried on another, by reason."""
+    its requests refused at a replica's queue bound and tried on another, by reason;
+    `same_host`: the client and the server read one wall clock (their TTFTs' difference is
+    then split into before the server's stamp and after its first token)."""
     status = Counter(r.status for r in records)
     rejected = Counter(r.reject_reason for r in records if r.status == 429)
     accepted = [r for r in records if r.status == 200]
@@ -132,8 +155,8 @@ def summarize(records: Sequence[Record], counters: dict[str, dict[str, int]],
         "status_5xx": len(server_errors),
         "status_other": len(other),
         "statuses": {str(k): v for k, v in sorted(status.items(), key=lambda kv: str(kv[0]))},
-        "urgent": _kind_summary(records, URGENT),
-        "relaxed": _kind_summary(records, RELAXED),
+        "urgent": _kind_summary(records, URGENT, time_scale, same_host),
+        "relaxed": _kind_summary(records, RELAXED, time_scale, same_host),
         "retry_after": dict(retry_after.most_common()),
         "doomed_predicted_ttft_ms": {"n": len(predicted), "min": _ms(min(predicted)),
                                      "max": _ms(max(predicted))} if predicted else None,
@@ -181,6 +204,13 @@ def table(summary: dict[str, Any], title: str) -> str:
         ("urgent accepted", _kind_row(s["urgent"])),
         ("relaxed accepted", _kind_row(s["relaxed"])),
     ]
+    u = s["urgent"]
+    if u.get("before_server_stamp_p50_ms") is not None:
+        # Where the client's TTFT and the server's part: the rest is the server's own.
+        rows.append(("urgent outside the server",
+                     f"p50 {u['before_server_stamp_p50_ms']:.0f} ms from the client's send to "
+                     f"the server's arrival stamp, {u['after_server_first_token_p50_ms']:.0f} "
+                     f"ms from its first token to the client"))
     if by[QUEUED_TOKENS]:  # the queue bound's 429s that --max-num-queued-tokens refused
         rows.insert(4, ("429 queued tokens", by[QUEUED_TOKENS]))
     for name, a in s["counters_agree"].items():
