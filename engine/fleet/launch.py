@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 # replica's own event loop, not a thread beside it (a hop per request and per chunk); Serve's
 # per-request logs are buffered and go to its log files only
 # (/tmp/ray/session_latest/logs/serve/), not through the driver's stderr. Under a flood on a
-# 2-core host this took the urgent turns' TTFT p50 from 420 to 175 ms at four times slower
+# 2-core host this took the urgent turns' TTFT p50 from 420 to 182 ms at four times slower
 # (bench/RESULTS.md, Overload). A value already in the environment wins. A cluster joined with
 # --address keeps the settings it was started with (the README's `ray start` lines set these).
 RAY_SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",

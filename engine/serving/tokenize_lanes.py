@@ -18,8 +18,8 @@ An input under INLINE_INPUT_CHARS (a chat turn of a few hundred tokens: a millis
 is templated and tokenized on the event loop itself, not in a lane. A trip through a thread
 costs a busy loop far more than the work: the result waits for the loop to come round to it,
 behind everything else that arrived meanwhile. Under a flood of 80 requests on a 2-core host
-a 130-token turn took some 55 ms from its route to its token ids through the short lane, and
-1-2 ms inline (bench/RESULTS.md, Overload). The tokenizer is shared with the short lane's
+the turns took a median 36-51 ms from their route to their token ids through the short lane,
+and 2.2 ms inline (bench/RESULTS.md, Overload). The tokenizer is shared with the short lane's
 thread (as the detokenizer, on the loop, already shares it): safe, as nothing reconfigures it
 (truncation and padding are never set: chat_template_kwargs refuses them).
 """
