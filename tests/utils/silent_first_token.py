@@ -8,25 +8,25 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import AsyncIterator
 
 from engine.ipc.async_client import AsyncEngineClient
 from engine.outputs import RequestOutput
+from tests.utils.wrapped_stream import WrappedStream
 
 _generate = AsyncEngineClient.generate
 
 
-async def _silent_first_generate(self: AsyncEngineClient, *args, **kwargs
-                                 ) -> AsyncIterator[RequestOutput]:
-    outputs = _generate(self, *args, **kwargs)
-    try:
-        silent = 0  # characters of the first token's text, never shown
-        async for out in outputs:
-            if len(out.token_ids) == 1:
-                silent = len(out.text)
-            yield dataclasses.replace(out, text=out.text[silent:])
-    finally:
-        await outputs.aclose()  # a client that went away still aborts its request
+class _SilentFirst(WrappedStream):
+    silent = 0  # characters of the first token's text, never shown
+
+    async def changed(self, out: RequestOutput) -> RequestOutput:
+        if len(out.token_ids) == 1:
+            self.silent = len(out.text)
+        return dataclasses.replace(out, text=out.text[self.silent:])
+
+
+def _silent_first_generate(self: AsyncEngineClient, *args, **kwargs) -> _SilentFirst:
+    return _SilentFirst(_generate(self, *args, **kwargs))
 
 
 if __name__ == "__main__":  # not on import: EngineCore's spawned process imports this module

@@ -8,27 +8,27 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from collections.abc import AsyncIterator
 
 from engine.ipc.async_client import AsyncEngineClient
 from engine.outputs import RequestOutput
+from tests.utils.wrapped_stream import WrappedStream
 
 DELAY_ENV = "SLOSERVE_TEST_FIRST_OUTPUT_DELAY_S"
 _generate = AsyncEngineClient.generate
 
 
-async def _held_back_generate(self: AsyncEngineClient, *args, **kwargs
-                              ) -> AsyncIterator[RequestOutput]:
-    outputs = _generate(self, *args, **kwargs)
-    try:
-        first = True
-        async for out in outputs:
-            if first:
-                await asyncio.sleep(float(os.environ[DELAY_ENV]))
-                first = False
-            yield out
-    finally:
-        await outputs.aclose()  # a client that went away still aborts its request
+class _HeldBack(WrappedStream):
+    first = True
+
+    async def changed(self, out: RequestOutput) -> RequestOutput:
+        if self.first:
+            await asyncio.sleep(float(os.environ[DELAY_ENV]))
+            self.first = False
+        return out
+
+
+def _held_back_generate(self: AsyncEngineClient, *args, **kwargs) -> _HeldBack:
+    return _HeldBack(_generate(self, *args, **kwargs))
 
 
 if __name__ == "__main__":  # not on import: tests import DELAY_ENV, EngineCore's process all
