@@ -242,9 +242,7 @@ class OpenAIServing:
             raise APIError(status, message, param) from exc
         finally:
             release()
-        if finals is None:  # the client went away; every request was aborted
-            for child_id in child_ids:
-                metrics.forget(child_id)
+        if finals is None:  # the client went away; every request was aborted (and forgotten)
             return Response(status_code=499)
         finals = clock.with_edge_metrics(finals)
         usage = usage_body(ctx, choices, finals)  # every sample drawn, best_of's included
