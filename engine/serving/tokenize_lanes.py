@@ -8,9 +8,10 @@ heard of it. Now inputs of LONG_INPUT_CHARS or more take the long lane, everythi
 short one. Each lane is one thread with a tokenizer of its own: HF fast tokenizers must not be
 reconfigured from two threads at once (truncation and padding settings live in the Rust object),
 and one thread per lane keeps the API server's tokenization at two cores at most, whatever the
-load. The long lane loads its copy of the tokenizer on its own thread when the first long
-input arrives (that input pays some 0.3-0.6 s; its objective is seconds); a server that never
-sees one never loads it.
+load. The long lane loads its copy of the tokenizer on its own thread as the server starts
+(some 40 MiB for Llama 3's): loaded when the first long input arrived, it cost 0.3-0.6 s of CPU
+in every API server of a fleet at once, in the first second of a flood, when urgent turns
+needed those cores.
 
 Hugging Face's tokenizers release the GIL while they encode, so the two lanes run side by side.
 
@@ -58,13 +59,14 @@ class TokenizeLanes:
     def __init__(self, inputs: InputProcessor, load_long_inputs: Callable[[], InputProcessor]
                  ) -> None:
         """``inputs``: the short lane's (the engine client's own); ``load_long_inputs``: builds
-        the long lane's, on the long lane's thread, once."""
+        the long lane's, on the long lane's thread, once, starting now."""
         self.inputs = inputs
         self._load_long_inputs = load_long_inputs
         self._long_inputs: InputProcessor | None = None
         self._short = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sloserve-tokenize")
         self._long = ThreadPoolExecutor(max_workers=1,
                                         thread_name_prefix="sloserve-tokenize-long")
+        self._long.submit(self._long_lane_inputs)  # loads now, off the event loop
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the short lane (a short input's work: a grammar check, /tokenize,

@@ -135,3 +135,30 @@ def test_a_checked_grammar_is_not_checked_again(model_dir, vocab_size, monkeypat
             assert len(calls) == 3
 
     asyncio.run(run())
+
+
+def test_the_long_lanes_tokenizer_is_loaded_as_the_server_starts(model_dir) -> None:
+    """The long lane builds its tokenizer when the lanes are made, on its own thread, not when
+    the first document arrives (in a flood, every API server of a fleet paid that load at
+    once). The probe: the loader ran, on the long lane's thread, before any input was given;
+    the first document then reuses what it built."""
+    from engine.serving.tokenize_lanes import TokenizeLanes
+
+    loaded = threading.Event()
+    loads: list[str] = []
+
+    def load() -> InputProcessor:
+        loads.append(threading.current_thread().name)
+        loaded.set()
+        return InputProcessor(model_dir)
+
+    short = InputProcessor(model_dir)
+    lanes = TokenizeLanes(short, load)
+    try:
+        assert loaded.wait(timeout=30), "the long lane never loaded its tokenizer"
+        assert loads == [loads[0]] and loads[0].startswith("sloserve-tokenize-long")
+        document = "lorem ipsum " * (LONG_INPUT_CHARS // 12 + 1)
+        ids = asyncio.run(lanes.encode(document))
+        assert ids == short.encode(document) and len(loads) == 1
+    finally:
+        lanes.shutdown()
