@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -27,29 +28,70 @@ from engine.serving.api_server import ServerSettings
 logger = logging.getLogger(__name__)
 
 # Ray Serve settings for a Ray this process starts (the processes Ray spawns inherit them):
-# Ray's documented RAY_SERVE_THROUGHPUT_OPTIMIZED mode, but for its direct ingress (which would
-# replace the HTTP proxy and its port). The HTTP proxy hands each request to the ingress, and
-# relays every response chunk back, over gRPC rather than as Ray objects (on a busy host the
-# object path added tens of ms to first tokens); user code and the router run on each
+# Ray's documented RAY_SERVE_THROUGHPUT_OPTIMIZED mode. The ingress hands each request to its
+# replica, and relays every response chunk back, over gRPC rather than as Ray objects (on a busy
+# host the object path added tens of ms to first tokens); user code and the router run on each
 # replica's own event loop, not a thread beside it (a hop per request and per chunk); Serve's
 # per-request logs are buffered and go to its log files only
 # (/tmp/ray/session_latest/logs/serve/), not through the driver's stderr. Under a flood on a
 # 2-core host this took the urgent turns' TTFT p50 from 420 to 182 ms at four times slower
 # (bench/RESULTS.md, Overload). A value already in the environment wins. A cluster joined with
 # --address keeps the settings it was started with (the README's `ray start` lines set these).
-RAY_SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
-                 "RAY_SERVE_PROXY_USE_GRPC": "1"}
+RAY_SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_PROXY_USE_GRPC": "1"}
+
+DIRECT_INGRESS = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
+_DIRECT_INGRESS_PORT = "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"
 
 
-def init_ray(address: str | None = None, **ray_init_kwargs) -> None:
-    """Start Ray (or join the cluster at `address`) with the fleet's Ray Serve settings."""
+def direct_ingress_env(port: int) -> dict[str, str]:
+    """Ray Serve's direct ingress for a Ray this process starts: the ingress replica serves HTTP
+    on `port` itself, and no HTTP proxy stands between the client and it. Through the proxy,
+    every request and every chunk of every stream took one more process and one more gRPC hop;
+    under a flood on a 2-core host the urgent turns waited a median 0.6-1.6 s in it before the
+    ingress saw them, 0.11 s without it (bench/RESULTS.md, Overload). Ray allocates direct
+    ingress ports from a range fixed when its controller starts: the range is this one port, so
+    every fleet in this Ray serves on it. With no load balancer in front to deregister the
+    ingress from, a stopping ingress holds no extra draining period, and a fleet deployed again
+    in the same Ray takes its port back at once rather than after Ray's quarantine."""
+    return {DIRECT_INGRESS: "1", _DIRECT_INGRESS_PORT: str(port),
+            # The range's end is exclusive.
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+            "RAY_SERVE_PORT_QUARANTINE_S": "0"}
+
+
+# What init_ray put into this process's environment (a later Ray started here replaces it).
+_set_here: dict[str, str] = {}
+
+
+def init_ray(address: str | None = None, ingress_port: int | None = None,
+             **ray_init_kwargs) -> None:
+    """Start Ray (or join the cluster at `address`) with the fleet's Ray Serve settings; a Ray
+    started here with `ingress_port` serves its fleets' HTTP from the ingress replica on that
+    port (direct_ingress_env), unless the environment already says otherwise."""
     import ray
 
-    for name, value in RAY_SERVE_ENV.items():
-        os.environ.setdefault(name, value)
+    settings = dict(RAY_SERVE_ENV)
+    if address is None and ingress_port is not None:
+        settings.update(direct_ingress_env(ingress_port))
+    for name, value in _set_here.items():  # an earlier Ray of this process's, not the user's
+        if os.environ.get(name) == value:
+            del os.environ[name]
+    _set_here.clear()
+    for name, value in settings.items():
+        if name not in os.environ:
+            os.environ[name] = _set_here[name] = value
     ray_init_kwargs.setdefault("include_dashboard", False)
     ray_init_kwargs.setdefault("configure_logging", False)
     ray.init(address=address, **ray_init_kwargs)
+
+
+def direct_ingress_port() -> int | None:
+    """The port this process's Ray serves fleets on from the ingress replica itself (Ray
+    Serve's direct ingress), as its environment set it up; None behind Ray Serve's HTTP proxy."""
+    if os.environ.get(DIRECT_INGRESS) != "1" or _DIRECT_INGRESS_PORT not in os.environ:
+        return None
+    return int(os.environ[_DIRECT_INGRESS_PORT])
 
 
 def build_fleet_app(config: EngineConfig, settings: ServerSettings, options: FleetOptions):
@@ -136,13 +178,26 @@ def start_fleet(config: EngineConfig, settings: ServerSettings, options: FleetOp
     from ray import serve
 
     if not ray.is_initialized():
-        init_ray(options.address, log_to_driver=True)
-    serve.start(http_options={"host": host, "port": port})
+        init_ray(options.address, ingress_port=port, log_to_driver=True)
+    direct = direct_ingress_port()
+    if direct is not None and direct != port:
+        raise ValueError(f"this Ray serves its fleets on port {direct} (Ray Serve's direct "
+                         f"ingress, fixed when Ray started), not on port {port}")
+    # Behind a direct ingress Ray Serve still starts its HTTP proxy (on the head node): it takes
+    # a port of its own, out of the ingress's way.
+    serve.start(http_options={"host": host,
+                              "port": port if direct is None else _free_port(host)})
     serve.run(build_fleet_app(config, settings, options), name=APP_NAME, route_prefix="/",
               blocking=False)
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     wait_until_ready(url, ready_timeout_s)
     return url
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
 
 
 def wait_until_ready(url: str, timeout_s: float) -> dict:

@@ -4,6 +4,7 @@ the fleet's /metrics against the client's clock, a replica killed, and a fleet d
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -76,25 +77,51 @@ def test_fleet_serves_the_openai_api_with_streaming(tiny_fleet):
     assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
     health = httpx.get(f"{url}/health", timeout=30).json()
     assert health["status"] == "ok" and health["replicas"]["reporting"] == 2, health
-    # The HTTP proxy that served all of it hands requests to the ingress over gRPC, in Ray
-    # Serve's throughput-optimized mode without its direct ingress
-    # (engine.fleet.launch.RAY_SERVE_ENV), as the Ray this session started told it to.
-    environment = _proxy_environment()
+    # The ingress replica served all of it on the fleet's port itself (Ray Serve's direct
+    # ingress, engine.fleet.launch.direct_ingress_env), in Ray Serve's throughput-optimized mode
+    # and handing requests to the replicas over gRPC (engine.fleet.launch.RAY_SERVE_ENV), as the
+    # Ray this session started told it to; Serve's HTTP proxy runs on a port of its own.
+    ingress_pid = _actor_pid("SloserveIngress")
+    environment = _environment(ingress_pid)
     assert environment.get("RAY_SERVE_PROXY_USE_GRPC") == "1"
     assert environment.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1"
-    assert environment.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "0"
+    assert environment.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1"
+    port = int(url.rsplit(":", 1)[1])
+    assert port in _listening_ports(ingress_pid)
+    assert port not in _listening_ports(_actor_pid("PROXY_ACTOR"))
 
 
-def _proxy_environment() -> dict[str, str]:
+def _actor_pid(name_part: str) -> int:
     import ray
 
-    name = next(n["name"] for n in ray.util.list_named_actors(all_namespaces=True)
-                if "PROXY_ACTOR" in n["name"])
-    proxy = ray.get_actor(name, namespace="serve")
-    pid = ray.get(proxy.__ray_call__.remote(lambda self: os.getpid()))
+    found = next(n for n in ray.util.list_named_actors(all_namespaces=True)
+                 if name_part in n["name"])
+    actor = ray.get_actor(found["name"], namespace=found["namespace"])
+    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+
+
+def _environment(pid: int) -> dict[str, str]:
     with open(f"/proc/{pid}/environ", "rb") as f:
         pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
     return {k.decode(): v.decode(errors="replace") for k, v in pairs}
+
+
+def _listening_ports(pid: int) -> set[int]:
+    """The TCP ports process `pid` listens on: its sockets' inodes, found in /proc/net/tcp."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                fields = row.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
 
 
 def test_urgent_request_goes_around_a_replica_in_the_middle_of_a_long_prefill(tiny_fleet):

@@ -1,8 +1,8 @@
 """Fleets on a real Ray Serve for the cluster tests (test helper).
 
-One Ray instance and one Serve HTTP proxy serve the whole test session (`ray_serve_port`, a
-session fixture registered by tests/fleet/conftest.py); each test module deploys the fleet it
-needs as the `sloserve` application and deletes it after, leaving Ray up for the next."""
+One Ray instance serves the whole test session (`ray_serve_port`, a session fixture registered
+by tests/fleet/conftest.py), its fleets' ingress on one port; each test module deploys the fleet
+it needs as the `sloserve` application and deletes it after, leaving Ray up for the next."""
 
 from __future__ import annotations
 
@@ -31,15 +31,15 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{%
 
 @pytest.fixture(scope="session")
 def ray_serve_port() -> Iterator[int]:
-    """A Ray instance with Serve's HTTP proxy on a free port, for every cluster test."""
+    """A Ray instance whose fleets serve on a free port (the ingress replica's own, Ray Serve's
+    direct ingress: engine.fleet.launch), for every cluster test."""
     import ray
     from ray import serve
 
     from engine.fleet.launch import init_ray
 
-    init_ray(num_cpus=2, log_to_driver=False)
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    init_ray(ingress_port=port, num_cpus=2, log_to_driver=False)
     try:
         yield port
     finally:
