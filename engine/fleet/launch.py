@@ -46,9 +46,10 @@ _DIRECT_INGRESS_PORT = "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"
 def direct_ingress_env(port: int) -> dict[str, str]:
     """Ray Serve's direct ingress for a Ray this process starts: the ingress replica serves HTTP
     on `port` itself, and no HTTP proxy stands between the client and it. Through the proxy,
-    every request and every chunk of every stream took one more process and one more gRPC hop;
-    under a flood on a 2-core host the urgent turns waited a median 0.6-1.6 s in it before the
-    ingress saw them, 0.11 s without it (bench/RESULTS.md, Overload). Ray allocates direct
+    every request and every chunk of every stream took one more process and one more gRPC hop:
+    under a flood on a 2-core host the urgent turns waited a median 294-356 ms before the
+    ingress saw them, 92-106 ms without it, and four times slower the fleet met 53 of 55
+    accepted urgent turns against 16 of 23 (bench/RESULTS.md, Overload). Ray allocates direct
     ingress ports from a range fixed when its controller starts: the range is this one port, so
     every fleet in this Ray serves on it. With no load balancer in front to deregister the
     ingress from, a stopping ingress holds no extra draining period, and a fleet deployed again
