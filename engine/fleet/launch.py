@@ -196,8 +196,10 @@ def start_fleet(config: EngineConfig, settings: ServerSettings, options: FleetOp
 
 
 def _free_port(host: str) -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
+    """A port free on `host` (an IPv4 or IPv6 address, or a name)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.bind(address)
         return probe.getsockname()[1]
 
 
