@@ -79,25 +79,43 @@ def test_fleet_serves_the_openai_api_with_streaming(tiny_fleet):
     assert health["status"] == "ok" and health["replicas"]["reporting"] == 2, health
     # The ingress replica served all of it on the fleet's port itself (Ray Serve's direct
     # ingress, engine.fleet.launch.direct_ingress_env), in Ray Serve's throughput-optimized mode
-    # and handing requests to the replicas over gRPC (engine.fleet.launch.RAY_SERVE_ENV), as the
-    # Ray this session started told it to; Serve's HTTP proxy runs on a port of its own.
+    # with its router on a loop of its own, handing requests to the replicas over gRPC
+    # (engine.fleet.launch.RAY_SERVE_ENV), as the Ray this session started told it to; Serve's
+    # HTTP proxy runs on a port of its own.
     ingress_pid = _actor_pid("SloserveIngress")
     environment = _environment(ingress_pid)
     assert environment.get("RAY_SERVE_PROXY_USE_GRPC") == "1"
     assert environment.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1"
+    assert environment.get("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP") == "1"
+    assert _on_actor("SloserveIngress", _router_loop_running), (
+        "the ingress's router runs on the ingress's own event loop")
     assert environment.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1"
     port = int(url.rsplit(":", 1)[1])
     assert port in _listening_ports(ingress_pid)
     assert port not in _listening_ports(_actor_pid("PROXY_ACTOR"))
 
 
-def _actor_pid(name_part: str) -> int:
+def _on_actor(name_part: str, fn):
+    """``fn()``'s value, called in the process of the named actor whose name holds `name_part`."""
     import ray
 
     found = next(n for n in ray.util.list_named_actors(all_namespaces=True)
                  if name_part in n["name"])
     actor = ray.get_actor(found["name"], namespace=found["namespace"])
-    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+    return ray.get(actor.__ray_call__.remote(lambda self: fn()))
+
+
+def _actor_pid(name_part: str) -> int:
+    return _on_actor(name_part, os.getpid)
+
+
+def _router_loop_running() -> bool:
+    """Whether Ray Serve's routers in this process run on their own loop (a thread it starts
+    for them: RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP), not on the caller's."""
+    from ray.serve._private.router import SingletonThreadRouter
+
+    loop = SingletonThreadRouter._asyncio_loop
+    return loop is not None and loop.is_running()
 
 
 def _environment(pid: int) -> dict[str, str]:
