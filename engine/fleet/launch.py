@@ -30,20 +30,21 @@ logger = logging.getLogger(__name__)
 # Ray Serve settings for a Ray this process starts (the processes Ray spawns inherit them):
 # Ray's documented RAY_SERVE_THROUGHPUT_OPTIMIZED mode. The ingress hands each request to its
 # replica, and relays every response chunk back, over gRPC rather than as Ray objects (on a busy
-# host the object path added tens of ms to first tokens); user code and the router run on each
-# replica's own event loop, not a thread beside it (a hop per request and per chunk); Serve's
+# host the object path added tens of ms to first tokens); user code runs on each replica's own
+# event loop, not a thread beside it (a hop per request and per chunk); Serve's
 # per-request logs are buffered and go to its log files only
 # (/tmp/ray/session_latest/logs/serve/), not through the driver's stderr. Under a flood on a
 # 2-core host this took the urgent turns' TTFT p50 from 420 to 182 ms at four times slower
 # (bench/RESULTS.md, Overload). One setting of that mode is turned back: the router runs on an
 # event loop of its own (a thread in the ingress's process), not on the ingress's loop. That
 # loop reads every HTTP request of a flood and relays every stream, and a request's router
-# there began choosing its replica 100-230 ms after the ingress forwarded it, and the replica's
-# acceptance came back behind the same queue; on its own loop the router chooses within 5-65
-# ms, and the urgent turns' server-side TTFT p50 went from 418-612 ms to 135-172 ms under the
-# same flood at the profile's speed (bench/RESULTS.md, Overload). A value already in the
-# environment wins. A cluster joined with --address keeps the settings it was started with
-# (the README's `ray start` lines set these).
+# there began choosing its replica 84-233 ms after the request arrived, the replica's
+# acceptance coming back behind the same queue; on its own loop the router chooses within
+# 5-65 ms. Under the same flood four times slower the urgent turns' TTFT p50 went from 150-178
+# to 101-130 ms; the price is a hop between the two loops for every chunk the ingress relays
+# (bench/RESULTS.md, Overload). A value already in the environment wins. A cluster joined
+# with --address keeps the settings it was started with (the README's `ray start` lines set
+# these).
 RAY_SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
                  "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1",
                  "RAY_SERVE_PROXY_USE_GRPC": "1"}
