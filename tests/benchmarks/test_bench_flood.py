@@ -176,3 +176,86 @@ def test_the_fleets_reroute_counter_is_read_with_and_without_samples() -> None:
     page = metrics.response().body.decode()
     assert rejection_counters(page, (REROUTED_COUNTER,)) == {REROUTED_COUNTER: {QUEUED_REQS: 1.0}}
     assert rejection_counters(page)["sloserve:fleet_rejected_total"] == {DOOMED: 1.0}
+
+
+def test_no_server_to_flood_exits_2_naming_it(capsys) -> None:
+    """--url where nothing listens: exit 2 and the address in one line, not a traceback."""
+    from engine.benchmarks.server import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    assert flood.main(["--url", url]) == 2
+    err = capsys.readouterr().err
+    assert f"flood: {url}/v1/models: ConnectError" in err and "Traceback" not in err
+
+
+class _FailingServer:
+    """Lists a model (the tiny tokenizer's folder as its root) and answers every POST with a
+    500: a server that started and then fails the flood's warm-up."""
+
+    def __init__(self, root: str) -> None:
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self, status: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:  # noqa: N802 (http.server's spelling)
+                if self.path == "/v1/models":
+                    self._answer(200, {"data": [{"id": "tiny", "root": root,
+                                                 "max_model_len": 4096}]})
+                else:
+                    self._answer(200, {})
+
+            def do_POST(self) -> None:  # noqa: N802
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                self._answer(500, {"error": {"message": "the engine is not running"}})
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> _FailingServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_server_that_fails_the_warm_up_exits_1_and_a_fault_of_the_tool_is_not_hidden(
+        sim_chat_model, capsys, monkeypatch) -> None:
+    """A server that fails before the flood: exit 1 with its answer, not "did not start"; and
+    an error of the flood's own code (here a RuntimeError raised in the client) is not taken
+    for the server's: it reaches the caller with its traceback."""
+    with _FailingServer(sim_chat_model) as server:
+        assert flood.main(["--url", server.url, "--queue-bound", "1"]) == 1
+        err = capsys.readouterr().err
+        assert "flood: the warm-up request to /v1/chat/completions failed with HTTP 500" in err
+        assert "the engine is not running" in err
+
+        # The probe: past the warm-up, a fault of the tool's own is raised as it is.
+        monkeypatch.setattr(flood, "_warm_up", lambda *a: None)
+        monkeypatch.setattr(flood, "_metrics", lambda *a: "")
+
+        async def broken_flood(*args):
+            raise RuntimeError("a bug in the flood's client")
+
+        monkeypatch.setattr(flood, "flood", broken_flood)
+        with pytest.raises(RuntimeError, match="a bug in the flood's client"):
+            flood.main(["--url", server.url, "--queue-bound", "1"])
+
+
+def test_a_server_that_does_not_start_exits_2_with_its_log(capsys) -> None:
+    assert flood.main(["--startup-timeout-s", "120", "--", "--no-such-flag"]) == 2
+    err = capsys.readouterr().err
+    assert "flood: sloserve serve exited with" in err and "--no-such-flag" in err

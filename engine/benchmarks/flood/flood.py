@@ -23,7 +23,9 @@ Prints a table; OUTPUT_DIR/flood.json holds the configuration, the summary, the 
 counters and every request's record (status, TTFB and TTFT by the client's clock, completion,
 Retry-After and the error body of a 429), OUTPUT_DIR/server.log the started server's log.
 Exits 1 on a 5xx, an accepted request that did not complete, an answer other than 200 or 429,
-or counters that disagree with the client; 2 when the server did not start.
+or counters that disagree with the client, and when the server failed its warm-up requests or
+its /metrics; 2 when there was no server to flood (it did not start, or could not be reached,
+or lists no model).
 
   sloserve bench flood --output-dir flood-one
   sloserve bench flood --on-doomed reject --output-dir flood-one-reject
@@ -148,7 +150,8 @@ def serve_args(args: argparse.Namespace, model: str) -> list[str]:
     """The `sloserve serve` command line's arguments for the server (or fleet) this starts."""
     extra = list(args.server_args)
     # No --log-level: the server's follows $SLOSERVE_LOG_LEVEL (debug for its step lines).
-    out = ["--model", model, "--max-num-queued-reqs", str(args.queue_bound), "--on-doomed", args.on_doomed]
+    out = ["--model", model, "--max-num-queued-reqs", str(args.queue_bound),
+           "--on-doomed", args.on_doomed]
     if not _real_model(args):
         out += ["--simulate", getattr(args, "slowed_profile", None) or args.simulate]
         if not _has_flag(extra, "--max-model-len"):
@@ -189,18 +192,40 @@ def _write_slowed_profile(args: argparse.Namespace, model: str, folder: Path) ->
     return str(path.resolve())
 
 
+class FloodError(Exception):
+    """Why a flood could not be run, and the exit code that says so: NO_SERVER when there was
+    no server to flood, SERVER_FAILED when the server failed before the flood or around it
+    (its warm-up, its /metrics). Every other exception is a fault of this tool and keeps its
+    traceback."""
+
+    NO_SERVER = 2
+    SERVER_FAILED = 1
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 def _served_model(url: str, headers: dict[str, str]) -> dict[str, Any]:
-    response = httpx.get(f"{url}/v1/models", headers=headers, timeout=30.0)
-    response.raise_for_status()
-    models = response.json().get("data") or []
+    try:
+        response = httpx.get(f"{url}/v1/models", headers=headers, timeout=30.0)
+        response.raise_for_status()
+        models = response.json().get("data") or []
+    except (httpx.HTTPError, ValueError) as exc:
+        raise FloodError(f"{url}/v1/models: {type(exc).__name__}: {exc}",
+                         FloodError.NO_SERVER) from exc
     if not models:
-        raise RuntimeError(f"{url}/v1/models lists no model")
+        raise FloodError(f"{url}/v1/models lists no model", FloodError.NO_SERVER)
     return models[0]
 
 
 def _metrics(url: str, headers: dict[str, str]) -> str:
-    response = httpx.get(f"{url}/metrics", headers=headers, timeout=30.0)
-    response.raise_for_status()
+    try:
+        response = httpx.get(f"{url}/metrics", headers=headers, timeout=30.0)
+        response.raise_for_status()
+    except httpx.HTTPError as exc:
+        raise FloodError(f"{url}/metrics: {type(exc).__name__}: {exc}",
+                         FloodError.SERVER_FAILED) from exc
     return response.text
 
 
@@ -216,7 +241,8 @@ def _wait_fleet_ready(url: str, timeout_s: float) -> None:
         except (httpx.HTTPError, ValueError) as exc:
             last = f"{type(exc).__name__}: {exc}"
         time.sleep(0.5)
-    raise RuntimeError(f"the fleet was not ready within {timeout_s:.0f} s: /health said {last}")
+    raise FloodError(f"the fleet was not ready within {timeout_s:.0f} s: /health said {last}",
+                     FloodError.NO_SERVER)
 
 
 def _warm_up(url: str, headers: dict[str, str], requests: list[FloodRequest]) -> None:
@@ -235,10 +261,16 @@ def _warm_up(url: str, headers: dict[str, str], requests: list[FloodRequest]) ->
                                      "content": "warm-up " + body["messages"][0]["content"]}]
             else:
                 body["prompt"] = body["prompt"][::-1]
-            response = http.post(request.path, json=body)
+            try:
+                response = http.post(request.path, json=body)
+            except httpx.HTTPError as exc:
+                raise FloodError(f"the warm-up request to {request.path} failed: "
+                                 f"{type(exc).__name__}: {exc}",
+                                 FloodError.SERVER_FAILED) from exc
             if response.status_code != 200:
-                raise RuntimeError(f"the warm-up request to {request.path} failed with HTTP "
-                                   f"{response.status_code}: {response.text[:300]}")
+                raise FloodError(f"the warm-up request to {request.path} failed with HTTP "
+                                 f"{response.status_code}: {response.text[:300]}",
+                                 FloodError.SERVER_FAILED)
 
 
 # A record's durations (ms), divided by --time-scale to report them in the profile's time; the
@@ -263,8 +295,8 @@ def run_flood(args: argparse.Namespace, url: str, model_folder: str | None,
     model_name = str(served["id"])
     tokenizer_folder = model_folder or args.model or served.get("root")
     if not tokenizer_folder:
-        raise RuntimeError("--url: the server lists no model root; pass --model (the folder "
-                           "of its tokenizer)")
+        raise FloodError("--url: the server lists no model root; pass --model (the folder "
+                         "of its tokenizer)", FloodError.NO_SERVER)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
     mix = flood_mix(args)
     num_requests = args.num_requests or 10 * args.queue_bound
@@ -331,8 +363,12 @@ def _flood_started_server(args: argparse.Namespace, started_with: list[str], mod
           flush=True)
     # Each server (each replica) calibrates its step-time model at startup as a user's does:
     # the ingress routes and refuses by those models.
-    with launched_server(started_with, log_path=log_path,
-                         startup_timeout_s=args.startup_timeout_s) as server:
+    with contextlib.ExitStack() as stack:
+        try:
+            server = stack.enter_context(launched_server(
+                started_with, log_path=log_path, startup_timeout_s=args.startup_timeout_s))
+        except RuntimeError as exc:  # it did not start: the exception holds its log
+            raise FloodError(str(exc), FloodError.NO_SERVER) from exc
         if args.replicas is not None:
             _wait_fleet_ready(server.url, args.startup_timeout_s)
         result = run_flood(args, server.url, model, headers)
@@ -342,7 +378,8 @@ def _flood_started_server(args: argparse.Namespace, started_with: list[str], mod
 
 def run(args: argparse.Namespace) -> int:
     """`sloserve bench flood`: 0 when the flood got only 429s and completed 200s and the
-    counters agree, 1 otherwise, 2 when the server did not start."""
+    counters agree, 1 otherwise (or when the server failed around the flood), 2 when there
+    was no server to flood."""
     if args.queue_bound < 1 or (args.num_requests is not None and args.num_requests < 1):
         print("flood: --queue-bound and --num-requests must be at least 1", file=sys.stderr)
         return 2
@@ -371,9 +408,9 @@ def run(args: argparse.Namespace) -> int:
                     args.slowed_profile = _write_slowed_profile(args, model, Path(scratch))
                 started_with = serve_args(args, model)
                 result = _flood_started_server(args, started_with, model, out_dir, headers)
-    except RuntimeError as exc:  # the server did not start (its log says why)
+    except FloodError as exc:  # no server to flood, or it failed (its log says why)
         print(f"flood: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     result["config"]["server_args"] = started_with
     text = table(result["summary"], title(result))
     result["table"] = text
