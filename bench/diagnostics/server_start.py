@@ -23,7 +23,8 @@ import subprocess
 import threading
 import time
 
-from engine.benchmarks.server import free_port, serve_command, wait_until_healthy
+from engine.benchmarks.server import serve_command, wait_until_healthy
+from engine.ports import free_port
 
 LIFESPAN_LINE = "Waiting for application startup."
 ENGINE_LOGGER = "sloserve-engine-core"

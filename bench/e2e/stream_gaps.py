@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.suite import dry_run
-from engine.benchmarks.server import free_port, launched_server, serve_command
+from engine.benchmarks.server import launched_server, serve_command
+from engine.ports import free_port
 from engine.benchmarks.measure.figures import FigureLog, jsonl_twin
 
 # A gap is a stall when it is over this multiple of the warm decode step.

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import socket
 import statistics
 import time
 
 import torch
 import torch.multiprocessing as mp
 
+from engine.ports import free_port
 from workers.preemption.slo_preempt_vote import SLOPreemptVote
 
 BLOCK_SIZE = 16
@@ -150,16 +150,10 @@ def _device(kind: str, rank: int) -> torch.device:
     return device
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def bench_tp(tp: int, model_dir: str, signal_name: str, args: argparse.Namespace) -> dict:
     # Spawned even at TP=1: each size gets a fresh process with its own thread setting.
     results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_run_rank, args=(tp, _free_port(), model_dir, signal_name, args, results),
+    mp.spawn(_run_rank, args=(tp, free_port(), model_dir, signal_name, args, results),
              nprocs=tp, join=True)
     return results.get()
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from engine.ports import free_port
 
 # The repository root (or site-packages): a script run from bench/ would otherwise put bench/ first
 # on the server's sys.path, where bench/kernels/gpu_kernels.py shadows the `kernels` package.
@@ -33,12 +34,6 @@ class Server:
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_command(*serve_args: str, port: int) -> list[str]:

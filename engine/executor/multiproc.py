@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import socket
 from multiprocessing.connection import wait
 
 from engine.compute_threads import bounded_spin_for_children
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepStatus
+from engine.ports import free_port
 from engine.worker_messages import (ExecuteStep, Shutdown, WorkerConfig, decode_output,
                                    decode_pool_size, encode)
 
@@ -29,7 +29,7 @@ class MultiprocExecutor:
         # Deferred, as every import of workers here: the model code loads only where it runs.
         from workers.worker import run_worker_process
 
-        config.init_method = f"tcp://127.0.0.1:{_free_port()}"
+        config.init_method = f"tcp://127.0.0.1:{free_port()}"
         ctx = multiprocessing.get_context("spawn")
         self._conn, driver_end = ctx.Pipe()
         payload = encode(config)
@@ -108,7 +108,3 @@ class MultiprocExecutor:
         self._conn.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

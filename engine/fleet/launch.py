@@ -12,7 +12,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ import httpx
 from engine.config import EngineConfig
 from engine.fleet.options import (APP_NAME, ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT,
                                   FleetOptions)
+from engine.ports import free_port
 from engine.serving.api_server import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -197,20 +197,12 @@ def start_fleet(config: EngineConfig, settings: ServerSettings, options: FleetOp
     # Behind a direct ingress Ray Serve still starts its HTTP proxy (on the head node): it takes
     # a port of its own, out of the ingress's way.
     serve.start(http_options={"host": host,
-                              "port": port if direct is None else _free_port(host)})
+                              "port": port if direct is None else free_port(host)})
     serve.run(build_fleet_app(config, settings, options), name=APP_NAME, route_prefix="/",
               blocking=False)
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     wait_until_ready(url, ready_timeout_s)
     return url
-
-
-def _free_port(host: str) -> int:
-    """A port free on `host` (an IPv4 or IPv6 address, or a name)."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.bind(address)
-        return probe.getsockname()[1]
 
 
 def wait_until_ready(url: str, timeout_s: float) -> dict:

@@ -180,7 +180,7 @@ def test_the_fleets_reroute_counter_is_read_with_and_without_samples() -> None:
 
 def test_no_server_to_flood_exits_2_naming_it(capsys) -> None:
     """--url where nothing listens: exit 2 and the address in one line, not a traceback."""
-    from engine.benchmarks.server import free_port
+    from engine.ports import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     assert flood.main(["--url", url]) == 2

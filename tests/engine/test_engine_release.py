@@ -81,13 +81,13 @@ def test_driver_worker_frees_its_runner_at_shutdown(tiny_model, like_a_gpu,
     process): gone when ``shutdown()`` returns, the worker itself still held."""
     from engine.config import build_engine_config
     from engine.executor.worker_config import worker_config
-    from engine.executor.multiproc import _free_port
+    from engine.ports import free_port
     from engine.runtime.model_setup import resolve
     from workers.worker import DriverWorker
 
     config = build_engine_config(tiny_model("llama", num_hidden_layers=2), **ENGINE_ARGS)
     worker = DriverWorker(worker_config(config, resolve(config),
-                                        init_method=f"tcp://127.0.0.1:{_free_port()}"), 0)
+                                        init_method=f"tcp://127.0.0.1:{free_port()}"), 0)
     try:
         worker.start()
         assert worker.runner.graphs is not None and worker.runner.piecewise is not None

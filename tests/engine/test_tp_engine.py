@@ -6,7 +6,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +14,7 @@ import time
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.ports import free_port
 from engine.runtime.engine_core import EngineStepError
 from tests.utils.tp import GREEDY, PROMPT_LENGTHS, CRAMPED, _run
 
@@ -79,9 +79,7 @@ def test_unreachable_rendezvous_is_a_clear_error():
 
     from workers.distributed import init_distributed
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: nobody listens there
+    port = free_port()  # closed again: nobody listens there
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=rf"rank 1 of 2: .*127\.0\.0\.1:{port}"):
         init_distributed(1, 2, f"tcp://127.0.0.1:{port}", torch.device("cpu"), timeout_s=3)
@@ -137,12 +135,6 @@ def _torchrun(*args: str, timeout: float = 300) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _assert_quiet_exit(stderr: str) -> None:
     """No rank printed a traceback on its way out (each rank's attached preempt
     signal once printed `BufferError: cannot close exported pointers exist` at exit)."""
@@ -153,7 +145,7 @@ def _assert_quiet_exit(stderr: str) -> None:
 def test_torchrun_two_ranks_matches_in_process(tiny_model):
     model = tiny_model("llama")
     expected = _in_process_text(model)
-    proc = _torchrun("--nproc-per-node", "2", "--master-port", str(_free_port()),
+    proc = _torchrun("--nproc-per-node", "2", "--master-port", str(free_port()),
                      "-m", "engine", *_cli_args(model))
     stdout, stderr = proc.communicate(timeout=300)
     # The run went all the way through the engine's shutdown: every rank exited 0 after the
@@ -167,7 +159,7 @@ def test_torchrun_two_ranks_matches_in_process(tiny_model):
 def test_torchrun_two_nodes_matches_in_process(tiny_model):
     model = tiny_model("llama")
     expected = _in_process_text(model)
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     nodes = [_torchrun("--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
                        "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "t2n",
                        "-m", "engine", *_cli_args(model)) for rank in (0, 1)]
@@ -181,7 +173,7 @@ def test_torchrun_two_nodes_matches_in_process(tiny_model):
 
 
 def test_torchrun_world_smaller_than_tp_is_refused(tiny_model):
-    proc = _torchrun("--nproc-per-node", "2", "--master-port", str(_free_port()),
+    proc = _torchrun("--nproc-per-node", "2", "--master-port", str(free_port()),
                      "-m", "engine", *_cli_args(tiny_model("llama")),
                      "--tensor-parallel-size", "4")
     _, stderr = proc.communicate(timeout=300)

@@ -21,7 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.benchmarks.server import free_port, wait_until_healthy
+from engine.benchmarks.server import wait_until_healthy
+from engine.ports import free_port
 from tests.utils.server_helpers import REPO, children, cmdline, descendants, wait_gone
 
 SHM = Path("/dev/shm")

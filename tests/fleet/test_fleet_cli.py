@@ -67,11 +67,11 @@ def test_the_proxy_behind_a_direct_ingress_gets_a_free_port_on_the_fleets_host(h
     """`--host` may be IPv4 or IPv6: the port the proxy moves to is bound the same way."""
     import socket
 
-    from engine.fleet.launch import _free_port
+    from engine.ports import free_port
 
     if ":" in host and not socket.has_ipv6:
         pytest.skip("no IPv6 on this machine")
-    port = _free_port(host)
+    port = free_port(host)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as listener:
         listener.bind((host, port))  # still free

@@ -229,7 +229,7 @@ def test_a_worker_rank_allocates_the_pool_the_ranks_agree_on(tiny_model, monkeyp
     allocate, and report the size to EngineCore."""
     import workers.startup.kv_memory as kv_memory
     from engine.executor.worker_config import worker_config
-    from engine.executor.multiproc import _free_port
+    from engine.ports import free_port
     from workers.worker import DriverWorker
 
     monkeypatch.setattr(kv_memory, "measure_kv_pool", lambda runner, plan: 24)
@@ -237,7 +237,7 @@ def test_a_worker_rank_allocates_the_pool_the_ranks_agree_on(tiny_model, monkeyp
                                  max_model_len=64, slo_preemption=False)
     resolved = dataclasses.replace(resolve(config), num_blocks=None)
     worker = DriverWorker(worker_config(config, resolved,
-                                        init_method=f"tcp://127.0.0.1:{_free_port()}"), 0)
+                                        init_method=f"tcp://127.0.0.1:{free_port()}"), 0)
     try:
         worker.start()
         assert worker.num_kv_blocks == 24

@@ -36,6 +36,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      # Each rank's torch threads: the workers set them, the API server and the executors put
      # the wait policy into the environment of the processes they spawn; imports nothing.
      "engine.compute_threads",
+     # A free TCP port (the executors' rendezvous, a fleet's proxy, the benchmarks' servers):
+     # imports nothing of the project.
+     "engine.ports",
      # build_engine_config parses a --chat-template where the configuration is built, and
      # startup calibration reads an environment variable with the command line's value types:
      # both import nothing of the project.

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from engine.benchmarks.server import free_port
+from engine.ports import free_port
 from engine.config import EngineConfig, build_engine_config
 from engine.fleet.options import FleetOptions
 from engine.serving.api_server import ServerSettings

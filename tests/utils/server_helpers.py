@@ -15,7 +15,8 @@ from pathlib import Path
 
 import httpx
 
-from engine.benchmarks.server import free_port, wait_until_healthy
+from engine.benchmarks.server import wait_until_healthy
+from engine.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.benchmarks.attainment.results import RequestResult, RunResult, summarize
-from engine.benchmarks.server import free_port
+from engine.ports import free_port
 
 BASELINES = ("pow2", "least-queue")
 # The replicas' environment: a simulated or CPU replica needs no more than a short startup
