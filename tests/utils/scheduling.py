@@ -28,6 +28,40 @@ BS = 4
 VOCAB = 50
 
 
+class FrozenClock:
+    """time.monotonic() as the scheduler's modules read it, standing still (a test may set
+    `now`): a scheduling test whose decisions weigh deadlines and inter-token gaps
+    against the clock then decides the same on a busy machine as on an idle one, where the
+    wall clock would let a loaded host's milliseconds between two schedule() calls eat a
+    150 ms objective."""
+
+    MODULES = ("engine.core.admission", "engine.core.deadline_caps",
+               "engine.core.preemption_holds", "engine.core.request", "engine.core.scheduler",
+               "engine.core.slack_policy", "engine.runtime.slo_preemption", __name__)
+
+    def __init__(self, start: float = 1_000.0) -> None:
+        self.now = start
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def install(self, monkeypatch, *test_modules: str) -> FrozenClock:
+        """Each module's `time` (the scheduler's, these helpers', and `test_modules`: the
+        calling test's, by name) becomes this clock for monotonic() and the real module for
+        everything else, until the test ends."""
+        import importlib
+
+        clock = self
+
+        class _Time:
+            def __getattr__(self, name: str):
+                return clock.monotonic if name == "monotonic" else getattr(time, name)
+
+        for name in (*self.MODULES, *test_modules):
+            monkeypatch.setattr(importlib.import_module(name), "time", _Time())
+        return self
+
+
 def next_token(history: list[int]) -> int:
     h = 0
     for t in history:
