@@ -6,14 +6,21 @@ per predicted prompt token."""
 
 from __future__ import annotations
 
-import gc
+import pytest
 
 from monitor.policy import DEADLINE_HEADROOM, RequestView, rank, urgency
 from monitor.step_time_model import StepTimeModel
-from tests.utils.scheduling import FakeRunner, _request, _slo_scheduler
+from tests.utils.scheduling import FakeRunner, FrozenClock, _request, _slo_scheduler
 
 NOW = 1000.0
 PREDICT = StepTimeModel(seconds_per_token=1e-3, intercept_s=0.0).predict
+
+
+@pytest.fixture(autouse=True)
+def frozen_clock(monkeypatch) -> FrozenClock:
+    """The scheduler's clock stands still: the streaming turns' gaps (a few ms) and the
+    objectives are weighed alike on a loaded host (tests/utils/scheduling.FrozenClock)."""
+    return FrozenClock().install(monkeypatch)
 
 
 def _ids(views) -> list[str]:
@@ -81,24 +88,20 @@ def test_the_interactive_pace_yields_to_a_doomed_turn_it_would_keep_waiting():
     runner = FakeRunner(sched)
     for name in ("a", "b"):
         sched.add_request(_request(name, 20, 300, max_tokens=200, ignore_eos=True))
-    gc.disable()  # the turns' gaps are milliseconds of wall time
-    try:
+    out = sched.schedule()
+    sched.update_from_output(out, runner.execute(out))
+    for name in ("a", "b"):
+        # As a mid-forward preemption (or an admission ahead of a running prefill) marks the
+        # turns it serves: from now on they stream as interactive turns.
+        sched.get_request(name).served_urgently = True
+    for _ in range(2):
         out = sched.schedule()
         sched.update_from_output(out, runner.execute(out))
-        for name in ("a", "b"):
-            # As a mid-forward preemption (or an admission ahead of a running prefill) marks
-            # the turns it serves: from now on they stream as interactive turns.
-            sched.get_request(name).served_urgently = True
-        for _ in range(2):
-            out = sched.schedule()
-            sched.update_from_output(out, runner.execute(out))
-        assert all(sched.get_request(n).num_output_tokens >= 2 for n in ("a", "b"))
-        sched.add_request(_request("late", 200, 50))
-        for _ in range(3):
-            out = sched.schedule()
-            sched.update_from_output(out, runner.execute(out))
-    finally:
-        gc.enable()
+    assert all(sched.get_request(n).num_output_tokens >= 2 for n in ("a", "b"))
+    sched.add_request(_request("late", 200, 50))
+    for _ in range(3):
+        out = sched.schedule()
+        sched.update_from_output(out, runner.execute(out))
     assert sched.get_request("late").first_token_time is not None
     # Probe: the turns were still streaming (the pace was in force) when it was served.
     assert all(sched.get_request(n) is not None for n in ("a", "b"))

@@ -3,9 +3,18 @@ KV-pressure victim ("step-level EDF", without mid-forward preemption)."""
 
 from __future__ import annotations
 
-import gc
+import pytest
 
-from tests.utils.scheduling import FakeRunner, run_to_completion, _slo_scheduler, _request
+from tests.utils.scheduling import (FakeRunner, FrozenClock, run_to_completion, _slo_scheduler,
+                                    _request)
+
+
+@pytest.fixture(autouse=True)
+def frozen_clock(monkeypatch) -> FrozenClock:
+    """The scheduler's clock stands still: deadlines and a streaming turn's inter-token gaps
+    (a few ms here) are weighed the same on a loaded host, where the wall clock's milliseconds
+    between two schedule() calls once made a gap look missed and let the long prefill in."""
+    return FrozenClock().install(monkeypatch)
 
 
 def test_admission_order_is_slack_edf():
@@ -113,19 +122,13 @@ def test_urgent_waiter_jumps_the_running_prefill_and_caps_the_step():
     assert chunks[1][0] == "long" and 100 < chunks[1][1] + 100 <= 300
     # Probe: without the deadline, the running prefill takes its full 400-token chunk. (Once
     # the urgent request has its first token it streams as an interactive turn, whose gaps of
-    # two 1 ms decode steps leave the long prefill nothing until it finishes.)
-    # The gaps are 2 ms of wall time: a garbage collection between two steps (a full one, late
-    # in a long session, takes longer) would make the next gap missed already, and a missed gap
-    # protects nothing (cap_for_tpot), so the collector waits.
-    gc.disable()
-    try:
+    # two 1 ms decode steps leave the long prefill nothing until it finishes: on the frozen
+    # clock no gap is ever missed, where a missed one would protect nothing: cap_for_tpot.)
+    sched.update_from_output(out, runner.execute(out))
+    while sched.get_request("urgent") is not None:
+        out = sched.schedule()
+        assert "long" not in {r.req_id for r in out.requests}
         sched.update_from_output(out, runner.execute(out))
-        while sched.get_request("urgent") is not None:
-            out = sched.schedule()
-            assert "long" not in {r.req_id for r in out.requests}
-            sched.update_from_output(out, runner.execute(out))
-    finally:
-        gc.enable()
     out = sched.schedule()
     assert {r.req_id: len(r.token_ids) for r in out.requests}["long"] == 400
 
