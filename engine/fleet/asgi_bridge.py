@@ -17,6 +17,8 @@ from typing import Any, Callable
 
 import msgspec
 
+from engine.serving.forwarded_prompts import FORWARDED_PROMPTS_STATE
+
 # How long an app that was told its client left may take to finish (abort its engine
 # requests, run its finalizers) before it is cancelled.
 DISCONNECT_GRACE_S = 2.0
@@ -33,6 +35,10 @@ class ForwardedRequest(msgspec.Struct, kw_only=True, frozen=True):
     client: tuple[str, int] | None = None
     # When the ingress read it (time.time()): the request's arrival, which its TTFT counts from.
     arrived_at: float | None = None
+    # The token ids of its prompts as the ingress rendered them to route it, which the app
+    # uses rather than tokenizing again (engine.serving.forwarded_prompts); None: the app
+    # tokenizes the body's text itself.
+    prompt_token_ids: list[list[int]] | None = None
 
 
 class ResponseStart(msgspec.Struct, kw_only=True, frozen=True):
@@ -44,16 +50,19 @@ _DONE = object()
 
 
 def _scope(request: ForwardedRequest) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    if request.arrived_at is not None:
+        # The same moment on this process's monotonic clock (what the app's edge stamps use);
+        # wall clocks of one fleet agree to NTP accuracy.
+        state["arrival"] = time.monotonic() - max(0.0, time.time() - request.arrived_at)
+    if request.prompt_token_ids is not None:
+        state[FORWARDED_PROMPTS_STATE] = request.prompt_token_ids
     return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
             "http_version": "1.1", "method": request.method, "scheme": "http",
             "path": request.path, "raw_path": request.path.encode(),
             "query_string": request.query_string, "root_path": "",
             "headers": [(k.lower(), v) for k, v in request.headers],
-            "client": request.client, "server": ("sloserve-replica", 0),
-            "state": ({} if request.arrived_at is None else
-                      # The same moment on this process's monotonic clock (what the app's
-                      # edge stamps use); wall clocks of one fleet agree to NTP accuracy.
-                      {"arrival": time.monotonic() - max(0.0, time.time() - request.arrived_at)})}
+            "client": request.client, "server": ("sloserve-replica", 0), "state": state}
 
 
 async def call_app(app: Callable, request: ForwardedRequest

@@ -8,10 +8,11 @@ serves it with the single-engine server's own routes. The response streams back 
 A chat request (and a Responses request, as the chat request it amounts to:
 engine.serving.responses_protocol) is rendered for its hint by the replica's own function
 (engine.serving.chat_prompt: its tools and template variables included), so the router weighs
-the prompt the replica will prefill. A request whose hint cannot be computed is forwarded
-without one, the reason logged and counted (`sloserve:fleet_unassessed_total`): a body or chat
-prompt the replica refuses gets the replica's own 400; a failure of the hint's own code is
-logged with its traceback.
+the prompt the replica will prefill; the prompt's token ids travel with the request, and the
+replica prefills them rather than tokenizing its text again. A request whose hint cannot be
+computed is forwarded without one, the reason logged and counted
+(`sloserve:fleet_unassessed_total`): a body or chat prompt the replica refuses gets the
+replica's own 400; a failure of the hint's own code is logged with its traceback.
 
 A replica that refuses a request at its queue bound (429, `x-sloserve-rejected` naming the
 bound) has it tried on another that has not, while one is left; the router ranks it after the
@@ -38,6 +39,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from ray.exceptions import ActorUnavailableError, RayActorError
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -94,6 +96,16 @@ class Unhinted:
     reason: str
     detail: str
     error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class Hinted:
+    """A generation request's route hint, and the token ids of the prompts it was computed
+    from: forwarded with the request, so that its replica does not tokenize them again
+    (engine.serving.forwarded_prompts)."""
+
+    hint: RouteHint
+    prompts: list[list[int]]
 
 
 @dataclass(frozen=True)
@@ -208,9 +220,10 @@ class FleetIngress:
             if isinstance(computed, Unhinted):
                 self._unhinted(path, computed)
             else:
-                hint = computed
+                hint = computed.hint
                 if (refused := self._admit(hint)) is not None:
                     return refused
+                forwarded = msgspec.structs.replace(forwarded, prompt_token_ids=computed.prompts)
         return await self._forward(forwarded, hint)
 
     def _fleet_full(self) -> Response | None:
@@ -235,7 +248,7 @@ class FleetIngress:
     # ---- the route hint and admission -------------------------------------------------------
 
     def _hint(self, path: str, body: bytes, slo_header: str | None, arrived_at: float,
-              inputs: InputProcessor | None = None) -> RouteHint | Unhinted:
+              inputs: InputProcessor | None = None) -> Hinted | Unhinted:
         """What the router needs of a generation request, or why it cannot have it: a body or
         a chat prompt the replica will refuse (it answers with the server's own 400, which
         names what is wrong), or a failure of this code. ``inputs``: the tokenizing lane's
@@ -270,10 +283,11 @@ class FleetIngress:
             return Unhinted(HINT_ERROR, f"{type(exc).__name__}: {exc}", exc)
         if not prompts:
             return Unhinted(INVALID_BODY, "no prompt of a known form")
-        return RouteHint(request_id=uuid.uuid4().hex, prompt_tokens=sum(map(len, prompts)),
+        hint = RouteHint(request_id=uuid.uuid4().hex, prompt_tokens=sum(map(len, prompts)),
                          ttft_slo_s=slo_s, arrived_at=arrived_at,
                          prefix_hashes=prompt_prefix_hashes(prompts[0], self.block_size,
                                                             MAX_ROUTED_BLOCKS))
+        return Hinted(hint, prompts)
 
     def _unhinted(self, path: str, unhinted: Unhinted) -> None:
         """A request forwarded without a hint: routed as one without a deadline, and neither

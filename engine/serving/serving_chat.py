@@ -10,6 +10,7 @@ from fastapi.responses import Response
 from engine.serving.api_errors import APIError
 from engine.serving.chat_prompt import ChatPromptError, chat_prompt
 from engine.serving.chat_reading import ChatReading
+from engine.serving.forwarded_prompts import forwarded_prompts
 from engine.serving.harmony import HARMONY_REASONING, HARMONY_TOOLS, renders_harmony
 from engine.serving.openai_protocol import ChatCompletionRequest
 from engine.serving.reasoning_parsers import REASONING_PARSERS
@@ -67,11 +68,14 @@ class OpenAIServingChat:
         except ChatPromptError as exc:
             raise APIError(400, str(exc), exc.param) from exc
         with self.serving.arriving(body, request, 1, chat=True) as checked:
-            try:
-                ids = await self.serving.lanes.apply_chat_template(
-                    prompt.messages, True, prompt.tools, prompt.template_kwargs)
-            except ValueError as exc:
-                raise APIError(400, str(exc), "messages") from exc
+            if (forwarded := forwarded_prompts(request, 1)) is not None:
+                ids = forwarded[0]  # a fleet's ingress rendered this prompt to route it
+            else:
+                try:
+                    ids = await self.serving.lanes.apply_chat_template(
+                        prompt.messages, True, prompt.tools, prompt.template_kwargs)
+                except ValueError as exc:
+                    raise APIError(400, str(exc), "messages") from exc
             reading = ChatReading(tools=calling, reasoning=self.reasoning,
                                   harmony=self.harmony)
             return await self.serving.serve(body, request, [(None, ids)], checked,

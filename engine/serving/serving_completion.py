@@ -7,6 +7,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from engine.serving.api_errors import APIError
+from engine.serving.forwarded_prompts import forwarded_prompts
 from engine.serving.openai_protocol import CompletionRequest
 from engine.serving.serving_engine import OpenAIServing, Prompt
 from engine.serving.tokenize_lanes import TokenizeLanes
@@ -22,12 +23,16 @@ class OpenAIServingCompletion:
         except ValueError as exc:
             raise APIError(400, str(exc), "prompt") from exc
         with self.serving.arriving(body, request, len(given), chat=False) as checked:
+            # A fleet's ingress tokenized the text prompts to route the request.
+            forwarded = forwarded_prompts(request, len(given))
             prompts: list[Prompt] = []
-            for prompt in given:
-                if isinstance(prompt, str):
-                    prompts.append((prompt, await _encode(self.serving.lanes, prompt)))
-                else:
+            for index, prompt in enumerate(given):
+                if not isinstance(prompt, str):
                     prompts.append((None, list(prompt)))
+                elif forwarded is not None:
+                    prompts.append((prompt, forwarded[index]))
+                else:
+                    prompts.append((prompt, await _encode(self.serving.lanes, prompt)))
             return await self.serving.serve(body, request, prompts, checked)
 
 

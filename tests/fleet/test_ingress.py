@@ -196,19 +196,21 @@ def test_route_hints_carry_prompt_length_objective_and_prefix_hashes(tiny_model)
     async def run():
         ingress = await _ingress(tiny_model(), [], default_ttft_slo_ms=2000)
         ids = list(range(3, 3 + 40))
-        hint = ingress._hint("/v1/completions", json.dumps({"prompt": ids}).encode(), "250",
-                             100.0)
+        hinted = ingress._hint("/v1/completions", json.dumps({"prompt": ids}).encode(), "250",
+                               100.0)
+        hint = hinted.hint
+        assert hinted.prompts == [ids]  # forwarded with the request: the replica's prompt
         assert hint.prompt_tokens == 40 and hint.ttft_slo_s == 0.25 and hint.arrived_at == 100.0
         assert len(hint.prefix_hashes) == 40 // ingress.block_size
         # The body's objective wins over the header; without either, the server's default.
         body = json.dumps({"prompt": ids, "ttft_slo_ms": 75}).encode()
-        assert ingress._hint("/v1/completions", body, "250", 0.0).ttft_slo_s == 0.075
+        assert ingress._hint("/v1/completions", body, "250", 0.0).hint.ttft_slo_s == 0.075
         default = ingress._hint("/v1/completions", json.dumps({"prompt": ids}).encode(), None,
-                                0.0)
+                                0.0).hint
         assert default.ttft_slo_s == 2.0
         several = ingress._hint("/v1/completions",
                                 json.dumps({"prompt": [ids, ids[:8]]}).encode(), None, 0.0)
-        assert several.prompt_tokens == 48
+        assert several.hint.prompt_tokens == 48 and several.prompts == [ids, ids[:8]]
         # A body the replica will refuse routes without a hint (its 400 names the problem),
         # and says why (tests/fleet/test_ingress_failures.py counts and logs it).
         for bad in (b"{not json", b'{"prompt": 5}', b'{"prompt": [3], "ttft_slo_ms": "x"}'):
@@ -216,6 +218,23 @@ def test_route_hints_carry_prompt_length_objective_and_prefix_hashes(tiny_model)
             assert isinstance(unhinted, Unhinted) and unhinted.reason == INVALID_BODY, bad
 
     asyncio.run(run())
+
+
+def test_the_forwarded_request_carries_the_ids_its_hint_was_computed_from(tiny_model):
+    """The replica prefills them rather than tokenizing the text again
+    (tests/fleet/test_forwarded_prompts.py); a request without a hint carries none."""
+    async def run():
+        streams = [FakeStream([ResponseStart(status=200), b"{}"]) for _ in range(2)]
+        ingress = await _ingress(tiny_model(), streams)
+        await _call(ingress, "POST", "/v1/completions", {"prompt": "hello there"})
+        await _call(ingress, "POST", "/v1/completions", {"prompt": 5})
+        return ingress
+
+    ingress = asyncio.run(run())
+    (hinted, hint), (unhinted, no_hint) = ingress.engine.calls
+    ids = ingress.inputs.encode("hello there")
+    assert hinted.prompt_token_ids == [ids] and hint.prompt_tokens == len(ids)
+    assert unhinted.prompt_token_ids is None and no_hint is None
 
 
 def test_reject_mode_refuses_what_no_replica_can_serve_in_time(tiny_model):

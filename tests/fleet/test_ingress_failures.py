@@ -199,10 +199,10 @@ def test_the_router_renders_a_chat_prompt_as_the_replica_does(tiny_model, tmp_pa
 
     async def hints():
         ingress = await start_ingress(model, [])
-        chat = [ingress._hint("/v1/chat/completions", json.dumps(b).encode(), None, 0.0)
+        chat = [ingress._hint("/v1/chat/completions", json.dumps(b).encode(), None, 0.0).hint
                 for b in (body, {**body, "tools": None}, {**body, "chat_template_kwargs": None})]
         return [*chat, ingress._hint("/v1/responses", json.dumps(responses_body).encode(),
-                                     None, 0.0)]
+                                     None, 0.0).hint]
 
     ids = asyncio.run(replica_prompt("/v1/chat/completions", body))
     responses_ids = asyncio.run(replica_prompt("/v1/responses", responses_body))

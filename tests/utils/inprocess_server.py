@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 
 import httpx
 import msgspec
+from fastapi import FastAPI
 
 from engine.serving.api_server import ServerSettings, build_app
 from engine.ipc.async_client import AsyncEngineClient
@@ -120,13 +121,12 @@ class FakeCore:
 
 
 @asynccontextmanager
-async def app_client(model_dir: str, settings: ServerSettings | None = None,
-                     fake: FakeCore | None = None,
-                     launch_core: Callable[[], CoreLaunch] | None = None, **engine_args
-                     ) -> AsyncIterator[tuple[httpx.AsyncClient, AsyncEngineClient]]:
-    """The app started through its own lifespan; yields an httpx client on it and the app's
-    engine client. `fake` replaces the EngineCore process; `launch_core` replaces the real
-    launch; `engine_args` go to build_engine_config."""
+async def started_app(model_dir: str, settings: ServerSettings | None = None,
+                      fake: FakeCore | None = None,
+                      launch_core: Callable[[], CoreLaunch] | None = None, **engine_args
+                      ) -> AsyncIterator[FastAPI]:
+    """The app started through its own lifespan. `fake` replaces the EngineCore process;
+    `launch_core` replaces the real launch; `engine_args` go to build_engine_config."""
     settings = settings or ServerSettings(served_model_name="tiny")
     engine_args = {"max_model_len": MAX_MODEL_LEN, "num_kv_blocks": 16, **engine_args}
     config = build_engine_config(model_dir, dtype="float32", **engine_args)
@@ -137,6 +137,18 @@ async def app_client(model_dir: str, settings: ServerSettings | None = None,
     elif launch_core is not None:
         engine._launch_core = launch_core  # type: ignore[method-assign]
     async with app.router.lifespan_context(app):
+        yield app
+
+
+@asynccontextmanager
+async def app_client(model_dir: str, settings: ServerSettings | None = None,
+                     fake: FakeCore | None = None,
+                     launch_core: Callable[[], CoreLaunch] | None = None, **engine_args
+                     ) -> AsyncIterator[tuple[httpx.AsyncClient, AsyncEngineClient]]:
+    """The app started through its own lifespan (started_app); yields an httpx client on it
+    and the app's engine client."""
+    async with started_app(model_dir, settings, fake, launch_core, **engine_args) as app:
+        engine: AsyncEngineClient = app.state.client
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://sloserve",
                                      timeout=60) as http:

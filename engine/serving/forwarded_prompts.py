@@ -1,0 +1,28 @@
+"""Prompts a fleet's ingress has already tokenized, handed to the replica's server with the request.
+
+A fleet's ingress renders every generation request to route it (engine.fleet.ingress: the
+router ranks replicas by the prompt's length and prefix-block hashes), through the same
+functions this server renders with (engine.serving.chat_prompt, InputProcessor.encode) and the
+same tokenizer. The replica's bridge (engine.fleet.asgi_bridge) puts those token ids in the
+request's ASGI state, which no client can set, and the routes use them instead of tokenizing
+the text a second time: on a busy host a 16k-token document costs 50-150 ms of CPU to
+tokenize, time taken from every other request on the machine while a flood arrives.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+
+# The key of `scope["state"]` (`request.state.<key>`) that holds them: one list of token ids per
+# prompt of the request, in the body's order.
+FORWARDED_PROMPTS_STATE = "forwarded_prompt_token_ids"
+
+
+def forwarded_prompts(request: Request, count: int) -> list[list[int]] | None:
+    """The token ids of the request's `count` prompts as its fleet's ingress rendered them;
+    None on a single server, or when the ingress's reading of the body does not match the
+    route's (then the route tokenizes them itself)."""
+    prompts = getattr(request.state, FORWARDED_PROMPTS_STATE, None)
+    if prompts is None or len(prompts) != count:
+        return None
+    return prompts
