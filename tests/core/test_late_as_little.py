@@ -10,17 +10,16 @@ import pytest
 
 from monitor.policy import DEADLINE_HEADROOM, RequestView, rank, urgency
 from monitor.step_time_model import StepTimeModel
-from tests.utils.scheduling import FakeRunner, FrozenClock, _request, _slo_scheduler
+from tests.utils.scheduling import (FakeRunner, _request, _slo_scheduler,
+                                    frozen_clock)  # noqa: F401
 
 NOW = 1000.0
 PREDICT = StepTimeModel(seconds_per_token=1e-3, intercept_s=0.0).predict
 
 
-@pytest.fixture(autouse=True)
-def frozen_clock(monkeypatch) -> FrozenClock:
-    """The scheduler's clock stands still: the streaming turns' gaps (a few ms) and the
-    objectives are weighed alike on a loaded host (tests/utils/scheduling.FrozenClock)."""
-    return FrozenClock().install(monkeypatch)
+# The scheduler's clock stands still: the streaming turns' gaps (a few ms) and the objectives
+# are weighed alike on a loaded host (tests/utils/scheduling.FrozenClock).
+pytestmark = pytest.mark.usefixtures("frozen_clock")
 
 
 def _ids(views) -> list[str]:

@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.utils.scheduling import (FakeRunner, FrozenClock, run_to_completion, _slo_scheduler,
-                                    _request)
+from tests.utils.scheduling import (FakeRunner, frozen_clock,  # noqa: F401
+                                    run_to_completion, _slo_scheduler, _request)
 
-
-@pytest.fixture(autouse=True)
-def frozen_clock(monkeypatch) -> FrozenClock:
-    """The scheduler's clock stands still: deadlines and a streaming turn's inter-token gaps
-    (a few ms here) are weighed the same on a loaded host, where the wall clock's milliseconds
-    between two schedule() calls once made a gap look missed and let the long prefill in."""
-    return FrozenClock().install(monkeypatch)
+# The scheduler's clock stands still: deadlines and a streaming turn's inter-token gaps (a few
+# ms here) are weighed the same on a loaded host, where the wall clock's milliseconds between
+# two schedule() calls once made a gap look missed and let the long prefill in.
+pytestmark = pytest.mark.usefixtures("frozen_clock")
 
 
 def test_admission_order_is_slack_edf():

@@ -21,18 +21,17 @@ from engine.config import CacheConfig, SLOPreemptionConfig, SchedulerConfig
 from engine.core.scheduler import Scheduler
 from engine.runtime.slo_preemption import unwind_step
 from monitor.step_time_model import StepTimeModel
-from tests.utils.scheduling import BS, FakeRunner, FrozenClock, make_request, scheduled, step
+from tests.utils.scheduling import (BS, FakeRunner, frozen_clock,  # noqa: F401
+                                    make_request, scheduled, step)
 
 H100_LINE = StepTimeModel(seconds_per_token=3e-5, intercept_s=0.03, seconds_per_token_sq=8.3e-10)
 
 
-@pytest.fixture(autouse=True)
-def frozen_clock(monkeypatch) -> FrozenClock:
-    """The scheduler's clock stands still here (the steps take no time, as at GPU time scales
-    against these objectives): on the wall clock a busy host's milliseconds between two
-    schedule() calls ate a turn's 150 ms objective or its inter-token gap, and kept chunks
-    resumed not at all instead of in pieces."""
-    return FrozenClock().install(monkeypatch, __name__)
+# The scheduler's clock stands still here (the steps take no time, as at GPU time scales
+# against these objectives): on the wall clock a busy host's milliseconds between two schedule()
+# calls ate a turn's 150 ms objective or its inter-token gap, and kept chunks resumed not at all
+# instead of in pieces.
+pytestmark = pytest.mark.usefixtures("frozen_clock")
 
 
 def _scheduler(budget: int, num_blocks: int) -> Scheduler:

@@ -13,6 +13,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
+import pytest
+
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import FCFSQueue, RequestQueue
@@ -60,6 +62,16 @@ class FrozenClock:
         for name in (*self.MODULES, *test_modules):
             monkeypatch.setattr(importlib.import_module(name), "time", _Time())
         return self
+
+
+@pytest.fixture
+def frozen_clock(monkeypatch, request) -> FrozenClock:
+    """FrozenClock installed for one test: in the scheduler's modules, and in the test's own
+    module where that reads `time` too. A scheduling test module that weighs deadlines or
+    inter-token gaps uses it for all its tests: `pytestmark =
+    pytest.mark.usefixtures("frozen_clock")`, with the fixture imported."""
+    own = (request.module.__name__,) if getattr(request.module, "time", None) is time else ()
+    return FrozenClock().install(monkeypatch, *own)
 
 
 def next_token(history: list[int]) -> int:
