@@ -61,8 +61,9 @@ from engine.serving.api_key import key_matches
 from engine.serving.chat_prompt import chat_prompt, chat_template_of
 from engine.serving.responses_protocol import ResponsesRequest, chat_request
 from engine.serving.doomed import DOOMED, OnDoomed
+from engine.serving.due_first_outputs import DueFirstOutputs
 from engine.serving.openai_protocol import ChatCompletionRequest, error_body
-from engine.serving.tokenize_lanes import TokenizeLanes
+from engine.serving.tokenize_lanes import LONG_INPUT_CHARS, TokenizeLanes
 
 logger = logging.getLogger(__name__)
 
@@ -133,9 +134,11 @@ class FleetIngress:
         self.settings = settings
         # Hints are computed off the event loop (which relays every open stream), in the API
         # server's two lanes (engine.serving.tokenize_lanes): a flood of documents to template
-        # and tokenize must not hold up a short urgent turn's hint until its objective is gone.
+        # and tokenize must not hold up a short urgent turn's hint until its objective is gone,
+        # nor take a core from the requests whose first outputs are due before theirs.
+        self.due = DueFirstOutputs()
         self.lanes = TokenizeLanes(InputProcessor.for_model(config.model),
-                                   lambda: InputProcessor.for_model(config.model))
+                                   lambda: InputProcessor.for_model(config.model), self.due)
         self.inputs = self.lanes.inputs
         self._chat_template = chat_template_of(self.inputs)
         self.block_size = config.cache.block_size
@@ -213,8 +216,10 @@ class FleetIngress:
             try:
                 slo_header = request.headers.get(SLO_HEADER)
                 # The body's size stands for its text's (the lane's measure).
-                computed = await self.lanes.on_lane(len(body), lambda inputs: self._hint(
-                    path, body, slo_header, arrived_at, inputs))
+                computed = await self.lanes.on_lane(
+                    len(body), lambda inputs: self._hint(path, body, slo_header, arrived_at,
+                                                         inputs),
+                    self._deadline(body, slo_header, arrived_at))
             finally:
                 self._preparing -= 1
             if isinstance(computed, Unhinted):
@@ -224,7 +229,18 @@ class FleetIngress:
                 if (refused := self._admit(hint)) is not None:
                     return refused
                 forwarded = msgspec.structs.replace(forwarded, prompt_token_ids=computed.prompts)
-        return await self._forward(forwarded, hint)
+        if hint is None or hint.ttft_slo_s is None:
+            return await self._forward(forwarded, hint)
+        # Owed from now to its first output (the relay's), or to its end without one.
+        self.due.due(hint.request_id, hint.arrived_at + hint.ttft_slo_s)
+        response: Response | None = None
+        try:
+            response = await self._forward(forwarded, hint)
+            return response
+        finally:
+            # A stream's relay says when it is out; any other answer is out now.
+            if not isinstance(response, StreamingResponse):
+                self.due.out(hint.request_id)
 
     def _fleet_full(self) -> Response | None:
         """A 429 for a generation request that arrives while every replica is at its queue
@@ -246,6 +262,30 @@ class FleetIngress:
         return key_matches(given, self._expected_auth)
 
     # ---- the route hint and admission -------------------------------------------------------
+
+    def _deadline(self, body: bytes, slo_header: str | None, arrived_at: float) -> float | None:
+        """A long body's deadline (wall clock), read before its hint is computed, for the long
+        lane's wait (TokenizeLanes.on_lane); None for a short body (it takes no such wait), a
+        request without an objective, or one the hint will refuse."""
+        if len(body) < LONG_INPUT_CHARS:
+            return None
+        try:
+            data = json.loads(body)
+            slo_s = self._objective_s(data, slo_header) if isinstance(data, dict) else None
+        except (ValueError, TypeError):
+            return None
+        return None if slo_s is None else arrived_at + slo_s
+
+    def _objective_s(self, data: dict[str, Any], slo_header: str | None) -> float | None:
+        """A request's TTFT objective in seconds: the body's field, else the header, else the
+        server's default; None for none (or an infinite one). ValueError for a malformed one."""
+        slo_ms = data.get("ttft_slo_ms")
+        if slo_ms is None and slo_header is not None:
+            slo_ms = float(slo_header)
+        if slo_ms is None:
+            slo_ms = self.settings.default_ttft_slo_ms
+        return (None if slo_ms is None or not math.isfinite(float(slo_ms))
+                else float(slo_ms) / 1e3)
 
     def _hint(self, path: str, body: bytes, slo_header: str | None, arrived_at: float,
               inputs: InputProcessor | None = None) -> Hinted | Unhinted:
@@ -270,13 +310,7 @@ class FleetIngress:
                     return Unhinted(CHAT_PROMPT, str(exc))
             else:
                 prompts = _completion_prompts(data.get("prompt"), inputs.encode)
-            slo_ms = data.get("ttft_slo_ms")
-            if slo_ms is None and slo_header is not None:
-                slo_ms = float(slo_header)
-            if slo_ms is None:
-                slo_ms = self.settings.default_ttft_slo_ms
-            slo_s = (None if slo_ms is None or not math.isfinite(float(slo_ms))
-                     else float(slo_ms) / 1e3)
+            slo_s = self._objective_s(data, slo_header)
         except (ValueError, TypeError) as exc:
             return Unhinted(INVALID_BODY, _first_line(exc))
         except Exception as exc:
@@ -412,6 +446,8 @@ class FleetIngress:
                 if awaiting_first and carries_output(chunk):
                     awaiting_first = False
                     self.metrics.first_output(hint, time.time())
+                if hint is not None and not awaiting_first:
+                    self.due.out(hint.request_id)
             finished = True
         except Exception as exc:  # the replica died mid-response
             logger.warning("replica %s failed mid-response: %s", replica, type(exc).__name__)
@@ -426,6 +462,8 @@ class FleetIngress:
             yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
             finished = True
         finally:
+            if hint is not None:
+                self.due.out(hint.request_id)
             if not finished:  # the client went away: the replica aborts the request
                 stream.cancel()
 

@@ -14,6 +14,9 @@ in every API server of a fleet at once, in the first second of a flood, when urg
 needed those cores.
 
 Hugging Face's tokenizers release the GIL while they encode, so the two lanes run side by side.
+A long input waits before its lane takes it while first outputs with earlier deadlines are
+owed soon (`DueFirstOutputs`, where the process keeps that record): on a shared host its
+tokenization would take a core from them.
 
 An input under INLINE_INPUT_CHARS (a chat turn of a few hundred tokens: a millisecond or two)
 is templated and tokenized on the event loop itself, not in a lane. A trip through a thread
@@ -33,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from engine.processing.input_processor import ChatMessages, InputProcessor
+from engine.serving.due_first_outputs import DueFirstOutputs
 
 T = TypeVar("T")
 
@@ -56,11 +60,13 @@ def text_size(value: Any) -> int:
 
 
 class TokenizeLanes:
-    def __init__(self, inputs: InputProcessor, load_long_inputs: Callable[[], InputProcessor]
-                 ) -> None:
+    def __init__(self, inputs: InputProcessor, load_long_inputs: Callable[[], InputProcessor],
+                 due: DueFirstOutputs | None = None) -> None:
         """``inputs``: the short lane's (the engine client's own); ``load_long_inputs``: builds
-        the long lane's, on the long lane's thread, once, starting now."""
+        the long lane's, on the long lane's thread, once, starting now; ``due``: the first
+        outputs a long input waits for (None: it never waits)."""
         self.inputs = inputs
+        self.due = due
         self._load_long_inputs = load_long_inputs
         self._long_inputs: InputProcessor | None = None
         self._short = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sloserve-tokenize")
@@ -92,14 +98,19 @@ class TokenizeLanes:
         for pool in (self._short, self._long):
             pool.shutdown(wait=False, cancel_futures=True)
 
-    async def on_lane(self, size: int, work: Callable[[InputProcessor], T]) -> T:
+    async def on_lane(self, size: int, work: Callable[[InputProcessor], T],
+                      deadline: float | None = None) -> T:
         """``work(inputs)`` on the lane an input of `size` characters (text_size) takes, with
-        that lane's InputProcessor; below INLINE_INPUT_CHARS, here on the event loop."""
+        that lane's InputProcessor; below INLINE_INPUT_CHARS, here on the event loop. A long
+        input first waits for the first outputs due before its own ``deadline`` (wall clock;
+        None: none)."""
         if size < INLINE_INPUT_CHARS:
             return work(self.inputs)
         loop = asyncio.get_running_loop()
         if size < LONG_INPUT_CHARS:
             return await loop.run_in_executor(self._short, work, self.inputs)
+        if self.due is not None:
+            await self.due.wait_for_earlier(deadline)
         return await loop.run_in_executor(self._long, lambda: work(self._long_lane_inputs()))
 
     def _long_lane_inputs(self) -> InputProcessor:

@@ -313,3 +313,56 @@ def test_a_documents_hint_does_not_hold_up_a_short_turns(tiny_model, monkeypatch
 ])
 def test_what_counts_as_first_output(chunk, shows):
     assert carries_output(chunk) is shows
+
+
+class _HeldStream(FakeStream):
+    """A stream whose parts after the first (its ResponseStart) wait for `release`."""
+
+    def __init__(self, parts: list) -> None:
+        super().__init__(parts)
+        self.total = len(parts)
+        self.release = asyncio.Event()
+
+    async def __anext__(self):
+        if len(self.parts) < self.total:
+            await self.release.wait()
+        return await super().__anext__()
+
+
+def test_a_documents_hint_waits_for_an_urgent_turns_first_output(tiny_model, monkeypatch):
+    """A document's tokenization waits while a request with an earlier, near deadline still
+    owes its first output (engine.serving.due_first_outputs): on a shared host it would take a
+    core from that turn. It starts once the turn's first output is relayed, and nothing stays
+    owed after either."""
+    async def run():
+        turn_stream = _HeldStream([ResponseStart(status=200, headers=SSE),
+                                   *_sse({"choices": [{"index": 0, "text": "Hi"}]}, "[DONE]")])
+        ingress = await _ingress(tiny_model(), [turn_stream,
+                                                FakeStream([ResponseStart(status=200), b"{}"])])
+        ingress.due.max_defer_s = 60.0  # held by the turn alone, however slow this host
+        hint = ingress._hint
+        hinted_at: dict[str, float] = {}
+
+        def timed_hint(path, body, slo_header, arrived_at, inputs=None):
+            hinted_at[json.loads(body)["prompt"][:8]] = time.time()
+            return hint(path, body, slo_header, arrived_at, inputs)
+
+        monkeypatch.setattr(ingress, "_hint", timed_hint)
+        turn = asyncio.create_task(_call(ingress, "POST", "/v1/completions",
+                                         {"prompt": "a short turn", "stream": True,
+                                          "ttft_slo_ms": 300}))
+        while len(ingress.due) == 0:  # forwarded, its first output owed
+            await asyncio.sleep(0.01)
+        document = asyncio.create_task(_call(ingress, "POST", "/v1/completions",
+                                             {"prompt": "document " * 3000,
+                                              "ttft_slo_ms": 10_000}))
+        await asyncio.sleep(0.2)
+        assert "document" not in hinted_at and not document.done()  # probe: held back
+        released = time.time()
+        turn_stream.release.set()
+        assert (await turn).status_code == 200
+        assert (await asyncio.wait_for(document, 10)).status_code == 200
+        assert hinted_at["document"] >= released
+        assert len(ingress.due) == 0
+
+    asyncio.run(run())

@@ -1,0 +1,88 @@
+"""DueFirstOutputs: which owed first outputs hold back a long input's tokenization, and for how
+long; and the lanes' long input waiting on them while a short one does not."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from engine.serving.due_first_outputs import DueFirstOutputs
+from engine.serving.tokenize_lanes import INLINE_INPUT_CHARS, LONG_INPUT_CHARS, TokenizeLanes
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_only_earlier_deadlines_inside_the_horizon_hold_back():
+    clock = _Clock()
+    due = DueFirstOutputs(clock, horizon_s=1.0)
+    due.due("turn", clock.now + 0.2)
+    due.due("other document", clock.now + 12.0)
+    due.due("no objective", None)  # nothing owed by a time: not recorded
+    assert len(due) == 2
+    assert due.holding_back(clock.now + 10.0) == 1  # the turn; not the far document
+    assert due.holding_back(None) == 1  # no deadline of its own: as if infinitely far
+    assert due.holding_back(clock.now + 0.1) == 0  # its own comes first
+    due.out("turn")
+    due.out("turn")  # idempotent
+    assert due.holding_back(clock.now + 10.0) == 0
+    clock.now += 11.5  # the other document's deadline is inside the horizon now
+    assert due.holding_back(None) == 1
+
+
+def test_the_wait_ends_at_the_first_output_or_after_the_longest_deferral():
+    async def run():
+        due = DueFirstOutputs(max_defer_s=0.3)
+        assert await due.wait_for_earlier(None) < 0.05  # nothing owed: no wait
+
+        due.due("turn", time.time() + 0.5)
+        waiter = asyncio.create_task(due.wait_for_earlier(time.time() + 10))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()  # probe: it is waiting
+        due.out("turn")
+        assert await asyncio.wait_for(waiter, 1.0) < 0.3
+
+        due.due("stuck", time.time() + 0.5)  # never out
+        waited = await asyncio.wait_for(due.wait_for_earlier(time.time() + 10), 5.0)
+        assert 0.3 <= waited < 2.0
+        assert len(due) == 1  # still owed: the wait gave up, the record stays
+
+    asyncio.run(run())
+
+
+def test_a_long_input_waits_on_its_lane_and_a_short_one_does_not():
+    async def run():
+        due = DueFirstOutputs(max_defer_s=30.0)
+        lanes = TokenizeLanes("short inputs", lambda: "long inputs", due)
+        try:
+            due.due("turn", time.time() + 0.2)
+            started: dict[str, float] = {}
+
+            def work(name):
+                def run_it(inputs):
+                    started[name] = time.time()
+                    return inputs, threading.current_thread().name
+                return run_it
+
+            document = asyncio.create_task(lanes.on_lane(LONG_INPUT_CHARS, work("document"),
+                                                         time.time() + 10))
+            middling = await asyncio.wait_for(
+                lanes.on_lane(INLINE_INPUT_CHARS, work("middling")), 5)
+            assert middling[0] == "short inputs"  # the short lane took it at once
+            await asyncio.sleep(0.1)
+            assert "document" not in started and not document.done()  # probe: held back
+            released = time.time()
+            due.out("turn")
+            inputs, thread = await asyncio.wait_for(document, 5)
+            assert inputs == "long inputs" and thread.startswith("sloserve-tokenize-long")
+            assert started["document"] >= released
+        finally:
+            lanes.shutdown()
+
+    asyncio.run(run())
