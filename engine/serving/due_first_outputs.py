@@ -1,14 +1,14 @@
 """The first outputs an API process owes soon, so that its long tokenizing lane can wait for them.
 
 A document's template and tokenization take a core for 75-100 ms (12k tokens, the default
-model's tokenizer, measured alone on a 2-core host; 100-340 ms each under a flood). On a host the serving processes share, a flood
-of documents tokenized as they arrive takes that core from everything an urgent turn needs in
-its first few hundred milliseconds: the event loop that forwards it and relays its first token,
-the replica's server, its engine. Traced through a 3-replica fleet on 2 cores, the long lane
-tokenized without a pause from the flood's 59th millisecond, the ingress took in its last
-request at 312 ms and relayed the urgent turns' first outputs at 463-541 ms; with every
-document held 0.6 s (an experiment), it took in the last at 210 ms and relayed four of the
-turns' first outputs at 223-243 ms (bench/RESULTS.md, Overload).
+model's tokenizer, measured alone on a 2-core host; 100-340 ms each under a flood). On a host
+the serving processes share, a flood of documents tokenized as they arrive takes that core from
+everything an urgent turn needs in its first few hundred milliseconds: the event loop that
+forwards it and relays its first token, the replica's server, its engine. Traced through a
+3-replica fleet on 2 cores, the long lane tokenized without a pause from the flood's 59th
+millisecond, the ingress took in its last request at 312 ms and relayed the urgent turns' first
+outputs at 463-541 ms; with every document held 0.6 s (an experiment), it took in the last at
+210 ms and relayed four of the turns' first outputs at 223-243 ms (bench/RESULTS.md, Overload).
 
 So a long input waits, before its lane takes it, while a request whose deadline is both earlier
 than its own and within URGENT_HORIZON_S still owes its first output, for MAX_DEFER_S at most:

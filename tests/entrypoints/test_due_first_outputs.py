@@ -38,19 +38,20 @@ def test_only_earlier_deadlines_inside_the_horizon_hold_back():
 
 def test_the_wait_ends_at_the_first_output_or_after_the_longest_deferral():
     async def run():
-        due = DueFirstOutputs(max_defer_s=0.3)
-        assert await due.wait_for_earlier(None) < 0.05  # nothing owed: no wait
+        due = DueFirstOutputs(max_defer_s=60.0)  # only a first output ends these waits
+        await asyncio.wait_for(due.wait_for_earlier(None), 5.0)  # nothing owed: no wait
 
         due.due("turn", time.time() + 0.5)
         waiter = asyncio.create_task(due.wait_for_earlier(time.time() + 10))
         await asyncio.sleep(0.05)
         assert not waiter.done()  # probe: it is waiting
         due.out("turn")
-        assert await asyncio.wait_for(waiter, 1.0) < 0.3
+        await asyncio.wait_for(waiter, 5.0)
 
+        due.max_defer_s = 0.3
         due.due("stuck", time.time() + 0.5)  # never out
         waited = await asyncio.wait_for(due.wait_for_earlier(time.time() + 10), 5.0)
-        assert 0.3 <= waited < 2.0
+        assert waited >= 0.3
         assert len(due) == 1  # still owed: the wait gave up, the record stays
 
     asyncio.run(run())
