@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,8 +17,8 @@ from starlette.responses import Response
 
 from engine.fleet.routing import FleetBook
 
-# serve.status() is a call to the controller: asked at most this often, however often /health
-# is probed.
+# The deployment's status is a call to Serve's controller: asked at most this often, however
+# often /health is probed.
 STATUS_CACHE_S = 1.0
 
 
@@ -35,6 +36,25 @@ class RouterStart:
         return {"started": self.started, "attempts": self.attempts, "error": self.error}
 
 
+def serve_details() -> dict[str, Any]:
+    """What `serve.status()` is built from, as the controller sends it: a dict of applications,
+    their deployments, each deployment's status, message and replicas (each with its state).
+    serve.status() validates that dict into Ray's pydantic schema first, and the schema's
+    RequestRouterConfig cloudpickles the router class on every call: 15-18 ms of CPU in the
+    caller on an idle 2-core host, 26-48 ms in the ingress during a flood, holding the GIL of
+    the process that relays every stream; read as it comes, 0.6-1.0 ms (bench/RESULTS.md,
+    Overload; `python -m bench.diagnostics.fleet_status_cost`)."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    return {} if client is None else client.get_serve_details()
+
+
+def _value(state: Any) -> str:
+    """A status or replica state as its name (the dict holds Ray's enums)."""
+    return str(getattr(state, "value", state))
+
+
 class FleetHealth:
     def __init__(self, engine_deployment: str, book: Callable[[], FleetBook | None],
                  router: RouterStart | None = None) -> None:
@@ -46,15 +66,12 @@ class FleetHealth:
         self._status_at = 0.0
 
     def _deployment_status(self) -> dict[str, Any]:
-        from ray import serve
-
-        for app in serve.status().applications.values():
-            deployment = app.deployments.get(self.engine_deployment)
+        for app in serve_details().get("applications", {}).values():
+            deployment = app.get("deployments", {}).get(self.engine_deployment)
             if deployment is not None:
-                return {"status": str(deployment.status.value),
-                        "replica_states": {str(getattr(k, "value", k)): v
-                                           for k, v in deployment.replica_states.items()},
-                        "message": deployment.message}
+                states = Counter(_value(r["state"]) for r in deployment.get("replicas", []))
+                return {"status": _value(deployment["status"]), "replica_states": dict(states),
+                        "message": deployment.get("message", "")}
         return {"status": "UNKNOWN", "replica_states": {}, "message": "deployment not found"}
 
     async def report(self) -> dict[str, Any]:

@@ -17,7 +17,8 @@ import pytest
 pytest.importorskip("ray.serve", reason="the fleet's tests need Ray Serve: pip install -e "
                                         "'.[test,cluster]'")
 
-from engine.fleet.options import APP_NAME, FleetOptions
+from bench.diagnostics import fleet_status_cost
+from engine.fleet.options import APP_NAME, ENGINE_DEPLOYMENT, FleetOptions
 from tests.utils.ray_fleet import (fleet, in_thread, metric, replica_env, stream,
                                    tiny_fleet_config, wait_for)
 
@@ -77,6 +78,17 @@ def test_fleet_serves_the_openai_api_with_streaming(tiny_fleet):
     assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
     health = httpx.get(f"{url}/health", timeout=30).json()
     assert health["status"] == "ok" and health["replicas"]["reporting"] == 2, health
+    # /health reads the deployment from the controller's dict as it comes
+    # (engine.fleet.fleet_health.serve_details), not through serve.status(): the same answer.
+    from ray import serve
+
+    overview = serve.status().applications[APP_NAME].deployments[ENGINE_DEPLOYMENT]
+    assert health["deployment"] == {"status": "HEALTHY", "replica_states": {"RUNNING": 2},
+                                    "message": overview.message}, health
+    assert overview.status.value == "HEALTHY" and overview.replica_states == {"RUNNING": 2}
+    with pytest.raises(SystemExit) as agreed:  # the diagnostic that times both reads
+        fleet_status_cost.main(["--calls", "2"])
+    assert agreed.value.code == 0
     # The ingress replica served all of it on the fleet's port itself (Ray Serve's direct
     # ingress, engine.fleet.launch.direct_ingress_env), in Ray Serve's throughput-optimized mode
     # with its router on a loop of its own, handing requests to the replicas over gRPC
