@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -55,9 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     for app_name, app in status.applications.items():
         for name, overview in app.deployments.items():
             read = details["applications"][app_name]["deployments"][name]
-            states = {}
-            for replica in read["replicas"]:
-                states[_value(replica["state"])] = states.get(_value(replica["state"]), 0) + 1
+            states = dict(Counter(_value(replica["state"]) for replica in read["replicas"]))
             same = (_value(overview.status) == _value(read["status"])
                     and {_value(k): v for k, v in overview.replica_states.items()} == states
                     and overview.message == read["message"])

@@ -40,7 +40,7 @@ def serve_details() -> dict[str, Any]:
     """What `serve.status()` is built from, as the controller sends it: a dict of applications,
     their deployments, each deployment's status, message and replicas (each with its state).
     serve.status() validates that dict into Ray's pydantic schema first, and the schema's
-    RequestRouterConfig cloudpickles the router class on every call: 15-18 ms of CPU in the
+    RequestRouterConfig cloudpickles the router class on every call: 15-30 ms of CPU in the
     caller on an idle 2-core host, 26-48 ms in the ingress during a flood, holding the GIL of
     the process that relays every stream; read as it comes, 0.6-1.0 ms (bench/RESULTS.md,
     Overload; `python -m bench.diagnostics.fleet_status_cost`)."""
