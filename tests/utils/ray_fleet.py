@@ -103,10 +103,13 @@ def stream(url: str, body: dict, path: str = "/v1/completions",
            headers: dict | None = None, timeout: float = 120.0) -> StreamResult:
     """A streamed request, timed by the client."""
     result = StreamResult()
+    # The client is built before the clock starts: building one (its TLS context) takes
+    # 90-290 ms on some hosts, which is the client's setup, not the fleet's answer.
+    client = httpx.Client(timeout=timeout)
     started = time.monotonic()
     try:
-        with httpx.stream("POST", url + path, json={**body, "stream": True},
-                          headers=headers or {}, timeout=timeout) as response:
+        with client, client.stream("POST", url + path, json={**body, "stream": True},
+                                   headers=headers or {}) as response:
             result.status = response.status_code
             result.replica = response.headers.get("x-sloserve-replica")
             result.headers_at = time.monotonic() - started
