@@ -165,6 +165,10 @@ class Record:
     ttft_slo_ms: float
     sent_ms: float = 0.0  # from the flood's start
     sent_at: float | None = None  # time.time() at the send: against the server's own stamps
+    # When the client had handed the whole body to its connection (ms from its own send): the
+    # one process playing every user of the flood writes them one after another, and a
+    # request's clock runs from its send, before that.
+    written_ms: float | None = None
     status: int | None = None
     ttfb_ms: float | None = None
     ttft_ms: float | None = None
@@ -233,7 +237,8 @@ async def send(http: Any, url: str, request: FloodRequest, body: bytes,
     finishes: dict[int, str | None] = {}
     errors: list[str] = []
     try:
-        async with http.post(url + request.path, data=body, headers=_JSON) as response:
+        async with http.post(url + request.path, data=body, headers=_JSON,
+                             trace_request_ctx=record) as response:
             record.status = response.status
             record.replica = response.headers.get("x-sloserve-replica")
             routed = response.headers.get("x-sloserve-predicted-ttft-ms")
@@ -279,6 +284,21 @@ async def send(http: Any, url: str, request: FloodRequest, body: bytes,
 
 
 _JSON = {"Content-Type": "application/json"}
+
+
+def _write_stamps() -> Any:
+    """An aiohttp trace that stamps each request's Record (its `trace_request_ctx`) with when
+    its body was handed to the connection: the one chunk of a body sent whole."""
+    import aiohttp
+
+    async def on_chunk_sent(_session: Any, context: Any, _params: Any) -> None:
+        record = context.trace_request_ctx
+        if isinstance(record, Record) and record.written_ms is None and record.sent_at:
+            record.written_ms = round(1e3 * (time.time() - record.sent_at), 2)
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_chunk_sent.append(on_chunk_sent)
+    return trace
 
 
 def _read_line(line: str, record: Record, finishes: dict[int, str | None],
@@ -334,8 +354,8 @@ async def flood(url: str, requests: Sequence[FloodRequest], headers: dict[str, s
     bodies = [json.dumps(r.body).encode() for r in requests]
     connector = aiohttp.TCPConnector(limit=len(requests) + 8)
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=60.0)
-    async with aiohttp.ClientSession(headers=headers, connector=connector,
-                                     timeout=timeout) as http:
+    async with aiohttp.ClientSession(headers=headers, connector=connector, timeout=timeout,
+                                     trace_configs=[_write_stamps()]) as http:
         go = asyncio.Event()
         start = 0.0
         base = url.rstrip("/")

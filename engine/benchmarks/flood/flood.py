@@ -275,8 +275,8 @@ def _warm_up(url: str, headers: dict[str, str], requests: list[FloodRequest]) ->
 
 # A record's durations (ms), divided by --time-scale to report them in the profile's time; the
 # server's own `server_metrics` object is kept as the server sent it (in the slowed time).
-_RECORD_MS = ("sent_ms", "ttfb_ms", "ttft_ms", "e2e_ms", "server_ttft_ms", "predicted_ttft_ms",
-              "routed_predicted_ttft_ms")
+_RECORD_MS = ("sent_ms", "written_ms", "ttfb_ms", "ttft_ms", "e2e_ms", "server_ttft_ms",
+              "predicted_ttft_ms", "routed_predicted_ttft_ms")
 
 
 def restored(record: Record, scale: float) -> Record:
