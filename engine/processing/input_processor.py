@@ -6,6 +6,7 @@ request and reject bad input with the same message.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,26 @@ class InputProcessor:
                                  "none (give --tokenizer)")
             self.tokenizer.chat_template = chat_template
         self.eos_token_ids = eos_token_ids(model_dir, self.tokenizer)
+        # Whether encoding keeps the GIL (`holding_gil`).
+        self._backend = None
+
+    def holding_gil(self) -> InputProcessor:
+        """This processor (the same tokenizer) encoding through its fast tokenizer's backend
+        directly, which keeps the GIL, for short inputs encoded on an event loop: the batch call
+        the tokenizer otherwise makes releases the GIL for the Rust side, and in a process with
+        other busy threads (a tokenizing lane, a router) the loop then waits a switch interval
+        (5 ms) or more to get it back, for an encode that takes one or two milliseconds. The
+        token ids are the same: the one backend does the work either way. A tokenizer with no
+        fast backend encodes as before."""
+        view = copy.copy(self)
+        backend = getattr(self.tokenizer, "_tokenizer", None)
+        view._backend = backend if hasattr(backend, "encode_batch") else None
+        return view
+
+    def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     @classmethod
     def for_model(cls, config: ModelConfig) -> InputProcessor:
@@ -77,7 +98,7 @@ class InputProcessor:
         except UnicodeEncodeError as exc:
             raise ValueError(f"prompt is not valid Unicode text: a lone surrogate "
                              f"{prompt[exc.start]!r} at character {exc.start}") from exc
-        return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+        return self._encode_text(prompt, add_special_tokens)
 
     def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None,
@@ -87,13 +108,15 @@ class InputProcessor:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; pass a plain prompt instead")
         try:
-            ids = self.tokenizer.apply_chat_template(messages, tools=tools,
-                                                     add_generation_prompt=add_generation_prompt,
-                                                     tokenize=True, return_dict=False,
-                                                     **(template_kwargs or {}))
+            # Rendered, then encoded without special tokens: what apply_chat_template's own
+            # tokenize=True does, through _encode_text (see holding_gil).
+            text = self.tokenizer.apply_chat_template(messages, tools=tools,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False,
+                                                      **(template_kwargs or {}))
         except Exception as exc:  # template errors (bad roles, missing content) are bad input
             raise ValueError(f"messages: the chat template rejected them: {exc}") from exc
-        return list(ids)
+        return self._encode_text(text, add_special_tokens=False)
 
     def with_eos(self, params: SamplingParams) -> tuple[SamplingParams, int | None]:
         """The model's EOS id for the request, with any further EOS ids (generation_config may

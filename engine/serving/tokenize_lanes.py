@@ -25,7 +25,9 @@ behind everything else that arrived meanwhile. Under a flood of 80 requests on a
 the turns took a median 36-51 ms from their route to their token ids through the short lane,
 and 2.2 ms inline (bench/RESULTS.md, Overload). The tokenizer is shared with the short lane's
 thread (as the detokenizer, on the loop, already shares it): safe, as nothing reconfigures it
-(truncation and padding are never set: chat_template_kwargs refuses them).
+(truncation and padding are never set: chat_template_kwargs refuses them). Inline, it encodes
+with the GIL held (InputProcessor.holding_gil): released, the loop waited for the GIL again
+behind the process's other busy threads, several times the encode's own time.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class TokenizeLanes:
         the long lane's, on the long lane's thread, once, starting now; ``due``: the first
         outputs a long input waits for (None: it never waits)."""
         self.inputs = inputs
+        self._inline_inputs = inputs.holding_gil()
         self.due = due
         self._load_long_inputs = load_long_inputs
         self._long_inputs: InputProcessor | None = None
@@ -105,7 +108,7 @@ class TokenizeLanes:
         input first waits for the first outputs due before its own ``deadline`` (wall clock;
         None: none)."""
         if size < INLINE_INPUT_CHARS:
-            return work(self.inputs)
+            return work(self._inline_inputs)
         loop = asyncio.get_running_loop()
         if size < LONG_INPUT_CHARS:
             return await loop.run_in_executor(self._short, work, self.inputs)

@@ -46,16 +46,19 @@ def test_a_turn_is_not_queued_behind_a_documents_tokenization(model_dir, vocab_s
     this CPU), a short turn and a longer one are tokenized and served; then the document is
     too. The probes: the document really was inside the tokenizer while the turns were served,
     on the long lane's thread, with a tokenizer other than the short lane's; the longer turn
-    on the short lane's thread, and the short turn on the event loop's own."""
+    on the short lane's thread, and the short turn on the event loop's own, with the short
+    lane's tokenizer and the GIL held (InputProcessor.holding_gil)."""
     entered, release = threading.Event(), threading.Event()
-    seen: dict[str, tuple[str, int]] = {}  # "long" / "short" -> (thread name, processor id)
+    # "long" / "short" / "inline" -> (thread name, tokenizer id, whether it holds the GIL)
+    seen: dict[str, tuple[str, int, bool]] = {}
     encode = InputProcessor.encode
     template = InputProcessor.apply_chat_template
 
     def record(processor: InputProcessor, size: int) -> None:
         kind = ("long" if size >= LONG_INPUT_CHARS else "short" if size >= INLINE_INPUT_CHARS
                 else "inline")
-        seen[kind] = (threading.current_thread().name, id(processor))
+        seen[kind] = (threading.current_thread().name, id(processor.tokenizer),
+                      processor._backend is not None)
         if kind == "long":
             entered.set()
             release.wait(timeout=30)  # only keeps a broken build from hanging the suite
@@ -94,12 +97,13 @@ def test_a_turn_is_not_queued_behind_a_documents_tokenization(model_dir, vocab_s
             assert response.status_code == 200, response.text
             assert len(fake.requests) == 3
             assert len(fake.requests[0].prompt_token_ids) < 64  # the turn reached the core first
-            short_inputs = id(engine.inputs)
+            short_tokenizer = id(engine.inputs.tokenizer)
             loop_thread = threading.current_thread().name
-        assert seen["inline"] == (loop_thread, short_inputs)
-        assert seen["short"] == ("sloserve-tokenize_0", short_inputs)
+        assert seen["inline"] == (loop_thread, short_tokenizer, True)
+        assert seen["short"] == ("sloserve-tokenize_0", short_tokenizer, False)
         assert seen["long"][0] == "sloserve-tokenize-long_0"
-        assert seen["long"][1] != short_inputs  # its own tokenizer: never shared across threads
+        assert seen["long"][1] != short_tokenizer  # its own: never shared across threads
+        assert not seen["long"][2]
 
     asyncio.run(run())
 
@@ -162,3 +166,112 @@ def test_the_long_lanes_tokenizer_is_loaded_as_the_server_starts(model_dir) -> N
         assert ids == short.encode(document) and len(loads) == 1
     finally:
         lanes.shutdown()
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TEXTS = ["Hello world", " a leading space\n\nand <s> </s> <|im_start|> in the text",
+         "éè 日本語 🙂 " * 40, "x"]
+
+
+def _tokenizer_folders(model_dir, tmp_path) -> list[str]:
+    """The test model's tokenizer (with a chat template), the default model's (SmolLM2's), and
+    a byte-level BPE trained here."""
+    from engine.benchmarks.inputs.random_checkpoints import save_small_tokenizer
+    from engine.entrypoints.default_model import model_path_or_default
+
+    return [model_dir, str(model_path_or_default(None)),
+            str(save_small_tokenizer(tmp_path / "small"))]
+
+
+def test_encoding_with_the_gil_held_gives_the_tokenizers_own_ids(model_dir, tmp_path) -> None:
+    """InputProcessor.holding_gil encodes through the fast tokenizer's backend: the ids of
+    plain text (with and without special tokens) and of chat messages (tools included) are
+    the tokenizer's own calls' (apply_chat_template with tokenize=True), on every tokenizer.
+    The probe that it took the other way: the view has the backend, the processor not."""
+    for folder in _tokenizer_folders(model_dir, tmp_path):
+        inputs = InputProcessor(folder)
+        holding = inputs.holding_gil()
+        tokenizer = inputs.tokenizer
+        assert holding._backend is not None and inputs._backend is None, folder
+        assert holding.tokenizer is tokenizer  # shared, not loaded again
+        for text in TEXTS:
+            for special in (True, False):
+                expected = list(tokenizer.encode(text, add_special_tokens=special))
+                assert inputs.encode(text, special) == expected, (folder, text)
+                assert holding.encode(text, special) == expected, (folder, text)
+            if not getattr(tokenizer, "chat_template", None):
+                continue
+            messages = [{"role": "system", "content": "be brief"},
+                        {"role": "user", "content": text}]
+            for tools in (None, TOOLS):
+                expected = list(tokenizer.apply_chat_template(
+                    messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                    return_dict=False))
+                assert inputs.apply_chat_template(messages, True, tools) == expected
+                assert holding.apply_chat_template(messages, True, tools) == expected
+
+
+def test_a_chat_template_error_is_still_bad_input_when_holding_the_gil(model_dir) -> None:
+    inputs = InputProcessor(model_dir)
+    inputs.tokenizer.chat_template = "{{ raise_exception('only user turns, please') }}"
+    with pytest.raises(ValueError, match="the chat template rejected them: only user turns"):
+        inputs.holding_gil().apply_chat_template([{"role": "user", "content": "hi"}], True, None)
+
+
+def test_encoding_with_the_gil_held_lets_no_other_thread_run(model_dir) -> None:
+    """The point of holding_gil: while it encodes, the process's other Python threads do not
+    run (the loop never has to win the GIL back from them). The probe: a thread that counts
+    without pause advances while the tokenizer's own call encodes a long text, and stands
+    still (a few counts at most, around the Rust call) while holding_gil encodes it."""
+    inputs = InputProcessor(model_dir)
+    holding = inputs.holding_gil()
+    text = "lorem ipsum dolor sit amet " * 40_000
+    counter = [0]
+    stop = threading.Event()
+
+    def count() -> None:
+        while not stop.is_set():
+            counter[0] += 1
+
+    thread = threading.Thread(target=count, daemon=True)
+    thread.start()
+    try:
+        def advance(encode) -> int:
+            before = counter[0]
+            encode(text)
+            return counter[0] - before
+
+        released = advance(lambda t: inputs.tokenizer.encode(t))
+        held = advance(holding.encode)
+    finally:
+        stop.set()
+        thread.join()
+    assert released > 1000, f"the counting thread never ran beside the release ({released})"
+    assert held * 20 < released, (held, released)
+
+
+def test_short_inputs_are_encoded_inline_with_the_gil_held(model_dir) -> None:
+    """Below INLINE_INPUT_CHARS the work gets the lanes' GIL-holding view of the short lane's
+    processor; a longer input gets the lane's own processor, on the lane's thread."""
+    from engine.serving.tokenize_lanes import TokenizeLanes
+
+    short = InputProcessor(model_dir)
+    lanes = TokenizeLanes(short, lambda: InputProcessor(model_dir))
+    seen: list[tuple[InputProcessor, str]] = []
+
+    def work(inputs: InputProcessor) -> None:
+        seen.append((inputs, threading.current_thread().name))
+
+    async def run() -> None:
+        await lanes.on_lane(INLINE_INPUT_CHARS - 1, work)
+        await lanes.on_lane(INLINE_INPUT_CHARS, work)
+
+    try:
+        asyncio.run(run())
+    finally:
+        lanes.shutdown()
+    (inline, inline_thread), (lane, lane_thread) = seen
+    assert inline._backend is not None and inline.tokenizer is short.tokenizer
+    assert inline_thread == "MainThread"
+    assert lane is short and lane_thread.startswith("sloserve-tokenize")
