@@ -26,6 +26,7 @@ from engine.fleet.book_registry import fleet_book
 from engine.fleet.fleet_metrics import FleetMetrics
 from engine.fleet.ingress import CHAT_PROMPT, HINT_ERROR, MAX_ROUTED_BLOCKS
 from engine.load.prefix_hashes import prompt_prefix_hashes
+from engine.processing.input_processor import InputProcessor
 from engine.serving.api_server import ServerSettings
 from tests.utils.fleet_ingress import DEPLOYMENT, FakeStream, call, start_ingress
 from tests.utils.inprocess_server import FakeCore, app_client
@@ -139,17 +140,20 @@ def test_a_chat_prompt_the_replica_refuses_is_forwarded_counted_and_logged(tiny_
                for r in caplog.records)
 
 
-def test_a_failure_of_the_hints_own_code_is_logged_with_its_traceback(tiny_model, caplog):
+def test_a_failure_of_the_hints_own_code_is_logged_with_its_traceback(tiny_model, caplog,
+                                                                      monkeypatch):
     caplog.set_level(logging.INFO, logger="engine.fleet.ingress")
     calls: list[str] = []
 
-    def broken_encode(prompt: str) -> list[int]:
+    def broken_encode(_self, prompt: str, *_args, **_kwargs) -> list[int]:
         calls.append(prompt)
         raise KeyError("a tokenizer bug")
 
     async def run():
         ingress = await start_ingress(tiny_model(), [FakeStream(list(JSON_OK))])
-        ingress.inputs.encode = broken_encode
+        # On the class: a short prompt is encoded inline, by the lanes' GIL-holding view of
+        # the ingress's processor (InputProcessor.holding_gil).
+        monkeypatch.setattr(InputProcessor, "encode", broken_encode)
         response = await call(ingress, "POST", "/v1/completions",
                               {"prompt": "hello there", "ttft_slo_ms": 500})
         return response, ingress
