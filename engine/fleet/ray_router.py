@@ -63,7 +63,12 @@ class DeadlineRouter(RequestRouter):
                                                       ttft_slo_s=None, arrived_at=now)
         try:
             self._refresh(candidate_replicas)
+            self.book.on_unchosen(hint.request_id)  # ranked again: its last choice refused it
             ranks = self.book.rank(self.policy, list(by_id), hint, now)
+            if ranks and ranks[0]:
+                # Counted on its first choice at once: the requests ranked before Ray Serve
+                # hears the replica accept it (on_request_routed) must see it there.
+                self.book.on_chosen(ranks[0][0], hint, now)
         except Exception as exc:
             # A request must never hang on the router's bug: Ray Serve's own fallback order,
             # counted (sloserve:fleet_ranking_failures_total) as well as logged.

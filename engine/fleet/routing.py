@@ -2,11 +2,12 @@
 wraps it in a Ray Serve RequestRouter).
 
 `FleetBook` keeps, per replica, the latest `ReplicaLoad`, the requests sent there since that
-report was made, the requests sent and not yet completed, and whether the report is fresh.
-`FleetBook.rank` orders candidate replicas for a request as Ray Serve's `choose_replicas`
-returns them: a list of ranks, the first most preferred, every candidate in exactly one (Ray
-falls back down the list when a replica refuses). Each rank holds one replica: the policies
-below give a full order, and leaving the pick among equals to Ray would undo it.
+report was made (and those chosen for it whose sends are not yet confirmed: `on_chosen`), the
+requests sent and not yet completed, and whether the report is fresh. `FleetBook.rank` orders
+candidate replicas for a request as Ray Serve's `choose_replicas` returns them: a list of ranks,
+the first most preferred, every candidate in exactly one (Ray falls back down the list when a
+replica refuses). Each rank holds one replica: the policies below give a full order, and leaving
+the pick among equals to Ray would undo it.
 
 Policies (`RouterPolicy`):
 - "slack": the request's predicted TTFT on every replica (engine.load.prediction, with the
@@ -165,10 +166,34 @@ class FleetBook:
         cutoff = load.made_at - self.send_skew_s
         state.unreported = [(at, hint) for at, hint in state.unreported if at >= cutoff]
 
+    def on_chosen(self, replica_id: str, hint: RouteHint, now: float) -> None:
+        """`hint` is on its way to the replica: ranked first there, its send not yet confirmed
+        (Ray Serve's router hears the replica accept it a round trip later, and ranks the
+        requests that arrive meanwhile). Counted there as sent since the report until
+        `on_sent` confirms it (there or elsewhere), `on_unchosen`, or a report made after
+        `now` less the skew allowance, which would count it if it got there. Without it a
+        burst ranked inside one round trip sees the same book and piles onto one replica."""
+        if hint.request_id:
+            self._state(replica_id).unreported.append((now, hint))
+
+    def on_unchosen(self, request_id: str) -> None:
+        """The request's choice is void (it is ranked again: the replica refused it)."""
+        if request_id:
+            self._drop_unreported(request_id)
+
+    def _drop_unreported(self, request_id: str) -> None:
+        for state in list(self.replicas.values()):
+            if any(h.request_id == request_id for _, h in state.unreported):
+                state.unreported = [(at, h) for at, h in state.unreported
+                                    if h.request_id != request_id]
+
     def on_sent(self, replica_id: str, hint: RouteHint, now: float) -> None:
-        """`hint` was sent to the replica: it queues there from now. Its predicted TTFT there
-        (whatever the policy that chose the replica) is kept for routed_prediction; with an
-        objective, it joins the replica's recent arrivals, at its predicted prefill there."""
+        """`hint` was sent to the replica: it queues there from now (its `on_chosen` entry,
+        wherever that was, gives way to this). Its predicted TTFT there (whatever the policy
+        that chose the replica) is kept for routed_prediction; with an objective, it joins the
+        replica's recent arrivals, at its predicted prefill there."""
+        if hint.request_id:
+            self._drop_unreported(hint.request_id)
         p: Prediction | None = None
         if hint.request_id and self.is_fresh(replica_id, now):
             ranked_id, ranked = self._ranked

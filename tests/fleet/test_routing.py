@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -66,6 +69,67 @@ def test_a_burst_spreads_over_replicas_that_all_meet_it():
         book.on_sent(best, turn, NOW)
         chosen.append(best)
     assert sorted(chosen) == list("WXYZ")
+
+
+def test_a_choice_counts_until_its_send_is_confirmed_or_a_report_would_hold_it():
+    book = FleetBook(seed=0)
+    for rid in "XY":
+        book.on_report(rid, load(made_at=NOW - 0.01))
+    first = hint("first", tokens=256, slo=0.3)
+    book.on_chosen("X", first, NOW)
+    assert book.load_of("X") == 1 and book.in_flight("X") == 0
+    # Confirmed elsewhere (Ray Serve fell back to Y): counted there once, not at X.
+    book.on_sent("Y", first, NOW + 0.01)
+    assert (book.load_of("X"), book.load_of("Y"), book.in_flight("Y")) == (0, 1, 1)
+    # Ranked again after a refusal: its choice is void before the new ranking.
+    again = hint("again", tokens=256, slo=0.3)
+    book.on_chosen("X", again, NOW)
+    book.on_unchosen("again")
+    assert book.load_of("X") == 0
+    # Never confirmed (its client went away): a report made after it, which would count it
+    # had it arrived, ends it.
+    lost = hint("lost", tokens=256, slo=0.3)
+    book.on_chosen("X", lost, NOW)
+    book.on_report("X", load(made_at=NOW + 0.01))
+    assert book.load_of("X") == 1
+    book.on_report("X", load(made_at=NOW + book.send_skew_s + 0.01))
+    assert book.load_of("X") == 0
+
+
+def test_a_burst_ranked_before_any_send_is_confirmed_spreads_over_the_replicas():
+    """Ray Serve's router calls choose_replicas for each request as it comes and hears the
+    replica accept it (on_request_routed) a round trip later: a burst of urgent turns is
+    ranked inside that round trip. Each is counted on its choice at once."""
+    from types import SimpleNamespace
+
+    from engine.fleet.ray_router import DeadlineRouter
+    from engine.load.load_report import encode_load
+
+    def burst(count_choices: bool) -> list[str]:
+        router = DeadlineRouter.__new__(DeadlineRouter)  # Ray's __init__ needs a cluster
+        router._deployment_id = SimpleNamespace(name=f"burst-{count_choices}")
+        router.initialize_state(policy="slack", seed=0)
+        if not count_choices:
+            router.book.on_chosen = lambda *_: None
+        now = time.time()
+        replicas = [SimpleNamespace(
+            replica_id=SimpleNamespace(unique_id=rid),
+            routing_stats={"load": encode_load(load(made_at=now, running=[(30_000, None)],
+                                                    step_remaining_s=1.2,
+                                                    step_preemptible=True))})
+            for rid in "WXYZ"]
+        chosen = []
+        for i in range(4):
+            turn = hint(f"turn{i}", tokens=256, slo=0.3, arrived_at=now)
+            pending = SimpleNamespace(kwargs={"hint": turn}, metadata=SimpleNamespace(
+                internal_request_id=f"ray-{i}"))
+            ranks = asyncio.run(router.choose_replicas(replicas, pending))
+            chosen.append(ranks[0][0].replica_id.unique_id)
+        return chosen
+
+    assert sorted(burst(count_choices=True)) == list("WXYZ")
+    # Probe: with the choices uncounted until confirmed, the burst piles onto one replica.
+    assert len(set(burst(count_choices=False))) == 1
 
 
 def test_the_book_keeps_the_prediction_on_the_replica_the_request_was_sent_to():
