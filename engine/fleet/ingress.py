@@ -62,6 +62,7 @@ from engine.serving.chat_prompt import chat_prompt, chat_template_of
 from engine.serving.responses_protocol import ResponsesRequest, chat_request
 from engine.serving.doomed import DOOMED, OnDoomed
 from engine.serving.due_first_outputs import DueFirstOutputs
+from engine.serving.intake_turns import IntakeTurns
 from engine.serving.openai_protocol import ChatCompletionRequest, error_body
 from engine.serving.tokenize_lanes import LONG_INPUT_CHARS, TokenizeLanes
 
@@ -137,6 +138,7 @@ class FleetIngress:
         # and tokenize must not hold up a short urgent turn's hint until its objective is gone,
         # nor take a core from the requests whose first outputs are due before theirs.
         self.due = DueFirstOutputs()
+        self.intake = IntakeTurns()
         self.lanes = TokenizeLanes(InputProcessor.for_model(config.model),
                                    lambda: InputProcessor.for_model(config.model), self.due)
         self.inputs = self.lanes.inputs
@@ -214,6 +216,8 @@ class FleetIngress:
                 return full
             self._preparing += 1
             try:
+                # In turn: a flood's intake in slices, with the streams' relays between them.
+                await self.intake.turn()
                 slo_header = request.headers.get(SLO_HEADER)
                 # The body's size stands for its text's (the lane's measure).
                 computed = await self.lanes.on_lane(
