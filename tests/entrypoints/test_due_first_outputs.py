@@ -57,10 +57,18 @@ def test_the_wait_ends_at_the_first_output_or_after_the_longest_deferral():
     asyncio.run(run())
 
 
+class NamedInputs(str):
+    """A stand-in for an InputProcessor: its name says which lane's it is."""
+
+    def holding_gil(self) -> NamedInputs:
+        return NamedInputs(f"{self}, holding the GIL")
+
+
 def test_a_long_input_waits_on_its_lane_and_a_short_one_does_not():
     async def run():
         due = DueFirstOutputs(max_defer_s=30.0)
-        lanes = TokenizeLanes("short inputs", lambda: "long inputs", due)
+        lanes = TokenizeLanes(NamedInputs("short inputs"), lambda: NamedInputs("long inputs"),
+                              due)
         try:
             due.due("turn", time.time() + 0.2)
             started: dict[str, float] = {}
