@@ -64,7 +64,7 @@ from engine.serving.doomed import DOOMED, OnDoomed
 from engine.serving.due_first_outputs import DueFirstOutputs
 from engine.serving.intake_turns import IntakeTurns
 from engine.serving.openai_protocol import ChatCompletionRequest, error_body
-from engine.serving.tokenize_lanes import LONG_INPUT_CHARS, TokenizeLanes
+from engine.serving.tokenize_lanes import TokenizeLanes
 
 logger = logging.getLogger(__name__)
 
@@ -216,14 +216,15 @@ class FleetIngress:
                 return full
             self._preparing += 1
             try:
-                # In turn: a flood's intake in slices, with the streams' relays between them.
-                await self.intake.turn()
                 slo_header = request.headers.get(SLO_HEADER)
+                deadline = self._deadline(body, slo_header, arrived_at)
+                # In turn, the earliest deadline first: a flood's intake in slices, with the
+                # streams' relays between them.
+                await self.intake.turn(deadline)
                 # The body's size stands for its text's (the lane's measure).
                 computed = await self.lanes.on_lane(
                     len(body), lambda inputs: self._hint(path, body, slo_header, arrived_at,
-                                                         inputs),
-                    self._deadline(body, slo_header, arrived_at))
+                                                         inputs), deadline)
             finally:
                 self._preparing -= 1
             if isinstance(computed, Unhinted):
@@ -268,11 +269,10 @@ class FleetIngress:
     # ---- the route hint and admission -------------------------------------------------------
 
     def _deadline(self, body: bytes, slo_header: str | None, arrived_at: float) -> float | None:
-        """A long body's deadline (wall clock), read before its hint is computed, for the long
-        lane's wait (TokenizeLanes.on_lane); None for a short body (it takes no such wait), a
-        request without an objective, or one the hint will refuse."""
-        if len(body) < LONG_INPUT_CHARS:
-            return None
+        """A generation request's TTFT deadline (wall clock), read before its hint is computed:
+        its intake turn's place, and a long body's wait for its lane (TokenizeLanes.on_lane).
+        None for a request without an objective, or one the hint will refuse (a malformed
+        body: its hint says why)."""
         try:
             data = json.loads(body)
             slo_s = self._objective_s(data, slo_header) if isinstance(data, dict) else None

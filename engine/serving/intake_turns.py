@@ -13,16 +13,20 @@ slice ends at the next iteration, so a wake-up waits for one slice of intake, no
 Slices rather than one turn per iteration: every iteration releases the GIL in its poll, and in
 a process whose other threads run Python (Ray Serve's router loop, a tokenizing lane) taking it
 back costs up to a switch interval; one intake per iteration took in a flood at half the rate.
-Turns go in arrival order; a request that waits for a turn is counted where it is admitted
-against (the ingress counts it among those being prepared).
+Turns go by TTFT deadline, the earliest first (arrival order among equals; a request without
+one after every deadline), as the engine orders its steps: of a flood that arrives at once,
+the urgent turns are read, tokenized and routed before the documents beside them. A request
+that waits for a turn is counted where it is admitted against (the ingress counts it among
+those being prepared).
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import math
 import time
-from collections import deque
 
 # One slice of intake: a wake-up posted during a slice waits about this long for the loop.
 DEFAULT_SLICE_S = 0.008
@@ -31,20 +35,20 @@ _COST_WEIGHT = 0.5
 
 
 class IntakeTurns:
-    """Turns to take in a request, granted in order, about ``slice_s`` of one event loop's time
-    per iteration of it. Used from that loop only."""
+    """Turns to take in a request, granted by deadline, about ``slice_s`` of one event loop's
+    time per iteration of it. Used from that loop only."""
 
     def __init__(self, slice_s: float = DEFAULT_SLICE_S) -> None:
         if not slice_s > 0:
             raise ValueError(f"slice_s must be positive, not {slice_s}")
         self.slice_s = slice_s
-        self._waiting: deque[asyncio.Future[None]] = deque()
+        # (deadline, arrival number, turn): a heap, the earliest deadline first.
+        self._waiting: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._arrivals = itertools.count()
         # The open slice: when its first turn began (perf_counter) and the turns in it. None:
         # no slice is open, the next turn opens one.
         self._slice_began: float | None = None
         self._in_slice = 0
-        # Woken turns that found their slice spent go back to the front, in their order.
-        self._requeued = 0
         # Turns granted whose requests have not yet resumed (they come before any new one).
         self._woken = 0
         self._cost_s = slice_s / 4  # one intake's loop time, as measured over the slices
@@ -59,21 +63,20 @@ class IntakeTurns:
         """The measured loop time of one intake (the slices' time over their turns)."""
         return self._cost_s
 
-    async def turn(self) -> None:
+    async def turn(self, deadline: float | None = None) -> None:
         """Returns when this request's intake may run: at once while the open slice has time
-        left and nobody waits, else once the turns before it have been granted, in a later
-        iteration of the loop."""
+        left and nobody waits, else once the turns with earlier deadlines (any clock, the same
+        for every request; None: none, after every deadline) and the earlier arrivals among
+        equal ones have been granted, in a later iteration of the loop."""
         loop = asyncio.get_running_loop()
+        key = (math.inf if deadline is None else deadline, next(self._arrivals))
         woken = False
         while True:
             if (woken or not (self._waiting or self._woken)) and self._take(loop):
                 return
+            # Waits at its place; one woken that found the slice spent keeps it.
             turn: asyncio.Future[None] = loop.create_future()
-            if woken:  # behind those woken before it and also sent back
-                self._waiting.insert(self._requeued, turn)
-                self._requeued += 1
-            else:
-                self._waiting.append(turn)
+            heapq.heappush(self._waiting, (*key, turn))
             try:
                 await turn
             except asyncio.CancelledError:
@@ -103,14 +106,14 @@ class IntakeTurns:
         spent = time.perf_counter() - self._slice_began
         if self._in_slice:
             self._cost_s += _COST_WEIGHT * (spent / self._in_slice - self._cost_s)
-        self._slice_began, self._in_slice, self._requeued = None, 0, 0
+        self._slice_began, self._in_slice = None, 0
         # As many as the measured cost fits in a slice wake for the next iteration; one that
-        # finds the slice spent waits again at the front.
+        # finds the slice spent waits again at its place.
         self._wake(max(1, math.floor(self.slice_s / max(self._cost_s, 1e-6))))
 
     def _wake(self, grants: int) -> None:
         while grants and self._waiting:
-            turn = self._waiting.popleft()
+            *_, turn = heapq.heappop(self._waiting)
             if not turn.done():  # a cancelled one is skipped
                 turn.set_result(None)
                 self._woken += 1

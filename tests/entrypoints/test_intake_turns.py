@@ -1,5 +1,5 @@
-"""engine.serving.intake_turns: a flood's intake in slices of the event loop, in arrival order,
-with the wake-ups posted meanwhile run between the slices."""
+"""engine.serving.intake_turns: a flood's intake in slices of the event loop, the earliest
+deadline first, with the wake-ups posted meanwhile run between the slices."""
 
 from __future__ import annotations
 
@@ -52,6 +52,32 @@ def test_a_wake_up_waits_for_one_slice_of_a_flood_not_all_of_it():
     # waits for all of them.
     order, woke_after = asyncio.run(flood(None, 40))
     assert woke_after == 40
+
+
+def test_turns_go_by_deadline_and_by_arrival_among_equals():
+    async def main() -> list[str]:
+        turns = IntakeTurns(slice_s=0.002)
+        order: list[str] = []
+
+        async def request(name: str, deadline: float | None) -> None:
+            await turns.turn(deadline)
+            # The first spends a slice and more: the rest wait for their turns.
+            hold_loop(0.003 if not order else INTAKE_S)
+            order.append(name)
+
+        # As a flood arrives: documents with far deadlines, urgent turns, no objective. The
+        # first takes the open slice at once, whatever its deadline.
+        arrivals = [("doc0", 15.0), ("turn0", 0.3), ("none0", None), ("doc1", 12.0),
+                    ("turn1", 0.15), ("turn2", 0.3), ("none1", None), ("doc2", 12.0)]
+        arrivals += [(f"late{i}", 20.0) for i in range(12)]
+        await asyncio.gather(*(request(n, d) for n, d in arrivals))
+        return order
+
+    order = asyncio.run(main())
+    assert order[0] == "doc0"
+    # The rest, though slices end and woken requests find them spent, by deadline.
+    assert order[1:] == (["turn1", "turn0", "turn2", "doc1", "doc2"]
+                         + [f"late{i}" for i in range(12)] + ["none0", "none1"])
 
 
 def test_a_lone_request_takes_its_turn_without_waiting_for_an_iteration():

@@ -237,6 +237,38 @@ def test_the_forwarded_request_carries_the_ids_its_hint_was_computed_from(tiny_m
     assert unhinted.prompt_token_ids is None and no_hint is None
 
 
+def test_each_generation_request_takes_its_intake_turn_by_its_deadline(tiny_model):
+    """The ingress takes a flood in turns (engine.serving.intake_turns, tested there), each at
+    the place of the request's TTFT deadline, read from the body or the header before the
+    hint; a request without an objective, or a body the hint will refuse, without one."""
+    async def run():
+        streams = [FakeStream([ResponseStart(status=200), b"{}"]) for _ in range(5)]
+        ingress = await _ingress(tiny_model(), streams)
+        turns: list[tuple[float | None, float]] = []
+        take_turn = ingress.intake.turn
+
+        async def recorded(deadline=None):
+            turns.append((deadline, time.time()))
+            await take_turn(deadline)
+
+        ingress.intake.turn = recorded
+        await _call(ingress, "POST", "/v1/completions", {"prompt": "hi", "ttft_slo_ms": 200})
+        await _call(ingress, "POST", "/v1/chat/completions",
+                    {"messages": [{"role": "user", "content": "hi"}]},
+                    headers={"x-slo-ttft-ms": "300"})
+        await _call(ingress, "POST", "/v1/completions", {"prompt": "hi"})
+        await _call(ingress, "POST", "/v1/completions", {"prompt": 5, "ttft_slo_ms": "x"})
+        await _call(ingress, "GET", "/v1/models")
+        return ingress, turns
+
+    ingress, turns = asyncio.run(run())
+    assert len(turns) == 4  # generation requests only
+    (body_deadline, t1), (header_deadline, t2), (none, _), (bad, _) = turns
+    assert 0.19 < body_deadline - t1 <= 0.2 and 0.29 < header_deadline - t2 <= 0.3
+    assert none is None and bad is None
+    assert ingress.intake.slices >= 1 and len(ingress.intake) == 0
+
+
 def test_reject_mode_refuses_what_no_replica_can_serve_in_time(tiny_model):
     async def run():
         book = FleetBook(seed=0)
