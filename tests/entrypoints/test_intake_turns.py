@@ -80,6 +80,34 @@ def test_turns_go_by_deadline_and_by_arrival_among_equals():
                          + [f"late{i}" for i in range(12)] + ["none0", "none1"])
 
 
+def test_a_long_first_iteration_does_not_leave_one_intake_per_slice():
+    """The iteration that opens a flood's first slice also runs the first steps of every
+    request that arrived with it; the slices after it still take in as many intakes as fit."""
+    async def main() -> tuple[IntakeTurns, float]:
+        turns = IntakeTurns(slice_s=0.004)
+        loop = asyncio.get_running_loop()
+
+        async def request() -> None:
+            await turns.turn()
+            hold_loop(INTAKE_S)
+
+        began = time.perf_counter()
+        # In one iteration: the first request takes its turn, 100 ms of other steps run, and
+        # 20 more requests find the slice spent.
+        first = asyncio.create_task(request())
+        loop.call_soon(hold_loop, 0.1)
+        rest = [asyncio.create_task(request()) for _ in range(20)]
+        await asyncio.gather(first, *rest)
+        return turns, time.perf_counter() - began
+
+    turns, took = asyncio.run(main())
+    assert took >= 0.1  # probe: the loop really was held
+    # 20 intakes of 1 ms after it, in slices of 4 ms: about 5 slices, not one per intake
+    # while an estimate taken from the first slice's span (100 ms) wears off.
+    assert turns.slices <= 9, turns.slices
+    assert turns.cost_s < 0.004
+
+
 def test_a_lone_request_takes_its_turn_without_waiting_for_an_iteration():
     async def lone() -> tuple[bool, bool]:
         turns = IntakeTurns()
