@@ -45,10 +45,9 @@ class IntakeTurns:
         # (deadline, arrival number, turn): a heap, the earliest deadline first.
         self._waiting: list[tuple[float, int, asyncio.Future[None]]] = []
         self._arrivals = itertools.count()
-        # The open slice: when its first turn began (perf_counter) and the turns in it. None:
-        # no slice is open, the next turn opens one.
+        # When the open slice's first turn began (perf_counter). None: no slice is open, the
+        # next turn opens one.
         self._slice_began: float | None = None
-        self._in_slice = 0
         self._last_take = 0.0  # when the open slice's latest turn began
         # Turns granted whose requests have not yet resumed (they come before any new one).
         self._woken = 0
@@ -92,7 +91,7 @@ class IntakeTurns:
     def _take(self, loop: asyncio.AbstractEventLoop) -> bool:
         now = time.perf_counter()
         if self._slice_began is None:
-            self._slice_began, self._in_slice = now, 0
+            self._slice_began = now
             self.slices += 1
             # Runs in the next iteration, after the callbacks ready with this one: the slice
             # is over by then.
@@ -106,11 +105,10 @@ class IntakeTurns:
             # with it (60 ms of them on a 2-core host, against 3-5 ms an intake).
             self._cost_s += _COST_WEIGHT * (now - self._last_take - self._cost_s)
         self._last_take = now
-        self._in_slice += 1
         return True
 
     def _end_slice(self) -> None:
-        self._slice_began, self._in_slice = None, 0
+        self._slice_began = None
         # As many as the measured cost fits in a slice wake for the next iteration, and never
         # fewer than two, so that a slice measures; one that finds the slice spent waits again
         # at its place.
