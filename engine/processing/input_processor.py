@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from engine.config import ModelConfig
+from engine.processing.piecewise_encoding import encode_in_pieces
 from engine.sampling_params import SamplingParams
 
 ChatMessages = list[dict[str, Any]]
@@ -67,6 +69,8 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids(model_dir, self.tokenizer)
         # Whether encoding keeps the GIL (`holding_gil`).
         self._backend = None
+        # Encoding in pieces, with this called between them (`between_pieces`).
+        self._between: Callable[[], object] | None = None
 
     def holding_gil(self) -> InputProcessor:
         """This processor (the same tokenizer) encoding through its fast tokenizer's backend
@@ -81,7 +85,19 @@ class InputProcessor:
         view._backend = backend if hasattr(backend, "encode_batch") else None
         return view
 
+    def between_pieces(self, between: Callable[[], object]) -> InputProcessor:
+        """This processor (the same tokenizer) encoding a long text in pieces, with `between()`
+        called between two pieces (engine.processing.piecewise_encoding): the same token ids,
+        from a tokenizing lane that can stop while more urgent work is owed. A tokenizer with
+        no fast backend encodes whole."""
+        view = copy.copy(self)
+        view._between = between
+        return view
+
     def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        backend = getattr(self.tokenizer, "_tokenizer", None)
+        if self._between is not None and hasattr(backend, "encode_batch"):
+            return encode_in_pieces(backend, text, add_special_tokens, self._between)
         if self._backend is not None:
             return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))

@@ -14,8 +14,9 @@ in every API server of a fleet at once, in the first second of a flood, when urg
 needed those cores.
 
 Hugging Face's tokenizers release the GIL while they encode, so the two lanes run side by side.
-A long input waits before its lane takes it while first outputs with earlier deadlines are
-owed soon (`DueFirstOutputs`, where the process keeps that record): on a shared host its
+A long input waits before its lane takes it, and between the pieces the lane encodes it in
+(engine.processing.piecewise_encoding), while first outputs with earlier deadlines are owed
+soon (`DueFirstOutputs`, where the process keeps that record): on a shared host its
 tokenization would take a core from them.
 
 An input under INLINE_INPUT_CHARS (a chat turn of a few hundred tokens: a millisecond or two)
@@ -105,16 +106,21 @@ class TokenizeLanes:
                       deadline: float | None = None) -> T:
         """``work(inputs)`` on the lane an input of `size` characters (text_size) takes, with
         that lane's InputProcessor; below INLINE_INPUT_CHARS, here on the event loop. A long
-        input first waits for the first outputs due before its own ``deadline`` (wall clock;
-        None: none)."""
+        input waits for the first outputs due before its own ``deadline`` (wall clock; None:
+        none): before its lane takes it, and between the pieces it is encoded in."""
         if size < INLINE_INPUT_CHARS:
             return work(self._inline_inputs)
         loop = asyncio.get_running_loop()
         if size < LONG_INPUT_CHARS:
             return await loop.run_in_executor(self._short, work, self.inputs)
-        if self.due is not None:
-            await self.due.wait_for_earlier(deadline)
-        return await loop.run_in_executor(self._long, lambda: work(self._long_lane_inputs()))
+        if self.due is None:
+            return await loop.run_in_executor(self._long,
+                                              lambda: work(self._long_lane_inputs()))
+        deferral = self.due.deferral(deadline)
+        await deferral.wait()
+        # Encoded in pieces, pausing between them while earlier first outputs are owed.
+        return await loop.run_in_executor(
+            self._long, lambda: work(self._long_lane_inputs().between_pieces(deferral.pause)))
 
     def _long_lane_inputs(self) -> InputProcessor:
         """On the long lane's thread only (so built once, with no lock)."""

@@ -36,6 +36,31 @@ def test_only_earlier_deadlines_inside_the_horizon_hold_back():
     assert due.holding_back(None) == 1
 
 
+def test_a_pause_between_pieces_holds_the_lanes_thread_until_the_first_output():
+    """On the lane's thread: held while an earlier first output is owed, released by it; the
+    wait before the lane and the pauses share one allowance."""
+    due = DueFirstOutputs(max_defer_s=60.0)
+    deferral = due.deferral(time.time() + 10)
+    assert deferral.pause() < 0.05  # nothing owed: no pause
+    due.due("turn", time.time() + 0.5)
+    paused = threading.Thread(target=deferral.pause)
+    paused.start()
+    paused.join(0.2)
+    assert paused.is_alive()  # probe: the thread is held
+    due.out("turn")
+    paused.join(5)
+    assert not paused.is_alive() and deferral.waited_s >= 0.2
+
+    due.max_defer_s = 0.3
+    short = due.deferral(time.time() + 10)
+    due.due("stuck", time.time() + 0.5)  # never out
+    began = time.time()
+    asyncio.run(short.wait())
+    short.pause()
+    assert 0.3 <= time.time() - began < 5  # the allowance is spent once, not once per wait
+    assert len(due) == 1
+
+
 def test_the_wait_ends_at_the_first_output_or_after_the_longest_deferral():
     async def run():
         due = DueFirstOutputs(max_defer_s=60.0)  # only a first output ends these waits
@@ -63,6 +88,11 @@ class NamedInputs(str):
     def holding_gil(self) -> NamedInputs:
         return NamedInputs(f"{self}, holding the GIL")
 
+    def between_pieces(self, between) -> NamedInputs:
+        pieced = NamedInputs(f"{self}, in pieces")
+        pieced.between = between
+        return pieced
+
 
 def test_a_long_input_waits_on_its_lane_and_a_short_one_does_not():
     async def run():
@@ -89,8 +119,44 @@ def test_a_long_input_waits_on_its_lane_and_a_short_one_does_not():
             released = time.time()
             due.out("turn")
             inputs, thread = await asyncio.wait_for(document, 5)
-            assert inputs == "long inputs" and thread.startswith("sloserve-tokenize-long")
+            assert inputs == "long inputs, in pieces"
+            assert thread.startswith("sloserve-tokenize-long")
             assert started["document"] >= released
+        finally:
+            lanes.shutdown()
+
+    asyncio.run(run())
+
+
+def test_a_long_input_pauses_between_its_pieces_for_a_turn_owed_after_it_began():
+    """A turn that arrives while a document is being encoded: the lane stops at the next seam
+    until the turn's first output is out."""
+    async def run():
+        due = DueFirstOutputs(max_defer_s=30.0)
+        lanes = TokenizeLanes(NamedInputs("short inputs"), lambda: NamedInputs("long inputs"),
+                              due)
+        first_piece = threading.Event()
+        resumed: list[float] = []
+
+        def encode(inputs):
+            first_piece.set()
+            time.sleep(0.1)  # the first piece; the turn arrives meanwhile
+            inputs.between()
+            resumed.append(time.time())
+            return "ids"
+
+        try:
+            document = asyncio.create_task(lanes.on_lane(LONG_INPUT_CHARS, encode,
+                                                         time.time() + 10))
+            while not first_piece.is_set():
+                await asyncio.sleep(0.005)
+            due.due("turn", time.time() + 0.2)
+            await asyncio.sleep(0.4)
+            assert not resumed and not document.done()  # probe: paused at the seam
+            released = time.time()
+            due.out("turn")
+            assert await asyncio.wait_for(document, 5) == "ids"
+            assert resumed[0] >= released
         finally:
             lanes.shutdown()
 
