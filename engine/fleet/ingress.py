@@ -210,42 +210,47 @@ class FleetIngress:
             headers=[(k, v) for k, v in request.headers.raw if k.lower() != b"authorization"],
             body=body, client=(request.client.host, request.client.port) if request.client
             else None, arrived_at=arrived_at)
-        hint = None
-        if request.method == "POST" and path in GENERATION_PATHS:
-            if (full := self._fleet_full()) is not None:
-                return full
-            self._preparing += 1
-            try:
-                slo_header = request.headers.get(SLO_HEADER)
-                deadline = self._deadline(body, slo_header, arrived_at)
-                # In turn, the earliest deadline first: a flood's intake in slices, with the
-                # streams' relays between them.
-                await self.intake.turn(deadline)
-                # The body's size stands for its text's (the lane's measure).
-                computed = await self.lanes.on_lane(
-                    len(body), lambda inputs: self._hint(path, body, slo_header, arrived_at,
-                                                         inputs), deadline)
-            finally:
-                self._preparing -= 1
-            if isinstance(computed, Unhinted):
-                self._unhinted(path, computed)
-            else:
-                hint = computed.hint
-                if (refused := self._admit(hint)) is not None:
-                    return refused
-                forwarded = msgspec.structs.replace(forwarded, prompt_token_ids=computed.prompts)
-        if hint is None or hint.ttft_slo_s is None:
-            return await self._forward(forwarded, hint)
-        # Owed from now to its first output (the relay's), or to its end without one.
-        self.due.due(hint.request_id, hint.arrived_at + hint.ttft_slo_s)
+        if request.method != "POST" or path not in GENERATION_PATHS:
+            return await self._forward(forwarded, None)
+        if (full := self._fleet_full()) is not None:
+            return full
+        slo_header = request.headers.get(SLO_HEADER)
+        deadline = self._deadline(body, slo_header, arrived_at)
+        # Owed from its arrival to its first output (the relay's), or to its end without one:
+        # a document's tokenization defers to it from now (engine.serving.due_first_outputs).
+        owed = object()
+        self.due.due(owed, deadline)
         response: Response | None = None
         try:
-            response = await self._forward(forwarded, hint)
+            response = await self._generate(forwarded, slo_header, deadline, owed)
             return response
         finally:
             # A stream's relay says when it is out; any other answer is out now.
             if not isinstance(response, StreamingResponse):
-                self.due.out(hint.request_id)
+                self.due.out(owed)
+
+    async def _generate(self, forwarded: ForwardedRequest, slo_header: str | None,
+                        deadline: float | None, owed: object) -> Response:
+        """A generation request from its intake turn: its hint, admission and forwarding."""
+        path, body, arrived_at = forwarded.path, forwarded.body, forwarded.arrived_at
+        self._preparing += 1
+        try:
+            # In turn, the earliest deadline first: a flood's intake in slices, with the
+            # streams' relays between them.
+            await self.intake.turn(deadline)
+            # The body's size stands for its text's (the lane's measure).
+            computed = await self.lanes.on_lane(
+                len(body), lambda inputs: self._hint(path, body, slo_header, arrived_at,
+                                                     inputs), deadline)
+        finally:
+            self._preparing -= 1
+        if isinstance(computed, Unhinted):
+            self._unhinted(path, computed)
+            return await self._forward(forwarded, None, owed)
+        if (refused := self._admit(computed.hint)) is not None:
+            return refused
+        forwarded = msgspec.structs.replace(forwarded, prompt_token_ids=computed.prompts)
+        return await self._forward(forwarded, computed.hint, owed)
 
     def _fleet_full(self) -> Response | None:
         """A 429 for a generation request that arrives while every replica is at its queue
@@ -379,7 +384,9 @@ class FleetIngress:
         book = fleet_book(self.settings.engine_deployment)
         return None if book is None else book.routed_prediction(hint.request_id)
 
-    async def _forward(self, forwarded: ForwardedRequest, hint: RouteHint | None) -> Response:
+    async def _forward(self, forwarded: ForwardedRequest, hint: RouteHint | None,
+                       owed: object | None = None) -> Response:
+        """`owed`: the request's key in `self.due`, out at its first output."""
         failure: BaseException | None = None
         attempt = 0
         # Replicas that refused the request at their queue bound: it goes to another while one
@@ -412,7 +419,7 @@ class FleetIngress:
                 headers.append((PREDICTED_TTFT_HEADER, f"{predicted_s * 1e3:.1f}".encode()))
             sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
                       for k, v in headers)
-            response = StreamingResponse(self._relay(stream, hint, sse, replica),
+            response = StreamingResponse(self._relay(stream, hint, sse, replica, owed),
                                          status_code=start.status)
             response.raw_headers = headers
             return response
@@ -437,10 +444,10 @@ class FleetIngress:
         return True
 
     async def _relay(self, stream: Any, hint: RouteHint | None, sse: bool,
-                     replica: str | None) -> AsyncIterator[bytes]:
+                     replica: str | None, owed: object | None = None) -> AsyncIterator[bytes]:
         # A JSON body arrives whole: its first byte is the end of the request, not its TTFT
-        # (the replica's own metrics have that one).
-        awaiting_first = hint is not None and sse
+        # (the replica's own metrics have that one); it is owed nothing after it.
+        awaiting_first = sse
         finished = False
         try:
             async for chunk in stream:
@@ -449,9 +456,10 @@ class FleetIngress:
                 # clock does (engine.serving.edge_clock).
                 if awaiting_first and carries_output(chunk):
                     awaiting_first = False
-                    self.metrics.first_output(hint, time.time())
-                if hint is not None and not awaiting_first:
-                    self.due.out(hint.request_id)
+                    if hint is not None:
+                        self.metrics.first_output(hint, time.time())
+                if owed is not None and not awaiting_first:
+                    self.due.out(owed)
             finished = True
         except Exception as exc:  # the replica died mid-response
             logger.warning("replica %s failed mid-response: %s", replica, type(exc).__name__)
@@ -466,8 +474,8 @@ class FleetIngress:
             yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
             finished = True
         finally:
-            if hint is not None:
-                self.due.out(hint.request_id)
+            if owed is not None:
+                self.due.out(owed)
             if not finished:  # the client went away: the replica aborts the request
                 stream.cancel()
 

@@ -398,3 +398,32 @@ def test_a_documents_hint_waits_for_an_urgent_turns_first_output(tiny_model, mon
         assert len(ingress.due) == 0
 
     asyncio.run(run())
+
+
+def test_a_request_is_owed_from_its_arrival_before_its_intake_turn(tiny_model, monkeypatch):
+    """An urgent turn still waiting for its intake turn already holds back a document's
+    tokenization (its first output is owed from its arrival, not from its route), and is out
+    again once answered."""
+    async def run():
+        ingress = await _ingress(tiny_model(), [FakeStream([ResponseStart(status=200),
+                                                            b'{"ok": 1}'])])
+        held = asyncio.Event()
+        turn = ingress.intake.turn
+
+        async def held_turn(deadline):
+            await held.wait()
+            return await turn(deadline)
+
+        monkeypatch.setattr(ingress.intake, "turn", held_turn)
+        document_deadline = time.time() + 10
+        assert ingress.due.holding_back(document_deadline) == 0
+        call = asyncio.create_task(_call(ingress, "POST", "/v1/completions",
+                                         {"prompt": "a short turn", "ttft_slo_ms": 300}))
+        while ingress._preparing == 0:  # arrived, waiting for its intake turn
+            await asyncio.sleep(0.005)
+        assert ingress.due.holding_back(document_deadline) == 1  # owed while in the queue
+        held.set()
+        assert (await asyncio.wait_for(call, 10)).status_code == 200
+        assert len(ingress.due) == 0
+
+    asyncio.run(run())
