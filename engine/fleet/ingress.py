@@ -460,6 +460,7 @@ class FleetIngress:
                         self.metrics.first_output(hint, time.time())
                 if owed is not None and not awaiting_first:
                     self.due.out(owed)
+                    owed = None  # out once, not again with every chunk
             finished = True
         except Exception as exc:  # the replica died mid-response
             logger.warning("replica %s failed mid-response: %s", replica, type(exc).__name__)

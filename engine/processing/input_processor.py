@@ -95,9 +95,10 @@ class InputProcessor:
         return view
 
     def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
-        backend = getattr(self.tokenizer, "_tokenizer", None)
-        if self._between is not None and hasattr(backend, "encode_batch"):
-            return encode_in_pieces(backend, text, add_special_tokens, self._between)
+        if self._between is not None:
+            backend = getattr(self.tokenizer, "_tokenizer", None)
+            if hasattr(backend, "encode_batch"):
+                return encode_in_pieces(backend, text, add_special_tokens, self._between)
         if self._backend is not None:
             return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))

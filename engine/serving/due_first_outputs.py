@@ -110,10 +110,7 @@ class Deferral:
         """On the event loop: returns once nothing holds the input back, or its allowance is
         spent; the seconds it waited."""
         due, began = self.due, self.due._clock()
-        while due.holding_back(self.deadline):
-            left = self.until - due._clock()
-            if left <= 0:
-                break
+        while (left := self._left_s(due.holding_back(self.deadline))) > 0:
             due._changed.clear()
             try:
                 # Woken by each first output; rechecked at least every few ms, as deadlines
@@ -127,12 +124,14 @@ class Deferral:
         """On the lane's thread, between two pieces: as `wait`, blocking that thread."""
         due, began = self.due, self.due._clock()
         with due._lock:
-            while due._holding_back(self.deadline):
-                left = self.until - due._clock()
-                if left <= 0:
-                    break
+            while (left := self._left_s(due._holding_back(self.deadline))) > 0:
                 due._lock.wait(timeout=min(left, 0.05))
         return self._spent(began)
+
+    def _left_s(self, holding_back: int) -> float:
+        """How long to wait on: the allowance left while something holds the input back; 0
+        to go on."""
+        return max(0.0, self.until - self.due._clock()) if holding_back else 0.0
 
     def _spent(self, began: float) -> float:
         waited = self.due._clock() - began
