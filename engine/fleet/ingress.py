@@ -1,4 +1,5 @@
-"""The fleet's OpenAI-compatible front door: a Ray Serve deployment in front of the replicas.
+"""The fleet's OpenAI-compatible front door: a Ray Serve deployment in front of the replicas,
+serving HTTP on the fleet's port itself (engine.fleet.ingress_http).
 
 Every request is read here once: the API key is checked, a generation request is tokenized for
 its RouteHint (prompt length, TTFT objective, prefix-block hashes) and weighed by admission, and
@@ -49,6 +50,7 @@ from engine.fleet.admission import assess
 from engine.fleet.asgi_bridge import ForwardedRequest, ResponseStart
 from engine.fleet.fleet_health import FleetHealth, RouterStart
 from engine.fleet.fleet_metrics import FleetMetrics, carries_output
+from engine.fleet.ingress_http import IngressHttpServer
 from engine.load.load_report import RouteHint
 from engine.load.prefix_hashes import prompt_prefix_hashes
 from engine.fleet.replica import PREDICTED_TTFT_HEADER, REPLICA_HEADER
@@ -113,6 +115,11 @@ class Hinted:
 @dataclass(frozen=True)
 class IngressSettings:
     engine_deployment: str
+    # Where the ingress serves HTTP itself (engine.fleet.ingress_http); its open streams get
+    # `shutdown_timeout_s` to finish once it is told to stop.
+    host: str = "127.0.0.1"
+    port: int = 8000
+    shutdown_timeout_s: float = 30.0
     on_doomed: OnDoomed = "serve"
     api_key: str | None = None
     max_request_body_bytes: int = 1 << 20
@@ -157,6 +164,33 @@ class FleetIngress:
         # the replicas' own bounds then refuse.
         self._preparing = 0
         self._warm_up = asyncio.create_task(self._start_router())
+        self.http = IngressHttpServer(self._serve_http, settings.host, settings.port,
+                                      settings.shutdown_timeout_s)
+        # Ray Serve calls (and awaits) the deployment's `__del__` when it stops the ingress.
+        # Set on the instance, not the class: Python's own finalizer calls only the class's,
+        # and would leave an async one's coroutine unawaited.
+        self.__del__ = self.http.stop
+        logger.info("fleet ingress: serving HTTP on %s", self.http.address)
+
+    async def _serve_http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """The ASGI app the ingress's HTTP server runs: every request through `__call__`. An
+        error of the ingress's own code is logged with its traceback and answered with an
+        OpenAI-shaped 500 (no traceback reaches the client)."""
+        if scope["type"] != "http":
+            return
+        try:
+            response = await self(Request(scope, receive))
+        except Exception:
+            logger.exception("fleet ingress: %s %s failed", scope.get("method"),
+                             scope.get("path"))
+            response = _error(500, "the fleet's ingress failed on this request (its log has "
+                                   "the error); retry it")
+        await response(scope, receive, send)
+
+    async def check_health(self) -> None:
+        """Ray Serve's health check: an ingress whose HTTP server stopped is replaced."""
+        if (failure := self.http.failure()) is not None:
+            raise RuntimeError(failure)
 
     async def _start_router(self) -> None:
         """Route one request (a replica's /health) so that this process's router exists and

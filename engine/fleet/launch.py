@@ -22,7 +22,7 @@ import httpx
 from engine.config import EngineConfig
 from engine.fleet.options import (APP_NAME, ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT,
                                   FleetOptions)
-from engine.ports import free_port
+from engine.fleet.ingress_http import bind_listener
 from engine.serving.api_server import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -35,56 +35,33 @@ logger = logging.getLogger(__name__)
 # per-request logs are buffered and go to its log files only
 # (/tmp/ray/session_latest/logs/serve/), not through the driver's stderr. Under a flood on a
 # 2-core host this took the urgent turns' TTFT p50 from 420 to 182 ms at four times slower
-# (bench/RESULTS.md, Overload). One setting of that mode is turned back: the router runs on an
+# (bench/RESULTS.md, Overload). Two settings of that mode are turned back. The router runs on an
 # event loop of its own (a thread in the ingress's process), not on the ingress's loop. That
 # loop reads every HTTP request of a flood and relays every stream, and a request's router
 # there began choosing its replica 84-233 ms after the request arrived, the replica's
 # acceptance coming back behind the same queue; on its own loop the router chooses within
 # 5-65 ms. Under the same flood four times slower the urgent turns' TTFT p50 went from 150-178
 # to 101-130 ms; the price is a hop between the two loops for every chunk the ingress relays
-# (bench/RESULTS.md, Overload). A value already in the environment wins. A cluster joined
+# (bench/RESULTS.md, Overload). And Ray Serve's direct ingress is off: the ingress serves HTTP
+# itself (engine.fleet.ingress_http). A value already in the environment wins. A cluster joined
 # with --address keeps the settings it was started with (the README's `ray start` lines set
 # these).
 RAY_SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
                  "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1",
-                 "RAY_SERVE_PROXY_USE_GRPC": "1"}
-
-DIRECT_INGRESS = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
-_DIRECT_INGRESS_PORT = "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"
-
-
-def direct_ingress_env(port: int) -> dict[str, str]:
-    """Ray Serve's direct ingress for a Ray this process starts: the ingress replica serves HTTP
-    on `port` itself, and no HTTP proxy stands between the client and it. Through the proxy,
-    every request and every chunk of every stream took one more process and one more gRPC hop:
-    under a flood on a 2-core host the urgent turns waited a median 294-356 ms before the
-    ingress saw them, 92-106 ms without it, and four times slower the fleet met 53 of 55
-    accepted urgent turns against 16 of 23 (bench/RESULTS.md, Overload). Ray allocates direct
-    ingress ports from a range fixed when its controller starts: the range is this one port, so
-    every fleet in this Ray serves on it. With no load balancer in front to deregister the
-    ingress from, a stopping ingress holds no extra draining period, and a fleet deployed again
-    in the same Ray takes its port back at once rather than after Ray's quarantine."""
-    return {DIRECT_INGRESS: "1", _DIRECT_INGRESS_PORT: str(port),
-            # The range's end is exclusive.
-            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),
-            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
-            "RAY_SERVE_PORT_QUARANTINE_S": "0"}
+                 "RAY_SERVE_PROXY_USE_GRPC": "1",
+                 "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
 
 
 # What init_ray put into this process's environment (a later Ray started here replaces it).
 _set_here: dict[str, str] = {}
 
 
-def init_ray(address: str | None = None, ingress_port: int | None = None,
-             **ray_init_kwargs) -> None:
-    """Start Ray (or join the cluster at `address`) with the fleet's Ray Serve settings; a Ray
-    started here with `ingress_port` serves its fleets' HTTP from the ingress replica on that
-    port (direct_ingress_env), unless the environment already says otherwise."""
+def init_ray(address: str | None = None, **ray_init_kwargs) -> None:
+    """Start Ray (or join the cluster at `address`) with the fleet's Ray Serve settings, unless
+    the environment already says otherwise."""
     import ray
 
     settings = dict(RAY_SERVE_ENV)
-    if address is None and ingress_port is not None:
-        settings.update(direct_ingress_env(ingress_port))
     for name, value in _set_here.items():  # an earlier Ray of this process's, not the user's
         if os.environ.get(name) == value:
             del os.environ[name]
@@ -97,16 +74,11 @@ def init_ray(address: str | None = None, ingress_port: int | None = None,
     ray.init(address=address, **ray_init_kwargs)
 
 
-def direct_ingress_port() -> int | None:
-    """The port this process's Ray serves fleets on from the ingress replica itself (Ray
-    Serve's direct ingress), as its environment set it up; None behind Ray Serve's HTTP proxy."""
-    if os.environ.get(DIRECT_INGRESS) != "1" or _DIRECT_INGRESS_PORT not in os.environ:
-        return None
-    return int(os.environ[_DIRECT_INGRESS_PORT])
-
-
-def build_fleet_app(config: EngineConfig, settings: ServerSettings, options: FleetOptions):
-    """The Ray Serve application: the engine deployment and the ingress bound to it."""
+def build_fleet_app(config: EngineConfig, settings: ServerSettings, options: FleetOptions,
+                    host: str = "127.0.0.1", port: int = 8000):
+    """The Ray Serve application: the engine deployment and the ingress bound to it, serving
+    HTTP on (host, port) of the node this process runs on."""
+    import ray
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -162,11 +134,19 @@ def build_fleet_app(config: EngineConfig, settings: ServerSettings, options: Fle
             request_routing_stats_timeout_s=max(1.0, 10 * options.report_period_s)),
     ).bind(config, _replica_settings(settings), options.attainment_window_s)
     ingress_settings = IngressSettings(
-        engine_deployment=ENGINE_DEPLOYMENT, on_doomed=options.on_doomed,
+        engine_deployment=ENGINE_DEPLOYMENT, host=host, port=port,
+        shutdown_timeout_s=settings.shutdown.timeout_s, on_doomed=options.on_doomed,
         api_key=settings.api_key, max_request_body_bytes=settings.max_request_body_bytes,
         default_ttft_slo_ms=settings.default_ttft_slo_ms)
-    return serve.deployment(FleetIngress, name=INGRESS_DEPLOYMENT, ray_actor_options={
-        "num_cpus": 0}, max_ongoing_requests=8192, logging_config={"enable_access_log": False}
+    # The ingress binds the fleet's port on this node, where `sloserve serve` was asked for it.
+    this_node = f"node:{ray.util.get_node_ip_address()}"
+    return serve.deployment(
+        FleetIngress, name=INGRESS_DEPLOYMENT,
+        ray_actor_options={"num_cpus": 0, "resources": {this_node: 0.001}},
+        max_ongoing_requests=8192, logging_config={"enable_access_log": False},
+        # Its open streams finish before it stops (IngressHttpServer.stop).
+        graceful_shutdown_wait_loop_s=0.5,
+        graceful_shutdown_timeout_s=settings.shutdown.timeout_s + 5.0,
     ).bind(engine, config, ingress_settings)
 
 
@@ -184,23 +164,22 @@ def start_fleet(config: EngineConfig, settings: ServerSettings, options: FleetOp
                 host: str = "127.0.0.1", port: int = 8000, ready_timeout_s: float = 600.0
                 ) -> str:
     """Start Ray (or join `options.address`) and the fleet; returns the base URL once every
-    replica reports."""
+    replica reports. OSError, before anything is deployed, when (host, port) cannot be bound
+    here."""
     import ray
     from ray import serve
 
+    # The ingress binds it on this node once Ray has placed it: a port in use is said now.
+    bind_listener(host, port).close()
     if not ray.is_initialized():
-        init_ray(options.address, ingress_port=port, log_to_driver=True)
-    direct = direct_ingress_port()
-    if direct is not None and direct != port:
-        raise ValueError(f"this Ray serves its fleets on port {direct} (Ray Serve's direct "
-                         f"ingress, fixed when Ray started), not on port {port}")
-    # Behind a direct ingress Ray Serve still starts its HTTP proxy (on the head node): it takes
-    # a port of its own, out of the ingress's way.
-    serve.start(http_options={"host": host,
-                              "port": port if direct is None else free_port(host)})
-    serve.run(build_fleet_app(config, settings, options), name=APP_NAME, route_prefix="/",
-              blocking=False)
-    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+        init_ray(options.address, log_to_driver=True)
+    # The ingress serves HTTP itself: Ray Serve starts no HTTP proxy.
+    serve.start(proxy_location="Disabled")
+    serve.run(build_fleet_app(config, settings, options, host, port), name=APP_NAME,
+              route_prefix="/", blocking=False)
+    client_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    url = (f"http://[{client_host}]:{port}" if ":" in client_host
+           else f"http://{client_host}:{port}")
     wait_until_ready(url, ready_timeout_s)
     return url
 

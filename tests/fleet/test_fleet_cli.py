@@ -62,35 +62,46 @@ def test_on_doomed_is_the_ingress_s_in_a_fleet_and_the_server_s_alone():
     assert build_parser().parse_args(["serve"]).on_doomed == "serve"
 
 
-@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "::"])
-def test_the_proxy_behind_a_direct_ingress_gets_a_free_port_on_the_fleets_host(host):
-    """`--host` may be IPv4 or IPv6: the port the proxy moves to is bound the same way."""
+def test_a_fleet_on_a_port_in_use_is_refused_naming_it_before_anything_starts(monkeypatch):
+    """The ingress binds the fleet's port itself: one that is taken is a clear error naming the
+    address, before Ray is started or anything deployed."""
     import socket
 
-    from engine.ports import free_port
-
-    if ":" in host and not socket.has_ipv6:
-        pytest.skip("no IPv6 on this machine")
-    port = free_port(host)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as listener:
-        listener.bind((host, port))  # still free
-    assert 0 < port < 65536
-
-
-def test_a_second_fleet_on_another_port_of_a_direct_ingress_ray_is_refused(monkeypatch):
-    """Ray fixes a direct ingress's port when it starts: a fleet asked for another port is a
-    clear error naming both, before anything is deployed."""
     import ray
 
     from engine.fleet import launch
     from engine.fleet.options import FleetOptions
     from engine.serving.api_server import ServerSettings
 
-    monkeypatch.setattr(ray, "is_initialized", lambda: True)
-    for name, value in launch.direct_ingress_env(18500).items():
-        monkeypatch.setenv(name, value)
-    with pytest.raises(ValueError, match="port 18500 .*not on port 18600"):
-        # Refused before the config is read: none is given.
-        launch.start_fleet(None, ServerSettings(served_model_name="m"), FleetOptions(),
-                           port=18600)  # type: ignore[arg-type]
+    started = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: started.append(1) or True)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot serve on 127.0.0.1:{port}"):
+            # Refused before the config is read: none is given.
+            launch.start_fleet(None, ServerSettings(served_model_name="m"), FleetOptions(),
+                               port=port)  # type: ignore[arg-type]
+    assert not started  # the probe: Ray was not even looked at
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "::"])
+def test_the_ingress_listener_binds_ipv4_and_ipv6_hosts(host):
+    """`--host` may be IPv4 or IPv6; the listener binds either, and its port is then taken."""
+    import socket
+
+    from engine.fleet.ingress_http import bind_listener
+    from engine.ports import free_port
+
+    if ":" in host and not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    port = free_port(host)
+    listener = bind_listener(host, port)
+    try:
+        listener.listen()
+        assert listener.getsockname()[1] == port
+        with pytest.raises(OSError, match=f"cannot serve on {host}:{port}"):
+            bind_listener(host, port)
+    finally:
+        listener.close()

@@ -89,22 +89,22 @@ def test_fleet_serves_the_openai_api_with_streaming(tiny_fleet):
     with pytest.raises(SystemExit) as agreed:  # the diagnostic that times both reads
         fleet_status_cost.main(["--calls", "2"])
     assert agreed.value.code == 0
-    # The ingress replica served all of it on the fleet's port itself (Ray Serve's direct
-    # ingress, engine.fleet.launch.direct_ingress_env), in Ray Serve's throughput-optimized mode
-    # with its router on a loop of its own, handing requests to the replicas over gRPC
-    # (engine.fleet.launch.RAY_SERVE_ENV), as the Ray this session started told it to; Serve's
-    # HTTP proxy runs on a port of its own.
+    # The ingress replica served all of it on the fleet's port itself
+    # (engine.fleet.ingress_http), with Ray Serve's direct ingress off and no HTTP proxy, in Ray
+    # Serve's throughput-optimized mode with its router on a loop of its own, handing requests
+    # to the replicas over gRPC (engine.fleet.launch.RAY_SERVE_ENV), as the Ray this session
+    # started told it to.
     ingress_pid = _actor_pid("SloserveIngress")
     environment = _environment(ingress_pid)
     assert environment.get("RAY_SERVE_PROXY_USE_GRPC") == "1"
     assert environment.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1"
     assert environment.get("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP") == "1"
+    assert environment.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "0"
     assert _on_actor("SloserveIngress", _router_loop_running), (
         "the ingress's router runs on the ingress's own event loop")
-    assert environment.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1"
     port = int(url.rsplit(":", 1)[1])
     assert port in _listening_ports(ingress_pid)
-    assert port not in _listening_ports(_actor_pid("PROXY_ACTOR"))
+    assert not serve.status().proxies, "Ray Serve runs no HTTP proxy for the fleet"
 
 
 def _on_actor(name_part: str, fn):

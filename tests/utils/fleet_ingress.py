@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator
 
 import httpx
 from ray.exceptions import RayActorError
-from starlette.requests import Request
 
 from engine.config import build_engine_config
 from engine.fleet.asgi_bridge import ResponseStart
 from engine.fleet.ingress import FleetIngress, IngressSettings
+from engine.ports import free_port
 
 DEPLOYMENT = "TestEngine"
 
@@ -74,9 +74,11 @@ class FakeHandle:
 async def start_ingress(model: str, streams: list[FakeStream],
                         probe_errors: list[BaseException] | None = None,
                         **settings) -> FleetIngress:
-    """An ingress on a FakeHandle, built in the running event loop (its warm-up task too)."""
+    """An ingress on a FakeHandle, built in the running event loop (its warm-up task and its
+    HTTP server, on a free port, too)."""
     ingress = FleetIngress.__new__(FleetIngress)
     config = build_engine_config(model, device="cpu", dtype="float32")
+    settings.setdefault("port", free_port())
     await ingress.__init__(FakeHandle(streams, probe_errors), config,
                            IngressSettings(engine_deployment=DEPLOYMENT, **settings))
     return ingress
@@ -84,11 +86,7 @@ async def start_ingress(model: str, streams: list[FakeStream],
 
 async def call(ingress: FleetIngress, method: str, path: str, body: dict | None = None,
                headers: dict | None = None) -> httpx.Response:
-    """One HTTP request through the ingress's ASGI entry."""
-    async def app(scope, receive, send):
-        response = await ingress(Request(scope, receive))
-        await response(scope, receive, send)
-
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+    """One HTTP request through the ingress's ASGI entry (what its HTTP server runs)."""
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=ingress._serve_http),
                                  base_url="http://fleet") as client:
         return await client.request(method, path, json=body, headers=headers or {})

@@ -31,15 +31,15 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{%
 
 @pytest.fixture(scope="session")
 def ray_serve_port() -> Iterator[int]:
-    """A Ray instance whose fleets serve on a free port (the ingress replica's own, Ray Serve's
-    direct ingress: engine.fleet.launch), for every cluster test."""
+    """A Ray instance for every cluster test, and a free port its fleets serve on (one after
+    another: each fleet's ingress binds it itself, engine.fleet.ingress_http)."""
     import ray
     from ray import serve
 
     from engine.fleet.launch import init_ray
 
     port = free_port()
-    init_ray(ingress_port=port, num_cpus=2, log_to_driver=False)
+    init_ray(num_cpus=2, log_to_driver=False)
     try:
         yield port
     finally:

@@ -68,7 +68,7 @@ def _ms(value: float | None) -> float | None:
 def outside_server_ms(record: Record, time_scale: float = 1.0) -> tuple[float, float] | None:
     """Of an accepted request's TTFT by the client's clock, what the server's own clocks do not
     hold (ms, in the profile's time): from the client's send to the server's arrival stamp
-    (the client's sending, the network, a fleet's HTTP proxy), and from the server's first
+    (the client's sending, the network, the server reading the request), and from its first
     token to the client (the way back). Needs the client and the server on one host's wall
     clock; None without the stamps."""
     metrics = record.server_metrics or {}
