@@ -164,19 +164,23 @@ def start_fleet(config: EngineConfig, settings: ServerSettings, options: FleetOp
                 host: str = "127.0.0.1", port: int = 8000, ready_timeout_s: float = 600.0
                 ) -> str:
     """Start Ray (or join `options.address`) and the fleet; returns the base URL once every
-    replica reports. OSError, before anything is deployed, when (host, port) cannot be bound
-    here."""
+    replica reports. RuntimeError, before anything is deployed, when (host, port) cannot be
+    bound here."""
     import ray
     from ray import serve
 
     # The ingress binds it on this node once Ray has placed it: a port in use is said now.
-    bind_listener(host, port).close()
+    try:
+        bind_listener(host, port).close()
+    except OSError as exc:
+        raise RuntimeError(str(exc)) from exc
     if not ray.is_initialized():
         init_ray(options.address, log_to_driver=True)
-    # The ingress serves HTTP itself: Ray Serve starts no HTTP proxy.
+    # The ingress serves HTTP itself: Ray Serve starts no HTTP proxy, and the application has
+    # no route of Ray Serve's (whose URL Ray would log as the application's).
     serve.start(proxy_location="Disabled")
     serve.run(build_fleet_app(config, settings, options, host, port), name=APP_NAME,
-              route_prefix="/", blocking=False)
+              route_prefix=None, blocking=False)
     client_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     url = (f"http://[{client_host}]:{port}" if ":" in client_host
            else f"http://{client_host}:{port}")

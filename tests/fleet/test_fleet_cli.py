@@ -62,28 +62,29 @@ def test_on_doomed_is_the_ingress_s_in_a_fleet_and_the_server_s_alone():
     assert build_parser().parse_args(["serve"]).on_doomed == "serve"
 
 
-def test_a_fleet_on_a_port_in_use_is_refused_naming_it_before_anything_starts(monkeypatch):
+def test_a_fleet_on_a_port_in_use_is_refused_naming_it_before_ray_starts(tiny_model, capsys,
+                                                                        monkeypatch):
     """The ingress binds the fleet's port itself: one that is taken is a clear error naming the
-    address, before Ray is started or anything deployed."""
+    address (no traceback), before Ray is started or anything deployed."""
     import socket
 
     import ray
 
-    from engine.fleet import launch
-    from engine.fleet.options import FleetOptions
-    from engine.serving.api_server import ServerSettings
-
-    started = []
-    monkeypatch.setattr(ray, "is_initialized", lambda: started.append(1) or True)
+    looked_at_ray = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: looked_at_ray.append(1) or True)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        with pytest.raises(OSError, match=f"cannot serve on 127.0.0.1:{port}"):
-            # Refused before the config is read: none is given.
-            launch.start_fleet(None, ServerSettings(served_model_name="m"), FleetOptions(),
-                               port=port)  # type: ignore[arg-type]
-    assert not started  # the probe: Ray was not even looked at
+        code = main(["serve", tiny_model(), "--device", "cpu", "--replicas", "2",
+                     "--port", str(port)])
+    assert code == 1
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("sloserve: error: ")
+    assert f"the fleet cannot serve on 127.0.0.1:{port}" in last
+    assert "Traceback" not in err
+    assert not looked_at_ray  # the probe: refused before Ray was even looked at
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "::"])
