@@ -104,11 +104,12 @@ def test_a_flood_of_ten_times_the_bound(sim_chat_model, tmp_path, capsys) -> Non
         assert to_stamp + from_token + r["server_ttft_ms"] == pytest.approx(r["ttft_ms"])
     assert rows["urgent outside the server"].startswith("p50 ")
     # Of the way to the server, the client's own writing: every request's body was handed to
-    # its connection after its send and before its server stamped its arrival.
+    # its connection after its send and before the client read its answer's first byte (both
+    # on the client's clock: its trace stamp may come after the server's arrival stamp, which
+    # a busy client's loop reaches late, but never after it read a response).
     for r in records:
         assert r["written_ms"] is not None and 0.0 <= r["written_ms"] <= r["e2e_ms"], r
-    for (to_stamp, _), r in zip(splits, [r for r in accepted if r["kind"] == "urgent"]):
-        assert r["written_ms"] <= to_stamp + 5.0, (r["written_ms"], to_stamp)  # (two clocks)
+        assert r["ttfb_ms"] is not None and r["written_ms"] <= r["ttfb_ms"], r
     written_p50 = summary["urgent"]["written_p50_ms"]
     assert f"(the client had written it at p50 {written_p50:.0f} ms)" in rows[
         "urgent outside the server"]
