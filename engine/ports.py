@@ -1,5 +1,5 @@
-"""A free TCP port: what the engine's workers rendezvous on, a fleet's Ray Serve proxy listens
-on, and the benchmarks' and tests' servers bind."""
+"""A free TCP port: what the engine's workers rendezvous on, and the benchmarks' and tests'
+servers bind."""
 
 from __future__ import annotations
 

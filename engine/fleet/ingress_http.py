@@ -31,18 +31,22 @@ ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to (host, port), ready for the server to listen on. OSError naming
-    the address when it cannot be bound (a port in use)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    """A TCP socket bound to (host, port), ready for the server to listen on; `host` resolved as
+    engine.ports.free_port resolves it. OSError naming the address when it cannot be bound (a
+    port in use, a host that does not resolve)."""
+    sock = None
     try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port,
+                                                             type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
         # A fleet deployed again takes its port back at once, past the last one's TIME_WAITs.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if family == socket.AF_INET6 and host == "::":
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # IPv4 clients too
-        sock.bind((host, port))
+        sock.bind(address)
     except OSError as exc:
-        sock.close()
+        if sock is not None:
+            sock.close()
         raise OSError(exc.errno, f"the fleet cannot serve on {host}:{port}: "
                                  f"{exc.strerror or exc}") from exc
     return sock
