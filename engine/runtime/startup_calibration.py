@@ -7,7 +7,9 @@ predictor and no `--ttft-model` file is given, EngineCore runs, within a time bu
 
 - prompt sizes from 16 tokens up to the step budget (x4 apart, the budget itself last), each
   once untimed (a GPU compiles kernels for new shapes on first use) and then timed (median of
-  up to three runs), the last run decoding a few tokens over that context;
+  up to three runs), the last run decoding a few tokens over that context; where most of them
+  ran at a launch floor (a GPU's), sizes between those above it, until a floor model can be
+  scored (_next_size_above_floor);
 - one prompt as long as the longest context a served decode can read (max_model_len or the KV
   pool; halved until the time left affords it), prefilled in chunks and then decoding: a share
   of the budget is kept for it, so the decode term is measured at serving's contexts even when
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import logging
 import math
 import os
@@ -59,7 +62,7 @@ from engine.executor.base import Executor
 from engine.runtime.model_setup import ResolvedModel
 from engine.sampling_params import SamplingParams
 from monitor.predictor import CONFIDENT_SIZES
-from monitor.step_model_choice import choose_step_model
+from monitor.step_model_choice import MIN_POINTS_ABOVE_FLOOR, choose_step_model
 from monitor.step_point import StepPoint
 from monitor.step_time_fit import FLOOR_TOLERANCE, fit_step, with_range
 from monitor.step_time_model import StepTimeModel
@@ -275,33 +278,73 @@ def _prompt_ladder(limit: int) -> list[int]:
 
 
 def _time_prompts(scratch: _Scratch, plan: _Plan, limit: int, reserve_s: float = 0.0) -> None:
-    """The prompt sizes, cheapest first, while the budget less `reserve_s` lasts. The last
-    timed run of each size also decodes a few tokens: decodes over the longest context come
-    almost free.
+    """The prompt sizes, cheapest first, while the budget less `reserve_s` lasts (the ladder,
+    then the sizes a floor's fit needs: _next_size_above_floor). The last timed run of each
+    size also decodes a few tokens: decodes over the longest context come almost free.
 
     The budget adapts to the machine: where it would stop short of CONFIDENT_SIZES sizes (a
     busy or slow machine, whose first steps ran slower than the budget was made for), the next
     sizes are timed once each on a budget extended for them, up to MAX_BUDGET_FACTOR times the
     budget in all."""
     for size in _prompt_ladder(limit):
-        one_run = plan.estimate(size, size * size)
-        repeats = TIMED_REPEATS if one_run < ONE_REPEAT_SHARE * plan.budget_s else 1
-        decodes = DECODE_STEPS * plan.estimate(1, 0, size)
-        if plan.prefills and (1 + repeats) * one_run + decodes > plan.left_s - reserve_s:
-            if len(plan.prefills) >= CONFIDENT_SIZES:
-                break  # each larger size costs more
-            repeats = 1
-            short = 2 * one_run + decodes - (plan.left_s - reserve_s)
-            if plan.budget_s + short > plan.max_budget_s:
-                break
-            plan.extend(max(0.0, short))
-        scratch.run([size], max_tokens=1)  # first use of the shape, untimed
-        timed = [point for _ in range(repeats - 1)
-                 for point, _ in scratch.run([size], max_tokens=1)]
-        steps = scratch.run([size], max_tokens=1 + DECODE_STEPS, deadline=plan.deadline)
-        timed.append(steps[0][0])
-        plan.prefills[size] = _median_point(timed)
-        _keep_decodes(plan, 1, size, steps)
+        if not _time_prompt(scratch, plan, size, reserve_s, extend=True):
+            return
+    while (size := _next_size_above_floor(plan)) is not None:
+        if not _time_prompt(scratch, plan, size, reserve_s, extend=False):
+            return
+
+
+def _time_prompt(scratch: _Scratch, plan: _Plan, size: int, reserve_s: float,
+                 extend: bool) -> bool:
+    """Times one prompt size (untimed once, then the median of up to TIMED_REPEATS runs);
+    False, timing nothing, where the budget left cannot afford it (`extend`: extended for it
+    while fewer than CONFIDENT_SIZES sizes are timed, see _time_prompts)."""
+    one_run = plan.estimate(size, size * size)
+    repeats = TIMED_REPEATS if one_run < ONE_REPEAT_SHARE * plan.budget_s else 1
+    decodes = DECODE_STEPS * plan.estimate(1, 0, size)
+    if plan.prefills and (1 + repeats) * one_run + decodes > plan.left_s - reserve_s:
+        if not extend or len(plan.prefills) >= CONFIDENT_SIZES:
+            return False  # each larger size costs more
+        repeats = 1
+        short = 2 * one_run + decodes - (plan.left_s - reserve_s)
+        if plan.budget_s + short > plan.max_budget_s:
+            return False
+        plan.extend(max(0.0, short))
+    scratch.run([size], max_tokens=1)  # first use of the shape, untimed
+    timed = [point for _ in range(repeats - 1)
+             for point, _ in scratch.run([size], max_tokens=1)]
+    steps = scratch.run([size], max_tokens=1 + DECODE_STEPS, deadline=plan.deadline)
+    timed.append(steps[0][0])
+    plan.prefills[size] = _median_point(timed)
+    _keep_decodes(plan, 1, size, steps)
+    return True
+
+
+def _next_size_above_floor(plan: _Plan) -> int | None:
+    """A prompt size to time between two timed ones, where the sizes timed show a launch floor
+    (two or more ran as fast as the fastest, within FLOOR_TOLERANCE) but too few above it for
+    a floor model to be scored on sizes it has not seen (monitor.step_model_choice holds one
+    out at a time, and fits the terms on MIN_POINTS_ABOVE_FLOOR sizes above the floor at
+    least); None where none is needed, or none is left between.
+
+    On a GPU most of the ladder runs at the floor: an 8B model's steps on an H100 take the
+    host's 30 ms up to some 900 tokens, and only 1024 and 2048 rose above it. No floor model
+    could be scored on those, the line was kept (28.7 ms + 17 us a token, 72% off), and its
+    error made every step's caps keep urgent turns out of each other's steps. The new size
+    halves (geometrically) the widest gap between two sizes above the floor, or, with one
+    above it, the gap between it and the largest at the floor."""
+    if not plan.prefills:
+        return None
+    fastest = min(p.seconds for p in plan.prefills.values())
+    at_floor = sorted(n for n, p in plan.prefills.items()
+                      if p.seconds <= fastest * (1 + FLOOR_TOLERANCE))
+    above = sorted(n for n in plan.prefills if n not in at_floor)
+    if len(at_floor) < 2 or not above or len(above) > MIN_POINTS_ABOVE_FLOOR:
+        return None
+    bounds = above if len(above) >= 2 else [at_floor[-1], *above]
+    low, high = max(itertools.pairwise(bounds), key=lambda gap: gap[1] / gap[0])
+    size = round(math.sqrt(low * high))
+    return size if low < size < high else None
 
 
 def _keep_decodes(plan: _Plan, batch: int, context: int,
@@ -454,7 +497,7 @@ def calibrate_at_startup(executor: Executor, config: EngineConfig, model: Resolv
 def describe(result: StartupCalibration, plan: _Plan) -> str:
     """The log line: what was measured, every candidate's held-out error, the fit kept."""
     m = result.model
-    prompts = ", ".join(f"{n}: {p.seconds * 1e3:.1f}" for n, p in plan.prefills.items())
+    prompts = ", ".join(f"{n}: {p.seconds * 1e3:.1f}" for n, p in sorted(plan.prefills.items()))
     decodes = ", ".join(f"{b}x{c}: {p.seconds * 1e3:.1f}" for (b, c), p in plan.decodes.items())
     chunks = ", ".join(f"{p.tokens:.0f} tokens over {p.attention / p.tokens / 2 - p.tokens / 2:.0f}"
                        f": {p.seconds * 1e3:.1f}" for p in plan.chunks)

@@ -17,6 +17,7 @@ from engine.executor.simulated import SimulatedExecutor
 from monitor.step_time_model import StepTimeModel
 from monitor.slo_preempt_signal import SLOPreemptSignal
 from workers.preemption.slo_preempt_vote import SLOPreemptVote
+from tests.utils.device_clock import FakeClock
 
 H100 = "h100-llama-3.1-8b"
 
@@ -74,17 +75,6 @@ def test_a_model_of_another_shape_is_refused(tiny_model):
 
 
 # ---- the executor, on a fake clock ------------------------------------------------------------
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
-
 
 PROFILE = StepTimeProfile(name="test", num_layers=4, seconds_per_token=1e-3, intercept_s=0.0,
                           floor_s=0.002, unwind_s=0.0005)
