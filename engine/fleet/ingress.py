@@ -60,6 +60,7 @@ from engine.serving.admission import (QUEUED_REQUESTS, QUEUED_TOKENS, REJECTED_H
                                       queue_full_headers)
 from engine.serving.serving_engine import SLO_HEADER
 from engine.serving.api_key import key_matches
+from engine.serving.arrival import arrival_of, wall_clock
 from engine.serving.chat_prompt import chat_prompt, chat_template_of
 from engine.serving.responses_protocol import ResponsesRequest, chat_request
 from engine.serving.doomed import DOOMED, OnDoomed
@@ -227,7 +228,8 @@ class FleetIngress:
             return
 
     async def __call__(self, request: Request) -> Response:
-        arrived_at = time.time()
+        # As its bytes were read (engine.serving.arrival), on the clock the fleet shares.
+        arrived_at = wall_clock(arrival_of(request.scope))
         path = request.url.path
         if path == "/health":
             return await self.health.response()

@@ -25,13 +25,18 @@ from typing import Any
 
 import uvicorn
 
+from engine.serving.arrival import http_protocol
+
 logger = logging.getLogger(__name__)
 
 ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
+# uvicorn's own default.
+LISTEN_BACKLOG = 2048
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to (host, port), ready for the server to listen on; `host` resolved as
+    """A TCP socket bound to (host, port) and listening (a client that connects before the
+    server's task first runs waits in the backlog, not refused); `host` resolved as
     engine.ports.free_port resolves it. OSError naming the address when it cannot be bound (a
     port in use, a host that does not resolve)."""
     sock = None
@@ -44,6 +49,7 @@ def bind_listener(host: str, port: int) -> socket.socket:
         if family == socket.AF_INET6 and host == "::":
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # IPv4 clients too
         sock.bind(address)
+        sock.listen(LISTEN_BACKLOG)
     except OSError as exc:
         if sock is not None:
             sock.close()
@@ -60,6 +66,8 @@ class IngressHttpServer:
         self._socket = bind_listener(host, port)
         self._server = uvicorn.Server(uvicorn.Config(
             app, interface="asgi3", lifespan="off", ws="none", access_log=False,
+            # Stamps each request's arrival as its bytes are read (engine.serving.arrival).
+            http=http_protocol(),
             log_level="warning", server_header=False,
             # Open streams finish within this once the ingress is told to stop.
             timeout_graceful_shutdown=max(1, round(graceful_timeout_s))))

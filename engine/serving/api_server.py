@@ -24,7 +24,7 @@ from engine.ipc.core_launch import CoreLaunch
 from engine.processing.input_processor import InputProcessor
 from engine.serving.api_key import key_matches
 from engine.serving.api_errors import APIError, BodyLimit, InternalErrors, JSONBody, api_error_body
-from engine.serving.arrival import ArrivalStamp
+from engine.serving.arrival import ArrivalStamp, http_protocol
 from engine.serving.drain import Drain, DrainGate
 from engine.serving.load_shedding import QueueShed
 from engine.serving.metrics import ServerMetrics
@@ -310,4 +310,4 @@ def run_server(config: EngineConfig, settings: ServerSettings, host: str, port: 
                 self.handle_exit(sig, None)
 
     Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                          timeout_graceful_shutdown=30)).run()
+                          timeout_graceful_shutdown=30, http=http_protocol())).run()

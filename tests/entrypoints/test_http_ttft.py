@@ -68,15 +68,22 @@ class ClientView:
     done: bool = False
 
 
-async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: dict
-                    ) -> ClientView:
+async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: dict,
+                    hold_s: float = 0.0) -> ClientView:
+    """One streamed completion; `hold_s`: its request line is sent that long before the rest."""
     payload = json.dumps(body).encode()
-    request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-               b"Content-Type: application/json\r\nConnection: close\r\n"
+    line = b"POST /v1/completions HTTP/1.1\r\n"
+    request = (b"Host: 127.0.0.1\r\nContent-Type: application/json\r\nConnection: close\r\n"
                b"Content-Length: %d\r\n\r\n" % len(payload)) + payload
     view = ClientView()
     sent = time.monotonic()
-    writer.write(request)  # to the socket now: nothing runs between the stamp and the send
+    # To the socket now: nothing runs between the stamp and the send.
+    if hold_s:
+        writer.write(line)
+        await asyncio.sleep(hold_s)
+        writer.write(request)
+    else:
+        writer.write(line + request)
     try:
         head = await reader.readuntil(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200"), head
@@ -207,6 +214,34 @@ def test_probe_held_back_first_outputs_part_the_engine_stamp_from_the_client(mod
         assert view.ttft_ms - m["engine_ttft_ms"] >= HOLD_S * 1000 - ABS_TOLERANCE_MS
     check_counters(views, before, after)
     assert not any(v.metrics["ttft_slo_met"] for v in views)
+
+
+def test_the_clock_starts_at_the_request_s_first_bytes(model, tmp_path):
+    """A client whose request line reaches the server HOLD_S before the rest of its request (a
+    slow sender, or a server whose loop reads the line and gets to the request later): the
+    server's TTFT counts from the first bytes, as its client's does
+    (engine.serving.arrival; tests/entrypoints/test_arrival_stamp.py has the probe)."""
+    model_dir, _ = model
+    server = ServerProcess(model_dir, tmp_path / "server.log", "--num-kv-blocks", "256",
+                           "--max-model-len", "512")
+    try:
+        warm_up = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                             json={"prompt": [1, 2, 3], "max_tokens": 1})
+        assert warm_up.status_code == 200, warm_up.text
+        view = asyncio.run(_held_exchange(server.port, {
+            "prompt": [5, 6, 7, 8], "max_tokens": MAX_TOKENS, "ignore_eos": True,
+            "temperature": 0, "stream": True, "ttft_slo_ms": AMPLE_SLO_MS}))
+        server.assert_clean_stop()
+    finally:
+        server.kill()
+    assert view.done and view.ttft_ms is not None, view
+    assert view.ttft_ms >= HOLD_S * 1000
+    assert agrees(view.metrics["ttft_ms"], view.ttft_ms), (view.metrics, view.ttft_ms)
+
+
+async def _held_exchange(port: int, body: dict) -> ClientView:
+    """_exchange on an answered connection, the request line sent HOLD_S before the rest."""
+    return await _exchange(*await _answered_connection(port), body, hold_s=HOLD_S)
 
 
 # ---- in this process ----------------------------------------------------------------------------

@@ -119,3 +119,41 @@ def test_the_ingress_serves_its_routes_on_its_own_port_and_stops_serving_when_de
                 await http.get("/v1/models")
 
     asyncio.run(scenario())
+
+
+def test_the_ingress_forwards_the_arrival_of_the_request_s_first_bytes(tiny_model):
+    """A request whose line reaches the ingress HOLD_S before the rest: the arrival the replica
+    and the router count its TTFT from is its first bytes' (engine.serving.arrival), not the
+    moment the ingress's app took it up."""
+    import time
+
+    from engine.fleet.asgi_bridge import ResponseStart
+    from tests.utils.fleet_ingress import FakeStream, start_ingress
+
+    hold_s = 0.4
+    body = json.dumps({"model": "m", "prompt": "hello there", "max_tokens": 2,
+                       "ttft_slo_ms": 60_000}).encode()
+
+    async def scenario():
+        answer = FakeStream([ResponseStart(status=200, headers=[(b"content-type",
+                                                                 b"application/json")]),
+                             b'{"ok": true}'])
+        ingress = await start_ingress(tiny_model(), [answer])
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", ingress.settings.port)
+            sent_at = time.time()
+            writer.write(b"POST /v1/completions HTTP/1.1\r\n")
+            await asyncio.sleep(hold_s)
+            writer.write(b"Host: fleet\r\nContent-Type: application/json\r\nConnection: close"
+                         b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            response = await reader.read()
+            writer.close()
+        finally:
+            await ingress.__del__()
+        return sent_at, response, ingress.engine.calls
+
+    sent_at, response, calls = asyncio.run(scenario())
+    assert response.startswith(b"HTTP/1.1 200"), response
+    ((forwarded, hint),) = calls
+    assert abs(forwarded.arrived_at - sent_at) < hold_s / 4, forwarded.arrived_at - sent_at
+    assert hint is not None and hint.arrived_at == forwarded.arrived_at
