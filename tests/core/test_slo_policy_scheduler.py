@@ -101,16 +101,23 @@ def test_slo_policy_outputs_equal_the_reference():
     assert sched.kv_cache_manager.num_free_blocks == 30
 
 
-def test_urgent_waiter_jumps_the_running_prefill_and_caps_the_step():
-    """A long prefill is running in chunks; an urgent request arrives. The next step admits the
-    urgent request before the running prefill, and lets the running one add only as many tokens
-    as keep the predicted step time (1 ms per token) within the urgent deadline."""
+def _long_prefill_running():
+    """A scheduler whose first step ran a 2000-token prompt's first 400-token chunk: the
+    scheduler, its runner and that step."""
     sched = _slo_scheduler(num_blocks=1200, budget=1000, max_num_seqs=4, threshold=400,
                            max_model_len=4096)
     runner = FakeRunner(sched)
     sched.add_request(_request("long", 2000, 60_000))
     out = sched.schedule()
     sched.update_from_output(out, runner.execute(out))
+    return sched, runner, out
+
+
+def test_urgent_waiter_jumps_the_running_prefill_and_caps_the_step():
+    """A long prefill is running in chunks; an urgent request arrives. The next step admits the
+    urgent request before the running prefill, and lets the running one add only as many tokens
+    as keep the predicted step time (1 ms per token) within the urgent deadline."""
+    sched, runner, out = _long_prefill_running()
     assert [(r.req_id, len(r.token_ids)) for r in out.requests] == [("long", 400)]
     sched.add_request(_request("urgent", 100, 300))  # 300 ms: room for about 300 tokens
     out = sched.schedule()
@@ -151,18 +158,14 @@ def test_each_outranking_admission_keeps_the_earlier_ones_in_time():
     assert "long" not in chunks
 
 
-def test_an_interactive_turn_whose_gap_the_host_let_pass_is_still_protected(frozen_clock):
+def test_an_interactive_turn_whose_gap_the_host_let_pass_is_still_protected(
+        frozen_clock):  # noqa: F811 (the fixture)
     """A long prefill waits while an urgent turn streams as an interactive turn. The engine
     loop comes round late (the host was busy), past the turn's gap of two decode steps: its
     next token still comes within a gap from now, not after the long prefill's 400-token chunk
     (before, a missed gap protected nothing, and in the GPU-timed simulation a 24k-token chunk
     resumed beside the turn's next token, 839 ms after the last)."""
-    sched = _slo_scheduler(num_blocks=1200, budget=1000, max_num_seqs=4, threshold=400,
-                           max_model_len=4096)
-    runner = FakeRunner(sched)
-    sched.add_request(_request("long", 2000, 60_000))
-    out = sched.schedule()
-    sched.update_from_output(out, runner.execute(out))
+    sched, runner, out = _long_prefill_running()
     sched.add_request(_request("urgent", 100, 300, max_tokens=20, ignore_eos=True))
     for _ in range(3):  # its prefill, then two decodes: it streams as an interactive turn
         out = sched.schedule()
