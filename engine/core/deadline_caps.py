@@ -174,9 +174,8 @@ class DeadlineCaps:
         """The tokens the step may still schedule (its TPOT decodes' own included)
         so that its predicted time fits every TPOT decode's next-token deadline (the latest
         token's time plus its objective) that a step of just the decodes can still meet; a
-        TPOT objective's deadline it cannot constrains nothing, so prefill never stalls behind
-        an objective no step could meet, and an interactive turn's missed gap counts afresh
-        from now. Like the TTFT cap, it leaves DEADLINE_HEADROOM of the time unfilled and
+        deadline it cannot constrains nothing, so prefill never stalls behind an objective no
+        step could meet. Like the TTFT cap, it leaves DEADLINE_HEADROOM of the time unfilled and
         allows for the predictor's observed error."""
         decodes = self.tpot_decodes(requests, step)
         if not decodes:
@@ -197,14 +196,7 @@ class DeadlineCaps:
             gap = gap_objective(request, decode_step)
             time_left = request.last_token_time + gap - now
             if decode_step > time_left:
-                if request.tpot_slo_ms is not None:
-                    continue  # missed even by a step of the decodes alone: nothing to protect
-                # An interactive turn whose gap the host already let pass (a slow engine loop,
-                # a busy core): late as little as possible, its next token within a whole gap
-                # from now. Unprotected, a 24k-token suspended chunk once resumed beside its
-                # next token, 839 ms after the last one (the GPU-timed simulation on a busy
-                # 2-core host).
-                time_left = gap
+                continue  # missed even by a step of the decodes alone: nothing to protect
             # The chunks that may join are charged their attention over the deepest running
             # prefix, as the TTFT cap does: a piece of a suspended 24k-token document is
             # not priced as a fresh prompt. Where the step already overruns the gap (an urgent
