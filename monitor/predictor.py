@@ -3,8 +3,8 @@ this machine by refitting it online from the steps the engine serves (StepTimePr
 
 The engine owns one (engine/runtime/engine_core.py): the scheduler ranks and caps steps by its
 current model, the monitor decides by the model each step's snapshot carries, and the step loop
-feeds it every completed step, resumed chunks included (engine/runtime/step_observation.py).
-Readers take `current` by reference; `observe_point` replaces it, never mutates it.
+feeds it every completed, resumed or unwound step (engine/runtime/step_observation.py). Readers
+take `current` by reference; `observe_point` replaces it, never mutates it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ MIN_ERROR_SAMPLES = 8
 # Online fits weight a point by 2 ** (-age / RECENCY_HALF_LIFE), age counted in its window's
 # steps: the machine's speed drifts (other processes, clocks) and recent steps tell it best.
 RECENCY_HALF_LIFE = 64
-# Online refits: a mixed (prefill and decodes) or partial (resumed) step weighs this
+# Online refits: a mixed (prefill and decodes) or partial (unwound, resumed) step weighs this
 # much of a whole step of one kind, and fits no decode term (StepTimePredictor._refit).
 MIXED_WEIGHT = 0.25
 # A decode-only step above the floor that implies this many times the decode term the
@@ -162,7 +162,7 @@ class StepTimePredictor:
         self.observe_point(StepPoint(tokens, attention, decode_context, seconds))
 
     def observe_point(self, point: StepPoint) -> None:
-        """One completed step, or one that ran only some layers (see step_point)."""
+        """One completed, unwound or resumed step (see step_point)."""
         if point.tokens <= 0 or point.seconds <= 0 or point.share <= 0:
             return
         model = self.current

@@ -9,10 +9,9 @@ than linearly. `decode_context` sums the KV tokens each decode (a one-token chun
 decode term is separate from the attention term because a decode is bound by reading its K/V,
 not by FLOPs. On a GPU a step also never runs faster than the host can launch its kernels
 (about 30 ms for an 8B model in eager mode): `floor_s`, when fitted, is that floor. A step that
-ran only some of the layers (resuming a suspended pass at its layer; an unwound step's time
-holds the unwind, and the engine does not observe it) is a point too
-(monitor.step_point.step_point): each chunk's features are scaled by the share of the layers
-it ran, the intercept and the floor by the share the step ran. A request's remaining
+ran only some of the layers (unwound mid-forward, or resuming a suspended pass at its layer) is
+a point too (monitor.step_point.step_point): each chunk's features are scaled by the share of
+the layers it ran, the intercept and the floor by the share the step ran. A request's remaining
 TTFT counts only the tokens it still has to prefill, chunk by chunk at the step budget
 (`predict_prefill`).
 

@@ -17,6 +17,7 @@ from engine.config import SLOPreemptionConfig, SLOPreemptMode
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.runtime.step_observation import observe_step
 from monitor.monitor import MonitorSnapshot, SLOMonitor
 from monitor.policy import RequestView, view_of
 from monitor.predictor import StepTimePredictor
@@ -109,8 +110,8 @@ class SLOPreemptionControl:
         unwound_at = time.monotonic()
         target, victim_id, waiter_id, decided_at = self.signal.decision()
         scheduler = self.scheduler
-        # Not a point of the step-time model: its time holds the unwind, which no planned
-        # step does (engine.runtime.step_observation).
+        # The layers below the stop ran: what they took is a step point like any other.
+        observe_step(self.predictor, output, runner_output, self.num_layers)
         layer = runner_output.slo_preempted_layer or 0
         applied, kept_tokens = unwind_step(scheduler, output, runner_output.suspended_req_ids,
                                            target, victim_id, waiter_id, layer)

@@ -1,7 +1,6 @@
-"""Steps that ran only some of the layers as points of the TTFT step model: a step resuming
-suspended passes (each resumed chunk from the layer it joined at) is scaled by the share of the
-layers each chunk ran. An unwound step is no point: its time holds the unwind
-(engine.runtime.step_observation)."""
+"""Steps that ran only some of the layers as points of the TTFT step model: an unwound step (every
+chunk stopped before layer L) and a step resuming suspended passes (each resumed chunk from the
+layer it joined at) are scaled by the share of the layers each chunk ran."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ import pytest
 
 from engine.core.scheduler_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
                                           StepStatus)
-from engine.runtime.step_observation import layers_run, observe_step
+from engine.runtime.step_observation import layers_run
 from engine.sampling_params import SamplingParams
 from monitor.predictor import StepTimePredictor
 from monitor.step_point import StepPoint, step_point
@@ -48,30 +47,20 @@ def test_a_scheduler_output_and_the_runner_s_layers_make_the_point():
     output = SchedulerOutput(step_id=7, requests=[
         _scheduled("fresh", 0, 300), _scheduled("resumed", 200, 100, resume=True),
         _scheduled("decode", 99, 1)])
-    completed = ModelRunnerOutput(step_id=7, resumed_layers={"resumed": 20}, execute_seconds=0.4)
-    layers = layers_run(output, completed, num_layers=30)
-    assert layers == {"resumed": (20, 30)}
+    unwound = ModelRunnerOutput(step_id=7, status=StepStatus.SLO_PREEMPTED, slo_preempted_layer=25,
+                                resumed_layers={"resumed": 20}, execute_seconds=0.4)
+    layers = layers_run(output, unwound, num_layers=30)
+    assert layers == {"fresh": (0, 25), "resumed": (20, 25), "decode": (0, 25)}
     point = output.step_point(0.4, 30, layers)
-    assert point == step_point([(0, 300, 0, 30), (200, 100, 20, 30), (99, 1, 0, 30)], 30, 0.4)
+    assert point == step_point([(0, 300, 0, 25), (200, 100, 20, 25), (99, 1, 0, 25)], 30, 0.4)
+    completed = ModelRunnerOutput(step_id=7, resumed_layers={"resumed": 20})
+    assert layers_run(output, completed, 30)["resumed"] == (20, 30)
     # Probe: a completed step of fresh chunks is the whole-step point the engine always used.
     whole = SchedulerOutput(step_id=8, requests=[_scheduled("a", 0, 300), _scheduled("d", 99, 1)])
     assert whole.step_point(0.3, 30, {}) == StepPoint(
         whole.num_scheduled_tokens, whole.attention_work, whole.decode_context, 0.3)
     # An executor that does not report a resumed chunk's layer: the step is not a point.
     assert layers_run(output, ModelRunnerOutput(step_id=7), 30) is None
-
-
-def test_an_unwound_step_is_no_point():
-    output = SchedulerOutput(step_id=7, requests=[_scheduled("fresh", 0, 300)])
-    online = StepTimePredictor()
-    before = online.current
-    unwound = ModelRunnerOutput(step_id=7, status=StepStatus.SLO_PREEMPTED,
-                                slo_preempted_layer=25, execute_seconds=0.4)
-    observe_step(online, output, unwound, num_layers=30)
-    assert online.current is before and not online._recent.points
-    # Probe: the same step completed is one.
-    observe_step(online, output, ModelRunnerOutput(step_id=7, execute_seconds=0.4), 30)
-    assert list(online._recent.points) == [output.step_point(0.4, 30, {})]
 
 
 def test_partial_steps_of_a_known_model_fit_that_model():
@@ -89,18 +78,18 @@ def test_partial_steps_of_a_known_model_fit_that_model():
     assert model.intercept_s == pytest.approx(0.03, rel=1e-6)
 
 
-def test_the_engine_observes_resumed_steps_and_not_unwound_ones(engine):
+def test_the_engine_observes_unwound_and_resumed_steps(engine):
     engine.add_request(_request("long", 64, seed=1))
     online = engine.step_time_predictor
-    observed = len(online._recent.points)
     _suspend_first_step(engine)  # unwound before layer 2 (of 4): layers 0 and 1 ran
     # Probe: suspended.
     assert engine.scheduler.slack.suspensions.suspended == {"long": [(0, 64, 2)]}
-    assert len(online._recent.points) == observed
+    unwound = online._recent[-1]
+    assert (unwound.tokens, unwound.attention, unwound.share) == (32, 64 * 64 / 2, 0.5)
     (output,) = engine.step()  # resumes at layer 2: layers 2 and 3 ran
     assert output.new_token_ids
     resumed = online._recent[-1]
-    assert len(online._recent.points) == observed + 1
+    assert resumed is not unwound
     assert (resumed.tokens, resumed.attention, resumed.share) == (32, 64 * 64 / 2, 0.5)
     engine.step()  # a decode of all layers
     assert online._decode_points[-1].share == 1.0
