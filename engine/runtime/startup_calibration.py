@@ -263,10 +263,18 @@ def sparse_model(prefills: list[StepPoint], decodes: list[StepPoint]) -> StepTim
     return dataclasses.replace(with_range(line, points), confident=False)
 
 
+def _split_at_floor(plan: _Plan) -> tuple[list[int], list[int]]:
+    """The prompt sizes timed that ran as fast as the fastest (within FLOOR_TOLERANCE), and
+    those above it, each in ascending order."""
+    fastest = min(p.seconds for p in plan.prefills.values())
+    at_floor = sorted(n for n, p in plan.prefills.items()
+                      if p.seconds <= fastest * (1 + FLOOR_TOLERANCE))
+    return at_floor, sorted(n for n in plan.prefills if n not in at_floor)
+
+
 def _floor_bound(plan: _Plan) -> bool:
-    """Whether every prompt size timed ran as fast as the smallest (within FLOOR_TOLERANCE)."""
-    times = [p.seconds for p in plan.prefills.values()]
-    return max(times) <= min(times) * (1 + FLOOR_TOLERANCE)
+    """Whether every prompt size timed ran as fast as the fastest (within FLOOR_TOLERANCE)."""
+    return not _split_at_floor(plan)[1]
 
 
 def _prompt_ladder(limit: int) -> list[int]:
@@ -335,10 +343,7 @@ def _next_size_above_floor(plan: _Plan) -> int | None:
     above it, the gap between it and the largest at the floor."""
     if not plan.prefills:
         return None
-    fastest = min(p.seconds for p in plan.prefills.values())
-    at_floor = sorted(n for n, p in plan.prefills.items()
-                      if p.seconds <= fastest * (1 + FLOOR_TOLERANCE))
-    above = sorted(n for n in plan.prefills if n not in at_floor)
+    at_floor, above = _split_at_floor(plan)
     if len(at_floor) < 2 or not above or len(above) > MIN_POINTS_ABOVE_FLOOR:
         return None
     bounds = above if len(above) >= 2 else [at_floor[-1], *above]
