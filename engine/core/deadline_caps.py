@@ -28,7 +28,6 @@ from engine.core.step_record import StepInProgress
 from monitor.policy import DEADLINE_HEADROOM
 from monitor.predictor import StepTimePredictor
 from monitor.step_point import attention_work
-from monitor.step_time_model import StepTimeModel
 
 # The share the running decodes may add to the predicted time of a step that already makes an
 # urgent request late: below it they join (its lateness hardly changes, their streams go on).
@@ -56,18 +55,6 @@ def gap_objective(request: Request, decode_step_s: float) -> float:
     if request.tpot_slo_ms is not None:
         return request.tpot_slo_ms / 1000
     return INTERACTIVE_GAP_STEPS * decode_step_s
-
-
-def free_tokens(line: StepTimeModel, step_s: float, tokens: int, attention: int,
-                context: int, prefix: int) -> int:
-    """The prefill tokens (a chunk over `prefix` cached ones) a step predicted to take `step_s`
-    with `tokens` / `attention` / `context` (predict_step's features) can add without
-    lengthening it: on a floor-bound device (a GPU's step lasts its floor up to some hundreds
-    of tokens) the room under the floor, elsewhere none. Holding them out of a step whose
-    deadline is tight protects nothing: the step takes its floor either way, and they wait a
-    whole step more (a 448-token turn beside a 208-token one on the simulated H100: 30 ms
-    either way, and the second turn's first token came a decode-only step later)."""
-    return line.max_chunk_within(step_s, tokens, attention, context, prefix)
 
 
 class QueuedRequests(Protocol):
@@ -152,37 +139,38 @@ class DeadlineCaps:
                                                                 num_new)]))
             usable = self._usable(time_left)
             with_decodes = line.predict_step(tokens, attention, context)
-            if alone > time_left or with_decodes > usable:
+            if alone > time_left or (late_blocks and with_decodes > usable):
                 if not late_blocks:
-                    if alone > time_left:
-                        if joiner is not None and self._can_wait_for(joiner, alone, now):
-                            # Late whatever joins it, so late as little as can be: a joiner
-                            # whose own deadline allows a step of it waits for the next one
-                            # (before, a document's 1908 suspended tokens joined a late
-                            # 138-token turn's step, and its first token waited 3.3 s), all
-                            # but what the step takes for free.
-                            return free_tokens(line, with_decodes, tokens, attention, context,
-                                               joining_prefix)
-                        continue  # nothing left to protect from those that cannot wait
-                    # It can still make it, but the step already fills the share of its time
-                    # a cap may fill: nothing more joins that would lengthen it. (Before: a
-                    # 1355-token document joined a 53-token turn with 150 ms left, and both
-                    # waited 1.8 s.)
-                    allowed = min(allowed, free_tokens(line, with_decodes, tokens, attention,
-                                                       context, joining_prefix))
-                    continue
+                    if joiner is not None and self._can_wait_for(joiner, alone, now):
+                        # Late whatever joins it, so late as little as can be: a joiner
+                        # whose own deadline allows a step of it waits for the next one
+                        # (before, a document's 1908 suspended tokens joined a late
+                        # 138-token turn's step, and its first token waited 3.3 s), all
+                        # but what the step takes for free (below).
+                        return line.max_chunk_within(with_decodes, tokens, attention, context,
+                                                     joining_prefix)
+                    continue  # nothing left to protect from those that cannot wait
                 # Late whatever joins it, or the running decodes alone would make it late:
                 # nothing joins that lengthens the step, so it is as little late as can be;
                 # the running decodes join where they cost the step little (a GPU's step is
                 # floor-bound: a few decodes are free there, and without them every stream
-                # stalls a step), and then what else is free under the floor.
+                # stalls a step), and then what else the step takes for free.
                 decodes_cost = with_decodes / line.predict_step(step.num_tokens, attention,
                                                                 step.decode_context)
                 if decodes_cost > 1 + DECODES_SHARE:
                     return 0
-                return len(pending_decodes) + free_tokens(line, with_decodes, tokens, attention,
-                                                          context, joining_prefix)
-            joining = line.max_chunk_within(usable, tokens, attention, context, joining_prefix)
+                return len(pending_decodes) + line.max_chunk_within(
+                    with_decodes, tokens, attention, context, joining_prefix)
+            # Within the share of its time a cap may fill, or, where the step already fills
+            # more (the turn still makes it), only what the step takes for free: a floor-bound
+            # step (a GPU's lasts its floor up to some hundreds of tokens) is no longer for
+            # what fits under the floor, and holding that out protected nothing (a 448-token
+            # turn beside a tight 208-token one on the simulated H100 waited a decode-only
+            # step more for a step of its own). Elsewhere that is nothing: before, a
+            # 1355-token document joined a 53-token turn with 150 ms left, and both waited
+            # 1.8 s.
+            joining = line.max_chunk_within(max(usable, with_decodes), tokens, attention,
+                                            context, joining_prefix)
             allowed = min(allowed, len(pending_decodes) + joining)
         return allowed
 
